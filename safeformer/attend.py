@@ -1,0 +1,356 @@
+"""``attend``: the safe attention function every attention in safeformer runs through.
+
+Shape legend: b batch, h query heads, g = h // h_kv query heads per key/value head, i queries,
+j keys, d head dim (q, k), e head dim (v).
+
+How it is safe whatever the kernel does (SAFETY_CONTRACT.md, S1-S3, S6):
+1. The masks are combined (user mask, bottom-right causal) in their broadcast shape.
+2. Masked keys (no query may see them) have k and v *selected* to 0, and dead rows (a query that may
+   see no key) have q selected to 0, so NaN/inf there cannot reach any product (``0 * NaN``).
+3. The kernel never sees a dead row: dead rows are handed a mask that lets them see every key, so
+   every kernel computes a finite, ordinary softmax for them.
+4. The kernel's output for dead rows is then selected to exactly 0; since the incoming gradient for
+   those rows is then exactly 0 too, they pass zero gradient into q, k, v and the bias.
+None of these steps reads a tensor's value on the host: the forward has no device sync and compiles
+with ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .masks import as_attention_mask, causal_mask, combine_masks
+
+__all__ = ["attend", "plan_attention", "AttentionPlan", "BACKENDS", "substitute_kernel"]
+
+BACKENDS = ("auto", "reference", "math", "flash", "efficient", "cudnn")
+
+_SDPA_BACKEND = {
+    "math": SDPBackend.MATH,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+
+# The fused kernel attend() calls. Tests replace it (``substitute_kernel``) with one that misbehaves
+# on purpose, to prove that safety does not rest on the kernel (S6).
+_kernel: Callable[..., Tensor] = F.scaled_dot_product_attention
+
+
+@contextlib.contextmanager
+def substitute_kernel(fn: Callable[..., Tensor]) -> Iterator[None]:
+    """Run ``attend`` with ``fn`` in place of ``F.scaled_dot_product_attention`` (a testing hook).
+
+    ``fn`` receives the same arguments as SDPA: ``(q, k, v, attn_mask=, dropout_p=, is_causal=,
+    scale=, enable_gqa=)``.
+    """
+    global _kernel
+    old, _kernel = _kernel, fn
+    try:
+        yield
+    finally:
+        _kernel = old
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one ``attend`` call runs; a plain function of shapes, dtype, device and mask kind.
+
+    Attributes:
+        path: ``"reference"`` (explicit float32 softmax) or ``"sdpa"``.
+        sdpa_backends: the SDPA backends allowed, in order of preference; empty = leave the choice
+            to PyTorch's dispatcher among all of them.
+        expected: the backend expected to run (``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``,
+            or ``"reference"``), for tests and benchmarks.
+        mask_form: ``"none"`` (no mask tensor), ``"is_causal"`` (SDPA's ``is_causal=True``, no mask
+            tensor), ``"broadcast"`` (a bool mask in its broadcast shape, e.g. ``(b, 1, 1, j)``) or
+            ``"bias"`` (a float additive tensor, when the caller gives a bias).
+        expand_kv: repeat key/value heads for grouped-query attention instead of ``enable_gqa``
+            (for kernels that do not take it).
+    """
+
+    path: str
+    sdpa_backends: tuple[str, ...]
+    expected: str
+    mask_form: str
+    expand_kv: bool
+
+
+def plan_attention(
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    q_len: int,
+    k_len: int,
+    heads: int,
+    kv_heads: int,
+    mask_kind: str,
+    causal: bool,
+    has_bias: bool = False,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> AttentionPlan:
+    """Choose the path, the kernel and the mask form for one attention call.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        dtype: the dtype of q, k, v.
+        head_dim: d.
+        q_len, k_len: i and j.
+        heads, kv_heads: h and h_kv.
+        mask_kind: ``"none"`` (no user mask), ``"padding"`` (the mask broadcasts over queries:
+            ``(b, 1, 1, j)``), or ``"full"`` (it varies per query).
+        causal: bottom-right causal masking requested.
+        has_bias: an additive bias is given.
+        dropout_p: attention dropout.
+        backend: the requested backend, one of ``BACKENDS``.
+
+    Returns:
+        an ``AttentionPlan``.
+
+    Raises:
+        ValueError: an unknown backend, or one that cannot run these inputs on this device.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if mask_kind not in ("none", "padding", "full"):
+        raise ValueError(f"mask_kind must be 'none', 'padding' or 'full', got {mask_kind!r}")
+
+    # The mask form: keep the flash kernel eligible by passing no mask tensor whenever we can.
+    causal_noop = causal and q_len <= 1  # one query, bottom-right aligned, sees every key
+    needs_causal_tensor = causal and not causal_noop and not (q_len == k_len and mask_kind == "none" and not has_bias)
+    if has_bias:
+        mask_form = "bias"
+    elif mask_kind != "none" or needs_causal_tensor:
+        mask_form = "broadcast"
+    elif causal and not causal_noop:
+        mask_form = "is_causal"
+    else:
+        mask_form = "none"
+
+    if backend == "reference":
+        return AttentionPlan("reference", (), "reference", mask_form, expand_kv=True)
+
+    gqa = kv_heads != heads
+    half = dtype in (torch.float16, torch.bfloat16)
+    has_tensor = mask_form in ("broadcast", "bias")
+
+    if device_type == "cuda":
+        flash_ok = half and head_dim % 8 == 0 and head_dim <= 256 and not has_tensor
+        efficient_ok = dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim % 8 == 0
+        cudnn_ok = half and head_dim % 8 == 0 and head_dim <= 128
+        if backend == "auto":
+            if flash_ok:
+                order = ("flash", "efficient", "math")
+            elif efficient_ok:
+                order = ("efficient", "math")
+            else:
+                order = ("math",)
+            expected = order[0]
+            # enable_gqa reaches flash and math; the memory-efficient kernel wants equal head counts.
+            return AttentionPlan("sdpa", order, expected, mask_form, expand_kv=gqa and expected == "efficient")
+        ok = {"math": True, "flash": flash_ok, "efficient": efficient_ok, "cudnn": cudnn_ok}[backend]
+        if not ok:
+            raise ValueError(
+                f"backend={backend!r} cannot run these inputs on cuda (dtype {dtype}, head_dim {head_dim}, "
+                f"mask form {mask_form!r}); flash needs float16/bfloat16, head_dim % 8 == 0 and <= 256 and no "
+                f"mask tensor; efficient needs head_dim % 8 == 0; cudnn float16/bfloat16, head_dim <= 128"
+            )
+        return AttentionPlan("sdpa", (backend,), backend, mask_form, expand_kv=gqa and backend in ("efficient", "cudnn"))
+
+    # CPU (and any other device): PyTorch has the math kernel and a CPU flash kernel, which takes masks.
+    if backend in ("efficient", "cudnn"):
+        raise ValueError(f"backend={backend!r} runs on CUDA only; inputs are on {device_type!r}")
+    if backend == "auto":
+        if device_type == "cpu":
+            return AttentionPlan("sdpa", (), "flash", mask_form, expand_kv=False)
+        return AttentionPlan("sdpa", (), "math", mask_form, expand_kv=False)
+    if backend == "flash" and device_type != "cpu":
+        raise ValueError(f"backend='flash' runs on CUDA and CPU, not on {device_type!r}")
+    return AttentionPlan("sdpa", (backend,), backend, mask_form, expand_kv=False)
+
+
+def _validate(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale, dropout_p: float) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims {'(b, h, i, d)' if name == 'q' else '(b, h_kv, j, d)'}, got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, h, _, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"q, k, v must share the batch size, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on (b, h_kv, j), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k must share the head dim d, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    hkv = k.shape[1]
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"the query heads h={h} must be a multiple of the key/value heads h_kv={hkv} (k {tuple(k.shape)})")
+    if bias is not None:
+        if not isinstance(bias, Tensor) or not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating-point tensor (an additive bias), got {getattr(bias, 'dtype', type(bias))}")
+        if bias.device != q.device:
+            raise ValueError(f"bias is on {bias.device}, expected {q.device}")
+        if bias.dim() > 4 or any(s not in (1, full) for s, full in zip(bias.shape[::-1], (k.shape[2], q.shape[2], h, b))):
+            raise ValueError(
+                f"bias must broadcast to (b, h, i, j) = ({b}, {h}, {q.shape[2]}, {k.shape[2]}), got {tuple(bias.shape)}"
+            )
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    bias: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """Scaled dot-product attention that no mask can make non-finite.
+
+    Args:
+        q: ``(b, h, i, d)`` queries.
+        k: ``(b, h_kv, j, d)`` keys; ``h % h_kv == 0`` (grouped-query attention: query head ``n``
+            uses key/value head ``n // (h // h_kv)``).
+        v: ``(b, h_kv, j, e)`` values.
+        mask: bool, ``True`` = query may attend to key. ``(b, j)`` key padding, ``(i, j)``,
+            ``(b, i, j)`` or ``(b|1, h|1, i|1, j|1)``. Kept in its broadcast shape.
+        causal: bottom-right aligned causal masking: query ``q_idx`` may attend key ``k_idx`` iff
+            ``k_idx <= q_idx + (j - i)`` (what a KV cache needs). Combined with ``mask``.
+        bias: float additive bias broadcastable to ``(b, h, i, j)`` (ALiBi, relative positions).
+        scale: logit scale; default ``d ** -0.5``.
+        dropout_p: attention dropout probability (pass 0 at evaluation).
+        backend: ``"auto"``, ``"reference"`` (explicit float32 softmax), or an SDPA backend:
+            ``"math"``, ``"flash"``, ``"efficient"``, ``"cudnn"``.
+
+    Returns:
+        ``(b, h, i, e)``. Rows of dead queries are exactly 0 and pass zero gradient; masked keys and
+        values never reach an output or a gradient.
+
+    Raises:
+        TypeError, ValueError: wrong dtypes, shapes, devices or backend (S9).
+    """
+    _validate(q, k, v, bias, scale, dropout_p)
+    b, h, i, d = q.shape
+    hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
+    user = None
+    if mask is not None:
+        user = as_attention_mask(mask, b, h, i, j, name="mask")
+        if user.device != q.device:
+            raise ValueError(f"mask is on {user.device}, expected {q.device} (the device of q)")
+    mask_kind = "none" if user is None else ("padding" if user.shape[2] == 1 else "full")
+    plan = plan_attention(
+        device_type=q.device.type, dtype=q.dtype, head_dim=d, q_len=i, k_len=j, heads=h, kv_heads=hkv,
+        mask_kind=mask_kind, causal=causal, has_bias=bias is not None, dropout_p=dropout_p, backend=backend,
+    )
+    scale = d**-0.5 if scale is None else float(scale)
+
+    if j == 0:  # no keys at all: every row is dead; keep the graph so q, k, v get (zero) gradients
+        dead = torch.zeros((), dtype=torch.bool, device=q.device)
+        return torch.where(dead, q.sum(-1, keepdim=True), 0.0).expand(b, h, i, e) + v.sum() * 0
+
+    causal_tensor = None
+    is_causal = plan.mask_form == "is_causal"
+    if causal and not is_causal and i > 1:
+        causal_tensor = causal_mask(i, j, device=q.device)  # (1, 1, i, j)
+    combined = combine_masks(user, causal_tensor)  # broadcast shape, never (b, h, i, j) for padding
+
+    attn_mask: Tensor | None = None
+    row_ok = None
+    if combined is not None:
+        row_ok = combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
+        key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
+        if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
+            key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
+        key_ok = key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
+        q = torch.where(row_ok, q, 0.0)
+        k = torch.where(key_ok, k, 0.0)
+        v = torch.where(key_ok, v, 0.0)
+        kernel_mask = combined | ~row_ok  # dead rows see every (now finite) key: no kernel sees a dead row
+        if bias is not None:
+            fill = torch.where(row_ok, float("-inf"), 0.0).to(q.dtype)
+            attn_mask = torch.where(combined, bias.to(q.dtype), fill)
+        else:
+            attn_mask = kernel_mask
+    elif bias is not None:
+        attn_mask = bias.to(q.dtype)
+
+    if plan.path == "reference":
+        out = _reference(q, k, v, attn_mask, is_causal, scale, dropout_p)
+    else:
+        out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
+
+    if row_ok is not None:
+        out = torch.where(row_ok, out, 0.0)  # dead rows: exactly 0, whatever the kernel returned
+    return out
+
+
+def _expand_kv(k: Tensor, v: Tensor, h: int) -> tuple[Tensor, Tensor]:
+    g = h // k.shape[1]
+    if g == 1:
+        return k, v
+    return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+
+def _run_sdpa(plan: AttentionPlan, q, k, v, attn_mask, is_causal, scale, dropout_p) -> Tensor:
+    h = q.shape[1]
+    if plan.expand_kv:
+        k, v = _expand_kv(k, v, h)
+    gqa = k.shape[1] != h
+    kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    if gqa:
+        kwargs["enable_gqa"] = True
+    if not plan.sdpa_backends:
+        return _kernel(q, k, v, **kwargs)
+    backends = [_SDPA_BACKEND[name] for name in plan.sdpa_backends]
+    try:
+        with sdpa_kernel(backends):
+            return _kernel(q, k, v, **kwargs)
+    except RuntimeError as err:
+        if "No viable backend" not in str(err) and "No available kernel" not in str(err):
+            raise
+        raise ValueError(
+            f"the SDPA backend(s) {list(plan.sdpa_backends)} refused these inputs (q {tuple(q.shape)} {q.dtype} "
+            f"on {q.device}, mask {None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}); "
+            f"use backend='auto' or 'math'"
+        ) from err
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float, dropout_p: float) -> Tensor:
+    """Explicit softmax attention in float32 (float64 for float64 inputs): the plainest correct code."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    k, v = _expand_kv(k, v, q.shape[1])
+    logits = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale  # (b, h, i, j)
+    if is_causal:
+        attn_mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attn_mask, float("-inf"))
+        else:
+            logits = logits + attn_mask.to(dtype)
+    weights = logits.softmax(dim=-1)
+    if dropout_p > 0:
+        weights = F.dropout(weights, p=dropout_p)
+    return (weights @ v.to(dtype)).to(q.dtype)  # (b, h, i, e)

@@ -1,0 +1,275 @@
+"""The one mask convention of safeformer, and the helpers built on it.
+
+A mask is a ``torch.bool`` tensor, ``True`` = this query may attend to this key (or: this position
+is real). True in row i, column j means query i attends to key j. No other convention is accepted
+silently: integer or float masks raise ``TypeError`` (S9).
+
+Shape legend: b batch, h heads, i queries, j keys, n sequence positions, d feature size.
+
+Canonical attention-mask shape: ``(b|1, h|1, i|1, j|1)``, broadcastable to ``(b, h, i, j)``. Padding
+masks stay broadcast: a key padding mask ``(b, j)`` becomes ``(b, 1, 1, j)``, a query padding mask
+``(b, i)`` becomes ``(b, 1, i, 1)``; neither ever becomes a dense ``(b, h, i, j)`` tensor.
+
+Words (see SAFETY_CONTRACT.md):
+- dead row: a query that may attend to no key once every mask is combined.
+- masked key: a key that no query may attend to (a column of the combined mask that is all False).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "validate_mask",
+    "padding_mask",
+    "key_padding_mask",
+    "query_padding_mask",
+    "as_attention_mask",
+    "causal_mask",
+    "combine_masks",
+    "dead_rows",
+    "alive_rows",
+    "alive_keys",
+    "masked_mean",
+    "safe_cross_entropy",
+    "check_finite",
+]
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def validate_mask(
+    mask: Tensor,
+    name: str = "mask",
+    *,
+    shape: tuple[int | None, ...] | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Check that ``mask`` is a bool tensor of the expected shape on the expected device.
+
+    Args:
+        mask: the mask to check.
+        name: the argument's name, used in the error message.
+        shape: the expected shape; ``None`` entries match any size.
+        device: the expected device (compared by type and index).
+
+    Returns:
+        ``mask`` unchanged.
+
+    Raises:
+        TypeError: ``mask`` is not a tensor or not ``torch.bool``.
+        ValueError: wrong number of dimensions, wrong size, or wrong device.
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.bool tensor (True = may attend), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{name} must have dtype torch.bool (True = may attend / is real), got {mask.dtype}; "
+            f"convert 0/1 integer masks with `{name}.bool()` and check that 1 means 'keep'"
+        )
+    if shape is not None:
+        ok = mask.dim() == len(shape) and all(e is None or e == s for e, s in zip(shape, mask.shape))
+        if not ok:
+            want = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ")"
+            raise ValueError(f"{name} must have shape {want}, got {_shape(mask)}")
+    if device is not None and not _same_device(mask.device, device):
+        raise ValueError(f"{name} is on {mask.device}, expected {device} (the device of the inputs)")
+    return mask
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def padding_mask(lengths: Tensor, max_len: int | None = None, *, left: bool = False) -> Tensor:
+    """Build a ``(b, n)`` padding mask from per-sample lengths (True = real position).
+
+    Args:
+        lengths: ``(b,)`` integer lengths.
+        max_len: ``n``; defaults to ``lengths.max()`` (a host sync; pass it to avoid one).
+        left: real positions at the end (left padding) instead of the start.
+    """
+    if max_len is None:
+        max_len = int(lengths.max()) if lengths.numel() else 0
+    pos = torch.arange(max_len, device=lengths.device)
+    if left:
+        return pos[None, :] >= (max_len - lengths[:, None])
+    return pos[None, :] < lengths[:, None]
+
+
+def key_padding_mask(mask: Tensor, batch: int, keys: int, name: str = "mask") -> Tensor:
+    """Validate a ``(b, j)`` key padding mask and return it as ``(b, 1, 1, j)``."""
+    validate_mask(mask, name, shape=(batch, keys))
+    return mask[:, None, None, :]
+
+
+def query_padding_mask(mask: Tensor, batch: int, queries: int, name: str = "mask") -> Tensor:
+    """Validate a ``(b, i)`` query padding mask and return it as ``(b, 1, i, 1)``."""
+    validate_mask(mask, name, shape=(batch, queries))
+    return mask[:, None, :, None]
+
+
+def as_attention_mask(mask: Tensor, b: int, h: int, i: int, j: int, name: str = "mask") -> Tensor:
+    """Validate ``mask`` for attention of shape ``(b, h, i, j)`` and return it 4-d, still broadcast.
+
+    Accepted shapes: ``(b, j)`` key padding, ``(i, j)`` one mask for all samples, ``(b, i, j)``,
+    ``(b|1, h|1, i|1, j|1)``. A ``(b, j)`` and an ``(i, j)`` reading are ambiguous when ``b == i``;
+    the 2-d form is always read as key padding ``(b, j)`` then, as in every safeformer module.
+    Nothing is broadcast into a different meaning: any other shape raises ``ValueError``.
+    """
+    validate_mask(mask, name)
+    s = _shape(mask)
+    if mask.dim() == 2:
+        if s == (b, j):
+            return mask[:, None, None, :]
+        if s == (i, j):
+            return mask[None, None, :, :]
+        raise ValueError(
+            f"{name} of 2 dims must be a key padding mask (b, j) = ({b}, {j}) or an (i, j) = ({i}, {j}) "
+            f"mask, got {s}"
+        )
+    if mask.dim() == 3:
+        if s == (b, i, j):
+            return mask[:, None, :, :]
+        raise ValueError(f"{name} of 3 dims must have shape (b, i, j) = ({b}, {i}, {j}), got {s}")
+    if mask.dim() == 4:
+        for got, full, label in zip(s, (b, h, i, j), "bhij"):
+            if got != full and got != 1:
+                raise ValueError(
+                    f"{name} of 4 dims must broadcast to (b, h, i, j) = ({b}, {h}, {i}, {j}) with each size "
+                    f"either full or 1; got {s} (size {got} for '{label}')"
+                )
+        return mask
+    raise ValueError(
+        f"{name} must have shape (b, j), (i, j), (b, i, j) or (b|1, h|1, i|1, j|1) for attention of "
+        f"(b, h, i, j) = ({b}, {h}, {i}, {j}); got {s}"
+    )
+
+
+def causal_mask(i: int, j: int, device: torch.device | str | None = None) -> Tensor:
+    """Bottom-right aligned causal mask ``(1, 1, i, j)``: query q may see key k iff ``k <= q + (j - i)``.
+
+    With ``i == j`` this is the usual lower-triangular mask; with ``i < j`` (a KV cache holding earlier
+    keys) the last query sees every key. With ``i > j`` the first ``i - j`` queries are dead rows.
+    """
+    qi = torch.arange(i, device=device)[:, None]
+    kj = torch.arange(j, device=device)[None, :]
+    return (kj <= qi + (j - i))[None, None]
+
+
+def combine_masks(*masks: Tensor | None) -> Tensor | None:
+    """Logical AND of broadcastable masks, skipping ``None``; ``None`` when all are ``None``.
+
+    The result has the broadcast shape of its inputs, never more.
+    """
+    out = None
+    for m in masks:
+        if m is None:
+            continue
+        out = m if out is None else out & m
+    return out
+
+
+def alive_rows(mask: Tensor) -> Tensor:
+    """``(..., i, 1)``: True where a query row may attend to at least one key."""
+    return mask.any(dim=-1, keepdim=True)
+
+
+def dead_rows(mask: Tensor) -> Tensor:
+    """``(..., i, 1)``: True where a query row may attend to no key (a dead row)."""
+    return ~alive_rows(mask)
+
+
+def alive_keys(mask: Tensor) -> Tensor:
+    """``(..., 1, j)``: True where at least one query may attend to the key (the rest are masked keys)."""
+    return mask.any(dim=-2, keepdim=True)
+
+
+def masked_mean(x: Tensor, mask: Tensor | None, dim: int = 1, keepdim: bool = False) -> Tensor:
+    """Mean of ``x`` over ``dim`` counting only positions where ``mask`` is True.
+
+    ``x`` is ``(b, n, ...)`` and ``mask`` ``(b, n)`` for ``dim=1``. Positions that are masked are selected
+    away (a NaN there does not reach the result), and a mean over zero valid positions is ``0`` with
+    zero gradient, not NaN (S8).
+    """
+    if mask is None:
+        return x.mean(dim=dim, keepdim=keepdim)
+    validate_mask(mask, "mask")
+    if mask.shape != x.shape[: mask.dim()]:
+        raise ValueError(f"mask must have shape {tuple(x.shape[: mask.dim()])} (leading dims of x), got {_shape(mask)}")
+    m = mask.reshape(*mask.shape, *([1] * (x.dim() - mask.dim())))
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=dim, keepdim=keepdim)
+    count = m.sum(dim=dim, keepdim=keepdim).to(total.dtype)
+    return total / count.clamp(min=1)
+
+
+def safe_cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """Cross-entropy whose mean over zero counted targets is ``0.0`` with zero gradient (S8).
+
+    Args:
+        logits: ``(b, n, c)`` or ``(N, c)`` scores.
+        target: ``(b, n)`` or ``(N,)`` class indices; ``ignore_index`` marks positions that do not count.
+        ignore_index: the index of targets to ignore (padding).
+        reduction: ``"mean"`` (over counted targets), ``"sum"`` or ``"none"``.
+        label_smoothing: as in ``F.cross_entropy``.
+
+    Logits at ignored positions are selected away before the loss, so a NaN there reaches neither
+    the loss nor any gradient.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"target must hold integer class indices, got dtype {target.dtype}")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"logits must have shape (*target.shape, num_classes) = ({', '.join(map(str, target.shape))}, c), "
+            f"got {_shape(logits)}"
+        )
+    c = logits.shape[-1]
+    flat_logits = logits.reshape(-1, c)
+    flat_target = target.reshape(-1).long()
+    valid = flat_target != ignore_index
+    safe_logits = torch.where(valid[:, None], flat_logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    safe_target = torch.where(valid, flat_target, torch.zeros_like(flat_target))
+    losses = F.cross_entropy(safe_logits.float(), safe_target, reduction="none", label_smoothing=label_smoothing)
+    losses = torch.where(valid, losses, torch.zeros_like(losses))
+    if reduction == "none":
+        return losses.reshape(target.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / valid.sum().clamp(min=1).to(losses.dtype)
+
+
+def check_finite(x: Tensor, mask: Tensor | None, name: str) -> None:
+    """Raise ``ValueError`` if a real (unmasked) position of ``x`` holds NaN or inf.
+
+    ``mask`` is ``(b, n)`` for ``x`` ``(b, n, ...)`` (or ``None``: every position is real). This syncs
+    with the device; it runs only when the user asks for checks.
+    """
+    if not x.is_floating_point():
+        return
+    bad = ~torch.isfinite(x)
+    if x.dim() > 2:
+        bad = bad.flatten(2).any(-1)
+    if mask is not None:
+        bad = bad & mask
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"{name} holds a non-finite value (NaN or inf) at real position {tuple(where)}; "
+            f"{int(bad.sum())} real position(s) in all. Padded positions (mask False) may hold anything."
+        )
