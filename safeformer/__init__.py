@@ -1,6 +1,8 @@
 """safeformer: a transformer library in which no mask makes a model produce NaN or inf."""
 
 from .attend import BACKENDS, AttentionPlan, attend, plan_attention, substitute_kernel
+from .checkpoint import Configurable, load_pretrained, save_pretrained
+from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, KVCache
 from .masks import (
     alive_keys,
     alive_rows,
@@ -14,5 +16,17 @@ from .masks import (
     safe_cross_entropy,
     validate_mask,
 )
+from .modules import (
+    AbsolutePositionalEmbedding,
+    Attention,
+    FeedForward,
+    RMSNorm,
+    RotaryEmbedding,
+    alibi_bias,
+    alibi_slopes,
+    apply_rotary,
+    positions_from_mask,
+)
+from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, XTransformer
 
 __version__ = "0.1.0"

@@ -1,0 +1,358 @@
+"""Layer stacks: ``AttentionLayers`` and its presets ``Encoder``, ``Decoder``, ``CrossAttender``.
+
+Shape legend: b batch, n new positions (queries), p cached positions, j context length,
+c model width, c_ctx context width, h heads, d head dim.
+
+Masks are built once per forward, here at the top of the stack, and passed down to every block.
+Masks follow the one convention (bool, True = real / may attend):
+- ``mask (b, n)``: padding of the sequence itself (becomes a ``(b, 1, 1, p + n)`` key mask, combined
+  with the causal mask for a decoder only when there is padding: otherwise ``is_causal`` reaches the
+  flash kernel).
+- ``context_mask (b, j)``: padding of the context. An all-False row (a dropped condition) or a
+  zero-length context makes every cross-attention an exact no-op for that sample (S2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+from .checkpoint import Configurable
+from .masks import causal_mask, validate_mask
+from .modules import (
+    Attention,
+    FeedForward,
+    RotaryEmbedding,
+    alibi_bias,
+    alibi_slopes,
+    make_norm,
+    positions_from_mask,
+)
+
+__all__ = ["KVCache", "AttentionLayers", "Encoder", "Decoder", "CrossAttender"]
+
+
+@dataclass
+class KVCache:
+    """What incremental decoding keeps between steps. Returned by ``forward(..., return_cache=True)``.
+
+    Attributes:
+        self_kv: per self-attention block, keys and values ``(b, h_kv, p, d)`` (rotary applied).
+        cross_kv: per cross-attention block, the context's keys and values, computed once; ``None``
+            when the stack ran without a context.
+        mask: ``(b, p)`` which cached positions are real; ``None`` when all are.
+        context_mask: ``(b, j)`` the context's padding mask, or ``None``.
+        count: ``(b,)`` real tokens seen per sample (the next token's position).
+        positions: ``(b|1, p)`` positions of the cached tokens (for ALiBi).
+    """
+
+    self_kv: list[tuple[Tensor, Tensor]]
+    cross_kv: list[tuple[Tensor, Tensor]] | None
+    mask: Tensor | None
+    context_mask: Tensor | None
+    count: Tensor
+    positions: Tensor
+
+    @property
+    def length(self) -> int:
+        """p, the number of cached positions (real or padding)."""
+        return self.self_kv[0][0].shape[2] if self.self_kv else int(self.positions.shape[1])
+
+    def index_select(self, index: Tensor) -> KVCache:
+        """The cache of the samples ``index`` (a ``(b',)`` long tensor), e.g. to repeat or reorder."""
+
+        def sel(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            return t if t.shape[0] == 1 and index.numel() != 1 else t.index_select(0, index)
+
+        return replace(
+            self,
+            self_kv=[(sel(k), sel(v)) for k, v in self.self_kv],
+            cross_kv=None if self.cross_kv is None else [(sel(k), sel(v)) for k, v in self.cross_kv],
+            mask=sel(self.mask), context_mask=sel(self.context_mask), count=sel(self.count),
+            positions=self.positions if self.positions.shape[0] == 1 else sel(self.positions),
+        )
+
+
+class AttentionLayers(Configurable, nn.Module):
+    """A pre-norm stack of attention and feed-forward blocks.
+
+    Args:
+        dim: model width c.
+        depth: number of layers; each is [self-attention] [cross-attention] feed-forward.
+        heads: query heads.
+        dim_head: head dim.
+        kv_heads: key/value heads for grouped-query attention (default ``heads``).
+        causal: causal self-attention (a decoder).
+        cross_attend: add a cross-attention block to every layer (takes ``context``).
+        only_cross: cross-attention without self-attention (``CrossAttender``).
+        dim_context: context width c_ctx (default ``dim``).
+        ff_mult: feed-forward hidden width multiplier.
+        ff_glu: gated feed-forward (GEGLU; SwiGLU with ``ff_swish``).
+        ff_swish: SiLU activation in the feed-forward.
+        use_rmsnorm: RMSNorm instead of LayerNorm.
+        rotary_pos_emb: rotary positions in self-attention.
+        rotary_emb_dim: features per head that rotate (default ``dim_head // 2``).
+        rotary_theta: rotary base.
+        alibi_pos_bias: ALiBi bias in self-attention.
+        attn_qk_norm: RMS-normalise queries and keys.
+        attn_dropout: attention dropout.
+        ff_dropout: feed-forward dropout.
+        attn_bias: biases in the attention projections.
+        backend: ``attend`` backend for every attention.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        depth: int,
+        heads: int = 8,
+        dim_head: int = 64,
+        kv_heads: int | None = None,
+        causal: bool = False,
+        cross_attend: bool = False,
+        only_cross: bool = False,
+        dim_context: int | None = None,
+        ff_mult: float = 4,
+        ff_glu: bool = False,
+        ff_swish: bool = False,
+        use_rmsnorm: bool = False,
+        rotary_pos_emb: bool = False,
+        rotary_emb_dim: int | None = None,
+        rotary_theta: float = 10000.0,
+        alibi_pos_bias: bool = False,
+        attn_qk_norm: bool = False,
+        attn_dropout: float = 0.0,
+        ff_dropout: float = 0.0,
+        attn_bias: bool = False,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        self._set_config(
+            dim=dim, depth=depth, heads=heads, dim_head=dim_head, kv_heads=kv_heads, causal=causal,
+            cross_attend=cross_attend, only_cross=only_cross, dim_context=dim_context, ff_mult=ff_mult,
+            ff_glu=ff_glu, ff_swish=ff_swish, use_rmsnorm=use_rmsnorm, rotary_pos_emb=rotary_pos_emb,
+            rotary_emb_dim=rotary_emb_dim, rotary_theta=rotary_theta, alibi_pos_bias=alibi_pos_bias,
+            attn_qk_norm=attn_qk_norm, attn_dropout=attn_dropout, ff_dropout=ff_dropout, attn_bias=attn_bias,
+            backend=backend,
+        )
+        if dim <= 0 or depth <= 0:
+            raise ValueError(f"dim and depth must be positive, got dim={dim}, depth={depth}")
+        if rotary_pos_emb and alibi_pos_bias:
+            raise ValueError("choose one relative position scheme: rotary_pos_emb or alibi_pos_bias, not both")
+        if only_cross and causal:
+            raise ValueError("only_cross=True has no self-attention, so causal=True has no meaning")
+        self.dim = dim
+        self.causal = causal
+        self.has_cross = cross_attend or only_cross
+        self.only_cross = only_cross
+        self.dim_context = dim if dim_context is None else dim_context
+        rotary_emb_dim = dim_head // 2 if rotary_emb_dim is None else rotary_emb_dim
+        if rotary_pos_emb and not (0 < rotary_emb_dim <= dim_head):
+            raise ValueError(f"rotary_emb_dim must be in (0, dim_head={dim_head}], got {rotary_emb_dim}")
+        self.rotary = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta) if rotary_pos_emb else None
+        if alibi_pos_bias:
+            self.register_buffer("alibi_slopes", alibi_slopes(heads), persistent=False)
+        else:
+            self.alibi_slopes = None
+        self.has_relative_positions = rotary_pos_emb or alibi_pos_bias
+
+        def attention(context_dim: int | None) -> Attention:
+            return Attention(
+                dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim,
+                qk_norm=attn_qk_norm, dropout=attn_dropout, bias=attn_bias, backend=backend,
+            )
+
+        kinds, blocks = [], []
+        for _ in range(depth):
+            if not only_cross:
+                kinds.append("self")
+                blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm), attention(None)]))
+            if self.has_cross:
+                kinds.append("cross")
+                blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm), attention(self.dim_context)]))
+            kinds.append("ff")
+            ff = FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout)
+            blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm), ff]))
+        self.layer_kinds = tuple(kinds)
+        self.layers = nn.ModuleList(blocks)
+        self.final_norm = make_norm(dim, use_rmsnorm)
+
+    def _check_inputs(self, x, mask, context, context_mask, cache) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (b, n, dim={self.dim}), got {tuple(x.shape)}")
+        b, n = x.shape[:2]
+        if mask is not None:
+            validate_mask(mask, "mask", shape=(b, n), device=x.device)
+        if context is None:
+            if context_mask is not None:
+                raise ValueError("context_mask was given without a context; pass context=... as well")
+            if self.only_cross and (cache is None or cache.cross_kv is None):
+                raise ValueError("a CrossAttender (only_cross=True) needs a context")
+            return
+        if not self.has_cross:
+            raise ValueError("context was given but this stack has no cross-attention; build it with cross_attend=True")
+        if not isinstance(context, Tensor) or context.dim() != 3:
+            raise ValueError(f"context must be a tensor of shape (b, j, dim_context), got {getattr(context, 'shape', type(context))}")
+        if context.shape[0] != b or context.shape[-1] != self.dim_context:
+            raise ValueError(
+                f"context must have shape (b={b}, j, dim_context={self.dim_context}), got {tuple(context.shape)}"
+            )
+        if context.device != x.device:
+            raise ValueError(f"context is on {context.device}, expected {x.device}")
+        if context_mask is not None:
+            validate_mask(context_mask, "context_mask", shape=(b, context.shape[1]), device=x.device)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        return_cache: bool = False,
+    ) -> Tensor | tuple[Tensor, KVCache]:
+        """Run the stack.
+
+        Args:
+            x: ``(b, n, c)``.
+            mask: ``(b, n)`` padding of ``x`` (True = real). Padded positions are selected to 0 at the
+                input and never reach another position.
+            context: ``(b, j, c_ctx)`` for cross-attention, or ``None`` to skip the cross-attention
+                blocks for the whole batch. ``j`` may be 0.
+            context_mask: ``(b, j)`` padding of the context; an all-False row drops the condition
+                of that sample exactly (its cross-attention adds exactly 0).
+            attn_mask: an extra self-attention mask ``(b, n, p + n)`` or ``(n, p + n)`` (True = may attend).
+            positions: ``(b, n)`` token positions; by default the count of real tokens (see
+                ``positions_from_mask``), continuing from the cache.
+            cache: a ``KVCache`` from an earlier call: ``x`` holds only the new positions.
+            return_cache: also return the updated cache.
+
+        Returns:
+            ``(b, n, c)`` hidden states after the final norm, and the cache if ``return_cache``.
+        """
+        self._check_inputs(x, mask, context, context_mask, cache)
+        b, n, _ = x.shape
+        device = x.device
+        past = cache.length if cache is not None else 0
+        if mask is not None:
+            x = torch.where(mask[..., None], x, 0.0)
+
+        # self-attention mask: built once here, passed to every block
+        key_pad = None
+        if mask is not None or (cache is not None and cache.mask is not None):
+            old = cache.mask if cache is not None and cache.mask is not None else torch.ones(b, past, dtype=torch.bool, device=device)
+            new = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=device)
+            key_pad = torch.cat((old, new), dim=1)  # (b, p + n)
+        self_mask = None if key_pad is None else key_pad[:, None, None, :]  # (b, 1, 1, p + n)
+        if attn_mask is not None:
+            validate_mask(attn_mask, "attn_mask", device=device)
+            if attn_mask.shape not in ((b, n, past + n), (n, past + n)):
+                raise ValueError(f"attn_mask must have shape (b, n, p + n) = ({b}, {n}, {past + n}) or (n, p + n), got {tuple(attn_mask.shape)}")
+            extra = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None]
+            self_mask = extra if self_mask is None else self_mask & extra
+        causal = self.causal
+        if causal and self_mask is not None and n > 1:
+            self_mask = self_mask & causal_mask(n, past + n, device=device)  # (b, 1, n, p + n)
+            causal = False
+        elif causal and past > 0 and n > 1:
+            self_mask = causal_mask(n, past + n, device=device)  # (1, 1, n, p + n)
+            causal = False
+
+        if positions is None:
+            positions = positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
+        rotary = None
+        if self.rotary is not None:
+            angles = self.rotary(positions)  # (b|1, 1, n, d_rot)
+            rotary = (angles, angles)
+        bias = None
+        all_positions = positions if cache is None else torch.cat(_broadcast_batch(cache.positions, positions), dim=1)
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, positions, all_positions).to(x.dtype)  # (b|1, h, n, p + n)
+
+        # cross-attention: context padded positions are selected away before any projection
+        use_cross = self.has_cross and (context is not None or (cache is not None and cache.cross_kv is not None))
+        cross_mask = None
+        if context is not None:
+            if context_mask is not None:
+                context = torch.where(context_mask[..., None], context, 0.0)
+                cross_mask = context_mask[:, None, None, :]  # (b, 1, 1, j)
+        elif use_cross:
+            context_mask = cache.context_mask
+            cross_mask = None if context_mask is None else context_mask[:, None, None, :]
+
+        self_kv, cross_kv = [], []
+        for kind, (norm, block) in zip(self.layer_kinds, self.layers):
+            if kind == "self":
+                past_kv = cache.self_kv[len(self_kv)] if cache is not None else None
+                out, kv = block(norm(x), mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv)
+                self_kv.append(kv)
+            elif kind == "cross":
+                if not use_cross:
+                    continue
+                cached = cache.cross_kv[len(cross_kv)] if cache is not None and cache.cross_kv is not None else None
+                out, kv = block(norm(x), context, mask=cross_mask, kv=cached)
+                cross_kv.append(kv)
+            else:
+                out = block(norm(x))
+            x = x + out
+        x = self.final_norm(x)
+        if not return_cache:
+            return x
+        count = torch.full((b,), n, device=device, dtype=torch.long) if mask is None else mask.sum(1)
+        if cache is not None:
+            count = cache.count + count
+        new_cache = KVCache(
+            self_kv=self_kv, cross_kv=cross_kv if use_cross else None, mask=key_pad,
+            context_mask=context_mask if use_cross else None, count=count, positions=all_positions,
+        )
+        return x, new_cache
+
+
+def _broadcast_batch(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    if a.shape[0] == b.shape[0]:
+        return a, b
+    size = max(a.shape[0], b.shape[0])
+    return a.expand(size, -1), b.expand(size, -1)
+
+
+def _no_causal(kwargs: dict, name: str) -> None:
+    if "causal" in kwargs:
+        raise TypeError(f"{name} sets causal itself; use AttentionLayers(causal=...) to choose")
+
+
+class Encoder(AttentionLayers):
+    """Bidirectional ``AttentionLayers`` (every position sees every real position)."""
+
+    def __init__(self, **kwargs):
+        _no_causal(kwargs, "Encoder")
+        super().__init__(causal=False, **kwargs)
+        self._sf_config.pop("causal")
+
+
+class Decoder(AttentionLayers):
+    """Causal ``AttentionLayers``; with ``cross_attend=True`` it takes ``context`` and ``context_mask``."""
+
+    def __init__(self, **kwargs):
+        _no_causal(kwargs, "Decoder")
+        super().__init__(causal=True, **kwargs)
+        self._sf_config.pop("causal")
+
+
+class CrossAttender(AttentionLayers):
+    """Cross-attention and feed-forward blocks only (no self-attention); needs a ``context``."""
+
+    def __init__(self, **kwargs):
+        for key in ("causal", "cross_attend", "only_cross"):
+            if key in kwargs:
+                raise TypeError(f"CrossAttender sets {key} itself")
+        super().__init__(cross_attend=True, only_cross=True, **kwargs)
+        for key in ("causal", "cross_attend", "only_cross"):
+            self._sf_config.pop(key)

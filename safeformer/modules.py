@@ -1,0 +1,292 @@
+"""Building blocks: norms, feed-forward, positional schemes, and the ``Attention`` module.
+
+Shape legend: b batch, n sequence positions, h query heads, h_kv key/value heads, i queries, j keys,
+d head dim, c model width, c_ctx context width.
+
+Masks follow safeformer's one convention (bool, True = may attend / is real); see ``masks.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from .attend import BACKENDS, attend
+from .masks import as_attention_mask, causal_mask, combine_masks
+
+__all__ = [
+    "RMSNorm",
+    "make_norm",
+    "FeedForward",
+    "AbsolutePositionalEmbedding",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "alibi_slopes",
+    "alibi_bias",
+    "positions_from_mask",
+    "Attention",
+]
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation with a learned gain; statistics in float32 (S7)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.float()).to(x.dtype)
+
+
+def make_norm(dim: int, use_rmsnorm: bool) -> nn.Module:
+    return RMSNorm(dim) if use_rmsnorm else nn.LayerNorm(dim)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward: GELU MLP, or gated GEGLU / SwiGLU.
+
+    Args:
+        dim: input and output width.
+        mult: hidden width multiplier.
+        glu: gate the hidden layer (GEGLU, or SwiGLU with ``swish=True``).
+        swish: use SiLU instead of GELU as the activation.
+        dropout: dropout on the hidden layer.
+    """
+
+    def __init__(self, dim: int, *, mult: float = 4, glu: bool = False, swish: bool = False, dropout: float = 0.0):
+        super().__init__()
+        if mult <= 0:
+            raise ValueError(f"ff mult must be positive, got {mult}")
+        inner = int(dim * mult)
+        self.glu = glu
+        self.act = nn.SiLU() if swish else nn.GELU()
+        self.proj_in = nn.Linear(dim, inner * (2 if glu else 1))
+        self.dropout = nn.Dropout(dropout)
+        self.proj_out = nn.Linear(inner, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.proj_in(x)
+        if self.glu:
+            h, gate = h.chunk(2, dim=-1)
+            h = h * self.act(gate)
+        else:
+            h = self.act(h)
+        return self.proj_out(self.dropout(h))
+
+
+def positions_from_mask(mask: Tensor | None, n: int, device, offset: Tensor | None = None) -> Tensor:
+    """Position of each token counting only real tokens: ``(b, n)`` (or ``(1, n)`` without a mask).
+
+    Position p is the p-th real token of its sample, so left padding does not shift positions (S4).
+    Padded positions get the position of the last real token before them (0 before any); they are
+    masked anyway.
+    ``offset`` ``(b,)`` adds the real tokens already seen (a KV cache).
+    """
+    if mask is None:
+        pos = torch.arange(n, device=device)[None, :]
+    else:
+        pos = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    if offset is not None:
+        pos = pos + offset[:, None]
+    return pos
+
+
+class AbsolutePositionalEmbedding(nn.Module):
+    """Learned absolute positions, scaled by ``dim ** -0.5``; takes per-sample positions ``(b, n)``."""
+
+    def __init__(self, dim: int, max_seq_len: int):
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.scale = dim**-0.5
+        self.emb = nn.Embedding(max_seq_len, dim)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        return self.emb(positions.clamp(max=self.max_seq_len - 1)) * self.scale  # (b, n, c)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding on the first ``dim`` features of each head (interleaved pairs)."""
+
+    def __init__(self, dim: int, theta: float = 10000.0):
+        super().__init__()
+        if dim % 2 != 0 or dim <= 0:
+            raise ValueError(f"rotary_emb_dim must be a positive even number, got {dim}")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """``positions (b, n)`` -> angles ``(b, 1, n, dim)`` in float32."""
+        freqs = positions.float()[..., None] * self.inv_freq  # (b, n, dim/2)
+        freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # (b, n, dim)
+        return freqs[:, None]
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x = rearrange(x, "... (d r) -> ... d r", r=2)
+    x1, x2 = x.unbind(dim=-1)
+    return rearrange(torch.stack((-x2, x1), dim=-1), "... d r -> ... (d r)")
+
+
+def apply_rotary(t: Tensor, freqs: Tensor) -> Tensor:
+    """Rotate the first ``freqs.shape[-1]`` features of ``t (b, h, n, d)``; computed in float32."""
+    rot = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    tf = t_rot.float()
+    t_rot = tf * freqs.cos() + _rotate_half(tf) * freqs.sin()
+    return torch.cat((t_rot.to(t.dtype), t_pass), dim=-1)
+
+
+def alibi_slopes(heads: int) -> Tensor:
+    """The ALiBi head slopes (geometric, as in the paper; interleaved for non-powers of two)."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**k for k in range(n)]
+
+    if math.log2(heads).is_integer():
+        return torch.tensor(power_of_two(heads))
+    closest = 2 ** math.floor(math.log2(heads))
+    extra = power_of_two(2 * closest)[0::2][: heads - closest]
+    return torch.tensor(power_of_two(closest) + extra)
+
+
+def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``-slope * |q_pos - k_pos|``: ``(b, h, i, j)`` from positions ``(b, i)`` and ``(b, j)``."""
+    dist = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs().float()
+    return -slopes.to(dist.device)[None, :, None, None] * dist
+
+
+class Attention(nn.Module):
+    """Multi-head attention for self- and cross-attention, with grouped-query heads and a KV cache.
+
+    ``forward(x)`` attends within ``x``; ``forward(x, context)`` attends from ``x`` to ``context``.
+
+    Args:
+        dim: model width c.
+        heads: query heads h.
+        dim_head: head dim d.
+        kv_heads: key/value heads (grouped-query attention); default ``heads``.
+        dim_context: width of the context for cross-attention; default ``dim``.
+        qk_norm: RMS-normalise queries and keys per head before the dot product.
+        dropout: attention dropout (training only).
+        bias: use biases in the projections.
+        backend: ``attend`` backend (``"auto"`` picks per call).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        heads: int = 8,
+        dim_head: int = 64,
+        kv_heads: int | None = None,
+        dim_context: int | None = None,
+        qk_norm: bool = False,
+        dropout: float = 0.0,
+        bias: bool = False,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        kv_heads = heads if kv_heads is None else kv_heads
+        if heads <= 0 or dim_head <= 0:
+            raise ValueError(f"heads and dim_head must be positive, got heads={heads}, dim_head={dim_head}")
+        if kv_heads <= 0 or heads % kv_heads != 0:
+            raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"attention dropout must be in [0, 1), got {dropout}")
+        self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
+        self.dim_context = dim if dim_context is None else dim_context
+        self.dropout = dropout
+        self.backend = backend
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=bias)
+        self.to_k = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
+        self.to_v = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=bias)
+        self.q_norm = RMSNorm(dim_head) if qk_norm else None
+        self.k_norm = RMSNorm(dim_head) if qk_norm else None
+
+    def project_kv(self, source: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values ``(b, h_kv, j, d)`` of ``source (b, j, c_ctx)`` (normed, not yet rotated)."""
+        if source.shape[-1] != self.dim_context:
+            raise ValueError(
+                f"context must have feature size {self.dim_context} (dim_context), got shape {tuple(source.shape)}"
+            )
+        k = rearrange(self.to_k(source), "b j (h d) -> b h j d", h=self.kv_heads)
+        v = rearrange(self.to_v(source), "b j (h d) -> b h j d", h=self.kv_heads)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return k, v
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        causal: bool = False,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        bias: Tensor | None = None,
+        kv: tuple[Tensor, Tensor] | None = None,
+        past_kv: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Attend from ``x (b, i, c)``.
+
+        Args:
+            x: queries' input.
+            context: ``(b, j, c_ctx)`` for cross-attention; ``None`` for self-attention.
+            mask: bool attention mask as ``attend`` takes it (True = may attend).
+            causal: bottom-right causal masking.
+            rotary: ``(q_angles, k_angles)`` from ``RotaryEmbedding`` for the new queries and new keys.
+            bias: additive attention bias (ALiBi).
+            kv: precomputed keys/values (cross-attention with a cache); ``context`` is then unused.
+            past_kv: cached self-attention keys/values to prepend (already rotated).
+
+        Returns:
+            ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache. Rows that may attend
+            to no key are exactly 0 after the output projection, and pass zero gradient (S2).
+        """
+        q = rearrange(self.to_q(x), "b i (h d) -> b h i d", h=self.heads)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if kv is not None:
+            k, v = kv
+        else:
+            k, v = self.project_kv(x if context is None else context)
+            if rotary is not None:
+                k = apply_rotary(k, rotary[1])
+            if past_kv is not None:
+                k = torch.cat((past_kv[0], k), dim=2)
+                v = torch.cat((past_kv[1], v), dim=2)
+        if rotary is not None:
+            q = apply_rotary(q, rotary[0])
+        out = attend(
+            q, k, v, mask=mask, causal=causal, bias=bias,
+            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+        )  # (b, h, i, d)
+        out = self.to_out(rearrange(out, "b h i d -> b i (h d)"))
+        if self.to_out.bias is not None:  # a bias would move dead rows off zero: select them back
+            alive = _alive_queries(mask, causal, x.shape[0], x.shape[1], k.shape[2], x.device)
+            if alive is not None:
+                out = torch.where(alive, out, 0.0)
+        return out, (k, v)
+
+
+def _alive_queries(mask: Tensor | None, causal: bool, b: int, i: int, j: int, device) -> Tensor | None:
+    """``(b|1, i, 1)``: whether each query may attend to some key (any head), or None if all may."""
+    if j == 0:
+        return torch.zeros(1, 1, 1, dtype=torch.bool, device=device)
+    m = None if mask is None else as_attention_mask(mask, b, 1 if mask.dim() < 4 else mask.shape[1], i, j)
+    c = causal_mask(i, j, device=device) if causal and i > j else None
+    combined = combine_masks(m, c)
+    if combined is None:
+        return None
+    return combined.any(dim=-1).any(dim=1)[..., None]
