@@ -2,6 +2,17 @@
 
 from .attend import BACKENDS, AttentionPlan, attend, plan_attention, substitute_kernel
 from .checkpoint import Configurable, load_pretrained, save_pretrained
+from .generation import (
+    FILTERS,
+    AutoregressiveWrapper,
+    drop_condition,
+    generate_tokens,
+    guided_logits,
+    min_p,
+    sample_logits,
+    top_k,
+    top_p,
+)
 from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, KVCache
 from .masks import (
     alive_keys,

@@ -1,0 +1,679 @@
+"""Autoregressive training and generation, with classifier-free guidance (CFG).
+
+Shape legend: b batch, n prompt (sequence) positions, t generated positions (``seq_len``), j context
+length, c_ctx context width, v vocabulary size.
+Masks follow the one convention (bool, True = real position / may attend; see ``masks.py``).
+
+CFG in one paragraph: a conditional decoder is trained with its condition dropped for a random part of
+the batch (``cond_drop_prob``), so the same weights model ``p(x | c)`` and ``p(x)``. At sampling time
+both are run and the logits are pushed away from the unconditional ones:
+``uncond + s * (cond - uncond)``. The "unconditional" branch is the empty context (an all-False
+``context_mask``, which safeformer makes an exact no-op for cross-attention), a learned null token, or
+a user's ``negative_context``. Both branches run as one batched forward pass of ``2b`` samples sharing
+one KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .checkpoint import Configurable
+from .masks import validate_mask
+from .wrappers import TransformerWrapper, _next_token_loss
+
+__all__ = [
+    "AutoregressiveWrapper",
+    "generate_tokens",
+    "guided_logits",
+    "drop_condition",
+    "sample_logits",
+    "top_k",
+    "top_p",
+    "min_p",
+    "FILTERS",
+]
+
+_NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logit filters and sampling
+# ----------------------------------------------------------------------------------------------------
+
+
+def top_k(logits: Tensor, k: int = 50) -> Tensor:
+    """Keep the ``k`` largest logits of each row; the rest become ``-inf``.
+
+    Args:
+        logits: ``(..., v)`` scores.
+        k: how many to keep (at least 1; more than ``v`` keeps all). Exactly ``k`` are kept even
+            when values tie.
+
+    Returns:
+        ``(..., v)`` filtered logits.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"top_k needs an integer k >= 1, got k={k!r}")
+    k = min(k, logits.shape[-1])
+    idx = logits.topk(k, dim=-1).indices
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, idx, True)
+    return logits.masked_fill(~keep, _NEG_INF)
+
+
+def top_p(logits: Tensor, p: float = 0.9) -> Tensor:
+    """Nucleus filter: keep the most probable tokens until their probability mass reaches ``p``.
+
+    A token is kept when the mass of the tokens ranked above it is below ``p``; the most probable
+    token is always kept.
+
+    Args:
+        logits: ``(..., v)`` scores.
+        p: the mass to keep, in ``(0, 1]`` (1 keeps every token).
+
+    Returns:
+        ``(..., v)`` filtered logits.
+    """
+    if not (isinstance(p, (int, float)) and 0.0 < p <= 1.0):
+        raise ValueError(f"top_p needs p in (0, 1], got p={p!r}")
+    if p >= 1.0:
+        return logits
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.float().softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    remove_sorted = mass_before >= p
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter_(-1, idx, remove_sorted)
+    return logits.masked_fill(remove, _NEG_INF)
+
+
+def min_p(logits: Tensor, min_p: float = 0.1) -> Tensor:
+    """Keep the tokens whose probability is at least ``min_p`` times the most probable token's.
+
+    Args:
+        logits: ``(..., v)`` scores.
+        min_p: the relative threshold, in ``[0, 1]`` (0 keeps all, 1 keeps only the top tokens).
+
+    Returns:
+        ``(..., v)`` filtered logits.
+    """
+    if not (isinstance(min_p, (int, float)) and 0.0 <= min_p <= 1.0):
+        raise ValueError(f"min_p needs min_p in [0, 1], got min_p={min_p!r}")
+    probs = logits.float().softmax(dim=-1)
+    limit = min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < limit, _NEG_INF)
+
+
+FILTERS: dict[str, Callable[..., Tensor]] = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+
+
+def _resolve_filter(filter_logits_fn) -> Callable[..., Tensor] | None:
+    if filter_logits_fn is None or callable(filter_logits_fn):
+        return filter_logits_fn
+    if isinstance(filter_logits_fn, str) and filter_logits_fn in FILTERS:
+        return FILTERS[filter_logits_fn]
+    raise ValueError(
+        f"filter_logits_fn must be a callable or one of {sorted(FILTERS)}, got {filter_logits_fn!r}"
+    )
+
+
+def sample_logits(
+    logits: Tensor,
+    temperature: float = 1.0,
+    filter_logits_fn: Callable[..., Tensor] | str | None = None,
+    filter_kwargs: dict[str, Any] | None = None,
+) -> Tensor:
+    """Draw one token per row of ``logits (b, v)``.
+
+    The logits are divided by ``temperature``, then filtered (``top_k`` / ``top_p`` / ``min_p`` or
+    any callable ``fn(logits, **filter_kwargs)``), then sampled from their softmax.
+
+    Args:
+        logits: ``(b, v)`` scores.
+        temperature: ``0.0`` is greedy (argmax; the filter then changes nothing and is skipped).
+        filter_logits_fn: a callable, or the name of one of ``FILTERS``.
+        filter_kwargs: keyword arguments for the filter (``{"k": 10}``, ``{"p": 0.9}``, ...).
+
+    Returns:
+        ``(b,)`` token ids (long).
+    """
+    if not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    fn = _resolve_filter(filter_logits_fn)
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if fn is not None:
+        logits = fn(logits, **(filter_kwargs or {}))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Guidance
+# ----------------------------------------------------------------------------------------------------
+
+
+def guided_logits(cond: Tensor, uncond: Tensor, cond_scale: float, guidance_rescale: float = 0.0) -> Tensor:
+    """Classifier-free guidance on logits: ``uncond + cond_scale * (cond - uncond)``.
+
+    With ``guidance_rescale`` phi > 0 the guided logits are pulled back toward the standard deviation
+    of the conditional ones (the "rescaled CFG" of arXiv 2305.08891, the std taken over the
+    vocabulary dimension): ``rescaled = guided * std(cond) / std(guided)``, and the result is
+    ``phi * rescaled + (1 - phi) * guided``. A row whose guided logits are all equal (std 0) is left
+    as guided. Statistics are computed in float32 (float64 for float64 inputs).
+
+    Args:
+        cond: ``(..., v)`` conditional logits.
+        uncond: ``(..., v)`` unconditional logits.
+        cond_scale: guidance scale s (1: ``cond``, 0: ``uncond``, > 1: stronger guidance).
+        guidance_rescale: phi in ``[0, 1]``.
+
+    Returns:
+        ``(..., v)`` guided logits in the dtype of ``cond``.
+    """
+    if cond.shape != uncond.shape:
+        raise ValueError(f"cond and uncond must have the same shape, got {tuple(cond.shape)} and {tuple(uncond.shape)}")
+    if not (isinstance(cond_scale, (int, float)) and math.isfinite(cond_scale)):
+        raise ValueError(f"cond_scale must be a finite number, got {cond_scale!r}")
+    if not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
+        raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
+    dtype = torch.promote_types(cond.dtype, torch.float32)
+    c, u = cond.to(dtype), uncond.to(dtype)
+    guided = u + cond_scale * (c - u)
+    if guidance_rescale > 0.0:
+        std_cond = c.std(dim=-1, keepdim=True)
+        std_guided = guided.std(dim=-1, keepdim=True)
+        flat = std_guided == 0
+        ratio = torch.where(flat, 1.0, std_cond / torch.where(flat, 1.0, std_guided))
+        guided = guidance_rescale * (guided * ratio) + (1.0 - guidance_rescale) * guided
+    return guided.to(cond.dtype)
+
+
+def drop_condition(
+    context_mask: Tensor | None,
+    p: float = 0.0,
+    *,
+    context: Tensor | None = None,
+    null_context: Tensor | None = None,
+    dropped: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor]:
+    """Drop each sample's condition with probability ``p``: CFG training for any wrapper.
+
+    By default a dropped sample's ``context_mask`` row becomes all False: the empty context, which
+    makes its cross-attention an exact no-op (S2). With ``null_context`` the dropped samples see the
+    learned null token(s) instead (real positions), and everything else in their context becomes
+    masked padding. Values are *selected*, never multiplied away: NaN in a padded context position
+    stays out of every output.
+
+    Args:
+        context_mask: ``(b, j)`` bool (True = real), or ``None`` (every position real; ``context``
+            then gives ``b`` and ``j``).
+        p: drop probability in ``[0, 1]``, drawn per sample (ignored when ``dropped`` is given).
+        context: ``(b, j, c_ctx)``; required with ``null_context`` (or when ``context_mask`` is None).
+        null_context: ``(m, c_ctx)`` learned null token(s) (e.g. an ``nn.Parameter``), or ``None``.
+        dropped: ``(b,)`` bool, which samples to drop (instead of drawing them with ``p``).
+
+    Returns:
+        ``(context, context_mask)`` to pass to the model. ``context`` is the input itself when
+        ``null_context`` is None; with it, ``(b, max(j, m), c_ctx)``.
+
+    Example:
+        >>> ctx, ctx_mask = drop_condition(ctx_mask, 0.1, context=ctx)   # in the training step
+        >>> out = model(x, context=ctx, context_mask=ctx_mask)
+    """
+    if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
+        raise ValueError(f"p (the condition drop probability) must be in [0, 1], got {p!r}")
+    if context_mask is None and context is None:
+        raise ValueError("drop_condition needs context_mask or context (to know the batch and context length)")
+    if context is not None and (not isinstance(context, Tensor) or context.dim() != 3):
+        raise ValueError(f"context must have shape (b, j, c_ctx), got {getattr(context, 'shape', type(context))}")
+    ref = context if context is not None else context_mask
+    b, j = ref.shape[0], ref.shape[1]
+    if context_mask is None:
+        context_mask = torch.ones(b, j, dtype=torch.bool, device=ref.device)
+    validate_mask(context_mask, "context_mask", shape=(b, j), device=ref.device)
+    if dropped is None:
+        dropped = torch.rand(b, device=ref.device) < p
+    else:
+        validate_mask(dropped, "dropped", shape=(b,), device=ref.device)
+    if null_context is None:
+        return context, context_mask & ~dropped[:, None]
+    if context is None:
+        raise ValueError("null_context needs the context itself (context=...), to put the null token in its place")
+    if null_context.dim() != 2 or null_context.shape[-1] != context.shape[-1]:
+        raise ValueError(
+            f"null_context must have shape (m, c_ctx={context.shape[-1]}), got {tuple(null_context.shape)}"
+        )
+    m = null_context.shape[0]
+    length = max(j, m)
+    ctx, ctx_mask = _pad_context(context, context_mask, length)
+    null = _pad_context(null_context.to(context.dtype)[None], None, length)
+    null_ctx, null_mask = null[0].expand(b, -1, -1), null[1].expand(b, -1)
+    context = torch.where(dropped[:, None, None], null_ctx, ctx)
+    return context, torch.where(dropped[:, None], null_mask, ctx_mask)
+
+
+def _pad_context(context: Tensor, mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:
+    """Right-pad ``context (b, j, c)`` and its mask to ``length`` with zeros / False."""
+    b, j, c = context.shape
+    if mask is None:
+        mask = torch.ones(b, j, dtype=torch.bool, device=context.device)
+    if length == j:
+        return context, mask
+    context = torch.cat((context, context.new_zeros(b, length - j, c)), dim=1)
+    mask = torch.cat((mask, mask.new_zeros(b, length - j)), dim=1)
+    return context, mask
+
+
+def _stack_branches(cond, uncond) -> tuple[Tensor, Tensor]:
+    """One ``(2b, j, c_ctx)`` context holding the conditional then the unconditional branch."""
+    (c_ctx, c_mask), (u_ctx, u_mask) = cond, uncond
+    like = c_ctx if c_ctx is not None else u_ctx
+    b = like.shape[0]
+    if c_ctx is None:  # no condition at all: a zero-length context (an exact no-op)
+        c_ctx, c_mask = like.new_zeros(b, 0, like.shape[-1]), torch.zeros(b, 0, dtype=torch.bool, device=like.device)
+    length = max(c_ctx.shape[1], u_ctx.shape[1])
+    c_ctx, c_mask = _pad_context(c_ctx, c_mask, length)
+    u_ctx, u_mask = _pad_context(u_ctx.to(c_ctx.dtype), u_mask, length)
+    return torch.cat((c_ctx, u_ctx)), torch.cat((c_mask, u_mask))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------------
+
+
+def _last_logits(logits: Tensor, mask: Tensor | None) -> Tensor:
+    """``(b, v)``: the logits at each sample's last real position of ``logits (b, n, v)``."""
+    if mask is None:
+        return logits[:, -1]
+    n = mask.shape[1]
+    idx = torch.where(mask, torch.arange(n, device=mask.device), -1).amax(dim=1)  # (b,)
+    return logits[torch.arange(logits.shape[0], device=logits.device), idx]
+
+
+def _twice(t: Tensor | None, r: int) -> Tensor | None:
+    return t if t is None or r == 1 else torch.cat([t] * r)
+
+
+class _Stepper:
+    """The forward passes of one generation: returns the (guided) next-token logits ``(b, v)``."""
+
+    def __init__(self, net, b, context, context_mask, uncond, cond_scale, guidance_rescale, cache_kv, two_pass):
+        self.net, self.b, self.cache_kv = net, b, cache_kv
+        self.cond_scale, self.guidance_rescale = cond_scale, guidance_rescale
+        self.guided = uncond is not None
+        if not self.guided:
+            self.runs = [(context, context_mask, 1)]
+        elif two_pass:  # the peers' way: two forwards, two caches (kept for the benchmark and tests)
+            self.runs = [(context, context_mask, 1), (uncond[0], uncond[1], 1)]
+        else:
+            self.runs = [(*_stack_branches((context, context_mask), uncond), 2)]
+        self.caches: list[Any] = [None] * len(self.runs)
+
+    def __call__(self, seq: Tensor, seq_mask: Tensor | None, new: Tensor | None) -> Tensor:
+        """Logits for the token after ``seq (b, n)``; ``new (b, 1)`` is its last token (cached path)."""
+        outs = []
+        for i, (ctx, ctx_mask, r) in enumerate(self.runs):
+            if self.cache_kv and new is not None:
+                logits, self.caches[i] = self.net(_twice(new, r), cache=self.caches[i], return_cache=True)
+                outs.append(logits[:, -1])
+                continue
+            m = _twice(seq_mask, r)
+            res = self.net(_twice(seq, r), mask=m, context=ctx, context_mask=ctx_mask, return_cache=self.cache_kv)
+            if self.cache_kv:
+                res, self.caches[i] = res
+            outs.append(_last_logits(res, m))
+        logits = torch.cat(outs) if len(outs) > 1 else outs[0]  # (r * b, v)
+        if not self.guided:
+            return logits
+        cond, uncond = logits[: self.b], logits[self.b :]
+        return guided_logits(cond, uncond, self.cond_scale, self.guidance_rescale)
+
+
+def _check_context_arg(t: Tensor | None, name: str, b: int, device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[0] != b:
+        raise ValueError(f"{name} must have shape (b={b}, j, c_ctx), got {getattr(t, 'shape', type(t))}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the prompts)")
+
+
+@torch.no_grad()
+def generate_tokens(
+    net: TransformerWrapper,
+    prompts: Tensor,
+    seq_len: int,
+    *,
+    mask: Tensor | None = None,
+    context: Tensor | None = None,
+    context_mask: Tensor | None = None,
+    uncond_context: Tensor | None = None,
+    uncond_context_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    filter_logits_fn: Callable[..., Tensor] | str | None = None,
+    filter_kwargs: dict[str, Any] | None = None,
+    eos_token: int | None = None,
+    cache_kv: bool = True,
+    cond_scale: float = 1.0,
+    guidance_rescale: float = 0.0,
+    pad_value: int = 0,
+    _two_pass: bool = False,
+) -> Tensor:
+    """Sample ``seq_len`` tokens from a causal ``TransformerWrapper`` (the engine of every ``generate``).
+
+    Args:
+        net: a ``TransformerWrapper`` around a ``Decoder``.
+        prompts: ``(b, n)`` token ids.
+        seq_len: how many tokens to generate.
+        mask: ``(b, n)`` prompt padding mask (True = real). Prompts of different lengths are usually
+            left-padded; any padding works since positions count real tokens only. Every prompt
+            needs at least one real token.
+        context, context_mask: the condition ``(b, j, c_ctx)`` / ``(b, j)`` for cross-attention.
+        uncond_context, uncond_context_mask: the unconditional branch's context (a negative prompt, a
+            learned null token); ``None``: the conditional context with an all-False mask (the
+            empty context).
+        temperature: softmax temperature; ``0.0`` is greedy.
+        filter_logits_fn, filter_kwargs: a logit filter (``top_k``, ``top_p``, ``min_p``, their names,
+            or any callable ``fn(logits, **filter_kwargs)``), applied after the temperature.
+        eos_token: each sample stops after producing it; its later positions hold ``pad_value``.
+        cache_kv: decode with the KV cache (one new token per step); the tokens equal those of the
+            uncached path (recomputing the whole sequence each step).
+        cond_scale: CFG scale s on the logits; ``1.0`` runs the conditional branch only.
+        guidance_rescale: phi of ``guided_logits``.
+        pad_value: token written after a sample's ``eos_token``.
+
+    Returns:
+        ``(b, seq_len)`` the new tokens (long).
+    """
+    if not isinstance(net, TransformerWrapper):
+        raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
+    if not isinstance(prompts, Tensor) or prompts.dim() != 2:
+        raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
+    if prompts.dtype.is_floating_point or prompts.dtype == torch.bool or prompts.is_complex():
+        raise TypeError(f"prompts must hold integer token ids, got dtype {prompts.dtype}")
+    b, n = prompts.shape
+    device = prompts.device
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
+    if n == 0:
+        raise ValueError("prompts must hold at least one token per sample (got n = 0 positions)")
+    if mask is not None:
+        validate_mask(mask, "mask", shape=(b, n), device=device)
+        empty = ~mask.any(dim=1)
+        if bool(empty.any()):
+            raise ValueError(
+                f"every prompt needs at least one real token; mask rows {empty.nonzero().flatten().tolist()} are all False"
+            )
+    if not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    filter_fn = _resolve_filter(filter_logits_fn)
+    if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
+        raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
+    if not (isinstance(cond_scale, (int, float)) and math.isfinite(cond_scale)):
+        raise ValueError(f"cond_scale must be a finite number, got {cond_scale!r}")
+    if not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
+        raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
+    _check_context_arg(context, "context", b, device)
+    _check_context_arg(uncond_context, "uncond_context", b, device)
+    if context_mask is not None and context is None:
+        raise ValueError("context_mask was given without a context; pass context=... as well")
+    if uncond_context_mask is not None and uncond_context is None:
+        raise ValueError("uncond_context_mask was given without uncond_context")
+    if net.pos_emb is not None and n + seq_len - 1 > net.max_seq_len:
+        raise ValueError(
+            f"a prompt of {n} positions plus seq_len={seq_len} new tokens needs {n + seq_len - 1} positions, "
+            f"more than the model's max_seq_len={net.max_seq_len}"
+        )
+
+    uncond = None
+    if cond_scale != 1.0:  # s == 1 is exactly the conditional path: the unconditional branch never runs
+        if uncond_context is not None:
+            uncond = (uncond_context, uncond_context_mask)
+        elif context is not None:
+            uncond = (context, torch.zeros(b, context.shape[1], dtype=torch.bool, device=device))
+        # no context and no unconditional context: both branches are the same model, nothing to guide
+
+    out = torch.full((b, seq_len), pad_value, dtype=torch.long, device=device)
+    if seq_len == 0:
+        return out
+    was_training = net.training
+    net.eval()
+    try:
+        step = _Stepper(net, b, context, context_mask, uncond, cond_scale, guidance_rescale, cache_kv, _two_pass)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        seq, seq_mask, new = prompts, mask, None
+        for t in range(seq_len):
+            logits = step(seq, seq_mask, new)  # (b, v)
+            tok = sample_logits(logits, temperature, filter_fn, filter_kwargs)
+            tok = torch.where(done, pad_value, tok)
+            out[:, t] = tok
+            if eos_token is not None:
+                done = done | (tok == eos_token)
+                if bool(done.all()):
+                    break
+            new = tok[:, None]
+            if not cache_kv:
+                seq = torch.cat((seq, new), dim=1)
+                seq_mask = None if seq_mask is None else torch.cat((seq_mask, torch.ones_like(new, dtype=torch.bool)), dim=1)
+    finally:
+        net.train(was_training)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The wrapper
+# ----------------------------------------------------------------------------------------------------
+
+
+class AutoregressiveWrapper(Configurable, nn.Module):
+    """Next-token loss, CFG training and (guided) generation around a causal ``TransformerWrapper``.
+
+    Args:
+        net: a ``TransformerWrapper`` whose layers are a ``Decoder`` (``cross_attend=True`` for a
+            condition).
+        ignore_index: target value that does not count in the loss.
+        pad_value: token fed in place of ignored tokens, and written after a sample's ``eos_token``.
+        cond_drop_prob: during training, each sample's condition is dropped with this probability
+            (classifier-free guidance training; needs cross-attention).
+        null_context: what a dropped condition becomes, and what the unconditional branch of guided
+            sampling sees: ``"empty"`` (the context with an all-False mask, an exact no-op) or
+            ``"learned"`` (one learned null token of width ``dim_context``).
+
+    Example:
+        >>> model = AutoregressiveWrapper(TransformerWrapper(num_tokens=256, max_seq_len=128,
+        ...     attn_layers=Decoder(dim=64, depth=2, heads=4, cross_attend=True)), cond_drop_prob=0.1)
+        >>> loss = model(tokens, context=ctx, context_mask=ctx_mask); loss.backward()
+        >>> new = model.generate(prompt, 32, context=ctx, context_mask=ctx_mask, cond_scale=3.0)
+
+    Checkpoints: ``model.save_pretrained(path)`` stores the wrapper with its net (and null token);
+    ``AutoregressiveWrapper.from_pretrained(path)`` rebuilds both.
+    """
+
+    def __init__(
+        self,
+        net: TransformerWrapper,
+        *,
+        ignore_index: int = -100,
+        pad_value: int = 0,
+        cond_drop_prob: float = 0.0,
+        null_context: str = "empty",
+    ):
+        super().__init__()
+        if not isinstance(net, TransformerWrapper):
+            raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
+        if not net.attn_layers.causal:
+            raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token training and generation")
+        if not (isinstance(cond_drop_prob, (int, float)) and 0.0 <= cond_drop_prob <= 1.0):
+            raise ValueError(f"cond_drop_prob must be in [0, 1], got {cond_drop_prob!r}")
+        if null_context not in ("empty", "learned"):
+            raise ValueError(f"null_context must be 'empty' or 'learned', got {null_context!r}")
+        has_cross = net.attn_layers.has_cross
+        if (cond_drop_prob > 0 or null_context == "learned") and not has_cross:
+            raise ValueError(
+                "cond_drop_prob > 0 and null_context='learned' need a net with cross-attention "
+                "(Decoder(..., cross_attend=True))"
+            )
+        self._set_config(
+            net=net, ignore_index=ignore_index, pad_value=pad_value, cond_drop_prob=cond_drop_prob,
+            null_context=null_context,
+        )
+        self.net = net
+        self.ignore_index = ignore_index
+        self.pad_value = pad_value
+        self.cond_drop_prob = float(cond_drop_prob)
+        self.null_context = null_context
+        self.max_seq_len = net.max_seq_len
+        if null_context == "learned":
+            self.null_token = nn.Parameter(torch.randn(1, net.attn_layers.dim_context) * 0.02)  # (1, c_ctx)
+        else:
+            self.null_token = None
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Next-token cross-entropy of ``x (b, n)``.
+
+        Args:
+            x: token ids; positions equal to ``ignore_index`` (or False in ``mask``) do not count.
+                A batch with no counted target gives exactly 0 with zero gradient (S8).
+            mask: ``(b, n)`` padding mask (True = real).
+            context, context_mask: the condition; in training mode each sample's condition is
+                dropped with probability ``cond_drop_prob`` (see ``null_context``). ``context=None``
+                runs the whole batch without cross-attention (nothing to drop).
+
+        Returns:
+            the scalar mean loss over counted targets.
+        """
+        if self.training and context is not None and self.cond_drop_prob > 0:
+            context, context_mask = drop_condition(
+                context_mask, self.cond_drop_prob, context=context, null_context=self.null_token
+            )
+        return _next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value,
+                                context=context, context_mask=context_mask)
+
+    def _uncond(self, prompts, negative_context, negative_context_mask):
+        """The unconditional branch's context: the negative one, the learned null token, or None (empty)."""
+        if not isinstance(prompts, Tensor) or prompts.dim() != 2:
+            raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
+        b, device = prompts.shape[0], prompts.device
+        if negative_context is not None:
+            if not isinstance(negative_context, Tensor) or negative_context.dim() != 3:
+                raise ValueError(
+                    f"negative_context must have shape (b, j, c_ctx) or (1, j, c_ctx), got {getattr(negative_context, 'shape', type(negative_context))}"
+                )
+            if negative_context.shape[0] == 1 and b != 1:  # one negative prompt for the whole batch
+                negative_context = negative_context.expand(b, -1, -1)
+                if negative_context_mask is not None and negative_context_mask.dim() == 2 and negative_context_mask.shape[0] == 1:
+                    negative_context_mask = negative_context_mask.expand(b, -1)
+            if negative_context_mask is not None:
+                validate_mask(negative_context_mask, "negative_context_mask", shape=tuple(negative_context.shape[:2]), device=device)
+            return negative_context, negative_context_mask
+        if negative_context_mask is not None:
+            raise ValueError("negative_context_mask was given without negative_context")
+        if self.null_token is not None:
+            return self.null_token[None].expand(b, -1, -1), None
+        return None, None
+
+    def next_token_logits(
+        self,
+        prompts: Tensor,
+        *,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        cond_scale: float = 1.0,
+        guidance_rescale: float = 0.0,
+        negative_context: Tensor | None = None,
+        negative_context_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The (guided) logits ``(b, v)`` ``generate`` samples its first token from (same code path).
+
+        Arguments as in ``generate``.
+        """
+        found: dict[str, Tensor] = {}
+
+        def capture(logits: Tensor) -> Tensor:
+            found["logits"] = logits
+            return logits
+
+        uctx, umask = self._uncond(prompts, negative_context, negative_context_mask)
+        was_training = self.training
+        self.eval()
+        try:
+            generate_tokens(
+                self.net, prompts, 1, mask=mask, context=context, context_mask=context_mask,
+                uncond_context=uctx, uncond_context_mask=umask, temperature=1.0, filter_logits_fn=capture,
+                cond_scale=cond_scale, guidance_rescale=guidance_rescale, pad_value=self.pad_value,
+            )
+        finally:
+            self.train(was_training)
+        return found["logits"]
+
+    def generate(
+        self,
+        prompts: Tensor,
+        seq_len: int,
+        *,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        temperature: float = 1.0,
+        filter_logits_fn: Callable[..., Tensor] | str | None = None,
+        filter_kwargs: dict[str, Any] | None = None,
+        eos_token: int | None = None,
+        cache_kv: bool = True,
+        cond_scale: float = 1.0,
+        guidance_rescale: float = 0.0,
+        negative_context: Tensor | None = None,
+        negative_context_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
+
+        Args:
+            prompts: ``(b, n)`` token ids (left-padded when lengths differ).
+            seq_len: how many tokens to generate.
+            mask: ``(b, n)`` prompt padding mask (True = real); every prompt needs a real token.
+            context, context_mask: the condition ``(b, j, c_ctx)`` / ``(b, j)``.
+            temperature: ``0.0`` is greedy.
+            filter_logits_fn: ``top_k``, ``top_p``, ``min_p`` (or their names, or any callable
+                ``fn(logits, **filter_kwargs)``), applied after the temperature.
+            filter_kwargs: e.g. ``{"k": 10}``, ``{"p": 0.9}``, ``{"min_p": 0.05}``.
+            eos_token: each sample stops after producing it; the rest of its row is ``pad_value``.
+            cache_kv: use the KV cache (same tokens as without it).
+            cond_scale: guidance scale s; 1.0 is plain conditional sampling (the unconditional
+                branch never runs), 0.0 unconditional. Otherwise the conditional and unconditional
+                branches run as one batched forward of ``2b`` samples sharing one KV cache.
+            guidance_rescale: phi in ``[0, 1]``, see ``guided_logits``.
+            negative_context, negative_context_mask: the unconditional branch's context, in place of
+                the empty context (or the learned null token); batch ``b`` or 1.
+
+        Returns:
+            ``(b, seq_len)`` new token ids.
+        """
+        uctx, umask = self._uncond(prompts, negative_context, negative_context_mask)
+        was_training = self.training
+        self.eval()
+        try:
+            return generate_tokens(
+                self.net, prompts, seq_len, mask=mask, context=context, context_mask=context_mask,
+                uncond_context=uctx, uncond_context_mask=umask, temperature=temperature,
+                filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token,
+                cache_kv=cache_kv, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
+                pad_value=self.pad_value,
+            )
+        finally:
+            self.train(was_training)
