@@ -2,6 +2,7 @@
 
 from .attend import BACKENDS, AttentionPlan, attend, plan_attention, substitute_kernel
 from .checkpoint import Configurable, load_pretrained, save_pretrained
+from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
 from .generation import (
     FILTERS,
     AutoregressiveWrapper,
@@ -13,6 +14,7 @@ from .generation import (
     top_k,
     top_p,
 )
+from .interop import from_x_transformers
 from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, KVCache
 from .masks import (
     alive_keys,

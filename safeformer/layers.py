@@ -94,6 +94,7 @@ class AttentionLayers(Configurable, nn.Module):
         ff_glu: gated feed-forward (GEGLU; SwiGLU with ``ff_swish``).
         ff_swish: SiLU activation in the feed-forward.
         use_rmsnorm: RMSNorm instead of LayerNorm.
+        norm_eps: the norms' epsilon (default 1e-5 for LayerNorm, 1e-6 for RMSNorm).
         rotary_pos_emb: rotary positions in self-attention.
         rotary_emb_dim: features per head that rotate (default ``dim_head // 2``).
         rotary_theta: rotary base.
@@ -121,6 +122,7 @@ class AttentionLayers(Configurable, nn.Module):
         ff_glu: bool = False,
         ff_swish: bool = False,
         use_rmsnorm: bool = False,
+        norm_eps: float | None = None,
         rotary_pos_emb: bool = False,
         rotary_emb_dim: int | None = None,
         rotary_theta: float = 10000.0,
@@ -135,7 +137,7 @@ class AttentionLayers(Configurable, nn.Module):
         self._set_config(
             dim=dim, depth=depth, heads=heads, dim_head=dim_head, kv_heads=kv_heads, causal=causal,
             cross_attend=cross_attend, only_cross=only_cross, dim_context=dim_context, ff_mult=ff_mult,
-            ff_glu=ff_glu, ff_swish=ff_swish, use_rmsnorm=use_rmsnorm, rotary_pos_emb=rotary_pos_emb,
+            ff_glu=ff_glu, ff_swish=ff_swish, use_rmsnorm=use_rmsnorm, norm_eps=norm_eps, rotary_pos_emb=rotary_pos_emb,
             rotary_emb_dim=rotary_emb_dim, rotary_theta=rotary_theta, alibi_pos_bias=alibi_pos_bias,
             attn_qk_norm=attn_qk_norm, attn_dropout=attn_dropout, ff_dropout=ff_dropout, attn_bias=attn_bias,
             backend=backend,
@@ -171,16 +173,16 @@ class AttentionLayers(Configurable, nn.Module):
         for _ in range(depth):
             if not only_cross:
                 kinds.append("self")
-                blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm), attention(None)]))
+                blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm, norm_eps), attention(None)]))
             if self.has_cross:
                 kinds.append("cross")
-                blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm), attention(self.dim_context)]))
+                blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm, norm_eps), attention(self.dim_context)]))
             kinds.append("ff")
             ff = FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout)
-            blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm), ff]))
+            blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm, norm_eps), ff]))
         self.layer_kinds = tuple(kinds)
         self.layers = nn.ModuleList(blocks)
-        self.final_norm = make_norm(dim, use_rmsnorm)
+        self.final_norm = make_norm(dim, use_rmsnorm, norm_eps)
 
     def _check_inputs(self, x, mask, context, context_mask, cache) -> None:
         if x.dim() != 3 or x.shape[-1] != self.dim:

@@ -40,13 +40,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).to(x.dtype)
+        return (out * self.weight.to(xf.dtype)).to(x.dtype)
 
 
-def make_norm(dim: int, use_rmsnorm: bool) -> nn.Module:
-    return RMSNorm(dim) if use_rmsnorm else nn.LayerNorm(dim)
+def make_norm(dim: int, use_rmsnorm: bool, eps: float | None = None) -> nn.Module:
+    if use_rmsnorm:
+        return RMSNorm(dim, eps=1e-6 if eps is None else eps)
+    return nn.LayerNorm(dim, eps=1e-5 if eps is None else eps)
 
 
 class FeedForward(nn.Module):
@@ -122,8 +124,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: Tensor) -> Tensor:
-        """``positions (b, n)`` -> angles ``(b, 1, n, dim)`` in float32."""
-        freqs = positions.float()[..., None] * self.inv_freq  # (b, n, dim/2)
+        """``positions (b, n)`` -> angles ``(b, 1, n, dim)`` in float32 (float64 for float64 positions)."""
+        dtype = torch.float64 if positions.dtype == torch.float64 else torch.float32
+        freqs = positions.to(dtype)[..., None] * self.inv_freq.to(dtype)  # (b, n, dim/2)
         freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # (b, n, dim)
         return freqs[:, None]
 
@@ -135,10 +138,11 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(t: Tensor, freqs: Tensor) -> Tensor:
-    """Rotate the first ``freqs.shape[-1]`` features of ``t (b, h, n, d)``; computed in float32."""
+    """Rotate the first ``freqs.shape[-1]`` features of ``t (b, h, n, d)``; computed in float32 or wider."""
     rot = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
-    tf = t_rot.float()
+    tf = t_rot.to(torch.promote_types(t.dtype, torch.float32))
+    freqs = freqs.to(tf.dtype)
     t_rot = tf * freqs.cos() + _rotate_half(tf) * freqs.sin()
     return torch.cat((t_rot.to(t.dtype), t_pass), dim=-1)
 
