@@ -4,7 +4,7 @@ No pickle is ever written or loaded. A model records the arguments it was built 
 ``from_pretrained`` rebuilds it from that config alone and loads the weights strictly.
 
 Layout of a checkpoint folder:
-    config.json        {"format": "safeformer", "version": 1, "class": <name>, "config": {...}}
+    config.json        {"format": "safeformer", "version": 1, "class": <name>, "dtype": "float32", "config": {...}}
     model.safetensors  the state dict (shared/tied tensors stored once)
 """
 
@@ -96,8 +96,9 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
     st = _safetensors()
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     config = {"format": "safeformer", "version": _FORMAT_VERSION, "class": type(model).__name__,
-              "config": model.get_config()}
+              "dtype": str(dtype).removeprefix("torch."), "config": model.get_config()}
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
     st.save_model(model, str(path / WEIGHTS_NAME))
     return path
@@ -125,8 +126,16 @@ def load_pretrained(directory: str | os.PathLike, *, expected_class: type | None
     if expected_class is not None and not issubclass(cls, expected_class):
         raise ValueError(f"{path} holds a {config['class']}, not a {expected_class.__name__}")
     model = cls.from_config(config["config"])
+    dtype = getattr(torch, str(config.get("dtype", "float32")), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{cfg_file} names an unknown dtype {config.get('dtype')!r}")
+    model.to(dtype)
     try:
         missing, unexpected = st.load_model(model, str(w_file), strict=False, device=str(map_location))
+    except RuntimeError as err:
+        if "size mismatch" in str(err):
+            raise ValueError(f"weights in {w_file} do not match the {config['class']} built from {cfg_file}: {err}") from err
+        raise ValueError(f"could not read weights from {w_file} (truncated or corrupted?): {err}") from err
     except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"could not read weights from {w_file} (truncated or corrupted?): {err}") from err
     if missing or unexpected:

@@ -64,9 +64,7 @@ class KVCache:
         """The cache of the samples ``index`` (a ``(b',)`` long tensor), e.g. to repeat or reorder."""
 
         def sel(t: Tensor | None) -> Tensor | None:
-            if t is None:
-                return None
-            return t if t.shape[0] == 1 and index.numel() != 1 else t.index_select(0, index)
+            return None if t is None else t.index_select(0, index)
 
         return replace(
             self,
@@ -272,7 +270,7 @@ class AttentionLayers(Configurable, nn.Module):
             positions = positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
         rotary = None
         if self.rotary is not None:
-            angles = self.rotary(positions)  # (b|1, 1, n, d_rot)
+            angles = self.rotary(positions, dtype=x.dtype)  # (b|1, 1, n, d_rot), float32 or wider
             rotary = (angles, angles)
         bias = None
         all_positions = positions if cache is None else torch.cat(_broadcast_batch(cache.positions, positions), dim=1)
@@ -306,6 +304,8 @@ class AttentionLayers(Configurable, nn.Module):
                 out = block(norm(x))
             x = x + out
         x = self.final_norm(x)
+        if mask is not None:  # padded positions leave as exact zeros (and pass back no gradient)
+            x = torch.where(mask[..., None], x, 0.0)
         if not return_cache:
             return x
         count = torch.full((b,), n, device=device, dtype=torch.long) if mask is None else mask.sum(1)

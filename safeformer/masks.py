@@ -245,7 +245,7 @@ def safe_cross_entropy(
     valid = flat_target != ignore_index
     safe_logits = torch.where(valid[:, None], flat_logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     safe_target = torch.where(valid, flat_target, torch.zeros_like(flat_target))
-    losses = F.cross_entropy(safe_logits.float(), safe_target, reduction="none", label_smoothing=label_smoothing)
+    losses = F.cross_entropy(safe_logits.to(torch.promote_types(logits.dtype, torch.float32)), safe_target, reduction="none", label_smoothing=label_smoothing)
     losses = torch.where(valid, losses, torch.zeros_like(losses))
     if reduction == "none":
         return losses.reshape(target.shape)

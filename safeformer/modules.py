@@ -120,13 +120,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if dim % 2 != 0 or dim <= 0:
             raise ValueError(f"rotary_emb_dim must be a positive even number, got {dim}")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim, self.theta = dim, theta
 
-    def forward(self, positions: Tensor) -> Tensor:
-        """``positions (b, n)`` -> angles ``(b, 1, n, dim)`` in float32 (float64 for float64 positions)."""
-        dtype = torch.float64 if positions.dtype == torch.float64 else torch.float32
-        freqs = positions.to(dtype)[..., None] * self.inv_freq.to(dtype)  # (b, n, dim/2)
+    def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``positions (b, n)`` -> angles ``(b, 1, n, dim)`` in ``dtype`` (float32, or float64 for a
+        float64 model); never lower, whatever dtype the module's buffers were cast to."""
+        dtype = torch.promote_types(dtype, torch.float32)
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, device=positions.device, dtype=dtype) / self.dim))
+        freqs = positions.to(dtype)[..., None] * inv_freq  # (b, n, dim/2)
         freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # (b, n, dim)
         return freqs[:, None]
 
@@ -258,13 +259,28 @@ class Attention(nn.Module):
             ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache. Rows that may attend
             to no key are exactly 0 after the output projection, and pass zero gradient (S2).
         """
-        q = rearrange(self.to_q(x), "b i (h d) -> b h i d", h=self.heads)
+        b, i = x.shape[:2]
+        source = x if context is None else context
+        if kv is not None:
+            j = kv[0].shape[2]
+        else:
+            j = source.shape[1] + (past_kv[0].shape[2] if past_kv is not None else 0)
+        rows_ok, keys_ok = _alive(mask, causal, b, self.heads, i, j, x.device)
+        # select masked inputs away *before* the projections: a NaN there would otherwise reach the
+        # projection weights' gradients (0 * NaN) even though attend() never uses it
+        if rows_ok is not None:
+            x_q = torch.where(rows_ok[..., None], x, 0.0)  # (b, i, c)
+        else:
+            x_q = x
+        q = rearrange(self.to_q(x_q), "b i (h d) -> b h i d", h=self.heads)
         if self.q_norm is not None:
             q = self.q_norm(q)
         if kv is not None:
             k, v = kv
         else:
-            k, v = self.project_kv(x if context is None else context)
+            if keys_ok is not None:
+                source = torch.where(keys_ok[:, j - source.shape[1]:, None], source, 0.0)  # new keys only
+            k, v = self.project_kv(source)
             if rotary is not None:
                 k = apply_rotary(k, rotary[1])
             if past_kv is not None:
@@ -277,20 +293,23 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
         )  # (b, h, i, d)
         out = self.to_out(rearrange(out, "b h i d -> b i (h d)"))
-        if self.to_out.bias is not None:  # a bias would move dead rows off zero: select them back
-            alive = _alive_queries(mask, causal, x.shape[0], x.shape[1], k.shape[2], x.device)
-            if alive is not None:
-                out = torch.where(alive, out, 0.0)
+        if self.to_out.bias is not None and rows_ok is not None:  # a bias would move dead rows off 0
+            out = torch.where(rows_ok[..., None], out, 0.0)
         return out, (k, v)
 
 
-def _alive_queries(mask: Tensor | None, causal: bool, b: int, i: int, j: int, device) -> Tensor | None:
-    """``(b|1, i, 1)``: whether each query may attend to some key (any head), or None if all may."""
+def _alive(mask: Tensor | None, causal: bool, b: int, h: int, i: int, j: int, device) -> tuple[Tensor | None, Tensor | None]:
+    """Which queries ``(b|1, i)`` may attend to some key and which keys ``(b|1, j)`` some query may see
+    (in any head); ``(None, None)`` when every query and key is live."""
     if j == 0:
-        return torch.zeros(1, 1, 1, dtype=torch.bool, device=device)
-    m = None if mask is None else as_attention_mask(mask, b, 1 if mask.dim() < 4 else mask.shape[1], i, j)
-    c = causal_mask(i, j, device=device) if causal and i > j else None
-    combined = combine_masks(m, c)
+        return torch.zeros(1, i, dtype=torch.bool, device=device), torch.zeros(1, 0, dtype=torch.bool, device=device)
+    m = None if mask is None else as_attention_mask(mask, b, h, i, j)
+    if m is not None and m.device != torch.device(device):
+        raise ValueError(f"mask is on {m.device}, expected {device} (the device of the inputs)")
+    c = causal_mask(i, j, device=device) if causal and (i > j or (m is not None and i > 1)) else None
+    combined = combine_masks(m, c)  # (b|1, h|1, i|1, j|1)
     if combined is None:
-        return None
-    return combined.any(dim=-1).any(dim=1)[..., None]
+        return None, None
+    rows = combined.any(dim=-1).any(dim=1).expand(combined.shape[0], i)
+    keys = combined.any(dim=-2).any(dim=1).expand(combined.shape[0], j)
+    return rows, keys

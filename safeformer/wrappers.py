@@ -26,6 +26,13 @@ def _check_layers(attn_layers) -> None:
         )
 
 
+def _check_tokens(x, name: str) -> None:
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
+    if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
+        raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype}")
+
+
 class _Wrapper(Configurable, nn.Module):
     """Shared plumbing: positions, the optional absolute embedding, the finite-input check."""
 
@@ -47,6 +54,10 @@ class _Wrapper(Configurable, nn.Module):
         return positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
 
     def _check_context(self, context, context_mask, check: bool) -> None:
+        if context is not None and context_mask is not None:
+            if not isinstance(context, Tensor) or context.dim() != 3:
+                raise ValueError(f"context must have shape (b, j, dim_context), got {getattr(context, 'shape', type(context))}")
+            validate_mask(context_mask, "context_mask", shape=tuple(context.shape[:2]), device=context.device)
         if check and context is not None:
             _check_finite(context, context_mask, "context")
 
@@ -70,6 +81,7 @@ class TransformerWrapper(_Wrapper):
         emb_dropout: dropout on the embeddings.
         use_abs_pos_emb: learned absolute positions (skipped when the layers use rotary or ALiBi).
         tie_embedding: the output projection shares the token embedding's weights.
+        return_only_embed: no output projection: the model returns hidden states (an encoder).
         logits_dim: output size (default ``num_tokens``).
         check_finite: by default, check that real positions of float inputs (``context``) are finite
             and raise ``ValueError`` naming the argument otherwise (S9); costs a device sync.
@@ -90,6 +102,7 @@ class TransformerWrapper(_Wrapper):
         use_abs_pos_emb: bool = True,
         tie_embedding: bool = False,
         logits_dim: int | None = None,
+        return_only_embed: bool = False,
         check_finite: bool = False,
     ):
         super().__init__()
@@ -97,7 +110,7 @@ class TransformerWrapper(_Wrapper):
         self._set_config(
             num_tokens=num_tokens, max_seq_len=max_seq_len, attn_layers=attn_layers, emb_dropout=emb_dropout,
             use_abs_pos_emb=use_abs_pos_emb, tie_embedding=tie_embedding, logits_dim=logits_dim,
-            check_finite=check_finite,
+            return_only_embed=return_only_embed, check_finite=check_finite,
         )
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
@@ -110,7 +123,9 @@ class TransformerWrapper(_Wrapper):
         self._init_positions(dim, max_seq_len, use_abs_pos_emb)
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.tie_embedding = tie_embedding
-        self.to_logits = None if tie_embedding else nn.Linear(dim, logits_dim or num_tokens, bias=False)
+        self.return_only_embed = return_only_embed
+        has_head = not (tie_embedding or return_only_embed)
+        self.to_logits = nn.Linear(dim, logits_dim or num_tokens, bias=False) if has_head else None
         self.check_finite = check_finite
 
     def forward(
@@ -145,10 +160,7 @@ class TransformerWrapper(_Wrapper):
         Returns:
             logits ``(b, n, v)`` (or embeddings / pooled), and the cache if ``return_cache``.
         """
-        if not isinstance(x, Tensor) or x.dim() != 2:
-            raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-        if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-            raise TypeError(f"x must hold integer token ids, got dtype {x.dtype}")
+        _check_tokens(x, "x")
         b, n = x.shape
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
@@ -159,7 +171,7 @@ class TransformerWrapper(_Wrapper):
         h, new_cache = h if return_cache else (h, None)
         if return_pooled:
             out = masked_mean(h, mask, dim=1)  # (b, c)
-        elif return_embeddings:
+        elif return_embeddings or self.return_only_embed:
             out = h
         else:
             out = h @ self.token_emb.weight.t() if self.tie_embedding else self.to_logits(h)  # (b, n, v)
@@ -304,7 +316,7 @@ class XTransformer(Configurable, nn.Module):
                       use_rmsnorm=use_rmsnorm, attn_dropout=attn_dropout, ff_dropout=ff_dropout)
         self.encoder = TransformerWrapper(
             num_tokens=enc_num_tokens, max_seq_len=enc_max_seq_len,
-            attn_layers=Encoder(depth=enc_depth, heads=enc_heads, **shared),
+            attn_layers=Encoder(depth=enc_depth, heads=enc_heads, **shared), return_only_embed=True,
         )
         self.decoder = TransformerWrapper(
             num_tokens=dec_num_tokens, max_seq_len=dec_max_seq_len,
@@ -334,6 +346,7 @@ class XTransformer(Configurable, nn.Module):
                 sample's source is dropped this way with probability ``cond_drop_prob``.
             tgt_mask: ``(b, n)`` target padding mask (True = real).
         """
+        _check_tokens(src, "src")
         enc = self.encode(src, mask)
         context_mask = mask
         if self.training and self.cond_drop_prob > 0:
@@ -341,7 +354,7 @@ class XTransformer(Configurable, nn.Module):
             keep = torch.rand(b, device=enc.device) >= self.cond_drop_prob  # (b,)
             context_mask = keep[:, None].expand(b, j) if mask is None else mask & keep[:, None]
         return _next_token_loss(self.decoder, tgt, tgt_mask, self.ignore_index, self.pad_value,
-                                context=enc, context_mask=context_mask)
+                                name="tgt", mask_name="tgt_mask", context=enc, context_mask=context_mask)
 
     @torch.no_grad()
     def generate(
@@ -398,19 +411,29 @@ class XTransformer(Configurable, nn.Module):
             self.train(was_training)
 
 
-def _next_token_loss(net, tokens: Tensor, mask: Tensor | None, ignore_index: int, pad_value: int, **kwargs) -> Tensor:
-    """Shifted next-token loss of a ``TransformerWrapper`` on ``tokens (b, n)``."""
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens must have shape (b, n), got {tuple(tokens.shape)}")
+def _next_token_loss(
+    net, tokens: Tensor, mask: Tensor | None, ignore_index: int, pad_value: int, *,
+    name: str = "x", mask_name: str = "mask", **kwargs,
+) -> Tensor:
+    """Shifted next-token loss of a ``TransformerWrapper`` on ``tokens (b, n)``.
+
+    A target counts when it and the position that predicts it are both real (not ``ignore_index``,
+    not masked), so a left-padded sample scores exactly the targets it would score alone.
+    """
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(tokens, 'shape', type(tokens))}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
     if mask is not None:
-        validate_mask(mask, "mask", shape=tuple(tokens.shape), device=tokens.device)
+        validate_mask(mask, mask_name, shape=tuple(tokens.shape), device=tokens.device)
     real = tokens != ignore_index
     if mask is not None:
         real = real & mask
     inp, target = tokens[:, :-1], tokens[:, 1:]
     inp = torch.where(real[:, :-1], inp, torch.full_like(inp, pad_value))  # ignored ids are not looked up
-    # without a user mask, keep the mask-free causal path (flash-eligible); ignored targets don't count
-    inp_mask = None if mask is None else real[:, :-1]
-    target = torch.where(real[:, 1:], target, torch.full_like(target, ignore_index))
+    # ignored inputs (ignore_index, or mask False) are padding: masked, so left padding changes nothing (S4)
+    inp_mask = real[:, :-1]
+    counted = real[:, 1:] & real[:, :-1]
+    target = torch.where(counted, target, torch.full_like(target, ignore_index))
     logits = net(inp, mask=inp_mask, **kwargs)
     return safe_cross_entropy(logits, target, ignore_index=ignore_index)

@@ -1,0 +1,1192 @@
+"""Shared helpers for the model-stack tests (modules, layers, wrappers, checkpoints, contract).
+
+What is here:
+- assertions that NaN can never pass (``assert_finite``, ``assert_close``, ``assert_bitwise``,
+  ``assert_zero``) and dtype-tied tolerances;
+- plain float64 references written with loops: one attention head at a time, norms, feed-forward,
+  rotary (as a complex rotation), ALiBi, and a whole pre-norm layer stack;
+- SDPA stand-ins for ``safeformer.substitute_kernel``: one that records what the kernel receives, and
+  one that writes NaN into every dead row (S6);
+- hypothesis strategies for padding / context masks with dead rows on purpose (``scenarios``);
+- one small "case" per public module (``CASES``): a factory, an input builder, how to run it, which
+  rows of which attention are dead, how to plant garbage in masked positions, how to run a sample
+  alone, and how to decode with a KV cache. ``test_contract_models.py`` runs every clause over them.
+
+Shape legend: b batch, n sequence positions, i queries, j keys / context positions, h query heads,
+h_kv key/value heads, d head dim, c model width, c_ctx context width, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from hypothesis import settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import safeformer as sf
+
+NAN, INF = float("nan"), float("inf")
+
+# Tiny sizes: every test file of the model stack together must run in about a minute on 2 cores.
+DIM, HEADS, DIM_HEAD, CTX_DIM = 16, 2, 8, 12
+VOCAB, MAX_SEQ = 19, 16
+SDPA_BACKENDS = ("auto", "math", "flash")  # the SDPA backends that exist on CPU
+ALL_BACKENDS = SDPA_BACKENDS + ("reference",)
+
+
+def n_examples(k: int) -> int:
+    """``k`` hypothesis examples, or more under a thorough profile (``HYPOTHESIS_PROFILE=thorough``)."""
+    return max(k, settings.default.max_examples // 4) if settings.default.max_examples > 25 else k
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run with one intra-op thread: tiny tensors run faster so, and the machine is shared."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------------------------------
+# assertions and tolerances
+# ----------------------------------------------------------------------------------------------------
+
+# (atol, rtol) against a float64 reference computed from the same weights and inputs.
+TOL = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (6e-2, 6e-2),
+    torch.float16: (8e-3, 8e-3),
+}
+
+
+def assert_finite(t: Tensor | None, what: str) -> None:
+    """Fail unless ``t`` is a tensor without NaN or inf."""
+    assert t is not None, f"{what} is None (no gradient reached it)"
+    bad = ~torch.isfinite(t.detach())
+    assert not bool(bad.any()), f"{what} holds {int(bad.sum())} non-finite value(s), first at {tuple(bad.nonzero()[0].tolist())}"
+
+
+def assert_close(actual: Tensor, expected: Tensor, what: str, dtype: torch.dtype | None = None, scale_atol: bool = True) -> None:
+    """``actual`` equals ``expected`` within the tolerance of ``dtype`` (default: actual's dtype); NaN fails.
+
+    The absolute tolerance grows with the largest magnitude of ``expected`` when ``scale_atol``.
+    """
+    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert_finite(actual, what)
+    assert_finite(expected, f"expected {what}")
+    if actual.numel() == 0:
+        return
+    atol, rtol = TOL[dtype or actual.dtype]
+    a, e = actual.detach().double(), expected.detach().double()
+    if scale_atol:
+        atol = atol * max(1.0, float(e.abs().max()))
+    err = (a - e).abs()
+    ok = err <= atol + rtol * e.abs()
+    if not bool(ok.all()):
+        k = int((err - rtol * e.abs()).flatten().argmax())
+        idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(k), a.shape))
+        raise AssertionError(
+            f"{what}: max error {float(err.max()):.3g}; at {idx} got {float(a.flatten()[k]):.8g}, "
+            f"expected {float(e.flatten()[k]):.8g} (atol {atol:.3g}, rtol {rtol})"
+        )
+
+
+def assert_bitwise(actual: Tensor, expected: Tensor, what: str) -> None:
+    """Same shape, dtype and bits; NaN never passes."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        f"{what}: {tuple(actual.shape)} {actual.dtype} vs {tuple(expected.shape)} {expected.dtype}"
+    )
+    assert_finite(actual, what)
+    actual, expected = actual.detach(), expected.detach()
+    diff = actual != expected
+    assert not bool(diff.any()), (
+        f"{what} differs at {int(diff.sum())} element(s), first at {tuple(diff.nonzero()[0].tolist())}: "
+        f"{float(actual[diff][0])} vs {float(expected[diff][0])}"
+    )
+
+
+def assert_zero(t: Tensor | None, what: str, none_ok: bool = False) -> None:
+    """Every element of ``t`` is exactly ``0.0`` (``None`` = no gradient path, allowed if ``none_ok``)."""
+    if t is None:
+        assert none_ok, f"{what} is None"
+        return
+    t = t.detach()
+    nz = t != 0  # NaN != 0
+    assert not bool(nz.any()), (
+        f"{what} must be exactly 0, has {int(nz.sum())} nonzero element(s), first {float(t[nz][0])} at "
+        f"{tuple(nz.nonzero()[0].tolist())}"
+    )
+
+
+def param_grads(model: nn.Module) -> dict[str, Tensor | None]:
+    """``{name: grad clone}`` for every parameter (``None`` where no gradient arrived)."""
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def seeded_module(factory: Callable[[], nn.Module], seed: int = 0, perturb_norms: bool = True) -> nn.Module:
+    """Build ``factory()`` with seeded weights; norm gains/biases get noise so they are not 1/0."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = factory()
+        if perturb_norms:
+            with torch.no_grad():
+                for m in model.modules():
+                    if isinstance(m, (nn.LayerNorm, sf.RMSNorm)):
+                        for p in m.parameters():
+                            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def copy_weights(dst: nn.Module, src: nn.Module) -> nn.Module:
+    """Load ``src``'s weights into ``dst`` (casting dtypes) and return ``dst``."""
+    dst.load_state_dict({k: v.to(dst.state_dict()[k].dtype) for k, v in src.state_dict().items()})
+    return dst
+
+
+def set_backend(model: nn.Module, backend: str) -> nn.Module:
+    """Set the ``attend`` backend of every ``Attention`` inside ``model`` (for modules without the argument)."""
+    for m in model.modules():
+        if isinstance(m, sf.Attention):
+            m.backend = backend
+    return model
+
+
+def attention_modules(model: nn.Module) -> list[sf.Attention]:
+    return [m for m in model.modules() if isinstance(m, sf.Attention)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# float64 references, written as plainly as possible
+# ----------------------------------------------------------------------------------------------------
+
+
+def ref_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * weight
+
+
+def ref_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """float64 reference of a safeformer norm module (``nn.LayerNorm`` or ``RMSNorm``)."""
+    if isinstance(norm, nn.LayerNorm):
+        return ref_layer_norm(x, norm.weight.detach().double(), norm.bias.detach().double(), norm.eps)
+    assert isinstance(norm, sf.RMSNorm), type(norm)
+    return ref_rms_norm(x, norm.weight.detach().double(), norm.eps)
+
+
+def ref_gelu(x: Tensor) -> Tensor:
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def ref_silu(x: Tensor) -> Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def ref_feed_forward(ff: sf.FeedForward, x: Tensor) -> Tensor:
+    """float64 reference of ``FeedForward``: Linear, activation (or gate), Linear."""
+    w1, b1 = ff.proj_in.weight.detach().double(), ff.proj_in.bias.detach().double()
+    w2, b2 = ff.proj_out.weight.detach().double(), ff.proj_out.bias.detach().double()
+    act = ref_silu if isinstance(ff.act, nn.SiLU) else ref_gelu
+    h = x @ w1.T + b1
+    if ff.glu:
+        half = h.shape[-1] // 2
+        h = h[..., :half] * act(h[..., half:])
+    else:
+        h = act(h)
+    return h @ w2.T + b2
+
+
+def ref_rotate(t: Tensor, pos: Tensor, rot_dim: int, theta: float) -> Tensor:
+    """Rotate features ``(2p, 2p+1)`` of ``t (n, d)`` by angle ``pos * theta ** (-2p / rot_dim)`` (complex product)."""
+    out = t.clone()
+    for p in range(rot_dim // 2):
+        freq = theta ** (-2.0 * p / rot_dim)
+        ang = pos.double() * freq
+        z = torch.complex(t[:, 2 * p], t[:, 2 * p + 1]) * torch.polar(torch.ones_like(ang), ang)
+        out[:, 2 * p], out[:, 2 * p + 1] = z.real, z.imag
+    return out
+
+
+def ref_alibi_slopes(heads: int) -> list[float]:
+    """The ALiBi slopes of the paper: geometric from ``2 ** (-8 / n)``; for non-powers of two the
+    closest power of two, then every other slope of twice that many."""
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (k + 1) / n) for k in range(n)]
+
+    if heads & (heads - 1) == 0:
+        return geometric(heads)
+    closest = 2 ** int(math.floor(math.log2(heads)))
+    return geometric(closest) + geometric(2 * closest)[0::2][: heads - closest]
+
+
+def ref_attention(
+    attn: sf.Attention,
+    x: Tensor,
+    context: Tensor | None = None,
+    *,
+    allowed: Tensor | None = None,
+    causal: bool = False,
+    q_pos: Tensor | None = None,
+    k_pos: Tensor | None = None,
+    rot_dim: int = 0,
+    theta: float = 10000.0,
+    alibi: bool = False,
+) -> Tensor:
+    """float64 multi-head attention with ``attn``'s weights, one sample and one head at a time.
+
+    Args:
+        attn: the module whose weights are used.
+        x: ``(b, i, c)`` queries' input.
+        context: ``(b, j, c_ctx)`` or ``None`` (self-attention).
+        allowed: bool ``(b, h, i, j)`` (or broadcastable), True = may attend.
+        causal: also require ``key <= query + (j - i)``.
+        q_pos, k_pos: ``(b, i)`` and ``(b, j)`` positions for rotary (``rot_dim > 0``) or ALiBi.
+        rot_dim, theta: rotary features per head and base.
+        alibi: add ``-slope_h * |q_pos - k_pos|``.
+
+    Returns:
+        ``(b, i, c)``; a query that may attend to no key in any head gives exactly 0.
+    """
+    P = {n: p.detach().double() for n, p in attn.named_parameters()}
+    x = x.detach().double()
+    src = x if context is None else context.detach().double()
+    b, i, _ = x.shape
+    j = src.shape[1]
+    h, hkv, d = attn.heads, attn.kv_heads, attn.dim_head
+    ok = torch.ones(b, h, i, j, dtype=torch.bool)
+    if allowed is not None:
+        ok = ok & allowed.expand(b, h, i, j)
+    if causal:
+        for qi in range(i):
+            for kj in range(j):
+                if kj > qi + (j - i):
+                    ok[:, :, qi, kj] = False
+    slopes = ref_alibi_slopes(h)
+    out = torch.zeros(b, i, P["to_out.weight"].shape[0], dtype=torch.float64)
+    for s in range(b):
+        heads_out = []
+        for hq in range(h):
+            g = hq // (h // hkv)
+            rows_q, rows_kv = slice(hq * d, (hq + 1) * d), slice(g * d, (g + 1) * d)
+            q = x[s] @ P["to_q.weight"][rows_q].T
+            k = src[s] @ P["to_k.weight"][rows_kv].T
+            v = src[s] @ P["to_v.weight"][rows_kv].T
+            if "to_q.bias" in P:
+                q, k, v = q + P["to_q.bias"][rows_q], k + P["to_k.bias"][rows_kv], v + P["to_v.bias"][rows_kv]
+            if attn.q_norm is not None:
+                q = ref_rms_norm(q, P["q_norm.weight"], attn.q_norm.eps)
+                k = ref_rms_norm(k, P["k_norm.weight"], attn.k_norm.eps)
+            if rot_dim:
+                q = ref_rotate(q, q_pos[s], rot_dim, theta)
+                k = ref_rotate(k, k_pos[s], rot_dim, theta)
+            logits = (q @ k.T) / math.sqrt(d)
+            if alibi:
+                logits = logits - slopes[hq] * (q_pos[s][:, None] - k_pos[s][None, :]).abs().double()
+            o = torch.zeros(i, d, dtype=torch.float64)
+            for qi in range(i):
+                idx = ok[s, hq, qi].nonzero().flatten()
+                if idx.numel() == 0:
+                    continue  # a dead row contributes nothing
+                row = logits[qi, idx]
+                w = torch.exp(row - row.max())
+                o[qi] = (w / w.sum()) @ v[idx]
+            heads_out.append(o)
+        y = torch.cat(heads_out, dim=-1) @ P["to_out.weight"].T
+        if "to_out.bias" in P:
+            y = y + P["to_out.bias"]
+        dead = ~ok[s].any(-1).any(0)  # (i,): dead in every head
+        y[dead] = 0.0
+        out[s] = y
+    return out
+
+
+def ref_positions(mask: Tensor | None, b: int, n: int, offset: Tensor | None = None) -> Tensor:
+    """Position of each real token = number of real tokens before it (padding: don't care)."""
+    if mask is None:
+        pos = torch.arange(n).expand(b, n)
+    else:
+        pos = torch.stack([torch.tensor([int(mask[s, :t].sum()) for t in range(n)], dtype=torch.long) for s in range(b)]) if n else torch.zeros(b, 0, dtype=torch.long)
+    return pos if offset is None else pos + offset[:, None]
+
+
+def ref_stack(
+    layers: sf.AttentionLayers,
+    x: Tensor,
+    *,
+    mask: Tensor | None = None,
+    context: Tensor | None = None,
+    context_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    positions: Tensor | None = None,
+) -> Tensor:
+    """float64 reference of ``AttentionLayers.forward`` (pre-norm; no cache) from its weights.
+
+    ``attn_mask`` ``(b, n, n)`` or ``(n, n)`` further restricts self-attention; ``positions`` ``(b, n)``
+    replaces the default positions. Compare only real positions: the position given to a padded
+    query is not part of the contract.
+    """
+    x = x.detach().double()
+    b, n, _ = x.shape
+    if mask is not None:
+        x = x * mask[..., None].double()
+    key_ok = torch.ones(b, 1, 1, n, dtype=torch.bool) if mask is None else mask[:, None, None, :]
+    if attn_mask is not None:
+        key_ok = key_ok & (attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None])
+    pos = ref_positions(mask, b, n) if positions is None else positions.expand(b, n)
+    cfg = layers._sf_config
+    rot_dim = 0
+    if cfg["rotary_pos_emb"]:
+        rot_dim = cfg["rotary_emb_dim"] or cfg["dim_head"] // 2
+    ctx = None
+    if context is not None:
+        ctx = context.detach().double()
+        ctx_ok = torch.ones(b, 1, 1, ctx.shape[1], dtype=torch.bool) if context_mask is None else context_mask[:, None, None, :]
+        if context_mask is not None:
+            ctx = torch.where(context_mask[..., None], ctx, torch.zeros((), dtype=torch.float64))
+    for kind, (norm, block) in zip(layers.layer_kinds, layers.layers):
+        hn = ref_norm(norm, x)
+        if kind == "self":
+            out = ref_attention(block, hn, allowed=key_ok, causal=layers.causal, q_pos=pos, k_pos=pos,
+                                rot_dim=rot_dim, theta=cfg["rotary_theta"], alibi=cfg["alibi_pos_bias"])
+        elif kind == "cross":
+            if ctx is None:
+                continue
+            out = ref_attention(block, hn, ctx, allowed=ctx_ok)
+        else:
+            out = ref_feed_forward(block, hn)
+        x = x + out
+    return ref_norm(layers.final_norm, x)
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels for substitute_kernel
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KernelCall:
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    mask_shape: tuple[int, ...] | None
+    mask_dtype: torch.dtype | None
+    is_causal: bool
+    enable_gqa: bool
+    max_abs_logit: float
+
+
+class RecordingKernel:
+    """SDPA that records what it receives (mask shape/dtype, is_causal, the largest |logit|)."""
+
+    def __init__(self) -> None:
+        self.calls: list[KernelCall] = []
+
+    def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        with torch.no_grad():
+            kk = k.float()
+            if kk.shape[1] != q.shape[1]:
+                kk = kk.repeat_interleave(q.shape[1] // kk.shape[1], dim=1)
+            logits = (q.float() @ kk.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+            top = float(logits.abs().max()) if logits.numel() else 0.0
+        self.calls.append(KernelCall(
+            tuple(q.shape), tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape),
+            None if attn_mask is None else attn_mask.dtype, bool(is_causal), bool(enable_gqa), top,
+        ))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+class NaNDeadRowKernel:
+    """A kernel that misbehaves on dead rows (S6): it runs the real SDPA, then writes NaN into
+
+    - every row whose ``attn_mask`` row lets it see no key (all False, or all -inf), and
+    - every row the test knows to be dead: ``dead[role]`` is a ``(b, i)`` bool tensor and ``role`` the
+      role of the ``Attention`` now running (set by ``track_roles``).
+    ``self.poisoned`` counts the rows it set to NaN, so a test can show that it fired.
+    """
+
+    def __init__(self, dead: dict[str, Tensor]):
+        self.dead = dead
+        self.role: str | None = None
+        self.poisoned = 0
+
+    def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        b, h, i, _ = out.shape
+        bad = torch.zeros(b, h, i, 1, dtype=torch.bool)
+        if attn_mask is not None:
+            sees = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+            bad = bad | ~sees.any(-1, keepdim=True)
+        known = self.dead.get(self.role) if self.role is not None else None
+        if known is not None and tuple(known.shape) == (b, i):
+            bad = bad | known[:, None, :, None]
+        bad = bad.expand(b, h, i, 1)
+        self.poisoned += int(bad.any(1).sum())
+        return torch.where(bad, torch.full((), NAN, dtype=out.dtype), out)
+
+
+@contextlib.contextmanager
+def track_roles(model: nn.Module, roles: dict[int, str], kernel: NaNDeadRowKernel) -> Iterator[None]:
+    """While inside, ``kernel.role`` names the ``Attention`` that is running (by ``roles[id(module)]``)."""
+    handles = []
+    for m in attention_modules(model):
+        role = roles.get(id(m))
+
+        def pre(_mod, _args, role=role):
+            kernel.role = role
+
+        handles.append(m.register_forward_pre_hook(pre))
+    try:
+        yield
+    finally:
+        for hd in handles:
+            hd.remove()
+
+
+@contextlib.contextmanager
+def capture_attention(model: nn.Module, roles: dict[int, str]) -> Iterator[list[tuple[str, sf.Attention, Tensor, tuple]]]:
+    """Record ``(role, module, output (b, i, c), positional inputs)`` of every ``Attention`` call."""
+    seen: list[tuple[str, sf.Attention, Tensor, tuple]] = []
+    handles = []
+    for m in attention_modules(model):
+        role = roles.get(id(m))
+
+        def hook(mod, args, output, role=role):
+            seen.append((role, mod, output[0], args))
+
+        handles.append(m.register_forward_hook(hook))
+    try:
+        yield seen
+    finally:
+        for hd in handles:
+            hd.remove()
+
+
+def stack_roles(layers: sf.AttentionLayers, prefix: str) -> dict[int, str]:
+    """``{id(attention): "<prefix>.self" | "<prefix>.cross"}`` for the blocks of a layer stack."""
+    return {id(block): f"{prefix}.{kind}" for kind, (_, block) in zip(layers.layer_kinds, layers.layers) if kind != "ff"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# masks with dead rows on purpose
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scenario:
+    """A batch layout: ``seq_mask (b, n)`` padding of the sequence and ``ctx_mask (b, j)`` of the context."""
+
+    seq_mask: Tensor
+    ctx_mask: Tensor
+    seed: int = 0
+
+    @property
+    def b(self) -> int:
+        return self.seq_mask.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.seq_mask.shape[1]
+
+    @property
+    def j(self) -> int:
+        return self.ctx_mask.shape[1]
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed)
+
+
+def _row(style: str, n: int, length: int, bits: list[bool]) -> list[bool]:
+    if style == "left":
+        return [False] * (n - length) + [True] * length
+    if style == "right":
+        return [True] * length + [False] * (n - length)
+    return bits
+
+
+@st.composite
+def scenarios(
+    draw,
+    *,
+    max_b: int = 3,
+    min_n: int = 1,
+    max_n: int = 6,
+    max_j: int = 5,
+    styles: tuple[str, ...] = ("left", "right", "holes"),
+    force_dead: bool = True,
+) -> Scenario:
+    """Draw a batch layout. Sequence rows are left-padded, right-padded or have holes; context rows
+    are arbitrary; ``j`` may be 0. With ``force_dead`` one sample is fully padded, or has an all-False
+    context, or both (dead rows on purpose)."""
+    b = draw(st.integers(1, max_b))
+    n = draw(st.integers(min_n, max_n))
+    j = draw(st.integers(0, max_j))
+    seq, ctx = [], []
+    for _ in range(b):
+        style = draw(st.sampled_from(styles))
+        length = draw(st.integers(0, n))
+        bits = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        seq.append(_row(style, n, length, bits))
+        ctx.append(draw(st.lists(st.booleans(), min_size=j, max_size=j)))
+    if force_dead:
+        victim = draw(st.integers(0, b - 1))
+        what = draw(st.sampled_from(("seq", "ctx", "both")))
+        if what in ("seq", "both"):
+            seq[victim] = [False] * n
+        if what in ("ctx", "both"):
+            ctx[victim] = [False] * j
+    seed = draw(st.integers(0, 2**20))
+    return Scenario(torch.tensor(seq, dtype=torch.bool).reshape(b, n), torch.tensor(ctx, dtype=torch.bool).reshape(b, j), seed)
+
+
+def fixed_scenario() -> Scenario:
+    """A hand-made layout with every kind of dead row: left padding, a fully padded sample, an all-False
+    context, right padding with a hole in the context."""
+    seq = torch.tensor([
+        [False, False, True, True, True, True],
+        [True, True, True, True, False, False],
+        [False, False, False, False, False, False],
+        [False, True, True, True, True, True],
+    ])
+    ctx = torch.tensor([
+        [True, True, False, True, False],
+        [False, False, False, False, False],
+        [True, True, True, True, True],
+        [True, True, True, False, False],
+    ])
+    return Scenario(seq, ctx, seed=1)
+
+
+def causal_dead(mask: Tensor) -> Tensor:
+    """``(b, n)``: under causal masking with key padding, a query is dead iff no real key is at or before it."""
+    return mask.long().cumsum(1) == 0
+
+
+def full_dead(mask: Tensor) -> Tensor:
+    """``(b, n)``: without causal masking, every query of a sample with no real key is dead."""
+    return (~mask.any(1, keepdim=True)).expand_as(mask)
+
+
+def ctx_dead(ctx_mask: Tensor, i: int) -> Tensor:
+    """``(b, i)``: every query of a sample whose context is empty or fully masked is dead."""
+    return (~ctx_mask.any(1, keepdim=True)).expand(ctx_mask.shape[0], i)
+
+
+# ----------------------------------------------------------------------------------------------------
+# one small case per public module
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    """The inputs of one call: ``args`` positional, ``kwargs`` keyword; ``leaves`` the float tensors
+    that take gradients (by name, also found in args/kwargs)."""
+
+    args: list
+    kwargs: dict
+    leaves: dict[str, Tensor] = field(default_factory=dict)
+    planted: dict[str, Tensor] = field(default_factory=dict)  # leaf name -> (b, n) where garbage was put
+
+
+class Case:
+    """A public module and how to drive it; subclasses fill in the specifics."""
+
+    name = "case"
+    has_context = False
+    decodes = False  # has a KV-cache path
+    scalar_output = False  # XTransformer returns a loss
+
+    def make(self, backend: str = "auto") -> nn.Module:
+        raise NotImplementedError
+
+    def build(self, backend: str = "auto", dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The module with this case's fixed weights, on ``backend``, in ``dtype``."""
+        return seeded_module(lambda: self.make(backend)).to(dtype)
+
+    def inputs(self, sc: Scenario, dtype: torch.dtype = torch.float32) -> Inputs:
+        raise NotImplementedError
+
+    def run(self, model: nn.Module, inp: Inputs) -> Tensor:
+        return model(*inp.args, **inp.kwargs)
+
+    def key_len(self, sc: Scenario, role: str) -> int:
+        """How many keys the attention of ``role`` sees (0: it never reaches a kernel)."""
+        return sc.j if role.endswith("cross") else sc.n
+
+    def real(self, sc: Scenario) -> Tensor | None:
+        """``(b, n)`` output rows that belong to real positions (the ones S4 compares)."""
+        return sc.seq_mask
+
+    def roles(self, model: nn.Module) -> dict[int, str]:
+        raise NotImplementedError
+
+    def dead(self, sc: Scenario) -> dict[str, Tensor]:
+        """``{role: (b, i) dead queries}`` for each attention role."""
+        raise NotImplementedError
+
+    def plant(self, inp: Inputs, sc: Scenario, value: float) -> Inputs:
+        """The same inputs with ``value`` (or garbage ids) at every masked position."""
+        raise NotImplementedError
+
+    def alone(self, inp: Inputs, sc: Scenario, s: int) -> Inputs:
+        """Sample ``s`` alone, its padding removed."""
+        raise NotImplementedError
+
+    def decode(self, model: nn.Module, inp: Inputs, sc: Scenario, prefix: int) -> Tensor:
+        """Run the first ``prefix`` positions at once, then one position per step with the KV cache."""
+        raise NotImplementedError
+
+    def bad_calls(self, model: nn.Module, inp: Inputs) -> list[tuple[str, Callable[[], object], type, str]]:
+        """S9: ``(what, call, exception type, text the message must contain)``."""
+        raise NotImplementedError
+
+    def unknown_kwarg(self) -> Callable[[], object]:
+        raise NotImplementedError
+
+    def pooled(self, model: nn.Module, inp: Inputs, sc: Scenario) -> tuple[Tensor, Tensor]:
+        """S8: ``(pooled (b, c), per-position outputs (b, n, c))``, the mean over real positions."""
+        out = self.run(model, inp)
+        return sf.masked_mean(out, sc.seq_mask, dim=1), out
+
+
+def _randn(g: torch.Generator, *shape: int, dtype=torch.float32, grad: bool = True) -> Tensor:
+    t = torch.randn(*shape, generator=g).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def _plant_float(t: Tensor, where: Tensor, value: float) -> Tensor:
+    """``t`` with ``value`` at positions ``where (b, n)``, as a new leaf with the same requires_grad."""
+    out = t.detach().clone()
+    out[where] = value
+    return out.requires_grad_(t.requires_grad)
+
+
+def _garbage_ids(ids: Tensor, where: Tensor, g: torch.Generator) -> Tensor:
+    junk = torch.randint(-(10**6), 10**6, ids.shape, generator=g)
+    return torch.where(where, junk, ids)
+
+
+class AttentionSelfCase(Case):
+    """``Attention`` as causal self-attention with GQA, qk-norm and projection biases; the mask kills
+    padded rows and padded keys: ``(b, i, j) = pad_q & pad_k`` (+ causal)."""
+
+    name = "Attention-self"
+    decodes = True
+
+    def make(self, backend="auto"):
+        return sf.Attention(DIM, heads=4, dim_head=DIM_HEAD, kv_heads=2, qk_norm=True, bias=True, backend=backend)
+
+    @staticmethod
+    def mask_of(seq_mask: Tensor) -> Tensor:
+        return seq_mask[:, :, None] & seq_mask[:, None, :]  # (b, i, j)
+
+    def inputs(self, sc, dtype=torch.float32):
+        x = _randn(sc.generator(), sc.b, sc.n, DIM, dtype=dtype)
+        return Inputs([x], dict(mask=self.mask_of(sc.seq_mask), causal=True), {"x": x})
+
+    def run(self, model, inp):
+        return model(*inp.args, **inp.kwargs)[0]
+
+    def roles(self, model):
+        return {id(model): "self"}
+
+    def dead(self, sc):
+        return {"self": ~sc.seq_mask | causal_dead(sc.seq_mask)}
+
+    def plant(self, inp, sc, value):
+        x = _plant_float(inp.args[0], ~sc.seq_mask, value)
+        return Inputs([x], dict(inp.kwargs), {"x": x}, {"x": ~sc.seq_mask})
+
+    def alone(self, inp, sc, s):
+        x = inp.args[0][s : s + 1, sc.seq_mask[s]]
+        return Inputs([x], dict(causal=True), {"x": x})
+
+    def decode(self, model, inp, sc, prefix):
+        x, mask = inp.args[0], inp.kwargs["mask"]
+        out, kv = model(x[:, :prefix], mask=mask[:, :prefix, :prefix], causal=True)
+        outs = [out]
+        for t in range(prefix, sc.n):
+            out, kv = model(x[:, t : t + 1], mask=mask[:, t : t + 1, : t + 1], causal=True, past_kv=kv)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+    def bad_calls(self, model, inp):
+        x = inp.args[0]
+        b, n = x.shape[:2]
+        return [
+            ("int mask", lambda: model(x, mask=torch.ones(b, n, dtype=torch.long)), TypeError, "mask"),
+            ("float mask", lambda: model(x, mask=torch.ones(b, n)), TypeError, "mask"),
+            ("mask of wrong shape", lambda: model(x, mask=torch.ones(b, n + 1, dtype=torch.bool)), ValueError, "mask"),
+            ("mask of 5 dims", lambda: model(x, mask=torch.ones(b, 1, 1, n, n, dtype=torch.bool)), ValueError, "mask"),
+            ("mask on another device", lambda: model(x, mask=torch.ones(b, n, dtype=torch.bool, device="meta")), ValueError, "mask"),
+            ("context of wrong width", lambda: model(x, torch.randn(b, 3, DIM + 1)), ValueError, "context"),
+        ]
+
+    def unknown_kwarg(self):
+        return lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, qknorm=True)
+
+
+class AttentionCrossCase(Case):
+    """``Attention`` as cross-attention (GQA with one key/value head); the mask is the context padding."""
+
+    name = "Attention-cross"
+    has_context = True
+    decodes = True
+
+    def make(self, backend="auto"):
+        return sf.Attention(DIM, heads=HEADS, dim_head=DIM_HEAD, kv_heads=1, dim_context=CTX_DIM, backend=backend)
+
+    def inputs(self, sc, dtype=torch.float32):
+        g = sc.generator()
+        x = _randn(g, sc.b, sc.n, DIM, dtype=dtype)
+        ctx = _randn(g, sc.b, sc.j, CTX_DIM, dtype=dtype)
+        return Inputs([x, ctx], dict(mask=sc.ctx_mask), {"x": x, "context": ctx})
+
+    def run(self, model, inp):
+        return model(*inp.args, **inp.kwargs)[0]
+
+    def real(self, sc):
+        return torch.ones(sc.b, sc.n, dtype=torch.bool)  # the queries carry no padding here
+
+    def roles(self, model):
+        return {id(model): "cross"}
+
+    def dead(self, sc):
+        return {"cross": ctx_dead(sc.ctx_mask, sc.n)}
+
+    def plant(self, inp, sc, value):
+        x = inp.args[0].detach().clone().requires_grad_()
+        ctx = _plant_float(inp.args[1], ~sc.ctx_mask, value)
+        return Inputs([x, ctx], dict(inp.kwargs), {"x": x, "context": ctx}, {"context": ~sc.ctx_mask})
+
+    def alone(self, inp, sc, s):
+        x, ctx = inp.args[0][s : s + 1], inp.args[1][s : s + 1, sc.ctx_mask[s]]
+        return Inputs([x, ctx], {}, {"x": x, "context": ctx})
+
+    def decode(self, model, inp, sc, prefix):
+        x, ctx = inp.args
+        out, kv = model(x[:, :prefix], ctx, mask=sc.ctx_mask)
+        outs = [out]
+        for t in range(prefix, sc.n):
+            outs.append(model(x[:, t : t + 1], mask=sc.ctx_mask, kv=kv)[0])
+        return torch.cat(outs, dim=1)
+
+    def bad_calls(self, model, inp):
+        x, ctx = inp.args
+        b, j = ctx.shape[:2]
+        return [
+            ("int mask", lambda: model(x, ctx, mask=torch.ones(b, j, dtype=torch.int32)), TypeError, "mask"),
+            ("float mask", lambda: model(x, ctx, mask=torch.ones(b, j)), TypeError, "mask"),
+            ("mask of wrong shape", lambda: model(x, ctx, mask=torch.ones(b + 1, j + 1, dtype=torch.bool)), ValueError, "mask"),
+            ("mask on another device", lambda: model(x, ctx, mask=torch.ones(b, j, dtype=torch.bool, device="meta")), ValueError, "mask"),
+            ("context of wrong width", lambda: model(x, torch.randn(b, j, CTX_DIM + 2)), ValueError, "context"),
+        ]
+
+    def unknown_kwarg(self):
+        return lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, context_dim=CTX_DIM)
+
+
+class _StackCase(Case):
+    """Shared by the layer stacks: ``model(x, mask=, context=, context_mask=)``."""
+
+    causal = False
+    cls: type = sf.Encoder
+
+    def config(self) -> dict:
+        raise NotImplementedError
+
+    def make(self, backend="auto"):
+        return self.cls(**self.config(), backend=backend)
+
+    def inputs(self, sc, dtype=torch.float32):
+        g = sc.generator()
+        x = _randn(g, sc.b, sc.n, DIM, dtype=dtype)
+        kwargs: dict = dict(mask=sc.seq_mask)
+        leaves = {"x": x}
+        if self.has_context:
+            ctx = _randn(g, sc.b, sc.j, CTX_DIM, dtype=dtype)
+            kwargs.update(context=ctx, context_mask=sc.ctx_mask)
+            leaves["context"] = ctx
+        return Inputs([x], kwargs, leaves)
+
+    def roles(self, model):
+        return stack_roles(model, "main")
+
+    def dead(self, sc):
+        out = {"main.self": causal_dead(sc.seq_mask) if self.causal else full_dead(sc.seq_mask)}
+        if self.has_context:
+            out["main.cross"] = ctx_dead(sc.ctx_mask, sc.n)
+        return out
+
+    def plant(self, inp, sc, value):
+        x = _plant_float(inp.args[0], ~sc.seq_mask, value)
+        kwargs, leaves, planted = dict(inp.kwargs), {"x": x}, {"x": ~sc.seq_mask}
+        if self.has_context:
+            kwargs["context"] = leaves["context"] = _plant_float(inp.kwargs["context"], ~sc.ctx_mask, value)
+            planted["context"] = ~sc.ctx_mask
+        return Inputs([x], kwargs, leaves, planted)
+
+    def alone(self, inp, sc, s):
+        x = inp.args[0][s : s + 1, sc.seq_mask[s]]
+        kwargs, leaves = {}, {"x": x}
+        if self.has_context:
+            kwargs["context"] = leaves["context"] = inp.kwargs["context"][s : s + 1, sc.ctx_mask[s]]
+        return Inputs([x], kwargs, leaves)
+
+    def decode(self, model, inp, sc, prefix):
+        x, kw = inp.args[0], inp.kwargs
+        first = {k: v for k, v in kw.items() if k != "mask"}
+        out, cache = model(x[:, :prefix], mask=kw["mask"][:, :prefix], return_cache=True, **first)
+        outs = [out]
+        for t in range(prefix, sc.n):
+            out, cache = model(x[:, t : t + 1], mask=kw["mask"][:, t : t + 1], cache=cache, return_cache=True)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+    def bad_calls(self, model, inp):
+        x, kw = inp.args[0], inp.kwargs
+        b, n = x.shape[:2]
+        calls = [
+            ("int mask", lambda: model(x, mask=torch.ones(b, n, dtype=torch.long)), TypeError, "mask"),
+            ("float mask", lambda: model(x, mask=torch.ones(b, n)), TypeError, "mask"),
+            ("mask of wrong shape", lambda: model(x, mask=torch.ones(b, n + 1, dtype=torch.bool)), ValueError, "mask"),
+            ("(i, j) mask as padding", lambda: model(x, mask=torch.ones(n, n, dtype=torch.bool)) if b != n else model(x, mask=torch.ones(n + 1, n, dtype=torch.bool)), ValueError, "mask"),
+            ("mask on another device", lambda: model(x, mask=torch.ones(b, n, dtype=torch.bool, device="meta")), ValueError, "mask"),
+            ("x of wrong width", lambda: model(torch.randn(b, n, DIM + 1)), ValueError, "x"),
+        ]
+        if self.has_context:
+            ctx, cm = kw["context"], kw["context_mask"]
+            j = ctx.shape[1]
+            calls += [
+                ("context of wrong width", lambda: model(x, context=torch.randn(b, j, CTX_DIM + 1)), ValueError, "context"),
+                ("context of wrong batch", lambda: model(x, context=torch.randn(b + 1, j, CTX_DIM)), ValueError, "context"),
+                ("context_mask without context", lambda: model(x, context_mask=cm), ValueError, "context_mask"),
+                ("int context_mask", lambda: model(x, context=ctx, context_mask=cm.long()), TypeError, "context_mask"),
+                ("float context_mask", lambda: model(x, context=ctx, context_mask=cm.float()), TypeError, "context_mask"),
+                ("context_mask of wrong shape", lambda: model(x, context=ctx, context_mask=torch.ones(b, j + 1, dtype=torch.bool)), ValueError, "context_mask"),
+            ]
+        else:
+            calls.append(("context without cross-attention", lambda: model(x, context=torch.randn(b, 2, DIM)), ValueError, "context"))
+        return calls
+
+    def unknown_kwarg(self):
+        return lambda: self.cls(**self.config(), rotary_emb=True)
+
+
+class EncoderCase(_StackCase):
+    """``Encoder`` with ALiBi and RMSNorm."""
+
+    name = "Encoder"
+    cls = sf.Encoder
+
+    def config(self):
+        return dict(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, alibi_pos_bias=True, use_rmsnorm=True)
+
+
+class DecoderCase(_StackCase):
+    """``Decoder`` with cross-attention, rotary positions, GQA and GEGLU."""
+
+    name = "Decoder"
+    cls = sf.Decoder
+    causal = True
+    has_context = True
+    decodes = True
+
+    def config(self):
+        return dict(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, kv_heads=1, cross_attend=True,
+                    dim_context=CTX_DIM, rotary_pos_emb=True, ff_glu=True)
+
+
+class CrossAttenderCase(_StackCase):
+    """``CrossAttender`` with qk-norm and SwiGLU; ``mask`` only marks padded queries."""
+
+    name = "CrossAttender"
+    cls = sf.CrossAttender
+    has_context = True
+    decodes = True
+
+    def config(self):
+        return dict(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, dim_context=CTX_DIM, attn_qk_norm=True,
+                    ff_glu=True, ff_swish=True)
+
+    def dead(self, sc):
+        return {"main.cross": ctx_dead(sc.ctx_mask, sc.n)}
+
+    def decode(self, model, inp, sc, prefix):
+        # a CrossAttender's queries are independent: the cache only keeps the context's keys/values
+        x, kw = inp.args[0], inp.kwargs
+        out, cache = model(x[:, :prefix], mask=kw["mask"][:, :prefix], context=kw["context"],
+                           context_mask=kw["context_mask"], return_cache=True)
+        outs = [out]
+        for t in range(prefix, sc.n):
+            outs.append(model(x[:, t : t + 1], mask=kw["mask"][:, t : t + 1], cache=cache))
+        return torch.cat(outs, dim=1)
+
+    def bad_calls(self, model, inp):
+        x = inp.args[0]
+        calls = super().bad_calls(model, inp)
+        calls.append(("no context", lambda: model(x), ValueError, "context"))
+        return calls
+
+
+class TransformerWrapperCase(_StackCase):
+    """``TransformerWrapper`` over a cross-attending ``Decoder`` with absolute positions."""
+
+    name = "TransformerWrapper"
+    has_context = True
+    causal = True
+    decodes = True
+
+    def make(self, backend="auto"):
+        return sf.TransformerWrapper(
+            num_tokens=VOCAB, max_seq_len=MAX_SEQ,
+            attn_layers=sf.Decoder(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, cross_attend=True,
+                                   dim_context=CTX_DIM, backend=backend),
+        )
+
+    def roles(self, model):
+        return stack_roles(model.attn_layers, "main")
+
+    def inputs(self, sc, dtype=torch.float32):
+        g = sc.generator()
+        ids = torch.randint(0, VOCAB, (sc.b, sc.n), generator=g)
+        ctx = _randn(g, sc.b, sc.j, CTX_DIM, dtype=dtype)
+        return Inputs([ids], dict(mask=sc.seq_mask, context=ctx, context_mask=sc.ctx_mask), {"context": ctx})
+
+    def plant(self, inp, sc, value):
+        ids = _garbage_ids(inp.args[0], ~sc.seq_mask, sc.generator())
+        ctx = _plant_float(inp.kwargs["context"], ~sc.ctx_mask, value)
+        return Inputs([ids], dict(inp.kwargs, context=ctx), {"context": ctx}, {"context": ~sc.ctx_mask})
+
+    def alone(self, inp, sc, s):
+        ids = inp.args[0][s : s + 1, sc.seq_mask[s]]
+        ctx = inp.kwargs["context"][s : s + 1, sc.ctx_mask[s]]
+        return Inputs([ids], dict(context=ctx), {"context": ctx})
+
+    def bad_calls(self, model, inp):
+        ids, kw = inp.args[0], inp.kwargs
+        b, n = ids.shape
+        ctx, cm = kw["context"], kw["context_mask"]
+        j = ctx.shape[1]
+        nan_ctx = ctx.detach().clone()
+        real = cm.nonzero()
+        if len(real):
+            nan_ctx[real[0][0], real[0][1], 0] = NAN
+        else:  # no real context position: make one
+            cm = torch.ones_like(cm)
+            nan_ctx[:, :, 0] = NAN
+        calls = [
+            ("int mask", lambda: model(ids, mask=torch.ones(b, n, dtype=torch.long)), TypeError, "mask"),
+            ("float mask", lambda: model(ids, mask=torch.ones(b, n)), TypeError, "mask"),
+            ("mask of wrong shape", lambda: model(ids, mask=torch.ones(b, n + 1, dtype=torch.bool)), ValueError, "mask"),
+            ("mask on another device", lambda: model(ids, mask=torch.ones(b, n, dtype=torch.bool, device="meta")), ValueError, "mask"),
+            ("float token ids", lambda: model(ids.float()), TypeError, "x"),
+            ("context of wrong width", lambda: model(ids, context=torch.randn(b, j, CTX_DIM + 1)), ValueError, "context"),
+            ("context_mask without context", lambda: model(ids, context_mask=kw["context_mask"]), ValueError, "context_mask"),
+            ("int context_mask", lambda: model(ids, context=ctx, context_mask=kw["context_mask"].long()), TypeError, "context_mask"),
+            ("context_mask of wrong shape", lambda: model(ids, context=ctx, context_mask=torch.ones(b, j + 1, dtype=torch.bool)), ValueError, "context_mask"),
+            ("NaN in a real context position, check_finite=True",
+             lambda: model(ids, context=nan_ctx, context_mask=cm, check_finite=True), ValueError, "context"),
+        ]
+        if len(real) and j > 0:
+            calls.append(("NaN in a real context position, no mask, check_finite=True",
+                          lambda: model(ids, context=nan_ctx, check_finite=True), ValueError, "context"))
+        return calls
+
+    def unknown_kwarg(self):
+        return lambda: sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ, attn_layers=sf.Encoder(dim=DIM, depth=1), emb_dim=8)
+
+    def pooled(self, model, inp, sc):
+        pooled = model(*inp.args, **inp.kwargs, return_pooled=True)
+        return pooled, model(*inp.args, **inp.kwargs, return_embeddings=True)
+
+
+class ContinuousWrapperCase(_StackCase):
+    """``ContinuousTransformerWrapper`` over a cross-attending ``Encoder`` with projection biases."""
+
+    name = "ContinuousTransformerWrapper"
+    has_context = True
+    DIM_IN, DIM_OUT = 5, 7
+
+    def make(self, backend="auto"):
+        return sf.ContinuousTransformerWrapper(
+            dim_in=self.DIM_IN, dim_out=self.DIM_OUT, max_seq_len=MAX_SEQ,
+            attn_layers=sf.Encoder(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, cross_attend=True,
+                                   dim_context=CTX_DIM, attn_bias=True, backend=backend),
+        )
+
+    def roles(self, model):
+        return stack_roles(model.attn_layers, "main")
+
+    def inputs(self, sc, dtype=torch.float32):
+        g = sc.generator()
+        x = _randn(g, sc.b, sc.n, self.DIM_IN, dtype=dtype)
+        ctx = _randn(g, sc.b, sc.j, CTX_DIM, dtype=dtype)
+        return Inputs([x], dict(mask=sc.seq_mask, context=ctx, context_mask=sc.ctx_mask), {"x": x, "context": ctx})
+
+    def bad_calls(self, model, inp):
+        x, kw = inp.args[0], inp.kwargs
+        b, n = x.shape[:2]
+        ctx, cm = kw["context"], kw["context_mask"]
+        j = ctx.shape[1]
+        nan_x = x.detach().clone()
+        nan_x[0, 0, 0] = NAN
+        all_real = torch.ones(b, n, dtype=torch.bool)
+        nan_ctx = ctx.detach().clone()
+        if j:
+            nan_ctx[0, 0, 1] = INF
+        ctx_real = torch.ones(b, j, dtype=torch.bool)
+        calls = [
+            ("int mask", lambda: model(x, mask=torch.ones(b, n, dtype=torch.uint8)), TypeError, "mask"),
+            ("float mask", lambda: model(x, mask=torch.ones(b, n)), TypeError, "mask"),
+            ("mask of wrong shape", lambda: model(x, mask=torch.ones(b, n - 1, dtype=torch.bool)), ValueError, "mask"),
+            ("mask on another device", lambda: model(x, mask=torch.ones(b, n, dtype=torch.bool, device="meta")), ValueError, "mask"),
+            ("x of wrong width", lambda: model(torch.randn(b, n, self.DIM_IN + 1)), ValueError, "x"),
+            ("integer x", lambda: model(torch.ones(b, n, self.DIM_IN, dtype=torch.long)), TypeError, "x"),
+            ("context of wrong width", lambda: model(x, context=torch.randn(b, j, CTX_DIM - 1)), ValueError, "context"),
+            ("context_mask without context", lambda: model(x, context_mask=cm), ValueError, "context_mask"),
+            ("int context_mask", lambda: model(x, context=ctx, context_mask=cm.int()), TypeError, "context_mask"),
+            ("NaN in a real x position, check_finite=True", lambda: model(nan_x, mask=all_real, check_finite=True), ValueError, "x"),
+        ]
+        if j:
+            calls.append(("inf in a real context position, check_finite=True",
+                          lambda: model(x, context=nan_ctx, context_mask=ctx_real, check_finite=True), ValueError, "context"))
+        return calls
+
+    def unknown_kwarg(self):
+        return lambda: sf.ContinuousTransformerWrapper(max_seq_len=MAX_SEQ, attn_layers=sf.Encoder(dim=DIM, depth=1), dim_input=3)
+
+    def pooled(self, model, inp, sc):
+        pooled = model(*inp.args, **inp.kwargs, return_pooled=True)
+        return pooled, model(*inp.args, **inp.kwargs, return_embeddings=True)
+
+
+class XTransformerCase(Case):
+    """``XTransformer``: source = the context layout (``ctx_mask``), target = the sequence layout.
+
+    Its output is the loss (a scalar); S4 compares the summed per-token losses of samples alone.
+    Targets are right-padded through ``tgt_mask`` (left-padded targets: see test_wrappers.py).
+    """
+
+    name = "XTransformer"
+    has_context = True
+    decodes = True
+    scalar_output = True
+    SRC_VOCAB, TGT_VOCAB = 11, 13
+
+    def make(self, backend="auto"):
+        model = sf.XTransformer(dim=DIM, enc_num_tokens=self.SRC_VOCAB, enc_max_seq_len=MAX_SEQ,
+                                dec_num_tokens=self.TGT_VOCAB, dec_max_seq_len=MAX_SEQ, enc_depth=1, dec_depth=1,
+                                enc_heads=HEADS, dec_heads=HEADS, dim_head=DIM_HEAD, kv_heads=1)
+        return set_backend(model, backend)  # XTransformer takes no backend argument
+
+    @staticmethod
+    def tgt_mask(sc: Scenario) -> Tensor:
+        """The sequence layout right-aligned: each sample keeps its number of real tokens, at the start."""
+        lengths = sc.seq_mask.sum(1)
+        return sf.padding_mask(lengths, sc.n)
+
+    def inputs(self, sc, dtype=torch.float32):
+        g = sc.generator()
+        src = torch.randint(0, self.SRC_VOCAB, (sc.b, sc.j), generator=g)
+        tgt = torch.randint(0, self.TGT_VOCAB, (sc.b, sc.n), generator=g)
+        return Inputs([src, tgt], dict(mask=sc.ctx_mask, tgt_mask=self.tgt_mask(sc)), {})
+
+    def real(self, sc):
+        return None
+
+    def roles(self, model):
+        return {**stack_roles(model.encoder.attn_layers, "enc"), **stack_roles(model.decoder.attn_layers, "dec")}
+
+    def dead(self, sc):
+        inp_mask = self.tgt_mask(sc)[:, :-1]
+        return {
+            "enc.self": full_dead(sc.ctx_mask),
+            "dec.self": causal_dead(inp_mask),
+            "dec.cross": ctx_dead(sc.ctx_mask, max(sc.n - 1, 0)),
+        }
+
+    def key_len(self, sc, role):
+        return sc.n - 1 if role == "dec.self" else sc.j
+
+    def plant(self, inp, sc, value):
+        g = sc.generator()
+        src = _garbage_ids(inp.args[0], ~sc.ctx_mask, g)
+        tgt = _garbage_ids(inp.args[1], ~inp.kwargs["tgt_mask"], g)
+        return Inputs([src, tgt], dict(inp.kwargs), {})
+
+    def alone(self, inp, sc, s):
+        src = inp.args[0][s : s + 1, sc.ctx_mask[s]]
+        tgt = inp.args[1][s : s + 1, inp.kwargs["tgt_mask"][s]]
+        return Inputs([src, tgt], {}, {})
+
+    def decode(self, model, inp, sc, prefix):
+        """Decoder logits ``(b, n, v)`` with the encoded source cached, step by step."""
+        src, tgt = inp.args
+        mask, tgt_mask = inp.kwargs["mask"], inp.kwargs["tgt_mask"]
+        enc = model.encode(src, mask)
+        out, cache = model.decoder(tgt[:, :prefix], mask=tgt_mask[:, :prefix], context=enc, context_mask=mask,
+                                   return_cache=True)
+        outs = [out]
+        for t in range(prefix, sc.n):
+            out, cache = model.decoder(tgt[:, t : t + 1], mask=tgt_mask[:, t : t + 1], cache=cache, return_cache=True)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+    def full_logits(self, model, inp) -> Tensor:
+        src, tgt = inp.args
+        mask, tgt_mask = inp.kwargs["mask"], inp.kwargs["tgt_mask"]
+        return model.decoder(tgt, mask=tgt_mask, context=model.encode(src, mask), context_mask=mask)
+
+    def bad_calls(self, model, inp):
+        src, tgt = inp.args
+        mask = inp.kwargs["mask"]
+        b, j = src.shape
+        return [
+            ("int source mask", lambda: model(src, tgt, mask=mask.long()), TypeError, "mask"),
+            ("float source mask", lambda: model(src, tgt, mask=mask.float()), TypeError, "mask"),
+            ("source mask of wrong shape", lambda: model(src, tgt, mask=torch.ones(b, j + 1, dtype=torch.bool)), ValueError, "mask"),
+            ("source mask on another device", lambda: model(src, tgt, mask=torch.ones(b, j, dtype=torch.bool, device="meta")), ValueError, "mask"),
+        ]  # errors about src, tgt and tgt_mask: test_wrappers.py (they name the wrong argument)
+
+    def unknown_kwarg(self):
+        return lambda: sf.XTransformer(dim=DIM, enc_num_tokens=5, enc_max_seq_len=4, dec_num_tokens=5,
+                                       dec_max_seq_len=4, enc_layers=1)
+
+
+CASES: list[Case] = [
+    AttentionSelfCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
+    TransformerWrapperCase(), ContinuousWrapperCase(), XTransformerCase(),
+]
+
+
+# ----------------------------------------------------------------------------------------------------
+# generation
+# ----------------------------------------------------------------------------------------------------
+
+
+def greedy_generate(model: sf.TransformerWrapper, prompt: Tensor, mask: Tensor | None, steps: int, **kwargs) -> Tensor:
+    """Greedy decoding with the KV cache: ``(b, steps)`` new token ids after a (left-padded) prompt."""
+    logits, cache = model(prompt, mask=mask, return_cache=True, **kwargs)
+    nxt = logits[:, -1].argmax(-1, keepdim=True)
+    out = [nxt]
+    for _ in range(steps - 1):
+        logits, cache = model(nxt, cache=cache, return_cache=True)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+    return torch.cat(out, dim=1)
