@@ -171,8 +171,8 @@ def plan_attention(
     if backend in ("efficient", "cudnn"):
         raise ValueError(f"backend={backend!r} runs on CUDA only; inputs are on {device_type!r}")
     if backend == "auto":
-        if device_type == "cpu":
-            return AttentionPlan("sdpa", (), "flash", mask_form, expand_kv=False)
+        if device_type == "cpu":  # PyTorch's CPU flash kernel takes masks but not dropout
+            return AttentionPlan("sdpa", (), "math" if dropout_p > 0 else "flash", mask_form, expand_kv=False)
         return AttentionPlan("sdpa", (), "math", mask_form, expand_kv=False)
     if backend == "flash" and device_type != "cpu":
         raise ValueError(f"backend='flash' runs on CUDA and CPU, not on {device_type!r}")
@@ -196,6 +196,8 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale, dropo
         raise ValueError(f"q, k, v must share the batch size, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k and v must agree on (b, h_kv, j), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if d == 0 or v.shape[-1] == 0:
+        raise ValueError(f"the head dims must be positive, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     if k.shape[-1] != d:
         raise ValueError(f"q and k must share the head dim d, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     hkv = k.shape[1]
@@ -269,7 +271,8 @@ def attend(
 
     if j == 0:  # no keys at all: every row is dead; keep the graph so q, k, v get (zero) gradients
         dead = torch.zeros((), dtype=torch.bool, device=q.device)
-        return torch.where(dead, q.sum(-1, keepdim=True), 0.0).expand(b, h, i, e) + v.sum() * 0
+        anchor = k.sum() + v.sum() + (bias.sum() if bias is not None else 0.0)  # empty sums: exactly 0
+        return torch.where(dead, q.sum(-1, keepdim=True), 0.0).expand(b, h, i, e) + anchor * 0
 
     causal_tensor = None
     is_causal = plan.mask_form == "is_causal"

@@ -266,6 +266,7 @@ def check_finite(x: Tensor, mask: Tensor | None, name: str) -> None:
     if x.dim() > 2:
         bad = bad.flatten(2).any(-1)
     if mask is not None:
+        validate_mask(mask, "mask", shape=tuple(bad.shape), device=x.device)
         bad = bad & mask
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
