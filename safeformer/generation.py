@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import Configurable
-from .masks import validate_mask
+from .masks import check_finite, validate_mask
 from .wrappers import TransformerWrapper, _next_token_loss
 
 __all__ = [
@@ -144,6 +144,8 @@ def sample_logits(
     if not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     fn = _resolve_filter(filter_logits_fn)
+    if filter_kwargs is not None and fn is None:
+        raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -336,11 +338,13 @@ class _Stepper:
         return guided_logits(cond, uncond, self.cond_scale, self.guidance_rescale)
 
 
-def _check_context_arg(t: Tensor | None, name: str, b: int, device) -> None:
+def _check_context_arg(t: Tensor | None, name: str, b: int, device, width: int | None = None) -> None:
     if t is None:
         return
     if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[0] != b:
         raise ValueError(f"{name} must have shape (b={b}, j, c_ctx), got {getattr(t, 'shape', type(t))}")
+    if width is not None and t.shape[-1] != width:
+        raise ValueError(f"{name} must have feature size dim_context={width}, got shape {tuple(t.shape)}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     if t.device != device:
@@ -422,12 +426,19 @@ def generate_tokens(
         raise ValueError(f"cond_scale must be a finite number, got {cond_scale!r}")
     if not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
-    _check_context_arg(context, "context", b, device)
-    _check_context_arg(uncond_context, "uncond_context", b, device)
+    width = net.attn_layers.dim_context if net.attn_layers.has_cross else None
+    _check_context_arg(context, "context", b, device, width)
+    _check_context_arg(uncond_context, "uncond_context", b, device, width)
     if context_mask is not None and context is None:
         raise ValueError("context_mask was given without a context; pass context=... as well")
     if uncond_context_mask is not None and uncond_context is None:
         raise ValueError("uncond_context_mask was given without uncond_context")
+    if context_mask is not None:
+        validate_mask(context_mask, "context_mask", shape=tuple(context.shape[:2]), device=device)
+    if uncond_context_mask is not None:
+        validate_mask(uncond_context_mask, "uncond_context_mask", shape=tuple(uncond_context.shape[:2]), device=device)
+    if filter_kwargs is not None and filter_logits_fn is None:
+        raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
     if net.pos_emb is not None and n + seq_len - 1 > net.max_seq_len:
         raise ValueError(
             f"a prompt of {n} positions plus seq_len={seq_len} new tokens needs {n + seq_len - 1} positions, "
@@ -558,6 +569,12 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         Returns:
             the scalar mean loss over counted targets.
         """
+        if context is not None:  # checked here, before a dropped condition could hide it
+            _check_context_arg(context, "context", context.shape[0], context.device, self.net.attn_layers.dim_context)
+            if context_mask is not None:
+                validate_mask(context_mask, "context_mask", shape=tuple(context.shape[:2]), device=context.device)
+            if self.net.check_finite:
+                check_finite(context, context_mask, "context")
         if self.training and context is not None and self.cond_drop_prob > 0:
             context, context_mask = drop_condition(
                 context_mask, self.cond_drop_prob, context=context, null_context=self.null_token
@@ -579,8 +596,11 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 negative_context = negative_context.expand(b, -1, -1)
                 if negative_context_mask is not None and negative_context_mask.dim() == 2 and negative_context_mask.shape[0] == 1:
                     negative_context_mask = negative_context_mask.expand(b, -1)
+            _check_context_arg(negative_context, "negative_context", b, device, self.net.attn_layers.dim_context)
             if negative_context_mask is not None:
                 validate_mask(negative_context_mask, "negative_context_mask", shape=tuple(negative_context.shape[:2]), device=device)
+            if self.net.check_finite:
+                check_finite(negative_context, negative_context_mask, "negative_context")
             return negative_context, negative_context_mask
         if negative_context_mask is not None:
             raise ValueError("negative_context_mask was given without negative_context")

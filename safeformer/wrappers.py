@@ -54,9 +54,12 @@ class _Wrapper(Configurable, nn.Module):
         return positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
 
     def _check_context(self, context, context_mask, check: bool) -> None:
-        if context is not None and context_mask is not None:
+        if context is not None:
             if not isinstance(context, Tensor) or context.dim() != 3:
                 raise ValueError(f"context must have shape (b, j, dim_context), got {getattr(context, 'shape', type(context))}")
+            if not context.is_floating_point():
+                raise TypeError(f"context must be a floating-point tensor, got dtype {context.dtype}")
+        if context is not None and context_mask is not None:
             validate_mask(context_mask, "context_mask", shape=tuple(context.shape[:2]), device=context.device)
         if check and context is not None:
             _check_finite(context, context_mask, "context")
