@@ -500,6 +500,10 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     digests = gather_digests(model, distributed, device)
     if distributed:
+        # every rank done with every collective before any rank tears gloo down (a rank leaving early
+        # can abort its peer's gloo thread: "terminate called without an active exception")
+        dist.barrier()
+        del train_model  # drop DDP's reducer (it holds the process group) before destroying the group
         dist.destroy_process_group()
     if not master:
         return None

@@ -7,8 +7,8 @@ How it is safe whatever the kernel does (SAFETY_CONTRACT.md, S1-S3, S6):
 1. The masks are combined (user mask, bottom-right causal) in their broadcast shape.
 2. Masked keys (no query may see them) have k and v *selected* to 0, and dead rows (a query that may
    see no key) have q selected to 0, so NaN/inf there cannot reach any product (``0 * NaN``).
-3. The kernel never sees a dead row: dead rows are handed a mask that lets them see every key, so
-   every kernel computes a finite, ordinary softmax for them.
+3. The kernel never sees a dead row: dead rows are handed a mask that lets them see one key (the
+   first), so every kernel computes a finite, ordinary softmax for them.
 4. The kernel's output for dead rows is then selected to exactly 0; since the incoming gradient for
    those rows is then exactly 0 too, they pass zero gradient into q, k, v and the bias.
 None of these steps reads a tensor's value on the host: the forward has no device sync and compiles
@@ -58,6 +58,48 @@ def substitute_kernel(fn: Callable[..., Tensor]) -> Iterator[None]:
         yield
     finally:
         _kernel = old
+
+
+# float dtype -> the integer dtype of the same width, for ``_select``'s bitwise path
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float64: torch.int64}
+
+
+class _SelectOrZero(torch.autograd.Function):
+    """``torch.where(keep, x, 0.0)`` computed as a bitwise AND of x's bits with all-ones or all-zeros.
+
+    The result is bit-for-bit that of ``torch.where`` (x's bits, or +0.0: a NaN or inf at a dropped
+    position is gone, not multiplied by 0), but the CPU runs it vectorised, where ``torch.where`` with a
+    broadcast condition runs a scalar loop (about 7x slower on large tensors, measured in
+    benchmarks/NOTES.md). The backward selects the incoming gradient the same way. (Old-style
+    ``forward(ctx, ...)``: a ``setup_context`` makes every ``apply`` bind arguments with ``inspect``.)
+    """
+
+    @staticmethod
+    def forward(ctx, keep: Tensor, x: Tensor) -> Tensor:
+        ctx.save_for_backward(keep)
+        ctx.x_shape = x.shape
+        return _bitwise_select(keep, x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (keep,) = ctx.saved_tensors
+        g = _select(keep, grad)
+        return None, (g if g.shape == ctx.x_shape else g.sum_to_size(ctx.x_shape))
+
+
+def _bitwise_select(keep: Tensor, x: Tensor) -> Tensor:
+    it = _INT_VIEW[x.dtype]
+    return (x.view(it) & keep.to(it).neg_()).view(x.dtype)  # True -> all ones (-1), False -> 0
+
+
+def _select(keep: Tensor, x: Tensor) -> Tensor:
+    """``torch.where(keep, x, 0.0)``; the bitwise form for large CPU tensors in eager mode."""
+    if (x.device.type != "cpu" or x.dtype not in _INT_VIEW or x.numel() < 65536 or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
+        return torch.where(keep, x, 0.0)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _SelectOrZero.apply(keep, x)
+    return _bitwise_select(keep, x)
 
 
 @dataclass(frozen=True)
@@ -229,6 +271,7 @@ def attend(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    _inputs_finite: bool = False,
 ) -> Tensor:
     """Scaled dot-product attention that no mask can make non-finite.
 
@@ -246,6 +289,11 @@ def attend(
         dropout_p: attention dropout probability (pass 0 at evaluation).
         backend: ``"auto"``, ``"reference"`` (explicit float32 softmax), or an SDPA backend:
             ``"math"``, ``"flash"``, ``"efficient"``, ``"cudnn"``.
+        _inputs_finite: private, for safeformer's own modules: the caller guarantees that q at dead
+            rows and k, v at masked keys are finite (``Attention`` selects its inputs to 0 before the
+            projections, and its caches hold what it computed), so the three selections of q, k, v
+            are skipped (three copies and their backward passes). Dead rows are still handed keys
+            and still come out exactly 0 with zero gradient.
 
     Returns:
         ``(b, h, i, e)``. Rows of dead queries are exactly 0 and pass zero gradient; masked keys and
@@ -284,14 +332,20 @@ def attend(
     row_ok = None
     if combined is not None:
         row_ok = combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
-        key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
-        if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
-            key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
-        key_ok = key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
-        q = torch.where(row_ok, q, 0.0)
-        k = torch.where(key_ok, k, 0.0)
-        v = torch.where(key_ok, v, 0.0)
-        kernel_mask = combined | ~row_ok  # dead rows see every (now finite) key: no kernel sees a dead row
+        if not _inputs_finite:
+            key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
+            if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
+                key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
+            key_ok = key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
+            q = _select(row_ok, q)
+            k = _select(key_ok, k)
+            v = _select(key_ok, v)
+        # no kernel sees a dead row: a dead row is handed one (finite) key to see, the first, which costs
+        # a kernel no more than a fully masked row (every key, as for a mask that is constant over keys)
+        dead_sees = ~row_ok
+        if combined.shape[-1] == j > 1:
+            dead_sees = dead_sees & (torch.arange(j, device=q.device) == 0)  # (b|1, h|1, i, j)
+        kernel_mask = combined | dead_sees
         if bias is not None:
             fill = torch.where(row_ok, float("-inf"), 0.0).to(q.dtype)
             attn_mask = torch.where(combined, bias.to(q.dtype), fill)
@@ -306,7 +360,7 @@ def attend(
         out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
 
     if row_ok is not None:
-        out = torch.where(row_ok, out, 0.0)  # dead rows: exactly 0, whatever the kernel returned
+        out = _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned
     return out
 
 

@@ -292,13 +292,16 @@ class AttentionLayers(Configurable, nn.Module):
         for kind, (norm, block) in zip(self.layer_kinds, self.layers):
             if kind == "self":
                 past_kv = cache.self_kv[len(self_kv)] if cache is not None else None
-                out, kv = block(norm(x), mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv)
+                # masked keys and dead rows are padding, selected to 0 at the input (unless attn_mask hides
+                # real positions): the block need not select its inputs again
+                out, kv = block(norm(x), mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv,
+                                _inputs_finite=attn_mask is None)
                 self_kv.append(kv)
             elif kind == "cross":
                 if not use_cross:
                     continue
                 cached = cache.cross_kv[len(cross_kv)] if cache is not None and cache.cross_kv is not None else None
-                out, kv = block(norm(x), context, mask=cross_mask, kv=cached)
+                out, kv = block(norm(x), context, mask=cross_mask, kv=cached, _inputs_finite=True)  # context selected above
                 cross_kv.append(kv)
             else:
                 out = block(norm(x))

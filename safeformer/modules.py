@@ -242,6 +242,7 @@ class Attention(nn.Module):
         bias: Tensor | None = None,
         kv: tuple[Tensor, Tensor] | None = None,
         past_kv: tuple[Tensor, Tensor] | None = None,
+        _inputs_finite: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Attend from ``x (b, i, c)``.
 
@@ -254,6 +255,11 @@ class Attention(nn.Module):
             bias: additive attention bias (ALiBi).
             kv: precomputed keys/values (cross-attention with a cache); ``context`` is then unused.
             past_kv: cached self-attention keys/values to prepend (already rotated).
+                ``kv`` and ``past_kv`` must be what this module returned (their masked positions
+                hold the finite projections of selected inputs).
+            _inputs_finite: private, for ``AttentionLayers``: ``x`` at dead rows and ``context`` (or
+                ``x``) at masked keys are finite already (the stack selected its padded inputs to 0),
+                so they need not be selected again before the projections.
 
         Returns:
             ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache. Rows that may attend
@@ -265,7 +271,10 @@ class Attention(nn.Module):
             j = kv[0].shape[2]
         else:
             j = source.shape[1] + (past_kv[0].shape[2] if past_kv is not None else 0)
-        rows_ok, keys_ok = _alive(mask, causal, b, self.heads, i, j, x.device)
+        if _inputs_finite and self.to_out.bias is None:
+            rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
+        else:
+            rows_ok, keys_ok = _alive(mask, causal, b, self.heads, i, j, x.device)
         # select masked inputs away *before* the projections: a NaN there would otherwise reach the
         # projection weights' gradients (0 * NaN) even though attend() never uses it
         if rows_ok is not None:
@@ -288,9 +297,11 @@ class Attention(nn.Module):
                 v = torch.cat((past_kv[1], v), dim=2)
         if rotary is not None:
             q = apply_rotary(q, rotary[0])
+        # q at dead rows and k, v at masked keys are finite here (their inputs were selected to 0 above;
+        # kv / past_kv are what this module returned), so attend may skip its own copies of q, k, v
         out = attend(
             q, k, v, mask=mask, causal=causal, bias=bias,
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+            dropout_p=self.dropout if self.training else 0.0, backend=self.backend, _inputs_finite=True,
         )  # (b, h, i, d)
         out = self.to_out(rearrange(out, "b h i d -> b i (h d)"))
         if self.to_out.bias is not None and rows_ok is not None:  # a bias would move dead rows off 0

@@ -434,8 +434,13 @@ def _next_token_loss(
         real = real & mask
     inp, target = tokens[:, :-1], tokens[:, 1:]
     inp = torch.where(real[:, :-1], inp, torch.full_like(inp, pad_value))  # ignored ids are not looked up
-    # ignored inputs (ignore_index, or mask False) are padding: masked, so left padding changes nothing (S4)
+    # ignored inputs (ignore_index, or mask False) are padding: masked, so left padding changes nothing
+    # (S4). Without a user mask and without ignored tokens no mask is passed, so the decoder keeps the
+    # mask-free causal path (is_causal, the flash kernel); telling the two apart reads one bool on the
+    # host, in the loss only (never inside attend).
     inp_mask = real[:, :-1]
+    if mask is None and not bool((tokens == ignore_index).any()):
+        inp_mask = None
     counted = real[:, 1:] & real[:, :-1]
     target = torch.where(counted, target, torch.full_like(target, ignore_index))
     logits = net(inp, mask=inp_mask, **kwargs)
