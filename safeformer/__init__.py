@@ -1,6 +1,6 @@
 """safeformer: a transformer library in which no mask makes a model produce NaN or inf."""
 
-from .attend import BACKENDS, AttentionPlan, attend, plan_attention, substitute_kernel
+from .attend import BACKENDS, AttentionPlan, PreparedMask, attend, plan_attention, prepare_mask, substitute_kernel
 from .checkpoint import Configurable, load_pretrained, save_pretrained
 from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
 from .generation import (

@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .masks import as_attention_mask, causal_mask, combine_masks
 
-__all__ = ["attend", "plan_attention", "AttentionPlan", "BACKENDS", "substitute_kernel"]
+__all__ = ["attend", "plan_attention", "AttentionPlan", "BACKENDS", "substitute_kernel", "PreparedMask", "prepare_mask"]
 
 BACKENDS = ("auto", "reference", "math", "flash", "efficient", "cudnn")
 
@@ -100,6 +100,48 @@ def _select(keep: Tensor, x: Tensor) -> Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _SelectOrZero.apply(keep, x)
     return _bitwise_select(keep, x)
+
+
+@dataclass(frozen=True)
+class PreparedMask:
+    """An attention mask combined and prepared once, for every ``attend`` call of a stack to share.
+
+    A layer stack builds one at the top of its forward (padding + causal, ``(b, 1, i, j)``) and hands
+    the same object to every layer: the dead rows are found once, and every layer passes the *same*
+    additive tensor to the kernel, so the kernels' saved tensors share one storage instead of one
+    float copy of the mask per layer.
+
+    Attributes:
+        combined: bool ``(b|1, h|1, i, j)``, True = may attend (every mask and causal already in it).
+        row_ok: bool ``(b|1, h|1, i, 1)``, False on dead rows.
+        additive: ``(b|1, h|1, i, j)`` float, 0 where the kernel may attend and ``-inf`` elsewhere; a
+            dead row may attend to the first key (so no kernel sees a dead row).
+    """
+
+    combined: Tensor
+    row_ok: Tensor
+    additive: Tensor
+
+
+def prepare_mask(mask: Tensor, *, dtype: torch.dtype = torch.float32) -> PreparedMask:
+    """Prepare a 4-d bool attention mask ``(b|1, h|1, i, j)`` (True = may attend) for ``attend``.
+
+    Args:
+        mask: the combined mask; pass ``causal=False`` to ``attend`` with the result (causal belongs
+            in the mask already).
+        dtype: the dtype of the additive kernel mask (that of q; another dtype is converted per call).
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        raise TypeError(f"prepare_mask needs a 4-d torch.bool mask, got {getattr(mask, 'dtype', type(mask))} "
+                        f"of shape {tuple(getattr(mask, 'shape', ()))}")
+    row_ok = mask.any(dim=-1, keepdim=True)
+    j = mask.shape[-1]
+    dead_sees = ~row_ok
+    if j > 1:
+        dead_sees = dead_sees & (torch.arange(j, device=mask.device) == 0)
+    kernel = mask | dead_sees
+    additive = torch.zeros(kernel.shape, dtype=dtype, device=mask.device).masked_fill(~kernel, float("-inf"))
+    return PreparedMask(mask, row_ok, additive)
 
 
 @dataclass(frozen=True)
@@ -306,6 +348,11 @@ def attend(
     b, h, i, d = q.shape
     hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
     user = None
+    prepared = mask if isinstance(mask, PreparedMask) else None
+    if prepared is not None:
+        if causal:
+            raise ValueError("a PreparedMask holds the causal part already; pass causal=False with it")
+        mask = prepared.combined
     if mask is not None:
         user = as_attention_mask(mask, b, h, i, j, name="mask")
         if user.device != q.device:
@@ -331,7 +378,7 @@ def attend(
     attn_mask: Tensor | None = None
     row_ok = None
     if combined is not None:
-        row_ok = combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
+        row_ok = prepared.row_ok if prepared is not None else combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
         if not _inputs_finite:
             key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
             if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
@@ -342,15 +389,16 @@ def attend(
             v = _select(key_ok, v)
         # no kernel sees a dead row: a dead row is handed one (finite) key to see, the first, which costs
         # a kernel no more than a fully masked row (every key, as for a mask that is constant over keys)
-        dead_sees = ~row_ok
-        if combined.shape[-1] == j > 1:
-            dead_sees = dead_sees & (torch.arange(j, device=q.device) == 0)  # (b|1, h|1, i, j)
-        kernel_mask = combined | dead_sees
         if bias is not None:
             fill = torch.where(row_ok, float("-inf"), 0.0).to(q.dtype)
             attn_mask = torch.where(combined, bias.to(q.dtype), fill)
+        elif prepared is not None:  # the stack's shared additive mask: one storage for every layer
+            attn_mask = prepared.additive if prepared.additive.dtype == q.dtype else prepared.additive.to(q.dtype)
         else:
-            attn_mask = kernel_mask
+            dead_sees = ~row_ok
+            if combined.shape[-1] == j > 1:
+                dead_sees = dead_sees & (torch.arange(j, device=q.device) == 0)  # (b|1, h|1, i, j)
+            attn_mask = combined | dead_sees
     elif bias is not None:
         attn_mask = bias.to(q.dtype)
 

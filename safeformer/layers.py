@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from .attend import prepare_mask
 from .checkpoint import Configurable
 from .masks import causal_mask, validate_mask
 from .modules import (
@@ -276,6 +277,9 @@ class AttentionLayers(Configurable, nn.Module):
         all_positions = positions if cache is None else torch.cat(_broadcast_batch(cache.positions, positions), dim=1)
         if self.alibi_slopes is not None:
             bias = alibi_bias(self.alibi_slopes, positions, all_positions).to(x.dtype)  # (b|1, h, n, p + n)
+        if self_mask is not None and self_mask.shape[2] > 1 and bias is None:
+            # a mask that varies per query (padding + causal): prepared once, one kernel mask for all layers
+            self_mask = prepare_mask(self_mask, dtype=x.dtype)
 
         # cross-attention: context padded positions are selected away before any projection
         use_cross = self.has_cross and (context is not None or (cache is not None and cache.cross_kv is not None))

@@ -14,7 +14,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from .attend import BACKENDS, attend
+from .attend import BACKENDS, PreparedMask, attend
 from .masks import as_attention_mask, causal_mask, combine_masks
 
 __all__ = [
@@ -314,6 +314,8 @@ def _alive(mask: Tensor | None, causal: bool, b: int, h: int, i: int, j: int, de
     (in any head); ``(None, None)`` when every query and key is live."""
     if j == 0:
         return torch.zeros(1, i, dtype=torch.bool, device=device), torch.zeros(1, 0, dtype=torch.bool, device=device)
+    if isinstance(mask, PreparedMask):
+        mask = mask.combined
     m = None if mask is None else as_attention_mask(mask, b, h, i, j)
     if m is not None and m.device != torch.device(device):
         raise ValueError(f"mask is on {m.device}, expected {device} (the device of the inputs)")

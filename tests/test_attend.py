@@ -40,6 +40,7 @@ from contract import (
 from hypothesis import assume, given, reject
 from hypothesis import strategies as st
 
+import safeformer as sf
 from safeformer import AttentionPlan, attend, plan_attention, substitute_kernel
 
 PARAMS = device_dtype_backend_params()
@@ -818,3 +819,30 @@ def test_dead_rows_left_padding_causal():
         assert_close_finite(out[s : s + 1, :, n - length :], alone, torch.float32, f"sample {s}")
 
 
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "math", "flash"])
+def test_prepared_mask_equals_plain_mask(backend):
+    """A PreparedMask (what a stack builds once for all its layers) gives bit-for-bit the outputs and
+    gradients of the same bool mask, dead rows exactly 0; causal=True beside it is refused."""
+    g = torch.Generator().manual_seed(3)
+    b, h, n, d = 3, 4, 9, 8
+    pad = torch.ones(b, n, dtype=torch.bool)
+    pad[0, :4] = False  # left padding: rows 0-3 dead under causal
+    pad[2] = False  # a fully padded sample
+    mask = pad[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    qkv = [torch.randn(b, h, n, d, generator=g, requires_grad=True) for _ in range(3)]
+    out_plain = attend(*qkv, mask=mask, backend=backend)
+    grads_plain = torch.autograd.grad(out_plain.sum(), qkv)
+    prepared = sf.prepare_mask(mask)
+    out_prep = attend(*qkv, mask=prepared, backend=backend)
+    grads_prep = torch.autograd.grad(out_prep.sum(), qkv)
+    assert_close_finite(out_prep, out_plain.double(), torch.float32, "prepared vs plain mask")
+    for a, e in zip(grads_prep, grads_plain):
+        assert_close_finite(a, e.double(), torch.float32, "grad, prepared vs plain mask")
+    assert_exactly_zero(out_prep[2], "fully padded sample")
+    assert_exactly_zero(out_prep[0, :, :4], "dead rows of the left-padded sample")
+    with pytest.raises(ValueError, match="causal"):
+        attend(*qkv, mask=prepared, causal=True)
+    with pytest.raises(TypeError, match="bool"):
+        sf.prepare_mask(mask.float())

@@ -127,6 +127,7 @@ def recorder(calls: list):
             "q": tuple(q.shape), "k": tuple(k.shape), "is_causal": is_causal, "enable_gqa": enable_gqa,
             "mask": None if attn_mask is None else tuple(attn_mask.shape),
             "mask_dtype": None if attn_mask is None else attn_mask.dtype,
+            "mask_ptr": None if attn_mask is None else attn_mask.data_ptr(),
         })
         return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
@@ -157,7 +158,8 @@ def assert_no_dense_mask(calls: list) -> None:
     for c in calls:
         if c["mask"] is not None:
             assert len(c["mask"]) == 4 and c["mask"][1] == 1, f"a mask with a head dimension reached the kernel: {c}"
-            assert c["mask_dtype"] == torch.bool, c
+            # bool, or the stack's shared additive mask in q's dtype (a PreparedMask, padding + causal)
+            assert c["mask_dtype"] in (torch.bool, torch.float32), c
 
 
 B, N, J, DIM, HEADS, DIM_HEAD = 3, 10, 7, 32, 4, 8
@@ -202,8 +204,9 @@ def test_decoder_without_padding_runs_is_causal_and_keeps_flash(plans, kv_heads)
 
 
 def test_decoder_with_padding_hands_the_kernel_b_1_i_j_at_most(plans):
-    """Padding combined with causal: a bool (b, 1, n, n) mask, never (b, h, n, n); the real positions
-    match each sample run alone (the recorder changed nothing)."""
+    """Padding combined with causal: one (b, 1, n, n) mask, never (b, h, n, n), prepared once and shared
+    by every layer (one storage: the kernels' saved tensors do not hold a copy per layer); the real
+    positions match each sample run alone (the recorder changed nothing)."""
     net = model()
     tokens, pad, *_ = inputs()
     calls = []
@@ -211,6 +214,7 @@ def test_decoder_with_padding_hands_the_kernel_b_1_i_j_at_most(plans):
         out = net(tokens, mask=pad)
     assert [c["mask"] for c in calls] == [(B, 1, N, N)] * 2
     assert all(c["is_causal"] is False for c in calls)
+    assert calls[0]["mask_ptr"] == calls[1]["mask_ptr"]  # the same tensor for both layers
     assert_no_dense_mask(calls)
     for kw in plans:
         assert kw["mask_kind"] == "full" and kw["causal"] is False

@@ -274,8 +274,8 @@ def _record(layers, *args, **kwargs):
 
 
 def test_padding_masks_stay_broadcast():
-    """Padding masks reach the kernel as (b, 1, 1, j) (encoder, cross-attention) or (b, 1, n, n)
-    (decoder: padding and causal combined), never as a dense (b, h, i, j) tensor."""
+    """Padding masks reach the kernel as bool (b, 1, 1, j) (encoder, cross-attention) or as one additive
+    (b, 1, n, n) (decoder: padding and causal combined, prepared once), never as a dense (b, h, i, j)."""
     b, n, j = MASK.shape[0], MASK.shape[1], CTX_MASK.shape[1]
     enc = build("encoder_cross", heads=4)
     calls, _ = _record(enc, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
@@ -287,7 +287,8 @@ def test_padding_masks_stay_broadcast():
     self_calls = [c for c in calls if c.k_shape[2] == n]
     cross_calls = [c for c in calls if c.k_shape[2] == j]
     assert len(self_calls) == 2 and len(cross_calls) == 2
-    assert all(c.mask_shape == (b, 1, n, n) and c.mask_dtype == torch.bool and not c.is_causal for c in self_calls), self_calls
+    # padding + causal: the stack's PreparedMask, one additive float mask shared by every layer
+    assert all(c.mask_shape == (b, 1, n, n) and c.mask_dtype == torch.float32 and not c.is_causal for c in self_calls), self_calls
     assert all(c.mask_shape == (b, 1, 1, j) and c.mask_dtype == torch.bool for c in cross_calls), cross_calls
     assert all(c.enable_gqa and c.k_shape[1] == 2 and c.q_shape[1] == 4 for c in calls), "GQA should reach the kernel unexpanded"
 
