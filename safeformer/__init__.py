@@ -40,6 +40,7 @@ from .modules import (
     apply_rotary,
     positions_from_mask,
 )
-from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, XTransformer
+from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
+from .xtransformer import XTransformer
 
 __version__ = "0.1.0"

@@ -87,6 +87,54 @@ class _SelectOrZero(torch.autograd.Function):
         return None, (g if g.shape == ctx.x_shape else g.sum_to_size(ctx.x_shape))
 
 
+class _GradSelect(torch.autograd.Function):
+    """Identity in the forward; the backward selects the incoming gradient with ``keep`` (zeros elsewhere).
+
+    ``attend`` puts it on q, k, v when they are known to be finite where masked (so no forward copy is
+    needed) to keep a kernel whose backward misbehaves on dead rows or masked keys out of the gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, keep: Tensor, x: Tensor) -> Tensor:
+        ctx.save_for_backward(keep)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (keep,) = ctx.saved_tensors
+        return None, torch.where(keep, grad, 0.0)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity; its backward refuses ``create_graph=True``, which the fused kernels cannot differentiate.
+
+    PyTorch's flash, memory-efficient and cuDNN kernels have no second derivative; without this, a
+    gradient penalty fails deep in the autograd engine with a raw "derivative not implemented" error.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: str) -> Tensor:
+        ctx.kernel = kernel
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative will be asked for
+            raise RuntimeError(
+                f"attend: double backward (create_graph=True, e.g. a gradient penalty) through the fused "
+                f"'{ctx.kernel}' SDPA kernel is not supported by PyTorch; build the model with backend='math' "
+                f"(or 'reference'), e.g. Decoder(..., backend='math'), Attention(..., backend='math'), or "
+                f"attend(..., backend='math')"
+            )
+        return grad, None
+
+
+def _grad_select(keep: Tensor, x: Tensor) -> Tensor:
+    if not x.requires_grad or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return x if not x.requires_grad else torch.where(keep, x, 0.0)
+    return _GradSelect.apply(keep, x)
+
+
 def _bitwise_select(keep: Tensor, x: Tensor) -> Tensor:
     it = _INT_VIEW[x.dtype]
     return (x.view(it) & keep.to(it).neg_()).view(x.dtype)  # True -> all ones (-1), False -> 0
@@ -116,11 +164,13 @@ class PreparedMask:
         row_ok: bool ``(b|1, h|1, i, 1)``, False on dead rows.
         additive: ``(b|1, h|1, i, j)`` float, 0 where the kernel may attend and ``-inf`` elsewhere; a
             dead row may attend to the first key (so no kernel sees a dead row).
+        key_ok: bool ``(b|1, h|1, j, 1)``, False on masked keys (no query may see them).
     """
 
     combined: Tensor
     row_ok: Tensor
     additive: Tensor
+    key_ok: Tensor | None = None
 
 
 def prepare_mask(mask: Tensor, *, dtype: torch.dtype = torch.float32) -> PreparedMask:
@@ -141,7 +191,7 @@ def prepare_mask(mask: Tensor, *, dtype: torch.dtype = torch.float32) -> Prepare
         dead_sees = dead_sees & (torch.arange(j, device=mask.device) == 0)
     kernel = mask | dead_sees
     additive = torch.zeros(kernel.shape, dtype=dtype, device=mask.device).masked_fill(~kernel, float("-inf"))
-    return PreparedMask(mask, row_ok, additive)
+    return PreparedMask(mask, row_ok, additive, mask.any(dim=-2, keepdim=True).transpose(-1, -2))
 
 
 @dataclass(frozen=True)
@@ -373,25 +423,44 @@ def attend(
     is_causal = plan.mask_form == "is_causal"
     if causal and not is_causal and i > 1:
         causal_tensor = causal_mask(i, j, device=q.device)  # (1, 1, i, j)
-    combined = combine_masks(user, causal_tensor)  # broadcast shape, never (b, h, i, j) for padding
+    reach = None
+    if bias is not None:
+        # a bias of -inf (or one so negative that it is -inf in the compute dtype, e.g. -1e9 in float16)
+        # masks its key as surely as a False does: the bias takes part in finding dead rows and masked keys
+        bias = bias.to(q.dtype)
+        reach = bias != float("-inf")  # (b|1, h|1, i|1, j|1); a NaN bias masks nothing: it is the user's NaN
+        if prepared is not None:
+            prepared, user = None, as_attention_mask(prepared.combined, b, h, i, j, name="mask")
+    combined = combine_masks(user, causal_tensor, reach)  # broadcast shape, never (b, h, i, j) for padding
+    if combined is not None and combined.dim() < 4:
+        combined = combined.reshape((1,) * (4 - combined.dim()) + tuple(combined.shape))
 
     attn_mask: Tensor | None = None
     row_ok = None
     if combined is not None:
         row_ok = prepared.row_ok if prepared is not None else combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
-        if not _inputs_finite:
+        if prepared is not None and prepared.key_ok is not None and prepared.key_ok.shape[1] == 1:
+            key_ok = prepared.key_ok  # (b|1, 1, j, 1)
+        else:
             key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
             if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
                 key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
             key_ok = key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
-            q = _select(row_ok, q)
+        if not _inputs_finite:
+            q = _select(row_ok, q)  # the selections' backward also zeroes what a kernel sends back there
             k = _select(key_ok, k)
             v = _select(key_ok, v)
+        elif torch.is_grad_enabled():
+            # the inputs are finite there already; still, a kernel's backward may write NaN into the
+            # gradients of dead rows and masked keys (S6): select those gradients away (no forward copy)
+            q = _grad_select(row_ok, q)
+            k = _grad_select(key_ok, k)
+            v = _grad_select(key_ok, v)
         # no kernel sees a dead row: a dead row is handed one (finite) key to see, the first, which costs
         # a kernel no more than a fully masked row (every key, as for a mask that is constant over keys)
         if bias is not None:
             fill = torch.where(row_ok, float("-inf"), 0.0).to(q.dtype)
-            attn_mask = torch.where(combined, bias.to(q.dtype), fill)
+            attn_mask = torch.where(combined, bias, fill)  # a dead row sees every key at bias 0
         elif prepared is not None:  # the stack's shared additive mask: one storage for every layer
             attn_mask = prepared.additive if prepared.additive.dtype == q.dtype else prepared.additive.to(q.dtype)
         else:
@@ -406,6 +475,8 @@ def attend(
         out = _reference(q, k, v, attn_mask, is_causal, scale, dropout_p)
     else:
         out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
+        if plan.expected != "math" and out.requires_grad and not torch.compiler.is_compiling():
+            out = _FirstOrderOnly.apply(out, plan.expected)  # a clear error instead of the kernel's raw one
 
     if row_ok is not None:
         out = _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned

@@ -2,7 +2,9 @@
 
 - ``find_nonfinite(model, *args, **kwargs)`` runs one forward and one backward pass with hooks and
   names the first module whose output (forward), or whose gradient (backward, in the order autograd
-  produces them), holds NaN or inf. It leaves the model as it found it.
+  produces them), holds NaN or inf. When the gradient arriving at the model's outputs is already
+  non-finite, it blames the loss (whatever consumed the outputs) instead of any module. It leaves the
+  model as it found it.
 - ``mask_report(...)`` counts, per sample, the dead rows of an attention (SAFETY_CONTRACT.md: a query
   that may attend to no key) and says *why* each row is dead, from the parts of the mask.
 - ``plot_mask(mask, path)`` writes a PNG of an ``(i, j)`` mask with its dead rows highlighted
@@ -47,18 +49,26 @@ class NonFiniteTensor:
 
     Attributes:
         phase: ``"forward"`` (a module's output), ``"backward"`` (a gradient a module produced for its
-            inputs or parameters) or ``"loss"`` (the scalar that was backpropagated).
+            inputs or parameters), ``"loss"`` (the scalar that was backpropagated) or ``"incoming"``
+            (the gradient arriving at the model's outputs from outside the model: made by the loss,
+            or by whatever code consumed the outputs; ``module`` is then ``""``).
         module: qualified name of the module (``""`` is the model itself).
         module_type: the module's class name.
         what: which tensor: ``"output"``, ``"output[0]"``, ``"grad_input[1]"``,
-            ``"grad of parameter 'weight'"``, ...
+            ``"grad of parameter 'weight'"``, ``"grad of output"``, ``"grad of output[0]"``, ...
         shape: the tensor's shape.
         dtype: the tensor's dtype.
         nan, posinf, neginf: how many entries are NaN, +inf, -inf.
-        first_index: index of the first non-finite entry.
+        first_index: index of the first non-finite entry (for ``"incoming"``: the first offending
+            output position, e.g. ``(sample, position, feature)`` for a ``(b, n, d)`` output).
         incoming_finite: backward only: whether the gradient flowing *into* the module (w.r.t. its
             outputs) was finite. ``False`` means the non-finite gradient came from above the module
-            (the loss, or functional code between modules), not from the module itself.
+            (the loss, or functional code between modules), not from the module itself. Always
+            ``False`` for ``"incoming"`` (the finding is that gradient).
+        positions: ``"incoming"`` only, for a tensor of 2 or more dims: the distinct indices over all
+            dims but the last (for a ``(b, n, d)`` output: the ``(sample, position)`` pairs) that hold
+            a non-finite entry, in order, at most ``_MAX_POSITIONS`` of them.
+        position_count: how many such positions there are in all.
     """
 
     phase: str
@@ -72,6 +82,8 @@ class NonFiniteTensor:
     neginf: int
     first_index: tuple[int, ...]
     incoming_finite: bool | None = None
+    positions: tuple[tuple[int, ...], ...] = ()
+    position_count: int = 0
 
     @property
     def count(self) -> int:
@@ -83,6 +95,17 @@ class NonFiniteTensor:
         numel = 1
         for s in self.shape:
             numel *= s
+        if self.phase == "incoming":
+            text = (
+                f"incoming gradient from outside the model (the loss, or whatever consumed the outputs): "
+                f"{self.what} of {name!r} ({self.module_type}), shape {self.shape} {self.dtype}: "
+                f"{self.count} of {numel} non-finite ({self.nan} NaN, {self.posinf} +inf, {self.neginf} -inf), "
+                f"first at output index {self.first_index}"
+            )
+            if self.position_count:
+                shown = ", ".join(map(str, self.positions[:8])) + (" ..." if self.position_count > 8 else "")
+                text += f"; at {self.position_count} output position(s) (index over all dims but the last): {shown}"
+            return text
         text = (
             f"{self.phase}: {name!r} ({self.module_type}) {self.what}, shape {self.shape} {self.dtype}: "
             f"{self.count} of {numel} non-finite ({self.nan} NaN, {self.posinf} +inf, {self.neginf} -inf), "
@@ -100,7 +123,9 @@ class NonFiniteReport:
     Attributes:
         forward: the first module output that held NaN/inf, or ``None``.
         backward: the first gradient (module inputs or parameters, in the order autograd produced
-            them) that held NaN/inf, or ``None``.
+            them) that held NaN/inf, or ``None``. When the gradient arriving at the model's outputs
+            was already non-finite, this is that gradient (``phase == "incoming"``, the same finding
+            as ``incoming``) and no module inside the model is blamed.
         loss: the value that was backpropagated, or ``None`` when no backward ran.
         loss_finding: the loss itself, when it was non-finite.
         nonfinite_parameters: names of parameters whose final gradient is non-finite.
@@ -113,6 +138,11 @@ class NonFiniteReport:
             arriving at each module's outputs, so a finding names the module whose output received
             the non-finite gradient; the culprit is what consumed that output: the next module in
             the forward order, or code between modules).
+        incoming: the gradient arriving at the model's outputs (the gradient of the top-level
+            forward's output tensors), when it held NaN/inf: the non-finite gradient comes from
+            outside the model, typically a loss that multiplies NaN/inf (in targets or outputs) at
+            masked positions by a 0 mask (``0 * NaN = NaN``). ``None`` when it was finite (or no
+            backward ran).
     """
 
     forward: NonFiniteTensor | None
@@ -125,6 +155,7 @@ class NonFiniteReport:
     gradients_checked: int
     backward_ran: bool
     backward_hooks: str = "module"
+    incoming: NonFiniteTensor | None = None
 
     @property
     def finite(self) -> bool:
@@ -147,7 +178,18 @@ class NonFiniteReport:
                 lines.append(f"  then {len(self.forward_offenders) - 1} more module output(s): {more}{extra}")
         if self.loss_finding is not None:
             lines.append(f"  {self.loss_finding}")
-        if self.backward is not None:
+        if self.incoming is not None:
+            lines.append(f"  {self.incoming}")
+            lines.append("    no module inside the model is blamed: the gradient was already non-finite when it reached the outputs")
+            if self.forward is not None:
+                lines.append("    (the model's forward already made a non-finite value, see above: fix that first)")
+            lines.append(
+                "    if the loss masks positions by multiplying with the mask, NaN/inf at masked positions still "
+                "gives 0 * NaN = NaN gradients: select them away before any arithmetic touches them, e.g. "
+                "target = torch.where(mask, target, 0) or loss over out[mask], target[mask] "
+                "(a torch.where on the final per-position loss is not enough)"
+            )
+        elif self.backward is not None:
             lines.append(f"  first {self.backward}")
             if self.backward_hooks == "output":
                 lines.append("    (gradient w.r.t. this module's output: the culprit is what consumed that output)")
@@ -179,6 +221,9 @@ def _tensors(obj) -> Iterator[tuple[str, Tensor]]:
                 yield f".{k}{path}", t
 
 
+_MAX_POSITIONS = 64
+
+
 def _describe(t: Tensor, phase: str, module: str, module_type: str, what: str, incoming=None) -> NonFiniteTensor | None:
     if not (t.is_floating_point() or t.is_complex()):
         return None
@@ -186,10 +231,16 @@ def _describe(t: Tensor, phase: str, module: str, module_type: str, what: str, i
     if not bool(bad.any()):
         return None
     first = tuple(int(v) for v in bad.nonzero()[0].tolist()) if t.dim() else ()
+    positions: tuple[tuple[int, ...], ...] = ()
+    position_count = 0
+    if phase == "incoming" and t.dim() >= 2:
+        where = bad.any(-1).nonzero()
+        position_count = int(where.shape[0])
+        positions = tuple(tuple(int(v) for v in row) for row in where[:_MAX_POSITIONS].tolist())
     return NonFiniteTensor(
         phase=phase, module=module, module_type=module_type, what=what, shape=tuple(t.shape), dtype=t.dtype,
         nan=int(torch.isnan(t).sum()), posinf=int(torch.isposinf(t).sum()), neginf=int(torch.isneginf(t).sum()),
-        first_index=first, incoming_finite=incoming,
+        first_index=first, incoming_finite=incoming, positions=positions, position_count=position_count,
     )
 
 
@@ -209,7 +260,11 @@ def find_nonfinite(
     Forward hooks check every module's output as it is produced (children finish before their
     parents, so the first offender is the innermost, earliest one). Then a backward pass runs: of
     ``loss_fn(output)`` if given, else of the sum of the output's finite entries (so a NaN in the
-    output does not by itself poison every gradient). Full backward hooks check the gradient each
+    output does not by itself poison every gradient). The gradient arriving at the model's outputs
+    is checked first: if it holds NaN/inf, the cause lies outside the model (the loss, e.g. one that
+    multiplies NaN targets at padded positions by a 0 mask) and the report says so
+    (``report.incoming``, ``report.backward.phase == "incoming"``) instead of blaming the last
+    layer. Otherwise full backward hooks check the gradient each
     module produces for its inputs, and tensor hooks the gradient of each parameter, in the order
     autograd produces them. A model with a module that modifies its output in place (which full
     backward hooks cannot wrap) is run again with tensor hooks on every module's outputs instead
@@ -254,6 +309,7 @@ def _one_pass(model: nn.Module, args, kwargs, loss_fn, train, *, module_hooks: b
 
     forward_found: list[NonFiniteTensor] = []
     backward_found: list[NonFiniteTensor] = []
+    incoming_found: list[NonFiniteTensor] = []
     counts = {"outputs": 0, "grads": 0}
     handles = []
 
@@ -303,6 +359,15 @@ def _one_pass(model: nn.Module, args, kwargs, loss_fn, train, *, module_hooks: b
 
         return hook
 
+    def incoming_hook(what: str):
+        def hook(g):
+            counts["grads"] += 1
+            found = _describe(g, "incoming", "", type(model).__name__, what, incoming=False)
+            if found is not None:
+                incoming_found.append(found)
+
+        return hook
+
     loss_value = None
     loss_finding = None
     backward_ran = False
@@ -322,6 +387,10 @@ def _one_pass(model: nn.Module, args, kwargs, loss_fn, train, *, module_hooks: b
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             output = model(*args, **kwargs)
+            # The gradient arriving at the model's outputs: if it is non-finite, the model is innocent.
+            for path, t in _tensors(output):
+                if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                    handles.append(t.register_hook(incoming_hook("grad of output" + path)))
             if loss_fn is not None:
                 loss = loss_fn(output)
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -348,9 +417,10 @@ def _one_pass(model: nn.Module, args, kwargs, loss_fn, train, *, module_hooks: b
             p.grad = saved_grads[id(p)]
         for t, g in zip(leaf_inputs, saved_input_grads):
             t.grad = g
+    incoming = incoming_found[0] if incoming_found else None
     return NonFiniteReport(
         forward=forward_found[0] if forward_found else None,
-        backward=backward_found[0] if backward_found else None,
+        backward=incoming if incoming is not None else (backward_found[0] if backward_found else None),
         loss=loss_value,
         loss_finding=loss_finding,
         nonfinite_parameters=tuple(bad_params),
@@ -359,6 +429,7 @@ def _one_pass(model: nn.Module, args, kwargs, loss_fn, train, *, module_hooks: b
         gradients_checked=counts["grads"],
         backward_ran=backward_ran,
         backward_hooks="module" if module_hooks else "output",
+        incoming=incoming,
     )
 
 

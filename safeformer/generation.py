@@ -23,8 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import Configurable
+from .losses import next_token_loss
 from .masks import check_finite, validate_mask
-from .wrappers import TransformerWrapper, _next_token_loss
+from .wrappers import TransformerWrapper
 
 __all__ = [
     "AutoregressiveWrapper",
@@ -167,7 +168,13 @@ def guided_logits(cond: Tensor, uncond: Tensor, cond_scale: float, guidance_resc
     of the conditional ones (the "rescaled CFG" of arXiv 2305.08891, the std taken over the
     vocabulary dimension): ``rescaled = guided * std(cond) / std(guided)``, and the result is
     ``phi * rescaled + (1 - phi) * guided``. A row whose guided logits are all equal (std 0) is left
-    as guided. Statistics are computed in float32 (float64 for float64 inputs).
+    as guided.
+
+    A token whose logit is ``-inf`` in either branch (banned by a filter or a logits processor) stays
+    ``-inf``: it is impossible under one of the two models, and the formula would otherwise give
+    ``-inf - -inf = NaN``. The standard deviations of the rescale are taken over the other (finite)
+    tokens. Everything is computed in float32 (float64 for float64 inputs), and the result stays in
+    that dtype: a half-precision result would overflow for large scales.
 
     Args:
         cond: ``(..., v)`` conditional logits.
@@ -176,24 +183,47 @@ def guided_logits(cond: Tensor, uncond: Tensor, cond_scale: float, guidance_resc
         guidance_rescale: phi in ``[0, 1]``.
 
     Returns:
-        ``(..., v)`` guided logits in the dtype of ``cond``.
+        ``(..., v)`` guided logits in float32 (float64 for float64 inputs).
     """
+    if not isinstance(cond, Tensor) or not isinstance(uncond, Tensor):
+        raise TypeError(f"cond and uncond must be tensors, got {type(cond).__name__} and {type(uncond).__name__}")
     if cond.shape != uncond.shape:
         raise ValueError(f"cond and uncond must have the same shape, got {tuple(cond.shape)} and {tuple(uncond.shape)}")
-    if not (isinstance(cond_scale, (int, float)) and math.isfinite(cond_scale)):
+    if not cond.is_floating_point() or not uncond.is_floating_point():
+        raise TypeError(f"cond and uncond must be floating-point logits, got {cond.dtype} and {uncond.dtype}")
+    if isinstance(cond_scale, bool) or not (isinstance(cond_scale, (int, float)) and math.isfinite(cond_scale)):
         raise ValueError(f"cond_scale must be a finite number, got {cond_scale!r}")
     if not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
-    dtype = torch.promote_types(cond.dtype, torch.float32)
+    dtype = torch.promote_types(torch.promote_types(cond.dtype, uncond.dtype), torch.float32)
     c, u = cond.to(dtype), uncond.to(dtype)
-    guided = u + cond_scale * (c - u)
+    banned = (c == _NEG_INF) | (u == _NEG_INF)
+    if cond_scale == 1.0:
+        guided = c
+    elif cond_scale == 0.0:
+        guided = u
+    else:
+        zero = torch.zeros((), dtype=dtype, device=c.device)
+        cs, us = torch.where(banned, zero, c), torch.where(banned, zero, u)  # -inf selected away, not subtracted
+        guided = us + cond_scale * (cs - us)
     if guidance_rescale > 0.0:
-        std_cond = c.std(dim=-1, keepdim=True)
-        std_guided = guided.std(dim=-1, keepdim=True)
+        live = ~banned
+        std_cond = _masked_std(c, live)
+        std_guided = _masked_std(guided, live)
         flat = std_guided == 0
         ratio = torch.where(flat, 1.0, std_cond / torch.where(flat, 1.0, std_guided))
         guided = guidance_rescale * (guided * ratio) + (1.0 - guidance_rescale) * guided
-    return guided.to(cond.dtype)
+    return guided.masked_fill(banned, _NEG_INF)
+
+
+def _masked_std(x: Tensor, keep: Tensor) -> Tensor:
+    """Sample standard deviation over the last dim counting only ``keep`` (0 with fewer than two)."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    n = keep.sum(-1, keepdim=True).to(x.dtype)
+    xs = torch.where(keep, x, zero)
+    mean = xs.sum(-1, keepdim=True) / n.clamp(min=1)
+    var = torch.where(keep, (x - mean) ** 2, zero).sum(-1, keepdim=True) / (n - 1).clamp(min=1)
+    return var.sqrt()
 
 
 def drop_condition(
@@ -406,6 +436,10 @@ def generate_tokens(
         raise TypeError(f"prompts must hold integer token ids, got dtype {prompts.dtype}")
     b, n = prompts.shape
     device = prompts.device
+    if b == 0:
+        raise ValueError("prompts has batch size 0: nothing to generate (pass at least one prompt)")
+    if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < net.num_tokens:
+        raise ValueError(f"pad_value must be a token id in [0, num_tokens={net.num_tokens}), got {pad_value!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
     if n == 0:
@@ -527,6 +561,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             raise ValueError(f"cond_drop_prob must be in [0, 1], got {cond_drop_prob!r}")
         if null_context not in ("empty", "learned"):
             raise ValueError(f"null_context must be 'empty' or 'learned', got {null_context!r}")
+        if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < net.num_tokens:
+            raise ValueError(f"pad_value must be a token id in [0, num_tokens={net.num_tokens}), got {pad_value!r}")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
         has_cross = net.attn_layers.has_cross
         if (cond_drop_prob > 0 or null_context == "learned") and not has_cross:
             raise ValueError(
@@ -579,7 +617,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             context, context_mask = drop_condition(
                 context_mask, self.cond_drop_prob, context=context, null_context=self.null_token
             )
-        return _next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value,
+        return next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value,
                                 context=context, context_mask=context_mask)
 
     def _uncond(self, prompts, negative_context, negative_context_mask):

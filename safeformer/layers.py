@@ -47,6 +47,12 @@ class KVCache:
         context_mask: ``(b, j)`` the context's padding mask, or ``None``.
         count: ``(b,)`` real tokens seen per sample (the next token's position).
         positions: ``(b|1, p)`` positions of the cached tokens (for ALiBi).
+        context: the context tensor ``cross_kv`` was computed from (a reference, no copy): a later
+            call may pass this same tensor (and the same ``context_mask``) again; any other context
+            with a cache is an error, never silently ignored.
+
+    A cache is input like any other: whatever its masked slots hold (positions where ``mask`` or
+    ``context_mask`` is False) reaches no output and no gradient.
     """
 
     self_kv: list[tuple[Tensor, Tensor]]
@@ -55,6 +61,11 @@ class KVCache:
     context_mask: Tensor | None
     count: Tensor
     positions: Tensor
+    context: Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.count.shape[0])
 
     @property
     def length(self) -> int:
@@ -73,6 +84,7 @@ class KVCache:
             cross_kv=None if self.cross_kv is None else [(sel(k), sel(v)) for k, v in self.cross_kv],
             mask=sel(self.mask), context_mask=sel(self.context_mask), count=sel(self.count),
             positions=self.positions if self.positions.shape[0] == 1 else sel(self.positions),
+            context=sel(self.context),
         )
 
 
@@ -184,11 +196,25 @@ class AttentionLayers(Configurable, nn.Module):
         self.final_norm = make_norm(dim, use_rmsnorm, norm_eps)
 
     def _check_inputs(self, x, mask, context, context_mask, cache) -> None:
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape (b, n, dim={self.dim}), got {tuple(x.shape)}")
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (b, n, dim={self.dim}), got {getattr(x, 'shape', type(x))}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
         b, n = x.shape[:2]
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
+        if cache is not None:
+            self._check_cache(cache, x)
+            if context is not None and cache.cross_kv is not None:
+                same = context is cache.context and (context_mask is cache.context_mask or (
+                    context_mask is None and cache.context_mask is None))
+                if not same:
+                    raise ValueError(
+                        "context was passed with a cache that already holds a context's keys/values: the cache "
+                        "answers for the context (and context_mask) of the call that built it. Pass context only "
+                        "on that first call (or the very same context and context_mask tensors again); to change "
+                        "the condition, start without a cache"
+                    )
         if context is None:
             if context_mask is not None:
                 raise ValueError("context_mask was given without a context; pass context=... as well")
@@ -205,8 +231,39 @@ class AttentionLayers(Configurable, nn.Module):
             )
         if context.device != x.device:
             raise ValueError(f"context is on {context.device}, expected {x.device}")
+        if context.dtype != x.dtype:
+            raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of the model's hidden "
+                            f"states); convert it with context.to({x.dtype})")
         if context_mask is not None:
             validate_mask(context_mask, "context_mask", shape=(b, context.shape[1]), device=x.device)
+
+    def _check_cache(self, cache, x: Tensor) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache returned by forward(..., return_cache=True), got {type(cache).__name__}")
+        n_self = sum(kind == "self" for kind in self.layer_kinds)
+        if len(cache.self_kv) != n_self:
+            raise ValueError(f"cache holds {len(cache.self_kv)} self-attention layers, this stack has {n_self}")
+        b = x.shape[0]
+        if cache.batch_size != b:
+            raise ValueError(f"cache is for a batch of {cache.batch_size} samples, x has {b}; "
+                             f"use cache.index_select(...) to repeat or reorder its samples")
+        if cache.count.device != x.device:
+            raise ValueError(f"cache is on {cache.count.device}, expected {x.device} (the device of x)")
+        p = cache.length
+        if cache.mask is not None:
+            validate_mask(cache.mask, "cache.mask", shape=(b, p), device=x.device)
+        for k, v in cache.self_kv:
+            if k.shape[0] != b or k.shape[2] != p or v.shape[:3] != k.shape[:3] or k.dtype != x.dtype:
+                raise ValueError(f"cache.self_kv holds keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)}, "
+                                 f"expected (b={b}, h_kv, p={p}, d) in {x.dtype}")
+        if cache.cross_kv is not None:
+            for k, v in cache.cross_kv:
+                if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.dtype != x.dtype:
+                    raise ValueError(f"cache.cross_kv holds keys {tuple(k.shape)} {k.dtype} and values "
+                                     f"{tuple(v.shape)}, expected (b={b}, h_kv, j, d) in {x.dtype}")
+            if cache.context_mask is not None:
+                j = cache.cross_kv[0][0].shape[2] if cache.cross_kv else cache.context_mask.shape[1]
+                validate_mask(cache.context_mask, "cache.context_mask", shape=(b, j), device=x.device)
 
     def forward(
         self,
@@ -231,9 +288,12 @@ class AttentionLayers(Configurable, nn.Module):
             context_mask: ``(b, j)`` padding of the context; an all-False row drops the condition
                 of that sample exactly (its cross-attention adds exactly 0).
             attn_mask: an extra self-attention mask ``(b, n, p + n)`` or ``(n, p + n)`` (True = may attend).
-            positions: ``(b, n)`` token positions; by default the count of real tokens (see
-                ``positions_from_mask``), continuing from the cache.
-            cache: a ``KVCache`` from an earlier call: ``x`` holds only the new positions.
+            positions: ``(b, n)``, ``(1, n)`` or ``(n,)`` integer token positions (for rotary and
+                ALiBi); by default the count of real tokens (see ``positions_from_mask``), continuing
+                from the cache.
+            cache: a ``KVCache`` from an earlier call: ``x`` holds only the new positions. The cache
+                keeps the context (its keys/values and ``context_mask``) of the call that built it;
+                ``context`` may be passed again only as the very same tensors (else ``ValueError``).
             return_cache: also return the updated cache.
 
         Returns:
@@ -269,6 +329,8 @@ class AttentionLayers(Configurable, nn.Module):
 
         if positions is None:
             positions = positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
+        else:
+            positions = _check_positions(positions, b, n, device)
         rotary = None
         if self.rotary is not None:
             angles = self.rotary(positions, dtype=x.dtype)  # (b|1, 1, n, d_rot), float32 or wider
@@ -283,15 +345,21 @@ class AttentionLayers(Configurable, nn.Module):
 
         # cross-attention: context padded positions are selected away before any projection
         use_cross = self.has_cross and (context is not None or (cache is not None and cache.cross_kv is not None))
+        cached_cross = cache is not None and cache.cross_kv is not None
+        if cached_cross:  # the cache answers for the context (checked: the same tensors, or none passed)
+            context, context_mask = cache.context, cache.context_mask
         cross_mask = None
-        if context is not None:
+        if cached_cross:
+            cross_mask = None if context_mask is None else context_mask[:, None, None, :]
+        elif context is not None:
             if context_mask is not None:
                 context = torch.where(context_mask[..., None], context, 0.0)
                 cross_mask = context_mask[:, None, None, :]  # (b, 1, 1, j)
-        elif use_cross:
-            context_mask = cache.context_mask
-            cross_mask = None if context_mask is None else context_mask[:, None, None, :]
 
+        # a cache is input too: only a cache with padding has masked slots, and what they hold (its own
+        # finite projections, or whatever a user put there) is selected away by attend, not trusted
+        self_clean = attn_mask is None and (cache is None or cache.mask is None)
+        cross_clean = not cached_cross or context_mask is None
         self_kv, cross_kv = [], []
         for kind, (norm, block) in zip(self.layer_kinds, self.layers):
             if kind == "self":
@@ -299,13 +367,14 @@ class AttentionLayers(Configurable, nn.Module):
                 # masked keys and dead rows are padding, selected to 0 at the input (unless attn_mask hides
                 # real positions): the block need not select its inputs again
                 out, kv = block(norm(x), mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv,
-                                _inputs_finite=attn_mask is None)
+                                _inputs_finite=self_clean)
                 self_kv.append(kv)
             elif kind == "cross":
                 if not use_cross:
                     continue
                 cached = cache.cross_kv[len(cross_kv)] if cache is not None and cache.cross_kv is not None else None
-                out, kv = block(norm(x), context, mask=cross_mask, kv=cached, _inputs_finite=True)  # context selected above
+                out, kv = block(norm(x), None if cached is not None else context, mask=cross_mask, kv=cached,
+                                _inputs_finite=cross_clean)  # a new context was selected above
                 cross_kv.append(kv)
             else:
                 out = block(norm(x))
@@ -321,8 +390,24 @@ class AttentionLayers(Configurable, nn.Module):
         new_cache = KVCache(
             self_kv=self_kv, cross_kv=cross_kv if use_cross else None, mask=key_pad,
             context_mask=context_mask if use_cross else None, count=count, positions=all_positions,
+            context=context if use_cross else None,
         )
         return x, new_cache
+
+
+def _check_positions(positions, b: int, n: int, device) -> Tensor:
+    """``positions`` as ``(b|1, n)``: accepts ``(b, n)``, ``(1, n)`` and ``(n,)`` (shared by every sample)."""
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"positions must be a tensor of integer positions, got {type(positions).__name__}")
+    if positions.dtype == torch.bool or positions.is_complex() or positions.is_floating_point():
+        raise TypeError(f"positions must hold integer positions, got dtype {positions.dtype}")
+    if positions.dim() == 1 and positions.shape[0] == n:
+        positions = positions[None]
+    if positions.dim() != 2 or positions.shape[1] != n or positions.shape[0] not in (1, b):
+        raise ValueError(f"positions must have shape (b, n) = ({b}, {n}), (1, n) or (n,), got {tuple(positions.shape)}")
+    if positions.device != torch.device(device) and not (positions.device.type == torch.device(device).type):
+        raise ValueError(f"positions is on {positions.device}, expected {device}")
+    return positions
 
 
 def _broadcast_batch(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

@@ -197,17 +197,22 @@ def masked_mean(x: Tensor, mask: Tensor | None, dim: int = 1, keepdim: bool = Fa
 
     ``x`` is ``(b, n, ...)`` and ``mask`` ``(b, n)`` for ``dim=1``. Positions that are masked are selected
     away (a NaN there does not reach the result), and a mean over zero valid positions is ``0`` with
-    zero gradient, not NaN (S8).
+    zero gradient, not NaN (S8). The sum and the count are accumulated in float32 (float64 for float64
+    inputs), so a half-precision mean of many large values does not overflow (S7); the result is cast
+    back to ``x``'s dtype.
     """
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    acc = torch.promote_types(x.dtype, torch.float32)
     if mask is None:
-        return x.mean(dim=dim, keepdim=keepdim)
-    validate_mask(mask, "mask")
+        return x.mean(dim=dim, keepdim=keepdim, dtype=acc).to(x.dtype)
+    validate_mask(mask, "mask", device=x.device)
     if mask.shape != x.shape[: mask.dim()]:
         raise ValueError(f"mask must have shape {tuple(x.shape[: mask.dim()])} (leading dims of x), got {_shape(mask)}")
     m = mask.reshape(*mask.shape, *([1] * (x.dim() - mask.dim())))
-    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=dim, keepdim=keepdim)
-    count = m.sum(dim=dim, keepdim=keepdim).to(total.dtype)
-    return total / count.clamp(min=1)
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=dim, keepdim=keepdim, dtype=acc)
+    count = m.sum(dim=dim, keepdim=keepdim).to(acc)
+    return (total / count.clamp(min=1)).to(x.dtype)
 
 
 def safe_cross_entropy(

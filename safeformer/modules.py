@@ -249,14 +249,16 @@ class Attention(nn.Module):
         Args:
             x: queries' input.
             context: ``(b, j, c_ctx)`` for cross-attention; ``None`` for self-attention.
-            mask: bool attention mask as ``attend`` takes it (True = may attend).
+            mask: bool attention mask as ``attend`` takes it (True = may attend). In self-attention a
+                ``(b, j)`` (or ``(b, 1, 1, j)``) padding mask marks padding of ``x`` itself: a padded
+                position is neither a key nor a query, whatever it holds, and its output is exactly 0.
             causal: bottom-right causal masking.
             rotary: ``(q_angles, k_angles)`` from ``RotaryEmbedding`` for the new queries and new keys.
             bias: additive attention bias (ALiBi).
             kv: precomputed keys/values (cross-attention with a cache); ``context`` is then unused.
             past_kv: cached self-attention keys/values to prepend (already rotated).
-                ``kv`` and ``past_kv`` must be what this module returned (their masked positions
-                hold the finite projections of selected inputs).
+                ``kv`` and ``past_kv`` are usually what this module returned; whatever they hold at
+                masked key positions (NaN, inf) reaches no output and no gradient.
             _inputs_finite: private, for ``AttentionLayers``: ``x`` at dead rows and ``context`` (or
                 ``x``) at masked keys are finite already (the stack selected its padded inputs to 0),
                 so they need not be selected again before the projections.
@@ -265,16 +267,33 @@ class Attention(nn.Module):
             ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache. Rows that may attend
             to no key are exactly 0 after the output projection, and pass zero gradient (S2).
         """
+        if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
         b, i = x.shape[:2]
+        if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != b):
+            raise ValueError(f"context must have shape (b={b}, j, dim_context), got {getattr(context, 'shape', type(context))}")
+        if context is not None and context.dtype != x.dtype:
+            raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of x)")
+        if kv is not None and past_kv is not None:
+            raise ValueError("pass kv (cross-attention keys/values) or past_kv (self-attention cache), not both")
+        if kv is not None:
+            self._check_kv(kv, "kv", b, x)
+        if past_kv is not None:
+            self._check_kv(past_kv, "past_kv", b, x)
         source = x if context is None else context
         if kv is not None:
             j = kv[0].shape[2]
         else:
             j = source.shape[1] + (past_kv[0].shape[2] if past_kv is not None else 0)
+        self_pad = None  # (b, i): in self-attention, a (b, j) padding mask marks padding of x itself
+        if not _inputs_finite and context is None and kv is None and isinstance(mask, Tensor):
+            self_pad = _self_padding(mask, b, i, j)
         if _inputs_finite and self.to_out.bias is None:
             rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
         else:
             rows_ok, keys_ok = _alive(mask, causal, b, self.heads, i, j, x.device)
+        if self_pad is not None:  # padded positions of x are no queries: their output is exactly 0
+            rows_ok = self_pad if rows_ok is None else rows_ok & self_pad
         # select masked inputs away *before* the projections: a NaN there would otherwise reach the
         # projection weights' gradients (0 * NaN) even though attend() never uses it
         if rows_ok is not None:
@@ -297,16 +316,46 @@ class Attention(nn.Module):
                 v = torch.cat((past_kv[1], v), dim=2)
         if rotary is not None:
             q = apply_rotary(q, rotary[0])
-        # q at dead rows and k, v at masked keys are finite here (their inputs were selected to 0 above;
-        # kv / past_kv are what this module returned), so attend may skip its own copies of q, k, v
+        # q at dead rows and new k, v at masked keys are finite here (their inputs were selected to 0
+        # above). Keys/values handed in (kv, past_kv) are input like any other: attend selects their
+        # masked positions itself, unless the stack vouches for them (its own cache, _inputs_finite).
         out = attend(
             q, k, v, mask=mask, causal=causal, bias=bias,
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend, _inputs_finite=True,
+            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+            _inputs_finite=_inputs_finite or (kv is None and past_kv is None),
         )  # (b, h, i, d)
         out = self.to_out(rearrange(out, "b h i d -> b i (h d)"))
-        if self.to_out.bias is not None and rows_ok is not None:  # a bias would move dead rows off 0
-            out = torch.where(rows_ok[..., None], out, 0.0)
+        if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None):
+            out = torch.where(rows_ok[..., None], out, 0.0)  # a bias would move dead rows off 0
         return out, (k, v)
+
+    def _check_kv(self, kv, name: str, b: int, x: Tensor) -> None:
+        ok = isinstance(kv, (tuple, list)) and len(kv) == 2 and all(isinstance(t, Tensor) and t.dim() == 4 for t in kv)
+        if not ok:
+            raise ValueError(f"{name} must be a pair of tensors (k, v) of shape (b, h_kv, j, d), got {type(kv).__name__}")
+        k, v = kv
+        want = (b, self.kv_heads, None, self.dim_head)
+        for t, label in ((k, "keys"), (v, "values")):
+            if any(w is not None and w != s for w, s in zip(want, t.shape)):
+                raise ValueError(f"{name} {label} must have shape (b={b}, h_kv={self.kv_heads}, j, d={self.dim_head}), got {tuple(t.shape)}")
+            if t.dtype != x.dtype or t.device != x.device:
+                raise ValueError(f"{name} {label} are {t.dtype} on {t.device}, expected {x.dtype} on {x.device} (those of x)")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"{name} keys and values must have the same length, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _self_padding(mask: Tensor, b: int, i: int, j: int) -> Tensor | None:
+    """``(b, i)`` which positions of x are real, when ``mask`` is a key padding mask of self-attention
+    (``(b, j)`` or ``(b, 1, 1, j)``; the last ``i`` keys are x's own positions); otherwise ``None``."""
+    if mask.dtype != torch.bool or j < i:
+        return None
+    if mask.dim() == 2 and tuple(mask.shape) == (b, j):
+        pad = mask
+    elif mask.dim() == 4 and mask.shape[0] == b and mask.shape[1] == 1 and mask.shape[2] == 1 and mask.shape[3] == j:
+        pad = mask[:, 0, 0]
+    else:
+        return None
+    return pad[:, j - i:]
 
 
 def _alive(mask: Tensor | None, causal: bool, b: int, h: int, i: int, j: int, device) -> tuple[Tensor | None, Tensor | None]:

@@ -1,5 +1,5 @@
-"""Wrappers: ``TransformerWrapper`` (tokens in, logits out), ``ContinuousTransformerWrapper`` (vectors
-in and out) and ``XTransformer`` (encoder-decoder).
+"""Wrappers: ``TransformerWrapper`` (tokens in, logits out) and ``ContinuousTransformerWrapper``
+(vectors in and out). The encoder-decoder ``XTransformer`` builds on generation: ``xtransformer.py``.
 
 Shape legend: b batch, n positions, j context length, c model width, v vocabulary size.
 Masks: bool, True = real position / may attend (``masks.py``).
@@ -11,12 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import Configurable
-from .layers import AttentionLayers, Decoder, Encoder, KVCache
+from .layers import AttentionLayers, KVCache
 from .masks import check_finite as _check_finite
-from .masks import masked_mean, safe_cross_entropy, validate_mask
+from .masks import masked_mean, validate_mask
 from .modules import AbsolutePositionalEmbedding, positions_from_mask
 
-__all__ = ["TransformerWrapper", "ContinuousTransformerWrapper", "XTransformer"]
+__all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
 
 
 def _check_layers(attn_layers) -> None:
@@ -115,8 +115,10 @@ class TransformerWrapper(_Wrapper):
             use_abs_pos_emb=use_abs_pos_emb, tie_embedding=tie_embedding, logits_dim=logits_dim,
             return_only_embed=return_only_embed, check_finite=check_finite,
         )
-        if num_tokens <= 0:
-            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+        if logits_dim is not None and (isinstance(logits_dim, bool) or not isinstance(logits_dim, int) or logits_dim <= 0):
+            raise ValueError(f"logits_dim must be a positive integer or None (= num_tokens), got {logits_dim!r}")
         if tie_embedding and logits_dim not in (None, num_tokens):
             raise ValueError("tie_embedding=True needs logits_dim == num_tokens")
         dim = attn_layers.dim
@@ -128,7 +130,7 @@ class TransformerWrapper(_Wrapper):
         self.tie_embedding = tie_embedding
         self.return_only_embed = return_only_embed
         has_head = not (tie_embedding or return_only_embed)
-        self.to_logits = nn.Linear(dim, logits_dim or num_tokens, bias=False) if has_head else None
+        self.to_logits = nn.Linear(dim, num_tokens if logits_dim is None else logits_dim, bias=False) if has_head else None
         self.check_finite = check_finite
 
     def forward(
@@ -261,187 +263,3 @@ class ContinuousTransformerWrapper(_Wrapper):
         else:
             out = self.project_out(h)
         return (out, new_cache) if return_cache else out
-
-
-class XTransformer(Configurable, nn.Module):
-    """Encoder-decoder: ``model(src, tgt, mask=src_mask)`` returns the next-token loss on ``tgt``.
-
-    Args:
-        dim: model width of encoder and decoder.
-        enc_num_tokens, enc_max_seq_len, enc_depth, enc_heads: the encoder.
-        dec_num_tokens, dec_max_seq_len, dec_depth, dec_heads: the decoder (cross-attends to the
-            encoder's output).
-        dim_head, kv_heads, rotary_pos_emb, ff_glu, use_rmsnorm, attn_dropout, ff_dropout: shared
-            layer options (see ``AttentionLayers``).
-        tie_token_emb: the decoder shares the encoder's token embedding (needs equal vocabularies).
-        ignore_index: target value that does not count in the loss.
-        pad_value: token used in place of ignored targets when they are fed back as inputs (and
-            written after a sample's ``eos_token`` in ``generate``).
-        cond_drop_prob: during training, each sample's encoder output is dropped (its source mask
-            becomes all False: the empty context) with this probability, for classifier-free guidance.
-    """
-
-    def __init__(
-        self,
-        *,
-        dim: int,
-        enc_num_tokens: int,
-        enc_max_seq_len: int,
-        dec_num_tokens: int,
-        dec_max_seq_len: int,
-        enc_depth: int = 6,
-        dec_depth: int = 6,
-        enc_heads: int = 8,
-        dec_heads: int = 8,
-        dim_head: int = 64,
-        kv_heads: int | None = None,
-        rotary_pos_emb: bool = False,
-        ff_glu: bool = False,
-        use_rmsnorm: bool = False,
-        attn_dropout: float = 0.0,
-        ff_dropout: float = 0.0,
-        tie_token_emb: bool = False,
-        ignore_index: int = -100,
-        pad_value: int = 0,
-        cond_drop_prob: float = 0.0,
-    ):
-        super().__init__()
-        if not (isinstance(cond_drop_prob, (int, float)) and 0.0 <= cond_drop_prob <= 1.0):
-            raise ValueError(f"cond_drop_prob must be in [0, 1], got {cond_drop_prob!r}")
-        self._set_config(
-            dim=dim, enc_num_tokens=enc_num_tokens, enc_max_seq_len=enc_max_seq_len, dec_num_tokens=dec_num_tokens,
-            dec_max_seq_len=dec_max_seq_len, enc_depth=enc_depth, dec_depth=dec_depth, enc_heads=enc_heads,
-            dec_heads=dec_heads, dim_head=dim_head, kv_heads=kv_heads, rotary_pos_emb=rotary_pos_emb, ff_glu=ff_glu,
-            use_rmsnorm=use_rmsnorm, attn_dropout=attn_dropout, ff_dropout=ff_dropout, tie_token_emb=tie_token_emb,
-            ignore_index=ignore_index, pad_value=pad_value, cond_drop_prob=cond_drop_prob,
-        )
-        shared = dict(dim=dim, dim_head=dim_head, kv_heads=kv_heads, rotary_pos_emb=rotary_pos_emb, ff_glu=ff_glu,
-                      use_rmsnorm=use_rmsnorm, attn_dropout=attn_dropout, ff_dropout=ff_dropout)
-        self.encoder = TransformerWrapper(
-            num_tokens=enc_num_tokens, max_seq_len=enc_max_seq_len,
-            attn_layers=Encoder(depth=enc_depth, heads=enc_heads, **shared), return_only_embed=True,
-        )
-        self.decoder = TransformerWrapper(
-            num_tokens=dec_num_tokens, max_seq_len=dec_max_seq_len,
-            attn_layers=Decoder(depth=dec_depth, heads=dec_heads, cross_attend=True, **shared),
-        )
-        if tie_token_emb:
-            if enc_num_tokens != dec_num_tokens:
-                raise ValueError("tie_token_emb=True needs enc_num_tokens == dec_num_tokens")
-            self.decoder.token_emb = self.encoder.token_emb
-        self.ignore_index = ignore_index
-        self.pad_value = pad_value
-        self.cond_drop_prob = float(cond_drop_prob)
-
-    def encode(self, src: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Encoder hidden states ``(b, j, c)`` of ``src (b, j)``."""
-        return self.encoder(src, mask=mask, return_embeddings=True)
-
-    def forward(self, src: Tensor, tgt: Tensor, *, mask: Tensor | None = None, tgt_mask: Tensor | None = None) -> Tensor:
-        """Next-token cross-entropy of ``tgt (b, n)`` given ``src (b, j)``.
-
-        Args:
-            src: source token ids.
-            tgt: target token ids; positions equal to ``ignore_index`` (or False in ``tgt_mask``) do not
-                count. A batch with no counted target gives a loss of exactly 0 with zero gradient (S8).
-            mask: ``(b, j)`` source padding mask (True = real). An all-False row or ``j == 0`` is an
-                empty source: the decoder runs unconditioned for that sample. In training mode each
-                sample's source is dropped this way with probability ``cond_drop_prob``.
-            tgt_mask: ``(b, n)`` target padding mask (True = real).
-        """
-        _check_tokens(src, "src")
-        enc = self.encode(src, mask)
-        context_mask = mask
-        if self.training and self.cond_drop_prob > 0:
-            b, j = enc.shape[:2]
-            keep = torch.rand(b, device=enc.device) >= self.cond_drop_prob  # (b,)
-            context_mask = keep[:, None].expand(b, j) if mask is None else mask & keep[:, None]
-        return _next_token_loss(self.decoder, tgt, tgt_mask, self.ignore_index, self.pad_value,
-                                name="tgt", mask_name="tgt_mask", context=enc, context_mask=context_mask)
-
-    @torch.no_grad()
-    def generate(
-        self,
-        src: Tensor,
-        start_tokens: Tensor,
-        seq_len: int,
-        *,
-        mask: Tensor | None = None,
-        start_mask: Tensor | None = None,
-        cond_scale: float = 1.0,
-        negative_src: Tensor | None = None,
-        negative_mask: Tensor | None = None,
-        **options,
-    ) -> Tensor:
-        """Generate ``seq_len`` target tokens after ``start_tokens (b, n)`` given ``src (b, j)``.
-
-        Args:
-            src: source token ids.
-            start_tokens: the decoder's prompt (e.g. a start token, ``(b, 1)``).
-            seq_len: how many tokens to generate.
-            mask: ``(b, j)`` source padding mask (True = real).
-            start_mask: ``(b, n)`` padding mask of ``start_tokens`` (left padding).
-            cond_scale: classifier-free guidance scale; 1.0 runs the conditional branch only.
-                The unconditional branch sees the empty source (all-False mask), or ``negative_src``.
-            negative_src, negative_mask: source token ids ``(b, j')`` or ``(1, j')`` (and mask) whose
-                encoding is the unconditional branch's context.
-            **options: as in ``AutoregressiveWrapper.generate``: ``temperature``, ``filter_logits_fn``,
-                ``filter_kwargs``, ``eos_token``, ``cache_kv``, ``guidance_rescale``.
-
-        Returns:
-            ``(b, seq_len)`` new target token ids.
-        """
-        from .generation import generate_tokens  # generation.py builds on this module: import late
-
-        if negative_mask is not None and negative_src is None:
-            raise ValueError("negative_mask was given without negative_src")
-        was_training = self.training
-        self.eval()
-        try:
-            enc = self.encode(src, mask)
-            uncond, uncond_mask = None, None
-            if negative_src is not None and cond_scale != 1.0:
-                uncond, uncond_mask = self.encode(negative_src, negative_mask), negative_mask
-                if uncond.shape[0] == 1 and enc.shape[0] != 1:  # one negative source for the whole batch
-                    uncond = uncond.expand(enc.shape[0], -1, -1)
-                    uncond_mask = None if uncond_mask is None else uncond_mask.expand(enc.shape[0], -1)
-            return generate_tokens(
-                self.decoder, start_tokens, seq_len, mask=start_mask, context=enc, context_mask=mask,
-                uncond_context=uncond, uncond_context_mask=uncond_mask, cond_scale=cond_scale,
-                pad_value=self.pad_value, **options,
-            )
-        finally:
-            self.train(was_training)
-
-
-def _next_token_loss(
-    net, tokens: Tensor, mask: Tensor | None, ignore_index: int, pad_value: int, *,
-    name: str = "x", mask_name: str = "mask", **kwargs,
-) -> Tensor:
-    """Shifted next-token loss of a ``TransformerWrapper`` on ``tokens (b, n)``.
-
-    A target counts when it and the position that predicts it are both real (not ``ignore_index``,
-    not masked), so a left-padded sample scores exactly the targets it would score alone.
-    """
-    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
-        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(tokens, 'shape', type(tokens))}")
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
-    if mask is not None:
-        validate_mask(mask, mask_name, shape=tuple(tokens.shape), device=tokens.device)
-    real = tokens != ignore_index
-    if mask is not None:
-        real = real & mask
-    inp, target = tokens[:, :-1], tokens[:, 1:]
-    inp = torch.where(real[:, :-1], inp, torch.full_like(inp, pad_value))  # ignored ids are not looked up
-    # ignored inputs (ignore_index, or mask False) are padding: masked, so left padding changes nothing
-    # (S4). Without a user mask and without ignored tokens no mask is passed, so the decoder keeps the
-    # mask-free causal path (is_causal, the flash kernel); telling the two apart reads one bool on the
-    # host, in the loss only (never inside attend).
-    inp_mask = real[:, :-1]
-    if mask is None and not bool((tokens == ignore_index).any()):
-        inp_mask = None
-    counted = real[:, 1:] & real[:, :-1]
-    target = torch.where(counted, target, torch.full_like(target, ignore_index))
-    logits = net(inp, mask=inp_mask, **kwargs)
-    return safe_cross_entropy(logits, target, ignore_index=ignore_index)

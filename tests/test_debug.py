@@ -105,7 +105,7 @@ def test_find_nonfinite_backward_only():
     assert report.forward is None and report.backward_ran
     b = report.backward
     assert (b.module, b.module_type, b.what) == ("2", "_SqrtAbs", "grad_input[0]")
-    assert b.incoming_finite is True
+    assert b.incoming_finite is True and report.incoming is None  # the NaN is made inside: the module is blamed
     assert b.shape == (5, 6) and b.nan == 5 and b.first_index == (0, 0)
     # ReLU's backward *selects* (x <= 0 -> 0), so the NaN at unit 0 never reaches the first Linear: the
     # report still names the module that made a non-finite gradient although every .grad ends finite
@@ -137,7 +137,111 @@ def test_find_nonfinite_a_nonfinite_loss_is_reported_and_blamed_above_the_module
     assert report.loss_finding is not None and report.loss_finding.phase == "loss"
     assert not math.isfinite(report.loss)
     assert report.backward is not None and report.backward.incoming_finite is False
+    # d/d out of (out / 0).sum() is inf everywhere: it arrives at the outputs from outside the model
+    assert report.incoming is report.backward and report.backward.phase == "incoming"
+    assert report.backward.module == "" and report.backward.posinf == 2 * 3
     assert not report.finite
+
+
+def masked_regression_setup(seed: int = 0):
+    """A continuous encoder, a padding mask (sample 1: positions 4, 5 padded), targets NaN at padded positions."""
+    torch.manual_seed(seed)
+    model = ContinuousTransformerWrapper(
+        max_seq_len=16, dim_in=5, dim_out=3, attn_layers=Encoder(dim=16, depth=2, heads=2, dim_head=8),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 6, 5, generator=gen)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    target = torch.randn(2, 6, 3, generator=gen)
+    target[~mask] = NAN  # padding in the targets: never real, but a multiplied mask lets it into the gradient
+    return model, x, mask, target
+
+
+def test_find_nonfinite_nan_targets_under_a_multiplied_mask_blame_the_loss_not_the_last_layer():
+    model, x, mask, target = masked_regression_setup()
+    m = mask[..., None].float()
+
+    # d loss / d out = 2 (out - target) * mask = 0 * NaN = NaN at the padded positions: the gradient
+    # that reaches the model's outputs is already NaN, and project_out (the last layer) is innocent
+    report = find_nonfinite(model, x, mask=mask, loss_fn=lambda out: ((out - target) ** 2 * m).sum())
+    assert report.forward is None and report.backward_ran and not report.finite
+    inc = report.incoming
+    assert inc is not None and report.backward is inc
+    assert (inc.phase, inc.module, inc.module_type, inc.what) == ("incoming", "", "ContinuousTransformerWrapper", "grad of output")
+    assert inc.incoming_finite is False
+    assert inc.shape == (2, 6, 3) and (inc.nan, inc.posinf, inc.neginf) == (2 * 3, 0, 0)
+    assert inc.first_index == (1, 4, 0)
+    assert inc.positions == ((1, 4), (1, 5)) and inc.position_count == 2
+    text = str(report)
+    assert "outside the model" in text and "first at output index (1, 4, 0)" in text and "(1, 4), (1, 5)" in text
+    assert "torch.where(mask, target, 0)" in text and "0 * NaN" in text
+    assert "first backward" not in text and "'project_out' (Linear)" not in text
+    # the parameters' .grad are still reported as they are: a fact, not a blame
+    assert "project_out.weight" in report.nonfinite_parameters
+    assert no_hooks_left(model) and all(p.grad is None for p in model.parameters())
+
+    # a torch.where on the final per-position loss makes the loss finite but not its gradient:
+    # where's backward sends 0 to the padded (out - target) ** 2, whose backward is 0 * 2 * NaN = NaN
+    report = find_nonfinite(
+        model, x, mask=mask, loss_fn=lambda out: torch.where(mask[..., None], (out - target) ** 2, 0.0).sum(),
+    )
+    assert report.loss_finding is None and math.isfinite(report.loss)
+    assert report.incoming is not None and report.backward is report.incoming
+    assert report.incoming.first_index == (1, 4, 0) and report.incoming.position_count == 2
+
+
+def test_find_nonfinite_incoming_gradient_is_checked_with_the_output_hook_fallback():
+    """Models with in-place modules use output hooks; the loss is still blamed before any module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
+    target = torch.randn(5, 2)
+    target[3] = INF
+    keep = torch.ones(5, 1)
+    keep[3] = 0.0
+    report = find_nonfinite(model, torch.rand(5, 4), loss_fn=lambda out: ((out - target) ** 2 * keep).sum())
+    assert report.backward_hooks == "output"
+    assert report.incoming is not None and report.backward is report.incoming
+    assert report.incoming.first_index == (3, 0) and report.incoming.positions == ((3,),)
+    assert report.incoming.nan == 2  # (out - inf) ** 2 * 0 = inf * 0 = NaN in the gradient, for both features
+    assert "culprit is what consumed that output" not in str(report)
+    assert no_hooks_left(model)
+
+
+def test_find_nonfinite_with_a_finite_incoming_gradient_still_blames_the_module():
+    """A correct masked loss (padding selected away) lets the NaN made inside the backward be blamed as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), _SqrtAbs(), nn.Linear(6, 2))
+    with torch.no_grad():
+        model[0].weight.abs_()
+        model[0].bias.copy_(torch.tensor([-100.0, 1, 1, 1, 1, 1]))
+    keep = torch.tensor([True, True, False, True, True])[:, None]
+    target = torch.randn(5, 2)
+    target[~keep[:, 0]] = NAN
+    clean = torch.where(keep, target, 0.0)
+    report = find_nonfinite(model, torch.rand(5, 4), loss_fn=lambda out: torch.where(keep, out - clean, 0.0).pow(2).sum())
+    assert report.incoming is None and report.loss_finding is None
+    b = report.backward
+    assert (b.phase, b.module, b.module_type, b.what) == ("backward", "2", "_SqrtAbs", "grad_input[0]")
+    assert b.incoming_finite is True and b.nan == 5  # unit 0 of every row: sqrt's backward at 0 is g / 0, NaN even for g = 0
+    assert "outside the model" not in str(report) and "'2' (_SqrtAbs)" in str(report)
+
+
+def test_find_nonfinite_masked_loss_that_selects_padding_away_is_all_finite():
+    model, x, mask, target = masked_regression_setup()
+    clean = torch.where(mask[..., None], target, 0.0)  # the fix the report suggests
+    m = mask[..., None].float()
+    losses = {
+        "select the targets, then multiply": lambda out: ((out - clean) ** 2 * m).sum(),
+        "index the real positions": lambda out: ((out[mask] - target[mask]) ** 2).sum(),
+        "finite targets, multiplied mask": lambda out: ((out - torch.nan_to_num(target)) ** 2 * m).sum(),
+    }
+    for name, loss_fn in losses.items():
+        report = find_nonfinite(model, x, mask=mask, loss_fn=loss_fn)
+        assert report.finite, f"{name}: {report}"
+        assert report.incoming is None and report.backward is None and report.nonfinite_parameters == ()
+        assert report.backward_ran and math.isfinite(report.loss)
+        assert str(report).startswith("NonFiniteReport: all finite"), name
 
 
 def test_find_nonfinite_clean_safeformer_model_with_dead_rows_is_all_finite():

@@ -1,0 +1,170 @@
+"""``XTransformer``: an encoder-decoder whose decoder cross-attends to the encoder's output, with its
+next-token loss, classifier-free-guidance training and guided generation.
+
+Shape legend: b batch, j source positions, n target positions, c model width.
+Masks: bool, True = real position (``masks.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .checkpoint import Configurable
+from .generation import generate_tokens
+from .layers import Decoder, Encoder
+from .losses import next_token_loss
+from .wrappers import TransformerWrapper, _check_tokens
+
+__all__ = ["XTransformer"]
+
+
+class XTransformer(Configurable, nn.Module):
+    """Encoder-decoder: ``model(src, tgt, mask=src_mask)`` returns the next-token loss on ``tgt``.
+
+    Args:
+        dim: model width of encoder and decoder.
+        enc_num_tokens, enc_max_seq_len, enc_depth, enc_heads: the encoder.
+        dec_num_tokens, dec_max_seq_len, dec_depth, dec_heads: the decoder (cross-attends to the
+            encoder's output).
+        dim_head, kv_heads, rotary_pos_emb, ff_glu, use_rmsnorm, attn_dropout, ff_dropout: shared
+            layer options (see ``AttentionLayers``).
+        tie_token_emb: the decoder shares the encoder's token embedding (needs equal vocabularies).
+        ignore_index: target value that does not count in the loss.
+        pad_value: token used in place of ignored targets when they are fed back as inputs (and
+            written after a sample's ``eos_token`` in ``generate``).
+        cond_drop_prob: during training, each sample's encoder output is dropped (its source mask
+            becomes all False: the empty context) with this probability, for classifier-free guidance.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        enc_num_tokens: int,
+        enc_max_seq_len: int,
+        dec_num_tokens: int,
+        dec_max_seq_len: int,
+        enc_depth: int = 6,
+        dec_depth: int = 6,
+        enc_heads: int = 8,
+        dec_heads: int = 8,
+        dim_head: int = 64,
+        kv_heads: int | None = None,
+        rotary_pos_emb: bool = False,
+        ff_glu: bool = False,
+        use_rmsnorm: bool = False,
+        attn_dropout: float = 0.0,
+        ff_dropout: float = 0.0,
+        tie_token_emb: bool = False,
+        ignore_index: int = -100,
+        pad_value: int = 0,
+        cond_drop_prob: float = 0.0,
+    ):
+        super().__init__()
+        if not (isinstance(cond_drop_prob, (int, float)) and 0.0 <= cond_drop_prob <= 1.0):
+            raise ValueError(f"cond_drop_prob must be in [0, 1], got {cond_drop_prob!r}")
+        if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < dec_num_tokens:
+            raise ValueError(f"pad_value must be a target token id in [0, dec_num_tokens={dec_num_tokens}), got {pad_value!r}")
+        self._set_config(
+            dim=dim, enc_num_tokens=enc_num_tokens, enc_max_seq_len=enc_max_seq_len, dec_num_tokens=dec_num_tokens,
+            dec_max_seq_len=dec_max_seq_len, enc_depth=enc_depth, dec_depth=dec_depth, enc_heads=enc_heads,
+            dec_heads=dec_heads, dim_head=dim_head, kv_heads=kv_heads, rotary_pos_emb=rotary_pos_emb, ff_glu=ff_glu,
+            use_rmsnorm=use_rmsnorm, attn_dropout=attn_dropout, ff_dropout=ff_dropout, tie_token_emb=tie_token_emb,
+            ignore_index=ignore_index, pad_value=pad_value, cond_drop_prob=cond_drop_prob,
+        )
+        shared = dict(dim=dim, dim_head=dim_head, kv_heads=kv_heads, rotary_pos_emb=rotary_pos_emb, ff_glu=ff_glu,
+                      use_rmsnorm=use_rmsnorm, attn_dropout=attn_dropout, ff_dropout=ff_dropout)
+        self.encoder = TransformerWrapper(
+            num_tokens=enc_num_tokens, max_seq_len=enc_max_seq_len,
+            attn_layers=Encoder(depth=enc_depth, heads=enc_heads, **shared), return_only_embed=True,
+        )
+        self.decoder = TransformerWrapper(
+            num_tokens=dec_num_tokens, max_seq_len=dec_max_seq_len,
+            attn_layers=Decoder(depth=dec_depth, heads=dec_heads, cross_attend=True, **shared),
+        )
+        if tie_token_emb:
+            if enc_num_tokens != dec_num_tokens:
+                raise ValueError("tie_token_emb=True needs enc_num_tokens == dec_num_tokens")
+            self.decoder.token_emb = self.encoder.token_emb
+        self.ignore_index = ignore_index
+        self.pad_value = pad_value
+        self.cond_drop_prob = float(cond_drop_prob)
+
+    def encode(self, src: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Encoder hidden states ``(b, j, c)`` of ``src (b, j)``."""
+        return self.encoder(src, mask=mask, return_embeddings=True)
+
+    def forward(self, src: Tensor, tgt: Tensor, *, mask: Tensor | None = None, tgt_mask: Tensor | None = None) -> Tensor:
+        """Next-token cross-entropy of ``tgt (b, n)`` given ``src (b, j)``.
+
+        Args:
+            src: source token ids.
+            tgt: target token ids; positions equal to ``ignore_index`` (or False in ``tgt_mask``) do not
+                count. A batch with no counted target gives a loss of exactly 0 with zero gradient (S8).
+            mask: ``(b, j)`` source padding mask (True = real). An all-False row or ``j == 0`` is an
+                empty source: the decoder runs unconditioned for that sample. In training mode each
+                sample's source is dropped this way with probability ``cond_drop_prob``.
+            tgt_mask: ``(b, n)`` target padding mask (True = real).
+        """
+        _check_tokens(src, "src")
+        enc = self.encode(src, mask)
+        context_mask = mask
+        if self.training and self.cond_drop_prob > 0:
+            b, j = enc.shape[:2]
+            keep = torch.rand(b, device=enc.device) >= self.cond_drop_prob  # (b,)
+            context_mask = keep[:, None].expand(b, j) if mask is None else mask & keep[:, None]
+        return next_token_loss(self.decoder, tgt, tgt_mask, self.ignore_index, self.pad_value,
+                                name="tgt", mask_name="tgt_mask", context=enc, context_mask=context_mask)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        src: Tensor,
+        start_tokens: Tensor,
+        seq_len: int,
+        *,
+        mask: Tensor | None = None,
+        start_mask: Tensor | None = None,
+        cond_scale: float = 1.0,
+        negative_src: Tensor | None = None,
+        negative_mask: Tensor | None = None,
+        **options,
+    ) -> Tensor:
+        """Generate ``seq_len`` target tokens after ``start_tokens (b, n)`` given ``src (b, j)``.
+
+        Args:
+            src: source token ids.
+            start_tokens: the decoder's prompt (e.g. a start token, ``(b, 1)``).
+            seq_len: how many tokens to generate.
+            mask: ``(b, j)`` source padding mask (True = real).
+            start_mask: ``(b, n)`` padding mask of ``start_tokens`` (left padding).
+            cond_scale: classifier-free guidance scale; 1.0 runs the conditional branch only.
+                The unconditional branch sees the empty source (all-False mask), or ``negative_src``.
+            negative_src, negative_mask: source token ids ``(b, j')`` or ``(1, j')`` (and mask) whose
+                encoding is the unconditional branch's context.
+            **options: as in ``AutoregressiveWrapper.generate``: ``temperature``, ``filter_logits_fn``,
+                ``filter_kwargs``, ``eos_token``, ``cache_kv``, ``guidance_rescale``.
+
+        Returns:
+            ``(b, seq_len)`` new target token ids.
+        """
+        if negative_mask is not None and negative_src is None:
+            raise ValueError("negative_mask was given without negative_src")
+        was_training = self.training
+        self.eval()
+        try:
+            enc = self.encode(src, mask)
+            uncond, uncond_mask = None, None
+            if negative_src is not None and cond_scale != 1.0:
+                uncond, uncond_mask = self.encode(negative_src, negative_mask), negative_mask
+                if uncond.shape[0] == 1 and enc.shape[0] != 1:  # one negative source for the whole batch
+                    uncond = uncond.expand(enc.shape[0], -1, -1)
+                    uncond_mask = None if uncond_mask is None else uncond_mask.expand(enc.shape[0], -1)
+            return generate_tokens(
+                self.decoder, start_tokens, seq_len, mask=start_mask, context=enc, context_mask=mask,
+                uncond_context=uncond, uncond_context_mask=uncond_mask, cond_scale=cond_scale,
+                pad_value=self.pad_value, **options,
+            )
+        finally:
+            self.train(was_training)
