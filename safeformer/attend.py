@@ -414,7 +414,8 @@ def attend(
     )
     scale = d**-0.5 if scale is None else float(scale)
 
-    if j == 0:  # no keys at all: every row is dead; keep the graph so q, k, v get (zero) gradients
+    if j == 0 or i == 0:  # no keys (every row is dead) or no queries: no kernel call; keep the graph so
+        # that q, k, v (and the bias) get (zero) gradients
         dead = torch.zeros((), dtype=torch.bool, device=q.device)
         anchor = k.sum() + v.sum() + (bias.sum() if bias is not None else 0.0)  # empty sums: exactly 0
         return torch.where(dead, q.sum(-1, keepdim=True), 0.0).expand(b, h, i, e) + anchor * 0

@@ -278,27 +278,83 @@ def _old_kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_ca
     return (logits.softmax(dim=-1) @ v.to(dtype)).to(q.dtype)
 
 
+def _kernel_masked_keys(attn_mask: Tensor | None, bad_rows: Tensor, b: int, j: int) -> Tensor:
+    """``(b|1, 1, j, 1)``: keys that no row outside ``bad_rows`` may attend to, by the kernel's mask."""
+    if attn_mask is None:
+        return torch.zeros(1, 1, j, 1, dtype=torch.bool, device=bad_rows.device)
+    allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask != -INF
+    while allowed.dim() < 4:
+        allowed = allowed[None]
+    seen = (allowed & ~bad_rows).any(dim=-2).any(dim=1)  # (b|1, j)
+    return ~seen[:, None, :, None]
+
+
+class PoisonedSDPA(torch.autograd.Function):
+    """The real SDPA, then NaN (or ``value``) written where a kernel misbehaving on purpose would:
+
+    forward: into every row of ``bad_rows (b|1, h|1, i, 1)``; backward: into the gradient of q at those
+    rows, and into the gradients of k and v at ``bad_keys (b|1, 1, j, 1)``, whatever gradient flows
+    in (a kernel that is wrong on dead rows is wrong in its backward too). The backward recomputes
+    the real SDPA to get the true gradients first.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, bad_rows, bad_keys, value):
+        ctx.save_for_backward(q, k, v, attn_mask, bad_rows, bad_keys)
+        ctx.args = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        ctx.value = value
+        out = _REAL_SDPA(q, k, v, attn_mask=attn_mask, **ctx.args)
+        return out.clone().masked_fill_(bad_rows, value)  # in place on a clone: the kernel's memory layout kept
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, attn_mask, bad_rows, bad_keys = ctx.saved_tensors
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            out = _REAL_SDPA(qq, kk, vv, attn_mask=attn_mask, **ctx.args)
+            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad)
+        dq, dk, dv = _fill(dq, bad_rows, ctx.value), _fill(dk, bad_keys, ctx.value), _fill(dv, bad_keys, ctx.value)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _fill(t: Tensor, where: Tensor, value: float) -> Tensor:
+    """``t`` with ``value`` at ``where``, in place when ``t`` owns its memory (the layout a kernel chose
+    is kept); an expanded tensor (e.g. a broadcast zero gradient) is copied first."""
+    if 0 in t.stride() or t._base is not None:
+        t = t.clone()
+    return t.masked_fill_(where, value)
+
+
+def poisoned_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, bad_rows: Tensor, value: float = NAN) -> Tensor:
+    """``PoisonedSDPA`` with the masked keys found from the kernel's mask and ``bad_rows``."""
+    b, h, i = q.shape[:3]
+    bad_rows = bad_rows.expand(b, h, i, 1)
+    bad_keys = _kernel_masked_keys(attn_mask, bad_rows, b, k.shape[-2])
+    return PoisonedSDPA.apply(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, bad_rows, bad_keys, value)
+
+
 def nan_kernel(dead: Tensor | None = None, *, value: float = NAN, calls: list | None = None) -> Callable[..., Tensor]:
     """A stand-in for ``F.scaled_dot_product_attention`` that misbehaves on dead rows (S6).
 
-    It runs the real SDPA. Rows handed to it with no key to attend to (mask row all False / all -inf)
-    it computes as kernels before torch 2.5 did: NaN in the forward pass *and* NaN gradients into q, k,
-    v from the backward pass. Then it writes ``value`` (NaN by default) into those rows and into every
-    row that ``dead`` marks (bool, broadcastable to ``(b, h, i)``: the rows the test knows are dead,
-    which a safe caller may have handed over as ordinary rows). ``calls``, if given, receives one dict
-    per call.
+    It runs the real SDPA and writes ``value`` (NaN by default) into the rows handed to it with no key
+    to attend to (mask row all False / all -inf) and into every row that ``dead`` marks (bool,
+    broadcastable to ``(b, h, i)``: the rows the test knows are dead, which a safe caller may have
+    handed over as ordinary rows). Its backward writes ``value`` into the gradient of q at those rows
+    and into the gradients of k and v at the keys that no other row may see, whatever gradient flows
+    in; rows handed no key at all also get the NaN gradients of a pre-2.5 softmax (into every key of
+    their sample). ``calls``, if given, receives one dict per call.
     """
 
     def kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if calls is not None:
             calls.append(_describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
-        out = _REAL_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        rows = _kernel_dead_rows(q, k, attn_mask, is_causal)  # (b|1, h|1, i|1, 1)
-        if bool(rows.any()):
-            out = torch.where(rows, _old_kernel(q, k, v, attn_mask, is_causal, scale, enable_gqa), out)
-        if dead is not None:
-            rows = rows | dead.to(q.device)[..., None]
-        return out.masked_fill(rows, value)
+        keyless = _kernel_dead_rows(q, k, attn_mask, is_causal)  # (b|1, h|1, i|1, 1)
+        rows = keyless if dead is None else keyless | dead.to(q.device)[..., None]
+        out = poisoned_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, rows, value)
+        if bool(keyless.any()):  # rows handed no key at all: a pre-2.5 softmax's NaN gradients as well
+            old = _old_kernel(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+            out = torch.where(keyless, old, out).masked_fill(keyless, value)
+        return out
 
     return kernel
 

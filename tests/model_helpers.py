@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import contract  # tests/ is on sys.path (conftest.py)
 import torch
 import torch.nn.functional as F
 from hypothesis import settings
@@ -411,7 +412,7 @@ class RecordingKernel:
 
 
 class NaNDeadRowKernel:
-    """A kernel that misbehaves on dead rows (S6): it runs the real SDPA, then writes NaN into
+    """A kernel that misbehaves on dead rows (S6), forward and backward: it runs the real SDPA, then writes NaN into
 
     - every row whose ``attn_mask`` row lets it see no key (all False, or all -inf), and
     - every row the test knows to be dead: ``dead[role]`` is a ``(b, i)`` bool tensor and ``role`` the
@@ -419,15 +420,14 @@ class NaNDeadRowKernel:
     ``self.poisoned`` counts the rows it set to NaN, so a test can show that it fired.
     """
 
-    def __init__(self, dead: dict[str, Tensor]):
+    def __init__(self, dead: dict[str, Tensor], value: float = NAN):
         self.dead = dead
         self.role: str | None = None
         self.poisoned = 0
+        self.value = value
 
     def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        b, h, i, _ = out.shape
+        b, h, i, _ = q.shape
         bad = torch.zeros(b, h, i, 1, dtype=torch.bool)
         if attn_mask is not None:
             sees = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
@@ -437,7 +437,16 @@ class NaNDeadRowKernel:
             bad = bad | known[:, None, :, None]
         bad = bad.expand(b, h, i, 1)
         self.poisoned += int(bad.any(1).sum())
-        return torch.where(bad, torch.full((), NAN, dtype=out.dtype), out)
+        # NaN in the dead rows' outputs, and in the backward NaN into q's gradient at those rows and
+        # into k's and v's gradients at keys no live row may see (contract.PoisonedSDPA)
+        return contract.poisoned_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, bad, self.value)
+
+
+def faithful_kernel() -> NaNDeadRowKernel:
+    """The same substituted kernel writing 0 instead of NaN: what a poisoned run is compared with, bit
+    for bit (a substituted kernel returns its gradients from one autograd node, which can change the
+    order in which the engine sums gradients by an ulp; comparing like with like keeps the test exact)."""
+    return NaNDeadRowKernel({}, value=0.0)
 
 
 @contextlib.contextmanager

@@ -797,7 +797,8 @@ def test_s6_kernel_not_trusted(tc: TrainCase, gc: GenCase):
     prompts = gc.prompts()
     for backend in mh.SDPA_BACKENDS:
         model = model_of(tc.null, tc.p, backend)
-        clean = loss_and_grads(tc, model, tc.ids(), tc.context())
+        with sf.substitute_kernel(mh.faithful_kernel()):
+            clean = loss_and_grads(tc, model, tc.ids(), tc.context())
         kernel = mh.NaNDeadRowKernel(dead)
         with sf.substitute_kernel(kernel), mh.track_roles(model, roles(model), kernel):
             poisoned = loss_and_grads(tc, model, tc.ids(), tc.context())
