@@ -205,6 +205,11 @@ class AttentionLayers(Configurable, nn.Module):
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
         if cache is not None:
             self._check_cache(cache, x)
+            if context is not None and cache.cross_kv is None and self.has_cross:
+                raise ValueError(
+                    "context was passed with a cache built without one: the cached positions never saw it. "
+                    "Pass the context on the first call (the one that builds the cache)"
+                )
             if context is not None and cache.cross_kv is not None:
                 same = context is cache.context and (context_mask is cache.context_mask or (
                     context_mask is None and cache.context_mask is None))
@@ -231,7 +236,7 @@ class AttentionLayers(Configurable, nn.Module):
             )
         if context.device != x.device:
             raise ValueError(f"context is on {context.device}, expected {x.device}")
-        if context.dtype != x.dtype:
+        if _dtype_differs(context, x):
             raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of the model's hidden "
                             f"states); convert it with context.to({x.dtype})")
         if context_mask is not None:
@@ -243,6 +248,9 @@ class AttentionLayers(Configurable, nn.Module):
         n_self = sum(kind == "self" for kind in self.layer_kinds)
         if len(cache.self_kv) != n_self:
             raise ValueError(f"cache holds {len(cache.self_kv)} self-attention layers, this stack has {n_self}")
+        n_cross = sum(kind == "cross" for kind in self.layer_kinds)
+        if cache.cross_kv is not None and len(cache.cross_kv) != n_cross:
+            raise ValueError(f"cache holds {len(cache.cross_kv)} cross-attention layers, this stack has {n_cross}")
         b = x.shape[0]
         if cache.batch_size != b:
             raise ValueError(f"cache is for a batch of {cache.batch_size} samples, x has {b}; "
@@ -253,12 +261,12 @@ class AttentionLayers(Configurable, nn.Module):
         if cache.mask is not None:
             validate_mask(cache.mask, "cache.mask", shape=(b, p), device=x.device)
         for k, v in cache.self_kv:
-            if k.shape[0] != b or k.shape[2] != p or v.shape[:3] != k.shape[:3] or k.dtype != x.dtype:
+            if k.shape[0] != b or k.shape[2] != p or v.shape[:3] != k.shape[:3] or _dtype_differs(k, x):
                 raise ValueError(f"cache.self_kv holds keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)}, "
                                  f"expected (b={b}, h_kv, p={p}, d) in {x.dtype}")
         if cache.cross_kv is not None:
             for k, v in cache.cross_kv:
-                if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.dtype != x.dtype:
+                if k.shape[0] != b or v.shape[:3] != k.shape[:3] or _dtype_differs(k, x):
                     raise ValueError(f"cache.cross_kv holds keys {tuple(k.shape)} {k.dtype} and values "
                                      f"{tuple(v.shape)}, expected (b={b}, h_kv, j, d) in {x.dtype}")
             if cache.context_mask is not None:
@@ -346,8 +354,10 @@ class AttentionLayers(Configurable, nn.Module):
         # cross-attention: context padded positions are selected away before any projection
         use_cross = self.has_cross and (context is not None or (cache is not None and cache.cross_kv is not None))
         cached_cross = cache is not None and cache.cross_kv is not None
+        user_context = context  # the cache keeps a reference to what the user passed (not a copy)
         if cached_cross:  # the cache answers for the context (checked: the same tensors, or none passed)
             context, context_mask = cache.context, cache.context_mask
+            user_context = context
         cross_mask = None
         if cached_cross:
             cross_mask = None if context_mask is None else context_mask[:, None, None, :]
@@ -390,9 +400,14 @@ class AttentionLayers(Configurable, nn.Module):
         new_cache = KVCache(
             self_kv=self_kv, cross_kv=cross_kv if use_cross else None, mask=key_pad,
             context_mask=context_mask if use_cross else None, count=count, positions=all_positions,
-            context=context if use_cross else None,
+            context=user_context if use_cross else None,
         )
         return x, new_cache
+
+
+def _dtype_differs(t: Tensor, x: Tensor) -> bool:
+    """``t`` cannot meet ``x`` in one matmul: dtypes differ outside autocast (which mixes them itself)."""
+    return t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)
 
 
 def _check_positions(positions, b: int, n: int, device) -> Tensor:

@@ -272,14 +272,15 @@ class Attention(nn.Module):
         b, i = x.shape[:2]
         if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != b):
             raise ValueError(f"context must have shape (b={b}, j, dim_context), got {getattr(context, 'shape', type(context))}")
-        if context is not None and context.dtype != x.dtype:
+        mixed_ok = torch.is_autocast_enabled(x.device.type)  # autocast mixes dtypes on purpose
+        if context is not None and context.dtype != x.dtype and not mixed_ok:
             raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of x)")
         if kv is not None and past_kv is not None:
             raise ValueError("pass kv (cross-attention keys/values) or past_kv (self-attention cache), not both")
         if kv is not None:
-            self._check_kv(kv, "kv", b, x)
+            self._check_kv(kv, "kv", b, x, mixed_ok)
         if past_kv is not None:
-            self._check_kv(past_kv, "past_kv", b, x)
+            self._check_kv(past_kv, "past_kv", b, x, mixed_ok)
         source = x if context is None else context
         if kv is not None:
             j = kv[0].shape[2]
@@ -288,12 +289,15 @@ class Attention(nn.Module):
         self_pad = None  # (b, i): in self-attention, a (b, j) padding mask marks padding of x itself
         if not _inputs_finite and context is None and kv is None and isinstance(mask, Tensor):
             self_pad = _self_padding(mask, b, i, j)
+        if self_pad is not None:  # padded positions of x are no queries either: dead rows, output exactly 0
+            mask = as_attention_mask(mask, b, self.heads, i, j) & self_pad[:, None, :, None]  # (b, 1, i, j)
         if _inputs_finite and self.to_out.bias is None:
             rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
         else:
-            rows_ok, keys_ok = _alive(mask, causal, b, self.heads, i, j, x.device)
-        if self_pad is not None:  # padded positions of x are no queries: their output is exactly 0
-            rows_ok = self_pad if rows_ok is None else rows_ok & self_pad
+            reach = None
+            if bias is not None and isinstance(bias, Tensor) and bias.is_floating_point():
+                reach = bias.to(x.dtype) != float("-inf")  # a bias of -inf (in x's dtype) masks its key too
+            rows_ok, keys_ok = _alive(mask, causal, b, self.heads, i, j, x.device, reach)
         # select masked inputs away *before* the projections: a NaN there would otherwise reach the
         # projection weights' gradients (0 * NaN) even though attend() never uses it
         if rows_ok is not None:
@@ -319,17 +323,18 @@ class Attention(nn.Module):
         # q at dead rows and new k, v at masked keys are finite here (their inputs were selected to 0
         # above). Keys/values handed in (kv, past_kv) are input like any other: attend selects their
         # masked positions itself, unless the stack vouches for them (its own cache, _inputs_finite).
+        # A bias can mask keys too: then attend selects as well (its selections also guard the gradients).
         out = attend(
             q, k, v, mask=mask, causal=causal, bias=bias,
             dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
-            _inputs_finite=_inputs_finite or (kv is None and past_kv is None),
+            _inputs_finite=_inputs_finite or (kv is None and past_kv is None and bias is None),
         )  # (b, h, i, d)
         out = self.to_out(rearrange(out, "b h i d -> b i (h d)"))
-        if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None):
+        if rows_ok is not None and self.to_out.bias is not None:
             out = torch.where(rows_ok[..., None], out, 0.0)  # a bias would move dead rows off 0
         return out, (k, v)
 
-    def _check_kv(self, kv, name: str, b: int, x: Tensor) -> None:
+    def _check_kv(self, kv, name: str, b: int, x: Tensor, mixed_ok: bool = False) -> None:
         ok = isinstance(kv, (tuple, list)) and len(kv) == 2 and all(isinstance(t, Tensor) and t.dim() == 4 for t in kv)
         if not ok:
             raise ValueError(f"{name} must be a pair of tensors (k, v) of shape (b, h_kv, j, d), got {type(kv).__name__}")
@@ -338,7 +343,7 @@ class Attention(nn.Module):
         for t, label in ((k, "keys"), (v, "values")):
             if any(w is not None and w != s for w, s in zip(want, t.shape)):
                 raise ValueError(f"{name} {label} must have shape (b={b}, h_kv={self.kv_heads}, j, d={self.dim_head}), got {tuple(t.shape)}")
-            if t.dtype != x.dtype or t.device != x.device:
+            if (t.dtype != x.dtype and not mixed_ok) or not t.is_floating_point() or t.device != x.device:
                 raise ValueError(f"{name} {label} are {t.dtype} on {t.device}, expected {x.dtype} on {x.device} (those of x)")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"{name} keys and values must have the same length, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -358,9 +363,11 @@ def _self_padding(mask: Tensor, b: int, i: int, j: int) -> Tensor | None:
     return pad[:, j - i:]
 
 
-def _alive(mask: Tensor | None, causal: bool, b: int, h: int, i: int, j: int, device) -> tuple[Tensor | None, Tensor | None]:
+def _alive(mask: Tensor | None, causal: bool, b: int, h: int, i: int, j: int, device,
+           reach: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """Which queries ``(b|1, i)`` may attend to some key and which keys ``(b|1, j)`` some query may see
-    (in any head); ``(None, None)`` when every query and key is live."""
+    (in any head); ``(None, None)`` when every query and key is live. ``reach``: where an additive bias
+    is not ``-inf`` (broadcastable to ``(b, h, i, j)``)."""
     if j == 0:
         return torch.zeros(1, i, dtype=torch.bool, device=device), torch.zeros(1, 0, dtype=torch.bool, device=device)
     if isinstance(mask, PreparedMask):
@@ -368,8 +375,12 @@ def _alive(mask: Tensor | None, causal: bool, b: int, h: int, i: int, j: int, de
     m = None if mask is None else as_attention_mask(mask, b, h, i, j)
     if m is not None and m.device != torch.device(device):
         raise ValueError(f"mask is on {m.device}, expected {device} (the device of the inputs)")
-    c = causal_mask(i, j, device=device) if causal and (i > j or (m is not None and i > 1)) else None
-    combined = combine_masks(m, c)  # (b|1, h|1, i|1, j|1)
+    if reach is not None:
+        if reach.dim() > 4 or any(s not in (1, f) for s, f in zip(reach.shape[::-1], (j, i, h, b))):
+            raise ValueError(f"bias must broadcast to (b, h, i, j) = ({b}, {h}, {i}, {j}), got {tuple(reach.shape)}")
+        reach = reach.reshape((1,) * (4 - reach.dim()) + tuple(reach.shape))
+    c = causal_mask(i, j, device=device) if causal and (i > j or ((m is not None or reach is not None) and i > 1)) else None
+    combined = combine_masks(m, c, reach)  # (b|1, h|1, i|1, j|1)
     if combined is None:
         return None, None
     rows = combined.any(dim=-1).any(dim=1).expand(combined.shape[0], i)

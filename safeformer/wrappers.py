@@ -170,6 +170,10 @@ class TransformerWrapper(_Wrapper):
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
             x = torch.where(mask, x, torch.zeros_like(x))
+        if not torch.compiler.is_compiling() and x.numel() and bool(((x < 0) | (x >= self.num_tokens)).any()):
+            bad = ((x < 0) | (x >= self.num_tokens)).nonzero()[0].tolist()  # reached only on error
+            raise ValueError(f"x holds token id {int(x[tuple(bad)])} at real position {tuple(bad)}, outside the "
+                             f"vocabulary [0, num_tokens={self.num_tokens}); padded positions (mask False) may hold anything")
         self._check_context(context, context_mask, self.check_finite if check_finite is None else check_finite)
         positions = self._positions(mask, b, n, x.device, cache)
         h = self._run(self.token_emb(x), mask, positions, context, context_mask, attn_mask, cache, return_cache)

@@ -750,6 +750,93 @@ class AttentionSelfCase(Case):
         return lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, qknorm=True)
 
 
+class AttentionSelfPaddingCase(AttentionSelfCase):
+    """``Attention`` alone as causal self-attention with the documented ``(b, j)`` padding mask (no
+    query mask): padded positions of ``x`` are padding as queries too (their output exactly 0), so NaN
+    there reaches no output and no gradient, without a stack zeroing ``x`` first."""
+
+    name = "Attention-self-padding"
+
+    def inputs(self, sc, dtype=torch.float32):
+        x = _randn(sc.generator(), sc.b, sc.n, DIM, dtype=dtype)
+        return Inputs([x], dict(mask=sc.seq_mask, causal=True), {"x": x})
+
+    def decode(self, model, inp, sc, prefix):
+        x, mask = inp.args[0], inp.kwargs["mask"]
+        out, kv = model(x[:, :prefix], mask=mask[:, :prefix], causal=True)
+        outs = [out]
+        for t in range(prefix, sc.n):
+            out, kv = model(x[:, t : t + 1], mask=mask[:, : t + 1], causal=True, past_kv=kv)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+
+class AttentionPastKVCase(Case):
+    """``Attention`` handed keys/values by the user: ``past_kv`` (b, h_kv, p, d) with the context layout
+    as its padding (garbage planted at its masked slots), then causal self-attention of new tokens."""
+
+    name = "Attention-past-kv"
+
+    def make(self, backend="auto"):
+        return sf.Attention(DIM, heads=4, dim_head=DIM_HEAD, kv_heads=2, backend=backend)
+
+    def _mask(self, sc: Scenario) -> Tensor:
+        return torch.cat((sc.ctx_mask, sc.seq_mask), dim=1)  # (b, p + n)
+
+    def inputs(self, sc, dtype=torch.float32):
+        g = sc.generator()
+        x = _randn(g, sc.b, sc.n, DIM, dtype=dtype)
+        pk = _randn(g, sc.b, 2, sc.j, DIM_HEAD, dtype=dtype)
+        pv = _randn(g, sc.b, 2, sc.j, DIM_HEAD, dtype=dtype)
+        return Inputs([x], dict(mask=self._mask(sc), causal=True, past_kv=(pk, pv)), {"x": x, "past_k": pk, "past_v": pv})
+
+    def run(self, model, inp):
+        return model(*inp.args, **inp.kwargs)[0]
+
+    def key_len(self, sc, role):
+        return sc.j + sc.n
+
+    def roles(self, model):
+        return {id(model): "self"}
+
+    def dead(self, sc):
+        full = self._mask(sc)
+        seen = causal_dead(full)[:, sc.j:]  # bottom-right causal over p + n keys, the last n queries
+        return {"self": ~sc.seq_mask | seen}
+
+    def plant(self, inp, sc, value):
+        x = _plant_float(inp.args[0], ~sc.seq_mask, value)
+        pk, pv = inp.kwargs["past_kv"]
+        where = (~sc.ctx_mask)[:, None, :, None].expand_as(pk)
+        pk2, pv2 = pk.detach().clone(), pv.detach().clone()
+        pk2[where], pv2[where] = value, value
+        pk2.requires_grad_(), pv2.requires_grad_()
+        kw = dict(inp.kwargs, past_kv=(pk2, pv2))
+        return Inputs([x], kw, {"x": x, "past_k": pk2, "past_v": pv2},
+                      {"x": ~sc.seq_mask, "past_k": where, "past_v": where})
+
+    def alone(self, inp, sc, s):
+        x = inp.args[0][s : s + 1, sc.seq_mask[s]]
+        pk, pv = inp.kwargs["past_kv"]
+        keep = sc.ctx_mask[s]
+        return Inputs([x], dict(causal=True, past_kv=(pk[s : s + 1, :, keep], pv[s : s + 1, :, keep])), {"x": x})
+
+    def bad_calls(self, model, inp):
+        x = inp.args[0]
+        pk, pv = inp.kwargs["past_kv"]
+        mask = inp.kwargs["mask"]
+        return [
+            ("past_kv of wrong batch", lambda: model(x, mask=mask, past_kv=(pk[:1], pv[:1])), ValueError, "past_kv"),
+            ("past_kv of wrong head dim", lambda: model(x, past_kv=(pk[..., :-1], pv[..., :-1])), ValueError, "past_kv"),
+            ("past_kv not a pair", lambda: model(x, past_kv=pk), ValueError, "past_kv"),
+            ("past_kv of another dtype", lambda: model(x, past_kv=(pk.double(), pv.double())), ValueError, "past_kv"),
+            ("int mask", lambda: model(x, mask=mask.long(), past_kv=(pk, pv)), TypeError, "mask"),
+        ]
+
+    def unknown_kwarg(self):
+        return lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, num_kv_heads=1)
+
+
 class AttentionCrossCase(Case):
     """``Attention`` as cross-attention (GQA with one key/value head); the mask is the context padding."""
 
@@ -1179,7 +1266,7 @@ class XTransformerCase(Case):
 
 
 CASES: list[Case] = [
-    AttentionSelfCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
+    AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), ContinuousWrapperCase(), XTransformerCase(),
 ]
 

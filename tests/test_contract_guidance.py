@@ -39,7 +39,7 @@ NULLS = ("empty", "learned")
 
 def cfg(k: int):
     return settings(
-        max_examples=mh.n_examples(k), deadline=None, derandomize=True, database=None,
+        max_examples=mh.n_examples(k), deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
     )
 

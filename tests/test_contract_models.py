@@ -25,12 +25,12 @@ from torch import Tensor, nn
 import safeformer as sf
 
 IDS = [c.name for c in CASES]
-ATTENTION_CASES = ("Attention-self", "Attention-cross")
+ATTENTION_CASES = ("Attention-self", "Attention-self-padding", "Attention-past-kv", "Attention-cross")
 
 
 def cfg(k: int):
     return settings(
-        max_examples=mh.n_examples(k), deadline=None, derandomize=True, database=None,
+        max_examples=mh.n_examples(k), deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
     )
 

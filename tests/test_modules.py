@@ -29,7 +29,7 @@ def _one_thread():
 
 
 def cfg(k: int):
-    return settings(max_examples=mh.n_examples(k), deadline=None, derandomize=True, database=None,
+    return settings(max_examples=mh.n_examples(k), deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -1,0 +1,468 @@
+"""The registry of safeformer's public doors (docs/safety.md): every public name, and how to attack it.
+
+A **door** is a public callable that takes tensors, masks, contexts, conditions or caches. Every name in
+``safeformer.__all__`` is either in ``DOORS`` or in ``NOT_DOORS`` (with the reason it takes none of
+those); ``test_doors.py`` fails when a public name is in neither, so a new public callable cannot ship
+untested.
+
+Each door says how its clauses are tested:
+- ``probe``: a function ``probe(seed, value) -> Probe`` that builds adversarial inputs for the door
+  (dead rows and fully masked samples on purpose, ``value`` planted at every masked position) and calls
+  it. ``test_doors.py`` runs S1 (finite, no missing gradient), S2 (dead outputs exactly 0), S3
+  (masked contents never matter, their gradient exactly 0) and S9 (clear errors) over every probe.
+- ``cases``: the names of model-level cases (``model_helpers.CASES``) through which
+  ``test_contract_models.py`` runs every clause S1-S9 against the door (modules and stacks), or of the
+  guidance suite (``test_contract_guidance.py``) for the autoregressive wrapper.
+
+Shape legend: b batch, n positions, h heads, i queries, j keys, d head dim, c features, v vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+import safeformer as sf
+
+NAN, INF = float("nan"), float("inf")
+PLANT_VALUES = (NAN, INF, -INF, 1e4)
+
+
+@dataclass
+class Probe:
+    """One adversarial call of a door.
+
+    Attributes:
+        out: the float output (or ``None`` for doors whose output is not a float tensor).
+        leaves: float inputs that must receive a gradient (``None`` = missing = a failure).
+        masked: ``{leaf name: bool mask of its shape}``: positions the contract says do not matter
+            (padding, masked keys, dead queries, ignored targets); ``value`` was planted there.
+        dead: bool mask of ``out``'s shape: outputs the contract says are exactly 0 (S2).
+        compare: bool mask of ``out``'s shape: outputs that must not change when garbage is planted
+            (default: all of them).
+        bad_calls: S9: ``(what, call, exception type, text the message must name)``.
+        masked_grad_zero: the gradient at masked positions must be exactly 0 (False for position-wise
+            doors, whose padded positions hold their own garbage: it must only stay where it is).
+    """
+
+    out: Tensor | None
+    leaves: dict[str, Tensor] = field(default_factory=dict)
+    masked: dict[str, Tensor] = field(default_factory=dict)
+    dead: Tensor | None = None
+    compare: Tensor | None = None
+    bad_calls: list[tuple[str, Callable[[], object], type, str]] = field(default_factory=list)
+    masked_grad_zero: bool = True
+
+
+@dataclass
+class Door:
+    """A public door: how the contract tests reach it."""
+
+    name: str
+    probe: Callable[[int, float], Probe] | None = None
+    cases: tuple[str, ...] = ()
+    note: str = ""
+    has_dead: bool = False  # its probe has outputs the contract calls dead (S2)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _lengths_mask(g: torch.Generator, b: int, n: int, *, left: bool = False, empty: bool = True) -> Tensor:
+    """``(b, n)`` padding mask with random lengths; sample 0 fully padded when ``empty``."""
+    lengths = torch.randint(0 if empty else 1, n + 1, (b,), generator=g)
+    if empty:
+        lengths[0] = 0
+    lengths[-1] = n  # one full sample
+    return sf.padding_mask(lengths, n, left=left)
+
+
+def _leaf(t: Tensor, where: Tensor | None, value: float) -> Tensor:
+    t = t.clone()
+    if where is not None:
+        t[where.expand_as(t)] = value
+    return t.requires_grad_()
+
+
+# ----------------------------------------------------------------------------------------------------
+# probes
+# ----------------------------------------------------------------------------------------------------
+
+
+def probe_attend(seed: int, value: float) -> Probe:
+    """``attend`` with a key padding mask, bottom-right causal, GQA and a bias that is ``-inf`` on a whole
+    query row (a row masked by the bias alone) and ``-1e9`` (``-inf`` in float16) on another."""
+    g = _gen(seed)
+    b, hkv, grp, i, j, d = 3, 2, 2, 4, 6, 8
+    h = hkv * grp
+    key_pad = _lengths_mask(g, b, j, left=bool(seed % 2))
+    bias = torch.randn(1, h, i, j, generator=g)
+    bias[:, :, 1] = -INF  # query 1 of every sample: dead by the bias alone
+    bias[:, :, 2, : j // 2] = -1e30  # finite in float32: not dead, only far
+    allowed = (key_pad[:, None, None, :] & sf.causal_mask(i, j) & (bias != -INF))  # (b, h, i, j)
+    dead = ~allowed.any(-1)  # (b, h, i)
+    masked_keys = ~allowed.any(-2).reshape(b, hkv, grp, j).any(2)  # (b, h_kv, j)
+    q = _leaf(torch.randn(b, h, i, d, generator=g), dead[..., None], value)
+    k = _leaf(torch.randn(b, hkv, j, d, generator=g), masked_keys[..., None], value)
+    v = _leaf(torch.randn(b, hkv, j, d, generator=g), masked_keys[..., None], value)
+    bias_in = _leaf(bias.expand(b, h, i, j).clone(), ~key_pad[:, None, None, :].expand(b, h, i, j), value)
+    out = sf.attend(q, k, v, mask=key_pad, causal=True, bias=bias_in)
+    return Probe(
+        out, {"q": q, "k": k, "v": v, "bias": bias_in},
+        {"q": dead[..., None].expand_as(q), "k": masked_keys[..., None].expand_as(k),
+         "v": masked_keys[..., None].expand_as(v), "bias": ~key_pad[:, None, None, :].expand(b, h, i, j)},
+        dead=dead[..., None].expand_as(out),
+        bad_calls=[
+            ("int mask", lambda: sf.attend(q, k, v, mask=key_pad.long()), TypeError, "mask"),
+            ("integer bias", lambda: sf.attend(q, k, v, bias=torch.zeros(b, h, i, j, dtype=torch.long)), TypeError, "bias"),
+            ("bias of wrong shape", lambda: sf.attend(q, k, v, bias=torch.zeros(b, h, i, j + 1)), ValueError, "bias"),
+            ("mask on another device", lambda: sf.attend(q, k, v, mask=key_pad.to("meta")), ValueError, "mask"),
+        ],
+    )
+
+
+def probe_prepared_mask(seed: int, value: float) -> Probe:
+    """``prepare_mask`` then ``attend``: the stacks' shared mask, used directly."""
+    g = _gen(seed)
+    b, h, n, d = 3, 2, 5, 8
+    pad = _lengths_mask(g, b, n, left=True)
+    allowed = pad[:, None, None, :] & sf.causal_mask(n, n)  # (b, 1, n, n)
+    dead = ~allowed.any(-1).expand(b, h, n)
+    masked = ~allowed.any(-2).expand(b, h, n)
+    q = _leaf(torch.randn(b, h, n, d, generator=g), dead[..., None], value)
+    k = _leaf(torch.randn(b, h, n, d, generator=g), masked[..., None], value)
+    v = _leaf(torch.randn(b, h, n, d, generator=g), masked[..., None], value)
+    prepared = sf.prepare_mask(allowed)
+    out = sf.attend(q, k, v, mask=prepared)
+    return Probe(out, {"q": q, "k": k, "v": v},
+                 {"q": dead[..., None].expand_as(q), "k": masked[..., None].expand_as(k), "v": masked[..., None].expand_as(v)},
+                 dead=dead[..., None].expand_as(out),
+                 bad_calls=[("int mask", lambda: sf.prepare_mask(allowed.int()), TypeError, "mask"),
+                            ("causal with a prepared mask", lambda: sf.attend(q, k, v, mask=prepared, causal=True), ValueError, "causal")])
+
+
+def probe_masked_mean(seed: int, value: float) -> Probe:
+    g = _gen(seed)
+    b, n, c = 4, 7, 3
+    mask = _lengths_mask(g, b, n)
+    x = _leaf(torch.randn(b, n, c, generator=g), ~mask[..., None], value)
+    out = sf.masked_mean(x, mask, dim=1)
+    return Probe(out, {"x": x}, {"x": ~mask[..., None].expand_as(x)}, dead=~mask.any(1)[:, None].expand_as(out),
+                 bad_calls=[("float mask", lambda: sf.masked_mean(x, mask.float()), TypeError, "mask"),
+                            ("mask of wrong shape", lambda: sf.masked_mean(x, mask[:, :-1]), ValueError, "mask"),
+                            ("integer x", lambda: sf.masked_mean(torch.ones(b, n, dtype=torch.long), mask), TypeError, "x")])
+
+
+def probe_safe_cross_entropy(seed: int, value: float) -> Probe:
+    g = _gen(seed)
+    b, n, v = 3, 5, 6
+    target = torch.randint(0, v, (b, n), generator=g)
+    ignored = ~_lengths_mask(g, b, n)
+    target = target.masked_fill(ignored, -100)
+    logits = _leaf(torch.randn(b, n, v, generator=g), ignored[..., None], value)
+    out = sf.safe_cross_entropy(logits, target, reduction="none")
+    none_counted = sf.safe_cross_entropy(logits, torch.full_like(target, -100))  # mean over no target
+    (g,) = torch.autograd.grad(none_counted, logits, allow_unused=True)
+    assert g is not None and none_counted.item() == 0.0 and not bool(g.any()), "all-ignored loss is not 0 with zero gradient"
+    return Probe(out, {"logits": logits}, {"logits": ignored[..., None].expand_as(logits)}, dead=ignored,
+                 bad_calls=[("float target", lambda: sf.safe_cross_entropy(logits, target.float()), TypeError, "target"),
+                            ("logits of wrong shape", lambda: sf.safe_cross_entropy(logits[:, :-1], target), ValueError, "logits"),
+                            ("unknown reduction", lambda: sf.safe_cross_entropy(logits, target, reduction="avg"), ValueError, "reduction")])
+
+
+def probe_check_finite(seed: int, value: float) -> Probe:
+    """``check_finite``: garbage at masked positions is never reported; at a real position it is."""
+    g = _gen(seed)
+    b, n, c = 3, 4, 2
+    mask = _lengths_mask(g, b, n)
+    x = torch.randn(b, n, c, generator=g)
+    x[~mask] = value
+    sf.check_finite(x, mask, "x")  # must not raise: the garbage is in padding
+    bad = x.clone()
+    bad[-1, 0, 0] = NAN  # the last sample is full: a real position
+    return Probe(None, bad_calls=[
+        ("NaN at a real position", lambda: sf.check_finite(bad, mask, "context"), ValueError, "context"),
+        ("int mask", lambda: sf.check_finite(x, mask.int(), "x"), TypeError, "mask"),
+        ("mask of wrong shape", lambda: sf.check_finite(x, mask[:, :-1], "x"), ValueError, "mask"),
+    ])
+
+
+def probe_guided_logits(seed: int, value: float) -> Probe:
+    """``guided_logits`` in float16: a token banned (``-inf``) in either branch stays ``-inf``; the rest
+    is finite (float32 arithmetic) even at a scale that overflows float16."""
+    g = _gen(seed)
+    b, v = 3, 8
+    cond = (torch.randn(b, v, generator=g) * 10).half()
+    uncond = (torch.randn(b, v, generator=g) * 10).half()
+    cond[:, 0] = -INF
+    uncond[:, 1] = -INF
+    cond[0, 2] = uncond[0, 2] = -INF
+    banned = torch.zeros(b, v, dtype=torch.bool)
+    banned[:, :2] = True
+    banned[0, 2] = True
+    out = sf.guided_logits(cond, uncond, 5e4, guidance_rescale=0.5)
+    assert out.dtype == torch.float32, f"guided_logits returned {out.dtype}, expected float32"
+    assert bool((out[banned] == -INF).all()), "a banned token is no longer -inf"
+    return Probe(torch.where(banned, 0.0, out), compare=~banned, bad_calls=[
+        ("shapes differ", lambda: sf.guided_logits(cond, uncond[:, :-1], 2.0), ValueError, "shape"),
+        ("non-finite scale", lambda: sf.guided_logits(cond, uncond, INF), ValueError, "cond_scale"),
+        ("rescale above 1", lambda: sf.guided_logits(cond, uncond, 2.0, 1.5), ValueError, "guidance_rescale"),
+        ("integer logits", lambda: sf.guided_logits(cond.long(), uncond.long(), 2.0), TypeError, "logits"),
+    ])
+
+
+def probe_sampling(seed: int, value: float) -> Probe:
+    """``sample_logits`` and the filters: banned tokens (``-inf``) are never drawn, whatever the filter."""
+    g = _gen(seed)
+    b, v = 64, 10
+    logits = torch.randn(b, v, generator=g)
+    logits[:, : v // 2] = -INF
+    for fn, kw in ((None, None), ("top_k", {"k": 8}), ("top_p", {"p": 0.99}), ("min_p", {"min_p": 0.0})):
+        torch.manual_seed(seed)
+        tok = sf.sample_logits(logits, 1.0, fn, kw)
+        assert bool((tok >= v // 2).all()), f"a banned token was drawn with filter {fn}"
+    for f, kw in ((sf.top_k, {"k": 3}), (sf.top_p, {"p": 0.5}), (sf.min_p, {"min_p": 0.2})):
+        kept = f(logits, **kw)
+        assert bool((kept[:, : v // 2] == -INF).all()), f"{f.__name__} revived a banned token"
+        assert bool(torch.isfinite(kept).any(-1).all()), f"{f.__name__} left a row with no token"
+    return Probe(None, bad_calls=[
+        ("negative temperature", lambda: sf.sample_logits(logits, -1.0), ValueError, "temperature"),
+        ("k of 0", lambda: sf.top_k(logits, 0), ValueError, "k"),
+        ("p above 1", lambda: sf.top_p(logits, 1.5), ValueError, "p"),
+        ("min_p below 0", lambda: sf.min_p(logits, -0.1), ValueError, "min_p"),
+        ("unknown filter", lambda: sf.sample_logits(logits, 1.0, "top_q"), ValueError, "filter_logits_fn"),
+    ])
+
+
+def probe_drop_condition(seed: int, value: float) -> Probe:
+    """``drop_condition`` feeding a cross-attending ``Encoder``: dropped samples' contents (planted) and
+    masked context positions never matter; a learned null token replaces a dropped condition."""
+    g = _gen(seed)
+    b, n, j, c = 4, 3, 5, 8
+    ctx_mask = _lengths_mask(g, b, j)
+    dropped = torch.tensor([True, False, True, False])
+    hidden = ~ctx_mask | dropped[:, None]
+    context = _leaf(torch.randn(b, j, c, generator=g), hidden[..., None], value)
+    null = torch.randn(2, c, generator=g).requires_grad_()
+    torch.manual_seed(0)
+    enc = sf.Encoder(dim=c, depth=1, heads=2, dim_head=4, cross_attend=True)
+    ctx, cm = sf.drop_condition(ctx_mask, context=context, null_context=null, dropped=dropped)
+    x = torch.randn(b, n, c, generator=g)
+    out = enc(x, context=ctx, context_mask=cm)
+    return Probe(out, {"context": context, "null": null}, {"context": hidden[..., None].expand_as(context)},
+                 bad_calls=[("float context_mask", lambda: sf.drop_condition(ctx_mask.float(), 0.5), TypeError, "context_mask"),
+                            ("p above 1", lambda: sf.drop_condition(ctx_mask, 1.5), ValueError, "p"),
+                            ("null of wrong width", lambda: sf.drop_condition(ctx_mask, 0.5, context=context,
+                                                                                null_context=torch.zeros(1, c + 1)), ValueError, "null_context")])
+
+
+def _rowwise_probe(module_fn: Callable[[torch.Generator], tuple[torch.nn.Module, int]]):
+    """Position-wise modules: garbage at a padded position reaches no other position."""
+
+    def probe(seed: int, value: float) -> Probe:
+        g = _gen(seed)
+        module, c = module_fn(g)
+        b, n = 3, 4
+        mask = _lengths_mask(g, b, n)
+        x = _leaf(torch.randn(b, n, c, generator=g), ~mask[..., None], value)
+        out = module(x)
+        return Probe(out, {"x": x}, {"x": ~mask[..., None].expand_as(x)}, compare=mask[..., None].expand_as(out),
+                     masked_grad_zero=False)
+
+    return probe
+
+
+def _norm(g):
+    torch.manual_seed(0)
+    return sf.RMSNorm(6), 6
+
+
+def _ff(g):
+    torch.manual_seed(0)
+    return sf.FeedForward(6, mult=2, glu=True), 6
+
+
+def probe_rotary(seed: int, value: float) -> Probe:
+    """``RotaryEmbedding`` + ``apply_rotary`` at large positions (angles in float32): per position, so
+    garbage at a padded position reaches no other one; positions of padding never matter."""
+    g = _gen(seed)
+    b, h, n, d = 2, 2, 5, 8
+    mask = _lengths_mask(g, b, n, left=True)
+    pos = sf.positions_from_mask(mask, n, "cpu") + 4000
+    x = _leaf(torch.randn(b, h, n, d, generator=g), ~mask[:, None, :, None], value)
+    out = sf.apply_rotary(x, sf.RotaryEmbedding(d)(pos))
+    return Probe(out, {"x": x}, {"x": ~mask[:, None, :, None].expand_as(x)}, compare=mask[:, None, :, None].expand_as(out),
+                 masked_grad_zero=False, bad_calls=[("odd rotary dim", lambda: sf.RotaryEmbedding(3), ValueError, "rotary_emb_dim")])
+
+
+def probe_alibi(seed: int, value: float) -> Probe:
+    g = _gen(seed)
+    b, n = 2, 5
+    mask = _lengths_mask(g, b, n, left=True)
+    pos = sf.positions_from_mask(mask, n, "cpu") + 10**6  # far positions stay finite
+    out = sf.alibi_bias(sf.alibi_slopes(3), pos, pos)
+    return Probe(out)
+
+
+def probe_abs_pos(seed: int, value: float) -> Probe:
+    torch.manual_seed(0)
+    emb = sf.AbsolutePositionalEmbedding(4, 8)
+    pos = torch.tensor([[0, 3, 7, 7]])
+    return Probe(emb(pos), {"weight": emb.emb.weight})
+
+
+def probe_generate_tokens(seed: int, value: float) -> Probe:
+    """``generate_tokens`` with left-padded prompts (garbage ids in padding) and a context with planted
+    garbage at masked positions (one sample's condition dropped): the tokens are those of clean inputs."""
+    g = _gen(seed)
+    b, n, j, c, vocab = 3, 4, 3, 8, 11
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=vocab, max_seq_len=16,
+                                attn_layers=sf.Decoder(dim=c, depth=1, heads=2, dim_head=4, cross_attend=True))
+    mask = _lengths_mask(g, b, n, left=True, empty=False)
+    prompts = torch.randint(0, vocab, (b, n), generator=g)
+    ctx_mask = _lengths_mask(g, b, j)
+    ctx = torch.randn(b, j, c, generator=g)
+    dirty_prompts = prompts.masked_fill(~mask, 10**6 if value == value else -7)
+    dirty_ctx = ctx.masked_fill(~ctx_mask[..., None], value)
+    kw = dict(mask=mask, context_mask=ctx_mask, temperature=0.0, cond_scale=3.0)
+    clean = sf.generate_tokens(net, prompts, 4, context=ctx, **kw)
+    dirty = sf.generate_tokens(net, dirty_prompts, 4, context=dirty_ctx, **kw)
+    assert torch.equal(clean, dirty), "garbage in padding changed the generated tokens"
+    return Probe(None, bad_calls=[
+        ("batch size 0", lambda: sf.generate_tokens(net, prompts[:0], 2), ValueError, "batch size 0"),
+        ("pad_value outside the vocabulary", lambda: sf.generate_tokens(net, prompts, 2, pad_value=vocab), ValueError, "pad_value"),
+        ("an all-padding prompt", lambda: sf.generate_tokens(net, prompts, 2, mask=torch.zeros(b, n, dtype=torch.bool)), ValueError, "mask"),
+        ("context of another dtype", lambda: sf.generate_tokens(net, prompts, 2, context=ctx.double()), TypeError, "context"),
+    ])
+
+
+def probe_positions_from_mask(seed: int, value: float) -> Probe:
+    g = _gen(seed)
+    mask = _lengths_mask(g, 3, 6, left=True)
+    pos = sf.positions_from_mask(mask, 6, "cpu")
+    want = torch.stack([torch.cumsum(m.long(), 0) - 1 for m in mask]).clamp(min=0)
+    assert torch.equal(pos[mask], want[mask]), "real tokens must be numbered by real tokens only"
+    return Probe(None)
+
+
+def probe_mask_helpers(seed: int, value: float) -> Probe:
+    """The mask helpers refuse other conventions (S9) and keep padding masks broadcast."""
+    key_pad = torch.tensor([[True, False, True]])
+    assert sf.as_attention_mask(key_pad, 1, 2, 4, 3).shape == (1, 1, 1, 3)
+    assert sf.dead_rows(torch.zeros(1, 1, 2, 3, dtype=torch.bool)).all()
+    assert sf.alive_keys(key_pad[:, None, None, :]).shape == (1, 1, 1, 3)
+    assert sf.combine_masks(None, key_pad[:, None, None, :], sf.causal_mask(3, 3)).shape == (1, 1, 3, 3)
+    assert sf.alive_rows(key_pad[:, None, None, :]).all()
+    return Probe(None, bad_calls=[
+        ("int mask", lambda: sf.validate_mask(key_pad.int(), "context_mask"), TypeError, "context_mask"),
+        ("float attention mask", lambda: sf.as_attention_mask(key_pad.float(), 1, 1, 1, 3), TypeError, "mask"),
+        ("mask of 5 dims", lambda: sf.as_attention_mask(torch.ones(1, 1, 1, 1, 3, dtype=torch.bool), 1, 1, 1, 3), ValueError, "mask"),
+        ("(i, j) mask of the wrong size", lambda: sf.as_attention_mask(torch.ones(2, 2, dtype=torch.bool), 1, 1, 4, 3), ValueError, "mask"),
+    ])
+
+
+def probe_cache(seed: int, value: float) -> Probe:
+    """A ``KVCache`` is input: NaN planted in its masked slots (left padding of the prompt, padded
+    context positions) changes no later output; a cache of another batch or a new context is refused."""
+    g = _gen(seed)
+    b, n, j, c = 3, 4, 3, 8
+    torch.manual_seed(0)
+    dec = sf.Decoder(dim=c, depth=2, heads=2, dim_head=4, kv_heads=1, cross_attend=True, rotary_pos_emb=True)
+    mask = _lengths_mask(g, b, n, left=True, empty=False)
+    ctx_mask = _lengths_mask(g, b, j)
+    ctx = torch.randn(b, j, c, generator=g)
+    x = torch.randn(b, n, c, generator=g)
+    _, cache = dec(x, mask=mask, context=ctx, context_mask=ctx_mask, return_cache=True)
+    x_new = torch.randn(b, 1, c, generator=g).requires_grad_()
+    clean = dec(x_new, cache=cache)
+    for k, v in cache.self_kv:
+        k.data[~mask[:, None, :, None].expand_as(k)] = value
+        v.data[~mask[:, None, :, None].expand_as(v)] = value
+    for k, v in cache.cross_kv:
+        k.data[~ctx_mask[:, None, :, None].expand_as(k)] = value
+        v.data[~ctx_mask[:, None, :, None].expand_as(v)] = value
+    dirty = dec(x_new, cache=cache)
+    assert torch.equal(clean, dirty), "garbage in a cache's masked slots changed the output"
+    other = torch.randn(b, j, c, generator=g)
+    return Probe(dirty, {"x": x_new}, bad_calls=[
+        ("a cache of another batch size", lambda: dec(x_new[:2], cache=cache), ValueError, "cache"),
+        ("another context with a cache", lambda: dec(x_new, cache=cache, context=other, context_mask=ctx_mask), ValueError, "context"),
+        ("the cached context without its mask", lambda: dec(x_new, cache=cache, context=ctx), ValueError, "context"),
+        ("not a cache", lambda: dec(x_new, cache=(1, 2)), TypeError, "cache"),
+        ("positions of one dim too many", lambda: dec(x, positions=torch.zeros(b, n, 1, dtype=torch.long)), ValueError, "positions"),
+        ("float positions", lambda: dec(x, positions=torch.zeros(b, n)), TypeError, "positions"),
+        ("context of another dtype", lambda: dec(x, context=ctx.double()), TypeError, "context"),
+    ])
+
+
+# ----------------------------------------------------------------------------------------------------
+# the registry
+# ----------------------------------------------------------------------------------------------------
+
+DOORS: dict[str, Door] = {d.name: d for d in [
+    Door("attend", has_dead=True, probe=probe_attend, note="hypothesis suite per clause: test_attend.py"),
+    Door("prepare_mask", has_dead=True, probe=probe_prepared_mask),
+    Door("PreparedMask", has_dead=True, probe=probe_prepared_mask, note="made by prepare_mask, passed to attend as mask"),
+    Door("masked_mean", has_dead=True, probe=probe_masked_mean),
+    Door("safe_cross_entropy", has_dead=True, probe=probe_safe_cross_entropy),
+    Door("check_finite", probe_check_finite),
+    Door("guided_logits", probe_guided_logits),
+    Door("sample_logits", probe_sampling),
+    Door("top_k", probe_sampling),
+    Door("top_p", probe_sampling),
+    Door("min_p", probe_sampling),
+    Door("drop_condition", probe_drop_condition),
+    Door("generate_tokens", probe_generate_tokens),
+    Door("RMSNorm", _rowwise_probe(_norm)),
+    Door("FeedForward", _rowwise_probe(_ff)),
+    Door("RotaryEmbedding", probe_rotary),
+    Door("apply_rotary", probe_rotary),
+    Door("alibi_bias", probe_alibi),
+    Door("AbsolutePositionalEmbedding", probe_abs_pos),
+    Door("positions_from_mask", probe_positions_from_mask),
+    Door("validate_mask", probe_mask_helpers),
+    Door("as_attention_mask", probe_mask_helpers),
+    Door("combine_masks", probe_mask_helpers),
+    Door("dead_rows", probe_mask_helpers),
+    Door("alive_rows", probe_mask_helpers),
+    Door("alive_keys", probe_mask_helpers),
+    Door("causal_mask", probe_mask_helpers),
+    Door("padding_mask", probe_positions_from_mask),
+    Door("KVCache", probe_cache, cases=("Decoder", "CrossAttender", "TransformerWrapper", "XTransformer")),
+    Door("Attention", cases=("Attention-self", "Attention-self-padding", "Attention-cross", "Attention-past-kv")),
+    Door("AttentionLayers", cases=("Encoder", "Decoder", "CrossAttender")),
+    Door("Encoder", cases=("Encoder",)),
+    Door("Decoder", cases=("Decoder",)),
+    Door("CrossAttender", cases=("CrossAttender",)),
+    Door("TransformerWrapper", cases=("TransformerWrapper",)),
+    Door("ContinuousTransformerWrapper", cases=("ContinuousTransformerWrapper",)),
+    Door("XTransformer", cases=("XTransformer",)),
+    Door("AutoregressiveWrapper", cases=("guidance",), note="every clause: test_contract_guidance.py"),
+    Door("find_nonfinite", note="diagnostics: tests/test_debug.py (S9, the loss blamed first)"),
+    Door("mask_report", note="diagnostics: tests/test_debug.py"),
+    Door("plot_mask", note="diagnostics: tests/test_debug.py"),
+    Door("from_x_transformers", note="conversion: tests/test_interop.py (S9 on unsupported options)"),
+    Door("load_pretrained", note="hostile checkpoints (S9): tests/test_checkpoint.py"),
+    Door("save_pretrained", note="checkpoints: tests/test_checkpoint.py"),
+]}
+
+NOT_DOORS: dict[str, str] = {
+    "BACKENDS": "a tuple of backend names",
+    "FILTERS": "a dict of the filter functions (each is a door: top_k, top_p, min_p)",
+    "AttentionPlan": "a plain record of a planning decision",
+    "plan_attention": "plans from shapes, dtype and device names; takes no tensor",
+    "Configurable": "a mixin (save/load are the doors save_pretrained / load_pretrained)",
+    "DeadRowReport": "a result record of mask_report",
+    "MaskReport": "a result record of mask_report",
+    "NonFiniteReport": "a result record of find_nonfinite",
+    "NonFiniteTensor": "a result record of find_nonfinite",
+    "substitute_kernel": "a testing hook that swaps the SDPA kernel",
+    "alibi_slopes": "takes a head count; its output feeds the door alibi_bias",
+}
+
+PROBE_DOORS = [d for d in DOORS.values() if d.probe is not None]
