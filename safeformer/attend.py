@@ -346,7 +346,7 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale, dropo
             raise ValueError(
                 f"bias must broadcast to (b, h, i, j) = ({b}, {h}, {q.shape[2]}, {k.shape[2]}), got {tuple(bias.shape)}"
             )
-    if not (0.0 <= dropout_p < 1.0):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")

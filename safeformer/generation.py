@@ -16,13 +16,23 @@ one KV cache.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .checkpoint import Configurable
+from .conditions import (
+    Conditions,
+    GuidanceSchedule,
+    check_condition_args,
+    compose_guidance,
+    drop_conditions,
+    guided_logits,
+    null_of,
+    stack_conditions,
+)
 from .losses import next_token_loss
 from .masks import check_finite, validate_mask
 from .wrappers import TransformerWrapper
@@ -79,7 +89,7 @@ def top_p(logits: Tensor, p: float = 0.9) -> Tensor:
     Returns:
         ``(..., v)`` filtered logits.
     """
-    if not (isinstance(p, (int, float)) and 0.0 < p <= 1.0):
+    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 < p <= 1.0):
         raise ValueError(f"top_p needs p in (0, 1], got p={p!r}")
     if p >= 1.0:
         return logits
@@ -102,7 +112,7 @@ def min_p(logits: Tensor, min_p: float = 0.1) -> Tensor:
     Returns:
         ``(..., v)`` filtered logits.
     """
-    if not (isinstance(min_p, (int, float)) and 0.0 <= min_p <= 1.0):
+    if isinstance(min_p, bool) or not (isinstance(min_p, (int, float)) and 0.0 <= min_p <= 1.0):
         raise ValueError(f"min_p needs min_p in [0, 1], got min_p={min_p!r}")
     probs = logits.float().softmax(dim=-1)
     limit = min_p * probs.amax(dim=-1, keepdim=True)
@@ -142,14 +152,19 @@ def sample_logits(
     Returns:
         ``(b,)`` token ids (long).
     """
-    if not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     fn = _resolve_filter(filter_logits_fn)
     if filter_kwargs is not None and fn is None:
         raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # subtract the row's max before dividing: a tiny temperature then sends the others to -inf instead of
+    # overflowing to +inf (and a temperature below float32's range does not give 0/0 at the max)
+    logits = logits.float()
+    if temperature != 1.0:
+        diff = logits - logits.amax(dim=-1, keepdim=True)
+        logits = torch.where(diff == 0, 0.0, diff / temperature)
     if fn is not None:
         logits = fn(logits, **(filter_kwargs or {}))
     probs = logits.softmax(dim=-1)
@@ -159,71 +174,6 @@ def sample_logits(
 # ----------------------------------------------------------------------------------------------------
 # Guidance
 # ----------------------------------------------------------------------------------------------------
-
-
-def guided_logits(cond: Tensor, uncond: Tensor, cond_scale: float, guidance_rescale: float = 0.0) -> Tensor:
-    """Classifier-free guidance on logits: ``uncond + cond_scale * (cond - uncond)``.
-
-    With ``guidance_rescale`` phi > 0 the guided logits are pulled back toward the standard deviation
-    of the conditional ones (the "rescaled CFG" of arXiv 2305.08891, the std taken over the
-    vocabulary dimension): ``rescaled = guided * std(cond) / std(guided)``, and the result is
-    ``phi * rescaled + (1 - phi) * guided``. A row whose guided logits are all equal (std 0) is left
-    as guided.
-
-    A token whose logit is ``-inf`` in either branch (banned by a filter or a logits processor) stays
-    ``-inf``: it is impossible under one of the two models, and the formula would otherwise give
-    ``-inf - -inf = NaN``. The standard deviations of the rescale are taken over the other (finite)
-    tokens. Everything is computed in float32 (float64 for float64 inputs), and the result stays in
-    that dtype: a half-precision result would overflow for large scales.
-
-    Args:
-        cond: ``(..., v)`` conditional logits.
-        uncond: ``(..., v)`` unconditional logits.
-        cond_scale: guidance scale s (1: ``cond``, 0: ``uncond``, > 1: stronger guidance).
-        guidance_rescale: phi in ``[0, 1]``.
-
-    Returns:
-        ``(..., v)`` guided logits in float32 (float64 for float64 inputs).
-    """
-    if not isinstance(cond, Tensor) or not isinstance(uncond, Tensor):
-        raise TypeError(f"cond and uncond must be tensors, got {type(cond).__name__} and {type(uncond).__name__}")
-    if cond.shape != uncond.shape:
-        raise ValueError(f"cond and uncond must have the same shape, got {tuple(cond.shape)} and {tuple(uncond.shape)}")
-    if not cond.is_floating_point() or not uncond.is_floating_point():
-        raise TypeError(f"cond and uncond must be floating-point logits, got {cond.dtype} and {uncond.dtype}")
-    if isinstance(cond_scale, bool) or not (isinstance(cond_scale, (int, float)) and math.isfinite(cond_scale)):
-        raise ValueError(f"cond_scale must be a finite number, got {cond_scale!r}")
-    if not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
-        raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
-    dtype = torch.promote_types(torch.promote_types(cond.dtype, uncond.dtype), torch.float32)
-    c, u = cond.to(dtype), uncond.to(dtype)
-    banned = (c == _NEG_INF) | (u == _NEG_INF)
-    if cond_scale == 1.0:
-        guided = c
-    elif cond_scale == 0.0:
-        guided = u
-    else:
-        zero = torch.zeros((), dtype=dtype, device=c.device)
-        cs, us = torch.where(banned, zero, c), torch.where(banned, zero, u)  # -inf selected away, not subtracted
-        guided = us + cond_scale * (cs - us)
-    if guidance_rescale > 0.0:
-        live = ~banned
-        std_cond = _masked_std(c, live)
-        std_guided = _masked_std(guided, live)
-        flat = std_guided == 0
-        ratio = torch.where(flat, 1.0, std_cond / torch.where(flat, 1.0, std_guided))
-        guided = guidance_rescale * (guided * ratio) + (1.0 - guidance_rescale) * guided
-    return guided.masked_fill(banned, _NEG_INF)
-
-
-def _masked_std(x: Tensor, keep: Tensor) -> Tensor:
-    """Sample standard deviation over the last dim counting only ``keep`` (0 with fewer than two)."""
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    n = keep.sum(-1, keepdim=True).to(x.dtype)
-    xs = torch.where(keep, x, zero)
-    mean = xs.sum(-1, keepdim=True) / n.clamp(min=1)
-    var = torch.where(keep, (x - mean) ** 2, zero).sum(-1, keepdim=True) / (n - 1).clamp(min=1)
-    return var.sqrt()
 
 
 def drop_condition(
@@ -258,7 +208,7 @@ def drop_condition(
         >>> ctx, ctx_mask = drop_condition(ctx_mask, 0.1, context=ctx)   # in the training step
         >>> out = model(x, context=ctx, context_mask=ctx_mask)
     """
-    if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
+    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
         raise ValueError(f"p (the condition drop probability) must be in [0, 1], got {p!r}")
     if context_mask is None and context is None:
         raise ValueError("drop_condition needs context_mask or context (to know the batch and context length)")
@@ -302,19 +252,6 @@ def _pad_context(context: Tensor, mask: Tensor | None, length: int) -> tuple[Ten
     return context, mask
 
 
-def _stack_branches(cond, uncond) -> tuple[Tensor, Tensor]:
-    """One ``(2b, j, c_ctx)`` context holding the conditional then the unconditional branch."""
-    (c_ctx, c_mask), (u_ctx, u_mask) = cond, uncond
-    like = c_ctx if c_ctx is not None else u_ctx
-    b = like.shape[0]
-    if c_ctx is None:  # no condition at all: a zero-length context (an exact no-op)
-        c_ctx, c_mask = like.new_zeros(b, 0, like.shape[-1]), torch.zeros(b, 0, dtype=torch.bool, device=like.device)
-    length = max(c_ctx.shape[1], u_ctx.shape[1])
-    c_ctx, c_mask = _pad_context(c_ctx, c_mask, length)
-    u_ctx, u_mask = _pad_context(u_ctx.to(c_ctx.dtype), u_mask, length)
-    return torch.cat((c_ctx, u_ctx)), torch.cat((c_mask, u_mask))
-
-
 # ----------------------------------------------------------------------------------------------------
 # Generation
 # ----------------------------------------------------------------------------------------------------
@@ -334,38 +271,67 @@ def _twice(t: Tensor | None, r: int) -> Tensor | None:
 
 
 class _Stepper:
-    """The forward passes of one generation: returns the (guided) next-token logits ``(b, v)``."""
+    """The forward passes of one generation: returns the (guided) next-token logits ``(b, v)``.
 
-    def __init__(self, net, b, context, context_mask, uncond, cond_scale, guidance_rescale, cache_kv, two_pass):
+    Every branch guidance needs (``uncond``, ``joint``, one per guided kind) runs in one batched forward
+    of ``r * b`` samples sharing one KV cache (or, with ``two_pass``, one forward and cache per branch,
+    the peers' way, kept for the benchmark and tests).
+    """
+
+    def __init__(self, net, b: int, conds: Conditions, nulls: dict, negatives: Conditions,
+                 schedule: GuidanceSchedule, guidance_rescale: float, space: str, cache_kv: bool, two_pass: bool):
         self.net, self.b, self.cache_kv = net, b, cache_kv
-        self.cond_scale, self.guidance_rescale = cond_scale, guidance_rescale
-        self.guided = uncond is not None
-        if not self.guided:
-            self.runs = [(context, context_mask, 1)]
-        elif two_pass:  # the peers' way: two forwards, two caches (kept for the benchmark and tests)
-            self.runs = [(context, context_mask, 1), (uncond[0], uncond[1], 1)]
+        self.schedule, self.guidance_rescale, self.space = schedule, guidance_rescale, space
+        kinds = conds.kinds()
+        # the joint (fully conditional) branch first, then the unconditional one, then one per condition
+        others = tuple(k for k in schedule.branches if k != "joint")
+        self.names = ((("joint",) if "joint" in schedule.branches else ()) + ("uncond",) + others
+                      if schedule.branches else ("joint",))
+        branches = []
+        for name in self.names:
+            br = conds
+            for kind in kinds:
+                if name == "joint" or name == kind:
+                    continue
+                neg = negatives.pair(kind)
+                if name == "uncond" and neg[0] is not None:
+                    br = br.with_pair(kind, neg[0], _mask_of(neg, kind))
+                else:
+                    br = br.with_pair(kind, *null_of(conds, kind, nulls.get(kind)))
+            branches.append(br)
+        if two_pass or len(branches) == 1:
+            self.runs = [(br, 1) for br in branches]
         else:
-            self.runs = [(*_stack_branches((context, context_mask), uncond), 2)]
+            self.runs = [(stack_conditions(branches), len(branches))]
         self.caches: list[Any] = [None] * len(self.runs)
 
-    def __call__(self, seq: Tensor, seq_mask: Tensor | None, new: Tensor | None) -> Tensor:
+    def __call__(self, seq: Tensor, seq_mask: Tensor | None, new: Tensor | None, t: int) -> Tensor:
         """Logits for the token after ``seq (b, n)``; ``new (b, 1)`` is its last token (cached path)."""
         outs = []
-        for i, (ctx, ctx_mask, r) in enumerate(self.runs):
+        for i, (conds, r) in enumerate(self.runs):
             if self.cache_kv and new is not None:
                 logits, self.caches[i] = self.net(_twice(new, r), cache=self.caches[i], return_cache=True)
                 outs.append(logits[:, -1])
                 continue
             m = _twice(seq_mask, r)
-            res = self.net(_twice(seq, r), mask=m, context=ctx, context_mask=ctx_mask, return_cache=self.cache_kv)
+            res = self.net(_twice(seq, r), mask=m, return_cache=self.cache_kv, **conds.kwargs())
             if self.cache_kv:
                 res, self.caches[i] = res
             outs.append(_last_logits(res, m))
         logits = torch.cat(outs) if len(outs) > 1 else outs[0]  # (r * b, v)
-        if not self.guided:
+        if len(self.names) == 1:
             return logits
-        cond, uncond = logits[: self.b], logits[self.b :]
-        return guided_logits(cond, uncond, self.cond_scale, self.guidance_rescale)
+        by_name = dict(zip(self.names, logits.split(self.b)))
+        uncond = by_name.pop("uncond")
+        return compose_guidance(uncond, by_name, self.schedule.at(t), guidance_rescale=self.guidance_rescale,
+                                reference=by_name.get("joint"), space=self.space)
+
+
+def _mask_of(pair, kind: str) -> Tensor:
+    t, m = pair
+    if m is not None:
+        return m
+    return torch.ones(t.shape[:1] if kind == "condition" else t.shape[:2], dtype=torch.bool, device=t.device)
 
 
 def _check_context_arg(t: Tensor | None, name: str, b: int, device, width: int | None = None) -> None:
@@ -397,9 +363,19 @@ def generate_tokens(
     filter_kwargs: dict[str, Any] | None = None,
     eos_token: int | None = None,
     cache_kv: bool = True,
-    cond_scale: float = 1.0,
+    cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
     guidance_rescale: float = 0.0,
     pad_value: int = 0,
+    prepend_embeds: Tensor | None = None,
+    prepend_mask: Tensor | None = None,
+    condition: Tensor | None = None,
+    condition_mask: Tensor | None = None,
+    uncond_prepend_embeds: Tensor | None = None,
+    uncond_prepend_mask: Tensor | None = None,
+    uncond_condition: Tensor | None = None,
+    null_context: Tensor | None = None,
+    guidance_interval: tuple[int, int] | None = None,
+    guidance_space: str = "logits",
     _two_pass: bool = False,
 ) -> Tensor:
     """Sample ``seq_len`` tokens from a causal ``TransformerWrapper`` (the engine of every ``generate``).
@@ -421,9 +397,23 @@ def generate_tokens(
         eos_token: each sample stops after producing it; its later positions hold ``pad_value``.
         cache_kv: decode with the KV cache (one new token per step); the tokens equal those of the
             uncached path (recomputing the whole sequence each step).
-        cond_scale: CFG scale s on the logits; ``1.0`` runs the conditional branch only.
-        guidance_rescale: phi of ``guided_logits``.
+        cond_scale: the guidance scales. A number s: ``uncond + s * (joint - uncond)`` (``1.0`` runs
+            the conditional branch only). A mapping ``{"joint": s, "context": s_c, "prepend": s_p,
+            "condition": s_a}`` (any subset of the conditions given): compositional guidance
+            ``uncond + sum_k s_k * (cond_k - uncond)``, where ``cond_k`` keeps only condition k and
+            ``joint`` keeps all. A callable ``step -> number | mapping``: a per-step schedule. Every
+            branch runs in one batched forward sharing one KV cache.
+        guidance_rescale: phi of ``guided_logits`` (toward the joint branch's standard deviation).
         pad_value: token written after a sample's ``eos_token``.
+        prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)`` (prefix conditioning).
+        condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
+        uncond_prepend_embeds, uncond_prepend_mask, uncond_condition: negative conditions for the
+            unconditional branch (like ``uncond_context``); by default it sees every condition dropped.
+        null_context: ``(b, m, c_ctx)`` what a dropped context is in the per-condition branches (a
+            learned null token); default: the empty context.
+        guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``; the others sample
+            the joint (fully conditional) branch.
+        guidance_space: ``"logits"`` or ``"logprobs"`` (each branch log-softmaxed before combining).
 
     Returns:
         ``(b, seq_len)`` the new tokens (long).
@@ -451,41 +441,42 @@ def generate_tokens(
             raise ValueError(
                 f"every prompt needs at least one real token; mask rows {empty.nonzero().flatten().tolist()} are all False"
             )
-    if not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     filter_fn = _resolve_filter(filter_logits_fn)
     if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
         raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
-    if not (isinstance(cond_scale, (int, float)) and math.isfinite(cond_scale)):
-        raise ValueError(f"cond_scale must be a finite number, got {cond_scale!r}")
-    if not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
+    if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
-    width = net.attn_layers.dim_context if net.attn_layers.has_cross else None
-    _check_context_arg(context, "context", b, device, width)
-    _check_context_arg(uncond_context, "uncond_context", b, device, width)
-    if context_mask is not None and context is None:
-        raise ValueError("context_mask was given without a context; pass context=... as well")
-    if uncond_context_mask is not None and uncond_context is None:
-        raise ValueError("uncond_context_mask was given without uncond_context")
-    if context_mask is not None:
-        validate_mask(context_mask, "context_mask", shape=tuple(context.shape[:2]), device=device)
-    if uncond_context_mask is not None:
-        validate_mask(uncond_context_mask, "uncond_context_mask", shape=tuple(uncond_context.shape[:2]), device=device)
+    if guidance_space not in ("logits", "logprobs"):
+        raise ValueError(f"guidance_space must be 'logits' or 'logprobs', got {guidance_space!r}")
+    layers = net.attn_layers
+    dims = dict(dim_context=layers.dim_context if layers.has_cross else None, dim=layers.dim,
+                dim_condition=layers.dim_condition)
+    conds = Conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask)
+    negatives = Conditions(uncond_context, uncond_context_mask, uncond_prepend_embeds, uncond_prepend_mask, uncond_condition)
+    check_condition_args(conds, b, device, **dims)
+    check_condition_args(negatives, b, device, **dims, prefix="uncond_")
+    if null_context is not None:
+        check_condition_args(Conditions(context=null_context), b, device, **dims, prefix="null_")
     if filter_kwargs is not None and filter_logits_fn is None:
         raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
-    if net.pos_emb is not None and n + seq_len - 1 > net.max_seq_len:
+    m = 0 if prepend_embeds is None else prepend_embeds.shape[1]
+    if net.pos_emb is not None and m + n + seq_len - 1 > net.max_seq_len:
         raise ValueError(
-            f"a prompt of {n} positions plus seq_len={seq_len} new tokens needs {n + seq_len - 1} positions, "
-            f"more than the model's max_seq_len={net.max_seq_len}"
+            f"a prompt of {n} positions{f' after a prefix of {m}' if m else ''} plus seq_len={seq_len} new tokens needs "
+            f"{m + n + seq_len - 1} positions, more than the model's max_seq_len={net.max_seq_len}"
         )
-
-    uncond = None
-    if cond_scale != 1.0:  # s == 1 is exactly the conditional path: the unconditional branch never runs
-        if uncond_context is not None:
-            uncond = (uncond_context, uncond_context_mask)
-        elif context is not None:
-            uncond = (context, torch.zeros(b, context.shape[1], dtype=torch.bool, device=device))
-        # no context and no unconditional context: both branches are the same model, nothing to guide
+    for kind in negatives.kinds():  # a negative condition alone: the conditional branch sees the empty one
+        if conds.pair(kind)[0] is None:
+            t = negatives.pair(kind)[0]
+            empty = t[:, :0] if kind != "condition" else None
+            if empty is None:
+                raise ValueError("uncond_condition needs a condition for the conditional branch too")
+            conds = conds.with_pair(kind, empty, torch.zeros(b, 0, dtype=torch.bool, device=device))
+    schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
+                                      has_uncond=bool(conds.kinds()))
+    nulls = {} if null_context is None else {"context": (null_context, None)}
 
     out = torch.full((b, seq_len), pad_value, dtype=torch.long, device=device)
     if seq_len == 0:
@@ -493,11 +484,11 @@ def generate_tokens(
     was_training = net.training
     net.eval()
     try:
-        step = _Stepper(net, b, context, context_mask, uncond, cond_scale, guidance_rescale, cache_kv, _two_pass)
+        step = _Stepper(net, b, conds, nulls, negatives, schedule, guidance_rescale, guidance_space, cache_kv, _two_pass)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         seq, seq_mask, new = prompts, mask, None
         for t in range(seq_len):
-            logits = step(seq, seq_mask, new)  # (b, v)
+            logits = step(seq, seq_mask, new, t)  # (b, v)
             tok = sample_logits(logits, temperature, filter_fn, filter_kwargs)
             tok = torch.where(done, pad_value, tok)
             out[:, t] = tok
@@ -522,16 +513,24 @@ def generate_tokens(
 class AutoregressiveWrapper(Configurable, nn.Module):
     """Next-token loss, CFG training and (guided) generation around a causal ``TransformerWrapper``.
 
+    It takes every kind of condition (see ``conditions.py``): a cross-attention ``context``, a prefix
+    ``prepend_embeds`` and an adaptive-norm ``condition``, each droppable per sample for CFG training
+    and guided at sampling, jointly or one scale per condition.
+
     Args:
         net: a ``TransformerWrapper`` whose layers are a ``Decoder`` (``cross_attend=True`` for a
-            condition).
+            context, ``use_adaptive_layernorm=True`` for a condition).
         ignore_index: target value that does not count in the loss.
         pad_value: token fed in place of ignored tokens, and written after a sample's ``eos_token``.
-        cond_drop_prob: during training, each sample's condition is dropped with this probability
-            (classifier-free guidance training; needs cross-attention).
-        null_context: what a dropped condition becomes, and what the unconditional branch of guided
+        cond_drop_prob: during training, the probability of dropping each sample's condition: one
+            number for every kind given (each kind drawn independently), or ``{"context": p_c,
+            "prepend": p_p, "condition": p_a}``.
+        cond_drop_all_prob: in addition, the probability that a sample loses every condition at once
+            (trains the unconditional model even when the kinds are rarely dropped together).
+        null_context: what a dropped context becomes, and what the unconditional branch of guided
             sampling sees: ``"empty"`` (the context with an all-False mask, an exact no-op) or
-            ``"learned"`` (one learned null token of width ``dim_context``).
+            ``"learned"`` (one learned null token of width ``dim_context``). A dropped prefix is an
+            all-False ``prepend_mask`` row; a dropped adaptive condition is the stack's null condition.
 
     Example:
         >>> model = AutoregressiveWrapper(TransformerWrapper(num_tokens=256, max_seq_len=128,
@@ -549,7 +548,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         *,
         ignore_index: int = -100,
         pad_value: int = 0,
-        cond_drop_prob: float = 0.0,
+        cond_drop_prob: float | dict[str, float] = 0.0,
+        cond_drop_all_prob: float = 0.0,
         null_context: str = "empty",
     ):
         super().__init__()
@@ -557,34 +557,47 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
         if not net.attn_layers.causal:
             raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token training and generation")
-        if not (isinstance(cond_drop_prob, (int, float)) and 0.0 <= cond_drop_prob <= 1.0):
-            raise ValueError(f"cond_drop_prob must be in [0, 1], got {cond_drop_prob!r}")
+        probs = _drop_probs(cond_drop_prob)
+        if isinstance(cond_drop_all_prob, bool) or not (isinstance(cond_drop_all_prob, (int, float)) and 0.0 <= cond_drop_all_prob <= 1.0):
+            raise ValueError(f"cond_drop_all_prob must be in [0, 1], got {cond_drop_all_prob!r}")
         if null_context not in ("empty", "learned"):
             raise ValueError(f"null_context must be 'empty' or 'learned', got {null_context!r}")
         if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < net.num_tokens:
             raise ValueError(f"pad_value must be a token id in [0, num_tokens={net.num_tokens}), got {pad_value!r}")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-        has_cross = net.attn_layers.has_cross
-        if (cond_drop_prob > 0 or null_context == "learned") and not has_cross:
-            raise ValueError(
-                "cond_drop_prob > 0 and null_context='learned' need a net with cross-attention "
-                "(Decoder(..., cross_attend=True))"
-            )
+        layers = net.attn_layers
+        can = {"context": layers.has_cross, "prepend": True, "condition": layers.adaptive}
+        if isinstance(cond_drop_prob, dict):
+            for kind, p in probs.items():
+                if p > 0 and not can[kind]:
+                    raise ValueError(f"cond_drop_prob[{kind!r}] > 0 but the net cannot take that condition")
+        if null_context == "learned" and not layers.has_cross:
+            raise ValueError("null_context='learned' needs a net with cross-attention (Decoder(..., cross_attend=True))")
         self._set_config(
             net=net, ignore_index=ignore_index, pad_value=pad_value, cond_drop_prob=cond_drop_prob,
-            null_context=null_context,
+            cond_drop_all_prob=cond_drop_all_prob, null_context=null_context,
         )
         self.net = net
         self.ignore_index = ignore_index
         self.pad_value = pad_value
-        self.cond_drop_prob = float(cond_drop_prob)
+        self.cond_drop_probs = probs
+        self.cond_drop_prob = max(probs.values())
+        self.cond_drop_all_prob = float(cond_drop_all_prob)
         self.null_context = null_context
         self.max_seq_len = net.max_seq_len
         if null_context == "learned":
-            self.null_token = nn.Parameter(torch.randn(1, net.attn_layers.dim_context) * 0.02)  # (1, c_ctx)
+            self.null_token = nn.Parameter(torch.randn(1, layers.dim_context) * 0.02)  # (1, c_ctx)
         else:
             self.null_token = None
+
+    def _conditions(self, b: int, device, **kw) -> Conditions:
+        conds = Conditions(kw.get("context"), kw.get("context_mask"), kw.get("prepend_embeds"), kw.get("prepend_mask"),
+                           kw.get("condition"), kw.get("condition_mask"))
+        layers = self.net.attn_layers
+        check_condition_args(conds, b, device, dim_context=layers.dim_context if layers.has_cross else None,
+                             dim=layers.dim, dim_condition=layers.dim_condition)
+        return conds
 
     def forward(
         self,
@@ -593,6 +606,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         mask: Tensor | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
+        prepend_embeds: Tensor | None = None,
+        prepend_mask: Tensor | None = None,
+        condition: Tensor | None = None,
+        condition_mask: Tensor | None = None,
     ) -> Tensor:
         """Next-token cross-entropy of ``x (b, n)``.
 
@@ -600,31 +617,41 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             x: token ids; positions equal to ``ignore_index`` (or False in ``mask``) do not count.
                 A batch with no counted target gives exactly 0 with zero gradient (S8).
             mask: ``(b, n)`` padding mask (True = real).
-            context, context_mask: the condition; in training mode each sample's condition is
-                dropped with probability ``cond_drop_prob`` (see ``null_context``). ``context=None``
-                runs the whole batch without cross-attention (nothing to drop).
+            context, context_mask: the cross-attention condition (``context=None``: none for the batch).
+            prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)``; the loss counts the
+                tokens of ``x`` only.
+            condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
+            In training mode each condition given is dropped per sample (``cond_drop_prob``,
+            ``cond_drop_all_prob``).
 
         Returns:
             the scalar mean loss over counted targets.
         """
-        if context is not None:  # checked here, before a dropped condition could hide it
-            _check_context_arg(context, "context", context.shape[0], context.device, self.net.attn_layers.dim_context)
-            if context_mask is not None:
-                validate_mask(context_mask, "context_mask", shape=tuple(context.shape[:2]), device=context.device)
-            if self.net.check_finite:
-                check_finite(context, context_mask, "context")
-        if self.training and context is not None and self.cond_drop_prob > 0:
-            context, context_mask = drop_condition(
-                context_mask, self.cond_drop_prob, context=context, null_context=self.null_token
-            )
-        return next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value,
-                                context=context, context_mask=context_mask)
+        if not isinstance(x, Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
+        conds = self._conditions(x.shape[0], x.device, context=context, context_mask=context_mask,
+                                 prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition,
+                                 condition_mask=condition_mask)
+        if context is not None and self.net.check_finite:  # checked before a dropped condition could hide it
+            check_finite(context, context_mask, "context")
+        if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
+            nulls = {}
+            if self.null_token is not None and context is not None:
+                nulls["context"] = (self.null_token[None].expand(x.shape[0], -1, -1), None)
+            conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, nulls=nulls)
+        return next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, **conds.kwargs())
 
-    def _uncond(self, prompts, negative_context, negative_context_mask):
-        """The unconditional branch's context: the negative one, the learned null token, or None (empty)."""
+    def _negatives(self, prompts, negative_context, negative_context_mask, negative_prepend_embeds,
+                   negative_prepend_mask, negative_condition) -> dict:
+        """The unconditional branch's conditions: the negative ones, the learned null token, or none."""
         if not isinstance(prompts, Tensor) or prompts.dim() != 2:
             raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
         b, device = prompts.shape[0], prompts.device
+        out: dict = {}
+        if negative_context_mask is not None and negative_context is None:
+            raise ValueError("negative_context_mask was given without negative_context")
+        if negative_prepend_mask is not None and negative_prepend_embeds is None:
+            raise ValueError("negative_prepend_mask was given without negative_prepend_embeds")
         if negative_context is not None:
             if not isinstance(negative_context, Tensor) or negative_context.dim() != 3:
                 raise ValueError(
@@ -639,28 +666,21 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 validate_mask(negative_context_mask, "negative_context_mask", shape=tuple(negative_context.shape[:2]), device=device)
             if self.net.check_finite:
                 check_finite(negative_context, negative_context_mask, "negative_context")
-            return negative_context, negative_context_mask
-        if negative_context_mask is not None:
-            raise ValueError("negative_context_mask was given without negative_context")
+            out.update(uncond_context=negative_context, uncond_context_mask=negative_context_mask)
+        elif self.null_token is not None:
+            out.update(uncond_context=self.null_token[None].expand(b, -1, -1))
         if self.null_token is not None:
-            return self.null_token[None].expand(b, -1, -1), None
-        return None, None
+            out["null_context"] = self.null_token[None].expand(b, -1, -1)
+        if negative_prepend_embeds is not None:
+            out.update(uncond_prepend_embeds=negative_prepend_embeds, uncond_prepend_mask=negative_prepend_mask)
+        if negative_condition is not None:
+            out["uncond_condition"] = negative_condition
+        return out
 
-    def next_token_logits(
-        self,
-        prompts: Tensor,
-        *,
-        mask: Tensor | None = None,
-        context: Tensor | None = None,
-        context_mask: Tensor | None = None,
-        cond_scale: float = 1.0,
-        guidance_rescale: float = 0.0,
-        negative_context: Tensor | None = None,
-        negative_context_mask: Tensor | None = None,
-    ) -> Tensor:
+    def next_token_logits(self, prompts: Tensor, **kwargs) -> Tensor:
         """The (guided) logits ``(b, v)`` ``generate`` samples its first token from (same code path).
 
-        Arguments as in ``generate``.
+        Keyword arguments as in ``generate`` (its sampling options excepted).
         """
         found: dict[str, Tensor] = {}
 
@@ -668,17 +688,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             found["logits"] = logits
             return logits
 
-        uctx, umask = self._uncond(prompts, negative_context, negative_context_mask)
-        was_training = self.training
-        self.eval()
-        try:
-            generate_tokens(
-                self.net, prompts, 1, mask=mask, context=context, context_mask=context_mask,
-                uncond_context=uctx, uncond_context_mask=umask, temperature=1.0, filter_logits_fn=capture,
-                cond_scale=cond_scale, guidance_rescale=guidance_rescale, pad_value=self.pad_value,
-            )
-        finally:
-            self.train(was_training)
+        self.generate(prompts, 1, temperature=1.0, filter_logits_fn=capture, **kwargs)
         return found["logits"]
 
     def generate(
@@ -689,15 +699,24 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         mask: Tensor | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
+        prepend_embeds: Tensor | None = None,
+        prepend_mask: Tensor | None = None,
+        condition: Tensor | None = None,
+        condition_mask: Tensor | None = None,
         temperature: float = 1.0,
         filter_logits_fn: Callable[..., Tensor] | str | None = None,
         filter_kwargs: dict[str, Any] | None = None,
         eos_token: int | None = None,
         cache_kv: bool = True,
-        cond_scale: float = 1.0,
+        cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
         guidance_rescale: float = 0.0,
+        guidance_interval: tuple[int, int] | None = None,
+        guidance_space: str = "logits",
         negative_context: Tensor | None = None,
         negative_context_mask: Tensor | None = None,
+        negative_prepend_embeds: Tensor | None = None,
+        negative_prepend_mask: Tensor | None = None,
+        negative_condition: Tensor | None = None,
     ) -> Tensor:
         """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
 
@@ -705,33 +724,63 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             prompts: ``(b, n)`` token ids (left-padded when lengths differ).
             seq_len: how many tokens to generate.
             mask: ``(b, n)`` prompt padding mask (True = real); every prompt needs a real token.
-            context, context_mask: the condition ``(b, j, c_ctx)`` / ``(b, j)``.
+            context, context_mask: the cross-attention condition ``(b, j, c_ctx)`` / ``(b, j)``.
+            prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)``.
+            condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
             temperature: ``0.0`` is greedy.
             filter_logits_fn: ``top_k``, ``top_p``, ``min_p`` (or their names, or any callable
                 ``fn(logits, **filter_kwargs)``), applied after the temperature.
             filter_kwargs: e.g. ``{"k": 10}``, ``{"p": 0.9}``, ``{"min_p": 0.05}``.
             eos_token: each sample stops after producing it; the rest of its row is ``pad_value``.
             cache_kv: use the KV cache (same tokens as without it).
-            cond_scale: guidance scale s; 1.0 is plain conditional sampling (the unconditional
-                branch never runs), 0.0 unconditional. Otherwise the conditional and unconditional
-                branches run as one batched forward of ``2b`` samples sharing one KV cache.
+            cond_scale: a number (joint guidance: 1.0 is plain conditional sampling, the unconditional
+                branch never runs; 0.0 unconditional), a mapping ``{"joint": s, "context": s_c,
+                "prepend": s_p, "condition": s_a}`` (compositional guidance, one scale per condition),
+                or a callable ``step -> number | mapping`` (a schedule). All branches run as one batched
+                forward sharing one KV cache.
             guidance_rescale: phi in ``[0, 1]``, see ``guided_logits``.
+            guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``.
+            guidance_space: ``"logits"`` or ``"logprobs"``.
             negative_context, negative_context_mask: the unconditional branch's context, in place of
                 the empty context (or the learned null token); batch ``b`` or 1.
+            negative_prepend_embeds, negative_prepend_mask, negative_condition: the unconditional
+                branch's prefix and adaptive condition, in place of the dropped ones.
 
         Returns:
             ``(b, seq_len)`` new token ids.
+
+        Example (two conditions, guided separately):
+            >>> model.generate(prompt, 64, context=text, context_mask=text_mask, condition=style,
+            ...                cond_scale={"context": 3.0, "condition": 1.5})
         """
-        uctx, umask = self._uncond(prompts, negative_context, negative_context_mask)
+        neg = self._negatives(prompts, negative_context, negative_context_mask, negative_prepend_embeds,
+                              negative_prepend_mask, negative_condition)
         was_training = self.training
         self.eval()
         try:
             return generate_tokens(
                 self.net, prompts, seq_len, mask=mask, context=context, context_mask=context_mask,
-                uncond_context=uctx, uncond_context_mask=umask, temperature=temperature,
-                filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token,
-                cache_kv=cache_kv, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
-                pad_value=self.pad_value,
+                prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition,
+                condition_mask=condition_mask, temperature=temperature, filter_logits_fn=filter_logits_fn,
+                filter_kwargs=filter_kwargs, eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale,
+                guidance_rescale=guidance_rescale, guidance_interval=guidance_interval,
+                guidance_space=guidance_space, pad_value=self.pad_value, **neg,
             )
         finally:
             self.train(was_training)
+
+
+def _drop_probs(cond_drop_prob) -> dict[str, float]:
+    """``{kind: p}`` from one number (every kind) or a mapping; validated."""
+    def check(p, name):
+        if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
+            raise ValueError(f"{name} must be in [0, 1], got {p!r}")
+        return float(p)
+
+    if isinstance(cond_drop_prob, Mapping):
+        bad = [k for k in cond_drop_prob if k not in ("context", "prepend", "condition")]
+        if bad:
+            raise ValueError(f"cond_drop_prob names unknown conditions {bad}; use 'context', 'prepend', 'condition'")
+        return {k: check(cond_drop_prob.get(k, 0.0), f"cond_drop_prob[{k!r}]") for k in ("context", "prepend", "condition")}
+    p = check(cond_drop_prob, "cond_drop_prob")
+    return {"context": p, "prepend": p, "condition": p}

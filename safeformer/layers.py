@@ -23,6 +23,8 @@ from .attend import prepare_mask
 from .checkpoint import Configurable
 from .masks import causal_mask, validate_mask
 from .modules import (
+    AdaptiveLayerScale,
+    AdaptiveNorm,
     Attention,
     FeedForward,
     RotaryEmbedding,
@@ -50,6 +52,9 @@ class KVCache:
         context: the context tensor ``cross_kv`` was computed from (a reference, no copy): a later
             call may pass this same tensor (and the same ``context_mask``) again; any other context
             with a cache is an error, never silently ignored.
+        condition: ``(b, K)`` the adaptive-norm condition in use (nulls in place of dropped ones);
+            ``condition_input`` / ``condition_mask``: what the user passed (references), which a later
+            call may pass again (the same tensors), like ``context``.
 
     A cache is input like any other: whatever its masked slots hold (positions where ``mask`` or
     ``context_mask`` is False) reaches no output and no gradient.
@@ -62,6 +67,9 @@ class KVCache:
     count: Tensor
     positions: Tensor
     context: Tensor | None = None
+    condition: Tensor | None = None
+    condition_input: Tensor | None = None
+    condition_mask: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -84,7 +92,8 @@ class KVCache:
             cross_kv=None if self.cross_kv is None else [(sel(k), sel(v)) for k, v in self.cross_kv],
             mask=sel(self.mask), context_mask=sel(self.context_mask), count=sel(self.count),
             positions=self.positions if self.positions.shape[0] == 1 else sel(self.positions),
-            context=sel(self.context),
+            context=sel(self.context), condition=sel(self.condition), condition_input=sel(self.condition_input),
+            condition_mask=sel(self.condition_mask),
         )
 
 
@@ -115,6 +124,17 @@ class AttentionLayers(Configurable, nn.Module):
         ff_dropout: feed-forward dropout.
         attn_bias: biases in the attention projections.
         backend: ``attend`` backend for every attention.
+        use_adaptive_layernorm: every norm is an adaptive LayerNorm (DiT's AdaLN) driven by a
+            per-sample ``condition (b, dim_condition)`` passed to ``forward``.
+        use_adaptive_rmsnorm: the same with RMSNorm.
+        use_adaptive_layerscale: gate each residual branch by the condition (AdaLN-zero style).
+        dim_condition: K, the condition's width (default ``dim``).
+        adaptive_null: what a dropped condition becomes (``condition_mask`` False, or no condition):
+            ``"learned"`` (a learned null condition, trained with CFG dropping) or ``"zeros"``.
+        layer_dropout: during training, each residual branch of each sample is skipped with this
+            probability (stochastic depth); 0 at evaluation.
+        cross_attn_tokens_dropout: during training, each context token is dropped (masked) with this
+            probability, per sample; a sample may lose every token (a dead row: safe, adds exactly 0).
     """
 
     def __init__(
@@ -143,6 +163,13 @@ class AttentionLayers(Configurable, nn.Module):
         ff_dropout: float = 0.0,
         attn_bias: bool = False,
         backend: str = "auto",
+        use_adaptive_layernorm: bool = False,
+        use_adaptive_rmsnorm: bool = False,
+        use_adaptive_layerscale: bool = False,
+        dim_condition: int | None = None,
+        adaptive_null: str = "learned",
+        layer_dropout: float = 0.0,
+        cross_attn_tokens_dropout: float = 0.0,
     ):
         super().__init__()
         self._set_config(
@@ -151,8 +178,35 @@ class AttentionLayers(Configurable, nn.Module):
             ff_glu=ff_glu, ff_swish=ff_swish, use_rmsnorm=use_rmsnorm, norm_eps=norm_eps, rotary_pos_emb=rotary_pos_emb,
             rotary_emb_dim=rotary_emb_dim, rotary_theta=rotary_theta, alibi_pos_bias=alibi_pos_bias,
             attn_qk_norm=attn_qk_norm, attn_dropout=attn_dropout, ff_dropout=ff_dropout, attn_bias=attn_bias,
-            backend=backend,
+            backend=backend, use_adaptive_layernorm=use_adaptive_layernorm, use_adaptive_rmsnorm=use_adaptive_rmsnorm,
+            use_adaptive_layerscale=use_adaptive_layerscale, dim_condition=dim_condition, adaptive_null=adaptive_null,
+            layer_dropout=layer_dropout, cross_attn_tokens_dropout=cross_attn_tokens_dropout,
         )
+        if use_adaptive_layernorm and use_adaptive_rmsnorm:
+            raise ValueError("choose one of use_adaptive_layernorm and use_adaptive_rmsnorm, not both")
+        self.adaptive = use_adaptive_layernorm or use_adaptive_rmsnorm or use_adaptive_layerscale
+        if dim_condition is not None and not self.adaptive:
+            raise ValueError("dim_condition was given but nothing uses a condition; set use_adaptive_layernorm, "
+                             "use_adaptive_rmsnorm or use_adaptive_layerscale")
+        if adaptive_null not in ("learned", "zeros"):
+            raise ValueError(f"adaptive_null must be 'learned' or 'zeros', got {adaptive_null!r}")
+        for name, p in (("layer_dropout", layer_dropout), ("cross_attn_tokens_dropout", cross_attn_tokens_dropout)):
+            if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0):
+                raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+        if cross_attn_tokens_dropout > 0 and not (cross_attend or only_cross):
+            raise ValueError("cross_attn_tokens_dropout needs cross-attention (cross_attend=True)")
+        self.layer_dropout = float(layer_dropout)
+        self.cross_attn_tokens_dropout = float(cross_attn_tokens_dropout)
+        self.dim_condition = (dim if dim_condition is None else dim_condition) if self.adaptive else None
+        if self.adaptive and (isinstance(self.dim_condition, bool) or not isinstance(self.dim_condition, int)
+                              or self.dim_condition <= 0):
+            raise ValueError(f"dim_condition must be a positive integer, got {self.dim_condition!r}")
+        if self.adaptive and adaptive_null == "learned":
+            self.null_condition = nn.Parameter(torch.zeros(self.dim_condition))  # (K,)
+        elif self.adaptive:
+            self.register_buffer("null_condition", torch.zeros(self.dim_condition), persistent=False)
+        else:
+            self.null_condition = None
         if dim <= 0 or depth <= 0:
             raise ValueError(f"dim and depth must be positive, got dim={dim}, depth={depth}")
         if rotary_pos_emb and alibi_pos_bias:
@@ -180,20 +234,32 @@ class AttentionLayers(Configurable, nn.Module):
                 qk_norm=attn_qk_norm, dropout=attn_dropout, bias=attn_bias, backend=backend,
             )
 
+        adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
+
+        def norm() -> nn.Module:
+            if adaptive_norm:
+                return AdaptiveNorm(dim, self.dim_condition, rms=use_adaptive_rmsnorm, eps=norm_eps)
+            return make_norm(dim, use_rmsnorm, norm_eps)
+
+        def block(module: nn.Module) -> nn.ModuleList:
+            parts = [norm(), module]
+            if use_adaptive_layerscale:
+                parts.append(AdaptiveLayerScale(dim, self.dim_condition))
+            return nn.ModuleList(parts)
+
         kinds, blocks = [], []
         for _ in range(depth):
             if not only_cross:
                 kinds.append("self")
-                blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm, norm_eps), attention(None)]))
+                blocks.append(block(attention(None)))
             if self.has_cross:
                 kinds.append("cross")
-                blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm, norm_eps), attention(self.dim_context)]))
+                blocks.append(block(attention(self.dim_context)))
             kinds.append("ff")
-            ff = FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout)
-            blocks.append(nn.ModuleList([make_norm(dim, use_rmsnorm, norm_eps), ff]))
+            blocks.append(block(FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout)))
         self.layer_kinds = tuple(kinds)
         self.layers = nn.ModuleList(blocks)
-        self.final_norm = make_norm(dim, use_rmsnorm, norm_eps)
+        self.final_norm = norm()
 
     def _check_inputs(self, x, mask, context, context_mask, cache) -> None:
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
@@ -282,6 +348,8 @@ class AttentionLayers(Configurable, nn.Module):
         context_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
         positions: Tensor | None = None,
+        condition: Tensor | None = None,
+        condition_mask: Tensor | None = None,
         cache: KVCache | None = None,
         return_cache: bool = False,
     ) -> Tensor | tuple[Tensor, KVCache]:
@@ -299,9 +367,14 @@ class AttentionLayers(Configurable, nn.Module):
             positions: ``(b, n)``, ``(1, n)`` or ``(n,)`` integer token positions (for rotary and
                 ALiBi); by default the count of real tokens (see ``positions_from_mask``), continuing
                 from the cache.
+            condition: ``(b, K)`` for adaptive norms / layerscale (``use_adaptive_*``); ``None`` is the
+                null condition for every sample.
+            condition_mask: ``(b,)`` bool, False = this sample's condition is dropped (the null
+                condition replaces it, whatever the row holds: NaN included).
             cache: a ``KVCache`` from an earlier call: ``x`` holds only the new positions. The cache
-                keeps the context (its keys/values and ``context_mask``) of the call that built it;
-                ``context`` may be passed again only as the very same tensors (else ``ValueError``).
+                keeps the context (its keys/values and ``context_mask``) and the condition of the call
+                that built it; they may be passed again only as the very same tensors (else
+                ``ValueError``).
             return_cache: also return the updated cache.
 
         Returns:
@@ -362,34 +435,48 @@ class AttentionLayers(Configurable, nn.Module):
         if cached_cross:
             cross_mask = None if context_mask is None else context_mask[:, None, None, :]
         elif context is not None:
+            if self.training and self.cross_attn_tokens_dropout > 0 and context.shape[1] > 0:
+                # each context token dropped per sample; a sample may lose them all (a dead row, safe)
+                keep = torch.rand(b, context.shape[1], device=device) >= self.cross_attn_tokens_dropout
+                context_mask = keep if context_mask is None else context_mask & keep
             if context_mask is not None:
                 context = torch.where(context_mask[..., None], context, 0.0)
                 cross_mask = context_mask[:, None, None, :]  # (b, 1, 1, j)
+
+        cond = self._condition(condition, condition_mask, cache, b, x)  # (b, K) or None
 
         # a cache is input too: only a cache with padding has masked slots, and what they hold (its own
         # finite projections, or whatever a user put there) is selected away by attend, not trusted
         self_clean = attn_mask is None and (cache is None or cache.mask is None)
         cross_clean = not cached_cross or context_mask is None
+        drop_path = self.training and self.layer_dropout > 0
         self_kv, cross_kv = [], []
-        for kind, (norm, block) in zip(self.layer_kinds, self.layers):
+        for kind, parts in zip(self.layer_kinds, self.layers):
+            norm, block = parts[0], parts[1]
+            h = norm(x, cond) if cond is not None and isinstance(norm, AdaptiveNorm) else norm(x)
             if kind == "self":
                 past_kv = cache.self_kv[len(self_kv)] if cache is not None else None
                 # masked keys and dead rows are padding, selected to 0 at the input (unless attn_mask hides
                 # real positions): the block need not select its inputs again
-                out, kv = block(norm(x), mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv,
+                out, kv = block(h, mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv,
                                 _inputs_finite=self_clean)
                 self_kv.append(kv)
             elif kind == "cross":
                 if not use_cross:
                     continue
                 cached = cache.cross_kv[len(cross_kv)] if cache is not None and cache.cross_kv is not None else None
-                out, kv = block(norm(x), None if cached is not None else context, mask=cross_mask, kv=cached,
+                out, kv = block(h, None if cached is not None else context, mask=cross_mask, kv=cached,
                                 _inputs_finite=cross_clean)  # a new context was selected above
                 cross_kv.append(kv)
             else:
-                out = block(norm(x))
+                out = block(h)
+            if len(parts) > 2:  # adaptive layerscale: the condition gates the branch
+                out = parts[2](out, cond)
+            if drop_path:  # stochastic depth: a sample skips this branch (kept ones rescaled)
+                keep = torch.rand(b, 1, 1, device=device) >= self.layer_dropout
+                out = torch.where(keep, out / (1.0 - self.layer_dropout), 0.0)
             x = x + out
-        x = self.final_norm(x)
+        x = self.final_norm(x, cond) if cond is not None and isinstance(self.final_norm, AdaptiveNorm) else self.final_norm(x)
         if mask is not None:  # padded positions leave as exact zeros (and pass back no gradient)
             x = torch.where(mask[..., None], x, 0.0)
         if not return_cache:
@@ -401,8 +488,42 @@ class AttentionLayers(Configurable, nn.Module):
             self_kv=self_kv, cross_kv=cross_kv if use_cross else None, mask=key_pad,
             context_mask=context_mask if use_cross else None, count=count, positions=all_positions,
             context=user_context if use_cross else None,
+            condition=cond, condition_input=condition if cache is None else cache.condition_input,
+            condition_mask=condition_mask if cache is None else cache.condition_mask,
         )
         return x, new_cache
+
+    def _condition(self, condition, condition_mask, cache, b: int, x: Tensor) -> Tensor | None:
+        """The ``(b, K)`` condition of the adaptive layers: the user's, with the null condition selected in
+        for dropped samples (``condition_mask`` False) or for all (``condition=None``)."""
+        if not self.adaptive:
+            if condition is not None or condition_mask is not None:
+                raise ValueError("condition was given but this stack has no adaptive layers; build it with "
+                                 "use_adaptive_layernorm=True (or use_adaptive_rmsnorm / use_adaptive_layerscale)")
+            return None
+        if condition_mask is not None and condition is None:
+            raise ValueError("condition_mask was given without a condition; pass condition=... as well")
+        if cache is not None and cache.condition is not None:
+            if condition is not None and not (condition is cache.condition_input and condition_mask is cache.condition_mask):
+                raise ValueError("condition was passed with a cache built with another: the cache answers for the "
+                                 "condition of the call that built it (pass the very same tensors, or none)")
+            return cache.condition
+        null = self.null_condition.to(x.dtype)[None].expand(b, -1)  # (b, K)
+        if condition is None:
+            return null
+        if not isinstance(condition, Tensor) or condition.dim() != 2 or tuple(condition.shape) != (b, self.dim_condition):
+            raise ValueError(f"condition must have shape (b={b}, dim_condition={self.dim_condition}), got "
+                             f"{getattr(condition, 'shape', type(condition))}")
+        if not condition.is_floating_point():
+            raise TypeError(f"condition must be a floating-point tensor, got dtype {condition.dtype}")
+        if condition.device != x.device:
+            raise ValueError(f"condition is on {condition.device}, expected {x.device}")
+        if _dtype_differs(condition, x):
+            raise TypeError(f"condition has dtype {condition.dtype}, expected {x.dtype}")
+        if condition_mask is None:
+            return condition
+        validate_mask(condition_mask, "condition_mask", shape=(b,), device=x.device)
+        return torch.where(condition_mask[:, None], condition, null)  # a dropped row is selected away
 
 
 def _dtype_differs(t: Tensor, x: Tensor) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -19,6 +20,8 @@ from .masks import as_attention_mask, causal_mask, combine_masks
 
 __all__ = [
     "RMSNorm",
+    "AdaptiveNorm",
+    "AdaptiveLayerScale",
     "make_norm",
     "FeedForward",
     "AbsolutePositionalEmbedding",
@@ -45,10 +48,78 @@ class RMSNorm(nn.Module):
         return (out * self.weight.to(xf.dtype)).to(x.dtype)
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` with its statistics (and their gradients) computed in float32 (S7).
+
+    PyTorch's CPU kernel keeps a half-precision input's mean and inverse std in half precision, which
+    makes the gradients of inputs of large magnitude several tolerances off.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        w = None if self.weight is None else self.weight.to(dtype)
+        b = None if self.bias is None else self.bias.to(dtype)
+        return F.layer_norm(x.to(dtype), self.normalized_shape, w, b, self.eps).to(x.dtype)
+
+
 def make_norm(dim: int, use_rmsnorm: bool, eps: float | None = None) -> nn.Module:
     if use_rmsnorm:
         return RMSNorm(dim, eps=1e-6 if eps is None else eps)
-    return nn.LayerNorm(dim, eps=1e-5 if eps is None else eps)
+    return LayerNorm(dim, eps=1e-5 if eps is None else eps)
+
+
+class AdaptiveNorm(nn.Module):
+    """Adaptive normalisation (DiT's AdaLN): a LayerNorm or RMSNorm without its own gain, scaled (and,
+    for LayerNorm, shifted) by projections of a condition: ``norm(x) * (1 + gamma(c)) + beta(c)``.
+
+    The projections start at zero, so an untrained layer is the plain norm. Statistics in float32 (S7).
+
+    Args:
+        dim: features c.
+        dim_condition: the condition's width K.
+        rms: RMSNorm instead of LayerNorm (no shift then, as RMSNorm has none).
+        eps: the norm's epsilon.
+    """
+
+    def __init__(self, dim: int, dim_condition: int, *, rms: bool = False, eps: float | None = None):
+        super().__init__()
+        self.rms = rms
+        self.eps = (1e-6 if rms else 1e-5) if eps is None else eps
+        self.to_gamma = nn.Linear(dim_condition, dim, bias=False)
+        self.to_beta = None if rms else nn.Linear(dim_condition, dim, bias=False)
+        nn.init.zeros_(self.to_gamma.weight)
+        if self.to_beta is not None:
+            nn.init.zeros_(self.to_beta.weight)
+
+    def forward(self, x: Tensor, condition: Tensor) -> Tensor:
+        """``x (b, n, c)``, ``condition (b, K)`` -> ``(b, n, c)``."""
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        if self.rms:
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            mean = xf.mean(-1, keepdim=True)
+            normed = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + self.eps)
+        out = normed * (1 + self.to_gamma(condition).to(xf.dtype)[:, None])  # (b, 1, c) per sample
+        if self.to_beta is not None:
+            out = out + self.to_beta(condition).to(xf.dtype)[:, None]
+        return out.to(x.dtype)
+
+
+class AdaptiveLayerScale(nn.Module):
+    """Gates a residual branch by the condition (AdaLN-zero style): ``branch * sigmoid(W c + b)``.
+
+    ``W`` starts at zero and ``b`` at ``init_bias`` (x-transformers' ``use_adaptive_layerscale``), so each
+    branch starts scaled by ``sigmoid(-2) = 0.12``.
+    """
+
+    def __init__(self, dim: int, dim_condition: int, init_bias: float = -2.0):
+        super().__init__()
+        self.to_gate = nn.Linear(dim_condition, dim)
+        nn.init.zeros_(self.to_gate.weight)
+        nn.init.constant_(self.to_gate.bias, init_bias)
+
+    def forward(self, out: Tensor, condition: Tensor) -> Tensor:
+        return out * self.to_gate(condition).sigmoid().to(out.dtype)[:, None]
 
 
 class FeedForward(nn.Module):

@@ -64,14 +64,46 @@ class _Wrapper(Configurable, nn.Module):
         if check and context is not None:
             _check_finite(context, context_mask, "context")
 
-    def _run(self, x, mask, positions, context, context_mask, attn_mask, cache, return_cache):
+    def _run(self, x, mask, context, context_mask, attn_mask, cache, return_cache, *, prepend_embeds=None,
+             prepend_mask=None, condition=None, condition_mask=None):
+        """Positions, the prefix, the stack. Returns ``(h (b, m + n, c), new cache or None, mask, m)``."""
+        b, n = x.shape[:2]
+        m = 0
+        if prepend_mask is not None and prepend_embeds is None:
+            raise ValueError("prepend_mask was given without prepend_embeds; pass prepend_embeds=... as well")
+        if prepend_embeds is not None:
+            if cache is not None:
+                raise ValueError("prepend_embeds with a cache: the prefix belongs to the first call, the one that "
+                                 "builds the cache (the cache keeps it)")
+            if attn_mask is not None:
+                raise ValueError("prepend_embeds and attn_mask cannot be combined (attn_mask covers the tokens only)")
+            dim = self.attn_layers.dim
+            if not isinstance(prepend_embeds, Tensor) or prepend_embeds.dim() != 3 or prepend_embeds.shape[0] != b \
+                    or prepend_embeds.shape[-1] != dim:
+                raise ValueError(f"prepend_embeds must have shape (b={b}, m, dim={dim}), got "
+                                 f"{getattr(prepend_embeds, 'shape', type(prepend_embeds))}")
+            if not prepend_embeds.is_floating_point():
+                raise TypeError(f"prepend_embeds must be a floating-point tensor, got dtype {prepend_embeds.dtype}")
+            if prepend_embeds.device != x.device:
+                raise ValueError(f"prepend_embeds is on {prepend_embeds.device}, expected {x.device}")
+            m = prepend_embeds.shape[1]
+            if prepend_mask is not None:
+                validate_mask(prepend_mask, "prepend_mask", shape=(b, m), device=x.device)
+            if mask is not None or prepend_mask is not None:
+                ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=x.device)  # noqa: E731
+                mask = torch.cat((ones(m) if prepend_mask is None else prepend_mask, ones(n) if mask is None else mask), 1)
+            x = torch.cat((prepend_embeds.to(x.dtype), x), dim=1)  # (b, m + n, c): masked rows selected away below
+        positions = self._positions(mask, b, m + n, x.device, cache)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
         x = self.emb_dropout(x)
-        return self.attn_layers(
+        out = self.attn_layers(
             x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
-            positions=positions, cache=cache, return_cache=return_cache,
+            positions=positions, condition=condition, condition_mask=condition_mask, cache=cache,
+            return_cache=return_cache,
         )
+        h, new_cache = out if return_cache else (out, None)
+        return h, new_cache, mask, m
 
 
 class TransformerWrapper(_Wrapper):
@@ -146,6 +178,11 @@ class TransformerWrapper(_Wrapper):
         cache: KVCache | None = None,
         return_cache: bool = False,
         check_finite: bool | None = None,
+        prepend_embeds: Tensor | None = None,
+        prepend_mask: Tensor | None = None,
+        excise_prepend_embeds: bool = False,
+        condition: Tensor | None = None,
+        condition_mask: Tensor | None = None,
     ):
         """Run the model.
 
@@ -161,6 +198,15 @@ class TransformerWrapper(_Wrapper):
             cache: a ``KVCache`` from an earlier call; ``x`` holds only the new tokens.
             return_cache: also return the updated ``KVCache``.
             check_finite: override the model's ``check_finite`` for this call.
+            prepend_embeds: ``(b, m, dim)`` a prefix of embeddings placed before the tokens (prefix
+                conditioning, as in x-transformers). Only on a call without a cache.
+            prepend_mask: ``(b, m)`` bool, True = real prefix row. Masked rows are padding: selected
+                away, not counted in positions, so an all-False row is exactly no prefix and a padded
+                prefix equals the shorter prefix alone.
+            excise_prepend_embeds: return outputs for the tokens only, ``(b, n, ...)``; by default
+                the prefix positions come first, ``(b, m + n, ...)`` (padded prefix rows are 0).
+            condition, condition_mask: the adaptive-norm condition ``(b, K)`` and which samples keep
+                it ``(b,)`` (see ``AttentionLayers.forward``).
 
         Returns:
             logits ``(b, n, v)`` (or embeddings / pooled), and the cache if ``return_cache``.
@@ -175,12 +221,16 @@ class TransformerWrapper(_Wrapper):
             raise ValueError(f"x holds token id {int(x[tuple(bad)])} at real position {tuple(bad)}, outside the "
                              f"vocabulary [0, num_tokens={self.num_tokens}); padded positions (mask False) may hold anything")
         self._check_context(context, context_mask, self.check_finite if check_finite is None else check_finite)
-        positions = self._positions(mask, b, n, x.device, cache)
-        h = self._run(self.token_emb(x), mask, positions, context, context_mask, attn_mask, cache, return_cache)
-        h, new_cache = h if return_cache else (h, None)
+        h, new_cache, full_mask, m = self._run(
+            self.token_emb(x), mask, context, context_mask, attn_mask, cache, return_cache,
+            prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
+        )
         if return_pooled:
-            out = masked_mean(h, mask, dim=1)  # (b, c)
-        elif return_embeddings or self.return_only_embed:
+            out = masked_mean(h, full_mask, dim=1)  # (b, c), prefix included
+            return (out, new_cache) if return_cache else out
+        if excise_prepend_embeds and m:
+            h = h[:, m:]
+        if return_embeddings or self.return_only_embed:
             out = h
         else:
             out = h @ self.token_emb.weight.t() if self.tie_embedding else self.to_logits(h)  # (b, n, v)
@@ -238,6 +288,11 @@ class ContinuousTransformerWrapper(_Wrapper):
         cache: KVCache | None = None,
         return_cache: bool = False,
         check_finite: bool | None = None,
+        prepend_embeds: Tensor | None = None,
+        prepend_mask: Tensor | None = None,
+        excise_prepend_embeds: bool = False,
+        condition: Tensor | None = None,
+        condition_mask: Tensor | None = None,
     ):
         """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward``.
 
@@ -257,11 +312,14 @@ class ContinuousTransformerWrapper(_Wrapper):
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
         self._check_context(context, context_mask, check)
-        positions = self._positions(mask, b, n, x.device, cache)
-        h = self._run(self.project_in(x), mask, positions, context, context_mask, attn_mask, cache, return_cache)
-        h, new_cache = h if return_cache else (h, None)
+        h, new_cache, full_mask, m = self._run(
+            self.project_in(x), mask, context, context_mask, attn_mask, cache, return_cache,
+            prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
+        )
+        if excise_prepend_embeds and m and not return_pooled:
+            h = h[:, m:]
         if return_pooled:
-            out = masked_mean(h, mask, dim=1)
+            out = masked_mean(h, full_mask, dim=1)
         elif return_embeddings:
             out = h
         else:

@@ -62,7 +62,7 @@ class XTransformer(Configurable, nn.Module):
         cond_drop_prob: float = 0.0,
     ):
         super().__init__()
-        if not (isinstance(cond_drop_prob, (int, float)) and 0.0 <= cond_drop_prob <= 1.0):
+        if isinstance(cond_drop_prob, bool) or not (isinstance(cond_drop_prob, (int, float)) and 0.0 <= cond_drop_prob <= 1.0):
             raise ValueError(f"cond_drop_prob must be in [0, 1], got {cond_drop_prob!r}")
         if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < dec_num_tokens:
             raise ValueError(f"pad_value must be a target token id in [0, dec_num_tokens={dec_num_tokens}), got {pad_value!r}")

@@ -737,11 +737,11 @@ def test_s5_cached_and_uncached_guided_generation_agree(gc: GenCase):
             for t, (a, b) in enumerate(zip(c_steps, u_steps)):
                 mh.assert_close(a.double(), b.double(), f"{dtype} {backend}: guided logits at step {t}, cached vs uncached", dtype)
             if dtype == torch.float64:  # the peers' way: conditional and unconditional as two forwards, two caches
-                uctx, umask = model._uncond(prompts, kw.get("negative_context"), kw.get("negative_context_mask"))
+                neg = model._negatives(prompts, kw.get("negative_context"), kw.get("negative_context_mask"), None, None, None)
                 cap = Capture()
                 two = sf.generate_tokens(
                     model.net, prompts, gc.steps, mask=kw["mask"], context=kw.get("context"), context_mask=kw.get("context_mask"),
-                    uncond_context=uctx, uncond_context_mask=umask, temperature=1.0, filter_logits_fn=cap,
+                    **neg, temperature=1.0, filter_logits_fn=cap,
                     cond_scale=gc.cond_scale, guidance_rescale=gc.phi, pad_value=model.pad_value, _two_pass=True,
                 )
                 assert torch.equal(two, cached), f"two passes {two.tolist()} vs one batched pass {cached.tolist()}"

@@ -610,8 +610,10 @@ def test_bad_arguments_raise_clear_errors():
         AutoregressiveWrapper(make_net(), cond_drop_prob=1.5)
     with pytest.raises(ValueError, match="null_context"):
         AutoregressiveWrapper(make_net(), null_context="zeros")
+    with pytest.raises(ValueError, match="context"):  # a net without cross-attention takes no context
+        AutoregressiveWrapper(make_net(cross=False), cond_drop_prob={"context": 0.1})
     with pytest.raises(ValueError, match="cross-attention"):
-        AutoregressiveWrapper(make_net(cross=False), cond_drop_prob=0.1)
+        AutoregressiveWrapper(make_net(cross=False), null_context="learned")
     with pytest.raises(ValueError, match="top_k needs"):
         top_k(torch.zeros(2, 3), k=0)
     with pytest.raises(ValueError, match="top_p needs"):

@@ -1,0 +1,394 @@
+"""Conditions and guidance: the three ways to condition a model, dropping them for classifier-free
+guidance (CFG) training, and combining guided branches at sampling time.
+
+Shape legend: b batch, j context length, m prefix length, K adaptive-condition width, c width,
+v vocabulary size, r branches.
+
+The three kinds of condition, each droppable per sample with the same guarantee (a dropped condition's
+contents never matter, NaN included, because it is *selected* away):
+
+- ``"context"``: cross-attention ``context (b, j, c_ctx)`` with ``context_mask (b, j)``; dropped = an
+  all-False mask row (an exact no-op), or a learned null token.
+- ``"prepend"``: a prefix ``prepend_embeds (b, m, c)`` with ``prepend_mask (b, m)``; dropped = an
+  all-False mask row (exactly no prefix).
+- ``"condition"``: an adaptive-norm condition ``condition (b, K)`` with ``condition_mask (b,)``;
+  dropped = False, the stack's null condition (learned or zeros) takes its place.
+
+Guidance over several conditions (compositional CFG): with branches ``uncond`` (every condition
+dropped), ``joint`` (every condition kept) and one per kind ``k`` (only ``k`` kept),
+
+    guided = uncond + s_joint * (joint - uncond) + sum_k s_k * (cond_k - uncond)
+
+computed in float32 (float64 for float64 inputs). A plain number ``s`` is ``{"joint": s}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from .masks import validate_mask
+
+__all__ = ["KINDS", "Conditions", "guided_logits", "compose_guidance", "drop_conditions", "GuidanceSchedule"]
+
+KINDS = ("context", "prepend", "condition")
+_NEG_INF = float("-inf")
+_PAIRS = {"context": ("context", "context_mask"), "prepend": ("prepend_embeds", "prepend_mask"),
+          "condition": ("condition", "condition_mask")}
+
+
+@dataclass
+class Conditions:
+    """The conditions of one batch: any of the three kinds (``None`` = that kind is not used)."""
+
+    context: Tensor | None = None
+    context_mask: Tensor | None = None
+    prepend_embeds: Tensor | None = None
+    prepend_mask: Tensor | None = None
+    condition: Tensor | None = None
+    condition_mask: Tensor | None = None
+
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds present, in ``KINDS`` order."""
+        return tuple(k for k in KINDS if getattr(self, _PAIRS[k][0]) is not None)
+
+    def pair(self, kind: str) -> tuple[Tensor | None, Tensor | None]:
+        a, m = _PAIRS[kind]
+        return getattr(self, a), getattr(self, m)
+
+    def with_pair(self, kind: str, value: Tensor | None, mask: Tensor | None) -> Conditions:
+        a, m = _PAIRS[kind]
+        return replace(self, **{a: value, m: mask})
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for a wrapper's forward (the prefix's outputs excised)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        if self.prepend_embeds is not None:
+            out["excise_prepend_embeds"] = True
+        return out
+
+    def batch_size(self) -> int | None:
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t is not None:
+                return int(t.shape[0])
+        return None
+
+
+def _full_mask(t: Tensor, mask: Tensor | None, kind: str) -> Tensor:
+    if mask is not None:
+        return mask
+    shape = t.shape[:1] if kind == "condition" else t.shape[:2]
+    return torch.ones(shape, dtype=torch.bool, device=t.device)
+
+
+def null_of(conds: Conditions, kind: str, null: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+    """What ``kind`` becomes when dropped for every sample: ``null`` if given (e.g. a learned null
+    token, expanded to the batch), else the same tensor with an all-False mask (an exact no-op)."""
+    if null is not None:
+        t, m = null
+        return t, _full_mask(t, m, kind)
+    t, m = conds.pair(kind)
+    return t, torch.zeros_like(_full_mask(t, m, kind))
+
+
+def _pad(t: Tensor, mask: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    b, j = mask.shape
+    if j == length:
+        return t, mask
+    t = torch.cat((t, t.new_zeros(b, length - j, t.shape[-1])), dim=1)
+    return t, torch.cat((mask, mask.new_zeros(b, length - j)), dim=1)
+
+
+def stack_conditions(branches: list[Conditions]) -> Conditions:
+    """One batch of ``r * b`` samples holding the branches one after the other (lengths padded with
+    masked positions); every branch must use the same kinds."""
+    kinds = branches[0].kinds()
+    out = Conditions()
+    for kind in kinds:
+        pairs = [(t, _full_mask(t, m, kind)) for t, m in (br.pair(kind) for br in branches)]
+        if kind != "condition":
+            length = max(m.shape[1] for _, m in pairs)
+            dtype = pairs[0][0].dtype
+            pairs = [_pad(t.to(dtype), m, length) for t, m in pairs]
+        out = out.with_pair(kind, torch.cat([t.to(pairs[0][0].dtype) for t, _ in pairs]), torch.cat([m for _, m in pairs]))
+    return out
+
+
+def drop_conditions(
+    conds: Conditions,
+    probs: Mapping[str, float],
+    *,
+    all_prob: float = 0.0,
+    nulls: Mapping[str, tuple[Tensor, Tensor | None]] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Conditions, dict[str, Tensor]]:
+    """Drop each kind of condition per sample with its own probability (CFG training).
+
+    Args:
+        conds: the batch's conditions.
+        probs: ``{kind: p}`` for the kinds to drop (absent kinds are never dropped).
+        all_prob: in addition, each sample loses every condition at once with this probability (so
+            the unconditional model is trained even when the kinds are rarely dropped together).
+        nulls: ``{kind: (null (b, ...), mask)}`` to use for a dropped kind instead of the all-False mask
+            (a learned null token for the context, already expanded to the batch).
+
+    Returns:
+        ``(conditions, {kind: (b,) bool dropped})``. Dropped values are selected away: whatever a
+        dropped sample's condition holds (NaN included) reaches no output and no gradient.
+    """
+    b = conds.batch_size()
+    if b is None:
+        return conds, {}
+    device = next(getattr(conds, f.name) for f in fields(conds) if getattr(conds, f.name) is not None).device
+    every = torch.rand(b, device=device, generator=generator) < all_prob if all_prob > 0 else None
+    dropped: dict[str, Tensor] = {}
+    for kind in conds.kinds():
+        p = probs.get(kind, 0.0)
+        if p <= 0 and every is None:
+            continue
+        d = torch.rand(b, device=device, generator=generator) < p
+        if every is not None:
+            d = d | every
+        dropped[kind] = d
+        t, m = conds.pair(kind)
+        m = _full_mask(t, m, kind)
+        null = None if nulls is None else nulls.get(kind)
+        if null is None:
+            keep = ~d if kind == "condition" else ~d[:, None]
+            conds = conds.with_pair(kind, t, m & keep)
+            continue
+        nt, nm = null
+        nm = _full_mask(nt, nm, kind)
+        if kind == "condition":
+            conds = conds.with_pair(kind, torch.where(d[:, None], nt.to(t.dtype), t), torch.where(d, nm, m))
+            continue
+        length = max(m.shape[1], nm.shape[1])
+        (t, m), (nt, nm) = _pad(t, m, length), _pad(nt.to(t.dtype), nm, length)
+        conds = conds.with_pair(kind, torch.where(d[:, None, None], nt, t), torch.where(d[:, None], nm, m))
+    return conds, dropped
+
+
+# ----------------------------------------------------------------------------------------------------
+# combining the branches
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_scale(s, name: str) -> float:
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        raise ValueError(f"{name} must be a finite number, got {s!r}")
+    return float(s)
+
+
+def compose_guidance(
+    uncond: Tensor,
+    conds: Mapping[str, Tensor],
+    scales: Mapping[str, float],
+    *,
+    guidance_rescale: float = 0.0,
+    reference: Tensor | None = None,
+    space: str = "logits",
+) -> Tensor:
+    """``uncond + sum_k scales[k] * (conds[k] - uncond)``: compositional classifier-free guidance.
+
+    A token whose logit is ``-inf`` in any branch taking part stays ``-inf`` (it is impossible under one
+    of the models); NaN or ``+inf`` in a branch is a ``ValueError``. Computed in float32 (float64 for
+    float64 inputs) and returned in that dtype.
+
+    Args:
+        uncond: ``(..., v)`` the branch with every condition dropped.
+        conds: ``{name: (..., v)}`` the conditional branches.
+        scales: ``{name: s}`` one scale per branch in ``conds`` (missing names count 0).
+        guidance_rescale: phi in ``[0, 1]``: pull the result's standard deviation (over the tokens
+            that are not banned) toward that of ``reference`` (arXiv 2305.08891).
+        reference: the branch whose standard deviation the rescale aims at (the joint branch).
+        space: ``"logits"`` or ``"logprobs"`` (each branch is log-softmaxed first).
+    """
+    if space not in ("logits", "logprobs"):
+        raise ValueError(f"guidance space must be 'logits' or 'logprobs', got {space!r}")
+    if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
+        raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
+    unknown = set(scales) - set(conds)
+    if unknown:
+        raise ValueError(f"scales name branches that were not computed: {sorted(unknown)}")
+    tensors = {"uncond": uncond, **conds}
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} logits must be a floating-point tensor, got {getattr(t, 'dtype', type(t))}")
+        if t.shape != uncond.shape:
+            raise ValueError(f"{name} logits have shape {tuple(t.shape)}, expected {tuple(uncond.shape)} (those of uncond)")
+    dtype = torch.promote_types(uncond.dtype, torch.float32)
+    for t in tensors.values():
+        dtype = torch.promote_types(dtype, t.dtype)
+    used = {k: _check_scale(s, f"the scale of {k!r}") for k, s in scales.items() if s != 0}
+    vals = {k: tensors[k].to(dtype) for k in ["uncond", *used]}
+    if guidance_rescale > 0 and reference is not None:
+        vals["reference"] = reference.to(dtype)
+    for name, t in vals.items():
+        if bool((torch.isnan(t) | (t == float("inf"))).any()):  # one host sync per call (a generation step)
+            raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
+    if space == "logprobs":
+        vals = {k: _log_softmax(t) for k, t in vals.items()}
+    banned = torch.zeros(uncond.shape, dtype=torch.bool, device=uncond.device)
+    for t in vals.values():
+        banned = banned | (t == _NEG_INF)
+    zero = torch.zeros((), dtype=dtype, device=uncond.device)
+    if len(used) == 1 and next(iter(used.values())) == 1.0:
+        guided = vals[next(iter(used))]  # s == 1 is exactly that branch
+    else:
+        u = torch.where(banned, zero, vals["uncond"])  # -inf selected away, not subtracted
+        guided = u
+        for k, s in used.items():
+            guided = guided + s * (torch.where(banned, zero, vals[k]) - u)
+    if guidance_rescale > 0.0:
+        ref = vals.get("reference", guided)
+        live = ~banned
+        std_ref = _masked_std(ref, live)
+        std_guided = _masked_std(guided, live)
+        flat = std_guided == 0
+        ratio = torch.where(flat, 1.0, std_ref / torch.where(flat, 1.0, std_guided))
+        guided = guidance_rescale * (guided * ratio) + (1.0 - guidance_rescale) * guided
+    return guided.masked_fill(banned, _NEG_INF)
+
+
+def _log_softmax(t: Tensor) -> Tensor:
+    all_banned = (t == _NEG_INF).all(dim=-1, keepdim=True)
+    return torch.where(all_banned, t, torch.where(all_banned, 0.0, t).log_softmax(dim=-1))
+
+
+def _masked_std(x: Tensor, keep: Tensor) -> Tensor:
+    """Sample standard deviation over the last dim counting only ``keep`` (0 with fewer than two)."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    n = keep.sum(-1, keepdim=True).to(x.dtype)
+    xs = torch.where(keep, x, zero)
+    mean = xs.sum(-1, keepdim=True) / n.clamp(min=1)
+    var = torch.where(keep, (xs - mean) ** 2, zero).sum(-1, keepdim=True) / (n - 1).clamp(min=1)
+    return var.sqrt()
+
+
+def guided_logits(cond: Tensor, uncond: Tensor, cond_scale: float, guidance_rescale: float = 0.0) -> Tensor:
+    """Classifier-free guidance on logits: ``uncond + cond_scale * (cond - uncond)``.
+
+    With ``guidance_rescale`` phi > 0 the guided logits are pulled back toward the standard deviation
+    of the conditional ones (the "rescaled CFG" of arXiv 2305.08891, the std taken over the
+    vocabulary dimension): ``rescaled = guided * std(cond) / std(guided)``, and the result is
+    ``phi * rescaled + (1 - phi) * guided``. A row whose guided logits are all equal (std 0) is left
+    as guided.
+
+    A token whose logit is ``-inf`` in either branch (banned by a filter or a logits processor) stays
+    ``-inf``: it is impossible under one of the two models, and the formula would otherwise give
+    ``-inf - -inf = NaN``. The standard deviations of the rescale are taken over the other tokens.
+    NaN or ``+inf`` logits are a ``ValueError``. Everything is computed in float32 (float64 for float64
+    inputs), and the result stays in that dtype: a half-precision result would overflow for large scales.
+
+    Args:
+        cond: ``(..., v)`` conditional logits.
+        uncond: ``(..., v)`` unconditional logits.
+        cond_scale: guidance scale s (1: ``cond``, 0: ``uncond``, > 1: stronger guidance).
+        guidance_rescale: phi in ``[0, 1]``.
+
+    Returns:
+        ``(..., v)`` guided logits in float32 (float64 for float64 inputs).
+    """
+    if not isinstance(cond, Tensor) or not isinstance(uncond, Tensor):
+        raise TypeError(f"cond and uncond must be tensors, got {type(cond).__name__} and {type(uncond).__name__}")
+    if cond.shape != uncond.shape:
+        raise ValueError(f"cond and uncond must have the same shape, got {tuple(cond.shape)} and {tuple(uncond.shape)}")
+    if not cond.is_floating_point() or not uncond.is_floating_point():
+        raise TypeError(f"cond and uncond must be floating-point logits, got {cond.dtype} and {uncond.dtype}")
+    s = _check_scale(cond_scale, "cond_scale")
+    out = compose_guidance(uncond, {"joint": cond}, {"joint": s if s != 0 else 0.0},
+                           guidance_rescale=guidance_rescale, reference=cond)
+    if s == 0.0:  # scales of 0 drop the branch; its -inf tokens still count as banned
+        out = out.masked_fill(cond == _NEG_INF, _NEG_INF)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# scales per branch and per step
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GuidanceSchedule:
+    """The guidance scales of every sampling step, and the branches they need.
+
+    Built from ``cond_scale``: a number (the joint scale), a mapping ``{"joint" | kind: scale}``, or a
+    callable ``step -> number | mapping``; ``interval=(start, stop)`` guides only steps
+    ``start <= t < stop`` (the others sample the joint, fully conditional branch).
+    """
+
+    branches: tuple[str, ...]  # conditional branches to compute, beside "uncond" (empty: no guidance)
+    at: Callable[[int], dict[str, float]]
+
+    @staticmethod
+    def build(cond_scale, kinds: tuple[str, ...], interval: tuple[int, int] | None = None,
+              guidance_rescale: float = 0.0, has_uncond: bool = True) -> GuidanceSchedule:
+        allowed = ("joint", *kinds)
+
+        def parse(value) -> dict[str, float]:
+            if isinstance(value, Mapping):
+                bad = [k for k in value if k not in allowed]
+                if bad:
+                    raise ValueError(f"cond_scale names {bad}; allowed: {list(allowed)} (the conditions given)")
+                return {k: _check_scale(v, f"cond_scale[{k!r}]") for k, v in value.items()}
+            return {"joint": _check_scale(value, "cond_scale")}
+
+        if interval is not None:
+            ok = (isinstance(interval, (tuple, list)) and len(interval) == 2
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in interval) and 0 <= interval[0] <= interval[1])
+            if not ok:
+                raise ValueError(f"guidance_interval must be (start, stop) step indices with 0 <= start <= stop, got {interval!r}")
+        fn = cond_scale if callable(cond_scale) else None
+        first = parse(cond_scale(0) if fn else cond_scale)
+        plain = first == {"joint": 1.0} and fn is None and interval is None
+        if plain or not has_uncond:
+            return GuidanceSchedule((), lambda t: {"joint": 1.0})
+        names = tuple(k for k in allowed if k in first)
+        if (guidance_rescale > 0 or interval is not None) and "joint" not in names:
+            names = ("joint", *names)
+
+        def at(t: int) -> dict[str, float]:
+            if interval is not None and not (interval[0] <= t < interval[1]):
+                return {"joint": 1.0}
+            scales = parse(fn(t)) if fn else first
+            if set(scales) - set(names):
+                raise ValueError(f"cond_scale at step {t} names {sorted(set(scales) - set(names))}, which step 0 did not")
+            return scales
+
+        return GuidanceSchedule(names, at)
+
+
+def check_condition_args(conds: Conditions, b: int, device, *, dim_context: int | None, dim: int,
+                         dim_condition: int | None, prefix: str = "") -> None:
+    """Shapes, dtypes and devices of every condition given (S9); ``prefix`` names negative ones."""
+    for kind in conds.kinds():
+        t, m = conds.pair(kind)
+        name, mname = (prefix + a for a in _PAIRS[kind])
+        if kind == "condition":
+            want = (b, dim_condition)
+            if dim_condition is None:
+                raise ValueError(f"{name} was given but the model has no adaptive layers (use_adaptive_layernorm=True)")
+        else:
+            width = dim_context if kind == "context" else dim
+            if kind == "context" and width is None:
+                raise ValueError(f"{name} was given but the model has no cross-attention (cross_attend=True)")
+            want = (b, None, width)
+        if not isinstance(t, Tensor) or t.dim() != len(want) or any(w is not None and w != s for w, s in zip(want, t.shape)):
+            shape = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape {shape}, got {got}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the prompts)")
+        if m is not None:
+            validate_mask(m, mname, shape=tuple(t.shape[:1] if kind == "condition" else t.shape[:2]), device=device)
+    for kind in KINDS:
+        t, m = conds.pair(kind)
+        if m is not None and t is None:
+            raise ValueError(f"{prefix}{_PAIRS[kind][1]} was given without {prefix}{_PAIRS[kind][0]}")
