@@ -2,6 +2,7 @@
 
 from .attend import BACKENDS, AttentionPlan, PreparedMask, attend, plan_attention, prepare_mask, substitute_kernel
 from .checkpoint import Configurable, load_pretrained, save_pretrained
+from .conditions import Conditions, compose_guidance, drop_conditions
 from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
 from .generation import (
     FILTERS,
@@ -52,6 +53,7 @@ __all__ = [
     "BACKENDS",
     "Configurable",
     "ContinuousTransformerWrapper",
+    "Conditions",
     "CrossAttender",
     "DeadRowReport",
     "Decoder",
@@ -77,8 +79,10 @@ __all__ = [
     "causal_mask",
     "check_finite",
     "combine_masks",
+    "compose_guidance",
     "dead_rows",
     "drop_condition",
+    "drop_conditions",
     "find_nonfinite",
     "from_x_transformers",
     "generate_tokens",

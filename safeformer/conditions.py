@@ -327,7 +327,7 @@ class GuidanceSchedule:
 
     @staticmethod
     def build(cond_scale, kinds: tuple[str, ...], interval: tuple[int, int] | None = None,
-              guidance_rescale: float = 0.0, has_uncond: bool = True) -> GuidanceSchedule:
+              guidance_rescale: float = 0.0, has_uncond: bool = True, steps: int = 1) -> GuidanceSchedule:
         allowed = ("joint", *kinds)
 
         def parse(value) -> dict[str, float]:
@@ -344,21 +344,20 @@ class GuidanceSchedule:
             if not ok:
                 raise ValueError(f"guidance_interval must be (start, stop) step indices with 0 <= start <= stop, got {interval!r}")
         fn = cond_scale if callable(cond_scale) else None
-        first = parse(cond_scale(0) if fn else cond_scale)
+        table = [parse(fn(t)) for t in range(max(steps, 1))] if fn else [parse(cond_scale)]  # a schedule: every step
+        first = table[0]
         plain = first == {"joint": 1.0} and fn is None and interval is None
         if plain or not has_uncond:
             return GuidanceSchedule((), lambda t: {"joint": 1.0})
-        names = tuple(k for k in allowed if k in first)
+        used = set().union(*table)
+        names = tuple(k for k in allowed if k in used)
         if (guidance_rescale > 0 or interval is not None) and "joint" not in names:
             names = ("joint", *names)
 
         def at(t: int) -> dict[str, float]:
             if interval is not None and not (interval[0] <= t < interval[1]):
                 return {"joint": 1.0}
-            scales = parse(fn(t)) if fn else first
-            if set(scales) - set(names):
-                raise ValueError(f"cond_scale at step {t} names {sorted(set(scales) - set(names))}, which step 0 did not")
-            return scales
+            return table[t] if fn and t < len(table) else (parse(fn(t)) if fn else first)
 
         return GuidanceSchedule(names, at)
 

@@ -161,7 +161,7 @@ def sample_logits(
         return logits.argmax(dim=-1)
     # subtract the row's max before dividing: a tiny temperature then sends the others to -inf instead of
     # overflowing to +inf (and a temperature below float32's range does not give 0/0 at the max)
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         diff = logits - logits.amax(dim=-1, keepdim=True)
         logits = torch.where(diff == 0, 0.0, diff / temperature)
@@ -475,7 +475,7 @@ def generate_tokens(
                 raise ValueError("uncond_condition needs a condition for the conditional branch too")
             conds = conds.with_pair(kind, empty, torch.zeros(b, 0, dtype=torch.bool, device=device))
     schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
-                                      has_uncond=bool(conds.kinds()))
+                                      has_uncond=bool(conds.kinds()), steps=seq_len)
     nulls = {} if null_context is None else {"context": (null_context, None)}
 
     out = torch.full((b, seq_len), pad_value, dtype=torch.long, device=device)

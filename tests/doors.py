@@ -400,6 +400,59 @@ def probe_cache(seed: int, value: float) -> Probe:
     ])
 
 
+def probe_compose_guidance(seed: int, value: float) -> Probe:
+    """``compose_guidance`` over three branches in float16: banned tokens stay ``-inf``, the rest is the
+    float64 formula; a scale that overflows float16 stays finite."""
+    g = _gen(seed)
+    b, v = 3, 7
+    u, c1, c2 = ((torch.randn(b, v, generator=g) * 5).half() for _ in range(3))
+    c1[:, 0] = -INF
+    u[1, 1] = -INF
+    out = sf.compose_guidance(u, {"context": c1, "condition": c2}, {"context": 3e4, "condition": -2.0})
+    banned = torch.zeros(b, v, dtype=torch.bool)
+    banned[:, 0] = True
+    banned[1, 1] = True
+    assert out.dtype == torch.float32 and bool((out[banned] == -INF).all()), "a banned token is no longer -inf"
+    u64, a64, b64 = (t.double() for t in (u, c1, c2))
+    want = u64 + 3e4 * (a64 - u64) - 2.0 * (b64 - u64)
+    assert torch.allclose(out[~banned].double(), want[~banned], rtol=1e-5, atol=1e-3), "not the float64 formula"
+    return Probe(torch.where(banned, 0.0, out), compare=~banned, bad_calls=[
+        ("a scale for a branch not computed", lambda: sf.compose_guidance(u, {"context": c1}, {"prepend": 2.0}), ValueError, "prepend"),
+        ("unknown space", lambda: sf.compose_guidance(u, {"context": c1}, {"context": 2.0}, space="probs"), ValueError, "space"),
+        ("NaN logits", lambda: sf.compose_guidance(u.float().fill_(NAN), {"context": c1}, {"context": 2.0}), ValueError, "NaN"),
+    ])
+
+
+def probe_drop_conditions(seed: int, value: float) -> Probe:
+    """``drop_conditions`` on all three kinds feeding a decoder: dropped samples' conditions and masked
+    positions (garbage planted) never matter."""
+    g = _gen(seed)
+    b, n, j, m, c, k = 6, 3, 4, 2, 8, 3
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=5, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=c, depth=1, heads=2, dim_head=4, cross_attend=True, use_adaptive_layernorm=True, dim_condition=k))
+    ctx_mask = _lengths_mask(g, b, j)
+    pre_mask = _lengths_mask(g, b, m)
+    gen = torch.Generator().manual_seed(seed)
+    probe_conds = sf.Conditions(torch.zeros(b, j, c), ctx_mask, torch.zeros(b, m, c), pre_mask, torch.zeros(b, k))
+    _, dropped = sf.drop_conditions(probe_conds, {"context": 0.5, "prepend": 0.5, "condition": 0.5}, all_prob=0.2, generator=gen)
+    hidden_ctx = ~ctx_mask | dropped["context"][:, None]
+    hidden_pre = ~pre_mask | dropped["prepend"][:, None]
+    hidden_cond = dropped["condition"][:, None]
+    ctx = _leaf(torch.randn(b, j, c, generator=g), hidden_ctx[..., None], value)
+    pre = _leaf(torch.randn(b, m, c, generator=g), hidden_pre[..., None], value)
+    cond = _leaf(torch.randn(b, k, generator=g), hidden_cond, value)
+    conds, _ = sf.drop_conditions(sf.Conditions(ctx, ctx_mask, pre, pre_mask, cond),
+                                  {"context": 0.5, "prepend": 0.5, "condition": 0.5}, all_prob=0.2,
+                                  generator=torch.Generator().manual_seed(seed))
+    out = net(torch.randint(0, 5, (b, n), generator=g), **conds.kwargs())
+    return Probe(out, {"context": ctx, "prefix": pre, "condition": cond},
+                 {"context": hidden_ctx[..., None].expand_as(ctx), "prefix": hidden_pre[..., None].expand_as(pre),
+                  "condition": hidden_cond.expand_as(cond)},
+                 bad_calls=[("unknown kind", lambda: sf.AutoregressiveWrapper(net, cond_drop_prob={"text": 0.1}), ValueError, "text"),
+                            ("probability above 1", lambda: sf.AutoregressiveWrapper(net, cond_drop_all_prob=1.5), ValueError, "cond_drop_all_prob")])
+
+
 # ----------------------------------------------------------------------------------------------------
 # the registry
 # ----------------------------------------------------------------------------------------------------
@@ -417,6 +470,8 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("top_p", probe_sampling),
     Door("min_p", probe_sampling),
     Door("drop_condition", probe_drop_condition),
+    Door("drop_conditions", probe=probe_drop_conditions),
+    Door("compose_guidance", probe=probe_compose_guidance),
     Door("generate_tokens", probe_generate_tokens),
     Door("RMSNorm", _rowwise_probe(_norm)),
     Door("FeedForward", _rowwise_probe(_ff)),
@@ -437,9 +492,9 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("Attention", cases=("Attention-self", "Attention-self-padding", "Attention-cross", "Attention-past-kv")),
     Door("AttentionLayers", cases=("Encoder", "Decoder", "CrossAttender")),
     Door("Encoder", cases=("Encoder",)),
-    Door("Decoder", cases=("Decoder",)),
+    Door("Decoder", cases=("Decoder", "Decoder-adaptive")),
     Door("CrossAttender", cases=("CrossAttender",)),
-    Door("TransformerWrapper", cases=("TransformerWrapper",)),
+    Door("TransformerWrapper", cases=("TransformerWrapper", "TransformerWrapper-prefix")),
     Door("ContinuousTransformerWrapper", cases=("ContinuousTransformerWrapper",)),
     Door("XTransformer", cases=("XTransformer",)),
     Door("AutoregressiveWrapper", cases=("guidance",), note="every clause: test_contract_guidance.py"),
@@ -453,6 +508,7 @@ DOORS: dict[str, Door] = {d.name: d for d in [
 
 NOT_DOORS: dict[str, str] = {
     "BACKENDS": "a tuple of backend names",
+    "Conditions": "a plain record of condition tensors (its doors are drop_conditions and the wrappers)",
     "FILTERS": "a dict of the filter functions (each is a door: top_k, top_p, min_p)",
     "AttentionPlan": "a plain record of a planning decision",
     "plan_attention": "plans from shapes, dtype and device names; takes no tensor",

@@ -488,7 +488,7 @@ def capture_attention(model: nn.Module, roles: dict[int, str]) -> Iterator[list[
 
 def stack_roles(layers: sf.AttentionLayers, prefix: str) -> dict[int, str]:
     """``{id(attention): "<prefix>.self" | "<prefix>.cross"}`` for the blocks of a layer stack."""
-    return {id(block): f"{prefix}.{kind}" for kind, (_, block) in zip(layers.layer_kinds, layers.layers) if kind != "ff"}
+    return {id(parts[1]): f"{prefix}.{kind}" for kind, parts in zip(layers.layer_kinds, layers.layers) if kind != "ff"}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1112,6 +1112,154 @@ class TransformerWrapperCase(_StackCase):
         return pooled, model(*inp.args, **inp.kwargs, return_embeddings=True)
 
 
+class PrefixWrapperCase(_StackCase):
+    """``TransformerWrapper`` over a rotary ``Decoder`` conditioned by a prefix: ``prepend_embeds (b, j, c)``
+    with the context layout as its ``prepend_mask`` (all-False rows: no prefix; holes; zero length).
+    Outputs are the tokens' (``excise_prepend_embeds=True``)."""
+
+    name = "TransformerWrapper-prefix"
+    causal = True
+    decodes = True
+
+    def make(self, backend="auto"):
+        return sf.TransformerWrapper(
+            num_tokens=VOCAB, max_seq_len=MAX_SEQ,
+            attn_layers=sf.Decoder(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, rotary_pos_emb=True, backend=backend),
+        )
+
+    def roles(self, model):
+        return stack_roles(model.attn_layers, "main")
+
+    def dead(self, sc):
+        return {"main.self": causal_dead(torch.cat((sc.ctx_mask, sc.seq_mask), dim=1))}
+
+    def key_len(self, sc, role):
+        return sc.j + sc.n
+
+    def inputs(self, sc, dtype=torch.float32):
+        g = sc.generator()
+        ids = torch.randint(0, VOCAB, (sc.b, sc.n), generator=g)
+        pre = _randn(g, sc.b, sc.j, DIM, dtype=dtype)
+        kw = dict(mask=sc.seq_mask, prepend_embeds=pre, prepend_mask=sc.ctx_mask, excise_prepend_embeds=True)
+        return Inputs([ids], kw, {"prefix": pre})
+
+    def plant(self, inp, sc, value):
+        ids = _garbage_ids(inp.args[0], ~sc.seq_mask, sc.generator())
+        pre = _plant_float(inp.kwargs["prepend_embeds"], ~sc.ctx_mask, value)
+        return Inputs([ids], dict(inp.kwargs, prepend_embeds=pre), {"prefix": pre}, {"prefix": ~sc.ctx_mask})
+
+    def alone(self, inp, sc, s):
+        ids = inp.args[0][s : s + 1, sc.seq_mask[s]]
+        pre = inp.kwargs["prepend_embeds"][s : s + 1, sc.ctx_mask[s]]
+        return Inputs([ids], dict(prepend_embeds=pre, excise_prepend_embeds=True), {"prefix": pre})
+
+    def decode(self, model, inp, sc, prefix):
+        ids, kw = inp.args[0], inp.kwargs
+        first = dict(kw, mask=kw["mask"][:, :prefix])
+        out, cache = model(ids[:, :prefix], return_cache=True, **first)
+        outs = [out]
+        for t in range(prefix, sc.n):
+            out, cache = model(ids[:, t : t + 1], mask=kw["mask"][:, t : t + 1], cache=cache, return_cache=True)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+    def bad_calls(self, model, inp):
+        ids, kw = inp.args[0], inp.kwargs
+        pre, pm = kw["prepend_embeds"], kw["prepend_mask"]
+        b, m = pm.shape
+        _, cache = model(ids, prepend_embeds=pre, prepend_mask=pm, return_cache=True)
+        return [
+            ("prepend_mask without prepend_embeds", lambda: model(ids, prepend_mask=pm), ValueError, "prepend_mask"),
+            ("prefix of wrong width", lambda: model(ids, prepend_embeds=torch.randn(b, m, DIM + 1)), ValueError, "prepend_embeds"),
+            ("int prepend_mask", lambda: model(ids, prepend_embeds=pre, prepend_mask=pm.long()), TypeError, "prepend_mask"),
+            ("prepend_mask of wrong shape", lambda: model(ids, prepend_embeds=pre, prepend_mask=pm[:, :-1] if m else torch.ones(b, 1, dtype=torch.bool)), ValueError, "prepend_mask"),
+            ("a prefix with a cache", lambda: model(ids[:, :1], prepend_embeds=pre, cache=cache), ValueError, "prepend_embeds"),
+            ("integer prefix", lambda: model(ids, prepend_embeds=torch.ones(b, m, DIM, dtype=torch.long)), TypeError, "prepend_embeds"),
+        ]
+
+    def unknown_kwarg(self):
+        return lambda: sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ, attn_layers=sf.Decoder(dim=DIM, depth=1), prepend_dim=3)
+
+    def pooled(self, model, inp, sc):
+        kw = dict(inp.kwargs)
+        kw["prepend_mask"] = torch.zeros_like(kw["prepend_mask"])  # pooled over the tokens only
+        pooled = model(*inp.args, **kw, return_pooled=True)
+        return pooled, model(*inp.args, **kw, return_embeddings=True)
+
+
+class AdaptiveDecoderCase(DecoderCase):
+    """``Decoder`` with adaptive LayerNorm and adaptive layerscale driven by ``condition (b, K)``, beside
+    its cross-attention; samples whose context is empty also have their condition dropped
+    (``condition_mask`` False), and their condition rows hold garbage."""
+
+    name = "Decoder-adaptive"
+    K = 5
+
+    def config(self):
+        return dict(super().config(), use_adaptive_layernorm=True, use_adaptive_layerscale=True, dim_condition=self.K)
+
+    def build(self, backend="auto", dtype=torch.float32):
+        model = super().build(backend, dtype)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # adaptive projections start at 0: make them matter
+            for mod in model.modules():
+                if isinstance(mod, (sf.modules.AdaptiveNorm, sf.modules.AdaptiveLayerScale)):
+                    for p in mod.parameters():
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            model.null_condition.copy_(torch.randn(self.K, generator=g))
+        return model
+
+    @staticmethod
+    def cond_mask(sc: Scenario) -> Tensor:
+        return sc.ctx_mask.any(1) if sc.j else torch.zeros(sc.b, dtype=torch.bool)
+
+    def inputs(self, sc, dtype=torch.float32):
+        inp = super().inputs(sc, dtype)
+        cond = _randn(torch.Generator().manual_seed(sc.seed + 99), sc.b, self.K, dtype=dtype)
+        inp.kwargs.update(condition=cond, condition_mask=self.cond_mask(sc))
+        inp.leaves["condition"] = cond
+        return inp
+
+    def plant(self, inp, sc, value):
+        out = super().plant(inp, sc, value)
+        dropped = ~self.cond_mask(sc)
+        cond = _plant_float(inp.kwargs["condition"], dropped, value)
+        out.kwargs["condition"] = out.leaves["condition"] = cond
+        out.planted["condition"] = dropped
+        return out
+
+    def alone(self, inp, sc, s):
+        out = super().alone(inp, sc, s)
+        out.kwargs.update(condition=inp.kwargs["condition"][s : s + 1], condition_mask=self.cond_mask(sc)[s : s + 1])
+        return out
+
+    def decode(self, model, inp, sc, prefix):
+        x, kw = inp.args[0], inp.kwargs
+        first = {k: v for k, v in kw.items() if k != "mask"}
+        out, cache = model(x[:, :prefix], mask=kw["mask"][:, :prefix], return_cache=True, **first)
+        outs = [out]
+        for t in range(prefix, sc.n):
+            out, cache = model(x[:, t : t + 1], mask=kw["mask"][:, t : t + 1], cache=cache, return_cache=True)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+    def bad_calls(self, model, inp):
+        x, kw = inp.args[0], inp.kwargs
+        cond, cm = kw["condition"], kw["condition_mask"]
+        b = x.shape[0]
+        calls = [
+            ("condition of wrong width", lambda: model(x, condition=torch.randn(b, self.K + 1)), ValueError, "condition"),
+            ("condition_mask without condition", lambda: model(x, condition_mask=cm), ValueError, "condition_mask"),
+            ("int condition_mask", lambda: model(x, condition=cond, condition_mask=cm.long()), TypeError, "condition_mask"),
+            ("condition_mask of wrong shape", lambda: model(x, condition=cond, condition_mask=cm[:-1]), ValueError, "condition_mask"),
+            ("integer condition", lambda: model(x, condition=torch.ones(b, self.K, dtype=torch.long)), TypeError, "condition"),
+        ]
+        return calls + [c for c in super().bad_calls(model, inp) if "context" in c[0] or "mask" in c[0]]
+
+    def unknown_kwarg(self):
+        return lambda: sf.Decoder(dim=DIM, depth=1, use_adaptive_layernorm=True, dim_condtion=3)
+
+
 class ContinuousWrapperCase(_StackCase):
     """``ContinuousTransformerWrapper`` over a cross-attending ``Encoder`` with projection biases."""
 
@@ -1267,7 +1415,7 @@ class XTransformerCase(Case):
 
 CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
-    TransformerWrapperCase(), ContinuousWrapperCase(), XTransformerCase(),
+    TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
 ]
 
 
