@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .attend import prepare_mask
 from .checkpoint import Configurable
@@ -135,6 +136,10 @@ class AttentionLayers(Configurable, nn.Module):
             probability (stochastic depth); 0 at evaluation.
         cross_attn_tokens_dropout: during training, each context token is dropped (masked) with this
             probability, per sample; a sample may lose every token (a dead row: safe, adds exactly 0).
+        checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
+            or feed-forward, and gate) keeps no activations and is recomputed in the backward pass
+            (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): identical gradients,
+            lower peak memory, about one more forward of compute.
     """
 
     def __init__(
@@ -170,6 +175,7 @@ class AttentionLayers(Configurable, nn.Module):
         adaptive_null: str = "learned",
         layer_dropout: float = 0.0,
         cross_attn_tokens_dropout: float = 0.0,
+        checkpoint_layers: bool = False,
     ):
         super().__init__()
         self._set_config(
@@ -181,7 +187,11 @@ class AttentionLayers(Configurable, nn.Module):
             backend=backend, use_adaptive_layernorm=use_adaptive_layernorm, use_adaptive_rmsnorm=use_adaptive_rmsnorm,
             use_adaptive_layerscale=use_adaptive_layerscale, dim_condition=dim_condition, adaptive_null=adaptive_null,
             layer_dropout=layer_dropout, cross_attn_tokens_dropout=cross_attn_tokens_dropout,
+            checkpoint_layers=checkpoint_layers,
         )
+        if not isinstance(checkpoint_layers, bool):
+            raise TypeError(f"checkpoint_layers must be a bool, got {checkpoint_layers!r}")
+        self.checkpoint_layers = checkpoint_layers
         if use_adaptive_layernorm and use_adaptive_rmsnorm:
             raise ValueError("choose one of use_adaptive_layernorm and use_adaptive_rmsnorm, not both")
         self.adaptive = use_adaptive_layernorm or use_adaptive_rmsnorm or use_adaptive_layerscale
@@ -450,28 +460,46 @@ class AttentionLayers(Configurable, nn.Module):
         self_clean = attn_mask is None and (cache is None or cache.mask is None)
         cross_clean = not cached_cross or context_mask is None
         drop_path = self.training and self.layer_dropout > 0
+        recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled() and not return_cache \
+            and cache is None
         self_kv, cross_kv = [], []
-        for kind, parts in zip(self.layer_kinds, self.layers):
+
+        def branch(kind: str, parts: nn.ModuleList, x: Tensor, cond: Tensor | None, past_kv, cached):
+            """One residual branch: norm, block, gate. Returns ``(out, kv)``."""
             norm, block = parts[0], parts[1]
             h = norm(x, cond) if cond is not None and isinstance(norm, AdaptiveNorm) else norm(x)
+            kv = None
             if kind == "self":
-                past_kv = cache.self_kv[len(self_kv)] if cache is not None else None
                 # masked keys and dead rows are padding, selected to 0 at the input (unless attn_mask hides
                 # real positions): the block need not select its inputs again
                 out, kv = block(h, mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv,
                                 _inputs_finite=self_clean)
-                self_kv.append(kv)
             elif kind == "cross":
-                if not use_cross:
-                    continue
-                cached = cache.cross_kv[len(cross_kv)] if cache is not None and cache.cross_kv is not None else None
                 out, kv = block(h, None if cached is not None else context, mask=cross_mask, kv=cached,
                                 _inputs_finite=cross_clean)  # a new context was selected above
-                cross_kv.append(kv)
             else:
                 out = block(h)
             if len(parts) > 2:  # adaptive layerscale: the condition gates the branch
                 out = parts[2](out, cond)
+            return out, kv
+
+        for kind, parts in zip(self.layer_kinds, self.layers):
+            if kind == "cross" and not use_cross:
+                continue
+            past_kv = cache.self_kv[len(self_kv)] if kind == "self" and cache is not None else None
+            cached = None
+            if kind == "cross" and cache is not None and cache.cross_kv is not None:
+                cached = cache.cross_kv[len(cross_kv)]
+            if recompute:  # keeps no activations; recomputed (same RNG draws) in the backward pass
+                out = checkpoint(lambda x, c, k=kind, p=parts: branch(k, p, x, c, None, None)[0], x, cond,
+                                 use_reentrant=False)
+                kv = None
+            else:
+                out, kv = branch(kind, parts, x, cond, past_kv, cached)
+            if kind == "self":
+                self_kv.append(kv)
+            elif kind == "cross":
+                cross_kv.append(kv)
             if drop_path:  # stochastic depth: a sample skips this branch (kept ones rescaled)
                 keep = torch.rand(b, 1, 1, device=device) >= self.layer_dropout
                 out = torch.where(keep, out / (1.0 - self.layer_dropout), 0.0)
