@@ -179,7 +179,9 @@ def _constructor_fields(cls: type, source: str, where: str) -> tuple[dict[str, i
             if i == 0 or p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
                 continue  # self, and what cannot be passed by name
             if p.kind is p.VAR_KEYWORD:
-                forwards = True
+                # ``**aliases`` takes other spellings of the named parameters (configs store the names):
+                # any other ``**kwargs`` forwards to the parent class
+                forwards = forwards or name != "aliases"
             elif name not in params:
                 params[name] = p
                 hints[name] = own_hints.get(name, _Unchecked)

@@ -98,6 +98,67 @@ class KVCache:
         )
 
 
+# x-transformers' spelling -> safeformer's name (or a function of the value giving {name: value}); None:
+# accepted and ignored (what it chose is automatic here). The README's "Moving from x-transformers" table
+# lists them. Only options safeformer supports are here: anything else is an unknown keyword.
+LAYER_ALIASES: dict[str, object] = {
+    "attn_dim_head": "dim_head",
+    "attn_kv_heads": "kv_heads",
+    "attn_one_kv_head": lambda v: {"kv_heads": 1} if v else {},
+    "cross_attn_dim_context": "dim_context",
+    "attn_flash": None,
+}
+
+
+_DEFAULT = object()
+
+
+def owner_cls(owner: str):
+    from .checkpoint import _REGISTRY
+
+    return _REGISTRY.get(owner, AttentionLayers)
+
+
+def _defaults(cls) -> dict:
+    import inspect
+
+    for klass in cls.__mro__:  # the first __init__ with named parameters (Encoder & co. pass **kwargs on)
+        params = inspect.signature(klass.__init__).parameters
+        if any(p.kind == p.KEYWORD_ONLY for p in params.values()):
+            return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+    return {}
+
+
+def translate_aliases(owner: str, given: dict, aliases: dict, table: dict) -> dict:
+    """``given`` (the canonical arguments as bound) updated with ``aliases`` translated through ``table``.
+
+    Raises:
+        TypeError: an unknown keyword (the closest valid names suggested), or one option given twice
+            under two spellings.
+    """
+    import difflib
+
+    out = dict(given)
+    for key, value in aliases.items():
+        if key not in table:
+            valid = sorted(set(given) | set(table))
+            close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}{hint}")
+        target = table[key]
+        if target is None:
+            continue
+        updates = target(value) if callable(target) else {target: value}
+        if "_unsupported" in updates:
+            raise TypeError(f"{owner}: x-transformers' option {updates['_unsupported']} is not supported by safeformer")
+        defaults = _defaults(owner_cls(owner))
+        for name, v in updates.items():
+            if name in given and given[name] != defaults.get(name, _DEFAULT):  # also set under its own name
+                raise TypeError(f"{owner}: {name!r} is given twice, as {name!r} and as {key!r}")
+            out[name] = v
+    return out
+
+
 class AttentionLayers(Configurable, nn.Module):
     """A pre-norm stack of attention and feed-forward blocks.
 
@@ -176,7 +237,12 @@ class AttentionLayers(Configurable, nn.Module):
         layer_dropout: float = 0.0,
         cross_attn_tokens_dropout: float = 0.0,
         checkpoint_layers: bool = False,
+        **aliases,
     ):
+        if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
+            given = {k: v for k, v in locals().items() if k not in ("self", "aliases", "__class__")}
+            AttentionLayers.__init__(self, **translate_aliases(type(self).__name__, given, aliases, LAYER_ALIASES))
+            return
         super().__init__()
         self._set_config(
             dim=dim, depth=depth, heads=heads, dim_head=dim_head, kv_heads=kv_heads, causal=causal,

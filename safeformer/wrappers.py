@@ -11,12 +11,21 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import Configurable
-from .layers import AttentionLayers, KVCache
+from .layers import AttentionLayers, KVCache, translate_aliases
 from .masks import check_finite as _check_finite
 from .masks import masked_mean, validate_mask
 from .modules import AbsolutePositionalEmbedding, positions_from_mask
 
 __all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
+
+
+# x-transformers' spelling -> safeformer's name for the wrappers (see layers.LAYER_ALIASES); None: accepted
+# and ignored. Names the same in both libraries need no entry.
+WRAPPER_ALIASES: dict[str, object] = {
+    "emb_frac_gradient": lambda v: {} if v == 1.0 else {"_unsupported": f"emb_frac_gradient={v}"},
+    "post_emb_norm": lambda v: {} if not v else {"_unsupported": "post_emb_norm=True"},
+    "scaled_sinu_pos_emb": lambda v: {} if not v else {"_unsupported": "scaled_sinu_pos_emb=True"},
+}
 
 
 def _check_layers(attn_layers) -> None:
@@ -139,7 +148,12 @@ class TransformerWrapper(_Wrapper):
         logits_dim: int | None = None,
         return_only_embed: bool = False,
         check_finite: bool = False,
+        **aliases,
     ):
+        if aliases:  # other spellings through the one table (unknown names get suggestions)
+            given = {k: v for k, v in locals().items() if k not in ("self", "aliases", "__class__")}
+            TransformerWrapper.__init__(self, **translate_aliases(type(self).__name__, given, aliases, WRAPPER_ALIASES))
+            return
         super().__init__()
         _check_layers(attn_layers)
         self._set_config(
@@ -259,7 +273,12 @@ class ContinuousTransformerWrapper(_Wrapper):
         emb_dropout: float = 0.0,
         use_abs_pos_emb: bool = True,
         check_finite: bool = False,
+        **aliases,
     ):
+        if aliases:
+            given = {k: v for k, v in locals().items() if k not in ("self", "aliases", "__class__")}
+            ContinuousTransformerWrapper.__init__(self, **translate_aliases(type(self).__name__, given, aliases, WRAPPER_ALIASES))
+            return
         super().__init__()
         _check_layers(attn_layers)
         self._set_config(

@@ -1,0 +1,90 @@
+"""x-transformers' spellings (one explicit alias table each for the stacks and the wrappers) and clear
+errors for unknown keywords, with suggestions.
+
+Shape legend: b batch, n positions, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import safeformer as sf
+from safeformer.layers import LAYER_ALIASES
+from safeformer.wrappers import WRAPPER_ALIASES
+
+
+@pytest.mark.parametrize(("alias", "value", "name", "want"), [
+    ("attn_dim_head", 16, "dim_head", 16),
+    ("attn_kv_heads", 2, "kv_heads", 2),
+    ("attn_one_kv_head", True, "kv_heads", 1),
+    ("cross_attn_dim_context", 24, "dim_context", 24),
+])
+def test_layer_alias_sets_the_canonical_option(alias, value, name, want):
+    extra = {"cross_attend": True} if name == "dim_context" else {}
+    dec = sf.Decoder(dim=32, depth=1, heads=4, **extra, **{alias: value})
+    assert dec.get_config()[name] == want
+    assert alias not in dec.get_config(), "configs store safeformer's names only"
+
+
+def test_every_alias_in_the_tables_is_tested_or_accepted():
+    tested = {"attn_dim_head", "attn_kv_heads", "attn_one_kv_head", "cross_attn_dim_context", "attn_flash"}
+    assert set(LAYER_ALIASES) == tested, f"untested aliases: {sorted(set(LAYER_ALIASES) - tested)}"
+    for key in WRAPPER_ALIASES:  # each is accepted at its neutral value and refused otherwise
+        net = sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1),
+                                    **{key: 1.0 if key == "emb_frac_gradient" else False})
+        assert isinstance(net, sf.TransformerWrapper)
+        with pytest.raises(TypeError, match=key):
+            sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1),
+                                  **{key: 0.5 if key == "emb_frac_gradient" else True})
+
+
+def test_attn_flash_is_accepted_and_the_kernel_choice_stays_automatic():
+    dec = sf.Decoder(dim=32, depth=1, heads=4, attn_flash=True)
+    assert dec.get_config()["backend"] == "auto"
+
+
+@pytest.mark.parametrize(("typo", "suggested"), [
+    ("attn_dim_heads", "attn_dim_head"), ("rotary_emb", "rotary_pos_emb"), ("crossattend", "cross_attend"),
+    ("kv_head", "kv_heads"),
+])
+def test_unknown_keyword_names_it_and_suggests(typo, suggested):
+    with pytest.raises(TypeError, match="unexpected keyword argument") as info:
+        sf.Decoder(dim=32, depth=1, **{typo: 1})
+    assert repr(typo) in str(info.value) and repr(suggested) in str(info.value), str(info.value)
+
+
+def test_unknown_wrapper_keyword_suggests():
+    with pytest.raises(TypeError, match="'emb_dropout'"):
+        sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1), emb_dropouts=0.1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'attn_gate_values'"):
+        sf.Encoder(dim=8, depth=1, attn_gate_values=True)
+
+
+def test_one_option_under_two_spellings_is_an_error():
+    with pytest.raises(TypeError, match="given twice"):
+        sf.Decoder(dim=32, depth=1, heads=4, dim_head=8, attn_dim_head=16)
+
+
+def test_aliased_model_saves_and_loads(tmp_path):
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=11, max_seq_len=8, attn_layers=sf.Decoder(
+        dim=32, depth=1, heads=4, attn_dim_head=8, attn_kv_heads=2, attn_flash=True))
+    net.save_pretrained(tmp_path / "m")
+    back = sf.TransformerWrapper.from_pretrained(tmp_path / "m")
+    x = torch.randint(0, 11, (2, 5))
+    assert torch.equal(back(x), net(x))
+
+
+def test_x_transformers_readme_decoder_runs_with_the_import_changed():
+    """x-transformers' README: ``Decoder(dim=512, depth=6, heads=8, attn_dim_head=64, attn_kv_heads=2,
+    attn_flash=True)`` inside a ``TransformerWrapper(num_tokens=20000, max_seq_len=1024)``; only the
+    import differs."""
+    from safeformer import Decoder, TransformerWrapper
+
+    model = TransformerWrapper(num_tokens=20000, max_seq_len=1024, attn_layers=Decoder(
+        dim=512, depth=6, heads=8, attn_dim_head=64, attn_kv_heads=2, attn_flash=True))
+    x = torch.randint(0, 256, (1, 64))
+    with torch.no_grad():
+        logits = model(x)
+    assert logits.shape == (1, 64, 20000) and bool(torch.isfinite(logits).all())
