@@ -159,6 +159,10 @@ def translate_aliases(owner: str, given: dict, aliases: dict, table: dict) -> di
     return out
 
 
+# the padding fraction from which "auto" runs the stack on real tokens only (benchmarks/NOTES.md)
+UNPADDED_THRESHOLD = 0.2
+
+
 class AttentionLayers(Configurable, nn.Module):
     """A pre-norm stack of attention and feed-forward blocks.
 
@@ -197,6 +201,10 @@ class AttentionLayers(Configurable, nn.Module):
             probability (stochastic depth); 0 at evaluation.
         cross_attn_tokens_dropout: during training, each context token is dropped (masked) with this
             probability, per sample; a sample may lose every token (a dead row: safe, adds exactly 0).
+        unpadded: run norms, projections, feed-forward and residuals on the real tokens only (packed),
+            attention on the padded layout: ``True``, ``False`` or ``"auto"`` (when at least
+            ``UNPADDED_THRESHOLD`` of the positions are padding, in a forward without a cache). Costs one
+            host sync (the size of the gather); results equal the padded path to the dtype's tolerance.
         checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
             or feed-forward, and gate) keeps no activations and is recomputed in the backward pass
             (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): identical gradients,
@@ -237,6 +245,7 @@ class AttentionLayers(Configurable, nn.Module):
         layer_dropout: float = 0.0,
         cross_attn_tokens_dropout: float = 0.0,
         checkpoint_layers: bool = False,
+        unpadded: bool | str = "auto",
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -253,8 +262,11 @@ class AttentionLayers(Configurable, nn.Module):
             backend=backend, use_adaptive_layernorm=use_adaptive_layernorm, use_adaptive_rmsnorm=use_adaptive_rmsnorm,
             use_adaptive_layerscale=use_adaptive_layerscale, dim_condition=dim_condition, adaptive_null=adaptive_null,
             layer_dropout=layer_dropout, cross_attn_tokens_dropout=cross_attn_tokens_dropout,
-            checkpoint_layers=checkpoint_layers,
+            checkpoint_layers=checkpoint_layers, unpadded=unpadded,
         )
+        if unpadded not in (True, False, "auto"):
+            raise ValueError(f"unpadded must be True, False or 'auto', got {unpadded!r}")
+        self.unpadded = unpadded
         if not isinstance(checkpoint_layers, bool):
             raise TypeError(f"checkpoint_layers must be a bool, got {checkpoint_layers!r}")
         self.checkpoint_layers = checkpoint_layers
@@ -521,6 +533,10 @@ class AttentionLayers(Configurable, nn.Module):
 
         cond = self._condition(condition, condition_mask, cache, b, x)  # (b, K) or None
 
+        if self._use_unpadded(mask, cache, return_cache, attn_mask):
+            return self._forward_unpadded(x, mask, self_mask, causal, rotary, bias, context if use_cross else None,
+                                          context_mask, cross_mask, cond)
+
         # a cache is input too: only a cache with padding has masked slots, and what they hold (its own
         # finite projections, or whatever a user put there) is selected away by attend, not trusted
         self_clean = attn_mask is None and (cache is None or cache.mask is None)
@@ -586,6 +602,68 @@ class AttentionLayers(Configurable, nn.Module):
             condition_mask=condition_mask if cache is None else cache.condition_mask,
         )
         return x, new_cache
+
+    def _use_unpadded(self, mask, cache, return_cache, attn_mask) -> bool:
+        """Run token-wise work on the real tokens only? (``unpadded``: True, False or "auto")."""
+        if mask is None or cache is not None or return_cache or attn_mask is not None or self.unpadded is False \
+                or mask.numel() == 0:
+            return False
+        if torch.compiler.is_compiling():  # the gather's size is data-dependent: the padded path compiles
+            return False
+        if self.unpadded is True:
+            return True
+        padded = 1.0 - float(mask.sum()) / max(mask.numel(), 1)  # one host sync (the gather needs one anyway)
+        return padded >= UNPADDED_THRESHOLD
+
+    def _forward_unpadded(self, x, mask, self_mask, causal, rotary, bias, context, context_mask, cross_mask, cond):
+        """The stack on real tokens only: norms, projections, feed-forward and residuals run on the packed
+        ``(T, c)`` real tokens; attention runs on the padded layout (q, k, v scattered into zeros, so
+        padded slots are exact zeros) with the same masks as the padded path. Same results to the
+        dtype's tolerance, padded outputs exactly 0."""
+        b, n, c = x.shape
+        idx = mask.reshape(-1).nonzero().squeeze(1)  # (T,): the one host sync of this path
+        bi = torch.div(idx, n, rounding_mode="floor")  # (T,) the sample of each real token
+        xp = x.reshape(b * n, c).index_select(0, idx)  # (T, c)
+        condp = None if cond is None else cond.index_select(0, bi)  # (T, K)
+        ctx_pad = None
+        if context is not None:  # the context's keys/values from its real tokens only
+            j = context.shape[1]
+            if context_mask is not None:
+                cidx = context_mask.reshape(-1).nonzero().squeeze(1)
+                ctx_p = context.reshape(b * j, context.shape[-1]).index_select(0, cidx)
+                ctx_pad = (cidx, ctx_p, j)
+            else:
+                ctx_pad = (None, context.reshape(b * j, context.shape[-1]), j)
+        drop_path = self.training and self.layer_dropout > 0
+        recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled()
+
+        def branch(kind: str, parts: nn.ModuleList, xp: Tensor, condp: Tensor | None) -> Tensor:
+            norm, block = parts[0], parts[1]
+            h = norm(xp, condp) if condp is not None and isinstance(norm, AdaptiveNorm) else norm(xp)
+            if kind == "self":
+                out = block(h, mask=self_mask, causal=causal, rotary=rotary, bias=bias, _packed=(idx, bi, b, n))[0]
+            elif kind == "cross":
+                out = block(h, ctx_pad, mask=cross_mask, _packed=(idx, bi, b, n))[0]
+            else:
+                out = block(h)
+            if len(parts) > 2:
+                out = parts[2](out, condp)
+            return out
+
+        for kind, parts in zip(self.layer_kinds, self.layers):
+            if kind == "cross" and context is None:
+                continue
+            if recompute:
+                out = checkpoint(lambda t, c_, k=kind, p=parts: branch(k, p, t, c_), xp, condp, use_reentrant=False)
+            else:
+                out = branch(kind, parts, xp, condp)
+            if drop_path:
+                keep = (torch.rand(b, device=x.device) >= self.layer_dropout).index_select(0, bi)[:, None]
+                out = torch.where(keep, out / (1.0 - self.layer_dropout), 0.0)
+            xp = xp + out
+        final = self.final_norm
+        xp = final(xp, condp) if condp is not None and isinstance(final, AdaptiveNorm) else final(xp)
+        return xp.new_zeros(b * n, c).index_copy(0, idx, xp).view(b, n, c)  # padded positions exactly 0
 
     def _condition(self, condition, condition_mask, cache, b: int, x: Tensor) -> Tensor | None:
         """The ``(b, K)`` condition of the adaptive layers: the user's, with the null condition selected in

@@ -99,9 +99,10 @@ class AdaptiveNorm(nn.Module):
         else:
             mean = xf.mean(-1, keepdim=True)
             normed = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + self.eps)
-        out = normed * (1 + self.to_gamma(condition).to(xf.dtype)[:, None])  # (b, 1, c) per sample
+        per = (lambda t: t) if x.dim() == 2 else (lambda t: t[:, None])  # packed (T, c) rows: one condition each
+        out = normed * (1 + per(self.to_gamma(condition).to(xf.dtype)))  # (b, 1, c) per sample
         if self.to_beta is not None:
-            out = out + self.to_beta(condition).to(xf.dtype)[:, None]
+            out = out + per(self.to_beta(condition).to(xf.dtype))
         return out.to(x.dtype)
 
 
@@ -119,7 +120,8 @@ class AdaptiveLayerScale(nn.Module):
         nn.init.constant_(self.to_gate.bias, init_bias)
 
     def forward(self, out: Tensor, condition: Tensor) -> Tensor:
-        return out * self.to_gate(condition).sigmoid().to(out.dtype)[:, None]
+        gate = self.to_gate(condition).sigmoid().to(out.dtype)
+        return out * (gate if out.dim() == 2 else gate[:, None])  # packed (T, c) rows: one condition each
 
 
 class FeedForward(nn.Module):
@@ -314,6 +316,7 @@ class Attention(nn.Module):
         kv: tuple[Tensor, Tensor] | None = None,
         past_kv: tuple[Tensor, Tensor] | None = None,
         _inputs_finite: bool = False,
+        _packed: tuple | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Attend from ``x (b, i, c)``.
 
@@ -333,11 +336,16 @@ class Attention(nn.Module):
             _inputs_finite: private, for ``AttentionLayers``: ``x`` at dead rows and ``context`` (or
                 ``x``) at masked keys are finite already (the stack selected its padded inputs to 0),
                 so they need not be selected again before the projections.
+            _packed: private, for ``AttentionLayers``' unpadded path: ``(idx, bi, b, n)``; ``x`` is the
+                ``(T, c)`` real tokens (``idx`` their flat positions in ``(b, n)``, ``bi`` their samples)
+                and ``context`` is ``(cidx, context_rows, j)`` (``cidx`` None: every row is real).
 
         Returns:
             ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache. Rows that may attend
             to no key are exactly 0 after the output projection, and pass zero gradient (S2).
         """
+        if _packed is not None:
+            return self._forward_packed(x, context, mask, causal, rotary, bias, _packed), None
         if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
         b, i = x.shape[:2]
@@ -404,6 +412,38 @@ class Attention(nn.Module):
         if rows_ok is not None and self.to_out.bias is not None:
             out = torch.where(rows_ok[..., None], out, 0.0)  # a bias would move dead rows off 0
         return out, (k, v)
+
+    def _forward_packed(self, h: Tensor, ctx_pad, mask, causal, rotary, bias, packed) -> Tensor:
+        """Projections on the packed real tokens ``h (T, c)``, attention on the padded layout (q, k, v
+        scattered into zeros: padded slots are exact zeros), the output projection on real tokens."""
+        idx, bi, b, n = packed
+
+        def scatter(t: Tensor, index: Tensor | None, rows: int, heads: int) -> Tensor:
+            if index is not None:
+                t = t.new_zeros(rows, t.shape[-1]).index_copy(0, index, t)
+            return rearrange(t, "(b n) (h d) -> b h n d", b=b, h=heads)
+
+        q = scatter(self.to_q(h), idx, b * n, self.heads)  # (b, h, n, d)
+        if ctx_pad is None:
+            k, v = scatter(self.to_k(h), idx, b * n, self.kv_heads), scatter(self.to_v(h), idx, b * n, self.kv_heads)
+        else:
+            cidx, rows, j = ctx_pad
+            k, v = scatter(self.to_k(rows), cidx, b * j, self.kv_heads), scatter(self.to_v(rows), cidx, b * j, self.kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary[0]), apply_rotary(k, rotary[1])
+        out = attend(q, k, v, mask=mask, causal=causal, bias=bias, dropout_p=self.dropout if self.training else 0.0,
+                     backend=self.backend, _inputs_finite=True)  # (b, h, n, d)
+        out = self.to_out(rearrange(out, "b h n d -> (b n) (h d)").index_select(0, idx))  # (T, c)
+        if self.to_out.bias is not None:  # a bias would move dead rows off 0
+            if k.shape[2] == 0:  # a zero-length context: every row is dead
+                return out * 0.0
+            if mask is not None:
+                m = mask.combined if isinstance(mask, PreparedMask) else mask
+                alive = m.any(dim=-1).any(dim=1).expand(b, n).reshape(-1).index_select(0, idx)  # (T,)
+                out = torch.where(alive[:, None], out, 0.0)
+        return out
 
     def _check_kv(self, kv, name: str, b: int, x: Tensor, mixed_ok: bool = False) -> None:
         ok = isinstance(kv, (tuple, list)) and len(kv) == 2 and all(isinstance(t, Tensor) and t.dim() == 4 for t in kv)

@@ -244,8 +244,16 @@ class TransformerWrapper(_Wrapper):
             return (out, new_cache) if return_cache else out
         if excise_prepend_embeds and m:
             h = h[:, m:]
+            full_mask = None if full_mask is None else full_mask[:, m:]
         if return_embeddings or self.return_only_embed:
             out = h
+        elif full_mask is not None and self.attn_layers._use_unpadded(full_mask, cache, return_cache, attn_mask):
+            # the output head on real tokens only (padded rows are exact zeros: their logits are 0)
+            b_, n_, c_ = h.shape
+            idx = full_mask.reshape(-1).nonzero().squeeze(1)
+            hp = h.reshape(b_ * n_, c_).index_select(0, idx)
+            lp = hp @ self.token_emb.weight.t() if self.tie_embedding else self.to_logits(hp)
+            out = lp.new_zeros(b_ * n_, lp.shape[-1]).index_copy(0, idx, lp).view(b_, n_, lp.shape[-1])
         else:
             out = h @ self.token_emb.weight.t() if self.tie_embedding else self.to_logits(h)  # (b, n, v)
         return (out, new_cache) if return_cache else out

@@ -1413,10 +1413,35 @@ class XTransformerCase(Case):
                                        dec_max_seq_len=4, enc_layers=1)
 
 
+class UnpaddedCase:
+    """The same case run with ``AttentionLayers(unpadded=True)``: norms, projections, feed-forward and the
+    output head on the real tokens only (the padded path is the base case's; ``set_unpadded``)."""
+
+    unpadded = True
+
+    def __init__(self, base: Case):
+        self.base = base
+        self.name = f"{base.name}-unpadded"
+
+    def __getattr__(self, item):
+        return getattr(self.base, item)
+
+
+def set_unpadded(model: nn.Module, value) -> nn.Module:
+    """Set ``unpadded`` on every layer stack of ``model`` (False: the padded path, explicitly)."""
+    for m in model.modules():
+        if isinstance(m, sf.AttentionLayers):
+            m.unpadded = value
+    return model
+
+
 CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
 ]
+# every case with a layer stack, again on the unpadded path (real tokens only)
+UNPADDED_CASES = [UnpaddedCase(c) for c in CASES if not c.name.startswith("Attention-")]
+ALL_CASES = CASES + UNPADDED_CASES
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -75,7 +75,9 @@ def model_of(null: str, p: float = 0.0, backend: str = "auto", dtype: torch.dtyp
     """The wrapper with this file's fixed weights (the same for every ``null``/``p``/backend/dtype)."""
     key = (null, p, backend, dtype)
     if key not in _MODELS:
-        _MODELS[key] = mh.seeded_module(lambda: make_model(null, p, backend)).to(dtype)
+        # the padded path: these tests follow each attention's dead rows through hooks (the unpadded path
+        # is held to the same clauses in test_contract_models.py and to equality in test_unpadded.py)
+        _MODELS[key] = mh.set_unpadded(mh.seeded_module(lambda: make_model(null, p, backend)).to(dtype), False)
     return _MODELS[key]
 
 
@@ -846,7 +848,7 @@ def scaled_model(null: str, p: float, dtype: torch.dtype) -> AutoregressiveWrapp
     if key not in _SCALED:
         tc = fixed_train(0.0, null)
         run = lambda m, dt=torch.float32: tc.loss(m, tc.ids(), tc.context(dt), train=False)
-        model = mh.seeded_module(lambda: make_model(null, p))
+        model = mh.set_unpadded(mh.seeded_module(lambda: make_model(null, p)), False)  # hooks follow dead rows
         base = _max_logit(model, run)
         factor = (4000.0 / base) ** 0.5
         with torch.no_grad():

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 import safeformer as sf
 
 IDS = [c.name for c in CASES]
+ALL_IDS = [c.name for c in mh.ALL_CASES]  # the stacks again on the unpadded path
 ATTENTION_CASES = ("Attention-self", "Attention-self-padding", "Attention-past-kv", "Attention-cross")
 
 
@@ -48,7 +49,7 @@ def model_of(case: Case, backend: str = "auto", dtype: torch.dtype = torch.float
     """The case's module (built once per backend and dtype; tests never change its weights)."""
     key = (case.name, backend, dtype)
     if key not in _MODELS:
-        _MODELS[key] = case.build(backend, dtype)
+        _MODELS[key] = mh.set_unpadded(case.build(backend, dtype), getattr(case, "unpadded", False))
     return _MODELS[key]
 
 
@@ -112,7 +113,7 @@ def assert_runs_close(got: Run, want: Run, what: str, dtype: torch.dtype) -> Non
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", mh.ALL_CASES, ids=ALL_IDS)
 @cfg(15)
 @example(sc=mh.fixed_scenario())
 @given(sc=mh.scenarios())
@@ -225,7 +226,7 @@ GARBAGE = (NAN, float("inf"), float("-inf"), 3.0e38)
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=IDS
+    "case", mh.ALL_CASES, ids=ALL_IDS
 )
 @cfg(15)
 @example(sc=mh.fixed_scenario())
@@ -251,9 +252,7 @@ def test_s3_no_leak_from_masked_positions(case: Case, sc: Scenario):
 
 
 @pytest.mark.parametrize(
-    "case",
-    CASES,
-    ids=IDS,
+    "case", mh.ALL_CASES, ids=ALL_IDS,
 )
 def test_s3_masked_positions_do_not_reach_parameter_grads(case: Case):
     """With NaN/inf at masked positions, every parameter gradient equals the clean run's, bit for bit."""
@@ -275,7 +274,7 @@ def test_s3_masked_positions_do_not_reach_parameter_grads(case: Case):
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", mh.ALL_CASES, ids=ALL_IDS)
 @cfg(15)
 @example(sc=mh.fixed_scenario())
 @given(sc=mh.scenarios(force_dead=False) | mh.scenarios())
@@ -309,7 +308,7 @@ def test_s4_padding_invariance(case: Case, sc: Scenario):
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", mh.ALL_CASES, ids=ALL_IDS)
 @cfg(10)
 @example(sc=mh.fixed_scenario(), prefix=2)
 @given(sc=mh.scenarios(), prefix=st.integers(1, 6))
@@ -355,7 +354,7 @@ def test_s5_decoder_without_padding_uses_is_causal():
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", mh.ALL_CASES, ids=ALL_IDS)
 @cfg(10)
 @example(sc=mh.fixed_scenario())
 @given(sc=mh.scenarios())
@@ -408,7 +407,7 @@ def scaled_model(case: Case, dtype: torch.dtype) -> nn.Module:
     key = (case.name, dtype)
     if key not in _SCALED:
         sc = mh.fixed_scenario()
-        model = case.build("auto")
+        model = mh.set_unpadded(case.build("auto"), getattr(case, "unpadded", False))
         base = _max_logit(case, model, case.inputs(sc))
         _scale_qk(model, (4000.0 / base) ** 0.5)
         reached = _max_logit(case, model.to(dtype), case.inputs(sc, dtype))
@@ -467,7 +466,7 @@ def test_s7_fp16_gradient_into_padded_rows():
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", mh.ALL_CASES, ids=ALL_IDS)
 def test_s8_safe_reductions(case: Case):
     """Pooling over a fully padded sample gives exactly 0 (others: the float64 mean of their real
     positions) with finite gradients; a loss whose targets are all ignored is exactly 0.0 with zero

@@ -24,7 +24,8 @@ def small_decoder(seed: int = 0, **kw) -> TransformerWrapper:
     torch.manual_seed(seed)
     return TransformerWrapper(
         num_tokens=23, max_seq_len=16,
-        attn_layers=Decoder(dim=16, depth=2, heads=2, dim_head=8, cross_attend=True, **kw),
+        # the padded path: these tests name shapes of the padded layout (the unpadded path packs real tokens)
+        attn_layers=Decoder(dim=16, depth=2, heads=2, dim_head=8, cross_attend=True, unpadded=kw.pop("unpadded", False), **kw),
     )
 
 
