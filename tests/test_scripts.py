@@ -1,15 +1,18 @@
 """Smoke tests of train.py and the examples: a handful of steps each, with values checked.
 
-train.py: its outputs exist and hold sane values; the checkpoint reloads to the exact final weights;
-``--resume`` continues from the saved step with bit-identical losses and weights; a NaN gradient is
-skipped and its module named; bfloat16 autocast agrees with float32; ``torchrun`` with two CPU
-processes (gloo) ends with bit-identical weights on both ranks, equal to a one-process run.
+train.py: its outputs exist and hold sane values; metrics.json holds the per-condition guidance table
+(class and thickness accuracy per setting) and counts of empty words and dropped thicknesses; an
+empty word is exactly no text; the checkpoint (decoder + character encoder) reloads to the exact
+final weights; ``--resume`` continues from the saved step with bit-identical losses and weights; a
+NaN gradient is skipped and its module named; bfloat16 autocast agrees with float32; ``torchrun``
+with two CPU processes (gloo) ends with bit-identical weights on both ranks, equal to a one-process run.
 Examples: copy/reverse with empty sources, and the character-level language model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -61,12 +64,16 @@ def _png(path: Path) -> bool:
 
 
 def _val_loss_of_checkpoint(train, path: Path) -> float:
-    """Conditional validation loss of the weights saved in ``path``, computed from scratch."""
+    """Validation loss with both conditions of the weights saved in ``path``, computed from scratch:
+    the decoder and the character encoder loaded with ``TransformerWrapper.from_pretrained``."""
     model = AutoregressiveWrapper(TransformerWrapper.from_pretrained(path)).eval()
+    text = TransformerWrapper.from_pretrained(path / "text_encoder").eval()
     data = train.load_digits_tokens()
-    context, context_mask = train.class_context(data["y_val"])
+    ids, ids_mask = train.encode_texts([train.WORDS[int(c)][0] for c in data["y_val"]])
     with torch.no_grad():
-        return model(data["x_val"], context=context, context_mask=context_mask).item()
+        context = text(ids, mask=ids_mask)
+        condition = torch.nn.functional.one_hot(data["t_val"], 3).float()
+        return model(data["x_val"], context=context, context_mask=ids_mask, condition=condition).item()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,23 +94,78 @@ def test_train_outputs_and_checkpoint(train, tmp_path, capsys):
         per_class = saved["per_class_accuracy"][scale]
         assert len(per_class) == 10 and all(0 <= a <= 1 and (3 * a) == pytest.approx(round(3 * a)) for a in per_class)
         assert acc == pytest.approx(sum(per_class) / 10)  # 3 samples in each class
-        assert re.search(rf"\|\s+{re.escape(scale)}( \(\w+\))? \|\s+{acc:.3f} \|", printed)  # the printed table
-    assert "| guidance scale | accuracy |" in printed
+        thick = saved["thickness_accuracy"][scale]
+        label = re.escape(train.setting_label(scale))
+        assert re.search(rf"\| {label}\s+\|\s+{acc:.3f} \|\s+{thick:.3f} \|", printed)  # the printed table
+    assert "| guidance              | class acc | thickness acc |" in printed
     # the classifier is fitted on real images: it must recognise real validation digits
     assert saved["classifier_val_accuracy"] > 0.9
     train_losses = saved["history"]["train"]
     assert len(train_losses) == 6 and _finite(train_losses)
     assert all(0.5 < v < 2 * math.log(17) for v in train_losses)  # ln 17 = 2.83 at the start
-    steps, cond, uncond = zip(*saved["history"]["val"])
-    assert steps == (3, 6) and _finite(cond + uncond)  # validation at every eval_every and at the end
+    steps, both, text, thick, neither = zip(*saved["history"]["val"])
+    assert steps == (3, 6) and _finite(both + text + thick + neither)  # at every eval_every and at the end
     assert saved["skipped_steps"] == [] and saved["tokens_per_second"] > 0
     assert _png(out / "samples.png") and _png(out / "loss.png")
-    # the checkpoint holds exactly the final weights: same digest, same validation loss
-    net = TransformerWrapper.from_pretrained(out / "checkpoint")
-    assert train.weights_digest(AutoregressiveWrapper(net)) == saved["weight_sha256_per_rank"][0]
+    # the checkpoint holds exactly the final weights (decoder and character encoder): same digest, same loss
+    assert train.weights_digest(train.load_trained(out / "checkpoint")) == saved["weight_sha256_per_rank"][0]
     assert _val_loss_of_checkpoint(train, out / "checkpoint") == pytest.approx(saved["val_loss"], rel=1e-5, abs=1e-6)
     trainer = json.loads((out / "checkpoint" / "trainer.json").read_text())
     assert trainer["step"] == 6 and trainer["history"]["train"] == train_losses
+
+
+def test_train_reports_guidance_per_condition(train, tmp_path, capsys):
+    out = tmp_path / "guided"
+    scales = "0,1,text:2,thickness:2,text:2+thickness:2,joint:1+text:1"
+    metrics = train.main([*TINY, "--steps", "6", "--samples_per_class", "6", "--scales", scales, "--out", str(out)])
+    printed = capsys.readouterr().out
+    saved = json.loads((out / "metrics.json").read_text())
+    table = saved["guidance"]
+    assert [row["setting"] for row in table] == scales.split(",")
+    assert [row["cond_scale"] for row in table] == [
+        0.0, 1.0, {"context": 2.0}, {"condition": 2.0}, {"context": 2.0, "condition": 2.0},
+        {"joint": 1.0, "context": 1.0}]
+    for row in table:
+        assert 0.0 <= row["class_accuracy"] <= 1.0 and 0.0 <= row["thickness_accuracy"] <= 1.0
+        assert len(row["per_class"]) == 10 and all(0.0 <= a <= 1.0 for a in row["per_class"])
+        assert len(row["per_thickness"]) == 3 and all(0.0 <= a <= 1.0 for a in row["per_thickness"])
+        # 6 samples per class: 2 of each thickness, so the thickness accuracy is the mean over the bins
+        assert row["thickness_accuracy"] == pytest.approx(sum(row["per_thickness"]) / 3)
+        assert len(row["mean_ink"]) == 3 and all(0 <= v <= 64 * 16 for v in row["mean_ink"])
+        assert saved["accuracy"][row["setting"]] == row["class_accuracy"]
+        assert saved["thickness_accuracy"][row["setting"]] == row["thickness_accuracy"]
+        assert f"| {row['label']:<21} | {row['class_accuracy']:9.3f} | {row['thickness_accuracy']:13.3f} |" in printed
+    assert table == metrics["guidance"]
+    # the data pipeline gave empty words, and the wrapper dropped thickness (and text) per sample
+    counts = saved["condition_counts"]
+    assert counts["samples"] == 6 * 16
+    assert counts["empty_text"] > 0 and counts["thickness_dropped"] > 0 and counts["both_absent"] > 0
+    assert counts["text_absent"] > counts["empty_text"]  # empty words plus dropped texts
+    assert counts["thickness_dropped"] < counts["samples"] and counts["text_absent"] < counts["samples"]
+    # the thickness bins are terciles of the training images' ink
+    data = train.load_digits_tokens()
+    assert sorted(torch.bincount(data["t_train"], minlength=3).tolist())[0] > len(data["t_train"]) / 3 - 20
+    assert len(saved["ink_edges"]) == 2 and saved["ink_edges"][0] < saved["ink_edges"][1]
+
+
+def test_empty_word_is_exactly_no_text(train):
+    # an empty string is an all-False context-mask row: the decoder's loss equals that of no context at all
+    texts = train.batch_texts(torch.arange(200) % 10, 3, train.Config(empty_text_prob=0.3))
+    assert "" in texts and any(t not in ("",) and t != train.WORDS[i % 10][0] for i, t in enumerate(texts))
+    assert all(t == "" or t in train.WORDS[i % 10] for i, t in enumerate(texts))
+    ids, ids_mask = train.encode_texts(texts)
+    assert ids_mask.sum(1).tolist() == [len(t) for t in texts]
+    torch.manual_seed(0)
+    job = train.build_model(train.Config(dim=32, depth=1, heads=2, dim_head=16, text_dim=32)).eval()
+    data = train.load_digits_tokens()
+    x, thick = data["x_val"][:4], data["t_val"][:4]
+    ids, ids_mask = train.encode_texts(["", "", "", ""])
+    assert ids_mask.shape == (4, 1) and not ids_mask.any()
+    with torch.no_grad():
+        conds = job.conditions(ids, ids_mask, thick)
+        with_empty = job.model(x, **conds)
+        without = job.model(x, condition=conds["condition"])
+    assert torch.equal(with_empty, without)
 
 
 def test_train_resume_is_exact(train, tmp_path, capsys):
@@ -121,8 +183,12 @@ def test_train_resume_is_exact(train, tmp_path, capsys):
     assert resumed["history"]["val"] == full["history"]["val"]
     assert resumed["weight_sha256_per_rank"] == full["weight_sha256_per_rank"]
     assert resumed["accuracy"] == full["accuracy"]
-    # dropout and condition dropout are on, so exactness is not an accident of a deterministic model
-    assert full["config"]["dropout"] > 0 and full["config"]["cond_drop_prob"] > 0
+    assert resumed["thickness_accuracy"] == full["thickness_accuracy"]
+    assert resumed["condition_counts"] == full["condition_counts"]  # the same words, the same drops
+    # dropout, condition dropout and random words are on: exactness is not an accident of a deterministic model
+    assert full["config"]["dropout"] > 0 and full["config"]["text_drop_prob"] > 0
+    assert full["config"]["thickness_drop_prob"] > 0 and full["config"]["cond_drop_all_prob"] > 0
+    assert full["condition_counts"]["empty_text"] > 0 and full["condition_counts"]["thickness_dropped"] > 0
 
 
 def test_train_resume_needs_a_checkpoint(train, tmp_path):
@@ -134,13 +200,14 @@ def test_nonfinite_gradient_is_skipped_and_named(train, tmp_path):
     out = tmp_path / "nan"
     metrics = train.main([*TINY, "--steps", "5", "--debug_nan_step", "3", "--samples_per_class", "1",
                           "--scales", "1", "--out", str(out)])
-    # depth 1 = blocks [self-attention, cross-attention, feed-forward]: the last to_v is the cross-attention's
+    # depth 1 = blocks [self-attention, cross-attention, feed-forward]: the decoder's last to_v is the
+    # cross-attention's (the decoder is `model`, the character encoder `text`, which comes after it)
     assert metrics["skipped_steps"] == [
-        {"step": 3, "module": "net.attn_layers.layers.1.1.to_v (Linear).weight", "grad_norm": "nan"}
+        {"step": 3, "module": "model.net.attn_layers.layers.1.1.to_v (Linear).weight", "grad_norm": "nan"}
     ]
     assert len(metrics["history"]["train"]) == 5 and _finite(metrics["history"]["train"])
-    net = TransformerWrapper.from_pretrained(out / "checkpoint")
-    assert all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    job = train.load_trained(out / "checkpoint")
+    assert all(bool(torch.isfinite(p).all()) for p in job.parameters())
     # the skipped step never reached the optimizer: AdamW counted 4 steps, not 5
     from safetensors.torch import load_file
 
@@ -162,15 +229,25 @@ def test_bf16_autocast_matches_float32_at_the_start(train, tmp_path):
 def test_config_validation_and_help(train):
     with pytest.raises(ValueError, match="--dropout"):
         train.parse_config(["--dropout", "1.5"])
-    with pytest.raises(ValueError, match="--scales"):
-        train.parse_config(["--scales", "1,-2"])
-    cfg = train.parse_config(["--steps", "7", "--scales", "0,1,4", "--bf16"])
-    assert (cfg.steps, cfg.scales, cfg.bf16, cfg.resume) == (7, (0.0, 1.0, 4.0), True, False)
+    with pytest.raises(ValueError, match="--text_drop_prob"):
+        train.parse_config(["--text_drop_prob", "1"])
+    for bad in ("1,-2", "text:x", "colour:2", "text:2+text:3", "1,1.0", ""):
+        with pytest.raises(ValueError, match="--scales"):
+            train.parse_config(["--scales", bad])
+    cfg = train.parse_config(["--steps", "7", "--scales", "0,1,4,thick:2+text:1.5,joint:1+text:2", "--bf16"])
+    assert (cfg.steps, cfg.bf16, cfg.resume) == (7, True, False)
+    assert cfg.scales == ("0", "1", "4", "text:1.5+thickness:2", "joint:1+text:2")  # canonical spelling
+    assert train.guidance_setting("text:1.5+thickness:2") == ("text:1.5+thickness:2", {"context": 1.5, "condition": 2.0})
+    assert train.guidance_setting("4") == ("4", 4.0)
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0
-    for option in ("--steps", "--out", "--resume", "--bf16", "--seed", "--cond_drop_prob", "--scales"):
+    for option in ("--steps", "--out", "--resume", "--bf16", "--seed", "--text_drop_prob", "--thickness_drop_prob",
+                   "--cond_drop_all_prob", "--empty_text_prob", "--synonym_prob", "--text_dim", "--scales"):
         assert option in done.stdout
+    help_text = " ".join(done.stdout.split())  # argparse wraps lines
+    assert "(default: 0, 1, 2, text:2, text:3, thickness:2, thickness:3, text:2+thickness:2, text:3+thickness:3)" in help_text
+    assert help_text.count("(default:") == len(dataclasses.fields(train.Config))  # every option shows its default
 
 
 def test_learning_rate_schedule(train):
@@ -192,8 +269,8 @@ def test_batches_are_a_partition_shared_by_ranks(train):
 @pytest.mark.slow
 def test_torchrun_two_processes_end_with_identical_weights(train, tmp_path):
     # no randomness in training (no dropout), so two processes must equal one process on the same batches
-    args = [*TINY, "--steps", "3", "--dropout", "0", "--cond_drop_prob", "0", "--samples_per_class", "1",
-            "--scales", "1"]
+    args = [*TINY, "--steps", "3", "--dropout", "0", "--text_drop_prob", "0", "--thickness_drop_prob", "0",
+            "--cond_drop_all_prob", "0", "--samples_per_class", "1", "--scales", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train.py"), *args, "--out", str(tmp_path / "ddp")]
@@ -203,11 +280,12 @@ def test_torchrun_two_processes_end_with_identical_weights(train, tmp_path):
     assert ddp["world_size"] == 2
     first, second = ddp["weight_sha256_per_rank"]
     assert first == second  # bit-identical weights on both ranks
-    assert done.stdout.count("class accuracy of the samples") == 1  # rank 0 alone reports
+    assert done.stdout.count("| guidance ") == 1  # rank 0 alone reports
     single = train.main([*args, "--out", str(tmp_path / "single")])
     assert ddp["history"]["train"] == pytest.approx(single["history"]["train"], rel=1e-5)
-    a = TransformerWrapper.from_pretrained(tmp_path / "ddp" / "checkpoint").state_dict()
-    b = TransformerWrapper.from_pretrained(tmp_path / "single" / "checkpoint").state_dict()
+    assert ddp["condition_counts"] == single["condition_counts"]  # the whole batch's words, counted once
+    a = train.load_trained(tmp_path / "ddp" / "checkpoint").state_dict()
+    b = train.load_trained(tmp_path / "single" / "checkpoint").state_dict()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
 
