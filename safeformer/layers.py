@@ -534,7 +534,7 @@ class AttentionLayers(Configurable, nn.Module):
         cond = self._condition(condition, condition_mask, cache, b, x)  # (b, K) or None
 
         if self._use_unpadded(mask, cache, return_cache, attn_mask):
-            return self._forward_unpadded(x, mask, self_mask, causal, rotary, bias, context if use_cross else None,
+            return self._forward_unpadded(x, mask, positions, context if use_cross else None,
                                           context_mask, cross_mask, cond)
 
         # a cache is input too: only a cache with padding has masked slots, and what they hold (its own
@@ -615,14 +615,64 @@ class AttentionLayers(Configurable, nn.Module):
         padded = 1.0 - float(mask.sum()) / max(mask.numel(), 1)  # one host sync (the gather needs one anyway)
         return padded >= UNPADDED_THRESHOLD
 
-    def _forward_unpadded(self, x, mask, self_mask, causal, rotary, bias, context, context_mask, cross_mask, cond):
-        """The stack on real tokens only: norms, projections, feed-forward and residuals run on the packed
-        ``(T, c)`` real tokens; attention runs on the padded layout (q, k, v scattered into zeros, so
-        padded slots are exact zeros) with the same masks as the padded path. Same results to the
-        dtype's tolerance, padded outputs exactly 0."""
+    def _length_groups(self, mask: Tensor, positions: Tensor, idx: Tensor) -> list:
+        """Self-attention layouts of the unpadded path: samples sorted by their number of real tokens and
+        split into groups (a dynamic programme over ``sum(b_g * L_g**2)`` plus a fixed cost per group);
+        each group's real tokens are compacted to the left of a ``(b_g, L_g)`` layout, in order. Real tokens
+        keep their order, so causal and key-padding attention see exactly the keys of the padded path.
+
+        Returns a list of ``(tok (T_g,), dest (T_g,), b_g, L_g, key_pad (b_g, L_g), pos (b_g, L_g))``.
+        """
+        b, n = mask.shape
+        counts = mask.sum(1).tolist()  # a second host sync: the layouts are sizes
+        offsets = [0]
+        for cnt in counts:
+            offsets.append(offsets[-1] + cnt)
+        order = sorted((s for s in range(b) if counts[s] > 0), key=lambda s: counts[s])
+        lens = [counts[s] for s in order]
+        overhead = max(n * n // 8, 64)
+        best, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+        for j in range(1, len(order) + 1):  # best[j]: cost of the first j samples
+            for i in range(max(0, j - 64), j):
+                cost = best[i] + (j - i) * lens[j - 1] ** 2 + overhead
+                if cost < best[j]:
+                    best[j], cut[j] = cost, i
+        bounds, j = [], len(order)
+        while j > 0:
+            bounds.append((cut[j], j))
+            j = cut[j]
+        device = mask.device
+        pos_p = positions.expand(b, n).reshape(-1).index_select(0, idx)  # (T,)
+        groups = []
+        for i, j in reversed(bounds):
+            samples = order[i:j]
+            L = counts[samples[-1]]
+            tok, dest = [], []
+            for slot, smp in enumerate(samples):
+                tok.extend(range(offsets[smp], offsets[smp] + counts[smp]))
+                dest.extend(range(slot * L, slot * L + counts[smp]))
+            tok_t = torch.tensor(tok, device=device)
+            dest_t = torch.tensor(dest, device=device)
+            cnt = torch.tensor([counts[smp] for smp in samples], device=device)
+            key_pad = torch.arange(L, device=device)[None] < cnt[:, None]  # (b_g, L_g)
+            pos = torch.zeros(len(samples) * L, dtype=pos_p.dtype, device=device)
+            pos = pos.index_copy(0, dest_t, pos_p.index_select(0, tok_t)).view(len(samples), L)
+            groups.append((tok_t, dest_t, len(samples), L, key_pad, pos))
+        return groups
+
+    def _forward_unpadded(self, x, mask, positions, context, context_mask, cross_mask, cond):
+        """The stack on real tokens only: norms, projections, feed-forward, residuals (and the wrapper's
+        output head) run on the packed ``(T, c)`` real tokens. Self-attention runs per group of samples of
+        similar length on a compacted layout (``_length_groups``; causal without a mask tensor), and
+        cross-attention on the padded query layout; q, k, v are scattered into zeros, so every slot that
+        is not a real token is an exact zero. Same results to the dtype's tolerance, padded outputs 0."""
         b, n, c = x.shape
-        idx = mask.reshape(-1).nonzero().squeeze(1)  # (T,): the one host sync of this path
+        idx = mask.reshape(-1).nonzero().squeeze(1)  # (T,): a host sync (the gather's size)
         bi = torch.div(idx, n, rounding_mode="floor")  # (T,) the sample of each real token
+        groups = self._length_groups(mask, positions, idx) if not self.only_cross else []
+        rotary_fn = None if self.rotary is None else (lambda pos, dt: self.rotary(pos, dtype=dt))
+        bias_fn = None if self.alibi_slopes is None else (lambda pos, dt: alibi_bias(self.alibi_slopes, pos, pos).to(dt))
+        self_layout = (groups, self.causal, rotary_fn, bias_fn)
         xp = x.reshape(b * n, c).index_select(0, idx)  # (T, c)
         condp = None if cond is None else cond.index_select(0, bi)  # (T, K)
         ctx_pad = None
@@ -641,7 +691,7 @@ class AttentionLayers(Configurable, nn.Module):
             norm, block = parts[0], parts[1]
             h = norm(xp, condp) if condp is not None and isinstance(norm, AdaptiveNorm) else norm(xp)
             if kind == "self":
-                out = block(h, mask=self_mask, causal=causal, rotary=rotary, bias=bias, _packed=(idx, bi, b, n))[0]
+                out = block(h, _packed=(idx, bi, b, n, self_layout))[0]
             elif kind == "cross":
                 out = block(h, ctx_pad, mask=cross_mask, _packed=(idx, bi, b, n))[0]
             else:

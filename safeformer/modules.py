@@ -416,12 +416,35 @@ class Attention(nn.Module):
     def _forward_packed(self, h: Tensor, ctx_pad, mask, causal, rotary, bias, packed) -> Tensor:
         """Projections on the packed real tokens ``h (T, c)``, attention on the padded layout (q, k, v
         scattered into zeros: padded slots are exact zeros), the output projection on real tokens."""
-        idx, bi, b, n = packed
+        idx, bi, b, n = packed[:4]
 
-        def scatter(t: Tensor, index: Tensor | None, rows: int, heads: int) -> Tensor:
+        def scatter(t: Tensor, index: Tensor | None, rows: int, heads: int, bsz: int = b) -> Tensor:
             if index is not None:
                 t = t.new_zeros(rows, t.shape[-1]).index_copy(0, index, t)
-            return rearrange(t, "(b n) (h d) -> b h n d", b=b, h=heads)
+            return rearrange(t, "(b n) (h d) -> b h n d", b=bsz, h=heads)
+
+        if len(packed) > 4:  # self-attention on compacted per-group layouts
+            groups, causal, rotary_fn, bias_fn = packed[4]
+            q_all, k_all, v_all = self.to_q(h), self.to_k(h), self.to_v(h)  # (T, h * d)
+            out_all = q_all.new_zeros(q_all.shape[0], self.heads * self.dim_head)
+            for tok, dest, bg, L, key_pad, pos in groups:
+                q = scatter(q_all.index_select(0, tok), dest, bg * L, self.heads, bg)  # (b_g, h, L, d)
+                k = scatter(k_all.index_select(0, tok), dest, bg * L, self.kv_heads, bg)
+                v = scatter(v_all.index_select(0, tok), dest, bg * L, self.kv_heads, bg)
+                if self.q_norm is not None:
+                    q, k = self.q_norm(q), self.k_norm(k)
+                if rotary_fn is not None:
+                    angles = rotary_fn(pos, q.dtype)
+                    q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+                bias_g = None if bias_fn is None else bias_fn(pos, q.dtype)
+                # real tokens are compacted to the left in order: causal needs no mask tensor (a real query
+                # sees no padded key), a bidirectional stack needs the key padding
+                o = attend(q, k, v, mask=None if causal and bias_g is None else key_pad, causal=causal,
+                           bias=bias_g, dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+                           _inputs_finite=True)
+                o = rearrange(o, "b h n d -> (b n) (h d)").index_select(0, dest)  # (T_g, h * d)
+                out_all = out_all.index_copy(0, tok, o)
+            return self.to_out(out_all)
 
         q = scatter(self.to_q(h), idx, b * n, self.heads)  # (b, h, n, d)
         if ctx_pad is None:

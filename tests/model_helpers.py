@@ -1426,6 +1426,11 @@ class UnpaddedCase:
     def __getattr__(self, item):
         return getattr(self.base, item)
 
+    def dead(self, sc):
+        """Self-attention hands no kernel a dead row on this path (real tokens, compacted: each sees
+        itself; padded positions are not computed); cross-attention keeps the padded query layout."""
+        return {role: rows for role, rows in self.base.dead(sc).items() if not role.endswith(".self")}
+
 
 def set_unpadded(model: nn.Module, value) -> nn.Module:
     """Set ``unpadded`` on every layer stack of ``model`` (False: the padded path, explicitly)."""
