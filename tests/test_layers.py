@@ -277,12 +277,12 @@ def test_padding_masks_stay_broadcast():
     """Padding masks reach the kernel as bool (b, 1, 1, j) (encoder, cross-attention) or as one additive
     (b, 1, n, n) (decoder: padding and causal combined, prepared once), never as a dense (b, h, i, j)."""
     b, n, j = MASK.shape[0], MASK.shape[1], CTX_MASK.shape[1]
-    enc = build("encoder_cross", heads=4)
+    enc = mh.set_unpadded(build("encoder_cross", heads=4), False)  # the padded path (unpadded: below)
     calls, _ = _record(enc, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
     assert len(calls) == 4
     for c in calls:
         assert c.mask_dtype == torch.bool and c.mask_shape == (b, 1, 1, c.k_shape[2]), c
-    dec = build("decoder_cross_rotary_gqa")
+    dec = mh.set_unpadded(build("decoder_cross_rotary_gqa"), False)
     calls, _ = _record(dec, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
     self_calls = [c for c in calls if c.k_shape[2] == n]
     cross_calls = [c for c in calls if c.k_shape[2] == j]
@@ -291,6 +291,25 @@ def test_padding_masks_stay_broadcast():
     assert all(c.mask_shape == (b, 1, n, n) and c.mask_dtype == torch.float32 and not c.is_causal for c in self_calls), self_calls
     assert all(c.mask_shape == (b, 1, 1, j) and c.mask_dtype == torch.bool for c in cross_calls), cross_calls
     assert all(c.enable_gqa and c.k_shape[1] == 2 and c.q_shape[1] == 4 for c in calls), "GQA should reach the kernel unexpanded"
+
+
+def test_unpadded_path_hands_the_kernels_compacted_layouts():
+    """On the unpadded path, self-attention runs on compacted per-group layouts: a decoder hands the kernel
+    is_causal and no mask tensor, an encoder a (b_g, 1, 1, L_g) key padding; cross-attention keeps the
+    broadcast (b, 1, 1, j) context mask."""
+    b, n, j = MASK.shape[0], MASK.shape[1], CTX_MASK.shape[1]
+    dec = mh.set_unpadded(build("decoder_cross_rotary_gqa"), True)
+    calls, _ = _record(dec, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
+    cross = [c for c in calls if c.mask_shape == (b, 1, 1, j)]
+    self_calls = [c for c in calls if c not in cross]
+    assert len(cross) == 2 and self_calls
+    assert all(c.is_causal and c.mask_shape is None for c in self_calls), self_calls
+    real = int(MASK.sum(1).max())
+    assert all(c.q_shape[2] <= real for c in self_calls), "a group's layout is as long as its longest sample"
+    enc = mh.set_unpadded(build("encoder_cross", heads=4), True)
+    calls, _ = _record(enc, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
+    for c in calls:
+        assert c.mask_dtype == torch.bool and c.mask_shape[1:3] == (1, 1), c
 
 
 def test_decoder_without_padding_passes_is_causal_and_no_mask():
