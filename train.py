@@ -28,12 +28,13 @@ Usage:
     python train.py --bf16                           # bfloat16 autocast
     python train.py --scales 1,text:3,thickness:3,text:3+thickness:3   # other guidance settings
     torchrun --nproc_per_node=2 train.py --out runs/ddp   # data-parallel (gloo on CPU, NCCL on CUDA)
+    torchrun --nproc_per_node=2 train.py --strategy fsdp --out runs/fsdp   # sharded (FSDP2 fully_shard)
     python train.py --help                           # every option with its default
 
 Outputs (in --out): metrics.json, samples.png (a row-block per guidance setting), loss.png, and
-checkpoint/ (config.json + model.safetensors: the decoder, loadable with
-TransformerWrapper.from_pretrained; text_encoder/: the character encoder, likewise; plus
-optimizer.safetensors and trainer.json for --resume). No pickle is written.
+checkpoint/ (safeformer.training's state: model.safetensors with every weight, optimizer.safetensors,
+rng.safetensors and training_state.json, for --resume under any strategy; decoder/ and text_encoder/:
+the two models as TransformerWrapper.from_pretrained folders). No pickle is written.
 
 Shape legend: b batch, n = 65 positions (BOS + 64 pixels), v = 17 grey levels, j characters of the
 longest word in the batch, c = text_dim, k = 10 classes, 3 thickness bins.
@@ -47,7 +48,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,12 +57,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, load_model, save_file
 from torch import nn
 from tqdm import tqdm
 
 from safeformer import Decoder, Encoder, TransformerWrapper
 from safeformer.generation import AutoregressiveWrapper
+from safeformer.training import STATE_NAME, load_training_state, save_training_state
 
 LEVELS, CLASSES, PIXELS = 17, 10, 64  # grey levels 0..16 are the tokens 0..16
 BOS = LEVELS  # token 17 starts every image; the model never predicts it (logits_dim = 17)
@@ -115,6 +115,10 @@ class Config:
     bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for forward and loss"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     threads: int = field(default=1, metadata={"help": "CPU threads per process (0: PyTorch's default, all cores)"})
+    strategy: str = field(default="ddp", metadata={"help": "under torchrun: ddp (replicate) or fsdp (shard each block "
+                                                            "with FSDP2's fully_shard)"})
+    checkpoint_layers: bool = field(default=False, metadata={"help": "activation checkpointing: recompute each block "
+                                                                      "in the backward pass (less memory, more time)"})
     # logging and checkpoints
     log_every: int = field(default=100, metadata={"help": "print step, loss and tokens/s every N steps"})
     eval_every: int = field(default=200, metadata={"help": "validation losses every N steps"})
@@ -159,6 +163,8 @@ class Config:
             raise ValueError(f"--scales names a guidance setting twice: {','.join(self.scales)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"--strategy must be ddp or fsdp, got {self.strategy!r}")
 
 
 def split_list(text: str) -> tuple[str, ...]:
@@ -331,7 +337,7 @@ def build_model(cfg: Config) -> DigitsModel:
         attn_layers=Decoder(dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, dim_head=cfg.dim_head,
                             cross_attend=True, dim_context=cfg.text_dim,
                             use_adaptive_layernorm=True, dim_condition=len(THICKNESS),
-                            attn_dropout=cfg.dropout, ff_dropout=cfg.dropout),
+                            attn_dropout=cfg.dropout, ff_dropout=cfg.dropout, checkpoint_layers=cfg.checkpoint_layers),
     )
     model = AutoregressiveWrapper(net, cond_drop_prob={"context": cfg.text_drop_prob, "condition": cfg.thickness_drop_prob},
                                   cond_drop_all_prob=cfg.cond_drop_all_prob)
@@ -341,7 +347,7 @@ def build_model(cfg: Config) -> DigitsModel:
 def load_trained(path: str | os.PathLike) -> DigitsModel:
     """The trained encoder and decoder from a checkpoint folder, for evaluation (no condition dropping)."""
     path = Path(path)
-    return DigitsModel(AutoregressiveWrapper(TransformerWrapper.from_pretrained(path)),
+    return DigitsModel(AutoregressiveWrapper(TransformerWrapper.from_pretrained(path / "decoder")),
                        TransformerWrapper.from_pretrained(path / "text_encoder")).eval()
 
 
@@ -354,59 +360,47 @@ def learning_rate(cfg: Config, step: int) -> float:
 
 
 def save_checkpoint(path: Path, job: DigitsModel, opt: torch.optim.Optimizer, trainer: dict) -> None:
-    """Write weights, optimizer state and trainer state (safetensors + JSON), replacing ``path`` atomically."""
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    job.model.net.save_pretrained(tmp)
-    job.text.save_pretrained(tmp / "text_encoder")
-    state = opt.state_dict()
-    tensors, scalars = {}, {}
-    for idx, entry in state["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                scalars[f"{idx}.{key}"] = value
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    trainer = dict(trainer, optimizer_groups=state["param_groups"], optimizer_scalars=scalars)
-    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
-    if path.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+    """The library's training state (safetensors + JSON, written atomically by rank 0; every rank calls
+    it: under FSDP the full state is gathered), with the decoder and the character encoder also as
+    ``from_pretrained`` folders (``decoder/``, ``text_encoder/``)."""
+    save_training_state(path, job, opt, step=trainer["step"], extra=trainer,
+                        pretrained={"decoder": job.model.net, "text_encoder": job.text})
 
 
 def load_checkpoint(path: Path, job: DigitsModel, opt: torch.optim.Optimizer, device) -> dict:
-    """Load what ``save_checkpoint`` wrote into ``job`` and ``opt``; return the trainer state."""
-    for name in ("model.safetensors", "text_encoder/model.safetensors", "optimizer.safetensors", "trainer.json"):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"--resume: {path / name} is missing; is {path} a train.py checkpoint?")
-    for module, file in ((job.model.net, path / "model.safetensors"), (job.text, path / "text_encoder" / "model.safetensors")):
-        missing, unexpected = load_model(module, str(file), strict=False, device=str(device))
-        if missing or unexpected:
-            raise ValueError(f"--resume: {file} was saved by a different model config (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}); use the same --dim/--depth/--text_dim/...")
-    trainer = json.loads((path / "trainer.json").read_text())
-    state: dict[int, dict] = {}
-    for key, value in load_file(str(path / "optimizer.safetensors")).items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    for key, value in trainer.pop("optimizer_scalars").items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    opt.load_state_dict({"state": state, "param_groups": trainer.pop("optimizer_groups")})
-    return trainer
+    """Load what ``save_checkpoint`` wrote into ``job`` and ``opt`` (any strategy from any strategy)."""
+    if not (path / STATE_NAME).is_file():
+        raise FileNotFoundError(f"--resume: {path / STATE_NAME} is missing; is {path} a train.py checkpoint?")
+    try:
+        return load_training_state(path, job, opt, map_location=device, restore_rng=False)["extra"]
+    except ValueError as err:
+        raise ValueError(f"--resume: {err}; use the same --dim/--depth/--text_dim/... as the run that wrote it") from err
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+def shard(job: DigitsModel) -> None:
+    """FSDP2: every attention and feed-forward block of both stacks its own unit, the rest at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for stack in (job.model.net.attn_layers, job.text.attn_layers):
+        for parts in stack.layers:
+            fully_shard(parts[1])
+    fully_shard(job.text)  # its own unit: validation and sampling call the encoder directly
+    fully_shard(job.model)
+    fully_shard(job)
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float, sharded: bool = False) -> float:
     """Return the total gradient norm; scale the gradients down to ``max_norm`` only if it is finite.
 
     A non-finite norm leaves every gradient as it is, so ``first_nonfinite_grad`` can name its source
     (clipping by a NaN norm would spread the NaN to every gradient).
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+    local = [getattr(g, "_local_tensor", g) for g in grads]  # FSDP2: each rank holds a shard (a DTensor)
+    sq = torch.stack([g.float().pow(2).sum() for g in local]).sum()
+    if sharded:
+        dist.all_reduce(sq)  # the shards' squares summed over ranks: the full gradient's norm
+    norm = float(sq.sqrt())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         for g in grads:
             g.mul_(max_norm / (norm + 1e-6))
@@ -636,6 +630,17 @@ def setup_process(cfg: Config) -> tuple[bool, int, int, torch.device]:
     return distributed, rank, world, device
 
 
+def full_digest(model: torch.nn.Module) -> str:
+    """``weights_digest`` of a sharded model's full (gathered) weights; every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    h = hashlib.sha256()
+    for _, p in sorted(full.items()):
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def gather_digests(model: torch.nn.Module, distributed: bool, device: torch.device) -> list[str]:
     """Every rank's ``weights_digest``, in rank order (one entry without torchrun)."""
     mine = weights_digest(model)
@@ -685,6 +690,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     x_train, y_train, t_train = data["x_train"].to(device), data["y_train"], data["t_train"].to(device)
     torch.manual_seed(cfg.seed)
     job = build_model(cfg).to(device)
+    fsdp = distributed and cfg.strategy == "fsdp"
+    if fsdp:
+        shard(job)  # before the optimizer: it must see the sharded parameters
     decay = [p for p in job.parameters() if p.dim() >= 2]
     no_decay = [p for p in job.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)],
@@ -696,7 +704,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         trainer = load_checkpoint(ckpt, job, opt, device)
         start, history, skipped, counts = trainer["step"], trainer["history"], trainer["skipped"], trainer["counts"]
     train_model = job
-    if distributed:  # find_unused_parameters: a step may leave the null condition or the text encoder unused
+    if distributed and not fsdp:  # find_unused_parameters: a step may leave the null condition or the text encoder unused
         train_model = torch.nn.parallel.DistributedDataParallel(
             job, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
     n_params = sum(p.numel() for p in job.parameters())
@@ -725,7 +733,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         loss.backward()
         if step + 1 == cfg.debug_nan_step:  # testing hook: a NaN gradient in one known module
             [p for n, p in job.model.named_parameters() if n.endswith("to_v.weight")][-1].grad.fill_(float("nan"))
-        norm = clip_gradients(job, cfg.grad_clip)
+        norm = clip_gradients(job, cfg.grad_clip, sharded=fsdp)
         if math.isfinite(norm):
             opt.step()
         else:
@@ -754,7 +762,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             if master:
                 tqdm.write(f"step {done:5d} | validation loss {losses[0]:.4f} word + thickness, {losses[1]:.4f} "
                            f"word only, {losses[2]:.4f} thickness only, {losses[3]:.4f} neither")
-        if master and (done % cfg.save_every == 0 or done == end):
+        if done % cfg.save_every == 0 or done == end:  # every rank: a sharded state is gathered to rank 0
             save_checkpoint(ckpt, job, opt, dict(step=done, history=history, skipped=skipped, counts=counts,
                                                  config=dataclasses.asdict(cfg)))
         if master and (done % cfg.log_every == 0 or done == end):
@@ -762,7 +770,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     bar.close()
     counter.handle.remove()
 
-    digests = gather_digests(job, distributed, device)
+    digests = gather_digests(job, distributed and not fsdp, device) if not fsdp else [full_digest(job)]
+    if fsdp:  # sampling runs on rank 0 alone: gather the full weights into an unsharded copy first
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(job, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if master:
+            job = build_model(cfg).to(device)
+            job.load_state_dict(full)
     if distributed:
         # every rank done with every collective before any rank tears gloo down (a rank leaving early
         # can abort its peer's gloo thread: "terminate called without an active exception")

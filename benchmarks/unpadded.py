@@ -16,6 +16,7 @@ fully real <= real fraction + 0.1, and x-transformers / unpadded >= 1.5.
 Usage:
     python benchmarks/unpadded.py           # small (dim 256, depth 4, batch 16, 256 tokens, 64 context) and medium
     python benchmarks/unpadded.py --quick   # a smoke run
+    python benchmarks/unpadded.py --sweep   # unpadded / padded path against the padding fraction
 """
 
 from __future__ import annotations
@@ -82,12 +83,40 @@ def step_fn(model, tokens, mask, context, ctx_mask):
     return step
 
 
+def sweep(args, device) -> None:
+    """Where "auto" should switch: unpadded / padded path step time against the padding fraction."""
+    cfg = SIZES["tiny" if args.quick else "small"]
+    rows, ratios = [], {}
+    for frac in (0.05, 0.1, 0.2, 0.3, 0.5):
+        tokens, mask, context, ctx_mask = ragged(cfg, args.vocab, device)
+        n = mask.shape[1]
+        g = torch.Generator().manual_seed(2)
+        lengths = torch.clamp(torch.normal(n * (1 - frac), n * frac / 2, (mask.shape[0],), generator=g).round(), 2, n)
+        mask = (torch.arange(n)[None] < lengths[:, None]).to(device)
+        ctx_mask = torch.ones_like(ctx_mask)
+        t = interleaved({
+            "padded path": step_fn(build(cfg, args.vocab, device, False), tokens, mask, context, ctx_mask),
+            "unpadded": step_fn(build(cfg, args.vocab, device, True), tokens, mask, context, ctx_mask),
+        }, rounds=args.rounds or (3 if args.quick else 7), device=device, warmup=1)
+        real = float(mask.float().mean())
+        rows.append([f"{1 - real:.0%}", *ratio_cells(t, "unpadded", "padded path")])
+        ratios[f"{1 - real:.0%} padding"] = round(t.ratio("unpadded", "padded path"), 4)
+    lines = ["# Unpadded / padded path against the padding fraction (where auto switches)", "",
+             f"Machine: {machine(device)}.", f"Size: {cfg}; contexts fully real.", "",
+             *markdown_table(["padding", "unpadded / padded (median per-round)", "ratio of medians", "25%-75%"], rows)]
+    write_results("unpadded_threshold", args, lines, ratios, title="unpadded / padded path by padding fraction")
+
+
 def main() -> None:
     p = base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=None, choices=sorted(SIZES))
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--sweep", action="store_true", help="measure the threshold: ratio against the padding fraction")
     args = p.parse_args()
     device = setup(args)
+    if args.sweep:
+        sweep(args, device)
+        return
     sizes = args.sizes or (["tiny"] if args.quick else ["small", "medium"])
     rows, ratios, targets = [], {}, {}
     for size in sizes:

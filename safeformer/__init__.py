@@ -3,6 +3,7 @@
 from .attend import BACKENDS, AttentionPlan, PreparedMask, attend, plan_attention, prepare_mask, substitute_kernel
 from .checkpoint import Configurable, load_pretrained, save_pretrained
 from .conditions import Conditions, compose_guidance, drop_conditions
+from .continuous import ContinuousAutoregressiveWrapper
 from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
 from .generation import (
     FILTERS,
@@ -41,6 +42,7 @@ from .modules import (
     apply_rotary,
     positions_from_mask,
 )
+from .nonautoregressive import NonAutoregressiveWrapper
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
 from .xtransformer import XTransformer
 
@@ -52,6 +54,7 @@ __all__ = [
     "AutoregressiveWrapper",
     "BACKENDS",
     "Configurable",
+    "ContinuousAutoregressiveWrapper",
     "ContinuousTransformerWrapper",
     "Conditions",
     "CrossAttender",
@@ -62,6 +65,7 @@ __all__ = [
     "FeedForward",
     "KVCache",
     "MaskReport",
+    "NonAutoregressiveWrapper",
     "NonFiniteReport",
     "NonFiniteTensor",
     "PreparedMask",

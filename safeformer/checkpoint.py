@@ -121,7 +121,7 @@ class Configurable:
 
 def _encode(v: Any) -> Any:
     if isinstance(v, Configurable):
-        return {"class": type(v).__name__, "config": v.get_config()}
+        return {"class": config_class_name(v), "config": v.get_config()}
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
     if isinstance(v, torch.dtype):
@@ -477,8 +477,23 @@ def _few(names: list[str], k: int = 10) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 
-def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
+def config_class_name(model) -> str:
+    """The name a config records: the model's own class, not a wrapper class a library made on the fly
+    (FSDP2's ``fully_shard`` turns a ``TransformerWrapper`` into an ``FSDPTransformerWrapper``)."""
+    for cls in type(model).__mro__:
+        if issubclass(cls, Configurable) and not cls.__module__.startswith("torch."):
+            return cls.__name__
+    return type(model).__name__
+
+
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, state_dict: dict | None = None) -> Path:
     """Write ``model``'s ``config.json`` and ``model.safetensors`` into ``directory``; return the folder.
+
+    Args:
+        model: a ``Configurable`` safeformer model.
+        directory: the folder (created if needed).
+        state_dict: the weights to write instead of ``model``'s own (e.g. a full state gathered from a
+            sharded model); plain tensors, keyed as ``model.state_dict()``.
 
     Raises ``TypeError`` (writing nothing) if ``model`` is not a ``Configurable`` safeformer model.
     """
@@ -488,11 +503,25 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    config = {"format": "safeformer", "version": _FORMAT_VERSION, "class": type(model).__name__,
+    config = {"format": "safeformer", "version": _FORMAT_VERSION, "class": config_class_name(model),
               "dtype": str(dtype).removeprefix("torch."), "config": model.get_config()}
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
-    st.save_model(model, str(path / WEIGHTS_NAME))
+    if state_dict is None:
+        st.save_model(model, str(path / WEIGHTS_NAME))
+    else:
+        st.save_file(_unshared(state_dict), str(path / WEIGHTS_NAME))
     return path
+
+
+def _unshared(state_dict: dict) -> dict:
+    """Plain contiguous CPU tensors, each with its own storage (safetensors refuses shared ones)."""
+    out, seen = {}, set()
+    for k, v in state_dict.items():
+        t = v.detach().cpu().contiguous()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        out[k] = t.clone() if key in seen else t
+        seen.add(key)
+    return out
 
 
 def _read_config(cfg_file: Path) -> dict[str, Any]:

@@ -4,12 +4,17 @@
 ``load_training_state`` reads back into freshly built objects, so that an interrupted run continues
 bit for bit (on the CPU) as if it had never stopped.
 
+The model may be plain, wrapped in DDP (pass the inner module) or sharded with FSDP2 (``fully_shard``):
+the state is gathered full (unsharded) through ``torch.distributed.checkpoint.state_dict``, written by
+rank 0, and loaded back into the same or another layout (a run saved under FSDP resumes under DDP or in
+one process, and the other way round). Under ``torch.distributed`` every rank must call both functions.
+
 Layout of a training-state folder (written to a temporary folder, then swapped in: a crash while saving
 never leaves a half-written state behind):
 
-    config.json, model.safetensors   the model (``save_pretrained``) when it is a safeformer model;
-                                     otherwise model.safetensors alone
-    optimizer.safetensors            every tensor of ``optimizer.state_dict()["state"]``, as "<param>.<key>"
+    config.json, model.safetensors   the model's full weights (and its config when it is a safeformer model)
+    <name>/config.json, ...          ``pretrained={name: submodule}``: sub-models as ``from_pretrained`` folders
+    optimizer.safetensors            every tensor of the optimizer's state, as "<parameter name>::<key>"
     rng.safetensors                  torch's CPU generator state (and each CUDA device's, as "cuda.<i>")
     training_state.json              {"format": "safeformer-training", "version": 1, "step", "extra",
                                       "optimizer": {"param_groups", "scalars"}, "scheduler",
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import WEIGHTS_NAME, Configurable
+from .checkpoint import WEIGHTS_NAME, Configurable, _unshared, save_pretrained
 
 __all__ = ["save_training_state", "load_training_state", "STATE_NAME"]
 
@@ -69,6 +74,25 @@ def _unjson_float(value: Any) -> Any:
     return value
 
 
+def _dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _full_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
 def save_training_state(
     directory: str | os.PathLike,
     model: nn.Module,
@@ -77,45 +101,62 @@ def save_training_state(
     *,
     step: int,
     extra: dict | None = None,
+    pretrained: dict[str, nn.Module] | None = None,
 ) -> Path:
     """Write everything a run needs to continue exactly: model, optimizer, scheduler, RNG, step.
 
     Args:
         directory: the folder to (re)write; replaced atomically.
-        model: the model (its weights; its config too when it is a safeformer model).
-        optimizer: any ``torch.optim`` optimizer (its state tensors go to safetensors).
+        model: the model (plain, or the module inside DDP, or sharded with FSDP2's ``fully_shard``).
+        optimizer: any ``torch.optim`` optimizer over ``model``'s parameters.
         scheduler: anything with ``state_dict()`` / ``load_state_dict()`` whose state is JSON
             (every ``torch.optim.lr_scheduler`` scheduler: learning-rate lambdas are code, not state).
         step: the number of optimizer steps done.
         extra: any JSON-able record of the caller's (history, config, ...).
+        pretrained: ``{folder name: submodule of model}``: also written as ``from_pretrained`` folders
+            (safeformer models), e.g. the decoder of a larger job.
 
     Returns:
-        the folder's path.
+        the folder's path. Under ``torch.distributed`` every rank must call it; rank 0 writes.
     """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
-    st = _st()
+    opts = _full_options(cpu_offload=True)
+    weights = get_model_state_dict(model, options=opts)  # full, on rank 0 (a collective when sharded)
+    optim = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
     path = Path(directory)
+    if _dist_rank() != 0:
+        _barrier()
+        return path
+    st = _st()
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if isinstance(model, Configurable):
-        model.save_pretrained(tmp)
+        save_pretrained(model, tmp, state_dict=weights)
     else:
-        st.save_model(model, str(tmp / WEIGHTS_NAME))
+        st.save_file(_unshared(weights), str(tmp / WEIGHTS_NAME))
+    names = {id(m): n for n, m in model.named_modules()}
+    for folder, sub in (pretrained or {}).items():
+        prefix = names.get(id(sub))
+        if prefix is None or not isinstance(sub, Configurable) or not folder or "/" in folder or folder.startswith("."):
+            raise ValueError(f"pretrained[{folder!r}] must be a safeformer submodule of model, in a plain folder name")
+        sub_sd = {k[len(prefix) + 1:]: v for k, v in weights.items() if k.startswith(prefix + ".")}
+        save_pretrained(sub, tmp / folder, state_dict=sub_sd)
     record: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "step": step,
                               "extra": _jsonable(extra or {}, "extra")}
-    if optimizer is not None:
-        state = optimizer.state_dict()
+    if optim is not None:
         tensors, scalars = {}, {}
-        for idx, entry in state["state"].items():
+        for name, entry in optim["state"].items():
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
                 else:
-                    scalars[f"{idx}.{key}"] = _jsonable(value, f"optimizer state {idx}.{key}")
+                    scalars[f"{name}::{key}"] = _jsonable(value, f"optimizer state {name}::{key}")
         st.save_file(tensors, str(tmp / "optimizer.safetensors"))
-        record["optimizer"] = {"param_groups": _jsonable(state["param_groups"], "optimizer param_groups"),
+        record["optimizer"] = {"param_groups": _jsonable(optim["param_groups"], "optimizer param_groups"),
                                "scalars": scalars}
     if scheduler is not None:
         record["scheduler"] = _jsonable(scheduler.state_dict(), "scheduler state")
@@ -138,6 +179,7 @@ def save_training_state(
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+    _barrier()
     return path
 
 
@@ -154,10 +196,12 @@ def load_training_state(
 
     Args:
         directory: the folder.
-        model: a model built like the saved one (its weights are replaced, strictly).
+        model: a model built like the saved one (plain, DDP's inner module, or sharded with FSDP2:
+            the full saved state is loaded into whatever layout it has now).
         optimizer, scheduler: built like the saved ones (over ``model``'s parameters), or ``None``.
-        map_location: where the optimizer's tensors go.
-        restore_rng: also restore torch's (and CUDA's), Python's and NumPy's random generators.
+        map_location: where the tensors are read to.
+        restore_rng: also restore torch's (and CUDA's), Python's and NumPy's random generators (each
+            rank gets rank 0's state; reseed per rank afterwards if the ranks must differ).
 
     Returns:
         ``{"step": int, "extra": dict}``.
@@ -166,6 +210,8 @@ def load_training_state(
         FileNotFoundError: a file is missing. ValueError: a file is not a training state, or does not
         match the objects (names the file and what differs).
     """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     st = _st()
     path = Path(directory)
     state_file = path / STATE_NAME
@@ -184,29 +230,41 @@ def load_training_state(
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"{state_file}: field 'step' must be an integer >= 0, got {step!r}")
     try:
-        missing, unexpected = st.load_model(model, str(path / WEIGHTS_NAME), strict=False, device=str(map_location))
+        weights = st.load_file(str(path / WEIGHTS_NAME), device=str(map_location))
+    except Exception as err:
+        raise ValueError(f"could not read {path / WEIGHTS_NAME}: {err}") from err
+    expected = set(model.state_dict())
+    if set(weights) != expected:
+        raise ValueError(f"weights in {path / WEIGHTS_NAME} do not fit the model: missing "
+                         f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}")
+    try:
+        set_model_state_dict(model, weights, options=_full_options())
     except Exception as err:
         raise ValueError(f"weights in {path / WEIGHTS_NAME} do not fit the model: {err}") from err
-    if missing or unexpected:
-        raise ValueError(f"weights in {path / WEIGHTS_NAME} do not fit the model: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
     if optimizer is not None:
         if "optimizer" not in record or not (path / "optimizer.safetensors").is_file():
             raise ValueError(f"{path} holds no optimizer state, but an optimizer was given")
         opt = record["optimizer"]
         if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list) or not isinstance(opt.get("scalars"), dict):
             raise ValueError(f"{state_file}: field 'optimizer' is malformed")
-        state: dict[int, dict] = {}
-        n_params = sum(len(g["params"]) for g in optimizer.param_groups)
-        for key, value in list(st.load_file(str(path / "optimizer.safetensors"), device=str(map_location)).items()) + \
-                list(opt["scalars"].items()):
-            idx, _, name = key.partition(".")
-            if not idx.isdigit() or int(idx) >= n_params or not name:
-                raise ValueError(f"{path}: optimizer state entry {key!r} does not fit an optimizer of {n_params} parameters")
-            state.setdefault(int(idx), {})[name] = _unjson_float(value) if not isinstance(value, torch.Tensor) else value
+        names = {n for n, _ in model.named_parameters()}
+        state: dict[str, dict] = {}
+        entries = list(st.load_file(str(path / "optimizer.safetensors"), device=str(map_location)).items())
+        for key, value in entries + list(opt["scalars"].items()):
+            name, sep, field = key.rpartition("::")
+            if not sep or name not in names or not field:
+                raise ValueError(f"{path}: optimizer state entry {key!r} names no parameter of the model")
+            if not isinstance(value, torch.Tensor):
+                value = _unjson_float(value)
+                if field == "step" and isinstance(value, (int, float)):
+                    value = torch.tensor(float(value))
+            state.setdefault(name, {})[field] = value
         try:
-            optimizer.load_state_dict({"state": state, "param_groups": _unjson_float(opt["param_groups"])})
-        except (ValueError, KeyError, TypeError) as err:
+            # strict=False: a parameter that never had a gradient (a learned null condition in a run that
+            # dropped nothing) has no state yet, in the saved run as in this one
+            set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": _unjson_float(opt["param_groups"])},
+                                     options=_full_options(strict=False))
+        except Exception as err:
             raise ValueError(f"{path}: the optimizer state does not fit this optimizer: {err}") from err
     if scheduler is not None:
         if "scheduler" not in record:

@@ -453,6 +453,170 @@ def probe_drop_conditions(seed: int, value: float) -> Probe:
                             ("probability above 1", lambda: sf.AutoregressiveWrapper(net, cond_drop_all_prob=1.5), ValueError, "cond_drop_all_prob")])
 
 
+def _cond_kinds_probe(g: torch.Generator, b: int, j: int, m: int, c: int, k: int, seed: int, probs: dict, all_prob: float):
+    """Masks for the three kinds of condition and which samples ``drop_conditions`` drops with ``seed``
+    (the wrappers draw the same with ``generator=torch.Generator().manual_seed(seed)``)."""
+    ctx_mask = _lengths_mask(g, b, j)
+    pre_mask = _lengths_mask(g, b, m)
+    cond_mask = torch.ones(b, dtype=torch.bool)
+    cond_mask[1] = False
+    shape = sf.Conditions(torch.zeros(b, j, c), ctx_mask, torch.zeros(b, m, c), pre_mask, torch.zeros(b, k), cond_mask)
+    _, dropped = sf.drop_conditions(shape, probs, all_prob=all_prob, generator=torch.Generator().manual_seed(seed))
+    return ctx_mask, pre_mask, cond_mask, dropped
+
+
+def probe_continuous_autoregressive(seed: int, value: float) -> Probe:
+    """``ContinuousAutoregressiveWrapper`` (MSE or Gaussian NLL by seed) in training mode with every kind
+    of condition dropped per sample: garbage at padded steps of ``x`` (inputs and targets, left or right
+    padding, one sample all padding), at masked context and prefix positions and in every dropped
+    condition. Per-target losses of targets that do not count are exactly 0. Also: an all-padding batch
+    is a loss of exactly 0 with zero gradients, and guided generation from left-padded starts holding
+    garbage equals that from clean ones, cached and not."""
+    g = _gen(seed)
+    b, n, j, m, c, k, d = 4, 5, 3, 2, 8, 3, 2
+    probabilistic = bool(seed % 2)
+    probs, all_prob = {"context": 0.5, "prepend": 0.5, "condition": 0.5}, 0.2
+    torch.manual_seed(0)
+    net = sf.ContinuousTransformerWrapper(dim_in=d, dim_out=2 * d if probabilistic else d, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=c, depth=1, heads=2, dim_head=4, cross_attend=True, use_adaptive_layernorm=True, dim_condition=k))
+    model = sf.ContinuousAutoregressiveWrapper(net, probabilistic=probabilistic, cond_drop_prob=probs,
+                                               cond_drop_all_prob=all_prob).train()
+    mask = _lengths_mask(g, b, n, left=seed % 4 < 2)
+    ctx_mask, pre_mask, cond_mask, dropped = _cond_kinds_probe(g, b, j, m, c, k, seed, probs, all_prob)
+    hidden_ctx = ~ctx_mask | dropped["context"][:, None]
+    hidden_pre = ~pre_mask | dropped["prepend"][:, None]
+    hidden_cond = (~cond_mask | dropped["condition"])[:, None]
+    x = _leaf(torch.randn(b, n, d, generator=g), ~mask[..., None], value)
+    ctx = _leaf(torch.randn(b, j, c, generator=g), hidden_ctx[..., None], value)
+    pre = _leaf(torch.randn(b, m, c, generator=g), hidden_pre[..., None], value)
+    cond = _leaf(torch.randn(b, k, generator=g), hidden_cond, value)
+    kw = dict(context=ctx, context_mask=ctx_mask, prepend_embeds=pre, prepend_mask=pre_mask, condition=cond,
+              condition_mask=cond_mask)
+    out = model(x, mask=mask, reduction="none", generator=torch.Generator().manual_seed(seed), **kw)  # (b, n - 1)
+    counted = mask[:, 1:] & mask[:, :-1]
+
+    none = torch.zeros(b, n, dtype=torch.bool)
+    loss = model(x, mask=none, generator=torch.Generator().manual_seed(seed), **kw)
+    grads = torch.autograd.grad(loss, [x, *net.parameters()], allow_unused=True)
+    assert loss.item() == 0.0 and all(gr is not None and not bool(gr.any()) for gr in grads[:2]), \
+        "an all-padding batch is not a loss of 0 with zero gradients"
+
+    model.eval()
+    start = torch.randn(b, 3, d, generator=g)
+    start_mask = _lengths_mask(g, b, 3, left=True, empty=False)
+    gen_kw = dict(mask=start_mask, context_mask=ctx_mask, prepend_mask=pre_mask, condition_mask=cond_mask,
+                  cond_scale={"joint": 1.5, "context": 2.0, "condition": -0.5}, temperature=0.0)
+    with torch.no_grad():  # fresh conditions: at sampling time only the masks hide anything
+        clean_kw = dict(context=torch.randn(b, j, c, generator=g), prepend_embeds=torch.randn(b, m, c, generator=g),
+                        condition=torch.randn(b, k, generator=g))
+        dirty_kw = dict(context=clean_kw["context"].masked_fill(~ctx_mask[..., None], value),
+                        prepend_embeds=clean_kw["prepend_embeds"].masked_fill(~pre_mask[..., None], value),
+                        condition=clean_kw["condition"].masked_fill(~cond_mask[:, None], value))
+        want = model.generate(start, 3, **gen_kw, **clean_kw)
+        for cache_kv in (True, False):
+            got = model.generate(start.masked_fill(~start_mask[..., None], value), 3, cache_kv=cache_kv, **gen_kw, **dirty_kw)
+            assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5, rtol=1e-5), \
+                f"garbage in padding changed guided generation (cache_kv={cache_kv})"
+    model.train()
+    return Probe(out, {"x": x, "context": ctx, "prefix": pre, "condition": cond},
+                 {"x": ~mask[..., None].expand_as(x), "context": hidden_ctx[..., None].expand_as(ctx),
+                  "prefix": hidden_pre[..., None].expand_as(pre), "condition": hidden_cond.expand_as(cond)},
+                 dead=~counted,
+                 bad_calls=[
+                     ("x of wrong width", lambda: model(torch.randn(b, n, d + 1)), ValueError, "x"),
+                     ("int mask", lambda: model(x, mask=mask.int()), TypeError, "mask"),
+                     ("unknown reduction", lambda: model(x, reduction="avg"), ValueError, "reduction"),
+                     ("context of wrong width", lambda: model(x, context=torch.randn(b, j, c + 1)), ValueError, "context"),
+                     ("dim_out that is not 2 * dim_in", lambda: sf.ContinuousAutoregressiveWrapper(net, probabilistic=not probabilistic),
+                      ValueError, "dim_out"),
+                     ("a non-causal net", lambda: sf.ContinuousAutoregressiveWrapper(sf.ContinuousTransformerWrapper(
+                         dim_in=d, dim_out=d, max_seq_len=8, attn_layers=sf.Encoder(dim=c, depth=1))), ValueError, "causal"),
+                     ("an all-padding start", lambda: model.generate(start, 2, mask=torch.zeros(b, 3, dtype=torch.bool)), ValueError, "mask"),
+                     ("a scale for a condition not given", lambda: model.generate(start, 2, cond_scale={"prepend": 2.0}), ValueError, "prepend"),
+                     ("negative seq_len", lambda: model.generate(start, -1), ValueError, "seq_len"),
+                     ("negative temperature", lambda: model.generate(start, 1, temperature=-1.0), ValueError, "temperature"),
+                     ("negative_context_mask alone", lambda: model.generate(start, 1, negative_context_mask=ctx_mask), ValueError,
+                      "negative_context"),
+                     ("start too long for max_seq_len", lambda: model.generate(start, 20), ValueError, "max_seq_len"),
+                 ])
+
+
+def probe_non_autoregressive(seed: int, value: float) -> Probe:
+    """``NonAutoregressiveWrapper`` in training mode with every kind of condition dropped per sample:
+    garbage ids at padded positions, garbage at masked context and prefix positions and in every dropped
+    condition. Per-position losses at positions not hidden (padding included) are exactly 0. Also: an
+    all-padding batch is a loss of exactly 0 with zero gradients, and guided decoding with garbage in
+    masked conditions equals that with clean ones, with no ``mask_id`` left."""
+    g = _gen(seed)
+    b, n, j, m, c, k, vocab = 4, 6, 3, 2, 8, 3, 7
+    mask_id = vocab - 1
+    probs, all_prob = {"context": 0.5, "prepend": 0.5, "condition": 0.5}, 0.2
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=vocab, logits_dim=vocab - 1, max_seq_len=16, attn_layers=sf.Encoder(
+        dim=c, depth=1, heads=2, dim_head=4, cross_attend=True, use_adaptive_layernorm=True, dim_condition=k))
+    model = sf.NonAutoregressiveWrapper(net, mask_id=mask_id, steps=3, cond_drop_prob=probs, cond_drop_all_prob=all_prob).train()
+    mask = _lengths_mask(g, b, n, left=seed % 4 < 2)
+    ctx_mask, pre_mask, cond_mask, dropped = _cond_kinds_probe(g, b, j, m, c, k, seed, probs, all_prob)
+    hidden_ctx = ~ctx_mask | dropped["context"][:, None]
+    hidden_pre = ~pre_mask | dropped["prepend"][:, None]
+    hidden_cond = (~cond_mask | dropped["condition"])[:, None]
+    tokens = torch.randint(0, vocab - 1, (b, n), generator=g)
+    garbage = 0 if value == 0 else (10**6 if value == value else -7)
+    x = tokens.masked_fill(~mask, garbage)
+    ctx = _leaf(torch.randn(b, j, c, generator=g), hidden_ctx[..., None], value)
+    pre = _leaf(torch.randn(b, m, c, generator=g), hidden_pre[..., None], value)
+    cond = _leaf(torch.randn(b, k, generator=g), hidden_cond, value)
+    kw = dict(context=ctx, context_mask=ctx_mask, prepend_embeds=pre, prepend_mask=pre_mask, condition=cond,
+              condition_mask=cond_mask)
+    replay = torch.Generator().manual_seed(seed)  # what forward draws: the drops, then the hidden tokens
+    sf.drop_conditions(sf.Conditions(ctx, ctx_mask, pre, pre_mask, cond, cond_mask), probs, all_prob=all_prob, generator=replay)
+    _, hidden = model.hide_tokens(tokens, mask, generator=replay)
+    out = model(x, mask=mask, reduction="none", generator=torch.Generator().manual_seed(seed), **kw)  # (b, n)
+
+    none = torch.zeros(b, n, dtype=torch.bool)
+    loss = model(x, mask=none, generator=torch.Generator().manual_seed(seed), **kw)
+    grads = torch.autograd.grad(loss, [ctx, *net.parameters()], allow_unused=True)
+    assert loss.item() == 0.0 and all(gr is not None and not bool(gr.any()) for gr in grads[:2]), \
+        "an all-padding batch is not a loss of 0 with zero gradients"
+
+    model.eval()
+    gen_kw = dict(mask=mask, context_mask=ctx_mask, prepend_mask=pre_mask, condition_mask=cond_mask, temperature=0.0)
+    with torch.no_grad():  # fresh conditions: at sampling time only the masks hide anything
+        clean_kw = dict(context=torch.randn(b, j, c, generator=g), prepend_embeds=torch.randn(b, m, c, generator=g),
+                        condition=torch.randn(b, k, generator=g))
+        dirty_kw = dict(context=clean_kw["context"].masked_fill(~ctx_mask[..., None], value),
+                        prepend_embeds=clean_kw["prepend_embeds"].masked_fill(~pre_mask[..., None], value),
+                        condition=clean_kw["condition"].masked_fill(~cond_mask[:, None], value))
+        for scale in (3.0, {"context": 2.0, "prepend": 1.5, "condition": -0.5}):
+            want = model.generate(seq_len=n, cond_scale=scale, **gen_kw, **clean_kw)
+            got = model.generate(seq_len=n, cond_scale=scale, **gen_kw, **dirty_kw)
+            assert torch.equal(got, want), "garbage in masked conditions changed the decoded tokens"
+            assert not bool((got == mask_id).any()), "mask_id left in a decoded sample"
+    model.train()
+    bad_x = tokens.clone()
+    bad_x[-1, 0] = mask_id  # the last sample is all real
+    return Probe(out, {"context": ctx, "prefix": pre, "condition": cond},
+                 {"context": hidden_ctx[..., None].expand_as(ctx), "prefix": hidden_pre[..., None].expand_as(pre),
+                  "condition": hidden_cond.expand_as(cond)},
+                 dead=~hidden,
+                 bad_calls=[
+                     ("mask_id outside the vocabulary", lambda: sf.NonAutoregressiveWrapper(net, mask_id=vocab), ValueError, "mask_id"),
+                     ("steps of 0", lambda: sf.NonAutoregressiveWrapper(net, mask_id=mask_id, steps=0), ValueError, "steps"),
+                     ("unknown schedule", lambda: sf.NonAutoregressiveWrapper(net, mask_id=mask_id, schedule="cubic"), ValueError, "schedule"),
+                     ("a causal net", lambda: sf.NonAutoregressiveWrapper(sf.TransformerWrapper(
+                         num_tokens=vocab, max_seq_len=8, attn_layers=sf.Decoder(dim=c, depth=1)), mask_id=mask_id), ValueError, "Encoder"),
+                     ("mask_id at a real position", lambda: model(bad_x), ValueError, "mask_id"),
+                     ("float mask", lambda: model(x, mask=mask.float()), TypeError, "mask"),
+                     ("float ids", lambda: model(x.float()), TypeError, "x"),
+                     ("batch_size against the conditions", lambda: model.generate(b + 1, n, context=ctx), ValueError, "batch_size"),
+                     ("no batch size at all", lambda: model.generate(seq_len=n), ValueError, "batch_size"),
+                     ("steps of 0 at generation", lambda: model.generate(b, n, steps=0), ValueError, "steps"),
+                     ("a scale for a condition not given", lambda: model.generate(b, n, context=ctx, cond_scale={"condition": 2.0}),
+                      ValueError, "condition"),
+                     ("seq_len beyond max_seq_len", lambda: model.generate(b, 17), ValueError, "max_seq_len"),
+                 ])
+
+
 # ----------------------------------------------------------------------------------------------------
 # the registry
 # ----------------------------------------------------------------------------------------------------
@@ -498,6 +662,10 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("ContinuousTransformerWrapper", cases=("ContinuousTransformerWrapper",)),
     Door("XTransformer", cases=("XTransformer",)),
     Door("AutoregressiveWrapper", cases=("guidance",), note="every clause: test_contract_guidance.py"),
+    Door("ContinuousAutoregressiveWrapper", has_dead=True, probe=probe_continuous_autoregressive,
+         note="named tests (losses by hand, guidance from separate passes, cached = uncached): test_continuous.py"),
+    Door("NonAutoregressiveWrapper", has_dead=True, probe=probe_non_autoregressive,
+         note="named tests (losses by hand, schedule, guidance from separate passes): test_nonautoregressive.py"),
     Door("find_nonfinite", note="diagnostics: tests/test_debug.py (S9, the loss blamed first)"),
     Door("mask_report", note="diagnostics: tests/test_debug.py"),
     Door("plot_mask", note="diagnostics: tests/test_debug.py"),

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def _png(path: Path) -> bool:
 def _val_loss_of_checkpoint(train, path: Path) -> float:
     """Validation loss with both conditions of the weights saved in ``path``, computed from scratch:
     the decoder and the character encoder loaded with ``TransformerWrapper.from_pretrained``."""
-    model = AutoregressiveWrapper(TransformerWrapper.from_pretrained(path)).eval()
+    model = AutoregressiveWrapper(TransformerWrapper.from_pretrained(path / "decoder")).eval()
     text = TransformerWrapper.from_pretrained(path / "text_encoder").eval()
     data = train.load_digits_tokens()
     ids, ids_mask = train.encode_texts([train.WORDS[int(c)][0] for c in data["y_val"]])
@@ -110,7 +111,7 @@ def test_train_outputs_and_checkpoint(train, tmp_path, capsys):
     # the checkpoint holds exactly the final weights (decoder and character encoder): same digest, same loss
     assert train.weights_digest(train.load_trained(out / "checkpoint")) == saved["weight_sha256_per_rank"][0]
     assert _val_loss_of_checkpoint(train, out / "checkpoint") == pytest.approx(saved["val_loss"], rel=1e-5, abs=1e-6)
-    trainer = json.loads((out / "checkpoint" / "trainer.json").read_text())
+    trainer = json.loads((out / "checkpoint" / "training_state.json").read_text())["extra"]
     assert trainer["step"] == 6 and trainer["history"]["train"] == train_losses
 
 
@@ -172,7 +173,7 @@ def test_train_resume_is_exact(train, tmp_path, capsys):
     args = [*TINY, "--steps", "8", "--save_every", "4", "--samples_per_class", "2", "--scales", "1,3"]
     interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
     assert train.main([*args, "--stop_at", "4", "--out", str(interrupted)]) is None  # stops like a killed run
-    assert json.loads((interrupted / "checkpoint" / "trainer.json").read_text())["step"] == 4
+    assert json.loads((interrupted / "checkpoint" / "training_state.json").read_text())["step"] == 4
     assert not (interrupted / "metrics.json").exists()
     capsys.readouterr()
     resumed = train.main([*args, "--resume", "--out", str(interrupted)])
@@ -209,10 +210,8 @@ def test_nonfinite_gradient_is_skipped_and_named(train, tmp_path):
     job = train.load_trained(out / "checkpoint")
     assert all(bool(torch.isfinite(p).all()) for p in job.parameters())
     # the skipped step never reached the optimizer: AdamW counted 4 steps, not 5
-    from safetensors.torch import load_file
-
-    opt_state = load_file(str(out / "checkpoint" / "optimizer.safetensors"))
-    counts = {float(v) for k, v in opt_state.items() if k.endswith(".step")}
+    scalars = json.loads((out / "checkpoint" / "training_state.json").read_text())["optimizer"]["scalars"]
+    counts = {float(v) for k, v in scalars.items() if k.endswith("::step")}
     assert counts == {4.0}
 
 
@@ -288,6 +287,34 @@ def test_torchrun_two_processes_end_with_identical_weights(train, tmp_path):
     b = train.load_trained(tmp_path / "single" / "checkpoint").state_dict()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp_interrupted_and_resumed_equals_one_process(train, tmp_path):
+    """``--strategy fsdp`` on 2 CPU processes (gloo), interrupted after step 2 and resumed under FSDP, ends
+    with the loss curve and the weights of the same run in one process; the FSDP checkpoint of step 2
+    also resumes in one process to the same weights (a full, unsharded state: any strategy reads it)."""
+    args = [*TINY, "--steps", "4", "--dropout", "0", "--text_drop_prob", "0", "--thickness_drop_prob", "0",
+            "--cond_drop_all_prob", "0", "--samples_per_class", "1", "--scales", "1", "--save_every", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), *args, "--strategy", "fsdp", "--out", str(tmp_path / "fsdp")]
+    first = subprocess.run([*cmd, "--stop_at", "2"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(tmp_path / "fsdp", tmp_path / "fsdp_then_single")
+    resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fsdp = json.loads((tmp_path / "fsdp" / "metrics.json").read_text())
+    assert fsdp["world_size"] == 2 and len(fsdp["history"]["train"]) == 4
+    single = train.main([*args, "--out", str(tmp_path / "single")])
+    assert fsdp["history"]["train"] == pytest.approx(single["history"]["train"], rel=1e-5)
+    crossed = train.main([*args, "--out", str(tmp_path / "fsdp_then_single"), "--resume"])
+    assert crossed["history"]["train"] == pytest.approx(single["history"]["train"], rel=1e-5)
+    want = train.load_trained(tmp_path / "single" / "checkpoint").state_dict()
+    for other in ("fsdp", "fsdp_then_single"):
+        got = train.load_trained(tmp_path / other / "checkpoint").state_dict()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=f"{other}: {key}")
 
 
 # --------------------------------------------------------------------------------------------------

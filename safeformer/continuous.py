@@ -1,0 +1,515 @@
+"""Continuous autoregressive modelling: next-step regression (MSE / L1) or a Gaussian likelihood over
+vectors, with classifier-free guidance (CFG) at sampling time.
+
+Shape legend: b batch, n positions of ``x``, n0 start positions, t generated positions (``seq_len``),
+d = dim_in features, j context length, m prefix length, K adaptive-condition width, r guidance branches.
+Masks follow the one convention (bool, True = real position; see ``masks.py``).
+
+Guidance on continuous outputs is the plain formula, computed in float32 (float64 for float64 models):
+
+    guided = uncond + sum_k s_k * (cond_k - uncond)
+
+on the predicted value (or, for ``probabilistic=True``, on the predicted mean). A probabilistic model
+samples around the guided mean with the variance of the **joint** (fully conditional) branch: guidance
+moves the centre of the next step toward the condition, the spread stays the conditional model's own
+(extrapolating log-variances would give spreads that no branch predicted). Every branch (unconditional,
+joint, one per guided kind) runs in one batched forward of ``r * b`` samples sharing one KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .checkpoint import Configurable
+from .conditions import (
+    Conditions,
+    GuidanceSchedule,
+    check_condition_args,
+    drop_conditions,
+    null_of,
+    stack_conditions,
+)
+from .generation import _drop_probs
+from .masks import check_finite, validate_mask
+from .wrappers import ContinuousTransformerWrapper
+
+__all__ = ["ContinuousAutoregressiveWrapper"]
+
+_LOSSES = ("mse", "l1")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers shared with nonautoregressive.py: conditions, negatives, guidance branches
+# ----------------------------------------------------------------------------------------------------
+
+
+def _conditions_of(net, b: int, device, kw: Mapping) -> Conditions:
+    """The conditions passed to a wrapper's call, checked against the net (S9)."""
+    conds = Conditions(kw.get("context"), kw.get("context_mask"), kw.get("prepend_embeds"), kw.get("prepend_mask"),
+                       kw.get("condition"), kw.get("condition_mask"))
+    layers = net.attn_layers
+    check_condition_args(conds, b, device, dim_context=layers.dim_context if layers.has_cross else None,
+                         dim=layers.dim, dim_condition=layers.dim_condition)
+    if conds.context is not None and net.check_finite:  # before a dropped condition could hide it
+        check_finite(conds.context, conds.context_mask, "context")
+    return conds
+
+
+def _check_drop_kinds(net, cond_drop_prob) -> None:
+    layers = net.attn_layers
+    can = {"context": layers.has_cross, "prepend": True, "condition": layers.adaptive}
+    if isinstance(cond_drop_prob, Mapping):
+        for kind, p in _drop_probs(cond_drop_prob).items():
+            if p > 0 and not can[kind]:
+                raise ValueError(f"cond_drop_prob[{kind!r}] > 0 but the net cannot take that condition")
+
+
+def _check_prob(p, name: str) -> float:
+    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {p!r}")
+    return float(p)
+
+
+def _negatives(net, b: int, device, kw: Mapping) -> Conditions:
+    """The unconditional branch's conditions in place of the dropped ones (batch ``b`` or 1), checked."""
+    pairs = (("negative_context", "negative_context_mask"), ("negative_prepend_embeds", "negative_prepend_mask"),
+             ("negative_condition", None))
+    vals: list = []
+    for name, mname in pairs:
+        t = kw.get(name)
+        m = kw.get(mname) if mname else None
+        if m is not None and t is None:
+            raise ValueError(f"{mname} was given without {name}")
+        if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == 1 and b != 1:  # one negative for the batch
+            t = t.expand(b, *t.shape[1:])
+            if isinstance(m, Tensor) and m.dim() >= 1 and m.shape[0] == 1:
+                m = m.expand(b, *m.shape[1:])
+        vals += [t, m] if mname else [t]
+    neg = Conditions(*vals)
+    layers = net.attn_layers
+    check_condition_args(neg, b, device, dim_context=layers.dim_context if layers.has_cross else None,
+                         dim=layers.dim, dim_condition=layers.dim_condition, prefix="negative_")
+    if neg.context is not None and net.check_finite:
+        check_finite(neg.context, neg.context_mask, "negative_context")
+    return neg
+
+
+def _with_negative_kinds(conds: Conditions, negatives: Conditions, b: int, device) -> Conditions:
+    """A negative condition given alone: the conditional branch sees that kind empty (no context / no
+    prefix). A negative adaptive condition needs a positive one."""
+    for kind in negatives.kinds():
+        if conds.pair(kind)[0] is None:
+            if kind == "condition":
+                raise ValueError("negative_condition needs a condition for the conditional branch too")
+            t = negatives.pair(kind)[0]
+            conds = conds.with_pair(kind, t[:, :0], torch.zeros(b, 0, dtype=torch.bool, device=device))
+    return conds
+
+
+def _full_mask_of(t: Tensor, m: Tensor | None, kind: str) -> Tensor:
+    if m is not None:
+        return m
+    return torch.ones(t.shape[:1] if kind == "condition" else t.shape[:2], dtype=torch.bool, device=t.device)
+
+
+def _branches(conds: Conditions, negatives: Conditions, schedule: GuidanceSchedule, steps: int,
+              need_joint: bool = False) -> tuple[tuple[str, ...], Conditions]:
+    """The names of the branches guidance needs and their conditions stacked into one batch of ``r * b``.
+
+    ``joint`` keeps every condition, ``uncond`` drops them all (or uses the negatives), ``<kind>`` keeps
+    only that kind. A dropped kind is its tensor with an all-False mask (an exact no-op), or the stack's
+    null condition for the adaptive kind. A branch whose scale is 0 at every step is not run (the joint
+    one still is when ``need_joint``: a probabilistic model's variance, the rescale's reference), so
+    ``cond_scale=0`` runs the unconditional branch alone.
+    """
+    kinds = conds.kinds()
+    if not schedule.branches:
+        return ("joint",), conds
+    table = [schedule.at(t) for t in range(max(steps, 1))]
+    used = {k for scales in table for k, s in scales.items() if s != 0}
+    others = tuple(k for k in schedule.branches if k != "joint" and k in used)
+    joint = ("joint",) if ("joint" in used or need_joint) else ()
+    names = joint + ("uncond",) + others
+    branches = []
+    for name in names:
+        br = conds
+        for kind in kinds:
+            if name in ("joint", kind):
+                continue
+            neg = negatives.pair(kind)
+            if name == "uncond" and neg[0] is not None:
+                br = br.with_pair(kind, neg[0], _full_mask_of(neg[0], neg[1], kind))
+            else:
+                br = br.with_pair(kind, *null_of(conds, kind))
+        branches.append(br)
+    return names, stack_conditions(branches)
+
+
+def _repeat(t: Tensor | None, r: int) -> Tensor | None:
+    return t if t is None or r == 1 else torch.cat([t] * r)
+
+
+def _last_real(out: Tensor, mask: Tensor | None) -> Tensor:
+    """``(b, ...)``: the output at each sample's last real position of ``out (b, n, ...)``."""
+    if mask is None:
+        return out[:, -1]
+    n = mask.shape[1]
+    idx = torch.where(mask, torch.arange(n, device=mask.device), -1).amax(dim=1)  # (b,)
+    return out[torch.arange(out.shape[0], device=out.device), idx]
+
+
+def _check_guidance_rescale(guidance_rescale) -> float:
+    if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
+        raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
+    return float(guidance_rescale)
+
+
+def _check_temperature(temperature, name: str = "temperature") -> float:
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0.0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {temperature!r}")
+    return float(temperature)
+
+
+def _check_count(v, name: str, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _combine_values(uncond: Tensor, conds: Mapping[str, Tensor], scales: Mapping[str, float], *,
+                    guidance_rescale: float = 0.0, reference: Tensor | None = None) -> Tensor:
+    """``uncond + sum_k scales[k] * (conds[k] - uncond)`` on continuous values ``(..., d)``, in float32
+    (float64 for float64 inputs); a branch at scale 0 is not read; a single branch at scale 1 is that
+    branch exactly. ``guidance_rescale`` phi pulls the standard deviation over the last dim toward
+    ``reference``'s (arXiv 2305.08891); a row whose guided values are all equal is left as guided."""
+    dtype = torch.promote_types(uncond.dtype, torch.float32)
+    used = {k: float(s) for k, s in scales.items() if s != 0}
+    if len(used) == 1 and next(iter(used.values())) == 1.0:
+        guided = conds[next(iter(used))].to(dtype)
+    else:
+        u = uncond.to(dtype)
+        guided = u
+        for k, s in used.items():
+            guided = guided + s * (conds[k].to(dtype) - u)
+    if guidance_rescale > 0.0:
+        ref = guided if reference is None else reference.to(dtype)
+        std_ref = ref.std(dim=-1, keepdim=True)
+        std_guided = guided.std(dim=-1, keepdim=True)
+        flat = std_guided == 0
+        ratio = torch.where(flat, 1.0, std_ref / torch.where(flat, 1.0, std_guided))
+        guided = guidance_rescale * (guided * ratio) + (1.0 - guidance_rescale) * guided
+    return guided
+
+
+# ----------------------------------------------------------------------------------------------------
+# the wrapper
+# ----------------------------------------------------------------------------------------------------
+
+
+class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
+    """Next-step loss, CFG training and (guided) generation around a causal ``ContinuousTransformerWrapper``.
+
+    The net reads ``x (b, n, d)`` and predicts, at each position, the next vector: its value
+    (``dim_out = dim_in``), or with ``probabilistic=True`` a mean and a log-variance per feature
+    (``dim_out = 2 * dim_in``: the first half is the mean).
+
+    Args:
+        net: a ``ContinuousTransformerWrapper`` whose layers are a ``Decoder`` (``cross_attend=True``
+            for a context, ``use_adaptive_layernorm=True`` for a condition).
+        probabilistic: predict a Gaussian per feature and train with its negative log-likelihood
+            ``0.5 * (log var + (x - mean)^2 / var)`` (the constant ``0.5 log 2 pi`` left out, as in
+            ``F.gaussian_nll_loss``), computed in float32 as ``0.5 * (lv + (x - mean)^2 * exp(-lv))``
+            with ``lv = logaddexp(raw, log(min_variance))``: the variance ``exp(raw) + min_variance``
+            never falls below ``min_variance`` and nothing is divided or exponentiated upward.
+        loss: ``"mse"`` (default) or ``"l1"`` for a deterministic model.
+        min_variance: the variance floor of a probabilistic model (> 0).
+        cond_drop_prob: during training, the probability of dropping each sample's condition: one
+            number for every kind given, or ``{"context": p_c, "prepend": p_p, "condition": p_a}``.
+        cond_drop_all_prob: in addition, the probability that a sample loses every condition at once.
+
+    A dropped context or prefix is an all-False mask row (an exact no-op); a dropped adaptive condition
+    is the stack's null condition. Dropped contents are selected away, never multiplied.
+
+    Example:
+        >>> net = ContinuousTransformerWrapper(dim_in=1, dim_out=2, max_seq_len=64,
+        ...     attn_layers=Decoder(dim=64, depth=2, heads=4, cross_attend=True, dim_context=10))
+        >>> model = ContinuousAutoregressiveWrapper(net, probabilistic=True, cond_drop_prob=0.2)
+        >>> loss = model(x, mask=mask, context=label, context_mask=label_mask); loss.backward()
+        >>> new = model.generate(start, 32, context=label, cond_scale=3.0)   # (b, 32, 1)
+    """
+
+    def __init__(
+        self,
+        net: ContinuousTransformerWrapper,
+        *,
+        probabilistic: bool = False,
+        loss: str = "mse",
+        min_variance: float = 1e-6,
+        cond_drop_prob: float | dict[str, float] = 0.0,
+        cond_drop_all_prob: float = 0.0,
+    ):
+        super().__init__()
+        if not isinstance(net, ContinuousTransformerWrapper):
+            raise TypeError(f"net must be a ContinuousTransformerWrapper, got {type(net).__name__}")
+        if not net.attn_layers.causal:
+            raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-step training and generation")
+        if not isinstance(probabilistic, bool):
+            raise TypeError(f"probabilistic must be a bool, got {probabilistic!r}")
+        if loss not in _LOSSES:
+            raise ValueError(f"loss must be one of {list(_LOSSES)}, got {loss!r}")
+        if probabilistic and loss != "mse":
+            raise ValueError(f"loss={loss!r} with probabilistic=True: a probabilistic model is trained with the "
+                             "Gaussian negative log-likelihood (leave loss at its default)")
+        if isinstance(min_variance, bool) or not (isinstance(min_variance, (int, float)) and math.isfinite(min_variance) and min_variance > 0):
+            raise ValueError(f"min_variance must be a finite number > 0, got {min_variance!r}")
+        dim_in = net.dim_in
+        dim_out = net.project_out.out_features if isinstance(net.project_out, nn.Linear) else net.attn_layers.dim
+        want = 2 * dim_in if probabilistic else dim_in
+        if dim_out != want:
+            what = "2 * dim_in (a mean and a log-variance per feature)" if probabilistic else "dim_in (it is fed back as input)"
+            raise ValueError(f"the net's dim_out must be {what} = {want} with probabilistic={probabilistic}, got dim_out={dim_out}")
+        probs = _drop_probs(cond_drop_prob)
+        _check_drop_kinds(net, cond_drop_prob)
+        _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
+        self._set_config(net=net, probabilistic=probabilistic, loss=loss, min_variance=min_variance,
+                         cond_drop_prob=cond_drop_prob, cond_drop_all_prob=cond_drop_all_prob)
+        self.net = net
+        self.probabilistic = probabilistic
+        self.loss = loss
+        self.min_variance = float(min_variance)
+        self.dim_in = dim_in
+        self.cond_drop_probs = probs
+        self.cond_drop_prob = max(probs.values())
+        self.cond_drop_all_prob = float(cond_drop_all_prob)
+        self.max_seq_len = net.max_seq_len
+
+    # ------------------------------------------------------------------------------------------------
+    # the distribution of the next step
+    # ------------------------------------------------------------------------------------------------
+
+    def _split(self, out: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(mean (..., d), log-variance (..., d) floored, or None)`` in float32 (float64 for float64)."""
+        out = out.to(torch.promote_types(out.dtype, torch.float32))
+        if not self.probabilistic:
+            return out, None
+        mean, raw = out.split(self.dim_in, dim=-1)
+        floor = torch.tensor(math.log(self.min_variance), dtype=raw.dtype, device=raw.device)
+        return mean, torch.logaddexp(raw, floor)  # log(exp(raw) + min_variance), stable both ways
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        prepend_embeds: Tensor | None = None,
+        prepend_mask: Tensor | None = None,
+        condition: Tensor | None = None,
+        condition_mask: Tensor | None = None,
+        reduction: str = "mean",
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Next-step loss of ``x (b, n, d)``.
+
+        Args:
+            x: the sequences. Values at padded positions (``mask`` False) may hold anything, NaN and
+                inf included: they are selected away before any arithmetic, as inputs and as targets.
+            mask: ``(b, n)`` padding mask (True = real), any layout (left padding counts positions of
+                real steps only). A target counts when it and the position predicting it are real.
+            context, context_mask: the cross-attention condition ``(b, j, c_ctx)`` / ``(b, j)``.
+            prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)``; only ``x`` is scored.
+            condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
+            reduction: ``"mean"`` over counted targets (0.0 with zero gradient when none counts),
+                ``"sum"``, or ``"none"``: ``(b, n - 1)`` per target (the mean over features), exactly
+                0 where a target does not count.
+            generator: the random source of condition dropping (training mode).
+
+        In training mode each condition given is dropped per sample (``cond_drop_prob``,
+        ``cond_drop_all_prob``). Returns the loss in float32 (float64 for float64 models).
+        """
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim_in:
+            raise ValueError(f"x must have shape (b, n, dim_in={self.dim_in}), got {getattr(x, 'shape', type(x))}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {list(_REDUCTIONS)}, got {reduction!r}")
+        b, n, _ = x.shape
+        if mask is not None:
+            validate_mask(mask, "mask", shape=(b, n), device=x.device)
+        if n < 1:
+            raise ValueError("x must hold at least one position (got n = 0)")
+        conds = _conditions_of(self.net, b, x.device, dict(
+            context=context, context_mask=context_mask, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
+            condition=condition, condition_mask=condition_mask))
+        if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
+            conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, generator=generator)
+        inp, target = x[:, :-1], x[:, 1:]
+        inp_mask = None if mask is None else mask[:, :-1]
+        counted = torch.ones(b, n - 1, dtype=torch.bool, device=x.device) if mask is None else mask[:, 1:] & mask[:, :-1]
+        out = self.net(inp, mask=inp_mask, **conds.kwargs())  # (b, n - 1, dim_out)
+        sel = counted[..., None]
+        acc = torch.promote_types(out.dtype, torch.float32)
+        zero = torch.zeros((), dtype=acc, device=x.device)
+        target = torch.where(sel, target.to(acc), zero)  # padded targets selected away before any arithmetic
+        mean, log_var = self._split(torch.where(sel, out.to(acc), zero))
+        if log_var is not None:
+            per = 0.5 * (log_var + (target - mean).square() * torch.exp(-log_var))
+        elif self.loss == "l1":
+            per = (mean - target).abs()
+        else:
+            per = (mean - target).square()
+        per = torch.where(counted, per.mean(dim=-1), zero)  # (b, n - 1)
+        if reduction == "none":
+            return per
+        total = per.sum()
+        if reduction == "sum":
+            return total
+        return total / counted.sum().clamp(min=1).to(acc)
+
+    # ------------------------------------------------------------------------------------------------
+    # generation
+    # ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        start: Tensor,
+        seq_len: int,
+        *,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        prepend_embeds: Tensor | None = None,
+        prepend_mask: Tensor | None = None,
+        condition: Tensor | None = None,
+        condition_mask: Tensor | None = None,
+        cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
+        guidance_rescale: float = 0.0,
+        guidance_interval: tuple[int, int] | None = None,
+        negative_context: Tensor | None = None,
+        negative_context_mask: Tensor | None = None,
+        negative_prepend_embeds: Tensor | None = None,
+        negative_prepend_mask: Tensor | None = None,
+        negative_condition: Tensor | None = None,
+        cache_kv: bool = True,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Generate ``seq_len`` new steps after ``start``, optionally with classifier-free guidance.
+
+        Args:
+            start: ``(b, n0, d)`` the first steps (left-padded when their lengths differ).
+            seq_len: how many steps to generate (>= 0).
+            mask: ``(b, n0)`` padding of ``start`` (True = real; every sample needs a real step).
+                Padded steps may hold anything (NaN included).
+            context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask: the
+                conditions, as in ``forward``.
+            cond_scale: a number (joint guidance ``uncond + s * (joint - uncond)``; 1.0 is plain
+                conditional generation and runs one branch, 0.0 unconditional), a mapping ``{"joint": s,
+                "context": s_c, "prepend": s_p, "condition": s_a}`` (compositional guidance), or a
+                callable ``step -> number | mapping``. Every branch runs in one batched forward sharing
+                one KV cache.
+            guidance_rescale: phi in ``[0, 1]``: pull the guided vector's standard deviation (over its
+                ``d`` features; needs ``d >= 2``) toward the joint branch's.
+            guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``; the others
+                take the joint (fully conditional) branch.
+            negative_context, negative_context_mask, negative_prepend_embeds, negative_prepend_mask,
+                negative_condition: the unconditional branch's conditions in place of the dropped
+                ones (batch ``b`` or 1).
+            cache_kv: decode with the KV cache (one new step per forward); the values equal those of
+                the uncached path to float tolerance.
+            temperature: a probabilistic model samples ``N(mean, var * temperature)`` (the guided mean,
+                the joint branch's variance); 0 gives the mean. A deterministic model returns its
+                (guided) prediction whatever the temperature. Guidance and sampling are computed in
+                float32 (float64 for float64 models); a value beyond the range of ``start``'s dtype (a
+                huge scale in float16) saturates at its largest finite value instead of becoming inf.
+            generator: the random source of probabilistic sampling (one ``(b, d)`` normal draw per
+                step).
+
+        Returns:
+            ``(b, seq_len, d)`` the new steps, in ``start``'s dtype.
+        """
+        if not isinstance(start, Tensor) or start.dim() != 3 or start.shape[-1] != self.dim_in:
+            raise ValueError(f"start must have shape (b, n0, dim_in={self.dim_in}), got {getattr(start, 'shape', type(start))}")
+        if not start.is_floating_point():
+            raise TypeError(f"start must be a floating-point tensor, got dtype {start.dtype}")
+        b, n0, _ = start.shape
+        device = start.device
+        if b == 0:
+            raise ValueError("start has batch size 0: nothing to generate (pass at least one sequence)")
+        if n0 == 0:
+            raise ValueError("start must hold at least one step per sample (got n0 = 0 positions)")
+        seq_len = _check_count(seq_len, "seq_len", 0)
+        if mask is not None:
+            validate_mask(mask, "mask", shape=(b, n0), device=device)
+            empty = ~mask.any(dim=1)
+            if bool(empty.any()):
+                raise ValueError(f"every start needs at least one real step; mask rows {empty.nonzero().flatten().tolist()} are all False")
+        temperature = _check_temperature(temperature)
+        guidance_rescale = _check_guidance_rescale(guidance_rescale)
+        if guidance_rescale > 0 and self.dim_in < 2:
+            raise ValueError(f"guidance_rescale needs dim_in >= 2 (a standard deviation over the features), got dim_in={self.dim_in}")
+        conds = _conditions_of(self.net, b, device, dict(
+            context=context, context_mask=context_mask, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
+            condition=condition, condition_mask=condition_mask))
+        negatives = _negatives(self.net, b, device, dict(
+            negative_context=negative_context, negative_context_mask=negative_context_mask,
+            negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask,
+            negative_condition=negative_condition))
+        conds = _with_negative_kinds(conds, negatives, b, device)
+        m = 0 if prepend_embeds is None else prepend_embeds.shape[1]
+        if self.net.pos_emb is not None and m + n0 + seq_len - 1 > self.max_seq_len:
+            raise ValueError(
+                f"a start of {n0} steps{f' after a prefix of {m}' if m else ''} plus seq_len={seq_len} new steps needs "
+                f"{m + n0 + seq_len - 1} positions, more than the model's max_seq_len={self.max_seq_len}")
+        schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
+                                          has_uncond=bool(conds.kinds()), steps=seq_len)
+        names, stacked = _branches(conds, negatives, schedule, seq_len,
+                                   need_joint=self.probabilistic or guidance_rescale > 0)
+        r = len(names)
+        out = start.new_zeros(b, seq_len, self.dim_in)
+        if seq_len == 0:
+            return out
+        was_training = self.training
+        self.eval()
+        try:
+            cache = None
+            seq, seq_mask = start, mask
+            for t in range(seq_len):
+                if cache_kv and t > 0:
+                    res, cache = self.net(_repeat(seq[:, -1:], r), cache=cache, return_cache=True)
+                    last = res[:, -1]
+                else:
+                    rm = _repeat(seq_mask, r)
+                    res = self.net(_repeat(seq, r), mask=rm, return_cache=cache_kv, **stacked.kwargs())
+                    if cache_kv:
+                        res, cache = res
+                    last = _last_real(res, rm)  # (r * b, dim_out)
+                mean, log_var = self._split(last)
+                if r > 1:
+                    means = dict(zip(names, mean.split(b)))
+                    uncond = means.pop("uncond")
+                    mean = _combine_values(uncond, means, schedule.at(t), guidance_rescale=guidance_rescale,
+                                           reference=means.get("joint"))
+                    if log_var is not None:
+                        log_var = log_var[: b]  # the joint branch comes first
+                if log_var is not None and temperature > 0:
+                    noise = torch.randn(mean.shape, generator=generator, device=device, dtype=mean.dtype)
+                    std = torch.exp(0.5 * log_var.clamp(max=math.log(torch.finfo(log_var.dtype).max) / 2))  # finite
+                    mean = mean + std * math.sqrt(temperature) * noise
+                big = torch.finfo(start.dtype).max  # a value beyond the model's dtype saturates instead of inf
+                value = mean.clamp(-big, big).to(start.dtype)
+                out[:, t] = value
+                seq = torch.cat((seq, value[:, None]), dim=1)
+                if seq_mask is not None:
+                    seq_mask = torch.cat((seq_mask, torch.ones(b, 1, dtype=torch.bool, device=device)), dim=1)
+        finally:
+            self.train(was_training)
+        return out
+
