@@ -159,8 +159,10 @@ def translate_aliases(owner: str, given: dict, aliases: dict, table: dict) -> di
     return out
 
 
-# the padding fraction from which "auto" runs the stack on real tokens only (benchmarks/NOTES.md)
-UNPADDED_THRESHOLD = 0.2
+# the padding fraction from which "auto" runs the stack on real tokens only: measured with
+# `python benchmarks/unpadded.py --sweep` (benchmarks/results/unpadded_threshold.md), the unpadded path
+# already wins at 6-12% padding on the CPU (0.95x / 0.89x the padded path's step time)
+UNPADDED_THRESHOLD = 0.1
 
 
 class AttentionLayers(Configurable, nn.Module):

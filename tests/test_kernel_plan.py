@@ -208,6 +208,7 @@ def test_decoder_with_padding_hands_the_kernel_b_1_i_j_at_most(plans):
     by every layer (one storage: the kernels' saved tensors do not hold a copy per layer); the real
     positions match each sample run alone (the recorder changed nothing)."""
     net = model()
+    net.attn_layers.unpadded = False  # the padded path (the unpadded one: test_layers.py)
     tokens, pad, *_ = inputs()
     calls = []
     with substitute_kernel(recorder(calls)):
