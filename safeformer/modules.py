@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from .attend import BACKENDS, PreparedMask, attend
+from .attend import BACKENDS, PreparedMask, _grad_select, attend
 from .masks import as_attention_mask, causal_mask, combine_masks
 
 __all__ = [
@@ -368,15 +368,17 @@ class Attention(nn.Module):
         self_pad = None  # (b, i): in self-attention, a (b, j) padding mask marks padding of x itself
         if not _inputs_finite and context is None and kv is None and isinstance(mask, Tensor):
             self_pad = _self_padding(mask, b, i, j)
-        if self_pad is not None:  # padded positions of x are no queries either: dead rows, output exactly 0
-            mask = as_attention_mask(mask, b, self.heads, i, j) & self_pad[:, None, :, None]  # (b, 1, i, j)
-        if _inputs_finite and self.to_out.bias is None:
+        if _inputs_finite and self.to_out.bias is None and self_pad is None:
             rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
         else:
             reach = None
             if bias is not None and isinstance(bias, Tensor) and bias.is_floating_point():
                 reach = bias.to(x.dtype) != float("-inf")  # a bias of -inf (in x's dtype) masks its key too
             rows_ok, keys_ok = _alive(mask, causal, b, self.heads, i, j, x.device, reach)
+        if self_pad is not None:
+            # padded positions of x are no queries either: selected to 0 at the input and at the output
+            # (the mask stays a broadcast key padding mask: no (b, 1, i, j) tensor for the kernel)
+            rows_ok = self_pad if rows_ok is None else rows_ok & self_pad
         # select masked inputs away *before* the projections: a NaN there would otherwise reach the
         # projection weights' gradients (0 * NaN) even though attend() never uses it
         if rows_ok is not None:
@@ -386,6 +388,8 @@ class Attention(nn.Module):
         q = rearrange(self.to_q(x_q), "b i (h d) -> b h i d", h=self.heads)
         if self.q_norm is not None:
             q = self.q_norm(q)
+        if self_pad is not None:  # the kernel sees padded queries as live rows: keep its backward there out
+            q = _grad_select(self_pad[:, None, :, None], q)
         if kv is not None:
             k, v = kv
         else:
@@ -399,6 +403,12 @@ class Attention(nn.Module):
                 v = torch.cat((past_kv[1], v), dim=2)
         if rotary is not None:
             q = apply_rotary(q, rotary[0])
+        if self_pad is not None:  # keys that only padded queries see are masked keys too: guard their gradients
+            seen = as_attention_mask(mask, b, self.heads, i, j) & self_pad[:, None, :, None]  # transient (b, 1, i, j)
+            if causal:
+                seen = seen & causal_mask(i, j, device=x.device)
+            key_seen = seen.any(dim=-2, keepdim=True).any(dim=1, keepdim=True).transpose(-1, -2)  # (b, 1, j, 1)
+            k, v = _grad_select(key_seen, k), _grad_select(key_seen, v)
         # q at dead rows and new k, v at masked keys are finite here (their inputs were selected to 0
         # above). Keys/values handed in (kv, past_kv) are input like any other: attend selects their
         # masked positions itself, unless the stack vouches for them (its own cache, _inputs_finite).
@@ -408,9 +418,11 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
             _inputs_finite=_inputs_finite or (kv is None and past_kv is None and bias is None),
         )  # (b, h, i, d)
+        if self_pad is not None:  # whatever the kernel returned for padded queries never reaches to_out
+            out = torch.where(self_pad[:, None, :, None], out, 0.0)
         out = self.to_out(rearrange(out, "b h i d -> b i (h d)"))
-        if rows_ok is not None and self.to_out.bias is not None:
-            out = torch.where(rows_ok[..., None], out, 0.0)  # a bias would move dead rows off 0
+        if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None):
+            out = torch.where(rows_ok[..., None], out, 0.0)  # a bias would move dead rows off 0; padding is 0
         return out, (k, v)
 
     def _forward_packed(self, h: Tensor, ctx_pad, mask, causal, rotary, bias, packed) -> Tensor:
