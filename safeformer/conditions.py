@@ -33,7 +33,8 @@ from torch import Tensor
 
 from .masks import validate_mask
 
-__all__ = ["KINDS", "Conditions", "guided_logits", "compose_guidance", "drop_conditions", "GuidanceSchedule"]
+__all__ = ["KINDS", "Conditions", "guided_logits", "compose_guidance", "drop_conditions", "GuidanceSchedule",
+           "guidance_branches", "drop_probabilities"]
 
 KINDS = ("context", "prepend", "condition")
 _NEG_INF = float("-inf")
@@ -391,3 +392,53 @@ def check_condition_args(conds: Conditions, b: int, device, *, dim_context: int 
         t, m = conds.pair(kind)
         if m is not None and t is None:
             raise ValueError(f"{prefix}{_PAIRS[kind][1]} was given without {prefix}{_PAIRS[kind][0]}")
+
+
+def drop_probabilities(cond_drop_prob) -> dict[str, float]:
+    """``{kind: p}`` from one number (every kind) or a mapping ``{"context" | "prepend" | "condition": p}``."""
+    def check(p, name):
+        if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
+            raise ValueError(f"{name} must be in [0, 1], got {p!r}")
+        return float(p)
+
+    if isinstance(cond_drop_prob, Mapping):
+        bad = [k for k in cond_drop_prob if k not in KINDS]
+        if bad:
+            raise ValueError(f"cond_drop_prob names unknown conditions {bad}; use 'context', 'prepend', 'condition'")
+        return {k: check(cond_drop_prob.get(k, 0.0), f"cond_drop_prob[{k!r}]") for k in KINDS}
+    p = check(cond_drop_prob, "cond_drop_prob")
+    return {k: p for k in KINDS}
+
+
+def guidance_branches(conds: Conditions, negatives: Conditions, schedule: GuidanceSchedule, steps: int, *,
+                      need_joint: bool = False, nulls: Mapping[str, tuple[Tensor, Tensor | None]] | None = None,
+                      ) -> tuple[tuple[str, ...], list[Conditions]]:
+    """The branches guidance needs, in order (``joint`` first when run, then ``uncond``, then one per
+    guided kind), and each branch's conditions.
+
+    ``joint`` keeps every condition, ``uncond`` drops them all (or uses the negatives), ``<kind>`` keeps
+    only that kind. A dropped kind is its tensor with an all-False mask (an exact no-op), the stack's null
+    condition for the adaptive kind, or ``nulls[kind]`` (a learned null token). A branch whose scale is 0
+    at every step is not run (the joint one still is when ``need_joint``: the rescale's reference, a
+    probabilistic model's variance), so ``cond_scale=0`` runs the unconditional branch alone.
+    """
+    if not schedule.branches:
+        return ("joint",), [conds]
+    table = [schedule.at(t) for t in range(max(steps, 1))]
+    used = {k for scales in table for k, s in scales.items() if s != 0}
+    others = tuple(k for k in schedule.branches if k != "joint" and k in used)
+    joint = ("joint",) if ("joint" in used or need_joint) else ()
+    names = joint + ("uncond",) + others
+    branches = []
+    for name in names:
+        br = conds
+        for kind in conds.kinds():
+            if name in ("joint", kind):
+                continue
+            neg_t, neg_m = negatives.pair(kind)
+            if name == "uncond" and neg_t is not None:
+                br = br.with_pair(kind, neg_t, _full_mask(neg_t, neg_m, kind))
+            else:
+                br = br.with_pair(kind, *null_of(conds, kind, (nulls or {}).get(kind)))
+        branches.append(br)
+    return names, branches

@@ -30,10 +30,10 @@ from .conditions import (
     GuidanceSchedule,
     check_condition_args,
     drop_conditions,
-    null_of,
+    drop_probabilities,
+    guidance_branches,
     stack_conditions,
 )
-from .generation import _drop_probs
 from .masks import check_finite, validate_mask
 from .wrappers import ContinuousTransformerWrapper
 
@@ -64,7 +64,7 @@ def _check_drop_kinds(net, cond_drop_prob) -> None:
     layers = net.attn_layers
     can = {"context": layers.has_cross, "prepend": True, "condition": layers.adaptive}
     if isinstance(cond_drop_prob, Mapping):
-        for kind, p in _drop_probs(cond_drop_prob).items():
+        for kind, p in drop_probabilities(cond_drop_prob).items():
             if p > 0 and not can[kind]:
                 raise ValueError(f"cond_drop_prob[{kind!r}] > 0 but the net cannot take that condition")
 
@@ -111,42 +111,10 @@ def _with_negative_kinds(conds: Conditions, negatives: Conditions, b: int, devic
     return conds
 
 
-def _full_mask_of(t: Tensor, m: Tensor | None, kind: str) -> Tensor:
-    if m is not None:
-        return m
-    return torch.ones(t.shape[:1] if kind == "condition" else t.shape[:2], dtype=torch.bool, device=t.device)
-
-
 def _branches(conds: Conditions, negatives: Conditions, schedule: GuidanceSchedule, steps: int,
               need_joint: bool = False) -> tuple[tuple[str, ...], Conditions]:
-    """The names of the branches guidance needs and their conditions stacked into one batch of ``r * b``.
-
-    ``joint`` keeps every condition, ``uncond`` drops them all (or uses the negatives), ``<kind>`` keeps
-    only that kind. A dropped kind is its tensor with an all-False mask (an exact no-op), or the stack's
-    null condition for the adaptive kind. A branch whose scale is 0 at every step is not run (the joint
-    one still is when ``need_joint``: a probabilistic model's variance, the rescale's reference), so
-    ``cond_scale=0`` runs the unconditional branch alone.
-    """
-    kinds = conds.kinds()
-    if not schedule.branches:
-        return ("joint",), conds
-    table = [schedule.at(t) for t in range(max(steps, 1))]
-    used = {k for scales in table for k, s in scales.items() if s != 0}
-    others = tuple(k for k in schedule.branches if k != "joint" and k in used)
-    joint = ("joint",) if ("joint" in used or need_joint) else ()
-    names = joint + ("uncond",) + others
-    branches = []
-    for name in names:
-        br = conds
-        for kind in kinds:
-            if name in ("joint", kind):
-                continue
-            neg = negatives.pair(kind)
-            if name == "uncond" and neg[0] is not None:
-                br = br.with_pair(kind, neg[0], _full_mask_of(neg[0], neg[1], kind))
-            else:
-                br = br.with_pair(kind, *null_of(conds, kind))
-        branches.append(br)
+    """``guidance_branches``, stacked into one batch of ``r * b``."""
+    names, branches = guidance_branches(conds, negatives, schedule, steps, need_joint=need_joint)
     return names, stack_conditions(branches)
 
 
@@ -273,7 +241,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         if dim_out != want:
             what = "2 * dim_in (a mean and a log-variance per feature)" if probabilistic else "dim_in (it is fed back as input)"
             raise ValueError(f"the net's dim_out must be {what} = {want} with probabilistic={probabilistic}, got dim_out={dim_out}")
-        probs = _drop_probs(cond_drop_prob)
+        probs = drop_probabilities(cond_drop_prob)
         _check_drop_kinds(net, cond_drop_prob)
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
         self._set_config(net=net, probabilistic=probabilistic, loss=loss, min_variance=min_variance,

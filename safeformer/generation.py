@@ -29,8 +29,9 @@ from .conditions import (
     check_condition_args,
     compose_guidance,
     drop_conditions,
+    drop_probabilities,
+    guidance_branches,
     guided_logits,
-    null_of,
     stack_conditions,
 )
 from .losses import next_token_loss
@@ -279,26 +280,12 @@ class _Stepper:
     """
 
     def __init__(self, net, b: int, conds: Conditions, nulls: dict, negatives: Conditions,
-                 schedule: GuidanceSchedule, guidance_rescale: float, space: str, cache_kv: bool, two_pass: bool):
+                 schedule: GuidanceSchedule, guidance_rescale: float, space: str, cache_kv: bool, two_pass: bool,
+                 steps: int = 1):
         self.net, self.b, self.cache_kv = net, b, cache_kv
         self.schedule, self.guidance_rescale, self.space = schedule, guidance_rescale, space
-        kinds = conds.kinds()
-        # the joint (fully conditional) branch first, then the unconditional one, then one per condition
-        others = tuple(k for k in schedule.branches if k != "joint")
-        self.names = ((("joint",) if "joint" in schedule.branches else ()) + ("uncond",) + others
-                      if schedule.branches else ("joint",))
-        branches = []
-        for name in self.names:
-            br = conds
-            for kind in kinds:
-                if name == "joint" or name == kind:
-                    continue
-                neg = negatives.pair(kind)
-                if name == "uncond" and neg[0] is not None:
-                    br = br.with_pair(kind, neg[0], _mask_of(neg, kind))
-                else:
-                    br = br.with_pair(kind, *null_of(conds, kind, nulls.get(kind)))
-            branches.append(br)
+        self.names, branches = guidance_branches(conds, negatives, schedule, steps,
+                                                 need_joint=guidance_rescale > 0, nulls=nulls)
         if two_pass or len(branches) == 1:
             self.runs = [(br, 1) for br in branches]
         else:
@@ -325,13 +312,6 @@ class _Stepper:
         uncond = by_name.pop("uncond")
         return compose_guidance(uncond, by_name, self.schedule.at(t), guidance_rescale=self.guidance_rescale,
                                 reference=by_name.get("joint"), space=self.space)
-
-
-def _mask_of(pair, kind: str) -> Tensor:
-    t, m = pair
-    if m is not None:
-        return m
-    return torch.ones(t.shape[:1] if kind == "condition" else t.shape[:2], dtype=torch.bool, device=t.device)
 
 
 def _check_context_arg(t: Tensor | None, name: str, b: int, device, width: int | None = None) -> None:
@@ -484,7 +464,8 @@ def generate_tokens(
     was_training = net.training
     net.eval()
     try:
-        step = _Stepper(net, b, conds, nulls, negatives, schedule, guidance_rescale, guidance_space, cache_kv, _two_pass)
+        step = _Stepper(net, b, conds, nulls, negatives, schedule, guidance_rescale, guidance_space, cache_kv, _two_pass,
+                        steps=seq_len)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         seq, seq_mask, new = prompts, mask, None
         for t in range(seq_len):
@@ -557,7 +538,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
         if not net.attn_layers.causal:
             raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token training and generation")
-        probs = _drop_probs(cond_drop_prob)
+        probs = drop_probabilities(cond_drop_prob)
         if isinstance(cond_drop_all_prob, bool) or not (isinstance(cond_drop_all_prob, (int, float)) and 0.0 <= cond_drop_all_prob <= 1.0):
             raise ValueError(f"cond_drop_all_prob must be in [0, 1], got {cond_drop_all_prob!r}")
         if null_context not in ("empty", "learned"):
@@ -768,19 +749,3 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             )
         finally:
             self.train(was_training)
-
-
-def _drop_probs(cond_drop_prob) -> dict[str, float]:
-    """``{kind: p}`` from one number (every kind) or a mapping; validated."""
-    def check(p, name):
-        if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
-            raise ValueError(f"{name} must be in [0, 1], got {p!r}")
-        return float(p)
-
-    if isinstance(cond_drop_prob, Mapping):
-        bad = [k for k in cond_drop_prob if k not in ("context", "prepend", "condition")]
-        if bad:
-            raise ValueError(f"cond_drop_prob names unknown conditions {bad}; use 'context', 'prepend', 'condition'")
-        return {k: check(cond_drop_prob.get(k, 0.0), f"cond_drop_prob[{k!r}]") for k in ("context", "prepend", "condition")}
-    p = check(cond_drop_prob, "cond_drop_prob")
-    return {"context": p, "prepend": p, "condition": p}

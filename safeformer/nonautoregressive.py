@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import Configurable
-from .conditions import GuidanceSchedule, compose_guidance, drop_conditions
+from .conditions import GuidanceSchedule, compose_guidance, drop_conditions, drop_probabilities
 from .continuous import (
     _branches,
     _check_count,
@@ -40,7 +40,7 @@ from .continuous import (
     _repeat,
     _with_negative_kinds,
 )
-from .generation import _drop_probs, _resolve_filter, sample_logits
+from .generation import _resolve_filter, sample_logits
 from .masks import safe_cross_entropy, validate_mask
 from .wrappers import TransformerWrapper
 
@@ -149,7 +149,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             raise ValueError(f"pad_value must be a token id in [0, num_tokens={v}), got {pad_value!r}")
         if pad_value == mask_id:
             raise ValueError(f"pad_value must differ from mask_id={mask_id} (no mask_id is left in an output)")
-        probs = _drop_probs(cond_drop_prob)
+        probs = drop_probabilities(cond_drop_prob)
         _check_drop_kinds(net, cond_drop_prob)
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
         self._set_config(net=net, mask_id=mask_id, steps=steps, schedule=schedule, pad_value=pad_value,
