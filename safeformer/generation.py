@@ -47,6 +47,8 @@ __all__ = [
     "top_k",
     "top_p",
     "min_p",
+    "top_a",
+    "left_pad",
     "FILTERS",
 ]
 
@@ -120,7 +122,29 @@ def min_p(logits: Tensor, min_p: float = 0.1) -> Tensor:
     return logits.masked_fill(probs < limit, _NEG_INF)
 
 
-FILTERS: dict[str, Callable[..., Tensor]] = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+def top_a(logits: Tensor, min_p_pow: float = 2.0, min_p_ratio: float = 0.02) -> Tensor:
+    """Keep the tokens whose probability is at least ``min_p_ratio * p_max ** min_p_pow`` (x-transformers'
+    ``top_a``); the most probable token is always kept.
+
+    Args:
+        logits: ``(..., v)`` scores.
+        min_p_pow: the power of the largest probability, > 0.
+        min_p_ratio: the ratio, in ``[0, 1]``.
+
+    Returns:
+        ``(..., v)`` filtered logits.
+    """
+    if isinstance(min_p_pow, bool) or not (isinstance(min_p_pow, (int, float)) and min_p_pow > 0 and math.isfinite(min_p_pow)):
+        raise ValueError(f"top_a needs min_p_pow > 0, got {min_p_pow!r}")
+    if isinstance(min_p_ratio, bool) or not (isinstance(min_p_ratio, (int, float)) and 0.0 <= min_p_ratio <= 1.0):
+        raise ValueError(f"top_a needs min_p_ratio in [0, 1], got {min_p_ratio!r}")
+    probs = logits.float().softmax(dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    limit = torch.minimum(top.pow(min_p_pow) * min_p_ratio, top)  # never above the best token
+    return logits.masked_fill(probs < limit, _NEG_INF)
+
+
+FILTERS: dict[str, Callable[..., Tensor]] = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "top_a": top_a}
 
 
 def _resolve_filter(filter_logits_fn) -> Callable[..., Tensor] | None:
@@ -702,7 +726,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
 
         Args:
-            prompts: ``(b, n)`` token ids (left-padded when lengths differ).
+            prompts: ``(b, n)`` token ids (left-padded when lengths differ, with ``mask``), or a list of
+                ``b`` 1-D token tensors of any lengths (left-padded here; ``mask`` must be None).
             seq_len: how many tokens to generate.
             mask: ``(b, n)`` prompt padding mask (True = real); every prompt needs a real token.
             context, context_mask: the cross-attention condition ``(b, j, c_ctx)`` / ``(b, j)``.
@@ -734,6 +759,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             >>> model.generate(prompt, 64, context=text, context_mask=text_mask, condition=style,
             ...                cond_scale={"context": 3.0, "condition": 1.5})
         """
+        if isinstance(prompts, (list, tuple)):  # x-transformers' way: 1-D prompts of different lengths
+            if mask is not None:
+                raise ValueError("mask was given with a list of prompts: the list's lengths are the mask")
+            prompts, mask = left_pad(prompts, self.pad_value)
         neg = self._negatives(prompts, negative_context, negative_context_mask, negative_prepend_embeds,
                               negative_prepend_mask, negative_condition)
         was_training = self.training
@@ -749,3 +778,30 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             )
         finally:
             self.train(was_training)
+
+
+def left_pad(prompts, pad_value: int = 0) -> tuple[Tensor, Tensor]:
+    """``(tokens (b, n), mask (b, n))`` from ``b`` 1-D token tensors of any lengths, left-padded.
+
+    Raises:
+        ValueError / TypeError: an empty list, a prompt that is not 1-D, empty or not integer, or
+        prompts on different devices.
+    """
+    if len(prompts) == 0:
+        raise ValueError("prompts is an empty list: nothing to generate (pass at least one prompt)")
+    for k, p in enumerate(prompts):
+        if not isinstance(p, Tensor) or p.dim() != 1:
+            raise ValueError(f"prompts[{k}] must be a 1-D tensor of token ids, got {getattr(p, 'shape', type(p))}")
+        if p.dtype.is_floating_point or p.dtype == torch.bool or p.is_complex():
+            raise TypeError(f"prompts[{k}] must hold integer token ids, got dtype {p.dtype}")
+        if p.numel() == 0:
+            raise ValueError(f"prompts[{k}] is empty: every prompt needs at least one token")
+        if p.device != prompts[0].device:
+            raise ValueError(f"prompts[{k}] is on {p.device}, prompts[0] on {prompts[0].device}")
+    n = max(p.numel() for p in prompts)
+    tokens = torch.full((len(prompts), n), pad_value, dtype=torch.long, device=prompts[0].device)
+    mask = torch.zeros(len(prompts), n, dtype=torch.bool, device=prompts[0].device)
+    for k, p in enumerate(prompts):
+        tokens[k, n - p.numel():] = p
+        mask[k, n - p.numel():] = True
+    return tokens, mask

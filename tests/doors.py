@@ -225,7 +225,7 @@ def probe_sampling(seed: int, value: float) -> Probe:
         torch.manual_seed(seed)
         tok = sf.sample_logits(logits, 1.0, fn, kw)
         assert bool((tok >= v // 2).all()), f"a banned token was drawn with filter {fn}"
-    for f, kw in ((sf.top_k, {"k": 3}), (sf.top_p, {"p": 0.5}), (sf.min_p, {"min_p": 0.2})):
+    for f, kw in ((sf.top_k, {"k": 3}), (sf.top_p, {"p": 0.5}), (sf.min_p, {"min_p": 0.2}), (sf.top_a, {})):
         kept = f(logits, **kw)
         assert bool((kept[:, : v // 2] == -INF).all()), f"{f.__name__} revived a banned token"
         assert bool(torch.isfinite(kept).any(-1).all()), f"{f.__name__} left a row with no token"
@@ -234,6 +234,9 @@ def probe_sampling(seed: int, value: float) -> Probe:
         ("k of 0", lambda: sf.top_k(logits, 0), ValueError, "k"),
         ("p above 1", lambda: sf.top_p(logits, 1.5), ValueError, "p"),
         ("min_p below 0", lambda: sf.min_p(logits, -0.1), ValueError, "min_p"),
+        ("top_a ratio above 1", lambda: sf.top_a(logits, min_p_ratio=1.5), ValueError, "min_p_ratio"),
+        ("a 2-D prompt in a list", lambda: sf.left_pad([torch.zeros(2, 2, dtype=torch.long)]), ValueError, "prompts[0]"),
+        ("an empty prompt list", lambda: sf.left_pad([]), ValueError, "empty list"),
         ("unknown filter", lambda: sf.sample_logits(logits, 1.0, "top_q"), ValueError, "filter_logits_fn"),
     ])
 
@@ -633,6 +636,8 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("top_k", probe_sampling),
     Door("top_p", probe_sampling),
     Door("min_p", probe_sampling),
+    Door("top_a", probe_sampling),
+    Door("left_pad", probe=probe_generate_tokens, note="the list-of-prompts path of generate"),
     Door("drop_condition", probe_drop_condition),
     Door("drop_conditions", probe=probe_drop_conditions),
     Door("compose_guidance", probe=probe_compose_guidance),

@@ -88,3 +88,45 @@ def test_x_transformers_readme_decoder_runs_with_the_import_changed():
     with torch.no_grad():
         logits = model(x)
     assert logits.shape == (1, 64, 20000) and bool(torch.isfinite(logits).all())
+
+
+# ----------------------------------------------------------------------------------------------------
+# generation as x-transformers users call it
+# ----------------------------------------------------------------------------------------------------
+
+
+def _ar():
+    torch.manual_seed(0)
+    return sf.AutoregressiveWrapper(sf.TransformerWrapper(num_tokens=13, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=16, depth=2, heads=2, dim_head=8, rotary_pos_emb=True)).double())
+
+
+def test_generate_takes_a_list_of_prompts_of_different_lengths():
+    """A list of 1-D prompts is left-padded by generate itself: the same tokens as the padded batch with
+    its mask, and as each prompt alone (positions count real tokens only)."""
+    model = _ar()
+    prompts = [torch.tensor([3, 4, 5, 6]), torch.tensor([7]), torch.tensor([8, 9])]
+    got = model.generate(prompts, 5, temperature=0.0)
+    tokens, mask = sf.left_pad(prompts)
+    assert torch.equal(mask.sum(1), torch.tensor([4, 1, 2]))
+    assert torch.equal(got, model.generate(tokens, 5, mask=mask, temperature=0.0))
+    for k, p in enumerate(prompts):
+        assert torch.equal(got[k], model.generate(p[None], 5, temperature=0.0)[0]), f"prompt {k} alone"
+    with pytest.raises(ValueError, match="mask"):
+        model.generate(prompts, 2, mask=mask)
+    with pytest.raises(ValueError, match="prompts\\[1\\]"):
+        model.generate([torch.tensor([1]), torch.tensor([], dtype=torch.long)], 2)
+    with pytest.raises(TypeError, match="prompts\\[0\\]"):
+        model.generate([torch.tensor([1.0])], 2)
+
+
+def test_top_a_keeps_tokens_above_the_power_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = sf.top_a(logits, min_p_pow=2.0, min_p_ratio=0.5)  # limit 0.5 * 0.5**2 = 0.125
+    assert torch.isfinite(kept[0, :3]).all() and kept[0, 3] == float("-inf")
+    assert torch.equal(sf.top_a(logits, min_p_ratio=0.0), logits)
+    one = sf.top_a(torch.tensor([[0.0, -1e9]]), min_p_pow=1.0, min_p_ratio=1.0)
+    assert one[0, 0] == 0.0 and one[0, 1] == float("-inf"), "the best token is always kept"
+    model = _ar()
+    toks = model.generate([torch.tensor([1, 2])], 4, filter_logits_fn="top_a", filter_kwargs={"min_p_ratio": 0.1})
+    assert toks.shape == (1, 4)
