@@ -1,5 +1,8 @@
 """pytest configuration for the safeformer suite.
 
+Hypothesis examples are seeded per commit (``_commit_seed``): new examples on every commit, the same
+ones in CI and locally for one commit.
+
 Hypothesis profiles: ``safeformer`` (30 examples a test, used locally and in CI) and ``thorough`` (300);
 pick one with ``HYPOTHESIS_PROFILE=thorough pytest``. Examples have no deadline: the first call of a
 kernel can be slow, and tensors make per-example time uneven.
@@ -34,6 +37,41 @@ settings.register_profile(
     max_examples=300,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "safeformer"))
+
+
+def _commit_seed() -> int:
+    """The examples' seed: ``SAFEFORMER_HYPOTHESIS_SEED``, else one derived from the checked-out commit.
+
+    Every commit draws new examples (nothing is derandomized into the same few forever), and a given
+    commit draws the same ones everywhere, so a failure in CI reproduces locally on that commit
+    (``pytest --hypothesis-seed=N`` overrides both).
+    """
+    if "SAFEFORMER_HYPOTHESIS_SEED" in os.environ:
+        return int(os.environ["SAFEFORMER_HYPOTHESIS_SEED"])
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(__file__)).stdout.strip()
+        return int(head[:12], 16)
+    except (OSError, ValueError, subprocess.SubprocessError):  # no git: a new seed per day
+        import datetime
+
+        return int(datetime.date.today().strftime("%Y%m%d"))
+
+
+HYPOTHESIS_SEED = _commit_seed()
+
+
+def pytest_configure(config):
+    from hypothesis import core
+
+    if config.getoption("hypothesis_seed", default=None) is None:
+        core.global_force_seed = HYPOTHESIS_SEED
+
+
+def pytest_report_header(config):
+    return f"hypothesis seed: {HYPOTHESIS_SEED} (from the commit; reproduce with SAFEFORMER_HYPOTHESIS_SEED={HYPOTHESIS_SEED})"
 
 
 @pytest.fixture(autouse=True)
