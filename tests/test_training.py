@@ -44,7 +44,7 @@ def _step(model, opt, sched):
     loss.backward()
     opt.step()
     sched.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def test_interrupted_run_resumed_equals_uninterrupted_bit_for_bit(tmp_path):
