@@ -577,30 +577,68 @@ def plot_samples(path: Path, scored: dict, cfg: Config, per_cell: int = 2) -> No
     plt.close(fig)
 
 
-def plot_losses(path: Path, history: dict) -> None:
+def centred_mean(values, window: int) -> np.ndarray:
+    """Centred moving average: point i is the mean of ``values[i - h : i + h + 1]`` with ``h = window // 2``,
+    the half-width shrinking to ``min(h, i, n - 1 - i)`` near the ends so every window stays centred on its
+    point (no lag, unlike a trailing mean; the first and last points are their own average)."""
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    if n == 0:
+        return x
+    i = np.arange(n)
+    h = np.minimum(max(int(window) // 2, 0), np.minimum(i, n - 1 - i))
+    c = np.concatenate(([0.0], np.cumsum(x)))
+    return (c[i + h + 1] - c[i - h]) / (2 * h + 1)
+
+
+def plot_loss_curves(path, train_loss, *, val: dict | None = None, lr=None, resumes=(), title: str = "training loss",
+                     ylabel: str = "loss", window: int | None = None) -> None:
+    """A loss plot: the raw training loss per step (steps 1..n), its centred moving average, validation
+    curves (``val``: label -> (steps, values)), the learning rate per step on a right-hand axis, and a
+    dashed vertical line at each step a resumed run continued from (``resumes``). Used by the examples too."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    train = np.array(history["train"], dtype=float)
-    steps = np.arange(1, len(train) + 1)
-    ax.plot(steps, train, lw=0.5, alpha=0.4, color="C0")
-    w = min(50, len(train))
-    ax.plot(steps[w - 1:], np.convolve(train, np.ones(w) / w, mode="valid"), color="C0", label=f"train (mean of {w})")
-    if history["val"]:
-        s, both, text, thick, none = zip(*history["val"])
-        ax.plot(s, both, "o-", color="C1", label="validation, word + thickness")
-        ax.plot(s, text, "^-", color="C3", label="validation, word only")
-        ax.plot(s, thick, "v-", color="C4", label="validation, thickness only")
-        ax.plot(s, none, "s--", color="C2", label="validation, neither")
-    ax.set_xlabel("step")
-    ax.set_ylabel("next-token loss (nats)")
-    ax.legend()
+    train_loss = np.asarray(train_loss, dtype=float)
+    steps = np.arange(1, len(train_loss) + 1)
+    window = window or max(5, min(101, len(train_loss) // 20 * 2 + 1))  # about 10% of the run, odd
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(steps, train_loss, lw=0.6, alpha=0.35, color="C0", label="train (raw, per step)")
+    ax.plot(steps, centred_mean(train_loss, window), lw=1.6, color="C0", label=f"train (centred mean of {window})")
+    markers = "o^vs*Dx"
+    for k, (label, (s, v)) in enumerate((val or {}).items()):
+        ax.plot(s, v, marker=markers[k % len(markers)], ms=4, ls="-", color=f"C{k + 1}", label=label)
+    for k, r in enumerate(resumes):
+        ax.axvline(r, color="0.3", ls="--", lw=1, label="resumed here" if k == 0 else None)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    if lr is not None and len(lr):
+        ax2 = ax.twinx()
+        ax2.plot(np.arange(1, len(lr) + 1), lr, lw=1, ls=":", color="0.45", label="learning rate (right axis)")
+        ax2.set_ylabel("learning rate")
+        ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_losses(path: Path, history: dict, lr=None) -> None:
+    """train.py's loss plot: the training loss (raw and smoothed), the four validation losses, the learning
+    rate per step (``lr``, from ``learning_rate``) and the steps where ``--resume`` continued."""
+    val = {}
+    if history["val"]:
+        s, both, text, thick, none = zip(*history["val"])
+        val = {"validation, word + thickness": (s, both), "validation, word only": (s, text),
+               "validation, thickness only": (s, thick), "validation, neither": (s, none)}
+    plot_loss_curves(path, history["train"], val=val, lr=lr, resumes=history.get("resumes", ()),
+                     title="digits: training and validation loss", ylabel="next-token loss (nats)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -703,6 +741,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if cfg.resume:
         trainer = load_checkpoint(ckpt, job, opt, device)
         start, history, skipped, counts = trainer["step"], trainer["history"], trainer["skipped"], trainer["counts"]
+        history.setdefault("resumes", []).append(start)  # the loss plot marks where each session continued
     train_model = job
     if distributed and not fsdp:  # find_unused_parameters: a step may leave the null condition or the text encoder unused
         train_model = torch.nn.parallel.DistributedDataParallel(
@@ -797,7 +836,7 @@ def main(argv: list[str] | None = None) -> dict | None:
           f"decoder (empty or dropped) {counts['text_absent']:,}, thickness dropped {counts['thickness_dropped']:,}, "
           f"both absent {counts['both_absent']:,}")
     plot_samples(out / "samples.png", scored, cfg)
-    plot_losses(out / "loss.png", history)
+    plot_losses(out / "loss.png", history, [learning_rate(cfg, s) for s in range(len(history["train"]))])
     table = [{k: v for k, v in dict(setting=name, **r).items() if k != "images"} for name, r in scored["settings"].items()]
     last = history["val"][-1] if history["val"] else [None] * 5
     metrics = dict(

@@ -82,26 +82,36 @@ def generate_long(model: AutoregressiveWrapper, prompt: torch.Tensor, length: in
     return seq[len(prompt):]
 
 
+def plot_losses(path: Path, losses: list[float], lrs: list[float], val: dict | None = None, title: str = "") -> None:
+    """train.py's loss plot (raw and centred-mean training loss, validation, learning rate per step), reused."""
+    root = str(Path(__file__).resolve().parents[1])  # the repository root, where train.py lives
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from train import plot_loss_curves
+
+    plot_loss_curves(path, losses, val=val, lr=lrs, title=title)
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Train, evaluate, sample, print; returns the metrics (also written to ``--out`` when given)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("text", nargs="?", default=None, help="a UTF-8 text file (default: Python's help topics)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("text", nargs="?", default=None, help="a UTF-8 text file (None: Python's own help topics, offline)")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    p.add_argument("--batch_size", type=int, default=32, help="byte windows per step")
     p.add_argument("--seq_len", type=int, default=128, help="bytes of context per window")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--log_every", type=int, default=100)
-    p.add_argument("--eval_every", type=int, default=250)
-    p.add_argument("--eval_batches", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128, help="model width")
+    p.add_argument("--depth", type=int, default=3, help="layers")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the one-cycle schedule (AdamW)")
+    p.add_argument("--log_every", type=int, default=100, help="print the mean training loss every N steps")
+    p.add_argument("--eval_every", type=int, default=250, help="validation loss every N steps")
+    p.add_argument("--eval_batches", type=int, default=8, help="validation batches per evaluation")
     p.add_argument("--sample_len", type=int, default=300, help="bytes to generate at the end")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init, the data and sampling")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (0: PyTorch's default)")
-    p.add_argument("--out", default="", help="if set, write metrics.json and the model (save_pretrained) here")
+    p.add_argument("--out", default="", help="if set, write metrics.json, loss.png (loss curves) and the model (save_pretrained) here")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
         if getattr(args, name) <= 0:
@@ -129,12 +139,13 @@ def main(argv: list[str] | None = None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     g = torch.Generator().manual_seed(args.seed + 1)
-    losses, val_losses = [], []
+    losses, val_losses, lrs = [], [], []
     for step in tqdm(range(1, args.steps + 1), desc="char-lm", file=sys.stderr, dynamic_ncols=True):
         loss = model(windows(train, args.batch_size, n, g))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lrs.append(opt.param_groups[0]["lr"])  # the OneCycleLR rate this step used
         opt.step()
         sched.step()
         losses.append(loss.item())
@@ -159,7 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
         out = Path(args.out)
         model.save_pretrained(out / "model")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        print(f"wrote {out / 'metrics.json'} and {out / 'model'}/")
+        plot_losses(out / "loss.png", losses, lrs, val={"validation": tuple(zip(*val_losses))},
+                    title="char-lm: training and validation loss (nats per byte)")
+        print(f"wrote {out / 'metrics.json'}, {out / 'loss.png'} and {out / 'model'}/")
     return metrics
 
 

@@ -69,19 +69,21 @@ def spectrum_features(signals: torch.Tensor) -> torch.Tensor:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=1500, help="training steps")
-    p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--cond_drop_prob", type=float, default=0.2)
+    p.add_argument("--batch_size", type=int, default=64, help="signals per step")
+    p.add_argument("--dim", type=int, default=64, help="model width")
+    p.add_argument("--depth", type=int, default=3, help="layers")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the one-cycle schedule (AdamW)")
+    p.add_argument("--cond_drop_prob", type=float, default=0.2, help="probability of dropping a sample's class (CFG)")
     p.add_argument("--samples", type=int, default=64, help="generated signals per class and scale")
-    p.add_argument("--scales", type=float, nargs="+", default=[0.0, 1.0, 3.0])
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--scales", type=float, nargs="+", default=[0.0, 1.0, 3.0], help="guidance scales to sample at (0: unconditional, 1: conditional)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: PyTorch's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=str, default="runs/continuous_signal")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init, the data and sampling")
+    p.add_argument("--out", type=str, default="runs/continuous_signal",
+                   help="output folder: metrics.json, continuous_signal.png (samples), loss.png (loss curves)")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     args = p.parse_args(argv)
     if args.quick:
@@ -89,7 +91,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def train(args) -> tuple[ContinuousAutoregressiveWrapper, list[float]]:
+def train(args) -> tuple[ContinuousAutoregressiveWrapper, list[float], list[float]]:
     torch.manual_seed(args.seed)
     net = ContinuousTransformerWrapper(
         dim_in=1, dim_out=2, max_seq_len=LENGTH + 1,
@@ -99,7 +101,7 @@ def train(args) -> tuple[ContinuousAutoregressiveWrapper, list[float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(args.steps, 1), pct_start=0.1)
     g = torch.Generator().manual_seed(args.seed + 1)
-    losses = []
+    losses, lrs = [], []
     model.train()
     for step in range(args.steps):
         labels = torch.randint(0, len(CLASSES), (args.batch_size,), generator=g)
@@ -108,12 +110,13 @@ def train(args) -> tuple[ContinuousAutoregressiveWrapper, list[float]]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lrs.append(opt.param_groups[0]["lr"])  # the OneCycleLR rate this step used
         opt.step()
         sched.step()
         losses.append(loss.item())
         if (step + 1) % max(args.steps // 10, 1) == 0:
             print(f"step {step + 1:5d} | loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", file=sys.stderr)
-    return model.eval(), losses
+    return model.eval(), losses, lrs
 
 
 def classifier(seed: int):
@@ -151,6 +154,16 @@ def plot(path: Path, generated: dict[float, torch.Tensor], labels: torch.Tensor,
     plt.close(fig)
 
 
+def plot_losses(path: Path, losses: list[float], lrs: list[float], val: dict | None = None, title: str = "") -> None:
+    """train.py's loss plot (raw and centred-mean training loss, validation, learning rate per step), reused."""
+    root = str(Path(__file__).resolve().parents[1])  # the repository root, where train.py lives
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from train import plot_loss_curves
+
+    plot_loss_curves(path, losses, val=val, lr=lrs, title=title)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     if args.threads:
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    model, losses = train(args)
+    model, losses, lrs = train(args)
     train_s = time.time() - t0
     clf, real_acc = classifier(args.seed)
     labels = torch.arange(len(CLASSES)).repeat_interleave(args.samples)
@@ -184,12 +197,13 @@ def main(argv: list[str] | None = None) -> dict:
     print("|---:|---:|" + "---:|" * len(CLASSES) + "---:|")
     for s in args.scales:
         print(f"| {s:g} | {accuracy[s]:.3f} | " + " | ".join(f"{a:.2f}" for a in per_class[s]) + f" | {seconds[s]:.1f} |")
+    plot_losses(out / "loss.png", losses, lrs, title="continuous_signal: training loss (Gaussian NLL per step)")
     plot(out / "continuous_signal.png", generated, labels, accuracy)
     result = {"accuracy": accuracy, "per_class": per_class, "real_accuracy": real_acc, "final_loss": final_loss,
               "train_seconds": train_s, "sample_seconds": seconds, "total_seconds": time.time() - t0}
     (out / "metrics.json").write_text(json.dumps({k: ({str(kk): vv for kk, vv in v.items()} if isinstance(v, dict) else v)
                                                   for k, v in result.items()}, indent=2))
-    print(f"wrote {out / 'continuous_signal.png'} and {out / 'metrics.json'} ({result['total_seconds']:.1f} s in all)")
+    print(f"wrote {out / 'continuous_signal.png'}, {out / 'loss.png'} and {out / 'metrics.json'} ({result['total_seconds']:.1f} s in all)")
     return result
 
 

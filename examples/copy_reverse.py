@@ -79,24 +79,34 @@ def evaluate(model: XTransformer, args, generator: torch.Generator) -> dict:
                 empty_sources=int((lengths == 0).sum()), by_length=by_length, examples=examples)
 
 
+def plot_losses(path: Path, losses: list[float], lrs: list[float], val: dict | None = None, title: str = "") -> None:
+    """train.py's loss plot (raw and centred-mean training loss, validation, learning rate per step), reused."""
+    root = str(Path(__file__).resolve().parents[1])  # the repository root, where train.py lives
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from train import plot_loss_curves
+
+    plot_loss_curves(path, losses, val=val, lr=lrs, title=title)
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Train, evaluate, print; returns the metrics (also written to ``--out`` when given)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--task", choices=("copy", "reverse"), default="reverse")
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--task", choices=("copy", "reverse"), default="reverse", help="copy the source or reverse it")
+    p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
+    p.add_argument("--batch_size", type=int, default=64, help="sequence pairs per step")
     p.add_argument("--max_len", type=int, default=12, help="longest source; lengths are uniform in 0..max_len")
     p.add_argument("--vocab", type=int, default=10, help="distinct symbols")
-    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dim", type=int, default=64, help="model width")
     p.add_argument("--depth", type=int, default=2, help="encoder and decoder layers")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval_samples", type=int, default=500)
-    p.add_argument("--log_every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the one-cycle schedule (AdamW)")
+    p.add_argument("--eval_samples", type=int, default=500, help="fresh sequences in the evaluation")
+    p.add_argument("--log_every", type=int, default=100, help="print the mean training loss every N steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init, the data and sampling")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (0: PyTorch's default)")
-    p.add_argument("--out", default="", help="if set, write metrics.json and the model (save_pretrained) here")
+    p.add_argument("--out", default="", help="if set, write metrics.json, loss.png (loss curves) and the model (save_pretrained) here")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "max_len", "vocab", "eval_samples", "log_every"):
         if getattr(args, name) <= 0:
@@ -114,13 +124,14 @@ def main(argv: list[str] | None = None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     data = torch.Generator().manual_seed(args.seed + 1)
-    losses = []
+    losses, lrs = [], []
     for step in tqdm(range(1, args.steps + 1), desc=f"{args.task}", file=sys.stderr, dynamic_ncols=True):
         src, src_mask, tgt, tgt_mask = make_batch(args.batch_size, args.max_len, args.vocab, args.task, data)
         loss = model(src, tgt, mask=src_mask, tgt_mask=tgt_mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lrs.append(opt.param_groups[0]["lr"])  # the OneCycleLR rate this step used
         opt.step()
         sched.step()
         losses.append(loss.item())
@@ -138,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         out = Path(args.out)
         model.save_pretrained(out / "model")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        print(f"wrote {out / 'metrics.json'} and {out / 'model'}/")
+        plot_losses(out / "loss.png", losses, lrs, title=f"{args.task}: training loss (cross-entropy)")
+        print(f"wrote {out / 'metrics.json'}, {out / 'loss.png'} and {out / 'model'}/")
     return metrics
 
 

@@ -57,21 +57,23 @@ def class_context(labels: torch.Tensor) -> torch.Tensor:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=700, help="training steps")
-    p.add_argument("--batch_size", type=int, default=48)
-    p.add_argument("--dim", type=int, default=96)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--cond_drop_prob", type=float, default=0.2)
+    p.add_argument("--batch_size", type=int, default=48, help="images per step")
+    p.add_argument("--dim", type=int, default=96, help="model width")
+    p.add_argument("--depth", type=int, default=3, help="layers")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the one-cycle schedule (AdamW)")
+    p.add_argument("--cond_drop_prob", type=float, default=0.2, help="probability of dropping a sample's class (CFG)")
     p.add_argument("--decode_steps", type=int, default=12, help="parallel decoding steps per sample")
     p.add_argument("--samples", type=int, default=20, help="generated images per class and scale")
-    p.add_argument("--scales", type=float, nargs="+", default=[0.0, 1.0, 3.0])
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--choice_temperature", type=float, default=2.0)
+    p.add_argument("--scales", type=float, nargs="+", default=[0.0, 1.0, 3.0], help="guidance scales to sample at (0: unconditional, 1: conditional)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--choice_temperature", type=float, default=2.0, help="temperature of the noise on the confidences that pick which tokens to keep")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: PyTorch's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=str, default="runs/maskgit_digits")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init, the data and sampling")
+    p.add_argument("--out", type=str, default="runs/maskgit_digits",
+                   help="output folder: metrics.json, maskgit_digits.png (samples), loss.png (loss curves)")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     args = p.parse_args(argv)
     if args.quick:
@@ -79,7 +81,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def train(args, data) -> tuple[NonAutoregressiveWrapper, list[float]]:
+def train(args, data) -> tuple[NonAutoregressiveWrapper, list[float], list[float]]:
     torch.manual_seed(args.seed)
     net = TransformerWrapper(
         num_tokens=LEVELS + 1, logits_dim=LEVELS, max_seq_len=PIXELS,
@@ -91,7 +93,7 @@ def train(args, data) -> tuple[NonAutoregressiveWrapper, list[float]]:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(args.steps, 1), pct_start=0.1)
     g = torch.Generator().manual_seed(args.seed + 1)
     x_train, y_train = data["x_train"], data["y_train"]
-    losses = []
+    losses, lrs = [], []
     model.train()
     for step in range(args.steps):
         idx = torch.randint(0, len(y_train), (args.batch_size,), generator=g)
@@ -99,12 +101,13 @@ def train(args, data) -> tuple[NonAutoregressiveWrapper, list[float]]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lrs.append(opt.param_groups[0]["lr"])  # the OneCycleLR rate this step used
         opt.step()
         sched.step()
         losses.append(loss.item())
         if (step + 1) % max(args.steps // 10, 1) == 0:
             print(f"step {step + 1:5d} | loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", file=sys.stderr)
-    return model.eval(), losses
+    return model.eval(), losses, lrs
 
 
 def plot(path: Path, samples: dict[float, torch.Tensor], labels: torch.Tensor, accuracy: dict[float, float], per: int = 4) -> None:
@@ -133,6 +136,16 @@ def plot(path: Path, samples: dict[float, torch.Tensor], labels: torch.Tensor, a
     plt.close(fig)
 
 
+def plot_losses(path: Path, losses: list[float], lrs: list[float], val: dict | None = None, title: str = "") -> None:
+    """train.py's loss plot (raw and centred-mean training loss, validation, learning rate per step), reused."""
+    root = str(Path(__file__).resolve().parents[1])  # the repository root, where train.py lives
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from train import plot_loss_curves
+
+    plot_loss_curves(path, losses, val=val, lr=lrs, title=title)
+
+
 def main(argv: list[str] | None = None) -> dict:
     from sklearn.linear_model import LogisticRegression
 
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     data = load_digits_split(args.seed)
-    model, losses = train(args, data)
+    model, losses, lrs = train(args, data)
     train_s = time.time() - t0
     clf = LogisticRegression(max_iter=5000).fit(data["x_train"].numpy() / 16, data["y_train"].numpy())
     real_acc = float((clf.predict(data["x_val"].numpy() / 16) == data["y_val"].numpy()).mean())
@@ -174,13 +187,14 @@ def main(argv: list[str] | None = None) -> dict:
     for s in args.scales:
         worst = min(range(CLASSES), key=lambda k: per_class[s][k])
         print(f"| {s:g} | {accuracy[s]:.3f} | {worst} ({per_class[s][worst]:.2f}) | {spread[s]:.2f} | {seconds[s]:.1f} |")
+    plot_losses(out / "loss.png", losses, lrs, title="maskgit_digits: training loss (cross-entropy of hidden pixels)")
     plot(out / "maskgit_digits.png", samples, labels, accuracy)
     result = {"accuracy": accuracy, "per_class": per_class, "spread": spread, "real_accuracy": real_acc,
               "real_spread": real_spread, "final_loss": final_loss, "mask_id_left": mask_id_left,
               "train_seconds": train_s, "sample_seconds": seconds, "total_seconds": time.time() - t0}
     (out / "metrics.json").write_text(json.dumps({k: ({str(kk): vv for kk, vv in v.items()} if isinstance(v, dict) else v)
                                                   for k, v in result.items()}, indent=2))
-    print(f"wrote {out / 'maskgit_digits.png'} and {out / 'metrics.json'} ({result['total_seconds']:.1f} s in all)")
+    print(f"wrote {out / 'maskgit_digits.png'}, {out / 'loss.png'} and {out / 'metrics.json'} ({result['total_seconds']:.1f} s in all)")
     return result
 
 

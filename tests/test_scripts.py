@@ -181,6 +181,8 @@ def test_train_resume_is_exact(train, tmp_path, capsys):
     full = train.main([*args, "--out", str(straight)])
     assert len(resumed["history"]["train"]) == 8
     assert resumed["history"]["train"] == full["history"]["train"]  # bit-identical losses, steps 1..8
+    assert resumed["history"]["resumes"] == [4] and "resumes" not in full["history"]  # the plot marks step 4
+    assert _png(interrupted / "loss.png")
     assert resumed["history"]["val"] == full["history"]["val"]
     assert resumed["weight_sha256_per_rank"] == full["weight_sha256_per_rank"]
     assert resumed["accuracy"] == full["accuracy"]
@@ -356,6 +358,7 @@ def test_copy_reverse_smoke(copy_reverse, tmp_path, capsys):
     assert 0.0 <= metrics["exact_match"] <= 1.0 and 0.0 <= metrics["exact_match_empty"] <= 1.0
     assert metrics["empty_sources"] > 0  # the evaluation includes empty sources
     assert json.loads((out / "metrics.json").read_text())["exact_match"] == metrics["exact_match"]
+    assert _png(out / "loss.png")
     # the saved model reproduces the reported accuracy
     model = XTransformer.from_pretrained(out / "model")
     args = argparse.Namespace(eval_samples=60, max_len=5, vocab=10, task="reverse")
@@ -383,7 +386,77 @@ def test_char_lm_smoke(char_lm, tmp_path, capsys):
     assert losses[0] == pytest.approx(math.log(256), abs=0.6)  # uniform over bytes at the start
     assert metrics["val_bits_per_byte"] < 4.0  # a repetitive text: far below 8 bits after 40 steps
     assert len(metrics["sample"]) > 0
+    assert _png(out / "loss.png")
     model = AutoregressiveWrapper.from_pretrained(out / "model")
     val = torch.frombuffer(bytearray(text.read_bytes()), dtype=torch.uint8)[int(0.9 * len(text.read_bytes())):]
     again = char_lm.validation_loss(model, val, 33, 8, 16)
     assert again == pytest.approx(metrics["val_losses"][-1][1], rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# what a person looks at: the loss plots and --help
+# --------------------------------------------------------------------------------------------------
+
+
+def test_centred_mean_is_centred(train):
+    step = [0.0] * 50 + [1.0] * 50
+    smooth = train.centred_mean(step, 11)
+    assert len(smooth) == 100 and smooth[:44].tolist() == [0.0] * 44 and smooth[56:].tolist() == [1.0] * 44
+    # it crosses the midpoint at the step (between points 49 and 50), symmetrically; a trailing mean of 11
+    # would still be at 6/11 at point 55 and cross only there
+    assert smooth[49] < 0.5 < smooth[50] and smooth[49] + smooth[50] == pytest.approx(1.0)
+    assert all(smooth[49 - k] + smooth[50 + k] == pytest.approx(1.0) for k in range(50))
+    # the window shrinks symmetrically at the ends: a straight line (a trend) is kept exactly, ends included
+    line = [3.0 + 0.5 * i for i in range(20)]
+    assert train.centred_mean(line, 7).tolist() == pytest.approx(line)
+    assert train.centred_mean(line, 1).tolist() == line and len(train.centred_mean([], 5)) == 0
+    assert train.centred_mean([1.0, 5.0, 3.0], 101).tolist() == pytest.approx([1.0, 3.0, 3.0])
+
+
+def test_loss_plot_shows_raw_smoothed_validation_lr_and_resumes(train, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
+    cfg = train.Config(steps=40, warmup=5)
+    history = dict(train=[3.0 - 0.05 * i for i in range(40)], val=[[20, 2.5, 2.6, 2.7, 2.8], [40, 2.0, 2.1, 2.2, 2.3]],
+                   resumes=[20])
+    lrs = [train.learning_rate(cfg, s) for s in range(40)]
+    train.plot_losses(tmp_path / "loss.png", history, lrs)
+    assert _png(tmp_path / "loss.png")
+    loss_ax, lr_ax = figures[-1].axes
+    lines = {line.get_label(): line for line in loss_ax.get_lines()}
+    assert lines["train (raw, per step)"].get_ydata().tolist() == history["train"]
+    smooth = [label for label in lines if label.startswith("train (centred mean of")]
+    assert len(smooth) == 1 and lines[smooth[0]].get_ydata().tolist() == pytest.approx(history["train"])  # a line stays
+    assert lines["validation, word + thickness"].get_xdata().tolist() == [20, 40]
+    assert {"validation, word only", "validation, thickness only", "validation, neither"} <= set(lines)
+    assert list(lines["resumed here"].get_xdata()) == [20, 20]  # a vertical line at the resume step
+    (lr_line,) = lr_ax.get_lines()
+    assert lr_line.get_ydata().tolist() == lrs and lr_line.get_xdata().tolist() == list(range(1, 41))
+    assert loss_ax.get_title() and loss_ax.get_xlabel() and loss_ax.get_ylabel() and lr_ax.get_ylabel()
+
+
+SCRIPTS = ["train.py", "examples/copy_reverse.py", "examples/char_lm.py", "examples/continuous_signal.py",
+           "examples/maskgit_digits.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_every_default(script):
+    done = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env=dict(os.environ, COLUMNS="100"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    entries = []  # one per argument: its first line starts at column 2, its help continues further right
+    body = done.stdout.split("\n\n", 1)[1]  # after the usage lines
+    for line in body.splitlines():
+        if re.match(r"  \S", line):
+            entries.append(line)
+        elif line.startswith("    ") and entries:
+            entries[-1] += " " + line
+    entries = [" ".join(e.split()) for e in entries if not e.strip().startswith("-h")]
+    usage = " ".join(done.stdout.split("\n\n", 1)[0].split())
+    options = set(re.findall(r"\[(--\w+)", usage))
+    assert len(options) >= 10 and options <= {e.split()[0].split(",")[0] for e in entries}  # every option listed
+    missing = [e for e in entries if not re.search(r"\(default: [^)]*\)$", e)]
+    assert not missing, f"{script} --help: no default shown for {missing}"
