@@ -14,7 +14,7 @@ Masks follow the one convention (bool, True = real / may attend):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +35,7 @@ from .modules import (
     positions_from_mask,
 )
 
-__all__ = ["KVCache", "AttentionLayers", "Encoder", "Decoder", "CrossAttender"]
+__all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender"]
 
 
 @dataclass
@@ -96,6 +96,44 @@ class KVCache:
             context=sel(self.context), condition=sel(self.condition), condition_input=sel(self.condition_input),
             condition_mask=sel(self.condition_mask),
         )
+
+
+@dataclass
+class AttnIntermediate:
+    """One attention block's weights, as x-transformers' ``Intermediates`` names them.
+
+    Attributes:
+        post_softmax_attn: ``(b, h, i, j)`` float32 weights (memory keys first); rows of padded
+            queries and dead rows, and columns of masked keys, are exactly 0.
+        layer_type: ``"a"`` (self-attention) or ``"c"`` (cross-attention).
+    """
+
+    post_softmax_attn: Tensor
+    layer_type: str
+
+
+@dataclass
+class LayerIntermediates:
+    """What ``return_hiddens`` / ``return_intermediates`` returns besides the output.
+
+    Attributes:
+        hiddens: the residual stream entering each layer, ``(b, n, c)`` each (padded positions 0).
+        last_hidden: the output of the stack (after the final norm).
+        attn_intermediates: one ``AttnIntermediate`` per attention block that ran, in order.
+        cache: the ``KVCache`` when ``return_cache`` was asked too.
+        memory_tokens: the memory tokens' outputs ``(b, M, c)`` (set by the wrapper).
+    """
+
+    hiddens: list[Tensor] = field(default_factory=list)
+    last_hidden: Tensor | None = None
+    attn_intermediates: list[AttnIntermediate] = field(default_factory=list)
+    cache: KVCache | None = None
+    memory_tokens: Tensor | None = None
+
+    @property
+    def attn_maps(self) -> list[Tensor]:
+        """The ``post_softmax_attn`` of every attention block."""
+        return [a.post_softmax_attn for a in self.attn_intermediates]
 
 
 # x-transformers' spelling -> safeformer's name (or a function of the value giving {name: value}); None:
@@ -207,6 +245,11 @@ class AttentionLayers(Configurable, nn.Module):
             attention on the padded layout: ``True``, ``False`` or ``"auto"`` (when at least
             ``UNPADDED_THRESHOLD`` of the positions are padding, in a forward without a cache). Costs one
             host sync (the size of the gather); results equal the padded path to the dtype's tolerance.
+        attn_num_mem_kv: learned memory key/value pairs per attention block (self and cross), seen by
+            every query (see ``Attention(num_mem_kv=...)``); with them no row is dead.
+        attn_head_learned_sink: a learned per-head attention sink (``Attention(learned_sink=True)``).
+        attn_softclamp_logits: softclamp the attention logits, ``tanh(l / v) * v`` with
+            ``v = attn_logit_softclamp_value`` (explicit float32 attention, no fused kernel).
         checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
             or feed-forward, and gate) keeps no activations and is recomputed in the backward pass
             (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): identical gradients,
@@ -248,6 +291,10 @@ class AttentionLayers(Configurable, nn.Module):
         cross_attn_tokens_dropout: float = 0.0,
         checkpoint_layers: bool = False,
         unpadded: bool | str = "auto",
+        attn_num_mem_kv: int = 0,
+        attn_head_learned_sink: bool = False,
+        attn_softclamp_logits: bool = False,
+        attn_logit_softclamp_value: float = 50.0,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -264,7 +311,9 @@ class AttentionLayers(Configurable, nn.Module):
             backend=backend, use_adaptive_layernorm=use_adaptive_layernorm, use_adaptive_rmsnorm=use_adaptive_rmsnorm,
             use_adaptive_layerscale=use_adaptive_layerscale, dim_condition=dim_condition, adaptive_null=adaptive_null,
             layer_dropout=layer_dropout, cross_attn_tokens_dropout=cross_attn_tokens_dropout,
-            checkpoint_layers=checkpoint_layers, unpadded=unpadded,
+            checkpoint_layers=checkpoint_layers, unpadded=unpadded, attn_num_mem_kv=attn_num_mem_kv,
+            attn_head_learned_sink=attn_head_learned_sink, attn_softclamp_logits=attn_softclamp_logits,
+            attn_logit_softclamp_value=attn_logit_softclamp_value,
         )
         if unpadded not in (True, False, "auto"):
             raise ValueError(f"unpadded must be True, False or 'auto', got {unpadded!r}")
@@ -322,6 +371,8 @@ class AttentionLayers(Configurable, nn.Module):
             return Attention(
                 dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim,
                 qk_norm=attn_qk_norm, dropout=attn_dropout, bias=attn_bias, backend=backend,
+                num_mem_kv=attn_num_mem_kv, learned_sink=attn_head_learned_sink,
+                softclamp_logits=attn_softclamp_logits, logit_softclamp_value=attn_logit_softclamp_value,
             )
 
         adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
@@ -350,6 +401,11 @@ class AttentionLayers(Configurable, nn.Module):
         self.layer_kinds = tuple(kinds)
         self.layers = nn.ModuleList(blocks)
         self.final_norm = norm()
+        # the unpadded path packs tokens; memory keys, sinks and softclamp run on the padded path only
+        self.packable = attn_num_mem_kv == 0 and not attn_head_learned_sink and not attn_softclamp_logits
+        if unpadded is True and not self.packable:
+            raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink or "
+                             "attn_softclamp_logits (they run on the padded path); use unpadded='auto' or False")
 
     def _check_inputs(self, x, mask, context, context_mask, cache) -> None:
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
@@ -442,7 +498,8 @@ class AttentionLayers(Configurable, nn.Module):
         condition_mask: Tensor | None = None,
         cache: KVCache | None = None,
         return_cache: bool = False,
-    ) -> Tensor | tuple[Tensor, KVCache]:
+        return_hiddens: bool = False,
+    ) -> Tensor | tuple:
         """Run the stack.
 
         Args:
@@ -466,9 +523,14 @@ class AttentionLayers(Configurable, nn.Module):
                 that built it; they may be passed again only as the very same tensors (else
                 ``ValueError``).
             return_cache: also return the updated cache.
+            return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
+                layer, the attention weights of every attention block (explicit float32 attention:
+                slower, ``(b, h, i, j)`` memory), the final hidden states. Padded positions, dead rows
+                and masked keys are exactly 0 in all of them.
 
         Returns:
-            ``(b, n, c)`` hidden states after the final norm, and the cache if ``return_cache``.
+            ``(b, n, c)`` hidden states after the final norm, then the cache if ``return_cache``, then
+            the ``LayerIntermediates`` if ``return_hiddens``.
         """
         self._check_inputs(x, mask, context, context_mask, cache)
         b, n, _ = x.shape
@@ -535,7 +597,7 @@ class AttentionLayers(Configurable, nn.Module):
 
         cond = self._condition(condition, condition_mask, cache, b, x)  # (b, K) or None
 
-        if self._use_unpadded(mask, cache, return_cache, attn_mask):
+        if not return_hiddens and self._use_unpadded(mask, cache, return_cache, attn_mask):
             return self._forward_unpadded(x, mask, positions, context if use_cross else None,
                                           context_mask, cross_mask, cond)
 
@@ -545,7 +607,7 @@ class AttentionLayers(Configurable, nn.Module):
         cross_clean = not cached_cross or context_mask is None
         drop_path = self.training and self.layer_dropout > 0
         recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled() and not return_cache \
-            and cache is None
+            and cache is None and not return_hiddens
         self_kv, cross_kv = [], []
 
         def branch(kind: str, parts: nn.ModuleList, x: Tensor, cond: Tensor | None, past_kv, cached):
@@ -556,18 +618,25 @@ class AttentionLayers(Configurable, nn.Module):
             if kind == "self":
                 # masked keys and dead rows are padding, selected to 0 at the input (unless attn_mask hides
                 # real positions): the block need not select its inputs again
-                out, kv = block(h, mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv,
-                                _inputs_finite=self_clean)
+                res = block(h, mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv,
+                            return_attn=return_hiddens, _inputs_finite=self_clean)
             elif kind == "cross":
-                out, kv = block(h, None if cached is not None else context, mask=cross_mask, kv=cached,
-                                _inputs_finite=cross_clean)  # a new context was selected above
+                res = block(h, None if cached is not None else context, mask=cross_mask, kv=cached,
+                            return_attn=return_hiddens, _inputs_finite=cross_clean)  # a new context was selected above
             else:
-                out = block(h)
+                res = (block(h), None)
+            out, kv = res[0], res[1]
+            if len(res) > 2:  # the attention weights: padded queries' rows are 0
+                attn_maps.append(res[2] if mask is None else torch.where(mask[:, None, :, None], res[2], 0.0))
             if len(parts) > 2:  # adaptive layerscale: the condition gates the branch
                 out = parts[2](out, cond)
             return out, kv
 
+        hiddens, attn_maps = [], []
+        first_kind = self.layer_kinds[0]
         for kind, parts in zip(self.layer_kinds, self.layers):
+            if return_hiddens and kind == first_kind:  # the residual stream entering each layer
+                hiddens.append(x if mask is None else torch.where(mask[..., None], x, 0.0))
             if kind == "cross" and not use_cross:
                 continue
             past_kv = cache.self_kv[len(self_kv)] if kind == "self" and cache is not None else None
@@ -591,8 +660,16 @@ class AttentionLayers(Configurable, nn.Module):
         x = self.final_norm(x, cond) if cond is not None and isinstance(self.final_norm, AdaptiveNorm) else self.final_norm(x)
         if mask is not None:  # padded positions leave as exact zeros (and pass back no gradient)
             x = torch.where(mask[..., None], x, 0.0)
+        intermediates = None
+        if return_hiddens:
+            kinds = [k for k in self.layer_kinds if k != "ff" and (k == "self" or use_cross)]
+            intermediates = LayerIntermediates(
+                hiddens=hiddens, last_hidden=x,
+                attn_intermediates=[AttnIntermediate(post_softmax_attn=w, layer_type="a" if k == "self" else "c")
+                                    for w, k in zip(attn_maps, kinds)],
+            )
         if not return_cache:
-            return x
+            return x if intermediates is None else (x, intermediates)
         count = torch.full((b,), n, device=device, dtype=torch.long) if mask is None else mask.sum(1)
         if cache is not None:
             count = cache.count + count
@@ -603,12 +680,15 @@ class AttentionLayers(Configurable, nn.Module):
             condition=cond, condition_input=condition if cache is None else cache.condition_input,
             condition_mask=condition_mask if cache is None else cache.condition_mask,
         )
+        if intermediates is not None:
+            intermediates.cache = new_cache
+            return x, new_cache, intermediates
         return x, new_cache
 
     def _use_unpadded(self, mask, cache, return_cache, attn_mask) -> bool:
         """Run token-wise work on the real tokens only? (``unpadded``: True, False or "auto")."""
         if mask is None or cache is not None or return_cache or attn_mask is not None or self.unpadded is False \
-                or mask.numel() == 0:
+                or mask.numel() == 0 or not self.packable:
             return False
         if torch.compiler.is_compiling():  # the gather's size is data-dependent: the padded path compiles
             return False

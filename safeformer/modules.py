@@ -174,16 +174,30 @@ def positions_from_mask(mask: Tensor | None, n: int, device, offset: Tensor | No
 
 
 class AbsolutePositionalEmbedding(nn.Module):
-    """Learned absolute positions, scaled by ``dim ** -0.5``; takes per-sample positions ``(b, n)``."""
+    """Learned absolute positions, scaled by ``dim ** -0.5``; takes per-sample positions ``(b, n)``.
 
-    def __init__(self, dim: int, max_seq_len: int):
+    With ``l2norm_embed`` each position's vector is L2-normalised instead of scaled (x-transformers'
+    ``l2norm_embed``, initialised with std 1e-5).
+    """
+
+    def __init__(self, dim: int, max_seq_len: int, l2norm_embed: bool = False):
         super().__init__()
         self.max_seq_len = max_seq_len
-        self.scale = dim**-0.5
+        self.l2norm_embed = l2norm_embed
+        self.scale = 1.0 if l2norm_embed else dim**-0.5
         self.emb = nn.Embedding(max_seq_len, dim)
+        if l2norm_embed:
+            nn.init.normal_(self.emb.weight, std=1e-5)
 
     def forward(self, positions: Tensor) -> Tensor:
-        return self.emb(positions.clamp(max=self.max_seq_len - 1)) * self.scale  # (b, n, c)
+        out = self.emb(positions.clamp(max=self.max_seq_len - 1)) * self.scale  # (b, n, c)
+        return l2norm(out) if self.l2norm_embed else out
+
+
+def l2norm(t: Tensor, eps: float = 1e-12) -> Tensor:
+    """``t / max(||t||, eps)`` over the last dim, computed in float32 or wider (a zero vector stays 0)."""
+    tf = t.to(torch.promote_types(t.dtype, torch.float32))
+    return F.normalize(tf, dim=-1, eps=eps).to(t.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -256,6 +270,16 @@ class Attention(nn.Module):
         dropout: attention dropout (training only).
         bias: use biases in the projections.
         backend: ``attend`` backend (``"auto"`` picks per call).
+        num_mem_kv: learned memory key/value pairs ``mem_k, mem_v (h_kv, num_mem_kv, d)`` prepended to
+            the keys of every call (x-transformers' ``attn_num_mem_kv``): every query may always see
+            them (bias 0 under ALiBi), so no row is dead; masked keys still reach nothing.
+        learned_sink: a learned per-head sink logit ``head_attn_sink (h,)`` (x-transformers'
+            ``attn_head_learned_sink``): one more key with logit ``head_attn_sink[h]`` and value 0, so a
+            row's weights may sum to less than 1; a row with no other key gives exactly 0. Its gradient
+            flows through the additive mask, which PyTorch's flash and cuDNN kernels do not
+            differentiate: with ``backend='flash'``/``'cudnn'`` a sink trains on the math kernel.
+        softclamp_logits: ``tanh(logits / value) * value`` before masking and softmax
+            (``logit_softclamp_value``, default 50); runs the explicit float32 path (no fused kernel).
     """
 
     def __init__(
@@ -270,9 +294,18 @@ class Attention(nn.Module):
         dropout: float = 0.0,
         bias: bool = False,
         backend: str = "auto",
+        num_mem_kv: int = 0,
+        learned_sink: bool = False,
+        softclamp_logits: bool = False,
+        logit_softclamp_value: float = 50.0,
     ):
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
+        if isinstance(num_mem_kv, bool) or not isinstance(num_mem_kv, int) or num_mem_kv < 0:
+            raise ValueError(f"num_mem_kv (attn_num_mem_kv) must be a non-negative integer, got {num_mem_kv!r}")
+        if softclamp_logits and not (isinstance(logit_softclamp_value, (int, float)) and not isinstance(
+                logit_softclamp_value, bool) and math.isfinite(logit_softclamp_value) and logit_softclamp_value > 0):
+            raise ValueError(f"logit_softclamp_value must be a positive finite number, got {logit_softclamp_value!r}")
         if heads <= 0 or dim_head <= 0:
             raise ValueError(f"heads and dim_head must be positive, got heads={heads}, dim_head={dim_head}")
         if kv_heads <= 0 or heads % kv_heads != 0:
@@ -291,6 +324,22 @@ class Attention(nn.Module):
         self.to_out = nn.Linear(heads * dim_head, dim, bias=bias)
         self.q_norm = RMSNorm(dim_head) if qk_norm else None
         self.k_norm = RMSNorm(dim_head) if qk_norm else None
+        self.num_mem_kv = num_mem_kv
+        if num_mem_kv > 0:
+            self.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
+            self.mem_v = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))
+        self.head_attn_sink = nn.Parameter(torch.zeros(heads)) if learned_sink else None  # (h,)
+        self.softclamp_value = float(logit_softclamp_value) if softclamp_logits else None
+
+    @property
+    def extra_keys(self) -> int:
+        """Keys every query sees besides the inputs' own: the sink (if any) and the memory keys."""
+        return self.num_mem_kv + (self.head_attn_sink is not None)
+
+    @property
+    def packable(self) -> bool:
+        """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
+        return self.extra_keys == 0 and self.softclamp_value is None
 
     def project_kv(self, source: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values ``(b, h_kv, j, d)`` of ``source (b, j, c_ctx)`` (normed, not yet rotated)."""
@@ -315,6 +364,7 @@ class Attention(nn.Module):
         bias: Tensor | None = None,
         kv: tuple[Tensor, Tensor] | None = None,
         past_kv: tuple[Tensor, Tensor] | None = None,
+        return_attn: bool = False,
         _inputs_finite: bool = False,
         _packed: tuple | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -333,6 +383,9 @@ class Attention(nn.Module):
             past_kv: cached self-attention keys/values to prepend (already rotated).
                 ``kv`` and ``past_kv`` are usually what this module returned; whatever they hold at
                 masked key positions (NaN, inf) reaches no output and no gradient.
+            return_attn: also return the attention weights ``(b, h, i, M + j)`` in float32 (memory
+                keys first; the sink's weight left out): computed by the explicit path; masked keys
+                and dead rows are exactly 0 (and padded queries, in self-attention).
             _inputs_finite: private, for ``AttentionLayers``: ``x`` at dead rows and ``context`` (or
                 ``x``) at masked keys are finite already (the stack selected its padded inputs to 0),
                 so they need not be selected again before the projections.
@@ -341,8 +394,9 @@ class Attention(nn.Module):
                 and ``context`` is ``(cidx, context_rows, j)`` (``cidx`` None: every row is real).
 
         Returns:
-            ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache. Rows that may attend
-            to no key are exactly 0 after the output projection, and pass zero gradient (S2).
+            ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache (the memory keys not
+            included), and the weights if ``return_attn``. Rows that may attend to no key are exactly 0
+            after the output projection, and pass zero gradient (S2).
         """
         if _packed is not None:
             return self._forward_packed(x, context, mask, causal, rotary, bias, _packed), None
@@ -368,6 +422,11 @@ class Attention(nn.Module):
         self_pad = None  # (b, i): in self-attention, a (b, j) padding mask marks padding of x itself
         if not _inputs_finite and context is None and kv is None and isinstance(mask, Tensor):
             self_pad = _self_padding(mask, b, i, j)
+        user_mask, j_user = mask, j
+        ext = self.extra_keys
+        if ext:  # the sink and memory keys come first; every query sees them (bottom-right causal keeps that)
+            mask, bias = self._extend(mask, bias, b, i, j, x)
+            j = j + ext
         if _inputs_finite and self.to_out.bias is None and self_pad is None:
             rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
         else:
@@ -404,26 +463,89 @@ class Attention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, rotary[0])
         if self_pad is not None:  # keys that only padded queries see are masked keys too: guard their gradients
-            seen = as_attention_mask(mask, b, self.heads, i, j) & self_pad[:, None, :, None]  # transient (b, 1, i, j)
+            seen = as_attention_mask(user_mask, b, self.heads, i, j_user) & self_pad[:, None, :, None]  # (b, 1, i, j)
             if causal:
-                seen = seen & causal_mask(i, j, device=x.device)
+                seen = seen & causal_mask(i, j_user, device=x.device)
             key_seen = seen.any(dim=-2, keepdim=True).any(dim=1, keepdim=True).transpose(-1, -2)  # (b, 1, j, 1)
             k, v = _grad_select(key_seen, k), _grad_select(key_seen, v)
+        kv_out = (k, v)  # for the cache: without the memory keys
+        if ext:  # a sample whose queries are all padding sends its memory keys no gradient (the kernel's
+            # backward there is not trusted)
+            k, v = self._prepend_extra(k, v, None if self_pad is None else self_pad.any(dim=1))
+        if return_attn or self.softclamp_value is not None:
+            out, weights = _explicit_attention(
+                q, k, v, mask=mask, causal=causal, bias=bias, softclamp=self.softclamp_value,
+                dropout_p=self.dropout if self.training else 0.0,
+            )
+            if self.head_attn_sink is not None:
+                weights = weights[..., 1:]  # the sink's weight is not a key's
+            if self_pad is not None:
+                weights = torch.where(self_pad[:, None, :, None], weights, 0.0)
+        else:
+            weights = None
+            out = None
         # q at dead rows and new k, v at masked keys are finite here (their inputs were selected to 0
         # above). Keys/values handed in (kv, past_kv) are input like any other: attend selects their
         # masked positions itself, unless the stack vouches for them (its own cache, _inputs_finite).
         # A bias can mask keys too: then attend selects as well (its selections also guard the gradients).
-        out = attend(
-            q, k, v, mask=mask, causal=causal, bias=bias,
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
-            _inputs_finite=_inputs_finite or (kv is None and past_kv is None and bias is None),
-        )  # (b, h, i, d)
+        if out is None:
+            backend = self.backend
+            if self.head_attn_sink is not None and backend in ("flash", "cudnn") and torch.is_grad_enabled():
+                backend = "math"  # the sink's gradient flows through the additive mask: flash cannot give it
+            out = attend(
+                q, k, v, mask=mask, causal=causal, bias=bias,
+                dropout_p=self.dropout if self.training else 0.0, backend=backend,
+                _inputs_finite=_inputs_finite or (kv is None and past_kv is None and bias is None),
+            )  # (b, h, i, d)
         if self_pad is not None:  # whatever the kernel returned for padded queries never reaches to_out
             out = torch.where(self_pad[:, None, :, None], out, 0.0)
         out = self.to_out(rearrange(out, "b h i d -> b i (h d)"))
         if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None):
             out = torch.where(rows_ok[..., None], out, 0.0)  # a bias would move dead rows off 0; padding is 0
-        return out, (k, v)
+        if return_attn:
+            return out, kv_out, weights
+        return out, kv_out
+
+    def _extend(self, mask, bias, b: int, i: int, j: int, x: Tensor):
+        """The mask and bias over ``[sink?, memory keys, keys]``: the extra keys visible to every query,
+        at bias 0 (the sink at its learned logit)."""
+        ext = self.extra_keys
+        if isinstance(mask, PreparedMask):
+            mask = mask.combined
+        if mask is not None:
+            m = as_attention_mask(mask, b, self.heads, i, j)  # (b|1, h|1, i|1, j)
+            m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+            mask = torch.cat((m.new_ones(*m.shape[:-1], ext), m), dim=-1)
+        if bias is not None or self.head_attn_sink is not None:
+            if bias is None:
+                bias = x.new_zeros(1, 1, 1, j)
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).to(x.dtype)  # (b|1, h|1, i|1, j)
+            front = bias.new_zeros(*bias.shape[:-1], ext)
+            if self.head_attn_sink is not None:  # the sink's logit, per head
+                bias = bias.expand(bias.shape[0], self.heads, *bias.shape[2:])
+                sink = self.head_attn_sink.to(bias.dtype)[None, :, None, None].expand(*bias.shape[:-1], 1)
+                front = torch.cat((sink, bias.new_zeros(*bias.shape[:-1], ext - 1)), dim=-1)
+            bias = torch.cat((front, bias), dim=-1)
+        return mask, bias
+
+    def _prepend_extra(self, k: Tensor, v: Tensor, live: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``[sink?, memory, keys]``: the sink key and value are 0 (its logit comes from the bias).
+        ``live (b,)``: samples with a live query; the others' memory keys get no gradient."""
+        b = k.shape[0]
+        parts_k, parts_v = [], []
+        if self.head_attn_sink is not None:
+            parts_k.append(k.new_zeros(b, self.kv_heads, 1, self.dim_head))
+            parts_v.append(v.new_zeros(b, self.kv_heads, 1, v.shape[-1]))
+        if self.num_mem_kv:
+            mk, mv = self.mem_k.to(k.dtype), self.mem_v.to(v.dtype)
+            if self.k_norm is not None:
+                mk = self.k_norm(mk)
+            mk, mv = mk[None].expand(b, -1, -1, -1), mv[None].expand(b, -1, -1, -1)
+            if live is not None:
+                mk, mv = _grad_select(live[:, None, None, None], mk), _grad_select(live[:, None, None, None], mv)
+            parts_k.append(mk)
+            parts_v.append(mv)
+        return torch.cat((*parts_k, k), dim=2), torch.cat((*parts_v, v), dim=2)
 
     def _forward_packed(self, h: Tensor, ctx_pad, mask, causal, rotary, bias, packed) -> Tensor:
         """Projections on the packed real tokens ``h (T, c)``, attention on the padded layout (q, k, v
@@ -493,6 +615,63 @@ class Attention(nn.Module):
                 raise ValueError(f"{name} {label} are {t.dtype} on {t.device}, expected {x.dtype} on {x.device} (those of x)")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"{name} keys and values must have the same length, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = False, bias: Tensor | None = None,
+                        softclamp: float | None = None, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Attention written out in float32 (float64 for float64 inputs), returning its weights too.
+
+    For what no fused kernel does: the weights themselves (``return_attn``) and logit softclamping
+    (``tanh(logits / s) * s``, before the bias and the mask, as x-transformers). Safe like ``attend``:
+    q at dead rows and k, v at masked keys are selected to 0 first (no ``0 * NaN``), masked logits are
+    selected to ``-inf``, a dead row's logits to 0, and the weights of masked keys and dead rows to
+    exactly 0 afterwards, so a dead row outputs 0 with zero gradient.
+
+    Returns:
+        ``out (b, h, i, e)`` in q's dtype and ``weights (b, h, i, j)`` in float32 (or float64).
+    """
+    b, h, i, d = q.shape
+    hkv, j = k.shape[1], k.shape[2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    if isinstance(mask, PreparedMask):
+        mask = mask.combined
+    m = None if mask is None else as_attention_mask(mask, b, h, i, j)
+    reach = None
+    if bias is not None:
+        bias = bias.to(dtype)
+        reach = bias != float("-inf")
+    c = causal_mask(i, j, device=q.device) if causal and i > 1 or (causal and i > j) else None
+    if c is not None and c.dim() < 4:
+        c = c.reshape((1,) * (4 - c.dim()) + tuple(c.shape))
+    combined = combine_masks(m, c, reach)
+    if combined is not None and combined.dim() < 4:
+        combined = combined.reshape((1,) * (4 - combined.dim()) + tuple(combined.shape))
+    if hkv != h:
+        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+    if j == 0:
+        w = q.new_zeros(b, h, i, 0, dtype=dtype) + (q.sum() + k.sum() + v.sum()) * 0
+        return w.new_zeros(b, h, i, v.shape[-1]).to(q.dtype) + w.sum() * 0, w
+    qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
+    row_ok = None
+    if combined is not None:
+        row_ok = combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
+        key_ok = combined.any(dim=-2, keepdim=True).transpose(-1, -2)  # (b|1, h|1, j, 1)
+        qf = torch.where(row_ok, qf, 0.0)
+        kf, vf = torch.where(key_ok, kf, 0.0), torch.where(key_ok, vf, 0.0)
+    logits = (qf @ kf.transpose(-1, -2)) * d**-0.5  # (b, h, i, j)
+    if softclamp is not None:
+        logits = torch.tanh(logits / softclamp) * softclamp
+    if bias is not None:
+        logits = logits + torch.where(reach, bias, 0.0)
+    if combined is not None:
+        logits = torch.where(combined, logits, float("-inf"))
+        logits = torch.where(row_ok, logits, 0.0)  # a dead row: finite logits, weights selected to 0 below
+    weights = logits.softmax(dim=-1)
+    if combined is not None:
+        weights = torch.where(combined & row_ok, weights, 0.0)
+    if dropout_p > 0:
+        weights = F.dropout(weights, p=dropout_p)
+    return (weights @ vf).to(q.dtype), weights
 
 
 def _self_padding(mask: Tensor, b: int, i: int, j: int) -> Tensor | None:

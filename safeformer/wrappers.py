@@ -7,6 +7,8 @@ Masks: bool, True = real position / may attend (``masks.py``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -14,7 +16,7 @@ from .checkpoint import Configurable
 from .layers import AttentionLayers, KVCache, translate_aliases
 from .masks import check_finite as _check_finite
 from .masks import masked_mean, validate_mask
-from .modules import AbsolutePositionalEmbedding, positions_from_mask
+from .modules import AbsolutePositionalEmbedding, l2norm, positions_from_mask
 
 __all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
 
@@ -47,20 +49,56 @@ class _Wrapper(Configurable, nn.Module):
 
     attn_layers: AttentionLayers
 
-    def _init_positions(self, dim: int, max_seq_len: int, use_abs_pos_emb: bool) -> None:
+    def _init_positions(self, dim: int, max_seq_len: int, use_abs_pos_emb: bool, l2norm_embed: bool = False) -> None:
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
         self.max_seq_len = max_seq_len
         use_abs = use_abs_pos_emb and not self.attn_layers.has_relative_positions
-        self.pos_emb = AbsolutePositionalEmbedding(dim, max_seq_len) if use_abs else None
+        self.pos_emb = AbsolutePositionalEmbedding(dim, max_seq_len, l2norm_embed=l2norm_embed) if use_abs else None
+
+    def _init_fixed_tokens(self, dim: int, num_memory_tokens, use_cls_token: bool = False, num_cls_tokens: int = 1) -> None:
+        """Learned rows placed before the sequence on the call that starts it: memory tokens, then
+        class tokens (x-transformers' order). They are always real, take no absolute position, and
+        are cut from the outputs."""
+        num_memory_tokens = 0 if num_memory_tokens is None else num_memory_tokens
+        for name, value in (("num_memory_tokens", num_memory_tokens), ("num_cls_tokens", num_cls_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        self.num_memory_tokens = num_memory_tokens
+        self.memory_tokens = nn.Parameter(torch.randn(num_memory_tokens, dim)) if num_memory_tokens else None
+        self.num_cls_tokens = num_cls_tokens if use_cls_token else 0
+        if use_cls_token and num_cls_tokens < 1:
+            raise ValueError(f"use_cls_token=True needs num_cls_tokens >= 1, got {num_cls_tokens}")
+        self.cls_token = nn.Parameter(torch.randn(num_cls_tokens, dim) * 0.02) if use_cls_token else None
+
+    @property
+    def num_fixed_tokens(self) -> int:
+        return getattr(self, "num_memory_tokens", 0) + getattr(self, "num_cls_tokens", 0)
 
     def _positions(self, mask: Tensor | None, b: int, n: int, device, cache: KVCache | None) -> Tensor:
         past = 0 if cache is None else cache.length
-        if self.pos_emb is not None and past + n > self.max_seq_len:
+        fixed = self.num_fixed_tokens
+        if self.pos_emb is not None and past + n - fixed > self.max_seq_len:
             raise ValueError(
-                f"sequence of {past + n} positions ({past} cached + {n} new) is longer than max_seq_len={self.max_seq_len}"
+                f"sequence of {past + n - fixed} positions ({past - (fixed if cache is not None else 0)} cached + "
+                f"{n - (0 if cache is not None else fixed)} new) is longer than max_seq_len={self.max_seq_len}"
             )
         return positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
+
+    def _check_pos(self, pos, b: int, n: int, device) -> Tensor:
+        """x-transformers' ``pos``: ``(n,)`` or ``(b, n)`` integer positions of the tokens."""
+        if not isinstance(pos, Tensor) or pos.dtype == torch.bool or pos.is_floating_point() or pos.is_complex():
+            raise TypeError(f"pos must be a tensor of integer positions, got {getattr(pos, 'dtype', type(pos))}")
+        if not (pos.dim() == 1 and pos.shape[0] == n) and not (pos.dim() == 2 and tuple(pos.shape) in ((b, n), (1, n))):
+            raise ValueError(f"pos must have shape (n,) = ({n},) or (b, n) = ({b}, {n}), got {tuple(pos.shape)}")
+        if pos.device != device:
+            raise ValueError(f"pos is on {pos.device}, expected {device}")
+        if pos.numel() and bool((pos < 0).any()):
+            raise ValueError("pos holds negative positions")
+        if self.pos_emb is not None and pos.numel() and bool((pos >= self.max_seq_len).any()):
+            raise ValueError(f"pos holds position {int(pos.max())}, outside the absolute embedding's "
+                             f"[0, max_seq_len={self.max_seq_len})")
+        return pos if pos.dim() == 2 else pos[None]
 
     def _check_context(self, context, context_mask, check: bool) -> None:
         if context is not None:
@@ -74,10 +112,16 @@ class _Wrapper(Configurable, nn.Module):
             _check_finite(context, context_mask, "context")
 
     def _run(self, x, mask, context, context_mask, attn_mask, cache, return_cache, *, prepend_embeds=None,
-             prepend_mask=None, condition=None, condition_mask=None):
-        """Positions, the prefix, the stack. Returns ``(h (b, m + n, c), new cache or None, mask, m)``."""
+             prepend_mask=None, condition=None, condition_mask=None, pos=None, return_hiddens=False):
+        """Positions, the fixed rows and the prefix, the stack. Returns ``(h (b, m + n, c), new cache or
+        None, mask (b, m + n) or None, m, fixed outputs (b, F, c) or None, intermediates or None)``."""
         b, n = x.shape[:2]
         m = 0
+        if pos is not None:
+            if prepend_embeds is not None or (cache is None and self.num_fixed_tokens):
+                raise ValueError("pos (custom positions) cannot be combined with prepend_embeds, memory tokens or "
+                                 "class tokens: it gives positions to the tokens only")
+            pos = self._check_pos(pos, b, n, x.device)
         if prepend_mask is not None and prepend_embeds is None:
             raise ValueError("prepend_mask was given without prepend_embeds; pass prepend_embeds=... as well")
         if prepend_embeds is not None:
@@ -102,17 +146,51 @@ class _Wrapper(Configurable, nn.Module):
                 ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=x.device)  # noqa: E731
                 mask = torch.cat((ones(m) if prepend_mask is None else prepend_mask, ones(n) if mask is None else mask), 1)
             x = torch.cat((prepend_embeds.to(x.dtype), x), dim=1)  # (b, m + n, c): masked rows selected away below
-        positions = self._positions(mask, b, m + n, x.device, cache)
+        fixed = self.num_fixed_tokens if cache is None else 0  # memory and class tokens: the first call only
+        if fixed:
+            if attn_mask is not None:
+                raise ValueError("attn_mask cannot be combined with memory or class tokens (it covers the tokens only)")
+            rows = [t for t in (getattr(self, "memory_tokens", None), getattr(self, "cls_token", None)) if t is not None]
+            x = torch.cat((torch.cat(rows).to(x.dtype)[None].expand(b, -1, -1), x), dim=1)  # (b, F + m + n, c)
+            if mask is not None:
+                mask = torch.cat((torch.ones(b, fixed, dtype=torch.bool, device=x.device), mask), dim=1)
+        positions = self._positions(mask, b, fixed + m + n, x.device, cache)
+        if pos is not None:
+            positions = pos
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
+            abs_pos = positions if pos is not None else (positions - self.num_fixed_tokens).clamp(min=0)
+            pe = self.pos_emb(abs_pos).to(x.dtype)
+            x = x + pe if not fixed else torch.cat((x[:, :fixed], x[:, fixed:] + pe[:, fixed:]), dim=1)
         x = self.emb_dropout(x)
         out = self.attn_layers(
             x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
             positions=positions, condition=condition, condition_mask=condition_mask, cache=cache,
-            return_cache=return_cache,
+            return_cache=return_cache, return_hiddens=return_hiddens,
         )
-        h, new_cache = out if return_cache else (out, None)
-        return h, new_cache, mask, m
+        out = out if isinstance(out, tuple) else (out,)
+        h = out[0]
+        new_cache = out[1] if return_cache else None
+        intermediates = out[-1] if return_hiddens else None
+        fixed_out = None
+        if fixed:
+            fixed_out, h = h[:, :fixed], h[:, fixed:]
+            mask = None if mask is None else mask[:, fixed:]
+            if intermediates is not None and self.num_memory_tokens:
+                intermediates.memory_tokens = fixed_out[:, :self.num_memory_tokens]
+        return h, new_cache, mask, m, fixed_out, intermediates
+
+
+def _start_mask(seq_start_pos, mask: Tensor | None, b: int, n: int, device) -> Tensor:
+    """``mask`` with the positions before ``seq_start_pos (b,)`` marked as (left) padding."""
+    t = seq_start_pos
+    if not isinstance(t, Tensor) or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"seq_start_pos must be an integer tensor (b,), got {getattr(t, 'dtype', type(t))}")
+    if tuple(t.shape) != (b,):
+        raise ValueError(f"seq_start_pos must have shape (b,) = ({b},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"seq_start_pos is on {t.device}, expected {device}")
+    started = torch.arange(n, device=device)[None] >= t[:, None]  # (b, n)
+    return started if mask is None else mask & started
 
 
 class TransformerWrapper(_Wrapper):
@@ -127,6 +205,18 @@ class TransformerWrapper(_Wrapper):
         tie_embedding: the output projection shares the token embedding's weights.
         return_only_embed: no output projection: the model returns hidden states (an encoder).
         logits_dim: output size (default ``num_tokens``).
+        tie_embedding_scale: with ``tie_embedding``, logits are ``h @ E.T * tie_embedding_scale``
+            (default 1; x-transformers' default is ``dim ** -0.5``, which ``from_x_transformers`` keeps).
+        num_memory_tokens: learned memory (register) tokens placed before the sequence on the call that
+            starts it: every position may attend to them; they take no absolute position and are cut
+            from the output (``LayerIntermediates.memory_tokens`` holds theirs).
+        l2norm_embed: L2-normalise the token (and absolute position) embeddings, initialised with std
+            1e-5 (x-transformers' ``l2norm_embed``).
+        average_pool_embed: the output is the masked mean over real positions, projected by the head:
+            ``(b, logits_dim)`` (a fully padded sample pools to 0, never NaN).
+        use_cls_token: learned class token(s) before the sequence (after the memory tokens); the output
+            is theirs: ``(b, logits_dim)`` for one, ``(b, num_cls_tokens, logits_dim)`` for several.
+        num_cls_tokens: how many class tokens.
         check_finite: by default, check that real positions of float inputs (``context``) are finite
             and raise ``ValueError`` naming the argument otherwise (S9); costs a device sync.
 
@@ -148,6 +238,12 @@ class TransformerWrapper(_Wrapper):
         logits_dim: int | None = None,
         return_only_embed: bool = False,
         check_finite: bool = False,
+        tie_embedding_scale: float | None = None,
+        num_memory_tokens: int | None = None,
+        l2norm_embed: bool = False,
+        average_pool_embed: bool = False,
+        use_cls_token: bool = False,
+        num_cls_tokens: int = 1,
         **aliases,
     ):
         if aliases:  # other spellings through the one table (unknown names get suggestions)
@@ -159,8 +255,17 @@ class TransformerWrapper(_Wrapper):
         self._set_config(
             num_tokens=num_tokens, max_seq_len=max_seq_len, attn_layers=attn_layers, emb_dropout=emb_dropout,
             use_abs_pos_emb=use_abs_pos_emb, tie_embedding=tie_embedding, logits_dim=logits_dim,
-            return_only_embed=return_only_embed, check_finite=check_finite,
+            return_only_embed=return_only_embed, check_finite=check_finite, tie_embedding_scale=tie_embedding_scale,
+            num_memory_tokens=num_memory_tokens, l2norm_embed=l2norm_embed, average_pool_embed=average_pool_embed,
+            use_cls_token=use_cls_token, num_cls_tokens=num_cls_tokens,
         )
+        if tie_embedding_scale is not None and not tie_embedding:
+            raise ValueError("tie_embedding_scale was given without tie_embedding=True")
+        if tie_embedding_scale is not None and (isinstance(tie_embedding_scale, bool) or not isinstance(
+                tie_embedding_scale, (int, float)) or not math.isfinite(tie_embedding_scale)):
+            raise ValueError(f"tie_embedding_scale must be a finite number, got {tie_embedding_scale!r}")
+        if average_pool_embed and use_cls_token:
+            raise ValueError("choose one of average_pool_embed and use_cls_token, not both")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
         if logits_dim is not None and (isinstance(logits_dim, bool) or not isinstance(logits_dim, int) or logits_dim <= 0):
@@ -171,9 +276,15 @@ class TransformerWrapper(_Wrapper):
         self.num_tokens = num_tokens
         self.attn_layers = attn_layers
         self.token_emb = nn.Embedding(num_tokens, dim)
-        self._init_positions(dim, max_seq_len, use_abs_pos_emb)
+        self.l2norm_embed = l2norm_embed
+        if l2norm_embed:
+            nn.init.normal_(self.token_emb.weight, std=1e-5)
+        self._init_positions(dim, max_seq_len, use_abs_pos_emb, l2norm_embed)
+        self._init_fixed_tokens(dim, num_memory_tokens, use_cls_token, num_cls_tokens)
+        self.average_pool_embed = average_pool_embed
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.tie_embedding = tie_embedding
+        self.tie_embedding_scale = 1.0 if tie_embedding_scale is None else float(tie_embedding_scale)
         self.return_only_embed = return_only_embed
         has_head = not (tie_embedding or return_only_embed)
         self.to_logits = nn.Linear(dim, num_tokens if logits_dim is None else logits_dim, bias=False) if has_head else None
@@ -197,6 +308,11 @@ class TransformerWrapper(_Wrapper):
         excise_prepend_embeds: bool = False,
         condition: Tensor | None = None,
         condition_mask: Tensor | None = None,
+        pos: Tensor | None = None,
+        seq_start_pos: Tensor | None = None,
+        return_intermediates: bool = False,
+        return_attn: bool = False,
+        return_hiddens: bool = False,
     ):
         """Run the model.
 
@@ -221,27 +337,59 @@ class TransformerWrapper(_Wrapper):
                 the prefix positions come first, ``(b, m + n, ...)`` (padded prefix rows are 0).
             condition, condition_mask: the adaptive-norm condition ``(b, K)`` and which samples keep
                 it ``(b,)`` (see ``AttentionLayers.forward``).
+            pos: ``(n,)`` or ``(b, n)`` integer positions of the tokens, for the absolute embedding and
+                for rotary / ALiBi (x-transformers' ``pos``); by default real tokens are counted.
+            seq_start_pos: ``(b,)`` where each sample starts (x-transformers' ``seq_start_pos``): the
+                positions before it are left padding (combined with ``mask``), whatever they hold.
+            return_intermediates: also return a ``LayerIntermediates`` (hidden states entering each
+                layer, attention weights of every attention block, memory tokens' outputs). Runs the
+                explicit attention path (float32 weights, ``(b, h, i, j)`` memory).
+            return_attn: also return the list of attention weights ``(b, h, i, j)`` (float32; padded
+                queries, dead rows and masked keys exactly 0).
+            return_hiddens: the same as ``return_intermediates``.
 
         Returns:
-            logits ``(b, n, v)`` (or embeddings / pooled), and the cache if ``return_cache``.
+            logits ``(b, n, v)`` (or embeddings / pooled; ``(b, v)`` with ``average_pool_embed`` or one
+            class token), then the cache if ``return_cache``, then the intermediates if
+            ``return_intermediates`` / ``return_hiddens``, or the attention weights if ``return_attn``.
         """
         _check_tokens(x, "x")
         b, n = x.shape
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
+        if seq_start_pos is not None:
+            mask = _start_mask(seq_start_pos, mask, b, n, x.device)
+        if mask is not None:
             x = torch.where(mask, x, torch.zeros_like(x))
         if not torch.compiler.is_compiling() and x.numel() and bool(((x < 0) | (x >= self.num_tokens)).any()):
             bad = ((x < 0) | (x >= self.num_tokens)).nonzero()[0].tolist()  # reached only on error
             raise ValueError(f"x holds token id {int(x[tuple(bad)])} at real position {tuple(bad)}, outside the "
                              f"vocabulary [0, num_tokens={self.num_tokens}); padded positions (mask False) may hold anything")
         self._check_context(context, context_mask, self.check_finite if check_finite is None else check_finite)
-        h, new_cache, full_mask, m = self._run(
-            self.token_emb(x), mask, context, context_mask, attn_mask, cache, return_cache,
+        want_inter = return_intermediates or return_hiddens or return_attn
+        emb = self.token_emb(x)
+        if self.l2norm_embed:
+            emb = l2norm(emb)
+        h, new_cache, full_mask, m, fixed_out, inter = self._run(
+            emb, mask, context, context_mask, attn_mask, cache, return_cache,
             prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
+            pos=pos, return_hiddens=want_inter,
         )
+
+        def result(out):
+            extra = ((new_cache,) if return_cache else ()) + (
+                (inter,) if return_intermediates or return_hiddens else (inter.attn_maps,) if return_attn else ())
+            return (out, *extra) if extra else out
+
         if return_pooled:
-            out = masked_mean(h, full_mask, dim=1)  # (b, c), prefix included
-            return (out, new_cache) if return_cache else out
+            return result(masked_mean(h, full_mask, dim=1))  # (b, c), prefix included
+        if self.average_pool_embed:  # the head on the mean of the real positions (prefix included)
+            pooled = masked_mean(h, full_mask, dim=1)  # (b, c): a fully padded sample pools to 0
+            return result(pooled if return_embeddings or self.return_only_embed else self._head(pooled))
+        if self.cls_token is not None and fixed_out is not None:
+            cls = fixed_out[:, self.num_memory_tokens:]  # (b, C, c)
+            cls = cls[:, 0] if cls.shape[1] == 1 else cls
+            return result(cls if return_embeddings or self.return_only_embed else self._head(cls))
         if excise_prepend_embeds and m:
             h = h[:, m:]
             full_mask = None if full_mask is None else full_mask[:, m:]
@@ -251,12 +399,17 @@ class TransformerWrapper(_Wrapper):
             # the output head on real tokens only (padded rows are exact zeros: their logits are 0)
             b_, n_, c_ = h.shape
             idx = full_mask.reshape(-1).nonzero().squeeze(1)
-            hp = h.reshape(b_ * n_, c_).index_select(0, idx)
-            lp = hp @ self.token_emb.weight.t() if self.tie_embedding else self.to_logits(hp)
+            lp = self._head(h.reshape(b_ * n_, c_).index_select(0, idx))
             out = lp.new_zeros(b_ * n_, lp.shape[-1]).index_copy(0, idx, lp).view(b_, n_, lp.shape[-1])
         else:
-            out = h @ self.token_emb.weight.t() if self.tie_embedding else self.to_logits(h)  # (b, n, v)
-        return (out, new_cache) if return_cache else out
+            out = self._head(h)  # (b, n, v)
+        return result(out)
+
+    def _head(self, h: Tensor) -> Tensor:
+        if self.tie_embedding:
+            logits = h @ self.token_emb.weight.t()
+            return logits if self.tie_embedding_scale == 1.0 else logits * self.tie_embedding_scale
+        return self.to_logits(h)
 
 
 class ContinuousTransformerWrapper(_Wrapper):
@@ -339,7 +492,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
         self._check_context(context, context_mask, check)
-        h, new_cache, full_mask, m = self._run(
+        h, new_cache, full_mask, m, _, _ = self._run(
             self.project_in(x), mask, context, context_mask, attn_mask, cache, return_cache,
             prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
         )

@@ -1432,6 +1432,76 @@ class UnpaddedCase:
         return {role: rows for role, rows in self.base.dead(sc).items() if not role.endswith(".self")}
 
 
+def _no_dead(sc: Scenario, rows: int) -> Tensor:
+    return torch.zeros(sc.b, rows, dtype=torch.bool)
+
+
+def _nonzero_sinks(model: nn.Module) -> nn.Module:
+    """Learned sinks start at 0; give them values, so that the sink's logit matters in every test."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, sf.Attention) and m.head_attn_sink is not None:
+                m.head_attn_sink.copy_(torch.linspace(-1.0, 1.0, m.heads))
+    return model
+
+
+class AttentionMemKVCase(AttentionSelfPaddingCase):
+    """``Attention`` alone (causal, ``(b, j)`` padding) with memory key/values and a learned sink
+    (x-transformers' ``attn_num_mem_kv``, ``attn_head_learned_sink``): every query sees the memory
+    keys, so no real row is dead; padded positions of ``x`` are still padding (output exactly 0)."""
+
+    name = "Attention-memkv-sink"
+
+    def make(self, backend="auto"):
+        return _nonzero_sinks(sf.Attention(DIM, heads=4, dim_head=DIM_HEAD, kv_heads=2, qk_norm=True, bias=True,
+                                           backend=backend, num_mem_kv=2, learned_sink=True))
+
+    def dead(self, sc):
+        return {"self": ~sc.seq_mask}  # padding; a left-padded real query is never dead here
+
+    def unknown_kwarg(self):
+        return lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, num_mem_k=2)
+
+
+class DecoderMemKVCase(DecoderCase):
+    """``Decoder`` with cross-attention, memory key/values and learned sinks in every attention: no row
+    is ever dead (a dropped context leaves the memory keys), and that must still be exact."""
+
+    name = "Decoder-memkv-sink"
+    memory_keys = True
+
+    def config(self):
+        return dict(super().config(), attn_num_mem_kv=2, attn_head_learned_sink=True)
+
+    def make(self, backend="auto"):
+        return _nonzero_sinks(super().make(backend))
+
+    def dead(self, sc):
+        return {"main.self": _no_dead(sc, sc.n), "main.cross": _no_dead(sc, sc.n)}
+
+
+class MemoryTokensWrapperCase(TransformerWrapperCase):
+    """``TransformerWrapper`` with memory tokens (x-transformers' ``num_memory_tokens``) before the
+    sequence: the attention sees ``M + n`` rows; left-padded queries see the memory tokens (not dead);
+    every row of a sample whose context is dropped is dead in cross-attention."""
+
+    name = "TransformerWrapper-memory"
+    M = 2
+
+    def make(self, backend="auto"):
+        return sf.TransformerWrapper(
+            num_tokens=VOCAB, max_seq_len=MAX_SEQ, num_memory_tokens=self.M,
+            attn_layers=sf.Decoder(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, cross_attend=True,
+                                   dim_context=CTX_DIM, rotary_pos_emb=True, backend=backend),
+        )
+
+    def key_len(self, sc, role):
+        return sc.j if role.endswith("cross") else sc.n + self.M
+
+    def dead(self, sc):
+        return {"main.self": _no_dead(sc, sc.n + self.M), "main.cross": ctx_dead(sc.ctx_mask, sc.n + self.M)}
+
+
 def set_unpadded(model: nn.Module, value) -> nn.Module:
     """Set ``unpadded`` on every layer stack of ``model`` (False: the padded path, explicitly)."""
     for m in model.modules():
@@ -1443,9 +1513,12 @@ def set_unpadded(model: nn.Module, value) -> nn.Module:
 CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
+    AttentionMemKVCase(), DecoderMemKVCase(), MemoryTokensWrapperCase(),
 ]
-# every case with a layer stack, again on the unpadded path (real tokens only)
-UNPADDED_CASES = [UnpaddedCase(c) for c in CASES if not c.name.startswith("Attention-")]
+# every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
+# run on the padded path only (the stack refuses unpadded=True with them)
+UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
+                  if not c.name.startswith("Attention-") and c.name not in ("Decoder-memkv-sink",)]
 ALL_CASES = CASES + UNPADDED_CASES
 
 

@@ -209,6 +209,13 @@ def test_s2_empty_context_leaves_residual_unchanged(case: Case):
             if kind == "ff":
                 ref = ref + block(norm(ref))
         ref = torch.where(sc.seq_mask[..., None], model.final_norm(ref), 0.0)  # padded positions leave as 0
+    elif getattr(case, "memory_keys", False):
+        # memory keys stay when the context goes (x-transformers' semantics): an all-False mask equals a
+        # zero-length context (both attend to the memory keys only), which is not "no cross-attention"
+        ref = model(*args, **kw, context=ctx[:, :0])
+        mh.assert_close(model(*args, **kw, context=ctx, context_mask=none_mask), ref,
+                        "all-False context mask vs zero-length context (memory keys only)", torch.float32)
+        return
     else:
         ref = model(*args, **kw)
     mh.assert_bitwise(model(*args, **kw, context=ctx, context_mask=none_mask), ref, "all-False context mask vs no context")
