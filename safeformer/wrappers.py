@@ -422,6 +422,8 @@ class ContinuousTransformerWrapper(_Wrapper):
         attn_layers: the layer stack.
         emb_dropout, use_abs_pos_emb, check_finite: as in ``TransformerWrapper``; ``check_finite``
             checks ``x`` as well as ``context``.
+        num_memory_tokens, average_pool_embed: as in ``TransformerWrapper`` (x-transformers' names);
+            with ``average_pool_embed`` the output is ``(b, dim_out)``.
     """
 
     def __init__(
@@ -434,6 +436,8 @@ class ContinuousTransformerWrapper(_Wrapper):
         emb_dropout: float = 0.0,
         use_abs_pos_emb: bool = True,
         check_finite: bool = False,
+        num_memory_tokens: int | None = None,
+        average_pool_embed: bool = False,
         **aliases,
     ):
         if aliases:
@@ -445,6 +449,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         self._set_config(
             max_seq_len=max_seq_len, attn_layers=attn_layers, dim_in=dim_in, dim_out=dim_out,
             emb_dropout=emb_dropout, use_abs_pos_emb=use_abs_pos_emb, check_finite=check_finite,
+            num_memory_tokens=num_memory_tokens, average_pool_embed=average_pool_embed,
         )
         dim = attn_layers.dim
         self.attn_layers = attn_layers
@@ -452,6 +457,8 @@ class ContinuousTransformerWrapper(_Wrapper):
         self.project_in = nn.Identity() if dim_in is None else nn.Linear(dim_in, dim)
         self.project_out = nn.Identity() if dim_out is None else nn.Linear(dim, dim_out)
         self._init_positions(dim, max_seq_len, use_abs_pos_emb)
+        self._init_fixed_tokens(dim, num_memory_tokens)
+        self.average_pool_embed = average_pool_embed
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.check_finite = check_finite
 
@@ -473,8 +480,14 @@ class ContinuousTransformerWrapper(_Wrapper):
         excise_prepend_embeds: bool = False,
         condition: Tensor | None = None,
         condition_mask: Tensor | None = None,
+        lens: Tensor | None = None,
+        pos: Tensor | None = None,
+        return_intermediates: bool = False,
+        return_attn: bool = False,
+        return_hiddens: bool = False,
     ):
-        """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward``.
+        """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward``;
+        ``lens (b,)`` (x-transformers' name) gives right-padded lengths instead of a mask.
 
         Values at padded positions of ``x`` (mask False) are selected away before any use: NaN or
         inf there reaches no output and no gradient.
@@ -485,6 +498,12 @@ class ContinuousTransformerWrapper(_Wrapper):
             raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
         b, n, _ = x.shape
         check = self.check_finite if check_finite is None else check_finite
+        if lens is not None:
+            if mask is not None:
+                raise ValueError("pass mask or lens, not both")
+            if not isinstance(lens, Tensor) or lens.dtype == torch.bool or lens.is_floating_point() or tuple(lens.shape) != (b,):
+                raise ValueError(f"lens must be an integer tensor of shape (b,) = ({b},), got {getattr(lens, 'shape', type(lens))}")
+            mask = torch.arange(n, device=x.device)[None] < lens.to(x.device)[:, None]
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
         if check:
@@ -492,16 +511,23 @@ class ContinuousTransformerWrapper(_Wrapper):
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
         self._check_context(context, context_mask, check)
-        h, new_cache, full_mask, m, _, _ = self._run(
+        want_inter = return_intermediates or return_hiddens or return_attn
+        h, new_cache, full_mask, m, _, inter = self._run(
             self.project_in(x), mask, context, context_mask, attn_mask, cache, return_cache,
             prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
+            pos=pos, return_hiddens=want_inter,
         )
-        if excise_prepend_embeds and m and not return_pooled:
+        if excise_prepend_embeds and m and not (return_pooled or self.average_pool_embed):
             h = h[:, m:]
         if return_pooled:
             out = masked_mean(h, full_mask, dim=1)
+        elif self.average_pool_embed:
+            pooled = masked_mean(h, full_mask, dim=1)  # (b, c): a fully padded sample pools to 0
+            out = pooled if return_embeddings else self.project_out(pooled)
         elif return_embeddings:
             out = h
         else:
             out = self.project_out(h)
-        return (out, new_cache) if return_cache else out
+        extra = ((new_cache,) if return_cache else ()) + (
+            (inter,) if return_intermediates or return_hiddens else (inter.attn_maps,) if return_attn else ())
+        return (out, *extra) if extra else out

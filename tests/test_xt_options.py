@@ -350,3 +350,27 @@ def test_bad_option_values_raise_clear_errors():
     for call, exc, text in cases:
         with pytest.raises(exc, match=text):
             call()
+
+
+def test_continuous_wrapper_memory_tokens_lens_and_pooling():
+    """``ContinuousTransformerWrapper`` takes ``num_memory_tokens``, ``average_pool_embed``, ``lens`` and
+    ``return_intermediates``: ``lens`` equals the right-padding mask, NaN beyond it changes nothing, each
+    sample equals itself alone, a zero length pools to exactly the head of 0."""
+    _seed(9)
+    layers = sf.Encoder(dim=16, depth=2, heads=2, dim_head=8)
+    net = sf.ContinuousTransformerWrapper(dim_in=4, dim_out=3, max_seq_len=8, num_memory_tokens=2, attn_layers=layers)
+    x = torch.randn(3, 5, 4)
+    lens = torch.tensor([5, 3, 0])
+    mask = torch.arange(5)[None] < lens[:, None]
+    planted = x.clone()
+    planted[~mask] = NAN
+    out, inter = net(planted, lens=lens, return_intermediates=True)
+    torch.testing.assert_close(out, net(x, mask=mask))
+    torch.testing.assert_close(out[1:2, :3], net(x[1:2, :3]), atol=1e-5, rtol=1e-5)
+    assert inter.memory_tokens.shape == (3, 2, 16) and len(inter.attn_maps) == 2
+    pooled = sf.ContinuousTransformerWrapper(dim_in=4, dim_out=3, max_seq_len=8, average_pool_embed=True, attn_layers=layers)
+    p = pooled(planted, lens=lens)
+    assert p.shape == (3, 3)
+    torch.testing.assert_close(p[2], pooled.project_out(torch.zeros(16)))
+    with pytest.raises(ValueError, match="lens"):
+        net(x, lens=lens, mask=mask)
