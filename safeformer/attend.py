@@ -13,6 +13,11 @@ How it is safe whatever the kernel does (SAFETY_CONTRACT.md, S1-S3, S6):
    those rows is then exactly 0 too, they pass zero gradient into q, k, v and the bias.
 None of these steps reads a tensor's value on the host: the forward has no device sync and compiles
 with ``torch.compile(fullgraph=True)``.
+
+On the CPU flash kernel (eager, no dropout) steps 2-4 run inside one autograd function,
+``_SelectedFlashAttention``: it saves the caller's q, k, v and the masks instead of the selected
+copies, calls the kernel's forward and backward ops itself on selected copies made per chunk of
+(batch, head) pairs, and so keeps no q, k, v-sized copy alive between the forward and the backward.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .masks import as_attention_mask, causal_mask, combine_masks
@@ -313,6 +319,244 @@ def plan_attention(
     return AttentionPlan("sdpa", (backend,), backend, mask_form, expand_kv=False)
 
 
+def _select_copy(keep: Tensor, x: Tensor) -> Tensor:
+    """``torch.where(keep, x, 0.0)`` outside autograd (inside an autograd function's forward/backward)."""
+    if x.dtype in _INT_VIEW and x.numel() >= 65536:
+        return _bitwise_select(keep, x)
+    return torch.where(keep, x, 0.0)
+
+
+def _select_(keep: Tensor, x: Tensor) -> Tensor:
+    """``x`` selected in place (``x`` is a tensor this module owns): what ``_select_copy`` returns, no copy."""
+    if x.dtype in _INT_VIEW:
+        it = _INT_VIEW[x.dtype]
+        x.view(it).bitwise_and_(keep.to(it).neg_())
+    else:
+        x.masked_fill_(~keep, 0.0)
+    return x
+
+
+# ---- the CPU flash kernel with selection on the way in (issue 14) ----------------------------------
+#
+# The generic path hands SDPA *selected copies* of q, k, v, which SDPA's autograd node saves for its
+# backward while the caller keeps the originals alive: three extra q/k/v-sized tensors between the
+# forward and the backward (1.45x the unmasked peak, benchmarks/memory.py). On the CPU flash kernel
+# ``_SelectedFlashAttention`` instead saves the originals and the masks, and makes the selected copies
+# only for the duration of each kernel call, one chunk of (batch, key/value head) pairs at a time, so
+# that even those transient copies are a fraction of q, k, v. The kernel computes each (batch, head)
+# independently (the same blocking whatever the batch), so chunking changes no bit of the result.
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_FUSED_SELECT = True  # private switch (tests): False = always the generic path (select copies, then _kernel)
+_CHUNKS_MAX = 16  # kernel calls per attend call, at most: transient copies are >= 1/16 of q, k, v...
+_CHUNK_MIN_BYTES = 1 << 18  # ...but no chunk's q, k, v below 256 KiB (per-call overhead at short lengths)
+
+
+def _chunks(b: int, hkv: int, g: int, unit_bytes: int) -> list[tuple[slice, slice]]:
+    """Chunks of (batch, key/value head) pairs, as (batch slice, key/value head slice) rectangles.
+
+    The flash backward parallelises over (batch, query head) pairs only: a chunk keeps at least as many
+    pairs as there are threads, so chunking costs no parallelism.
+    """
+    units = b * hkv
+    per = max(-(-units // _CHUNKS_MAX), -(-torch.get_num_threads() // g), -(-_CHUNK_MIN_BYTES // max(unit_bytes, 1)))
+    if per >= units:
+        return [(slice(None), slice(None))]
+    if per >= hkv:
+        step = per // hkv
+        return [(slice(s, min(s + step, b)), slice(None)) for s in range(0, b, step)]
+    return [(slice(n, n + 1), slice(s, min(s + per, hkv))) for n in range(b) for s in range(0, hkv, per)]
+
+
+def _part(t: Tensor | None, batch: slice, heads: slice) -> Tensor | None:
+    """The chunk's slice of ``t``; dims of size 1 broadcast and are kept whole."""
+    if t is None:
+        return None
+    return t[batch if t.shape[0] > 1 else slice(None), heads if t.shape[1] > 1 else slice(None)]
+
+
+def _q_heads(kv_heads: slice, g: int) -> slice:
+    return kv_heads if kv_heads.start is None else slice(kv_heads.start * g, kv_heads.stop * g)
+
+
+def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The additive mask SDPA makes of a bool mask before calling the kernel (0 / -inf in q's dtype)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g):
+    qh = _q_heads(kv_heads, g)
+    qc = _select_copy(_part(row_ok, batch, qh), q[batch, qh])
+    kc = _select_copy(_part(key_ok, batch, kv_heads), k[batch, kv_heads])
+    vc = _select_copy(_part(key_ok, batch, kv_heads), v[batch, kv_heads])
+    return qh, qc, kc, vc, _float_mask(_part(mask, batch, qh), q.dtype)
+
+
+def _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, keep_lse):
+    """(out, logsumexp or None): the CPU flash kernel on q, k, v selected per chunk; dead rows of out = 0."""
+    b, h, i, d = q.shape
+    hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
+    g = h // hkv
+    chunks = _chunks(b, hkv, g, (g * i * d + j * d + j * e) * q.element_size())
+    out = lse = None
+    for batch, kv_heads in chunks:
+        qh, qc, kc, vc, m = _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g)
+        o, l = _FLASH_CPU(qc, kc, vc, 0.0, is_causal, attn_mask=m, scale=scale)
+        del qc, kc, vc, m
+        _select_(_part(row_ok, batch, qh), o)  # dead rows: exactly 0 (the backward does not read them)
+        if len(chunks) == 1:
+            return o, (l if keep_lse else None)
+        if out is None:
+            out = q.new_empty((b, h, i, e))
+            lse = l.new_empty((b, i, h)).transpose(1, 2) if keep_lse else None  # the kernel's layout
+        out[batch, qh].copy_(o)
+        if keep_lse:
+            lse[batch, qh].copy_(l)
+        del o, l
+    return out, lse
+
+
+class _SelectedFlashAttention(torch.autograd.Function):
+    """The CPU flash kernel on q, k, v selected to 0 at dead rows / masked keys, saving the originals.
+
+    Forward and backward equal (bit for bit) ``_select`` of q, k, v, then SDPA's flash kernel, then
+    ``_select`` of the output, with the gradients selected the same way; but what it saves between the
+    two passes is the caller's q, k, v (alive anyway), the small masks, the output and the log-sum-exp,
+    not selected copies. (Old-style ``forward(ctx, ...)``, as ``_SelectOrZero``.)
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, row_ok, key_ok, mask, scale, is_causal):
+        out, lse = _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, keep_lse=True)
+        ctx.save_for_backward(q, k, v, row_ok, key_ok, mask, out, lse)
+        ctx.scale, ctx.is_causal = scale, is_causal
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, row_ok, key_ok, mask, out, lse = ctx.saved_tensors
+        b, h = q.shape[:2]
+        hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
+        g = h // hkv
+        chunks = _chunks(b, hkv, g, (g * q.shape[2] * q.shape[3] + j * q.shape[3] + j * e) * q.element_size())
+        dq = dk = dv = None
+        for batch, kv_heads in chunks:
+            qh, qc, kc, vc, m = _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g)
+            rows = _part(row_ok, batch, qh)
+            go = _select_copy(rows, grad[batch, qh])  # dead rows pass no gradient into the kernel
+            dqc, dkc, dvc = _FLASH_CPU_BACKWARD(go, qc, kc, vc, out[batch, qh], lse[batch, qh], 0.0, ctx.is_causal,
+                                                attn_mask=m, scale=ctx.scale)
+            del go, qc, kc, vc, m
+            keys = _part(key_ok, batch, kv_heads)
+            _select_(rows, dqc), _select_(keys, dkc), _select_(keys, dvc)  # whatever the kernel wrote there
+            if len(chunks) == 1:
+                return dqc, dkc, dvc, None, None, None, None, None
+            if dq is None:  # in the caller's layouts: a leaf's .grad takes them without a copy
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            dq[batch, qh].copy_(dqc)
+            dk[batch, kv_heads].copy_(dkc)
+            dv[batch, kv_heads].copy_(dvc)
+            del dqc, dkc, dvc
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _fused_select_ok(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                     is_causal: bool, scale: float, dropout_p: float) -> bool:
+    """Whether ``_SelectedFlashAttention`` runs what the generic path would run (SDPA's CPU flash kernel).
+
+    Anything else keeps the generic path: a substituted kernel (tests), other devices and kernels,
+    dropout, tracing (``torch.compile``, functorch), autocast, tensor subclasses, a mask or bias that
+    needs a gradient. The kernel is the one PyTorch's dispatcher picks for the same call.
+    """
+    if not (_FUSED_SELECT and _kernel is F.scaled_dot_product_attention and plan.path == "sdpa"
+            and plan.expected == "flash" and not plan.expand_kv and q.device.type == "cpu" and dropout_p == 0
+            and q.dtype in _INT_VIEW):
+        return False
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.is_autocast_enabled("cpu"):
+        return False
+    if any(type(t) not in (Tensor, nn.Parameter) or t.stride(-1) != 1 for t in (q, k, v)):
+        return False
+    if attn_mask is not None and (type(attn_mask) is not Tensor or attn_mask.requires_grad):
+        return False
+    backends = [_SDPA_BACKEND[name] for name in plan.sdpa_backends]
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return choice == SDPBackend.FLASH_ATTENTION.value
+
+
+def _flash_selected(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal) -> Tensor:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _SelectedFlashAttention.apply(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal)
+    return _flash_selected_forward(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal, keep_lse=False)[0]
+
+
+class _MaskedLinear(torch.autograd.Function):
+    """``F.linear(torch.where(keep[..., None], x, 0), weight, bias)`` that saves x, not the selected copy.
+
+    The weight gradient needs the selected input: the backward selects it again (a transient copy).
+    The gradient of x is selected (exactly 0 at dropped rows). The products are those of autograd's
+    ``linear`` (``addmm``/``mm`` on the rows flattened), so the results equal the plain expression's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, keep, weight, bias):
+        ctx.save_for_backward(x, keep, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(_select_copy(keep[..., None], x), weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, keep, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])  # (rows, out)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _select_(keep[..., None], g2.mm(weight).view(x.shape))  # (..., in)
+        if ctx.needs_input_grad[2]:
+            xs = _select_copy(keep[..., None], x).reshape(-1, x.shape[-1])  # (rows, in), transient
+            dw = xs.t().mm(g2).t()  # (out, in)
+            del xs
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            db = g2.sum(0)
+        return dx, None, dw, db
+
+
+def masked_linear(x: Tensor, keep: Tensor, linear: nn.Linear) -> Tensor:
+    """``linear(torch.where(keep[..., None], x, 0.0))`` without keeping the selected copy for the backward.
+
+    Rows of ``x`` where ``keep`` is False are selected to 0 before the projection (a NaN or inf there
+    reaches neither the output nor any gradient, S3), but unlike the plain expression, whose ``linear``
+    saves the selected copy for its weight gradient, this saves ``x`` itself (which the caller holds
+    anyway) and selects it again in the backward. Same values and gradients as the plain expression.
+
+    Args:
+        x: ``(..., in_features)``.
+        keep: bool ``(...)``, broadcastable to ``x.shape[:-1]`` (e.g. ``(b, n)`` or ``(b, 1)``); True = keep.
+        linear: an ``nn.Linear`` (a subclass with its own ``forward`` gets the plain expression).
+
+    Returns:
+        ``(..., out_features)``; a dropped row is ``linear.bias`` (or 0 without a bias).
+    """
+    if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+        raise TypeError(f"keep must be a torch.bool tensor, got {getattr(keep, 'dtype', type(keep))}")
+    if keep.device != x.device:
+        raise ValueError(f"keep is on {keep.device}, expected {x.device} (the device of x)")
+    if torch.broadcast_shapes(keep.shape, x.shape[:-1]) != x.shape[:-1]:
+        raise ValueError(f"keep {tuple(keep.shape)} must broadcast to x.shape[:-1] = {tuple(x.shape[:-1])}")
+    weight, bias = linear.weight, linear.bias
+    if (type(linear).forward is not nn.Linear.forward or not torch.is_grad_enabled() or not weight.requires_grad
+            or x.dim() < 2 or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch.is_autocast_enabled(x.device.type) or type(x) is not Tensor
+            or x.dtype != weight.dtype):  # nothing saved to spare, or something autograd should see whole
+        return linear(torch.where(keep[..., None], x, 0.0))
+    return _MaskedLinear.apply(x, keep, weight, bias)
+
+
 def _validate(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale, dropout_p: float) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -447,16 +691,6 @@ def attend(
             if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
                 key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
             key_ok = key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
-        if not _inputs_finite:
-            q = _select(row_ok, q)  # the selections' backward also zeroes what a kernel sends back there
-            k = _select(key_ok, k)
-            v = _select(key_ok, v)
-        elif torch.is_grad_enabled():
-            # the inputs are finite there already; still, a kernel's backward may write NaN into the
-            # gradients of dead rows and masked keys (S6): select those gradients away (no forward copy)
-            q = _grad_select(row_ok, q)
-            k = _grad_select(key_ok, k)
-            v = _grad_select(key_ok, v)
         # no kernel sees a dead row: a dead row is handed one (finite) key to see, the first, which costs
         # a kernel no more than a fully masked row (every key, as for a mask that is constant over keys)
         if bias is not None:
@@ -469,6 +703,22 @@ def attend(
             if combined.shape[-1] == j > 1:
                 dead_sees = dead_sees & (torch.arange(j, device=q.device) == 0)  # (b|1, h|1, i, j)
             attn_mask = combined | dead_sees
+        if not _inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
+            # the CPU flash kernel with the selections inside: no selected copy outlives the call
+            out = _flash_selected(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal)  # dead rows: 0
+            if out.requires_grad:
+                out = _FirstOrderOnly.apply(out, plan.expected)
+            return out
+        if not _inputs_finite:
+            q = _select(row_ok, q)  # the selections' backward also zeroes what a kernel sends back there
+            k = _select(key_ok, k)
+            v = _select(key_ok, v)
+        elif torch.is_grad_enabled():
+            # the inputs are finite there already; still, a kernel's backward may write NaN into the
+            # gradients of dead rows and masked keys (S6): select those gradients away (no forward copy)
+            q = _grad_select(row_ok, q)
+            k = _grad_select(key_ok, k)
+            v = _grad_select(key_ok, v)
     elif bias is not None:
         attn_mask = bias.to(q.dtype)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from .wrappers import TransformerWrapper
 __all__ = [
     "AutoregressiveWrapper",
     "generate_tokens",
+    "beam_search_tokens",
     "guided_logits",
     "drop_condition",
     "sample_logits",
@@ -295,18 +297,52 @@ def _twice(t: Tensor | None, r: int) -> Tensor | None:
     return t if t is None or r == 1 else torch.cat([t] * r)
 
 
+def _window_inputs(seq: Tensor, mask: Tensor | None, kwargs: dict, window: int) -> tuple[Tensor, Tensor | None, dict]:
+    """Hide every real position but each row's last ``window`` (prefix rows included) behind the masks.
+
+    The hidden positions become padding: they reach nothing and positions count real tokens only, so
+    this equals running each row on its last ``window`` real positions alone. Leading token columns
+    that no row keeps are cut off. Returns ``(seq, mask, kwargs)`` with ``prepend_mask`` updated.
+    """
+    b, n = seq.shape
+    pre = kwargs.get("prepend_embeds")
+    m = 0 if pre is None else pre.shape[1]
+    if m + n <= window:
+        return seq, mask, kwargs
+    ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=seq.device)  # noqa: E731
+    pre_mask = kwargs.get("prepend_mask")
+    full = torch.cat((ones(m) if pre_mask is None else pre_mask, ones(n) if mask is None else mask), dim=1)  # (b, m + n)
+    later = full.flip(1).long().cumsum(1).flip(1)  # real positions at or after each one
+    keep = full & (later <= window)
+    keep_tok = keep[:, m:]
+    start = int(keep_tok.any(0).long().argmax())  # every row keeps its last token: some column is True
+    seq, keep_tok = seq[:, start:], keep_tok[:, start:]
+    if m:
+        kwargs = {**kwargs, "prepend_mask": keep[:, :m]}
+    return seq, None if bool(keep_tok.all()) else keep_tok, kwargs
+
+
+def _select_conditions(conds: Conditions, index: Tensor) -> Conditions:
+    return Conditions(**{f.name: None if getattr(conds, f.name) is None else getattr(conds, f.name).index_select(0, index)
+                         for f in fields(conds)})
+
+
 class _Stepper:
     """The forward passes of one generation: returns the (guided) next-token logits ``(b, v)``.
 
     Every branch guidance needs (``uncond``, ``joint``, one per guided kind) runs in one batched forward
     of ``r * b`` samples sharing one KV cache (or, with ``two_pass``, one forward and cache per branch,
-    the peers' way, kept for the benchmark and tests).
+    the peers' way, kept for the benchmark and tests). With ``window`` (``restrict_to_max_seq_len``)
+    each row sees its last ``window`` real positions only: once the sequence may be longer, every step
+    re-encodes the window without a cache (a trimmed KV cache would not be the same model: from the
+    second layer on, the cached keys of old tokens were computed while attending to tokens that have
+    left the window).
     """
 
     def __init__(self, net, b: int, conds: Conditions, nulls: dict, negatives: Conditions,
                  schedule: GuidanceSchedule, guidance_rescale: float, space: str, cache_kv: bool, two_pass: bool,
-                 steps: int = 1):
-        self.net, self.b, self.cache_kv = net, b, cache_kv
+                 steps: int = 1, window: int | None = None):
+        self.net, self.b, self.cache_kv, self.window = net, b, cache_kv, window
         self.schedule, self.guidance_rescale, self.space = schedule, guidance_rescale, space
         self.names, branches = guidance_branches(conds, negatives, schedule, steps,
                                                  need_joint=guidance_rescale > 0, nulls=nulls)
@@ -316,18 +352,36 @@ class _Stepper:
             self.runs = [(stack_conditions(branches), len(branches))]
         self.caches: list[Any] = [None] * len(self.runs)
 
+    def select(self, index: Tensor) -> None:
+        """Keep (repeat, reorder) the samples ``index (b',)`` in every branch and cache (beam search)."""
+        b = self.b
+        for i, (conds, r) in enumerate(self.runs):
+            idx = torch.cat([index + k * b for k in range(r)]) if r > 1 else index
+            self.runs[i] = (_select_conditions(conds, idx), r)
+            if self.caches[i] is not None:
+                self.caches[i] = self.caches[i].index_select(idx)
+        self.b = int(index.shape[0])
+
     def __call__(self, seq: Tensor, seq_mask: Tensor | None, new: Tensor | None, t: int) -> Tensor:
-        """Logits for the token after ``seq (b, n)``; ``new (b, 1)`` is its last token (cached path)."""
+        """Logits for the token after ``seq (b, n)``; ``new (b, 1)`` is its last token (cached path:
+        ``seq`` is then needed only with a window)."""
         outs = []
         for i, (conds, r) in enumerate(self.runs):
-            if self.cache_kv and new is not None:
+            prefix = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
+            windowed = self.window is not None and prefix + seq.shape[1] > self.window  # may be longer: re-encode
+            if self.cache_kv and new is not None and not windowed:
                 logits, self.caches[i] = self.net(_twice(new, r), cache=self.caches[i], return_cache=True)
                 outs.append(logits[:, -1])
                 continue
-            m = _twice(seq_mask, r)
-            res = self.net(_twice(seq, r), mask=m, return_cache=self.cache_kv, **conds.kwargs())
-            if self.cache_kv:
+            s, m, kw = _twice(seq, r), _twice(seq_mask, r), conds.kwargs()
+            if windowed:
+                s, m, kw = _window_inputs(s, m, kw, self.window)
+            keep_cache = self.cache_kv and not windowed
+            res = self.net(s, mask=m, return_cache=keep_cache, **kw)
+            if keep_cache:
                 res, self.caches[i] = res
+            else:
+                self.caches[i] = None
             outs.append(_last_logits(res, m))
         logits = torch.cat(outs) if len(outs) > 1 else outs[0]  # (r * b, v)
         if len(self.names) == 1:
@@ -349,6 +403,77 @@ def _check_context_arg(t: Tensor | None, name: str, b: int, device, width: int |
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the prompts)")
+
+
+def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditions, null_context, *, pad_value,
+             temperature, filter_logits_fn, filter_kwargs, eos_token, cond_scale, guidance_rescale,
+             guidance_interval, guidance_space, restrict_to_max_seq_len):
+    """Every check of a generation's arguments. Returns ``(conds, schedule, nulls, window)``."""
+    if not isinstance(net, TransformerWrapper):
+        raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
+    if not isinstance(prompts, Tensor) or prompts.dim() != 2:
+        raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
+    if prompts.dtype.is_floating_point or prompts.dtype == torch.bool or prompts.is_complex():
+        raise TypeError(f"prompts must hold integer token ids, got dtype {prompts.dtype}")
+    b, n = prompts.shape
+    device = prompts.device
+    if b == 0:
+        raise ValueError("prompts has batch size 0: nothing to generate (pass at least one prompt)")
+    if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < net.num_tokens:
+        raise ValueError(f"pad_value must be a token id in [0, num_tokens={net.num_tokens}), got {pad_value!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
+    if n == 0:
+        raise ValueError("prompts must hold at least one token per sample (got n = 0 positions)")
+    if mask is not None:
+        validate_mask(mask, "mask", shape=(b, n), device=device)
+        empty = ~mask.any(dim=1)
+        if bool(empty.any()):
+            raise ValueError(
+                f"every prompt needs at least one real token; mask rows {empty.nonzero().flatten().tolist()} are all False"
+            )
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    _resolve_filter(filter_logits_fn)
+    if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
+        raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
+    if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
+        raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
+    if guidance_space not in ("logits", "logprobs"):
+        raise ValueError(f"guidance_space must be 'logits' or 'logprobs', got {guidance_space!r}")
+    if not isinstance(restrict_to_max_seq_len, bool):
+        raise TypeError(f"restrict_to_max_seq_len must be True or False, got {restrict_to_max_seq_len!r}")
+    layers = net.attn_layers
+    dims = dict(dim_context=layers.dim_context if layers.has_cross else None, dim=layers.dim,
+                dim_condition=layers.dim_condition)
+    check_condition_args(conds, b, device, **dims)
+    check_condition_args(negatives, b, device, **dims, prefix="uncond_")
+    if null_context is not None:
+        check_condition_args(Conditions(context=null_context), b, device, **dims, prefix="null_")
+    if filter_kwargs is not None and filter_logits_fn is None:
+        raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
+    m = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
+    needed = m + n + seq_len - 1  # positions the last step's forward sees
+    if net.pos_emb is not None and needed > net.max_seq_len:
+        raise ValueError(
+            f"a prompt of {n} positions{f' after a prefix of {m}' if m else ''} plus seq_len={seq_len} new tokens needs "
+            f"{needed} positions, more than the model's max_seq_len={net.max_seq_len}: its learned absolute position "
+            f"embedding has no position past max_seq_len - 1, so not even a sliding window (restrict_to_max_seq_len) "
+            f"can go on. Generate fewer tokens, or use relative positions (Decoder(..., rotary_pos_emb=True) or "
+            f"alibi_pos_bias=True), which can slide past max_seq_len"
+        )
+    window = net.max_seq_len if restrict_to_max_seq_len and needed > net.max_seq_len else None
+    for kind in negatives.kinds():  # a negative condition alone: the conditional branch sees the empty one
+        if conds.pair(kind)[0] is None:
+            t = negatives.pair(kind)[0]
+            empty = t[:, :0] if kind != "condition" else None
+            if empty is None:
+                raise ValueError("uncond_condition needs a condition for the conditional branch too")
+            conds = conds.with_pair(kind, empty, torch.zeros(b, 0, dtype=torch.bool, device=device))
+    schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
+                                      has_uncond=bool(conds.kinds()), steps=seq_len)
+    nulls = {} if null_context is None else {"context": (null_context, None)}
+    return conds, schedule, nulls, window
 
 
 @torch.no_grad()
@@ -380,6 +505,7 @@ def generate_tokens(
     null_context: Tensor | None = None,
     guidance_interval: tuple[int, int] | None = None,
     guidance_space: str = "logits",
+    restrict_to_max_seq_len: bool = True,
     _two_pass: bool = False,
 ) -> Tensor:
     """Sample ``seq_len`` tokens from a causal ``TransformerWrapper`` (the engine of every ``generate``).
@@ -418,69 +544,37 @@ def generate_tokens(
         guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``; the others sample
             the joint (fully conditional) branch.
         guidance_space: ``"logits"`` or ``"logprobs"`` (each branch log-softmaxed before combining).
+        restrict_to_max_seq_len: a sliding window (x-transformers' option of the same name) for nets
+            with relative positions (rotary, ALiBi, or none): once a sample's sequence (real prefix
+            rows, real prompt tokens and generated tokens) is longer than ``net.max_seq_len``, each
+            next token is predicted from its last ``max_seq_len`` real positions only, exactly as if
+            they were the whole input (the window counts real tokens, not padded slots, so a
+            left-padded batch equals each prompt alone; a prefix's rows are the oldest positions and
+            leave the window first). The KV cache serves every step up to ``max_seq_len``; past it,
+            each step re-encodes the window (a trimmed cache would differ from the second layer on,
+            whose cached keys saw tokens that have left the window), so the cached and uncached
+            paths give the same tokens. ``False``: every token sees the whole sequence, however
+            long. The cross-attention context and the adaptive condition are never cut.
 
     Returns:
         ``(b, seq_len)`` the new tokens (long).
+
+    Raises:
+        ValueError: a bad shape, mask, value or option (named); a net with a learned absolute
+            position embedding asked for more than ``max_seq_len`` positions (either setting of
+            ``restrict_to_max_seq_len``).
+        TypeError: a tensor of the wrong dtype, a non-bool ``restrict_to_max_seq_len``.
     """
-    if not isinstance(net, TransformerWrapper):
-        raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
-    if not isinstance(prompts, Tensor) or prompts.dim() != 2:
-        raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
-    if prompts.dtype.is_floating_point or prompts.dtype == torch.bool or prompts.is_complex():
-        raise TypeError(f"prompts must hold integer token ids, got dtype {prompts.dtype}")
-    b, n = prompts.shape
-    device = prompts.device
-    if b == 0:
-        raise ValueError("prompts has batch size 0: nothing to generate (pass at least one prompt)")
-    if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < net.num_tokens:
-        raise ValueError(f"pad_value must be a token id in [0, num_tokens={net.num_tokens}), got {pad_value!r}")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
-    if n == 0:
-        raise ValueError("prompts must hold at least one token per sample (got n = 0 positions)")
-    if mask is not None:
-        validate_mask(mask, "mask", shape=(b, n), device=device)
-        empty = ~mask.any(dim=1)
-        if bool(empty.any()):
-            raise ValueError(
-                f"every prompt needs at least one real token; mask rows {empty.nonzero().flatten().tolist()} are all False"
-            )
-    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    filter_fn = _resolve_filter(filter_logits_fn)
-    if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
-        raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
-    if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
-        raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
-    if guidance_space not in ("logits", "logprobs"):
-        raise ValueError(f"guidance_space must be 'logits' or 'logprobs', got {guidance_space!r}")
-    layers = net.attn_layers
-    dims = dict(dim_context=layers.dim_context if layers.has_cross else None, dim=layers.dim,
-                dim_condition=layers.dim_condition)
     conds = Conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask)
     negatives = Conditions(uncond_context, uncond_context_mask, uncond_prepend_embeds, uncond_prepend_mask, uncond_condition)
-    check_condition_args(conds, b, device, **dims)
-    check_condition_args(negatives, b, device, **dims, prefix="uncond_")
-    if null_context is not None:
-        check_condition_args(Conditions(context=null_context), b, device, **dims, prefix="null_")
-    if filter_kwargs is not None and filter_logits_fn is None:
-        raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
-    m = 0 if prepend_embeds is None else prepend_embeds.shape[1]
-    if net.pos_emb is not None and m + n + seq_len - 1 > net.max_seq_len:
-        raise ValueError(
-            f"a prompt of {n} positions{f' after a prefix of {m}' if m else ''} plus seq_len={seq_len} new tokens needs "
-            f"{m + n + seq_len - 1} positions, more than the model's max_seq_len={net.max_seq_len}"
-        )
-    for kind in negatives.kinds():  # a negative condition alone: the conditional branch sees the empty one
-        if conds.pair(kind)[0] is None:
-            t = negatives.pair(kind)[0]
-            empty = t[:, :0] if kind != "condition" else None
-            if empty is None:
-                raise ValueError("uncond_condition needs a condition for the conditional branch too")
-            conds = conds.with_pair(kind, empty, torch.zeros(b, 0, dtype=torch.bool, device=device))
-    schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
-                                      has_uncond=bool(conds.kinds()), steps=seq_len)
-    nulls = {} if null_context is None else {"context": (null_context, None)}
+    conds, schedule, nulls, window = _prepare(
+        net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
+        filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token, cond_scale=cond_scale,
+        guidance_rescale=guidance_rescale, guidance_interval=guidance_interval, guidance_space=guidance_space,
+        restrict_to_max_seq_len=restrict_to_max_seq_len,
+    )
+    filter_fn = _resolve_filter(filter_logits_fn)
+    b, device = prompts.shape[0], prompts.device
 
     out = torch.full((b, seq_len), pad_value, dtype=torch.long, device=device)
     if seq_len == 0:
@@ -489,7 +583,7 @@ def generate_tokens(
     net.eval()
     try:
         step = _Stepper(net, b, conds, nulls, negatives, schedule, guidance_rescale, guidance_space, cache_kv, _two_pass,
-                        steps=seq_len)
+                        steps=seq_len, window=window)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         seq, seq_mask, new = prompts, mask, None
         for t in range(seq_len):
@@ -502,12 +596,184 @@ def generate_tokens(
                 if bool(done.all()):
                     break
             new = tok[:, None]
-            if not cache_kv:
+            if not cache_kv or window is not None:
                 seq = torch.cat((seq, new), dim=1)
                 seq_mask = None if seq_mask is None else torch.cat((seq_mask, torch.ones_like(new, dtype=torch.bool)), dim=1)
     finally:
         net.train(was_training)
     return out
+
+
+def _gumbel_like(t: Tensor) -> Tensor:
+    """Gumbel(0, 1) noise, finite: the uniform draw is kept inside (0, 1)."""
+    tiny = torch.finfo(t.dtype).tiny
+    u = torch.rand_like(t).clamp(min=tiny, max=1.0 - torch.finfo(t.dtype).eps)
+    return -torch.log(-torch.log(u))
+
+
+def _beam_candidates(logits: Tensor, kc: int, done: Tensor, pad_value: int, stochastic: bool, temperature: float,
+                     filter_fn, filter_kwargs) -> tuple[Tensor, Tensor]:
+    """Each beam's ``kc`` candidate tokens and their log-probabilities (float32): ``((B, kc), (B, kc))``.
+
+    A finished beam has one candidate, ``pad_value`` with log-probability 0 (its score is kept); the
+    others are ``-inf``. With ``stochastic`` the candidates are drawn without replacement (Gumbel top-k
+    over the filtered, tempered logits); a token the filter removed scores ``-inf``.
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = logits.log_softmax(dim=-1)  # (B, v)
+    if stochastic and temperature > 0:  # as sample_logits: the temperature, then the filter
+        diff = logits - logits.amax(dim=-1, keepdim=True)  # the max is 0: a tiny temperature cannot overflow
+        z = torch.where(diff == 0, 0.0, diff / temperature)
+        if filter_fn is not None:
+            z = filter_fn(z, **(filter_kwargs or {}))
+        cand = (z + _gumbel_like(z)).topk(kc, dim=-1).indices
+        delta = torch.where(z.gather(-1, cand) == _NEG_INF, _NEG_INF, logp.gather(-1, cand))
+    else:
+        delta, cand = logp.topk(kc, dim=-1)
+    first = torch.zeros_like(delta).index_fill_(1, torch.zeros(1, dtype=torch.long, device=delta.device), 1.0).bool()
+    cand = torch.where(done[:, None], pad_value, cand)
+    delta = torch.where(done[:, None], torch.where(first, 0.0, _NEG_INF), delta)
+    return cand, delta
+
+
+@torch.no_grad()
+def beam_search_tokens(
+    net: TransformerWrapper,
+    prompts: Tensor,
+    seq_len: int,
+    *,
+    beams: int = 4,
+    mask: Tensor | None = None,
+    context: Tensor | None = None,
+    context_mask: Tensor | None = None,
+    prepend_embeds: Tensor | None = None,
+    prepend_mask: Tensor | None = None,
+    condition: Tensor | None = None,
+    condition_mask: Tensor | None = None,
+    eos_token: int | None = None,
+    temperature: float = 1.0,
+    stochastic: bool = False,
+    filter_logits_fn: Callable[..., Tensor] | str | None = None,
+    filter_kwargs: dict[str, Any] | None = None,
+    cache_kv: bool = True,
+    restrict_to_max_seq_len: bool = True,
+    pad_value: int = 0,
+    cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
+    guidance_rescale: float = 0.0,
+    guidance_interval: tuple[int, int] | None = None,
+    guidance_space: str = "logits",
+    uncond_context: Tensor | None = None,
+    uncond_context_mask: Tensor | None = None,
+    uncond_prepend_embeds: Tensor | None = None,
+    uncond_prepend_mask: Tensor | None = None,
+    uncond_condition: Tensor | None = None,
+    null_context: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Beam search: the ``beams`` continuations of ``seq_len`` tokens with the largest summed log-probability.
+
+    Each step, every live beam proposes its ``beams`` best next tokens; of the ``beams * beams``
+    candidates of a sample, the ``beams`` with the largest score (the sum of the next-token
+    log-probabilities, in float32; guided log-probabilities with ``cond_scale != 1``) survive. A beam
+    that produced ``eos_token`` is finished: it keeps its score and competes with the live ones (no
+    length penalty), and its later tokens are ``pad_value``. The KV cache is built once for the
+    prompts, repeated per beam and reordered with ``KVCache.index_select`` each step.
+
+    Args:
+        net: a ``TransformerWrapper`` around a ``Decoder``.
+        prompts: ``(b, n)`` token ids.
+        seq_len: how many tokens to generate.
+        beams: beams per sample, ``>= 1`` (1 is greedy decoding). More beams than distinct sequences
+            (``beams > v ** seq_len``) leave beams with score ``-inf``: they are not sequences of the
+            model and sort last.
+        mask: ``(b, n)`` prompt padding mask (True = real); any padding (positions count real tokens).
+        context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask: the
+            conditions, as in ``generate_tokens``.
+        eos_token: a beam that produces it is finished.
+        temperature, filter_logits_fn, filter_kwargs: with ``stochastic`` only: the candidates of
+            each beam are drawn by Gumbel top-k from the filtered logits divided by the temperature
+            (``temperature=0``: the deterministic candidates). The scores stay the model's
+            log-probabilities.
+        stochastic: stochastic beam search (x-transformers' ``stochastic=True``).
+        cache_kv: decode with the KV cache; the result equals the uncached recompute.
+        restrict_to_max_seq_len: the sliding window of ``generate_tokens``.
+        pad_value: token written after a beam's ``eos_token``.
+        cond_scale, guidance_rescale, guidance_interval, guidance_space, uncond_*, null_context:
+            classifier-free guidance, as in ``generate_tokens``: beams are scored with the
+            log-softmax of the guided logits.
+
+    Returns:
+        ``(tokens (b, beams, seq_len), scores (b, beams))``, best beam first; ``scores`` is float32,
+        ``-inf`` only for beams that hold no sequence (see ``beams``), never NaN.
+
+    Raises:
+        ValueError / TypeError: as ``generate_tokens``; ``beams`` not a positive integer;
+            ``filter_logits_fn``, ``filter_kwargs`` or a temperature other than 0 and 1 without
+            ``stochastic`` (they would be ignored).
+    """
+    if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
+        raise ValueError(f"beams must be an integer >= 1, got {beams!r}")
+    if not isinstance(stochastic, bool):
+        raise TypeError(f"stochastic must be True or False, got {stochastic!r}")
+    if not stochastic and (filter_logits_fn is not None or filter_kwargs is not None):
+        raise ValueError("filter_logits_fn / filter_kwargs shape the candidates of stochastic beam search only; "
+                         "pass stochastic=True, or leave them out (deterministic beam search has no filter)")
+    if not stochastic and isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+            and temperature not in (0.0, 1.0):
+        raise ValueError(f"temperature={temperature!r} only applies with stochastic=True (deterministic beam search "
+                         "ranks by the model's log-probabilities)")
+    conds = Conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask)
+    negatives = Conditions(uncond_context, uncond_context_mask, uncond_prepend_embeds, uncond_prepend_mask, uncond_condition)
+    conds, schedule, nulls, window = _prepare(
+        net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
+        filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token, cond_scale=cond_scale,
+        guidance_rescale=guidance_rescale, guidance_interval=guidance_interval, guidance_space=guidance_space,
+        restrict_to_max_seq_len=restrict_to_max_seq_len,
+    )
+    filter_fn = _resolve_filter(filter_logits_fn)
+    b, device = prompts.shape[0], prompts.device
+    k = beams
+    out = torch.full((b * k, seq_len), pad_value, dtype=torch.long, device=device)
+    scores = torch.zeros(b, k, dtype=torch.float32, device=device)
+    scores[:, 1:] = _NEG_INF  # one live beam per sample at the start: no duplicates
+    if seq_len == 0:
+        return out.view(b, k, seq_len), scores
+    was_training = net.training
+    net.eval()
+    try:
+        step = _Stepper(net, b, conds, nulls, negatives, schedule, guidance_rescale, guidance_space, cache_kv, False,
+                        steps=seq_len, window=window)
+        logits = step(prompts, mask, None, 0)  # (b, v)
+        kc = min(k, logits.shape[-1])  # candidates per beam
+        rep = torch.arange(b, device=device).repeat_interleave(k)  # (b * k,): each sample's beams side by side
+        step.select(rep)
+        logits, seq = logits.index_select(0, rep), prompts.index_select(0, rep)
+        seq_mask = None if mask is None else mask.index_select(0, rep)
+        done = torch.zeros(b * k, dtype=torch.bool, device=device)
+        tok = torch.full((b * k,), pad_value, dtype=torch.long, device=device)
+        base = (torch.arange(b, device=device) * k)[:, None]  # (b, 1)
+        for t in range(seq_len):
+            if t > 0:
+                logits = step(seq, seq_mask, tok[:, None], t)  # (b * k, v)
+            cand, delta = _beam_candidates(logits, kc, done, pad_value, stochastic, temperature, filter_fn, filter_kwargs)
+            total = (scores.view(b * k, 1) + delta).view(b, k * kc)  # -inf + finite is -inf, never NaN
+            scores, idx = total.topk(k, dim=-1)  # (b, k), best first
+            parent = (base + idx // kc).view(-1)  # (b * k,)
+            tok = cand.view(b, k * kc).gather(1, idx).view(-1)
+            out = out.index_select(0, parent)
+            out[:, t] = tok
+            done = done.index_select(0, parent) | ~torch.isfinite(scores.view(-1))
+            if eos_token is not None:
+                done = done | (tok == eos_token)
+            if t == seq_len - 1 or bool(done.all()):
+                break
+            step.select(parent)
+            if not cache_kv or window is not None:
+                seq = torch.cat((seq.index_select(0, parent), tok[:, None]), dim=1)
+                if seq_mask is not None:
+                    seq_mask = torch.cat((seq_mask.index_select(0, parent), torch.ones_like(tok[:, None], dtype=torch.bool)), 1)
+    finally:
+        net.train(was_training)
+    return out.view(b, k, seq_len), scores
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -696,12 +962,46 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         self.generate(prompts, 1, temperature=1.0, filter_logits_fn=capture, **kwargs)
         return found["logits"]
 
+    def _batch(self, prompts, mask, prompt_lens) -> tuple[Tensor, Tensor | None, bool]:
+        """``(prompts (b, n), mask, was_1d)`` from any form ``generate`` takes (x-transformers' included)."""
+        if isinstance(prompts, (list, tuple)):  # x-transformers' way: 1-D prompts of different lengths
+            if mask is not None:
+                raise ValueError("mask was given with a list of prompts: the list's lengths are the mask")
+            if prompt_lens is not None:
+                raise ValueError("prompt_lens was given with a list of prompts: the list's lengths are the lengths")
+            prompts, mask = left_pad(prompts, self.pad_value)
+            return prompts, mask, False
+        single = isinstance(prompts, Tensor) and prompts.dim() == 1  # one prompt without a batch dimension
+        if single:
+            prompts = prompts[None]
+            if isinstance(mask, Tensor) and mask.dim() == 1:
+                mask = mask[None]
+            if isinstance(prompt_lens, Tensor) and prompt_lens.dim() == 0:
+                prompt_lens = prompt_lens[None]
+        if prompt_lens is not None:  # x-transformers' way: right-padded prompts and their lengths
+            if mask is not None:
+                raise ValueError("pass mask or prompt_lens, not both (prompt_lens is the mask of right-padded prompts)")
+            if not isinstance(prompts, Tensor) or prompts.dim() != 2:
+                raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
+            b, n = prompts.shape
+            if not isinstance(prompt_lens, Tensor) or prompt_lens.shape != (b,):
+                raise ValueError(f"prompt_lens must be a tensor of shape (b={b},), got {getattr(prompt_lens, 'shape', type(prompt_lens))}")
+            if prompt_lens.dtype.is_floating_point or prompt_lens.dtype == torch.bool or prompt_lens.is_complex():
+                raise TypeError(f"prompt_lens must hold integer lengths, got dtype {prompt_lens.dtype}")
+            if prompt_lens.device != prompts.device:
+                raise ValueError(f"prompt_lens is on {prompt_lens.device}, expected {prompts.device} (the device of the prompts)")
+            if bool(((prompt_lens < 1) | (prompt_lens > n)).any()):
+                raise ValueError(f"prompt_lens must be in [1, n={n}] (every prompt needs a token), got {prompt_lens.tolist()}")
+            mask = torch.arange(n, device=prompts.device)[None, :] < prompt_lens[:, None]  # (b, n), right padding
+        return prompts, mask, single
+
     def generate(
         self,
-        prompts: Tensor,
+        prompts: Tensor | list[Tensor],
         seq_len: int,
         *,
         mask: Tensor | None = None,
+        prompt_lens: Tensor | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
         prepend_embeds: Tensor | None = None,
@@ -713,6 +1013,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         filter_kwargs: dict[str, Any] | None = None,
         eos_token: int | None = None,
         cache_kv: bool = True,
+        restrict_to_max_seq_len: bool = True,
         cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
         guidance_rescale: float = 0.0,
         guidance_interval: tuple[int, int] | None = None,
@@ -726,10 +1027,13 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
 
         Args:
-            prompts: ``(b, n)`` token ids (left-padded when lengths differ, with ``mask``), or a list of
-                ``b`` 1-D token tensors of any lengths (left-padded here; ``mask`` must be None).
+            prompts: ``(b, n)`` token ids (left-padded when lengths differ, with ``mask``), a list of
+                ``b`` 1-D token tensors of any lengths (left-padded here; ``mask`` must be None), or
+                one 1-D prompt ``(n,)`` (the result is then ``(seq_len,)``).
             seq_len: how many tokens to generate.
             mask: ``(b, n)`` prompt padding mask (True = real); every prompt needs a real token.
+            prompt_lens: ``(b,)`` lengths of right-padded prompts (x-transformers' argument): the
+                same as ``mask = arange(n) < prompt_lens``. Not with ``mask``.
             context, context_mask: the cross-attention condition ``(b, j, c_ctx)`` / ``(b, j)``.
             prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)``.
             condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
@@ -739,6 +1043,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             filter_kwargs: e.g. ``{"k": 10}``, ``{"p": 0.9}``, ``{"min_p": 0.05}``.
             eos_token: each sample stops after producing it; the rest of its row is ``pad_value``.
             cache_kv: use the KV cache (same tokens as without it).
+            restrict_to_max_seq_len: past ``max_seq_len``, condition each token on the last
+                ``max_seq_len`` real positions only (a sliding window, for rotary / ALiBi nets: past
+                ``max_seq_len`` each step re-encodes the window). ``False``: on the whole sequence.
+                See ``generate_tokens``.
             cond_scale: a number (joint guidance: 1.0 is plain conditional sampling, the unconditional
                 branch never runs; 0.0 unconditional), a mapping ``{"joint": s, "context": s_c,
                 "prepend": s_p, "condition": s_a}`` (compositional guidance, one scale per condition),
@@ -753,31 +1061,128 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 branch's prefix and adaptive condition, in place of the dropped ones.
 
         Returns:
-            ``(b, seq_len)`` new token ids.
+            ``(b, seq_len)`` new token ids (``(seq_len,)`` for a 1-D prompt).
+
+        Raises:
+            ValueError: a bad shape, mask, length or option, named; generation past ``max_seq_len``
+                with a learned absolute position embedding.
+            TypeError: a tensor of the wrong dtype.
 
         Example (two conditions, guided separately):
             >>> model.generate(prompt, 64, context=text, context_mask=text_mask, condition=style,
             ...                cond_scale={"context": 3.0, "condition": 1.5})
         """
-        if isinstance(prompts, (list, tuple)):  # x-transformers' way: 1-D prompts of different lengths
-            if mask is not None:
-                raise ValueError("mask was given with a list of prompts: the list's lengths are the mask")
-            prompts, mask = left_pad(prompts, self.pad_value)
+        prompts, mask, single = self._batch(prompts, mask, prompt_lens)
         neg = self._negatives(prompts, negative_context, negative_context_mask, negative_prepend_embeds,
                               negative_prepend_mask, negative_condition)
         was_training = self.training
         self.eval()
         try:
-            return generate_tokens(
+            out = generate_tokens(
                 self.net, prompts, seq_len, mask=mask, context=context, context_mask=context_mask,
                 prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition,
                 condition_mask=condition_mask, temperature=temperature, filter_logits_fn=filter_logits_fn,
                 filter_kwargs=filter_kwargs, eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale,
                 guidance_rescale=guidance_rescale, guidance_interval=guidance_interval,
-                guidance_space=guidance_space, pad_value=self.pad_value, **neg,
+                guidance_space=guidance_space, pad_value=self.pad_value,
+                restrict_to_max_seq_len=restrict_to_max_seq_len, **neg,
             )
         finally:
             self.train(was_training)
+        return out[0] if single else out
+
+    def beam_search(
+        self,
+        prompts: Tensor | list[Tensor],
+        seq_len: int,
+        beams: int = 4,
+        return_beams_and_scores: bool = False,
+        eos_token: int | None = None,
+        temperature: float = 1.0,
+        stochastic: bool = False,
+        prompt_lens: Tensor | None = None,
+        filter_logits_fn: Callable[..., Tensor] | str | None = None,
+        restrict_to_max_seq_len: bool = True,
+        filter_kwargs: dict[str, Any] | None = None,
+        cache_kv: bool = True,
+        *,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        prepend_embeds: Tensor | None = None,
+        prepend_mask: Tensor | None = None,
+        condition: Tensor | None = None,
+        condition_mask: Tensor | None = None,
+        cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
+        guidance_rescale: float = 0.0,
+        guidance_interval: tuple[int, int] | None = None,
+        guidance_space: str = "logits",
+        negative_context: Tensor | None = None,
+        negative_context_mask: Tensor | None = None,
+        negative_prepend_embeds: Tensor | None = None,
+        negative_prepend_mask: Tensor | None = None,
+        negative_condition: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Beam search (x-transformers' ``beam_search``, same arguments and return values).
+
+        Keeps, per sample, the ``beams`` continuations with the largest summed log-probability
+        (float32; see ``beam_search_tokens``). A beam that produced ``eos_token`` is finished: it
+        keeps its score, and its later tokens are ``pad_value``.
+
+        Args:
+            prompts: as in ``generate``: ``(b, n)`` (with ``mask`` or ``prompt_lens``), a list of 1-D
+                prompts of different lengths, or one 1-D prompt.
+            seq_len: how many tokens to generate.
+            beams: beams per sample (1 is greedy decoding).
+            return_beams_and_scores: also return every beam and its score.
+            eos_token: a beam that produces it is finished.
+            temperature, filter_logits_fn, filter_kwargs: shape the candidates of ``stochastic`` beam
+                search (Gumbel top-k from the tempered, filtered logits); without ``stochastic`` they
+                must keep their defaults (they would be ignored).
+            stochastic: stochastic beam search.
+            prompt_lens: ``(b,)`` lengths of right-padded prompts (not with ``mask``).
+            restrict_to_max_seq_len: the sliding window past ``max_seq_len`` (see ``generate``).
+            cache_kv: use the KV cache (same result as without it).
+            mask: ``(b, n)`` prompt padding mask (True = real).
+            context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask: the
+                conditions, as in ``generate``.
+            cond_scale, guidance_rescale, guidance_interval, guidance_space, negative_*: guidance as in
+                ``generate``; beams are scored with the log-softmax of the guided logits.
+
+        Returns:
+            ``(b, seq_len)`` the best beam's tokens; with ``return_beams_and_scores``, ``(tokens
+            (beams, b, seq_len), scores (beams, b))``, best beam first (x-transformers' layout).
+            A 1-D prompt drops the ``b`` dimension. A score is ``-inf`` only for a beam that holds no
+            sequence (more beams than possible sequences), never NaN.
+
+        Raises:
+            ValueError / TypeError: as ``generate``; ``beams`` not a positive integer; sampling
+                options without ``stochastic``.
+        """
+        prompts, mask, single = self._batch(prompts, mask, prompt_lens)
+        neg = self._negatives(prompts, negative_context, negative_context_mask, negative_prepend_embeds,
+                              negative_prepend_mask, negative_condition)
+        if not isinstance(return_beams_and_scores, bool):
+            raise TypeError(f"return_beams_and_scores must be True or False, got {return_beams_and_scores!r}")
+        was_training = self.training
+        self.eval()
+        try:
+            tokens, scores = beam_search_tokens(
+                self.net, prompts, seq_len, beams=beams, mask=mask, context=context, context_mask=context_mask,
+                prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition,
+                condition_mask=condition_mask, eos_token=eos_token, temperature=temperature, stochastic=stochastic,
+                filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, cache_kv=cache_kv,
+                restrict_to_max_seq_len=restrict_to_max_seq_len, pad_value=self.pad_value, cond_scale=cond_scale,
+                guidance_rescale=guidance_rescale, guidance_interval=guidance_interval,
+                guidance_space=guidance_space, **neg,
+            )  # (b, beams, seq_len), (b, beams)
+        finally:
+            self.train(was_training)
+        if not return_beams_and_scores:
+            best = tokens[:, 0]
+            return best[0] if single else best
+        tokens, scores = tokens.transpose(0, 1), scores.transpose(0, 1)  # (beams, b, seq_len), (beams, b)
+        return (tokens[:, 0], scores[:, 0]) if single else (tokens, scores)
 
 
 def left_pad(prompts, pad_value: int = 0) -> tuple[Tensor, Tensor]:

@@ -2,11 +2,13 @@
 
 Converts an ``x_transformers.TransformerWrapper`` (``Decoder``, ``Encoder`` or ``CrossAttender``
 layers) into the equivalent ``safeformer.TransformerWrapper`` with the same weights, so that a
-trained model gains safeformer's safety contract. Options that change the numbers and have no
+trained model gains safeformer's safety contract; an ``x_transformers.AutoregressiveWrapper`` into a
+``safeformer.AutoregressiveWrapper`` and an ``x_transformers.XTransformer`` into a
+``safeformer.XTransformer`` around such converted nets. Options that change the numbers and have no
 safeformer equivalent raise one ``ValueError`` listing all of them.
 
 Shape legend: c model width, h query heads, h_kv key/value heads, g = h // h_kv, d head dim,
-v vocabulary size, f feed-forward hidden width.
+v vocabulary size, f feed-forward hidden width, m memory tokens / memory key-value pairs.
 
 How the numbers are matched (x-transformers 2.x, read from its source):
 - Norms. x-transformers' ``LayerNorm`` is ``nn.LayerNorm(c, elementwise_affine=False)(x) * (gamma +
@@ -20,30 +22,55 @@ How the numbers are matched (x-transformers 2.x, read from its source):
   relative). That eps is the converted stack's ``norm_eps``, so it is saved with its config.
 - Grouped-query heads. x-transformers gives query head ``n`` the key/value head ``n % h_kv``
   (``repeat 'b h n d -> b (r h) n d'``); safeformer gives query head ``m`` the key/value head
-  ``m // g``. The query heads are permuted (rows of ``to_q``, columns of ``to_out``) to match.
+  ``m // g``. The query heads are permuted (rows of ``to_q``, columns of ``to_out``, entries of a
+  per-head sink) to match.
 - A GLU ``mult_bias`` is folded into the columns of the feed-forward's output projection; a
   feed-forward without biases gets zero biases; an attention without an output projection (one
-  head) gets the identity. A tied embedding (``logits = h @ E.T * tie_embedding_scale``) becomes an
-  untied ``to_logits`` holding ``E * tie_embedding_scale``.
+  head) gets the identity. A tied embedding (``logits = h @ E.T * tie_embedding_scale``) stays tied
+  (``tie_embedding=True`` with the same ``tie_embedding_scale``): same parameters, same count.
 - Positions. Both count positions from 0 and scale a learned absolute embedding by ``c ** -0.5``;
   rotary positions rotate interleaved pairs of the first ``rotary_emb_dim`` features per head with
   base 10000. x-transformers numbers positions ``0..n-1`` whatever the mask; safeformer counts real
   tokens (so left padding does not shift positions). The two agree at every real position when
   padding is on the right.
+- ALiBi. Both add ``-slope_h * |i - j|`` to the scaled logits of self-attention, with the same
+  geometric slopes (``alibi_slopes``), 0 for memory keys. Only whole-head ALiBi converts
+  (``alibi_num_heads == heads``), and not with grouped-query heads ``1 < h_kv < h`` (the permutation
+  above would move the fixed slopes to other heads). x-transformers keeps its absolute position
+  embedding next to ALiBi unless told otherwise; safeformer drops it, so such a model is refused.
+- qk-norm. x-transformers' ``attn_qk_norm`` l2-normalises q and k per head, multiplies them by
+  ``a`` and ``b`` (1, or the learned ``qk_norm_q_scale (h, 1, d)`` / ``qk_norm_k_scale (h_kv, 1, d)``
+  of ``qk_norm_dim_scale``) and scales the logits by ``s`` (``qk_norm_scale``, default 10, or
+  ``d ** -0.5`` with ``qk_norm_dim_scale``): ``logit = s * sum_e qhat_e a_e khat_e b_e``.
+  safeformer's RMSNorm gives ``q' = qhat * sqrt(d) * w_q`` (and ``k'`` alike) and the logit
+  ``d ** -0.5 * q' . k' = sqrt(d) * sum_e qhat_e khat_e w_q,e w_k,e``. They agree when
+  ``w_q,e * w_k,e = p_e = s * a_e * b_e / sqrt(d)``; the converter sets ``w_k = sqrt(|p|)`` and
+  ``w_q = sign(p) * sqrt(|p|)``. safeformer's gains are shared by every head, so per-head scales
+  convert only where ``a * b`` is the same for every head (as at initialisation); ``qk_norm_groups
+  > 1`` (normalising groups of features) does not convert. The q/k norms keep safeformer's epsilon
+  (``rsqrt(mean(q^2) + 1e-6)`` against ``1 / max(||q||, 1e-12)``): a relative difference of about
+  ``5e-7 / mean(q^2)`` in each normalised q and k.
+- Memory. ``num_memory_tokens`` rows ``memory_tokens (m, c)`` and per-attention memory keys/values
+  ``mem_k, mem_v (h_kv, m, d)`` (``attn_num_mem_kv``) are copied as they are; a learned sink
+  ``head_attn_sink (h,)`` is permuted with the query heads; ``attn_softclamp_logits`` keeps its value.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .generation import AutoregressiveWrapper
 from .layers import CrossAttender, Decoder, Encoder
-from .modules import RMSNorm
+from .modules import RMSNorm, alibi_slopes
 from .wrappers import TransformerWrapper
+from .xtransformer import XTransformer
 
 __all__ = ["from_x_transformers"]
 
@@ -78,7 +105,6 @@ _TYPE_OPTIONS = {
     "LoRALinear": "attn_gate_values / attn_output_gate",
     "CoPE": "attn_use_cope",
     "Lambda": "ff_softclamp_value",
-    "AlibiPositionalBias": "alibi_pos_bias",
     "RelativePositionBias": "rel_pos_bias",
     "DynamicPositionBias": "dynamic_pos_bias",
     "DataDependentAlibi": "attn_data_dependent_alibi",
@@ -107,10 +133,17 @@ def _xt():
 class _Problems:
     """Collects every unsupported option found, to raise them all at once."""
 
-    def __init__(self) -> None:
-        self.items: dict[str, list[str]] = {}
+    def __init__(self, parent: _Problems | None = None, prefix: str = "") -> None:
+        self.items: dict[str, list[str]] = {} if parent is None else parent.items
+        self.prefix = prefix
+
+    def scoped(self, prefix: str) -> _Problems:
+        """The same collection, with every location under ``prefix`` (a submodule of a wrapper)."""
+        return _Problems(self, f"{self.prefix}.{prefix}" if self.prefix else prefix)
 
     def add(self, text: str, where: str | None = None) -> None:
+        if self.prefix:
+            where = self.prefix if where is None else f"{self.prefix}.{where}"
         wheres = self.items.setdefault(text, [])
         if where is not None and where not in wheres:
             wheres.append(where)
@@ -154,9 +187,53 @@ def _norm_weights(norm, xt) -> tuple[Tensor, Tensor | None, list[str]]:
     raise AssertionError("unreachable: checked by _norm_kind")
 
 
-def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, training_only: list[str]) -> None:
+@dataclass
+class _AttnOptions:
+    """The attention options safeformer represents, as one x-transformers ``Attention`` uses them.
+    ``qk_gain``: the product ``p (d,)`` of the q and k RMSNorm gains (see the module docstring), or
+    None when ``qk_norm`` is off or cannot be mapped (a problem was recorded then)."""
+
+    qk_norm: bool = False
+    qk_gain: Tensor | None = None
+    mem_kv: int = 0
+    sink: bool = False
+    softclamp: float | None = None
+
+    def key(self) -> tuple:
+        return (self.qk_norm, self.mem_kv, self.sink, self.softclamp)
+
+
+def _qk_gain(name: str, attn, problems: _Problems) -> Tensor | None:
+    """``p (d,)`` with ``w_q * w_k = p`` (float64), or None (a problem recorded)."""
+    groups = getattr(attn, "qk_norm_groups", 1)
+    if groups != 1:
+        problems.add(f"attn_qk_norm with qk_norm_groups={groups} (x-transformers l2-normalises {groups} groups of "
+                     f"features per head; safeformer's q/k RMSNorm normalises the whole head)", name)
+        return None
+    h, h_kv = attn.heads, attn.kv_heads
+    d = attn.to_q.out_features // h
+    scale = attn.attend.scale
+    scale = d**-0.5 if scale is None else float(scale)
+
+    def per_head(t, rows: int) -> Tensor:  # 1 or (rows, 1, d) -> (rows, d)
+        if isinstance(t, Tensor):
+            return t.detach().to(device="cpu", dtype=torch.float64).reshape(rows, d)
+        return torch.full((rows, d), float(t), dtype=torch.float64)
+
+    a = per_head(attn.qk_norm_q_scale, h)  # (h, d)
+    b = per_head(attn.qk_norm_k_scale, h_kv)[[n % h_kv for n in range(h)]]  # (h, d): x-transformers' kv head of n
+    prod = scale * a * b / math.sqrt(d)  # (h, d)
+    if not torch.allclose(prod, prod[:1].expand_as(prod), rtol=1e-6, atol=0.0):
+        problems.add("attn_qk_norm_dim_scale with per-head scales whose products qk_norm_q_scale * qk_norm_k_scale "
+                     "differ between heads (safeformer's q/k RMSNorm gains are shared by every head)", name)
+        return None
+    return prod.mean(dim=0)  # (d,)
+
+
+def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, training_only: list[str]) -> _AttnOptions:
+    """Records what ``attn`` uses that safeformer cannot represent; returns the options it can."""
+    opts = _AttnOptions(qk_norm=bool(attn.qk_norm), mem_kv=int(getattr(attn, "num_mem_kv", 0)))
     flags = {
-        "qk_norm": "attn_qk_norm",
         "head_scale": "attn_head_scale",
         "attn_on_attn": "attn_on_attn",
         "orthog_projected_values": "attn_orthog_projected_values",
@@ -169,8 +246,8 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     for attr, option in flags.items():
         if getattr(attn, attr, False):
             problems.add(f"{option}", name)
-    if getattr(attn, "num_mem_kv", 0):
-        problems.add(f"attn_num_mem_kv={attn.num_mem_kv}", name)
+    if opts.qk_norm:
+        opts.qk_gain = _qk_gain(name, attn, problems)
     if getattr(attn, "max_attend_past", None) is not None:
         problems.add(f"attn_max_attend_past={attn.max_attend_past}", name)
     for attr, option in (
@@ -204,22 +281,21 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     att = attn.attend
     if type(att) is not xt_attend.Attend:
         problems.add(f"a custom Attend class {type(att).__name__}", name)
-        return
+        return opts
     fn = att.attn_fn
     plain_softmax = isinstance(fn, functools.partial) and fn.func is F.softmax and fn.keywords.get("dim") == -1
     if not plain_softmax:
         problems.add("a non-softmax attention function (attn_sigmoid / attn_hard / attn_sparse_topk / "
                      "attn_gumbel_softmax / attn_custom_attn_fn)", name)
     dim_head = attn.to_q.out_features // attn.heads
-    if att.scale is not None and not math.isclose(att.scale, dim_head**-0.5, rel_tol=1e-12):
+    # with qk-norm the logit scale is part of the mapped q/k gains (_qk_gain)
+    if not opts.qk_norm and att.scale is not None and not math.isclose(att.scale, dim_head**-0.5, rel_tol=1e-12):
         problems.add(f"an attention scale {att.scale} != dim_head ** -0.5", name)
     for attr, option in (
         ("selective", "attn_selective"),
         ("cog_signed", "attn_cog_signed"),
         ("l2_distance", "attn_l2_distance"),
         ("add_zero_kv", "attn_add_zero_kv"),
-        ("head_learned_sink", "attn_head_learned_sink"),
-        ("softclamp_logits", "attn_softclamp_logits"),
         ("inverted_attention", "inverted_attention"),
         ("flash_pack_seq", "attn_flash_pack_seq"),
     ):
@@ -228,6 +304,10 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     for attr in ("pre_softmax_talking_heads", "post_softmax_talking_heads", "pre_scale_post_talking_heads", "cope"):
         if getattr(att, attr, None) is not None:
             problems.add(f"attn_{attr.replace('softmax_', '')}", name)
+    opts.sink = bool(getattr(att, "head_learned_sink", False))
+    if getattr(att, "softclamp_logits", False):
+        opts.softclamp = float(att.logit_softclamp_value)
+    return opts
 
 
 def _parse_ff(name: str, ff, xt, problems: _Problems, training_only: list[str]) -> dict | None:
@@ -291,8 +371,9 @@ def _allowed_types(xt, xt_attend) -> set[type]:
     allowed = {
         xt.TransformerWrapper, xt.TokenEmbedding, xt.AbsolutePositionalEmbedding, xt.AttentionLayers, xt.Encoder,
         xt.Decoder, xt.CrossAttender, xt.LayerNorm, xt.RMSNorm, xt.SimpleRMSNorm, xt.ScaleNorm, xt.Attention,
-        xt_attend.Attend, xt.FeedForward, xt.GLU, xt.Residual, xt.RotaryEmbedding, nn.Embedding, nn.Linear,
-        nn.LayerNorm, nn.Dropout, nn.Identity, nn.ModuleList, nn.Sequential, nn.GELU, nn.SiLU, einops_torch.Rearrange,
+        xt_attend.Attend, xt.FeedForward, xt.GLU, xt.Residual, xt.RotaryEmbedding, xt.AlibiPositionalBias,
+        nn.Embedding, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.ModuleList, nn.Sequential, nn.GELU,
+        nn.SiLU, einops_torch.Rearrange,
     }
     try:
         from torch_einops_utils.nn import Identity
@@ -303,38 +384,25 @@ def _allowed_types(xt, xt_attend) -> set[type]:
     return allowed
 
 
-def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -> TransformerWrapper:
-    """Convert an ``x_transformers.TransformerWrapper`` into the equivalent safeformer model.
+@dataclass
+class _Plan:
+    """What converting one x-transformers ``TransformerWrapper`` takes, found before anything is built."""
 
-    Supported: ``Decoder``, ``Encoder`` and ``CrossAttender`` layers, with or without
-    ``cross_attend`` (and ``cross_attn_dim_context``); pre-norm ``LayerNorm``, ``RMSNorm``,
-    ``SimpleRMSNorm`` or ``ScaleNorm``; learned absolute or rotary positions (``rotary_emb_dim``);
-    GELU or SiLU feed-forwards, gated (``ff_glu``, with ``ff_glu_mult_bias``) or not, with or without
-    biases (``ff_no_bias``); grouped-query attention (``attn_kv_heads``, ``attn_one_kv_head``);
-    ``attn_flash`` on or off; a tied embedding; ``logits_dim``; attention, feed-forward and
-    embedding dropout.
+    model: nn.Module
+    problems: _Problems
+    layers_cls: type
+    stack_kwargs: dict
+    wrapper_kwargs: dict
+    types: tuple
+    heads: int
+    kv_heads: int
+    dim_head: int
+    tied: bool
+    attn_opts: dict[int, _AttnOptions] = field(default_factory=dict)
 
-    Args:
-        model: an ``x_transformers.TransformerWrapper``.
-        drop_training_only: options that change only training (``layer_dropout``,
-            ``cross_attn_tokens_dropout``, sublayer dropouts, ``emb_frac_gradient``) raise like any
-            other unsupported option by default; with ``True`` they are dropped instead (the
-            converted model then trains without them, and evaluates the same).
 
-    Returns:
-        a ``safeformer.TransformerWrapper`` on the model's device and dtype, in the model's training
-        mode, whose logits equal the original's at every real position (right padding; see the
-        module docstring for the positions and the RMSNorm epsilon).
-
-    Raises:
-        TypeError: ``model`` is not an ``x_transformers.TransformerWrapper``.
-        ValueError: the model uses options safeformer cannot represent; the message lists all of them.
-    """
-    xt, xt_attend = _xt()
-    if not isinstance(model, xt.TransformerWrapper):
-        raise TypeError(f"model must be an x_transformers.TransformerWrapper, got {type(model).__name__}")
-    problems = _Problems()
-    training_only: list[str] = []
+def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list[str]) -> _Plan:
+    """Checks an x-transformers ``TransformerWrapper`` (recording every problem) and plans its conversion."""
     layers = model.attn_layers
     dim = layers.dim
 
@@ -346,7 +414,7 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
             continue
         tname = type(module).__name__
         option = _TYPE_OPTIONS.get(tname, f"a {tname} module")
-        problems.add(f"{option} ({tname})", mname or "<model>")
+        problems.add(f"{option} ({tname})", mname or None)
         flagged.append(mname)
 
     # ---- the wrapper
@@ -376,8 +444,10 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
         problems.add("sigsoftmax_logits")
     if getattr(model, "has_multiple_heads", False):
         problems.add("num_output_heads > 1")
-    if getattr(model, "num_memory_tokens", 0):
-        problems.add(f"num_memory_tokens={model.num_memory_tokens}")
+    num_memory_tokens = int(getattr(model, "num_memory_tokens", 0) or 0)
+    if num_memory_tokens:
+        if getattr(model, "memory_tokens_interspersed_every", None) is not None:
+            problems.add(f"memory_tokens_interspersed_every={model.memory_tokens_interspersed_every}")
     if getattr(model, "add_continuous_pred_head", False):
         problems.add("add_continuous_pred_head (its head would not be converted)")
     if getattr(model, "emb_frac_gradient", 1.0) != 1.0:
@@ -385,7 +455,7 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
     tied = False
     to_logits = model.to_logits
     if to_logits is None:
-        problems.add("return_only_embed (no to_logits)")
+        pass  # return_only_embed: an encoder that returns hidden states
     elif isinstance(to_logits, nn.Linear):
         if to_logits.bias is not None:
             problems.add("a to_logits with a bias")
@@ -421,8 +491,10 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
         problems.add(f"num_residual_streams={layers.num_residual_streams}")
     if getattr(layers, "learned_reinject_input_gate", None) is not None:
         problems.add("learned_reinject_input_gate")
-    if getattr(layers, "rel_pos", None) is not None:
-        problems.add(_TYPE_OPTIONS.get(type(layers.rel_pos).__name__, "a relative position bias"))
+    rel_pos = getattr(layers, "rel_pos", None)
+    alibi = rel_pos is not None and type(rel_pos) is xt.AlibiPositionalBias
+    if rel_pos is not None and not alibi:
+        problems.add(_TYPE_OPTIONS.get(type(rel_pos).__name__, "a relative position bias"))
     if getattr(layers, "polar_pos_emb", None) is not None:
         problems.add("polar_pos_emb")
     if any(p > 0 for p in getattr(layers, "layer_dropouts", ())):
@@ -456,10 +528,30 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
             problems.add("rotary_base_rescale_factor (a rotary base other than 10000)")
         if has_abs:
             problems.add("absolute and rotary positions together (disable_abs_pos_emb=False with rotary)")
+    if alibi:
+        if rel_pos.heads != rel_pos.total_heads:
+            problems.add(f"alibi_num_heads={rel_pos.heads} < heads={rel_pos.total_heads} (ALiBi on some heads only; "
+                         f"safeformer's ALiBi covers every head)")
+        elif not torch.allclose(rel_pos.slopes.detach().double().cpu().flatten(),
+                                alibi_slopes(rel_pos.heads).double(), rtol=1e-6, atol=0):
+            problems.add("custom ALiBi slopes (rel_pos_kwargs slopes=...)")
+        if rotary is not None:
+            problems.add("rotary_pos_emb and alibi_pos_bias together (safeformer takes one relative position scheme)")
+        # x-transformers softclamps logits + ALiBi bias; safeformer's Attention clamps the logits before the bias
+        # (modules._explicit_attention). Drop this refusal when the two agree.
+        if any(getattr(getattr(blk, "attend", None), "softclamp_logits", False) for _, blk, _ in layers.layers):
+            problems.add("alibi_pos_bias with attn_softclamp_logits (x-transformers clamps the logits after adding the "
+                         "ALiBi bias, safeformer before)")
+        if has_abs:
+            problems.add("alibi_pos_bias with the absolute position embedding x-transformers keeps next to it "
+                         "(safeformer drops it under ALiBi); such a model trained with use_abs_pos_emb=False or "
+                         "disable_abs_pos_emb=True converts")
 
     # ---- per layer: norms, residuals, blocks
     norm_kinds: set[str] = set()
     attn_shapes: set[tuple] = set()
+    attn_keys: set[tuple] = set()
+    attn_opts: dict[int, _AttnOptions] = {}
     cross_dims: set[int] = set()
     attn_dropouts: set[float] = set()
     ff_infos: list[dict | None] = []
@@ -486,7 +578,9 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
             if residual.scale_residual_constant != 1:
                 problems.add(f"scale_residual_constant={residual.scale_residual_constant}", name)
         if kind in ("a", "c") and type(blk) is xt.Attention:
-            _check_attention(name, blk, xt, xt_attend, problems, training_only)
+            opts = _check_attention(name, blk, xt, xt_attend, problems, training_only)
+            attn_opts[k] = opts
+            attn_keys.add(opts.key())
             dh = blk.to_q.out_features // blk.heads
             attn_shapes.add((blk.heads, blk.kv_heads, dh))
             attn_dropouts.add(blk.attend.dropout)
@@ -518,6 +612,9 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
         problems.add(f"LayerNorm and RMS norms mixed ({sorted(norm_kinds)})")
     if len(attn_shapes) > 1:
         problems.add(f"attention layers of different (heads, kv_heads, dim_head): {sorted(attn_shapes)}")
+    if len(attn_keys) > 1:
+        problems.add(f"attention layers that differ in (qk_norm, num_mem_kv, head_learned_sink, logit softclamp): "
+                     f"{sorted(attn_keys, key=repr)}")
     if len(cross_dims) > 1:
         problems.add(f"cross-attention layers of different context widths: {sorted(cross_dims)}")
     if len(attn_dropouts) > 1:
@@ -530,47 +627,71 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
         if f["out"].out_features != dim or f["in"].in_features != dim:
             problems.add("ff_dim_out != dim")
 
-    if training_only and not drop_training_only:
-        for t in dict.fromkeys(training_only):
-            problems.add(f"{t} (training only; pass drop_training_only=True to drop it)")
-    problems.raise_if_any()
-
-    # ---- build the safeformer model
     heads, kv_heads, dim_head = next(iter(attn_shapes)) if attn_shapes else (1, 1, dim)
+    if alibi and 1 < kv_heads < heads:
+        problems.add(f"alibi_pos_bias with grouped-query heads (attn_kv_heads={kv_heads} of heads={heads}): "
+                     f"safeformer groups query heads the other way round, and its ALiBi slopes are fixed per head index")
+    opts0 = next(iter(attn_opts.values()), _AttnOptions())
+
+    # ---- the safeformer configuration
     ff0 = ff_ok[0] if ff_ok else None
     hidden = ff0["out"].in_features if ff0 else 4 * dim
     ff_mult = hidden / dim
     if int(dim * ff_mult) != hidden:
         problems.add(f"a feed-forward hidden width {hidden} that is not int(dim * mult) for any float mult")
-        problems.raise_if_any()
+    rms = norm_kinds == {"rms"}
     stack_kwargs = dict(
-        dim=dim, depth=depth, heads=heads, dim_head=dim_head, kv_heads=kv_heads if kv_heads != heads else None,
+        dim=dim, depth=max(depth, 1), heads=heads, dim_head=dim_head, kv_heads=kv_heads if kv_heads != heads else None,
         ff_mult=ff_mult, ff_glu=bool(ff0 and ff0["glu"]), ff_swish=bool(ff0 and ff0["swish"]),
-        use_rmsnorm=norm_kinds == {"rms"}, norm_eps=_RMS_EPS if norm_kinds == {"rms"} else None, attn_dropout=float(next(iter(attn_dropouts), 0.0)),
+        use_rmsnorm=rms, norm_eps=_RMS_EPS if rms else None, attn_dropout=float(next(iter(attn_dropouts), 0.0)),
         ff_dropout=float(ff0["dropout"]) if ff0 else 0.0,
     )
     if rotary is not None:
         stack_kwargs.update(rotary_pos_emb=True, rotary_emb_dim=rotary_dim)
+    if alibi:
+        stack_kwargs.update(alibi_pos_bias=True)
     if cross:
-        stack_kwargs.update(dim_context=next(iter(cross_dims)))
-    if only_cross:
-        sf_layers = CrossAttender(**stack_kwargs)
-    elif layers.causal:
-        sf_layers = Decoder(cross_attend=cross, **stack_kwargs)
-    else:
-        sf_layers = Encoder(cross_attend=cross, **stack_kwargs)
-    num_tokens = model.token_emb.emb.num_embeddings
+        stack_kwargs.update(dim_context=next(iter(cross_dims), dim))
+    if opts0.qk_norm:
+        stack_kwargs.update(attn_qk_norm=True)
+    if opts0.mem_kv:
+        stack_kwargs.update(attn_num_mem_kv=opts0.mem_kv)
+    if opts0.sink:
+        stack_kwargs.update(attn_head_learned_sink=True)
+    if opts0.softclamp is not None:
+        stack_kwargs.update(attn_softclamp_logits=True, attn_logit_softclamp_value=opts0.softclamp)
+    layers_cls = CrossAttender if only_cross else (Decoder if layers.causal else Encoder)
+    if not only_cross:
+        stack_kwargs.update(cross_attend=cross)
+
+    num_tokens = model.token_emb.emb.num_embeddings if isinstance(model.token_emb, xt.TokenEmbedding) else 1
     logits_dim = to_logits.out_features if isinstance(to_logits, nn.Linear) else num_tokens
-    max_seq_len = model.max_seq_len if model.max_seq_len > 0 else 1
-    sf = TransformerWrapper(
-        num_tokens=num_tokens, max_seq_len=max_seq_len, attn_layers=sf_layers, emb_dropout=model.emb_dropout.p,
-        use_abs_pos_emb=has_abs, logits_dim=logits_dim if logits_dim != num_tokens else None,
+    wrapper_kwargs = dict(
+        num_tokens=num_tokens, max_seq_len=model.max_seq_len if model.max_seq_len > 0 else 1,
+        emb_dropout=model.emb_dropout.p, use_abs_pos_emb=has_abs, logits_dim=logits_dim if logits_dim != num_tokens else None,
+    )
+    if to_logits is None:
+        wrapper_kwargs.update(return_only_embed=True)
+    if tied:
+        wrapper_kwargs.update(tie_embedding=True, tie_embedding_scale=float(model.tie_embedding_scale))
+    if num_memory_tokens:
+        wrapper_kwargs.update(num_memory_tokens=num_memory_tokens)
+    return _Plan(
+        model=model, problems=problems, layers_cls=layers_cls, stack_kwargs=stack_kwargs, wrapper_kwargs=wrapper_kwargs,
+        types=types, heads=heads, kv_heads=kv_heads, dim_head=dim_head, tied=tied, attn_opts=attn_opts,
     )
 
+
+def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
+    """The safeformer model of a checked plan, with the x-transformers weights copied in. Parameters
+    left unused are recorded as problems (the caller raises)."""
+    model = plan.model
+    layers = model.attn_layers
+    dim = layers.dim
+    sf = TransformerWrapper(attn_layers=plan.layers_cls(**plan.stack_kwargs), **plan.wrapper_kwargs)
     ref = model.token_emb.emb.weight
     sf = sf.to(device=ref.device, dtype=ref.dtype)  # before copying: no precision is lost on the way
 
-    # ---- copy the weights, recording which x-transformers parameters were used
     used: set[int] = set()
 
     def take(t: Tensor) -> Tensor:
@@ -595,23 +716,24 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
         else:
             raise AssertionError(f"unexpected norm {type(dst).__name__}")
 
+    heads, kv_heads, dim_head = plan.heads, plan.kv_heads, plan.dim_head
     g = heads // kv_heads
     # our query head m = kv * g + r  <->  x-transformers query head n = r * kv_heads + kv
-    perm = [(m % g) * kv_heads + m // g for m in range(heads)]
-    rows = torch.tensor([p * dim_head + e for p in perm for e in range(dim_head)], device=ref.device)
+    perm = torch.tensor([(m % g) * kv_heads + m // g for m in range(heads)], device=ref.device)
+    rows = (perm[:, None] * dim_head + torch.arange(dim_head, device=ref.device)[None, :]).reshape(-1)
 
     with torch.no_grad():
         put(sf.token_emb.weight, take(model.token_emb.emb.weight))
-        if has_abs:
+        if plan.wrapper_kwargs.get("use_abs_pos_emb"):
             put(sf.pos_emb.emb.weight, take(model.pos_emb.emb.weight))
-        if tied:
-            put(sf.to_logits.weight, take(model.token_emb.emb.weight) * model.tie_embedding_scale)
-        else:
-            put(sf.to_logits.weight, take(to_logits.weight))
+        if plan.wrapper_kwargs.get("num_memory_tokens"):
+            put(sf.memory_tokens, take(model.memory_tokens))
+        if not plan.tied and model.to_logits is not None:
+            put(sf.to_logits.weight, take(model.to_logits.weight))
         for k, ((pre, _, _), blk, _) in enumerate(layers.layers):
-            norm, dst = sf.attn_layers.layers[k]
+            norm, dst = sf.attn_layers.layers[k][:2]
             copy_norm(norm, pre)
-            if types[k] in ("a", "c"):
+            if plan.types[k] in ("a", "c"):
                 put(dst.to_q.weight, take(blk.to_q.weight)[rows])
                 put(dst.to_k.weight, take(blk.to_k.weight))
                 put(dst.to_v.weight, take(blk.to_v.weight))
@@ -619,6 +741,20 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
                     put(dst.to_out.weight, take(blk.to_out.weight)[:, rows])
                 else:
                     put(dst.to_out.weight, torch.eye(dim, dtype=ref.dtype, device=ref.device)[:, rows])
+                opts = plan.attn_opts[k]
+                if opts.qk_norm:
+                    p = opts.qk_gain  # (d,) float64: w_q * w_k = p
+                    w_k = p.abs().sqrt()
+                    put(dst.k_norm.weight, w_k.to(ref.dtype).to(ref.device))
+                    put(dst.q_norm.weight, (torch.sign(p) * w_k).to(ref.dtype).to(ref.device))
+                    for t in (blk.qk_norm_q_scale, blk.qk_norm_k_scale):
+                        if isinstance(t, Tensor):
+                            take(t)
+                if opts.mem_kv:  # key/value heads are not permuted
+                    put(dst.mem_k, take(blk.mem_k))
+                    put(dst.mem_v, take(blk.mem_v))
+                if opts.sink:
+                    put(dst.head_attn_sink, take(blk.attend.head_attn_sink)[perm])
             else:
                 info = _parse_ff(f"attn_layers.layers.{k}", blk, xt, _Problems(), [])
                 put(dst.proj_in.weight, take(info["in"].weight))
@@ -628,12 +764,186 @@ def from_x_transformers(model: nn.Module, *, drop_training_only: bool = False) -
                     w_out = w_out * take(info["mult_bias"])[None, :]
                 put(dst.proj_out.weight, w_out)
                 put(dst.proj_out.bias, take(info["out"].bias) if info["out"].bias is not None else torch.zeros_like(dst.proj_out.bias))
-        copy_norm(sf.attn_layers.final_norm, final)
+        copy_norm(sf.attn_layers.final_norm, layers.final_norm)
 
     unused = [n for n, p in model.named_parameters() if id(p) not in used]
     if unused:
-        problems.add(f"parameters with no safeformer counterpart: {', '.join(unused)}")
-        problems.raise_if_any()
-
+        plan.problems.add(f"parameters with no safeformer counterpart: {', '.join(unused)}")
     sf.train(model.training)
+    return sf
+
+
+def _check_autoregressive(ar, xt, xt_attend, problems: _Problems, training_only: list[str]) -> _Plan | None:
+    """Checks an x-transformers ``AutoregressiveWrapper`` and plans the conversion of its net."""
+    net = ar.net
+    if not isinstance(net, xt.TransformerWrapper):
+        problems.add(f"an AutoregressiveWrapper around a {type(net).__name__} (safeformer's takes a TransformerWrapper)")
+        return None
+    plan = _plan_wrapper(net, xt, xt_attend, problems.scoped("net"), training_only)
+    if getattr(ar, "mask_prob", 0.0) > 0:
+        problems.add(f"mask_prob={ar.mask_prob} (random input masking in the loss, in evaluation mode too)")
+    if getattr(ar, "add_attn_z_loss", False):
+        problems.add("add_attn_z_loss")
+    if not net.attn_layers.causal:
+        problems.add("an AutoregressiveWrapper around a non-causal net (safeformer's needs a Decoder)")
+    num_tokens = plan.wrapper_kwargs["num_tokens"]
+    pad = ar.pad_value
+    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < num_tokens:
+        problems.add(f"pad_value={pad!r} (safeformer needs a token id in [0, num_tokens={num_tokens}))")
+    if isinstance(ar.ignore_index, bool) or not isinstance(ar.ignore_index, int):
+        problems.add(f"ignore_index={ar.ignore_index!r} (safeformer needs an int)")
+    return plan
+
+
+def _effective_config(net: TransformerWrapper) -> dict:
+    """A converted net's configuration, flattened, with defaults spelled out and ignored options
+    dropped, so that two nets built differently but alike compare equal."""
+    cfg = dict(net._sf_config)
+    cfg.pop("attn_layers")
+    lc = dict(net.attn_layers._sf_config)
+    relative = lc.get("rotary_pos_emb") or lc.get("alibi_pos_bias")
+    cfg["use_abs_pos_emb"] = bool(cfg.get("use_abs_pos_emb")) and not relative
+    if not cfg.get("tie_embedding"):
+        cfg.pop("tie_embedding_scale", None)
+    if cfg.get("logits_dim") == cfg.get("num_tokens"):
+        cfg["logits_dim"] = None
+    if lc.get("kv_heads") is None:
+        lc["kv_heads"] = lc.get("heads")
+    if lc.get("dim_context") is None:
+        lc["dim_context"] = lc.get("dim")
+    if lc.get("rotary_pos_emb"):
+        lc["rotary_emb_dim"] = lc.get("rotary_emb_dim") or lc["dim_head"] // 2
+    else:
+        lc.pop("rotary_emb_dim", None)
+        lc.pop("rotary_theta", None)
+    if lc.get("norm_eps") is None:
+        lc["norm_eps"] = 1e-6 if lc.get("use_rmsnorm") else 1e-5
+    if "ff_mult" in lc:
+        lc["ff_mult"] = float(lc["ff_mult"])
+    if not lc.get("attn_softclamp_logits"):
+        lc.pop("attn_logit_softclamp_value", None)
+    out = {f"attn_layers.{k}": v for k, v in lc.items()}
+    out["attn_layers.class"] = type(net.attn_layers).__name__
+    out.update(cfg)
+    return out
+
+
+def _xtransformer_kwargs(sf_enc: TransformerWrapper, sf_dec: TransformerWrapper, ar, tie_token_emb: bool) -> dict:
+    """safeformer ``XTransformer`` arguments for the converted nets: each option under its ``enc_`` /
+    ``dec_`` name, or its shared name (taken from the encoder), wherever the constructor takes it."""
+    params = inspect.signature(XTransformer.__init__).parameters
+    kwargs: dict = {}
+    for side, net in (("enc", sf_enc), ("dec", sf_dec)):
+        options = dict(net.attn_layers._sf_config)
+        options.update((k, v) for k, v in net._sf_config.items() if k not in ("attn_layers", "return_only_embed"))
+        for key, value in options.items():
+            if f"{side}_{key}" in params:
+                kwargs[f"{side}_{key}"] = value
+            elif key in params and key not in kwargs:
+                kwargs[key] = value
+    kwargs.update(tie_token_emb=tie_token_emb, ignore_index=ar.ignore_index, pad_value=ar.pad_value)
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _convert_xtransformer(model, xt, xt_attend, problems: _Problems, training_only: list[str],
+                          drop_training_only: bool) -> XTransformer:
+    enc, ar = model.encoder, model.decoder
+    plan_enc = _plan_wrapper(enc, xt, xt_attend, problems.scoped("encoder"), training_only)
+    plan_dec = _check_autoregressive(ar, xt, xt_attend, problems.scoped("decoder"), training_only)
+    if getattr(model, "cross_attn_tokens_dropout", 0.0) > 0:
+        training_only.append(f"cross_attn_tokens_dropout={model.cross_attn_tokens_dropout} (XTransformer)")
+    _raise_problems(problems, training_only, drop_training_only)
+    sf_enc, sf_dec = _build_wrapper(plan_enc, xt), _build_wrapper(plan_dec, xt)
+    problems.raise_if_any()
+
+    tie_token_emb = ar.net.token_emb is enc.token_emb
+    kwargs = _xtransformer_kwargs(sf_enc, sf_dec, ar, tie_token_emb)
+    try:
+        sf = XTransformer(**kwargs)
+    except ValueError as err:
+        problems.add(f"no safeformer XTransformer takes this configuration: {err}")
+        problems.raise_if_any()
+    for side, built, converted in (("encoder", sf.encoder, sf_enc), ("decoder.net", sf.decoder, sf_dec)):
+        want, got = _effective_config(converted), _effective_config(built)
+        for key in sorted(set(want) | set(got)):
+            if want.get(key) != got.get(key):
+                problems.add(f"{side} {key}={want.get(key)!r}: safeformer's XTransformer builds {key}={got.get(key)!r} "
+                             f"and its constructor takes no argument for it (convert model.encoder and model.decoder "
+                             f"on their own instead)")
+    problems.raise_if_any()
+    ref = enc.token_emb.emb.weight
+    sf = sf.to(device=ref.device, dtype=ref.dtype)
+    sf.encoder.load_state_dict(sf_enc.state_dict())
+    sf.decoder.load_state_dict(sf_dec.state_dict())
+    sf.train(model.training)
+    return sf
+
+
+def _raise_problems(problems: _Problems, training_only: list[str], drop_training_only: bool) -> None:
+    if training_only and not drop_training_only:
+        for t in dict.fromkeys(training_only):
+            problems.add(f"{t} (training only; pass drop_training_only=True to drop it)")
+    problems.raise_if_any()
+
+
+def from_x_transformers(
+    model: nn.Module, *, drop_training_only: bool = False
+) -> TransformerWrapper | AutoregressiveWrapper | XTransformer:
+    """Convert an x-transformers model into the equivalent safeformer model, with the same weights.
+
+    Converts an ``x_transformers.TransformerWrapper`` into a ``safeformer.TransformerWrapper``, an
+    ``x_transformers.AutoregressiveWrapper`` into a ``safeformer.AutoregressiveWrapper`` (same
+    ``ignore_index`` and ``pad_value``) and an ``x_transformers.XTransformer`` into a
+    ``safeformer.XTransformer`` (same ``tie_token_emb``, ``ignore_index`` and ``pad_value``).
+
+    Supported in the nets: ``Decoder``, ``Encoder`` and ``CrossAttender`` layers, with or without
+    ``cross_attend`` (and ``cross_attn_dim_context``); pre-norm ``LayerNorm``, ``RMSNorm``,
+    ``SimpleRMSNorm`` or ``ScaleNorm``; learned absolute, rotary (``rotary_emb_dim``) or ALiBi
+    positions; GELU or SiLU feed-forwards, gated (``ff_glu``, with ``ff_glu_mult_bias``) or not, with
+    or without biases (``ff_no_bias``); grouped-query attention (``attn_kv_heads``,
+    ``attn_one_kv_head``); ``attn_qk_norm`` (see the module docstring for what maps);
+    ``num_memory_tokens``, ``attn_num_mem_kv``, ``attn_head_learned_sink``, ``attn_softclamp_logits``;
+    ``attn_flash`` on or off; a tied embedding (kept tied); ``logits_dim``; ``return_only_embed``;
+    attention, feed-forward and embedding dropout.
+
+    Args:
+        model: an ``x_transformers.TransformerWrapper``, ``AutoregressiveWrapper`` or ``XTransformer``.
+        drop_training_only: options that change only training (``layer_dropout``,
+            ``cross_attn_tokens_dropout``, sublayer dropouts, ``emb_frac_gradient``) raise like any
+            other unsupported option by default; with ``True`` they are dropped instead (the
+            converted model then trains without them, and evaluates the same).
+
+    Returns:
+        the safeformer model on the model's device and dtype, in the model's training mode, whose
+        logits (and loss, and greedy generations) equal the original's at every real position (right
+        padding; see the module docstring for the positions and the epsilons).
+
+    Raises:
+        TypeError: ``model`` is none of the three.
+        ValueError: the model uses options safeformer cannot represent; the message lists all of them.
+    """
+    xt, xt_attend = _xt()
+    from x_transformers.autoregressive_wrapper import AutoregressiveWrapper as XTAutoregressiveWrapper
+
+    problems = _Problems()
+    training_only: list[str] = []
+    if isinstance(model, xt.XTransformer):
+        return _convert_xtransformer(model, xt, xt_attend, problems, training_only, drop_training_only)
+    if isinstance(model, XTAutoregressiveWrapper):
+        plan = _check_autoregressive(model, xt, xt_attend, problems, training_only)
+        _raise_problems(problems, training_only, drop_training_only)
+        net = _build_wrapper(plan, xt)
+        problems.raise_if_any()
+        sf = AutoregressiveWrapper(net, ignore_index=model.ignore_index, pad_value=model.pad_value)
+        sf.train(model.training)
+        return sf
+    if not isinstance(model, xt.TransformerWrapper):
+        raise TypeError(
+            "model must be an x_transformers.TransformerWrapper, AutoregressiveWrapper or XTransformer, "
+            f"got {type(model).__name__}"
+        )
+    plan = _plan_wrapper(model, xt, xt_attend, problems, training_only)
+    _raise_problems(problems, training_only, drop_training_only)
+    sf = _build_wrapper(plan, xt)
+    problems.raise_if_any()
     return sf
