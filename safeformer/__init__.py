@@ -19,7 +19,7 @@ from .generation import (
     top_p,
 )
 from .interop import from_x_transformers
-from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, KVCache
+from .layers import AttentionLayers, AttnIntermediate, CrossAttender, Decoder, Encoder, KVCache, LayerIntermediates
 from .masks import (
     alive_keys,
     alive_rows,
@@ -45,10 +45,28 @@ from .modules import (
     positions_from_mask,
 )
 from .nonautoregressive import NonAutoregressiveWrapper
+from .varlen import (
+    VarlenLayout,
+    VarlenPlan,
+    plan_varlen,
+    substitute_varlen_kernel,
+    varlen_attention,
+    varlen_kernel_available,
+    varlen_layout,
+)
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
 from .xtransformer import XTransformer
 
 __all__ = [
+    "AttnIntermediate",
+    "LayerIntermediates",
+    "VarlenLayout",
+    "VarlenPlan",
+    "plan_varlen",
+    "substitute_varlen_kernel",
+    "varlen_attention",
+    "varlen_kernel_available",
+    "varlen_layout",
     "AbsolutePositionalEmbedding",
     "Attention",
     "AttentionLayers",

@@ -537,11 +537,6 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
             problems.add("custom ALiBi slopes (rel_pos_kwargs slopes=...)")
         if rotary is not None:
             problems.add("rotary_pos_emb and alibi_pos_bias together (safeformer takes one relative position scheme)")
-        # x-transformers softclamps logits + ALiBi bias; safeformer's Attention clamps the logits before the bias
-        # (modules._explicit_attention). Drop this refusal when the two agree.
-        if any(getattr(getattr(blk, "attend", None), "softclamp_logits", False) for _, blk, _ in layers.layers):
-            problems.add("alibi_pos_bias with attn_softclamp_logits (x-transformers clamps the logits after adding the "
-                         "ALiBi bias, safeformer before)")
         if has_abs:
             problems.add("alibi_pos_bias with the absolute position embedding x-transformers keeps next to it "
                          "(safeformer drops it under ALiBi); such a model trained with use_abs_pos_emb=False or "
@@ -652,8 +647,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(alibi_pos_bias=True)
     if cross:
         stack_kwargs.update(dim_context=next(iter(cross_dims), dim))
-    if opts0.qk_norm:
-        stack_kwargs.update(attn_qk_norm=True)
+    if opts0.qk_norm:  # x-transformers l2-normalises q and k (F.normalize, eps 1e-12)
+        stack_kwargs.update(attn_qk_norm=True, attn_qk_norm_eps=_RMS_EPS)
     if opts0.mem_kv:
         stack_kwargs.update(attn_num_mem_kv=opts0.mem_kv)
     if opts0.sink:

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from .attend import prepare_mask
 from .checkpoint import Configurable
 from .masks import causal_mask, validate_mask
+from .varlen import VarlenPlan, plan_varlen, varlen_layout
 from .modules import (
     AdaptiveLayerScale,
     AdaptiveNorm,
@@ -248,8 +249,9 @@ class AttentionLayers(Configurable, nn.Module):
         attn_num_mem_kv: learned memory key/value pairs per attention block (self and cross), seen by
             every query (see ``Attention(num_mem_kv=...)``); with them no row is dead.
         attn_head_learned_sink: a learned per-head attention sink (``Attention(learned_sink=True)``).
-        attn_softclamp_logits: softclamp the attention logits, ``tanh(l / v) * v`` with
-            ``v = attn_logit_softclamp_value`` (explicit float32 attention, no fused kernel).
+        attn_softclamp_logits: softclamp the attention logits (ALiBi bias included), ``tanh(l / v) * v``
+            with ``v = attn_logit_softclamp_value`` (explicit float32 attention, no fused kernel).
+        attn_qk_norm_eps: the epsilon of the q/k norms of ``attn_qk_norm`` (default 1e-6).
         checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
             or feed-forward, and gate) keeps no activations and is recomputed in the backward pass
             (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): identical gradients,
@@ -295,6 +297,7 @@ class AttentionLayers(Configurable, nn.Module):
         attn_head_learned_sink: bool = False,
         attn_softclamp_logits: bool = False,
         attn_logit_softclamp_value: float = 50.0,
+        attn_qk_norm_eps: float | None = None,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -313,7 +316,7 @@ class AttentionLayers(Configurable, nn.Module):
             layer_dropout=layer_dropout, cross_attn_tokens_dropout=cross_attn_tokens_dropout,
             checkpoint_layers=checkpoint_layers, unpadded=unpadded, attn_num_mem_kv=attn_num_mem_kv,
             attn_head_learned_sink=attn_head_learned_sink, attn_softclamp_logits=attn_softclamp_logits,
-            attn_logit_softclamp_value=attn_logit_softclamp_value,
+            attn_logit_softclamp_value=attn_logit_softclamp_value, attn_qk_norm_eps=attn_qk_norm_eps,
         )
         if unpadded not in (True, False, "auto"):
             raise ValueError(f"unpadded must be True, False or 'auto', got {unpadded!r}")
@@ -373,6 +376,7 @@ class AttentionLayers(Configurable, nn.Module):
                 qk_norm=attn_qk_norm, dropout=attn_dropout, bias=attn_bias, backend=backend,
                 num_mem_kv=attn_num_mem_kv, learned_sink=attn_head_learned_sink,
                 softclamp_logits=attn_softclamp_logits, logit_softclamp_value=attn_logit_softclamp_value,
+                qk_norm_eps=attn_qk_norm_eps,
             )
 
         adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
@@ -751,7 +755,12 @@ class AttentionLayers(Configurable, nn.Module):
         b, n, c = x.shape
         idx = mask.reshape(-1).nonzero().squeeze(1)  # (T,): a host sync (the gather's size)
         bi = torch.div(idx, n, rounding_mode="floor")  # (T,) the sample of each real token
-        groups = self._length_groups(mask, positions, idx) if not self.only_cross else []
+        vplan = None if self.only_cross else self._varlen_plan(x)
+        if vplan is not None and vplan.path == "varlen":  # CUDA: Flash varlen over the packed tokens, no layout
+            pos_p = positions.expand(b, n).reshape(-1).index_select(0, idx)  # (T,)
+            groups = ("varlen", varlen_layout(mask.sum(1).tolist(), device=x.device), pos_p, vplan)
+        else:
+            groups = self._length_groups(mask, positions, idx) if not self.only_cross else []
         rotary_fn = None if self.rotary is None else (lambda pos, dt: self.rotary(pos, dtype=dt))
         bias_fn = None if self.alibi_slopes is None else (lambda pos, dt: alibi_bias(self.alibi_slopes, pos, pos).to(dt))
         self_layout = (groups, self.causal, rotary_fn, bias_fn)
@@ -796,6 +805,15 @@ class AttentionLayers(Configurable, nn.Module):
         final = self.final_norm
         xp = final(xp, condp) if condp is not None and isinstance(final, AdaptiveNorm) else final(xp)
         return xp.new_zeros(b * n, c).index_copy(0, idx, xp).view(b, n, c)  # padded positions exactly 0
+
+    def _varlen_plan(self, x: Tensor) -> VarlenPlan:
+        """Whether the unpadded path's self-attention runs the varlen kernel (``plan_varlen``: CUDA,
+        half precision, no ALiBi, no dropout) or the compacted padded groups."""
+        attn = next(parts[1] for kind, parts in zip(self.layer_kinds, self.layers) if kind == "self")
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        return plan_varlen(device_type=x.device.type, dtype=dtype, head_dim=attn.dim_head, heads=attn.heads,
+                           kv_heads=attn.kv_heads, causal=self.causal, has_bias=self.alibi_slopes is not None,
+                           dropout_p=attn.dropout if self.training else 0.0, backend=attn.backend)
 
     def _condition(self, condition, condition_mask, cache, b: int, x: Tensor) -> Tensor | None:
         """The ``(b, K)`` condition of the adaptive layers: the user's, with the null condition selected in

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .attend import BACKENDS, PreparedMask, _grad_select, attend
 from .masks import as_attention_mask, causal_mask, combine_masks
+from .varlen import varlen_attention
 
 __all__ = [
     "RMSNorm",
@@ -278,8 +279,9 @@ class Attention(nn.Module):
             row's weights may sum to less than 1; a row with no other key gives exactly 0. Its gradient
             flows through the additive mask, which PyTorch's flash and cuDNN kernels do not
             differentiate: with ``backend='flash'``/``'cudnn'`` a sink trains on the math kernel.
-        softclamp_logits: ``tanh(logits / value) * value`` before masking and softmax
+        softclamp_logits: ``tanh((logits + bias) / value) * value`` before masking and softmax
             (``logit_softclamp_value``, default 50); runs the explicit float32 path (no fused kernel).
+        qk_norm_eps: the epsilon of the q/k RMS norms (default 1e-6).
     """
 
     def __init__(
@@ -298,6 +300,7 @@ class Attention(nn.Module):
         learned_sink: bool = False,
         softclamp_logits: bool = False,
         logit_softclamp_value: float = 50.0,
+        qk_norm_eps: float | None = None,
     ):
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
@@ -322,8 +325,9 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
         self.to_v = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=bias)
-        self.q_norm = RMSNorm(dim_head) if qk_norm else None
-        self.k_norm = RMSNorm(dim_head) if qk_norm else None
+        eps = 1e-6 if qk_norm_eps is None else qk_norm_eps
+        self.q_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
+        self.k_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
         self.num_mem_kv = num_mem_kv
         if num_mem_kv > 0:
             self.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
@@ -475,7 +479,7 @@ class Attention(nn.Module):
         if return_attn or self.softclamp_value is not None:
             out, weights = _explicit_attention(
                 q, k, v, mask=mask, causal=causal, bias=bias, softclamp=self.softclamp_value,
-                dropout_p=self.dropout if self.training else 0.0,
+                dropout_p=self.dropout if self.training else 0.0, sink=self.head_attn_sink,
             )
             if self.head_attn_sink is not None:
                 weights = weights[..., 1:]  # the sink's weight is not a key's
@@ -557,6 +561,20 @@ class Attention(nn.Module):
                 t = t.new_zeros(rows, t.shape[-1]).index_copy(0, index, t)
             return rearrange(t, "(b n) (h d) -> b h n d", b=bsz, h=heads)
 
+        if len(packed) > 4 and isinstance(packed[4][0], tuple) and packed[4][0][:1] == ("varlen",):
+            # self-attention with the varlen kernel over the packed tokens (CUDA; plan_varlen chose it)
+            (_, layout, pos_p, vplan), causal, rotary_fn, _ = packed[4]
+            T = h.shape[0]
+            q = self.to_q(h).view(T, self.heads, self.dim_head)  # (T, h, d)
+            k = self.to_k(h).view(T, self.kv_heads, self.dim_head)  # (T, h_kv, d)
+            v = self.to_v(h).view(T, self.kv_heads, self.dim_head)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if rotary_fn is not None:
+                angles = rotary_fn(pos_p[None], q.dtype)[0, 0][:, None]  # (T, 1, rot)
+                q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+            out = varlen_attention(q, k, v, layout, causal=causal, plan=vplan)  # (T, h, d)
+            return self.to_out(out.reshape(T, self.heads * self.dim_head))
         if len(packed) > 4:  # self-attention on compacted per-group layouts
             groups, causal, rotary_fn, bias_fn = packed[4]
             q_all, k_all, v_all = self.to_q(h), self.to_k(h), self.to_v(h)  # (T, h * d)
@@ -618,14 +636,17 @@ class Attention(nn.Module):
 
 
 def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = False, bias: Tensor | None = None,
-                        softclamp: float | None = None, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+                        softclamp: float | None = None, dropout_p: float = 0.0,
+                        sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention written out in float32 (float64 for float64 inputs), returning its weights too.
 
     For what no fused kernel does: the weights themselves (``return_attn``) and logit softclamping
-    (``tanh(logits / s) * s``, before the bias and the mask, as x-transformers). Safe like ``attend``:
+    (``tanh(logits / s) * s``, after the bias and before the mask, as x-transformers). Safe like ``attend``:
     q at dead rows and k, v at masked keys are selected to 0 first (no ``0 * NaN``), masked logits are
     selected to ``-inf``, a dead row's logits to 0, and the weights of masked keys and dead rows to
     exactly 0 afterwards, so a dead row outputs 0 with zero gradient.
+
+    ``sink (h,)``: key 0 is a learned sink whose logit is ``sink[h]`` (not clamped).
 
     Returns:
         ``out (b, h, i, e)`` in q's dtype and ``weights (b, h, i, j)`` in float32 (or float64).
@@ -659,10 +680,12 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
         qf = torch.where(row_ok, qf, 0.0)
         kf, vf = torch.where(key_ok, kf, 0.0), torch.where(key_ok, vf, 0.0)
     logits = (qf @ kf.transpose(-1, -2)) * d**-0.5  # (b, h, i, j)
+    if bias is not None:  # the bias first, then the clamp (x-transformers' order); -inf is masked below
+        logits = logits + torch.where(reach, bias, 0.0)
     if softclamp is not None:
         logits = torch.tanh(logits / softclamp) * softclamp
-    if bias is not None:
-        logits = logits + torch.where(reach, bias, 0.0)
+    if sink is not None:  # key 0 is the sink: its logit is the learned one, never clamped (x-transformers)
+        logits = torch.cat((sink.to(dtype)[None, :, None, None].expand(b, h, i, 1), logits[..., 1:]), dim=-1)
     if combined is not None:
         logits = torch.where(combined, logits, float("-inf"))
         logits = torch.where(row_ok, logits, 0.0)  # a dead row: finite logits, weights selected to 0 below

@@ -125,6 +125,24 @@ def probe_attend(seed: int, value: float) -> Probe:
     )
 
 
+def probe_varlen_attention(seed: int, value: float) -> Probe:
+    """``varlen_attention`` on packed real tokens with empty segments (fully padded samples) among them,
+    causal, GQA. Packed tokens hold no padding: nothing is masked, no row is dead (every token sees
+    itself); the contract here is finiteness, real gradients, and clear errors."""
+    g = _gen(seed)
+    lengths = [0, int(torch.randint(1, 5, (1,), generator=g)), 0, 3]
+    T, h, hkv, d = sum(lengths), 4, 2, 8
+    q = torch.randn(T, h, d, generator=g).requires_grad_()
+    k = torch.randn(T, hkv, d, generator=g).requires_grad_()
+    v = torch.randn(T, hkv, d, generator=g).requires_grad_()
+    out = sf.varlen_attention(q, k, v, lengths, causal=True)
+    return Probe(out, {"q": q, "k": k, "v": v}, bad_calls=[
+        ("lengths not summing to T", lambda: sf.varlen_attention(q, k, v, [T + 1], causal=True), ValueError, "lengths"),
+        ("float lengths", lambda: sf.varlen_attention(q, k, v, torch.tensor([float(T)]), causal=True), TypeError, "lengths"),
+        ("k of another head dim", lambda: sf.varlen_attention(q, k[..., :4], v, lengths, causal=True), ValueError, "k"),
+    ])
+
+
 def probe_prepared_mask(seed: int, value: float) -> Probe:
     """``prepare_mask`` then ``attend``: the stacks' shared mask, used directly."""
     g = _gen(seed)
@@ -627,6 +645,7 @@ def probe_non_autoregressive(seed: int, value: float) -> Probe:
 DOORS: dict[str, Door] = {d.name: d for d in [
     Door("attend", has_dead=True, probe=probe_attend, note="hypothesis suite per clause: test_attend.py"),
     Door("prepare_mask", has_dead=True, probe=probe_prepared_mask),
+    Door("varlen_attention", probe=probe_varlen_attention, note="float64 references per segment: test_varlen.py"),
     Door("PreparedMask", has_dead=True, probe=probe_prepared_mask, note="made by prepare_mask, passed to attend as mask"),
     Door("masked_mean", has_dead=True, probe=probe_masked_mean),
     Door("safe_cross_entropy", has_dead=True, probe=probe_safe_cross_entropy),
@@ -693,6 +712,14 @@ NOT_DOORS: dict[str, str] = {
     "NonFiniteTensor": "a result record of find_nonfinite",
     "substitute_kernel": "a testing hook that swaps the SDPA kernel",
     "alibi_slopes": "takes a head count; its output feeds the door alibi_bias",
+    "VarlenPlan": "a plain record of a planning decision",
+    "VarlenLayout": "a plain record of segment lengths and offsets (made by varlen_layout)",
+    "plan_varlen": "plans from shapes, dtype and device names; takes no tensor",
+    "varlen_layout": "turns per-sample counts into offsets; no attention (its output feeds varlen_attention)",
+    "varlen_kernel_available": "asks the machine; takes no tensor",
+    "substitute_varlen_kernel": "a testing hook that swaps the varlen kernel",
+    "LayerIntermediates": "a result record of return_intermediates (its door is the wrapper)",
+    "AttnIntermediate": "a result record of return_intermediates (its door is the wrapper)",
 }
 
 PROBE_DOORS = [d for d in DOORS.values() if d.probe is not None]

@@ -1,0 +1,421 @@
+"""More of ``safeformer.interop.from_x_transformers``: the wrappers (``AutoregressiveWrapper``,
+``XTransformer``), ALiBi, qk-norm, memory tokens and memory key/values, learned sinks, logit
+softclamp, tied embeddings that stay tied, and ``return_only_embed``.
+
+Every x-transformers model gets random weights (every parameter moved off its init, so norm gains,
+sinks and memory matter), is converted, and must give the same outputs at every real position
+(padding on the right: x-transformers numbers positions 0..n-1 whatever the mask) to 1e-5 relative
+in float32, and the same parameter count (where safeformer adds parameters, such as the zero biases of
+its LayerNorms, the test says how many). The wrappers must give the same loss and the same greedy
+generations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+xt = pytest.importorskip("x_transformers")
+
+from x_transformers.autoregressive_wrapper import AutoregressiveWrapper as XTAutoregressiveWrapper  # noqa: E402
+
+from safeformer import AutoregressiveWrapper, TransformerWrapper, XTransformer  # noqa: E402
+from safeformer.interop import from_x_transformers  # noqa: E402
+from safeformer.modules import alibi_slopes  # noqa: E402
+
+logging.getLogger("x_transformers").setLevel(logging.ERROR)
+try:  # x-transformers logs through loguru; silence its rotary-dim warning
+    from loguru import logger as _loguru
+
+    _loguru.disable("x_transformers")
+except ImportError:  # pragma: no cover
+    pass
+
+V, N, B, DIM = 37, 9, 3, 32
+LENGTHS = [N, 6, 2]  # right padding; no sample fully padded
+RTOL = 1e-5  # float32, relative to the largest output
+
+
+def perturb(model: nn.Module, seed: int = 1) -> nn.Module:
+    """Every parameter moved off its init (zeros and ones included), in eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen) * (p.detach().abs().mean() + 0.1))
+    return model.eval()
+
+
+def xt_net(layers: str = "Decoder", *, wrapper: dict | None = None, heads: int = 4, dim_head: int = 8,
+           seed: int = 0, **layer_kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    model = xt.TransformerWrapper(
+        num_tokens=V, max_seq_len=16,
+        attn_layers=getattr(xt, layers)(dim=DIM, depth=2, heads=heads, attn_dim_head=dim_head, **layer_kwargs),
+        **(wrapper or {}),
+    )
+    return perturb(model, seed + 1)
+
+
+def right_padded(lengths=LENGTHS, n: int = N, vocab: int = V, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (len(lengths), n), generator=gen)
+    mask = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
+    return x, mask
+
+
+def context_kwargs(width: int = DIM, seed: int = 5) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    context = torch.randn(B, 5, width, generator=gen)
+    context_mask = torch.arange(5)[None, :] < torch.tensor([5, 3, 1])[:, None]  # every sample keeps a key
+    return dict(context=context, context_mask=context_mask)
+
+
+def assert_rel_close(want: torch.Tensor, got: torch.Tensor, mask: torch.Tensor | None = None, rtol: float = RTOL) -> None:
+    w, g = (want, got) if mask is None else (want[mask], got[mask])
+    assert torch.isfinite(w).all() and torch.isfinite(g).all()
+    scale = w.abs().max().item()
+    assert scale > 0.1, "outputs too small for the comparison to say anything"
+    err = (w - g).abs().max().item()
+    assert err <= rtol * scale, f"max |x-transformers - safeformer| = {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # shared parameters counted once
+
+
+def compare_logits(model: nn.Module, sf: nn.Module, cross: bool = False) -> None:
+    x, mask = right_padded()
+    kw = context_kwargs() if cross else {}
+    with torch.no_grad():
+        want, got = model(x, mask=mask, **kw), sf(x, mask=mask, **kw)
+    assert got.shape == want.shape
+    assert_rel_close(want, got, mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# (a) AutoregressiveWrapper
+# ----------------------------------------------------------------------------------------------------
+
+
+AR_NETS = {
+    "rotary_gqa": dict(rotary_pos_emb=True, rotary_emb_dim=8, attn_kv_heads=2),
+    "rotary_gqa_cross": dict(rotary_pos_emb=True, rotary_emb_dim=8, attn_kv_heads=2, cross_attend=True),
+    # x-transformers decodes memory tokens without a KV cache; safeformer caches them from the first call
+    "alibi_memory_qk_norm": dict(alibi_pos_bias=True, attn_qk_norm=True, attn_num_mem_kv=1,
+                                 wrapper=dict(use_abs_pos_emb=False, num_memory_tokens=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(AR_NETS))
+def test_autoregressive_wrapper_loss_and_greedy_generation(name):
+    cfg = dict(AR_NETS[name])
+    cross = cfg.get("cross_attend", False)
+    net = xt_net(use_rmsnorm=True, wrapper=cfg.pop("wrapper", None), **cfg)
+    ar = XTAutoregressiveWrapper(net, ignore_index=-1, pad_value=2).eval()
+    sf = from_x_transformers(ar)
+    assert isinstance(sf, AutoregressiveWrapper) and not sf.training
+    assert (sf.ignore_index, sf.pad_value) == (-1, 2)
+    assert n_params(sf) == n_params(ar) + (2 * 8 * 2 if cfg.get("attn_qk_norm") else 0)  # q/k RMSNorm gains
+
+    kw = context_kwargs() if cross else {}
+    x, mask = right_padded()
+    x = x.masked_fill(~mask, -1)  # x-transformers' way: padding is ignore_index
+    with torch.no_grad():
+        want, got = ar(x, **kw), sf(x, **kw)
+    assert want > 0.5
+    assert abs(want.item() - got.item()) <= RTOL * want.item()
+
+    prompts = right_padded(lengths=[3] * B, n=3, seed=7)[0]
+    want_tokens = ar.generate(prompts, 6, temperature=0.0, **kw)
+    got_tokens = sf.generate(prompts, 6, temperature=0.0, **kw)
+    assert got_tokens.shape == (B, 6)
+    assert torch.equal(want_tokens, got_tokens)
+
+
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (lambda: XTAutoregressiveWrapper(xt_net(), mask_prob=0.15), "mask_prob"),
+        (lambda: XTAutoregressiveWrapper(xt_net("Encoder")), "non-causal"),
+        (lambda: XTAutoregressiveWrapper(xt_net(residual_attn=True)), "residual_attn (at net)"),
+    ],
+    ids=["mask_prob", "encoder", "net_option"],
+)
+def test_autoregressive_wrapper_refusals(make, expected):
+    with pytest.raises(ValueError, match="cannot represent") as info:
+        from_x_transformers(make())
+    assert expected in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# (b) XTransformer
+# ----------------------------------------------------------------------------------------------------
+
+XT_SMALL = dict(dim=DIM, enc_num_tokens=V, enc_depth=2, enc_heads=4, enc_max_seq_len=16, enc_attn_dim_head=8,
+                dec_depth=2, dec_heads=4, dec_max_seq_len=16, dec_attn_dim_head=8)
+
+
+def build_xtransformer(**kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = {**XT_SMALL, "dec_num_tokens": V, "ignore_index": -1, "pad_value": 0, **kwargs}
+    return perturb(xt.XTransformer(**cfg))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(tie_token_emb=True),
+        dict(dec_num_tokens=29, pad_value=3),
+        dict(enc_heads=2, dec_heads=2, enc_attn_dim_head=64, dec_attn_dim_head=64, enc_rotary_pos_emb=True,
+             dec_rotary_pos_emb=True, dec_ff_glu=True, enc_ff_glu=True),
+    ],
+    ids=["tied_token_emb", "untied_pad3", "rotary_glu"],
+)
+def test_xtransformer_loss_and_greedy_generation(kwargs):
+    model = build_xtransformer(**kwargs)
+    sf = from_x_transformers(model)
+    assert isinstance(sf, XTransformer) and not sf.training
+    tied = kwargs.get("tie_token_emb", False)
+    assert (sf.decoder.token_emb is sf.encoder.token_emb) == tied
+    # safeformer's LayerNorms carry a bias (x-transformers' have none): zeros, one per norm
+    ln_biases = sum(m.bias.numel() for m in sf.modules() if isinstance(m, nn.LayerNorm))
+    assert ln_biases == (2 * 2 + 1 + 3 * 2 + 1) * DIM
+    assert n_params(sf) == n_params(model) + ln_biases
+
+    src, src_mask = right_padded()
+    dec_vocab = kwargs.get("dec_num_tokens", V)
+    tgt, tgt_mask = right_padded(lengths=[7, 4, 3], n=7, vocab=dec_vocab, seed=3)
+    tgt = tgt.masked_fill(~tgt_mask, -1)
+    with torch.no_grad():
+        want, got = model(src, tgt, mask=src_mask), sf(src, tgt, mask=src_mask)
+    assert want > 0.5
+    assert abs(want.item() - got.item()) <= RTOL * want.item()
+
+    start = torch.full((B, 1), 1)
+    want_tokens = model.generate(src, start, 5, mask=src_mask, temperature=0.0)
+    got_tokens = sf.generate(src, start, 5, mask=src_mask, temperature=0.0)
+    assert torch.equal(want_tokens, got_tokens)
+
+
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        (dict(enc_use_rmsnorm=True, dec_use_rmsnorm=True), "norm_eps"),  # RMS norms convert with eps 1e-12
+        (dict(dec_attn_dim_head=16), "dim_head"),  # safeformer's XTransformer shares dim_head
+        (dict(enc_ff_swish=True, dec_ff_swish=True), "ff_swish"),
+        (dict(dec_attn_qk_norm=True), "attn_qk_norm"),
+        (dict(cross_attn_tokens_dropout=0.1), "drop_training_only"),
+        (dict(enc_residual_attn=True), "residual_attn (at encoder)"),
+    ],
+    ids=["rmsnorm", "dim_head", "ff_swish", "qk_norm", "tokens_dropout", "encoder_option"],
+)
+def test_xtransformer_refusals_name_the_option(kwargs, expected):
+    with pytest.raises(ValueError, match="cannot represent") as info:
+        from_x_transformers(build_xtransformer(**kwargs))
+    assert expected in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# (c) ALiBi
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_alibi_slopes_equal_x_transformers():
+    for heads in range(1, 17):
+        want = torch.tensor(xt.x_transformers.AlibiPositionalBias._get_slopes(heads), dtype=torch.float64)
+        assert torch.allclose(alibi_slopes(heads).double(), want, rtol=1e-6, atol=0), heads
+
+
+ALIBI = {
+    "decoder": dict(),
+    "encoder_6_heads": dict(layers="Encoder", heads=6),
+    "decoder_flash_mqa": dict(attn_flash=True, attn_one_kv_head=True),
+    "decoder_cross": dict(cross_attend=True),
+    "decoder_softclamp": dict(attn_softclamp_logits=True, attn_logit_softclamp_value=2.0),  # bias, then clamp
+}
+
+
+@pytest.mark.parametrize("name", list(ALIBI))
+def test_alibi_logits_match(name):
+    cfg = dict(ALIBI[name])
+    model = xt_net(cfg.pop("layers", "Decoder"), wrapper=dict(use_abs_pos_emb=False), use_rmsnorm=True,
+                   alibi_pos_bias=True, **cfg)
+    sf = from_x_transformers(model)
+    assert sf.attn_layers.alibi_slopes is not None and sf.pos_emb is None
+    assert n_params(sf) == n_params(model)
+    compare_logits(model, sf, cross=cfg.get("cross_attend", False))
+
+
+def test_alibi_sign_matters():
+    """Flipping the slopes' sign moves the logits: the comparison above does see ALiBi."""
+    model = xt_net(wrapper=dict(use_abs_pos_emb=False), use_rmsnorm=True, alibi_pos_bias=True)
+    sf = from_x_transformers(model)
+    x, mask = right_padded()
+    sf.attn_layers.alibi_slopes.neg_()
+    with torch.no_grad():
+        err = (model(x, mask=mask) - sf(x, mask=mask))[mask].abs().max().item()
+    assert err > 1e-2
+
+
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        (dict(), "absolute position embedding"),  # x-transformers keeps it by default next to ALiBi
+        (dict(attn_kv_heads=2, wrapper=dict(use_abs_pos_emb=False)), "grouped-query"),
+        (dict(alibi_num_heads=2, wrapper=dict(use_abs_pos_emb=False)), "alibi_num_heads=2"),
+        (dict(rotary_pos_emb=True), "rotary_pos_emb and alibi_pos_bias"),
+    ],
+    ids=["abs_pos_emb", "gqa", "partial_heads", "with_rotary"],
+)
+def test_alibi_refusals(kwargs, expected):
+    with pytest.raises(ValueError, match="cannot represent") as info:
+        from_x_transformers(xt_net(alibi_pos_bias=True, **kwargs))
+    assert expected in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# (d) qk-norm
+# ----------------------------------------------------------------------------------------------------
+
+QK_NORM = {
+    "decoder_scale_10": dict(),
+    "cross_gqa": dict(cross_attend=True, attn_kv_heads=2),
+    "flash_scale_4": dict(attn_flash=True, attn_qk_norm_scale=4),
+    "encoder_mqa": dict(layers="Encoder", attn_one_kv_head=True),
+}
+
+
+@pytest.mark.parametrize("name", list(QK_NORM))
+def test_qk_norm_logits_match(name):
+    cfg = dict(QK_NORM[name])
+    model = xt_net(cfg.pop("layers", "Decoder"), use_rmsnorm=True, attn_qk_norm=True, **cfg)
+    sf = from_x_transformers(model)
+    attns = [blk for kind, (_, blk) in zip(sf.attn_layers.layer_kinds, sf.attn_layers.layers) if kind != "ff"]
+    d = 8
+    scale = cfg.get("attn_qk_norm_scale", 10)
+    for a in attns:  # w_q * w_k = qk_norm_scale / sqrt(d) on every feature
+        prod = (a.q_norm.weight * a.k_norm.weight).detach()
+        assert torch.allclose(prod, torch.full((d,), scale / math.sqrt(d)), rtol=1e-6)
+    # safeformer's q/k RMSNorm gains are parameters (2 d per attention); x-transformers' fixed scale is not
+    assert n_params(sf) == n_params(model) + 2 * d * len(attns)
+    compare_logits(model, sf, cross=cfg.get("cross_attend", False))
+
+
+def test_qk_norm_dim_scale_shared_by_heads_converts():
+    """Learned per-head scales convert where q_scale * k_scale is the same for every head."""
+    model = xt_net(use_rmsnorm=True, attn_qk_norm=True, attn_qk_norm_dim_scale=True, attn_kv_heads=2)
+    gen = torch.Generator().manual_seed(4)
+    n_attn, extra = 0, 0
+    with torch.no_grad():
+        for _, blk, _ in model.attn_layers.layers:
+            if isinstance(blk, xt.x_transformers.Attention):
+                n_attn += 1
+                extra += blk.qk_norm_q_scale.numel() + blk.qk_norm_k_scale.numel()
+                a, b = 1.5 + torch.randn(8, generator=gen), 1.5 + torch.randn(8, generator=gen)  # one per feature
+                blk.qk_norm_q_scale.copy_(a.expand_as(blk.qk_norm_q_scale))
+                blk.qk_norm_k_scale.copy_(b.expand_as(blk.qk_norm_k_scale))
+    sf = from_x_transformers(model)
+    assert n_params(sf) == n_params(model) - extra + 2 * 8 * n_attn
+    compare_logits(model, sf)
+
+
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        (dict(attn_qk_norm_groups=2), "qk_norm_groups=2"),
+        (dict(attn_qk_norm_dim_scale=True), "differ between heads"),  # perturbed: per-head scales differ
+    ],
+    ids=["groups", "per_head_dim_scale"],
+)
+def test_qk_norm_refusals(kwargs, expected):
+    with pytest.raises(ValueError, match="cannot represent") as info:
+        from_x_transformers(xt_net(attn_qk_norm=True, **kwargs))
+    assert expected in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# (e) memory tokens, memory key/values, learned sinks, logit softclamp
+# ----------------------------------------------------------------------------------------------------
+
+MEMORY = {
+    "memory_tokens": dict(wrapper=dict(num_memory_tokens=3)),
+    "memory_tokens_rotary": dict(wrapper=dict(num_memory_tokens=3), rotary_pos_emb=True, rotary_emb_dim=8),
+    "memory_tokens_alibi_encoder": dict(layers="Encoder", wrapper=dict(num_memory_tokens=3, use_abs_pos_emb=False),
+                                        alibi_pos_bias=True),
+    "mem_kv_cross": dict(attn_num_mem_kv=2, cross_attend=True),
+    "mem_kv_qk_norm_gqa_rotary": dict(attn_num_mem_kv=2, attn_qk_norm=True, attn_kv_heads=2, rotary_pos_emb=True,
+                                      rotary_emb_dim=8),
+    "mem_kv_alibi_memory_tokens": dict(attn_num_mem_kv=2, alibi_pos_bias=True,
+                                       wrapper=dict(num_memory_tokens=2, use_abs_pos_emb=False)),
+    "sink_gqa": dict(attn_head_learned_sink=True, attn_kv_heads=2),
+    "softclamp": dict(attn_softclamp_logits=True, attn_logit_softclamp_value=3.0),
+    "sink_softclamp_mem_kv": dict(attn_head_learned_sink=True, attn_softclamp_logits=True,
+                                  attn_logit_softclamp_value=3.0, attn_num_mem_kv=2),
+}
+
+
+@pytest.mark.parametrize("name", list(MEMORY))
+def test_memory_sink_softclamp_logits_match(name):
+    cfg = dict(MEMORY[name])
+    model = xt_net(cfg.pop("layers", "Decoder"), wrapper=cfg.pop("wrapper", None), use_rmsnorm=True, **cfg)
+    sinks = []
+    with torch.no_grad():  # sinks far from 0 (and from each other), so that they matter and their order shows
+        for _, blk, _ in model.attn_layers.layers:
+            if getattr(getattr(blk, "attend", None), "head_attn_sink", None) is not None:
+                blk.attend.head_attn_sink.copy_(torch.tensor([2.5, -1.0, 1.5, 0.5]))
+                sinks.append(blk.attend.head_attn_sink)
+    sf = from_x_transformers(model)
+    n_qk = 2 * 8 * 2 if cfg.get("attn_qk_norm") else 0  # the q/k RMSNorm gains (see test_qk_norm_logits_match)
+    assert n_params(sf) == n_params(model) + n_qk
+    if sinks:  # query heads are permuted for grouped-query attention; the sink goes with its head
+        kv = cfg.get("attn_kv_heads", 4)
+        g = 4 // kv
+        perm = torch.tensor([(m % g) * kv + m // g for m in range(4)])  # [0, 2, 1, 3] for 2 kv heads
+        assert torch.equal(sf.attn_layers.layers[0][1].head_attn_sink, sinks[0][perm])
+    compare_logits(model, sf, cross=cfg.get("cross_attend", False))
+
+
+def test_memory_tokens_interspersed_are_refused():
+    model = xt_net(wrapper=dict(num_memory_tokens=2, memory_tokens_interspersed_every=4))
+    with pytest.raises(ValueError, match="memory_tokens_interspersed_every"):
+        from_x_transformers(model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# (f) tied embeddings stay tied; return_only_embed; a round trip through save / load
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [None, 0.7], ids=["default_scale", "scale_0.7"])
+def test_tied_embedding_stays_tied(scale):
+    model = xt_net(use_rmsnorm=True, wrapper=dict(tie_embedding=True, tie_embedding_scale=scale))
+    sf = from_x_transformers(model)
+    assert sf.tie_embedding and sf.to_logits is None
+    assert sf.tie_embedding_scale == pytest.approx(DIM**-0.5 if scale is None else scale)
+    assert n_params(sf) == n_params(model)  # no untied copy of the embedding
+    compare_logits(model, sf)
+
+
+def test_return_only_embed_encoder():
+    model = xt_net("Encoder", use_rmsnorm=True, wrapper=dict(return_only_embed=True))
+    sf = from_x_transformers(model)
+    assert sf.to_logits is None and n_params(sf) == n_params(model)
+    compare_logits(model, sf)
+
+
+def test_converted_options_survive_save_and_load(tmp_path):
+    model = xt_net(use_rmsnorm=True, alibi_pos_bias=True, attn_qk_norm=True, attn_num_mem_kv=2,
+                   attn_head_learned_sink=True, wrapper=dict(use_abs_pos_emb=False, num_memory_tokens=2,
+                                                             tie_embedding=True))
+    sf = from_x_transformers(model)
+    sf.save_pretrained(tmp_path)
+    loaded = TransformerWrapper.from_pretrained(tmp_path).eval()
+    x, mask = right_padded()
+    with torch.no_grad():
+        want = model(x, mask=mask)
+        assert torch.equal(loaded(x, mask=mask), sf(x, mask=mask))
+    assert_rel_close(want, loaded(x, mask=mask).detach(), mask)
