@@ -372,7 +372,8 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         """Generate ``seq_len`` new steps after ``start``, optionally with classifier-free guidance.
 
         Args:
-            start: ``(b, n0, d)`` the first steps (left-padded when their lengths differ).
+            start: ``(b, n0, d)`` the first steps (left-padded when their lengths differ), or ``(n0, d)``
+                for one sequence.
             seq_len: how many steps to generate (>= 0).
             mask: ``(b, n0)`` padding of ``start`` (True = real; every sample needs a real step).
                 Padded steps may hold anything (NaN included).
@@ -401,8 +402,14 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
                 step).
 
         Returns:
-            ``(b, seq_len, d)`` the new steps, in ``start``'s dtype.
+            ``(b, seq_len, d)`` the new steps, in ``start``'s dtype; for an unbatched ``start (n0, d)``
+            (x-transformers' call), ``(seq_len, d)``.
         """
+        if isinstance(start, Tensor) and start.dim() == 2 and start.shape[-1] == self.dim_in:  # one unbatched start
+            kwargs = {k: v for k, v in locals().items() if k not in ("self", "start", "seq_len", "mask", "__class__")}
+            if mask is not None:
+                validate_mask(mask, "mask", shape=(start.shape[0],), device=start.device)
+            return self.generate(start[None], seq_len, mask=None if mask is None else mask[None], **kwargs)[0]
         if not isinstance(start, Tensor) or start.dim() != 3 or start.shape[-1] != self.dim_in:
             raise ValueError(f"start must have shape (b, n0, dim_in={self.dim_in}), got {getattr(start, 'shape', type(start))}")
         if not start.is_floating_point():
@@ -431,11 +438,10 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask,
             negative_condition=negative_condition))
         conds = _with_negative_kinds(conds, negatives, b, device)
-        m = 0 if prepend_embeds is None else prepend_embeds.shape[1]
-        if self.net.pos_emb is not None and m + n0 + seq_len - 1 > self.max_seq_len:
+        if self.net.pos_emb is not None and n0 + seq_len - 1 > self.max_seq_len:  # a prefix takes no absolute position
             raise ValueError(
-                f"a start of {n0} steps{f' after a prefix of {m}' if m else ''} plus seq_len={seq_len} new steps needs "
-                f"{m + n0 + seq_len - 1} positions, more than the model's max_seq_len={self.max_seq_len}")
+                f"a start of {n0} steps plus seq_len={seq_len} new steps needs "
+                f"{n0 + seq_len - 1} positions, more than the model's max_seq_len={self.max_seq_len}")
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                           has_uncond=bool(conds.kinds()), steps=seq_len)
         names, stacked = _branches(conds, negatives, schedule, seq_len,

@@ -454,10 +454,11 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
         raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
     m = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
     needed = m + n + seq_len - 1  # positions the last step's forward sees
-    if net.pos_emb is not None and needed > net.max_seq_len:
+    # a prefix takes no absolute position (x-transformers' convention): only the tokens count against the embedding
+    if net.pos_emb is not None and n + seq_len - 1 > net.max_seq_len:
         raise ValueError(
-            f"a prompt of {n} positions{f' after a prefix of {m}' if m else ''} plus seq_len={seq_len} new tokens needs "
-            f"{needed} positions, more than the model's max_seq_len={net.max_seq_len}: its learned absolute position "
+            f"a prompt of {n} positions plus seq_len={seq_len} new tokens needs "
+            f"{n + seq_len - 1} positions, more than the model's max_seq_len={net.max_seq_len}: its learned absolute position "
             f"embedding has no position past max_seq_len - 1, so not even a sliding window (restrict_to_max_seq_len) "
             f"can go on. Generate fewer tokens, or use relative positions (Decoder(..., rotary_pos_emb=True) or "
             f"alibi_pos_bias=True), which can slide past max_seq_len"
@@ -702,8 +703,9 @@ def beam_search_tokens(
             log-softmax of the guided logits.
 
     Returns:
-        ``(tokens (b, beams, seq_len), scores (b, beams))``, best beam first; ``scores`` is float32,
-        ``-inf`` only for beams that hold no sequence (see ``beams``), never NaN.
+        ``(tokens (b, beams, seq_len), scores (b, beams))``, best beam first; ``scores`` is float32
+        (float64 for a float64 model, whatever the model's dtype otherwise), ``-inf`` only for beams
+        that hold no sequence (see ``beams``), never NaN.
 
     Raises:
         ValueError / TypeError: as ``generate_tokens``; ``beams`` not a positive integer;
@@ -962,22 +964,15 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         self.generate(prompts, 1, temperature=1.0, filter_logits_fn=capture, **kwargs)
         return found["logits"]
 
-    def _batch(self, prompts, mask, prompt_lens) -> tuple[Tensor, Tensor | None, bool]:
-        """``(prompts (b, n), mask, was_1d)`` from any form ``generate`` takes (x-transformers' included)."""
+    def _batch(self, prompts, mask, prompt_lens) -> tuple[Tensor, Tensor | None]:
+        """``(prompts (b, n), mask)`` from any form ``generate`` takes (x-transformers' included)."""
         if isinstance(prompts, (list, tuple)):  # x-transformers' way: 1-D prompts of different lengths
             if mask is not None:
                 raise ValueError("mask was given with a list of prompts: the list's lengths are the mask")
             if prompt_lens is not None:
                 raise ValueError("prompt_lens was given with a list of prompts: the list's lengths are the lengths")
             prompts, mask = left_pad(prompts, self.pad_value)
-            return prompts, mask, False
-        single = isinstance(prompts, Tensor) and prompts.dim() == 1  # one prompt without a batch dimension
-        if single:
-            prompts = prompts[None]
-            if isinstance(mask, Tensor) and mask.dim() == 1:
-                mask = mask[None]
-            if isinstance(prompt_lens, Tensor) and prompt_lens.dim() == 0:
-                prompt_lens = prompt_lens[None]
+            return prompts, mask
         if prompt_lens is not None:  # x-transformers' way: right-padded prompts and their lengths
             if mask is not None:
                 raise ValueError("pass mask or prompt_lens, not both (prompt_lens is the mask of right-padded prompts)")
@@ -993,7 +988,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             if bool(((prompt_lens < 1) | (prompt_lens > n)).any()):
                 raise ValueError(f"prompt_lens must be in [1, n={n}] (every prompt needs a token), got {prompt_lens.tolist()}")
             mask = torch.arange(n, device=prompts.device)[None, :] < prompt_lens[:, None]  # (b, n), right padding
-        return prompts, mask, single
+        return prompts, mask
 
     def generate(
         self,
@@ -1027,9 +1022,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
 
         Args:
-            prompts: ``(b, n)`` token ids (left-padded when lengths differ, with ``mask``), a list of
-                ``b`` 1-D token tensors of any lengths (left-padded here; ``mask`` must be None), or
-                one 1-D prompt ``(n,)`` (the result is then ``(seq_len,)``).
+            prompts: ``(b, n)`` token ids (padded when lengths differ, with ``mask`` or
+                ``prompt_lens``), or a list of ``b`` 1-D token tensors of any lengths (left-padded
+                here; ``mask`` and ``prompt_lens`` must be None). A single 1-D tensor is refused: write
+                ``prompt[None]``.
             seq_len: how many tokens to generate.
             mask: ``(b, n)`` prompt padding mask (True = real); every prompt needs a real token.
             prompt_lens: ``(b,)`` lengths of right-padded prompts (x-transformers' argument): the
@@ -1061,7 +1057,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 branch's prefix and adaptive condition, in place of the dropped ones.
 
         Returns:
-            ``(b, seq_len)`` new token ids (``(seq_len,)`` for a 1-D prompt).
+            ``(b, seq_len)`` new token ids.
 
         Raises:
             ValueError: a bad shape, mask, length or option, named; generation past ``max_seq_len``
@@ -1072,13 +1068,13 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             >>> model.generate(prompt, 64, context=text, context_mask=text_mask, condition=style,
             ...                cond_scale={"context": 3.0, "condition": 1.5})
         """
-        prompts, mask, single = self._batch(prompts, mask, prompt_lens)
+        prompts, mask = self._batch(prompts, mask, prompt_lens)
         neg = self._negatives(prompts, negative_context, negative_context_mask, negative_prepend_embeds,
                               negative_prepend_mask, negative_condition)
         was_training = self.training
         self.eval()
         try:
-            out = generate_tokens(
+            return generate_tokens(
                 self.net, prompts, seq_len, mask=mask, context=context, context_mask=context_mask,
                 prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition,
                 condition_mask=condition_mask, temperature=temperature, filter_logits_fn=filter_logits_fn,
@@ -1089,7 +1085,6 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             )
         finally:
             self.train(was_training)
-        return out[0] if single else out
 
     def beam_search(
         self,
@@ -1130,8 +1125,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         keeps its score, and its later tokens are ``pad_value``.
 
         Args:
-            prompts: as in ``generate``: ``(b, n)`` (with ``mask`` or ``prompt_lens``), a list of 1-D
-                prompts of different lengths, or one 1-D prompt.
+            prompts: as in ``generate``: ``(b, n)`` (with ``mask`` or ``prompt_lens``), or a list of
+                1-D prompts of different lengths.
             seq_len: how many tokens to generate.
             beams: beams per sample (1 is greedy decoding).
             return_beams_and_scores: also return every beam and its score.
@@ -1151,15 +1146,15 @@ class AutoregressiveWrapper(Configurable, nn.Module):
 
         Returns:
             ``(b, seq_len)`` the best beam's tokens; with ``return_beams_and_scores``, ``(tokens
-            (beams, b, seq_len), scores (beams, b))``, best beam first (x-transformers' layout).
-            A 1-D prompt drops the ``b`` dimension. A score is ``-inf`` only for a beam that holds no
-            sequence (more beams than possible sequences), never NaN.
+            (beams, b, seq_len), scores (beams, b))``, best beam first (x-transformers' layout). A
+            score is ``-inf`` only for a beam that holds no sequence (more beams than possible
+            sequences), never NaN.
 
         Raises:
             ValueError / TypeError: as ``generate``; ``beams`` not a positive integer; sampling
                 options without ``stochastic``.
         """
-        prompts, mask, single = self._batch(prompts, mask, prompt_lens)
+        prompts, mask = self._batch(prompts, mask, prompt_lens)
         neg = self._negatives(prompts, negative_context, negative_context_mask, negative_prepend_embeds,
                               negative_prepend_mask, negative_condition)
         if not isinstance(return_beams_and_scores, bool):
@@ -1179,10 +1174,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         finally:
             self.train(was_training)
         if not return_beams_and_scores:
-            best = tokens[:, 0]
-            return best[0] if single else best
-        tokens, scores = tokens.transpose(0, 1), scores.transpose(0, 1)  # (beams, b, seq_len), (beams, b)
-        return (tokens[:, 0], scores[:, 0]) if single else (tokens, scores)
+            return tokens[:, 0]
+        return tokens.transpose(0, 1), scores.transpose(0, 1)  # (beams, b, seq_len), (beams, b)
 
 
 def left_pad(prompts, pad_value: int = 0) -> tuple[Tensor, Tensor]:

@@ -422,8 +422,6 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         problems.add("emb_dim != dim (an embedding projection)")
     if not isinstance(model.token_emb, xt.TokenEmbedding):
         problems.add(f"a custom token_emb {type(model.token_emb).__name__}")
-    elif model.token_emb.l2norm_embed:
-        problems.add("l2norm_embed")
     if model.embeds is not None:
         problems.add("embed_num_tokens (extra embeddings)")
     if getattr(model, "ff_deep_embed", None) is not None:
@@ -434,10 +432,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         problems.add("recycling")
     if getattr(model, "looped", False):
         problems.add("looped")
-    if getattr(model, "cls_token", None) is not None:
-        problems.add("use_cls_token")
-    if getattr(model, "average_pool_embed", False):
-        problems.add("average_pool_embed")
+    if getattr(model, "attn_pool", None) is not None:
+        problems.add("attn_pool")
     if getattr(model, "to_mixture", None) is not None:
         problems.add("mixture_of_softmax")
     if getattr(model, "sigsoftmax_logits", False):
@@ -468,8 +464,9 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
     if getattr(model, "squeeze_out_last_dim", False) and isinstance(to_logits, nn.Linear) and to_logits.out_features == 1:
         problems.add("squeeze_out_last_dim with logits_dim=1")
     has_abs = isinstance(model.pos_emb, xt.AbsolutePositionalEmbedding)
-    if has_abs and model.pos_emb.l2norm_embed:
-        problems.add("l2norm_embed")
+    l2norm_embed = bool(getattr(model, "l2norm_embed", False))
+    if has_abs and bool(model.pos_emb.l2norm_embed) != l2norm_embed:
+        problems.add("l2norm_embed on the position embedding only")
 
     # ---- the layer stack
     for attr, option in (
@@ -671,6 +668,12 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         wrapper_kwargs.update(tie_embedding=True, tie_embedding_scale=float(model.tie_embedding_scale))
     if num_memory_tokens:
         wrapper_kwargs.update(num_memory_tokens=num_memory_tokens)
+    if l2norm_embed:
+        wrapper_kwargs.update(l2norm_embed=True)
+    if getattr(model, "cls_token", None) is not None:
+        wrapper_kwargs.update(use_cls_token=True, num_cls_tokens=int(model.cls_token.shape[0]))
+    if getattr(model, "average_pool_embed", False):
+        wrapper_kwargs.update(average_pool_embed=True)
     return _Plan(
         model=model, problems=problems, layers_cls=layers_cls, stack_kwargs=stack_kwargs, wrapper_kwargs=wrapper_kwargs,
         types=types, heads=heads, kv_heads=kv_heads, dim_head=dim_head, tied=tied, attn_opts=attn_opts,
@@ -723,6 +726,8 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
             put(sf.pos_emb.emb.weight, take(model.pos_emb.emb.weight))
         if plan.wrapper_kwargs.get("num_memory_tokens"):
             put(sf.memory_tokens, take(model.memory_tokens))
+        if plan.wrapper_kwargs.get("use_cls_token"):
+            put(sf.cls_token, take(model.cls_token))
         if not plan.tied and model.to_logits is not None:
             put(sf.to_logits.weight, take(model.to_logits.weight))
         for k, ((pre, _, _), blk, _) in enumerate(layers.layers):

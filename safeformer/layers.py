@@ -23,7 +23,6 @@ from torch.utils.checkpoint import checkpoint
 from .attend import prepare_mask
 from .checkpoint import Configurable
 from .masks import causal_mask, validate_mask
-from .varlen import VarlenPlan, plan_varlen, varlen_layout
 from .modules import (
     AdaptiveLayerScale,
     AdaptiveNorm,
@@ -35,6 +34,7 @@ from .modules import (
     make_norm,
     positions_from_mask,
 )
+from .varlen import VarlenPlan, plan_varlen, varlen_layout
 
 __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender"]
 
@@ -57,6 +57,8 @@ class KVCache:
         condition: ``(b, K)`` the adaptive-norm condition in use (nulls in place of dropped ones);
             ``condition_input`` / ``condition_mask``: what the user passed (references), which a later
             call may pass again (the same tensors), like ``context``.
+        lead: ``(b,)`` real rows before the tokens (memory, class and prefix rows), set by the wrappers:
+            the tokens' absolute positions start after them. ``lead_slots``: those rows' slots.
 
     A cache is input like any other: whatever its masked slots hold (positions where ``mask`` or
     ``context_mask`` is False) reaches no output and no gradient.
@@ -72,6 +74,8 @@ class KVCache:
     condition: Tensor | None = None
     condition_input: Tensor | None = None
     condition_mask: Tensor | None = None
+    lead: Tensor | None = None
+    lead_slots: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -95,7 +99,7 @@ class KVCache:
             mask=sel(self.mask), context_mask=sel(self.context_mask), count=sel(self.count),
             positions=self.positions if self.positions.shape[0] == 1 else sel(self.positions),
             context=sel(self.context), condition=sel(self.condition), condition_input=sel(self.condition_input),
-            condition_mask=sel(self.condition_mask),
+            condition_mask=sel(self.condition_mask), lead=sel(self.lead),
         )
 
 

@@ -363,9 +363,6 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask,
             negative_condition=negative_condition))
         conds = _with_negative_kinds(conds, negatives, b, device)
-        m = 0 if prepend_embeds is None else prepend_embeds.shape[1]
-        if self.net.pos_emb is not None and m + n > self.max_seq_len:
-            raise ValueError(f"a prefix of {m} plus seq_len={n} needs {m + n} positions, more than max_seq_len={self.max_seq_len}")
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                           has_uncond=bool(conds.kinds()), steps=steps)
         names, stacked = _branches(conds, negatives, schedule, steps, need_joint=guidance_rescale > 0)

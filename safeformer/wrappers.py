@@ -75,13 +75,16 @@ class _Wrapper(Configurable, nn.Module):
     def num_fixed_tokens(self) -> int:
         return getattr(self, "num_memory_tokens", 0) + getattr(self, "num_cls_tokens", 0)
 
-    def _positions(self, mask: Tensor | None, b: int, n: int, device, cache: KVCache | None) -> Tensor:
-        past = 0 if cache is None else cache.length
-        fixed = self.num_fixed_tokens
-        if self.pos_emb is not None and past + n - fixed > self.max_seq_len:
+    def _positions(self, mask: Tensor | None, b: int, n: int, device, cache: KVCache | None, lead_slots: int = 0) -> Tensor:
+        """Positions of the ``n`` new rows (real rows counted, continuing from the cache). ``lead_slots``:
+        rows of this call before the tokens (memory, class and prefix rows), which take no absolute
+        position; the tokens' absolute positions must stay below ``max_seq_len``."""
+        past = 0 if cache is None else cache.length - cache.lead_slots
+        tokens = n - lead_slots
+        if self.pos_emb is not None and past + tokens > self.max_seq_len:
             raise ValueError(
-                f"sequence of {past + n - fixed} positions ({past - (fixed if cache is not None else 0)} cached + "
-                f"{n - (0 if cache is not None else fixed)} new) is longer than max_seq_len={self.max_seq_len}"
+                f"sequence of {past + tokens} token positions ({past} cached + {tokens} new) is longer than "
+                f"max_seq_len={self.max_seq_len}"
             )
         return positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
 
@@ -154,13 +157,18 @@ class _Wrapper(Configurable, nn.Module):
             x = torch.cat((torch.cat(rows).to(x.dtype)[None].expand(b, -1, -1), x), dim=1)  # (b, F + m + n, c)
             if mask is not None:
                 mask = torch.cat((torch.ones(b, fixed, dtype=torch.bool, device=x.device), mask), dim=1)
-        positions = self._positions(mask, b, fixed + m + n, x.device, cache)
+        lead_slots = fixed + m  # memory, class and prefix rows: before the tokens, no absolute position
+        positions = self._positions(mask, b, lead_slots + n, x.device, cache, lead_slots)
+        if cache is None:  # the real rows before the tokens, per sample: the tokens' positions start after them
+            lead = positions.new_full((b,), lead_slots) if mask is None else mask[:, :lead_slots].sum(1)
+        else:
+            lead = cache.lead if cache.lead is not None else positions.new_zeros(b)
         if pos is not None:
             positions = pos
-        if self.pos_emb is not None:
-            abs_pos = positions if pos is not None else (positions - self.num_fixed_tokens).clamp(min=0)
+        if self.pos_emb is not None:  # tokens only, numbered from 0 (x-transformers' convention)
+            abs_pos = positions if pos is not None else (positions - lead[:, None]).clamp(min=0)
             pe = self.pos_emb(abs_pos).to(x.dtype)
-            x = x + pe if not fixed else torch.cat((x[:, :fixed], x[:, fixed:] + pe[:, fixed:]), dim=1)
+            x = x + pe if not lead_slots else torch.cat((x[:, :lead_slots], x[:, lead_slots:] + pe[:, lead_slots:]), dim=1)
         x = self.emb_dropout(x)
         out = self.attn_layers(
             x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
@@ -170,6 +178,9 @@ class _Wrapper(Configurable, nn.Module):
         out = out if isinstance(out, tuple) else (out,)
         h = out[0]
         new_cache = out[1] if return_cache else None
+        if new_cache is not None:  # the cache remembers the rows before the tokens
+            new_cache.lead = lead if lead.dim() == 1 else lead.expand(b)
+            new_cache.lead_slots = lead_slots if cache is None else cache.lead_slots
         intermediates = out[-1] if return_hiddens else None
         fixed_out = None
         if fixed:

@@ -91,11 +91,25 @@ class XTransformer(Configurable, nn.Module):
         self.pad_value = pad_value
         self.cond_drop_prob = float(cond_drop_prob)
 
-    def encode(self, src: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Encoder hidden states ``(b, j, c)`` of ``src (b, j)``."""
-        return self.encoder(src, mask=mask, return_embeddings=True)
+    def encode(self, src: Tensor, mask: Tensor | None = None, *, src_prepend_embeds: Tensor | None = None,
+               src_prepend_mask: Tensor | None = None) -> Tensor:
+        """Encoder hidden states ``(b, j, c)`` of ``src (b, j)`` (``(b, m + j, c)`` after a prefix of
+        embeddings ``src_prepend_embeds (b, m, c)``, x-transformers' name, e.g. image features)."""
+        return self._source(src, mask, src_prepend_embeds, src_prepend_mask)[0]
 
-    def forward(self, src: Tensor, tgt: Tensor, *, mask: Tensor | None = None, tgt_mask: Tensor | None = None) -> Tensor:
+    def _source(self, src, mask, src_prepend_embeds, src_prepend_mask) -> tuple[Tensor, Tensor | None]:
+        """The encoding and its mask (the prefix's rows first)."""
+        enc = self.encoder(src, mask=mask, return_embeddings=True, prepend_embeds=src_prepend_embeds,
+                           prepend_mask=src_prepend_mask)
+        if src_prepend_embeds is not None and (mask is not None or src_prepend_mask is not None):
+            b, m = src_prepend_embeds.shape[:2]
+            ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=enc.device)  # noqa: E731
+            mask = torch.cat((ones(m) if src_prepend_mask is None else src_prepend_mask,
+                              ones(src.shape[1]) if mask is None else mask), dim=1)
+        return enc, mask
+
+    def forward(self, src: Tensor, tgt: Tensor, *, mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+                src_prepend_embeds: Tensor | None = None, src_prepend_mask: Tensor | None = None) -> Tensor:
         """Next-token cross-entropy of ``tgt (b, n)`` given ``src (b, j)``.
 
         Args:
@@ -106,9 +120,12 @@ class XTransformer(Configurable, nn.Module):
                 empty source: the decoder runs unconditioned for that sample. In training mode each
                 sample's source is dropped this way with probability ``cond_drop_prob``.
             tgt_mask: ``(b, n)`` target padding mask (True = real).
+            src_prepend_embeds: ``(b, m, dim)`` embeddings placed before the source tokens in the encoder
+                (x-transformers' name; PaLI-style image features); ``src_prepend_mask (b, m)`` marks
+                padded prefix rows.
         """
         _check_tokens(src, "src")
-        enc = self.encode(src, mask)
+        enc, mask = self._source(src, mask, src_prepend_embeds, src_prepend_mask)
         context_mask = mask
         if self.training and self.cond_drop_prob > 0:
             b, j = enc.shape[:2]
@@ -129,6 +146,8 @@ class XTransformer(Configurable, nn.Module):
         cond_scale: float = 1.0,
         negative_src: Tensor | None = None,
         negative_mask: Tensor | None = None,
+        src_prepend_embeds: Tensor | None = None,
+        src_prepend_mask: Tensor | None = None,
         **options,
     ) -> Tensor:
         """Generate ``seq_len`` target tokens after ``start_tokens (b, n)`` given ``src (b, j)``.
@@ -143,6 +162,7 @@ class XTransformer(Configurable, nn.Module):
                 The unconditional branch sees the empty source (all-False mask), or ``negative_src``.
             negative_src, negative_mask: source token ids ``(b, j')`` or ``(1, j')`` (and mask) whose
                 encoding is the unconditional branch's context.
+            src_prepend_embeds, src_prepend_mask: a prefix of the source, as in ``forward``.
             **options: as in ``AutoregressiveWrapper.generate``: ``temperature``, ``filter_logits_fn``,
                 ``filter_kwargs``, ``eos_token``, ``cache_kv``, ``guidance_rescale``.
 
@@ -154,7 +174,7 @@ class XTransformer(Configurable, nn.Module):
         was_training = self.training
         self.eval()
         try:
-            enc = self.encode(src, mask)
+            enc, mask = self._source(src, mask, src_prepend_embeds, src_prepend_mask)
             uncond, uncond_mask = None, None
             if negative_src is not None and cond_scale != 1.0:
                 uncond, uncond_mask = self.encode(negative_src, negative_mask), negative_mask

@@ -385,7 +385,7 @@ def test_call_errors():
         (lambda: model.generate(3, 4, filter_kwargs={"k": 2}), ValueError, "filter_kwargs"),
         (lambda: model.generate(3, 4, filter_logits_fn="top_q"), ValueError, "filter_logits_fn"),
         (lambda: model.generate(3, 4, negative_context=conds["context"][:, :, :-1], **conds), ValueError, "negative_context"),
-        (lambda: model.generate(3, 15, **conds), ValueError, "max_seq_len"),  # a prefix of 3 + 15 > 16
+        (lambda: model.generate(3, 17, **conds), ValueError, "max_seq_len"),  # 17 > 16 (a prefix takes no absolute position)
     ]
     for call, exc, text in cases:
         with pytest.raises(exc, match=text):
