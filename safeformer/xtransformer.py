@@ -7,16 +7,47 @@ Masks: bool, True = real position (``masks.py``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from .checkpoint import Configurable
 from .generation import generate_tokens
-from .layers import Decoder, Encoder
+from .layers import LAYER_ALIASES, AttentionLayers, Decoder, Encoder
 from .losses import next_token_loss
 from .wrappers import TransformerWrapper, _check_tokens
 
 __all__ = ["XTransformer"]
+
+
+# TransformerWrapper options a side of an XTransformer may set (the rest are layer options)
+_WRAPPER_SIDE = ("emb_dropout", "use_abs_pos_emb", "num_memory_tokens", "l2norm_embed", "tie_embedding",
+                 "tie_embedding_scale", "post_emb_norm", "scaled_sinu_pos_emb", "emb_frac_gradient")
+_FIXED_SIDE = ("num_tokens", "max_seq_len", "attn_layers", "return_only_embed", "logits_dim", "causal",
+               "cross_attend", "only_cross", "dim")
+
+
+def _split_side_options(options: dict, prefix: str) -> tuple[dict, dict]:
+    """One side's options split into layer options and wrapper options; unknown names are a TypeError."""
+    import inspect
+
+    layer_names = set(inspect.signature(AttentionLayers.__init__).parameters) | set(LAYER_ALIASES)
+    layers, wrapper = {}, {}
+    for name, value in options.items():
+        if name in _FIXED_SIDE:
+            raise TypeError(f"XTransformer: {prefix}{name} is set by XTransformer itself (see its arguments)")
+        if name in _WRAPPER_SIDE:
+            wrapper[name] = value
+        elif name in layer_names and name not in ("self", "aliases"):
+            layers[name] = value
+        else:
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(layer_names | set(_WRAPPER_SIDE)), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""
+            raise TypeError(f"XTransformer.__init__() got an unexpected keyword argument {prefix + name!r}{hint}")
+    return layers, wrapper
 
 
 class XTransformer(Configurable, nn.Module):
@@ -35,6 +66,13 @@ class XTransformer(Configurable, nn.Module):
             written after a sample's ``eos_token`` in ``generate``).
         cond_drop_prob: during training, each sample's encoder output is dropped (its source mask
             becomes all False: the empty context) with this probability, for classifier-free guidance.
+        enc_options, dec_options: more options of one side, by name: any ``AttentionLayers`` option
+            (or its x-transformers spelling, ``LAYER_ALIASES``) or ``TransformerWrapper`` option
+            (``emb_dropout``, ``use_abs_pos_emb``, ``num_memory_tokens``, ``l2norm_embed``, ...).
+            x-transformers' spelling ``enc_<option>=`` / ``dec_<option>=`` is accepted too
+            (``enc_attn_flash=True``, ``dec_rotary_pos_emb=True``, ``enc_num_memory_tokens=4``) and lands
+            here; an unknown option raises a ``TypeError`` naming it. A side option overrides the
+            shared one of the same name.
     """
 
     def __init__(
@@ -60,7 +98,19 @@ class XTransformer(Configurable, nn.Module):
         ignore_index: int = -100,
         pad_value: int = 0,
         cond_drop_prob: float = 0.0,
+        enc_options: dict[str, Any] | None = None,
+        dec_options: dict[str, Any] | None = None,
+        **aliases,
     ):
+        enc_options, dec_options = dict(enc_options or {}), dict(dec_options or {})
+        for key, value in aliases.items():  # x-transformers' enc_<option> / dec_<option>
+            side = enc_options if key.startswith("enc_") else dec_options if key.startswith("dec_") else None
+            if side is None:
+                raise TypeError(f"XTransformer.__init__() got an unexpected keyword argument {key!r} (per-side "
+                                f"options are spelled enc_<option> / dec_<option>)")
+            side[key[4:]] = value
+        enc_layer, enc_wrap = _split_side_options(enc_options, "enc_")
+        dec_layer, dec_wrap = _split_side_options(dec_options, "dec_")
         super().__init__()
         if isinstance(cond_drop_prob, bool) or not (isinstance(cond_drop_prob, (int, float)) and 0.0 <= cond_drop_prob <= 1.0):
             raise ValueError(f"cond_drop_prob must be in [0, 1], got {cond_drop_prob!r}")
@@ -72,16 +122,32 @@ class XTransformer(Configurable, nn.Module):
             dec_heads=dec_heads, dim_head=dim_head, kv_heads=kv_heads, rotary_pos_emb=rotary_pos_emb, ff_glu=ff_glu,
             use_rmsnorm=use_rmsnorm, attn_dropout=attn_dropout, ff_dropout=ff_dropout, tie_token_emb=tie_token_emb,
             ignore_index=ignore_index, pad_value=pad_value, cond_drop_prob=cond_drop_prob,
+            enc_options=enc_options or None, dec_options=dec_options or None,
         )
         shared = dict(dim=dim, dim_head=dim_head, kv_heads=kv_heads, rotary_pos_emb=rotary_pos_emb, ff_glu=ff_glu,
                       use_rmsnorm=use_rmsnorm, attn_dropout=attn_dropout, ff_dropout=ff_dropout)
+
+        def side(own: dict, extra: dict) -> dict:
+            out = {**shared, **own}
+            for name, value in extra.items():  # a side's option overrides the shared one (aliases translated)
+                target = LAYER_ALIASES.get(name, name)
+                if target is None:
+                    continue
+                updates = target(value) if callable(target) else {target: value}
+                if "_unsupported" in updates:
+                    raise TypeError(f"XTransformer: x-transformers' option {updates['_unsupported']} is not supported")
+                out.update(updates)
+            return out
+
         self.encoder = TransformerWrapper(
             num_tokens=enc_num_tokens, max_seq_len=enc_max_seq_len,
-            attn_layers=Encoder(depth=enc_depth, heads=enc_heads, **shared), return_only_embed=True,
+            attn_layers=Encoder(**side(dict(depth=enc_depth, heads=enc_heads), enc_layer)), return_only_embed=True,
+            **enc_wrap,
         )
         self.decoder = TransformerWrapper(
             num_tokens=dec_num_tokens, max_seq_len=dec_max_seq_len,
-            attn_layers=Decoder(depth=dec_depth, heads=dec_heads, cross_attend=True, **shared),
+            attn_layers=Decoder(**side(dict(depth=dec_depth, heads=dec_heads, cross_attend=True), dec_layer)),
+            **dec_wrap,
         )
         if tie_token_emb:
             if enc_num_tokens != dec_num_tokens:

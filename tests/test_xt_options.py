@@ -374,3 +374,27 @@ def test_continuous_wrapper_memory_tokens_lens_and_pooling():
     torch.testing.assert_close(p[2], pooled.project_out(torch.zeros(16)))
     with pytest.raises(ValueError, match="lens"):
         net(x, lens=lens, mask=mask)
+
+
+def test_xtransformer_per_side_options():
+    """``XTransformer`` takes x-transformers' ``enc_<option>`` / ``dec_<option>`` spellings (layer and wrapper
+    options, aliases included; a side's option overrides the shared one), saves and reloads them, and
+    names an unknown one."""
+    import tempfile
+
+    _seed(10)
+    base = dict(dim=32, enc_num_tokens=20, enc_depth=1, enc_heads=2, enc_max_seq_len=16, dec_num_tokens=20,
+                dec_depth=1, dec_heads=2, dec_max_seq_len=16, dim_head=8)
+    m = sf.XTransformer(**base, enc_attn_flash=True, dec_rotary_pos_emb=True, enc_num_memory_tokens=2,
+                        dec_attn_dim_head=16, enc_ff_mult=2, dec_attn_num_mem_kv=1)
+    assert m.decoder.attn_layers.rotary is not None and m.decoder.pos_emb is None
+    assert m.encoder.num_memory_tokens == 2 and m.decoder.attn_layers.layers[0][1].dim_head == 16
+    assert m.encoder.attn_layers.layers[0][1].dim_head == 8 and m.decoder.attn_layers.layers[0][1].num_mem_kv == 1
+    src, tgt = torch.randint(0, 20, (2, 5)), torch.randint(0, 20, (2, 6))
+    with tempfile.TemporaryDirectory() as d:
+        m.save_pretrained(d)
+        torch.testing.assert_close(sf.XTransformer.from_pretrained(d)(src, tgt), m(src, tgt))
+    for bad, text in ((dict(enc_foo=1), "enc_foo"), (dict(dec_attn_dim_heads=3), "dec_attn_dim_head"),
+                      (dict(bogus=1), "bogus"), (dict(enc_dim=3), "enc_dim")):
+        with pytest.raises(TypeError, match=text):
+            sf.XTransformer(**base, **bad)
