@@ -4,7 +4,8 @@ Converts an ``x_transformers.TransformerWrapper`` (``Decoder``, ``Encoder`` or `
 layers) into the equivalent ``safeformer.TransformerWrapper`` with the same weights, so that a
 trained model gains safeformer's safety contract; an ``x_transformers.AutoregressiveWrapper`` into a
 ``safeformer.AutoregressiveWrapper`` and an ``x_transformers.XTransformer`` into a
-``safeformer.XTransformer`` around such converted nets. Options that change the numbers and have no
+``safeformer.XTransformer`` around such converted nets (each side's options, where encoder and decoder
+differ, in its ``enc_options`` / ``dec_options``). Options that change the numbers and have no
 safeformer equivalent raise one ``ValueError`` listing all of them.
 
 Shape legend: c model width, h query heads, h_kv key/value heads, g = h // h_kv, d head dim,
@@ -53,6 +54,16 @@ How the numbers are matched (x-transformers 2.x, read from its source):
 - Memory. ``num_memory_tokens`` rows ``memory_tokens (m, c)`` and per-attention memory keys/values
   ``mem_k, mem_v (h_kv, m, d)`` (``attn_num_mem_kv``) are copied as they are; a learned sink
   ``head_attn_sink (h,)`` is permuted with the query heads; ``attn_softclamp_logits`` keeps its value.
+- XTransformer. The encoder and the decoder's net convert as above, each on its own; the
+  ``safeformer.XTransformer`` is then built from their configs: the shared layer arguments
+  (``dim_head``, ``kv_heads``, ``rotary_pos_emb``, ``ff_glu``, ``use_rmsnorm``, dropouts) take the
+  encoder's values, and ``enc_options`` / ``dec_options`` hold every other option off its default
+  (and the decoder's shared ones where they differ), layer or wrapper (``norm_eps``,
+  ``attn_qk_norm``, ``num_memory_tokens``, ``l2norm_embed``, ``tie_embedding``, ...). The nets it
+  builds are checked option for option against the converted ones before the weights are loaded.
+  What it cannot express is refused: encoder and decoder of different widths (it has one ``dim``),
+  an encoder with an output head, a decoder with ``logits_dim`` or without a head, and wrapper
+  options no side takes (``use_cls_token``, ``average_pool_embed``).
 """
 
 from __future__ import annotations
@@ -67,7 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .generation import AutoregressiveWrapper
-from .layers import CrossAttender, Decoder, Encoder
+from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, _defaults
 from .modules import RMSNorm, alibi_slopes
 from .wrappers import TransformerWrapper
 from .xtransformer import XTransformer
@@ -828,21 +839,75 @@ def _effective_config(net: TransformerWrapper) -> dict:
     return out
 
 
-def _xtransformer_kwargs(sf_enc: TransformerWrapper, sf_dec: TransformerWrapper, ar, tie_token_emb: bool) -> dict:
-    """safeformer ``XTransformer`` arguments for the converted nets: each option under its ``enc_`` /
-    ``dec_`` name, or its shared name (taken from the encoder), wherever the constructor takes it."""
+def _side_config(net: TransformerWrapper) -> tuple[dict, dict]:
+    """A converted net's layer options and wrapper options (``get_config()``, the nested stack left out)."""
+    layers = net.attn_layers.get_config()
+    wrapper = {k: v for k, v in net.get_config().items() if k != "attn_layers"}
+    return layers, wrapper
+
+
+def _xtransformer_kwargs(sf_enc: TransformerWrapper, sf_dec: TransformerWrapper, ar, tie_token_emb: bool,
+                         problems: _Problems) -> dict:
+    """safeformer ``XTransformer`` arguments that rebuild the converted nets: what the constructor sets
+    per side (``enc_depth``, ``dec_heads``, ...), the layer options it shares (``dim_head``, ``ff_glu``,
+    ...) with the encoder's values, and in ``enc_options`` / ``dec_options`` every other option that is
+    not at its default (and the decoder's shared options where they differ from the encoder's). What
+    no argument can express is recorded in ``problems``."""
+    from .xtransformer import _WRAPPER_SIDE
+
     params = inspect.signature(XTransformer.__init__).parameters
-    kwargs: dict = {}
-    for side, net in (("enc", sf_enc), ("dec", sf_dec)):
-        options = dict(net.attn_layers._sf_config)
-        options.update((k, v) for k, v in net._sf_config.items() if k not in ("attn_layers", "return_only_embed"))
-        for key, value in options.items():
-            if f"{side}_{key}" in params:
-                kwargs[f"{side}_{key}"] = value
-            elif key in params and key not in kwargs:
-                kwargs[key] = value
-    kwargs.update(tie_token_emb=tie_token_emb, ignore_index=ar.ignore_index, pad_value=ar.pad_value)
-    return {k: v for k, v in kwargs.items() if k in params}
+    layer_defaults, wrapper_defaults = _defaults(AttentionLayers), _defaults(TransformerWrapper)
+    shared = [n for n in params if n in layer_defaults and n != "dim"]  # dim_head, kv_heads, rotary_pos_emb, ...
+    kwargs: dict = dict(tie_token_emb=tie_token_emb, ignore_index=ar.ignore_index, pad_value=ar.pad_value)
+    sides: dict[str, dict] = {}
+    dims: dict[str, int] = {}
+    for side, net, where in (("enc", sf_enc, "encoder"), ("dec", sf_dec, "decoder.net")):
+        layers, wrapper = _side_config(net)
+        want_cls, want_cross = ("Encoder", False) if side == "enc" else ("Decoder", True)
+        got_cls = type(net.attn_layers).__name__
+        if got_cls != want_cls or bool(layers.get("cross_attend")) != want_cross:
+            shown = f"{got_cls}(cross_attend={bool(layers.get('cross_attend'))})"
+            problems.add(f"{where} layers {shown}: safeformer's XTransformer builds {want_cls}(cross_attend={want_cross})")
+        for key in ("causal", "cross_attend", "only_cross"):
+            layers.pop(key, None)
+        dims[where] = layers.pop("dim")
+        for key in ("depth", "heads"):
+            kwargs[f"{side}_{key}"] = layers.pop(key)
+        for key in ("num_tokens", "max_seq_len"):
+            kwargs[f"{side}_{key}"] = wrapper.pop(key)
+        if layers.get("dim_context") == dims["encoder"]:
+            layers["dim_context"] = None  # the decoder cross-attends to the encoder's width, as by default
+        only_embed, logits_dim = wrapper.pop("return_only_embed"), wrapper.pop("logits_dim")
+        if side == "enc" and not only_embed:
+            problems.add("an encoder with an output head (to_logits): safeformer's XTransformer encoder returns "
+                         "embeddings only (return_only_embed=True); x-transformers' XTransformer never uses that head, "
+                         "so model.encoder.to_logits = None before converting drops it", where)
+        if side == "dec" and only_embed:
+            problems.add("a decoder without an output head (return_only_embed=True; safeformer's XTransformer decoder "
+                         "predicts its tokens)", where)
+        if side == "dec" and logits_dim is not None:
+            problems.add(f"logits_dim={logits_dim} != num_tokens={kwargs['dec_num_tokens']} (safeformer's "
+                         f"XTransformer decoder predicts its own tokens)", where)
+        options = {k: v for k, v in layers.items() if k in shared or v != layer_defaults.get(k)}
+        for key, value in wrapper.items():
+            if value == wrapper_defaults.get(key):
+                continue
+            if key in _WRAPPER_SIDE:
+                options[key] = value
+            else:
+                problems.add(f"{key}={value!r} (safeformer's XTransformer takes no {side}_{key} option)", where)
+        sides[side] = options
+    if dims["encoder"] != dims["decoder.net"]:
+        problems.add(f"encoder dim={dims['encoder']} and decoder dim={dims['decoder.net']} (safeformer's XTransformer "
+                     f"has one dim for both)")
+    kwargs["dim"] = dims["decoder.net"]
+    enc, dec = sides["enc"], sides["dec"]
+    for name in shared:  # the shared argument takes the encoder's value; the decoder's overrides it where it differs
+        kwargs[name] = enc.pop(name)
+        if dec[name] == kwargs[name]:
+            dec.pop(name)
+    kwargs.update(enc_options=enc or None, dec_options=dec or None)
+    return kwargs
 
 
 def _convert_xtransformer(model, xt, xt_attend, problems: _Problems, training_only: list[str],
@@ -857,19 +922,20 @@ def _convert_xtransformer(model, xt, xt_attend, problems: _Problems, training_on
     problems.raise_if_any()
 
     tie_token_emb = ar.net.token_emb is enc.token_emb
-    kwargs = _xtransformer_kwargs(sf_enc, sf_dec, ar, tie_token_emb)
+    kwargs = _xtransformer_kwargs(sf_enc, sf_dec, ar, tie_token_emb, problems)
+    problems.raise_if_any()
     try:
         sf = XTransformer(**kwargs)
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         problems.add(f"no safeformer XTransformer takes this configuration: {err}")
         problems.raise_if_any()
+    # a safety net: the nets built must be the converted ones, option for option
     for side, built, converted in (("encoder", sf.encoder, sf_enc), ("decoder.net", sf.decoder, sf_dec)):
         want, got = _effective_config(converted), _effective_config(built)
         for key in sorted(set(want) | set(got)):
             if want.get(key) != got.get(key):
                 problems.add(f"{side} {key}={want.get(key)!r}: safeformer's XTransformer builds {key}={got.get(key)!r} "
-                             f"and its constructor takes no argument for it (convert model.encoder and model.decoder "
-                             f"on their own instead)")
+                             f"(convert model.encoder and model.decoder on their own instead)")
     problems.raise_if_any()
     ref = enc.token_emb.emb.weight
     sf = sf.to(device=ref.device, dtype=ref.dtype)
@@ -894,7 +960,9 @@ def from_x_transformers(
     Converts an ``x_transformers.TransformerWrapper`` into a ``safeformer.TransformerWrapper``, an
     ``x_transformers.AutoregressiveWrapper`` into a ``safeformer.AutoregressiveWrapper`` (same
     ``ignore_index`` and ``pad_value``) and an ``x_transformers.XTransformer`` into a
-    ``safeformer.XTransformer`` (same ``tie_token_emb``, ``ignore_index`` and ``pad_value``).
+    ``safeformer.XTransformer`` (same ``tie_token_emb``, ``ignore_index`` and ``pad_value``; what its
+    encoder and decoder set differently, ``enc_<option>`` / ``dec_<option>`` in x-transformers, lands
+    in its ``enc_options`` / ``dec_options``, so the converted model saves and reloads as it is).
 
     Supported in the nets: ``Decoder``, ``Encoder`` and ``CrossAttender`` layers, with or without
     ``cross_attend`` (and ``cross_attn_dim_context``); pre-norm ``LayerNorm``, ``RMSNorm``,

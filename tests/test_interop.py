@@ -229,9 +229,7 @@ UNSUPPORTED = [
     (dict(wrapper=dict(post_emb_norm=True)), "post_emb_norm"),
     (dict(wrapper=dict(num_memory_tokens=2, memory_tokens_interspersed_every=4)), "memory_tokens_interspersed_every"),
     (dict(wrapper=dict(emb_dim=8)), "emb_dim"),
-    (dict(wrapper=dict(l2norm_embed=True)), "l2norm_embed"),
     (dict(wrapper=dict(scaled_sinu_pos_emb=True)), "scaled_sinu_pos_emb"),
-    (dict(wrapper=dict(use_cls_token=True)), "use_cls_token"),
     (dict(wrapper=dict(mixture_of_softmax=True)), "mixture_of_softmax"),
     (dict(wrapper=dict(emb_frac_gradient=0.5)), "emb_frac_gradient"),
 ]

@@ -159,35 +159,48 @@ XT_SMALL = dict(dim=DIM, enc_num_tokens=V, enc_depth=2, enc_heads=4, enc_max_seq
                 dec_depth=2, dec_heads=4, dec_max_seq_len=16, dec_attn_dim_head=8)
 
 
-def build_xtransformer(**kwargs) -> nn.Module:
+def build_xtransformer(*, enc_part: dict | None = None, dec_part: dict | None = None, **kwargs) -> nn.Module:
+    """A random x-transformers XTransformer. ``enc_part`` / ``dec_part``: ``model.encoder`` /
+    ``model.decoder.net`` replaced by a TransformerWrapper with these wrapper options (and ``layers=``
+    layer options), for what x-transformers' XTransformer does not pass on (``l2norm_embed``,
+    ``tie_embedding``, a decoder's ``num_memory_tokens``) but a model assembled from parts has."""
     torch.manual_seed(0)
     cfg = {**XT_SMALL, "dec_num_tokens": V, "ignore_index": -1, "pad_value": 0, **kwargs}
-    return perturb(xt.XTransformer(**cfg))
+    model = xt.XTransformer(**cfg)
+    for part, side in ((enc_part, "enc"), (dec_part, "dec")):
+        if part is None:
+            continue
+        part = dict(part)
+        layers = {"dim": DIM, "depth": 2, "heads": 4, "attn_dim_head": 8, **part.pop("layers", {})}
+        if side == "enc":
+            model.encoder = xt.TransformerWrapper(num_tokens=V, max_seq_len=16, attn_layers=xt.Encoder(**layers),
+                                                  **{"return_only_embed": True, **part})
+        else:
+            model.decoder.net = xt.TransformerWrapper(num_tokens=cfg["dec_num_tokens"], max_seq_len=16,
+                                                      attn_layers=xt.Decoder(cross_attend=True, **layers), **part)
+    return perturb(model)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(tie_token_emb=True),
-        dict(dec_num_tokens=29, pad_value=3),
-        dict(enc_heads=2, dec_heads=2, enc_attn_dim_head=64, dec_attn_dim_head=64, enc_rotary_pos_emb=True,
-             dec_rotary_pos_emb=True, dec_ff_glu=True, enc_ff_glu=True),
-    ],
-    ids=["tied_token_emb", "untied_pad3", "rotary_glu"],
-)
-def test_xtransformer_loss_and_greedy_generation(kwargs):
-    model = build_xtransformer(**kwargs)
-    sf = from_x_transformers(model)
-    assert isinstance(sf, XTransformer) and not sf.training
-    tied = kwargs.get("tie_token_emb", False)
-    assert (sf.decoder.token_emb is sf.encoder.token_emb) == tied
-    # safeformer's LayerNorms carry a bias (x-transformers' have none): zeros, one per norm
-    ln_biases = sum(m.bias.numel() for m in sf.modules() if isinstance(m, nn.LayerNorm))
-    assert ln_biases == (2 * 2 + 1 + 3 * 2 + 1) * DIM
-    assert n_params(sf) == n_params(model) + ln_biases
+def xtransformer_extra_params(kwargs: dict) -> int:
+    """safeformer's parameters that the x-transformers XTransformer lacks: zero LayerNorm biases (one
+    per norm: 2 depth + 1 in the encoder, 3 depth + 1 in the decoder), q/k RMSNorm gains (2 dim_head
+    per attention with qk-norm; see test_qk_norm_logits_match) and the zero biases of feed-forwards
+    without biases (``ff_no_bias``; plain GELU ones here: 4 dim + dim per layer)."""
+    extra = 0
+    for side, norms, attns in (("enc", 2 * 2 + 1, 2), ("dec", 3 * 2 + 1, 2 * 2)):
+        if not kwargs.get(f"{side}_use_rmsnorm"):
+            extra += norms * DIM
+        if kwargs.get(f"{side}_attn_qk_norm"):
+            extra += 2 * kwargs.get(f"{side}_attn_dim_head", 8) * attns
+        if kwargs.get(f"{side}_ff_no_bias"):
+            assert not kwargs.get(f"{side}_ff_glu") and kwargs.get(f"{side}_ff_mult", 4) == 4
+            extra += 2 * (4 * DIM + DIM)
+    return extra
 
+
+def compare_xtransformer(model: nn.Module, sf: nn.Module, dec_vocab: int = V) -> None:
+    """Same loss (right-padded source and targets) and the same greedy generations."""
     src, src_mask = right_padded()
-    dec_vocab = kwargs.get("dec_num_tokens", V)
     tgt, tgt_mask = right_padded(lengths=[7, 4, 3], n=7, vocab=dec_vocab, seed=3)
     tgt = tgt.masked_fill(~tgt_mask, -1)
     with torch.no_grad():
@@ -198,25 +211,115 @@ def test_xtransformer_loss_and_greedy_generation(kwargs):
     start = torch.full((B, 1), 1)
     want_tokens = model.generate(src, start, 5, mask=src_mask, temperature=0.0)
     got_tokens = sf.generate(src, start, 5, mask=src_mask, temperature=0.0)
+    assert got_tokens.shape == (B, 5)
     assert torch.equal(want_tokens, got_tokens)
+
+
+# x-transformers XTransformers whose encoder and decoder differ (enc_<option> / dec_<option>), and the
+# options safeformer's XTransformer must then take per side (enc_options / dec_options)
+XT_PER_SIDE = {
+    "mixed": (dict(enc_rotary_pos_emb=True, dec_attn_num_mem_kv=2, enc_use_rmsnorm=True, dec_ff_glu=True,
+                   enc_attn_qk_norm=True, dec_attn_kv_heads=1),
+              dict(enc=dict(use_rmsnorm=True, norm_eps=1e-12, attn_qk_norm=True, rotary_emb_dim=4,
+                            use_abs_pos_emb=False),
+                   dec=dict(kv_heads=1, ff_glu=True, use_rmsnorm=False, rotary_pos_emb=False, attn_num_mem_kv=2))),
+    "shapes_alibi_qk_scale": (dict(dec_attn_dim_head=16, enc_attn_kv_heads=2, enc_ff_mult=2, dec_ff_swish=True,
+                                   dec_use_rmsnorm=True, dec_attn_qk_norm=True, dec_attn_qk_norm_scale=4,
+                                   dec_alibi_pos_bias=True, dec_use_abs_pos_emb=False),
+                              dict(enc=dict(kv_heads=2, ff_mult=2.0),
+                                   dec=dict(dim_head=16, kv_heads=None, ff_swish=True, use_rmsnorm=True,
+                                            alibi_pos_bias=True, attn_qk_norm=True, use_abs_pos_emb=False))),
+    "memory_sink_softclamp": (dict(enc_num_memory_tokens=3, enc_attn_head_learned_sink=True, enc_ff_no_bias=True,
+                                   dec_attn_softclamp_logits=True, dec_attn_logit_softclamp_value=3.0,
+                                   dec_rotary_pos_emb=True, dec_rotary_emb_dim=8, enc_emb_dropout=0.1),
+                              dict(enc=dict(num_memory_tokens=3, attn_head_learned_sink=True, emb_dropout=0.1),
+                                   dec=dict(rotary_pos_emb=True, rotary_emb_dim=8, attn_softclamp_logits=True,
+                                            attn_logit_softclamp_value=3.0))),
+    # parts x-transformers' XTransformer cannot build itself (it passes these options on to the layers)
+    "parts_l2norm_tied_memory": (dict(enc_part=dict(l2norm_embed=True),
+                                      dec_part=dict(tie_embedding=True, num_memory_tokens=2, l2norm_embed=True)),
+                                 dict(enc=dict(l2norm_embed=True),
+                                      dec=dict(tie_embedding=True, num_memory_tokens=2, l2norm_embed=True))),
+}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(tie_token_emb=True),
+        dict(dec_num_tokens=29, pad_value=3),
+        dict(enc_heads=2, dec_heads=2, enc_attn_dim_head=64, dec_attn_dim_head=64, enc_rotary_pos_emb=True,
+             dec_rotary_pos_emb=True, dec_ff_glu=True, enc_ff_glu=True),
+        dict(enc_use_rmsnorm=True, dec_use_rmsnorm=True),  # RMS norms convert with norm_eps 1e-12 on each side
+        *(kw for kw, _ in XT_PER_SIDE.values()),
+    ],
+    ids=["tied_token_emb", "untied_pad3", "rotary_glu", "rmsnorm", *XT_PER_SIDE],
+)
+def test_xtransformer_loss_and_greedy_generation(kwargs):
+    model = build_xtransformer(**kwargs)
+    sf = from_x_transformers(model)
+    assert isinstance(sf, XTransformer) and not sf.training
+    tied = kwargs.get("tie_token_emb", False)
+    assert (sf.decoder.token_emb is sf.encoder.token_emb) == tied
+    # safeformer's LayerNorms carry a bias (x-transformers' have none): zeros, one per norm
+    ln_biases = sum(m.bias.numel() for m in sf.modules() if isinstance(m, nn.LayerNorm))
+    assert ln_biases == sum(n * DIM for side, n in (("enc", 5), ("dec", 7)) if not kwargs.get(f"{side}_use_rmsnorm"))
+    assert n_params(sf) == n_params(model) + xtransformer_extra_params(kwargs)
+    compare_xtransformer(model, sf, dec_vocab=kwargs.get("dec_num_tokens", V))
+
+
+@pytest.mark.parametrize("name", list(XT_PER_SIDE))
+def test_xtransformer_per_side_options_land_in_enc_and_dec_options(name):
+    """The converted XTransformer's config says each side's options (what from_pretrained rebuilds):
+    its shared layer arguments, overridden by enc_options / dec_options."""
+    kwargs, expected = XT_PER_SIDE[name]
+    sf = from_x_transformers(build_xtransformer(**kwargs))
+    cfg = sf.get_config()
+    shared = ("dim_head", "kv_heads", "rotary_pos_emb", "ff_glu", "use_rmsnorm", "attn_dropout", "ff_dropout")
+    for side in ("enc", "dec"):
+        options = {**{k: cfg[k] for k in shared}, **(cfg[f"{side}_options"] or {})}
+        for key, value in expected[side].items():
+            assert options.get(key) == value, (side, key, options)
+
+
+def test_xtransformer_per_side_options_survive_save_and_load(tmp_path):
+    kwargs = XT_PER_SIDE["mixed"][0]
+    model = build_xtransformer(**kwargs)
+    sf = from_x_transformers(model)
+    sf.save_pretrained(tmp_path)
+    loaded = XTransformer.from_pretrained(tmp_path).eval()
+    assert loaded.get_config() == sf.get_config()
+    assert loaded.encoder.attn_layers.get_config() == sf.encoder.attn_layers.get_config()
+    assert loaded.decoder.attn_layers.get_config() == sf.decoder.attn_layers.get_config()
+    src, src_mask = right_padded()
+    tgt = right_padded(lengths=[7, 4, 3], n=7, seed=3)[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(src, tgt, mask=src_mask), sf(src, tgt, mask=src_mask))
+    compare_xtransformer(model, loaded)
 
 
 @pytest.mark.parametrize(
     "kwargs,expected",
     [
-        (dict(enc_use_rmsnorm=True, dec_use_rmsnorm=True), "norm_eps"),  # RMS norms convert with eps 1e-12
-        (dict(dec_attn_dim_head=16), "dim_head"),  # safeformer's XTransformer shares dim_head
-        (dict(enc_ff_swish=True, dec_ff_swish=True), "ff_swish"),
-        (dict(dec_attn_qk_norm=True), "attn_qk_norm"),
         (dict(cross_attn_tokens_dropout=0.1), "drop_training_only"),
         (dict(enc_residual_attn=True), "residual_attn (at encoder)"),
+        (dict(dec_attn_qk_norm=True, dec_attn_qk_norm_groups=2), ("qk_norm_groups=2", "at decoder.net.attn_layers.layers.0")),
+        # what safeformer's XTransformer itself cannot express
+        (dict(enc_part=dict(return_only_embed=False)), "an encoder with an output head"),
+        (dict(dec_part=dict(logits_dim=5)), "logits_dim=5 != num_tokens=37"),
+        (dict(enc_part=dict(use_cls_token=True)), "use_cls_token=True (safeformer's XTransformer takes no "
+                                                   "enc_use_cls_token option) (at encoder)"),
+        (dict(enc_part=dict(layers=dict(dim=16)), dec_part=dict(layers=dict(cross_attn_dim_context=16))),
+         "encoder dim=16 and decoder dim=32"),
     ],
-    ids=["rmsnorm", "dim_head", "ff_swish", "qk_norm", "tokens_dropout", "encoder_option"],
+    ids=["tokens_dropout", "encoder_option", "decoder_option", "encoder_head", "decoder_logits_dim",
+         "encoder_cls_token", "different_dims"],
 )
 def test_xtransformer_refusals_name_the_option(kwargs, expected):
     with pytest.raises(ValueError, match="cannot represent") as info:
         from_x_transformers(build_xtransformer(**kwargs))
-    assert expected in str(info.value)
+    for text in (expected,) if isinstance(expected, str) else expected:
+        assert text in str(info.value)
 
 
 # ----------------------------------------------------------------------------------------------------
