@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from .attend import BACKENDS, PreparedMask, _grad_select, attend
+from .attend import BACKENDS, PreparedMask, _grad_select, attend, masked_linear
 from .masks import as_attention_mask, causal_mask, combine_masks
 from .varlen import varlen_attention
 
@@ -345,14 +345,19 @@ class Attention(nn.Module):
         """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
         return self.extra_keys == 0 and self.softclamp_value is None
 
-    def project_kv(self, source: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values ``(b, h_kv, j, d)`` of ``source (b, j, c_ctx)`` (normed, not yet rotated)."""
+    def project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values ``(b, h_kv, j, d)`` of ``source (b, j, c_ctx)`` (normed, not yet rotated);
+        ``keep (b|1, j)``: positions of ``source`` selected to 0 first where False."""
         if source.shape[-1] != self.dim_context:
             raise ValueError(
                 f"context must have feature size {self.dim_context} (dim_context), got shape {tuple(source.shape)}"
             )
-        k = rearrange(self.to_k(source), "b j (h d) -> b h j d", h=self.kv_heads)
-        v = rearrange(self.to_v(source), "b j (h d) -> b h j d", h=self.kv_heads)
+        if keep is None:
+            k, v = self.to_k(source), self.to_v(source)
+        else:
+            k, v = masked_linear(source, keep, self.to_k), masked_linear(source, keep, self.to_v)
+        k = rearrange(k, "b j (h d) -> b h j d", h=self.kv_heads)
+        v = rearrange(v, "b j (h d) -> b h j d", h=self.kv_heads)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return k, v
@@ -444,11 +449,9 @@ class Attention(nn.Module):
             rows_ok = self_pad if rows_ok is None else rows_ok & self_pad
         # select masked inputs away *before* the projections: a NaN there would otherwise reach the
         # projection weights' gradients (0 * NaN) even though attend() never uses it
-        if rows_ok is not None:
-            x_q = torch.where(rows_ok[..., None], x, 0.0)  # (b, i, c)
-        else:
-            x_q = x
-        q = rearrange(self.to_q(x_q), "b i (h d) -> b h i d", h=self.heads)
+        # (masked_linear: the projection of the selected input, saving x itself rather than the copy)
+        q = self.to_q(x) if rows_ok is None else masked_linear(x, rows_ok, self.to_q)
+        q = rearrange(q, "b i (h d) -> b h i d", h=self.heads)
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self_pad is not None:  # the kernel sees padded queries as live rows: keep its backward there out
@@ -456,9 +459,7 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv
         else:
-            if keys_ok is not None:
-                source = torch.where(keys_ok[:, j - source.shape[1]:, None], source, 0.0)  # new keys only
-            k, v = self.project_kv(source)
+            k, v = self.project_kv(source, None if keys_ok is None else keys_ok[:, j - source.shape[1]:])  # new keys
             if rotary is not None:
                 k = apply_rotary(k, rotary[1])
             if past_kv is not None:
@@ -501,9 +502,9 @@ class Attention(nn.Module):
                 dropout_p=self.dropout if self.training else 0.0, backend=backend,
                 _inputs_finite=_inputs_finite or (kv is None and past_kv is None and bias is None),
             )  # (b, h, i, d)
-        if self_pad is not None:  # whatever the kernel returned for padded queries never reaches to_out
-            out = torch.where(self_pad[:, None, :, None], out, 0.0)
-        out = self.to_out(rearrange(out, "b h i d -> b i (h d)"))
+        out = rearrange(out, "b h i d -> b i (h d)")
+        # whatever the kernel returned for padded queries never reaches to_out
+        out = self.to_out(out) if self_pad is None else masked_linear(out, self_pad, self.to_out)
         if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None):
             out = torch.where(rows_ok[..., None], out, 0.0)  # a bias would move dead rows off 0; padding is 0
         if return_attn:
