@@ -320,8 +320,9 @@ def plan_attention(
 
 
 def _select_copy(keep: Tensor, x: Tensor) -> Tensor:
-    """``torch.where(keep, x, 0.0)`` outside autograd (inside an autograd function's forward/backward)."""
-    if x.dtype in _INT_VIEW and x.numel() >= 65536:
+    """``torch.where(keep, x, 0.0)`` outside autograd (inside an autograd function's forward/backward);
+    bitwise on the CPU at every size (a chunk's slices are often below ``_select``'s threshold)."""
+    if x.dtype in _INT_VIEW and x.device.type == "cpu":
         return _bitwise_select(keep, x)
     return torch.where(keep, x, 0.0)
 
@@ -344,29 +345,40 @@ def _select_(keep: Tensor, x: Tensor) -> Tensor:
 # ``_SelectedFlashAttention`` instead saves the originals and the masks, and makes the selected copies
 # only for the duration of each kernel call, one chunk of (batch, key/value head) pairs at a time, so
 # that even those transient copies are a fraction of q, k, v. The kernel computes each (batch, head)
-# independently (the same blocking whatever the batch), so chunking changes no bit of the result.
+# independently (the same blocking whatever the batch), so chunking changes no bit of the result on one
+# thread; with several, a tiny chunk's gemms may round differently (a unit in the last place, forward).
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _FUSED_SELECT = True  # private switch (tests): False = always the generic path (select copies, then _kernel)
 _CHUNKS_MAX = 16  # kernel calls per attend call, at most: transient copies are >= 1/16 of q, k, v...
-_CHUNK_MIN_BYTES = 1 << 18  # ...but no chunk's q, k, v below 256 KiB (per-call overhead at short lengths)
+_CHUNK_MIN_SCORES = 1 << 20  # ...but no chunk with fewer attention scores (pairs * i * j) than this: a
+# chunk costs a few small ops (~40 us on a CPU core), which must stay small next to its kernel call
 
 
-def _chunks(b: int, hkv: int, g: int, unit_bytes: int) -> list[tuple[slice, slice]]:
+def _split(n: int, parts: int) -> list[slice]:
+    """``range(n)`` cut into ``parts`` consecutive slices whose lengths differ by at most one."""
+    bounds = [n * p // parts for p in range(parts + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _chunks(b: int, hkv: int, g: int, i: int, j: int, *, backward: bool) -> list[tuple[slice, slice]]:
     """Chunks of (batch, key/value head) pairs, as (batch slice, key/value head slice) rectangles.
 
-    The flash backward parallelises over (batch, query head) pairs only: a chunk keeps at least as many
-    pairs as there are threads, so chunking costs no parallelism.
+    Each chunk holds at least ``per`` pairs: enough for at most ``_CHUNKS_MAX`` chunks, for
+    ``_CHUNK_MIN_SCORES`` attention scores, and for one work item per thread, so that chunking costs no
+    parallelism: the flash backward parallelises over (batch, query head) pairs, the forward over
+    (batch, query head, block of queries) (its blocks: 256 queries from 768 on, 64 from 192, else 32).
     """
     units = b * hkv
-    per = max(-(-units // _CHUNKS_MAX), -(-torch.get_num_threads() // g), -(-_CHUNK_MIN_BYTES // max(unit_bytes, 1)))
-    if per >= units:
+    items = g if backward else g * -(-i // (256 if i >= 768 else 64 if i >= 192 else 32))  # work items per pair
+    per = max(-(-units // _CHUNKS_MAX), -(-torch.get_num_threads() // items),
+              -(-_CHUNK_MIN_SCORES // max(g * i * j, 1)))
+    if per * 2 > units:
         return [(slice(None), slice(None))]
-    if per >= hkv:
-        step = per // hkv
-        return [(slice(s, min(s + step, b)), slice(None)) for s in range(0, b, step)]
-    return [(slice(n, n + 1), slice(s, min(s + per, hkv))) for n in range(b) for s in range(0, hkv, per)]
+    if per >= hkv:  # whole batch entries per chunk
+        return [(batch, slice(None)) for batch in _split(b, b // -(-per // hkv))]
+    return [(slice(n, n + 1), heads) for n in range(b) for heads in _split(hkv, hkv // per)]
 
 
 def _part(t: Tensor | None, batch: slice, heads: slice) -> Tensor | None:
@@ -387,23 +399,33 @@ def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g):
+def _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g, last_mask: list):
+    """The chunk's query heads, selected q, k, v and kernel mask; ``last_mask`` keeps the last converted
+    mask, ``[key, mask]``, for the next chunk that slices the same part of it (a ``(b, 1, i, j)`` mask is
+    converted once per batch entry, not once per head chunk)."""
     qh = _q_heads(kv_heads, g)
     qc = _select_copy(_part(row_ok, batch, qh), q[batch, qh])
     kc = _select_copy(_part(key_ok, batch, kv_heads), k[batch, kv_heads])
     vc = _select_copy(_part(key_ok, batch, kv_heads), v[batch, kv_heads])
-    return qh, qc, kc, vc, _float_mask(_part(mask, batch, qh), q.dtype)
+    if mask is None or mask.dtype != torch.bool:
+        return qh, qc, kc, vc, _part(mask, batch, qh)
+    key = (batch.start, batch.stop) if mask.shape[0] > 1 else None, (qh.start, qh.stop) if mask.shape[1] > 1 else None
+    if not last_mask or last_mask[0] != key:
+        last_mask[:] = [key, None]  # the old one is freed before the new one is made
+        last_mask[1] = _float_mask(_part(mask, batch, qh), q.dtype)
+    return qh, qc, kc, vc, last_mask[1]
 
 
 def _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, keep_lse):
     """(out, logsumexp or None): the CPU flash kernel on q, k, v selected per chunk; dead rows of out = 0."""
-    b, h, i, d = q.shape
+    b, h, i, _ = q.shape
     hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hkv
-    chunks = _chunks(b, hkv, g, (g * i * d + j * d + j * e) * q.element_size())
+    chunks = _chunks(b, hkv, g, i, j, backward=False)
     out = lse = None
+    last_mask: list = []
     for batch, kv_heads in chunks:
-        qh, qc, kc, vc, m = _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g)
+        qh, qc, kc, vc, m = _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g, last_mask)
         o, l = _FLASH_CPU(qc, kc, vc, 0.0, is_causal, attn_mask=m, scale=scale)
         del qc, kc, vc, m
         _select_(_part(row_ok, batch, qh), o)  # dead rows: exactly 0 (the backward does not read them)
@@ -439,13 +461,14 @@ class _SelectedFlashAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         q, k, v, row_ok, key_ok, mask, out, lse = ctx.saved_tensors
-        b, h = q.shape[:2]
-        hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
+        b, h, i, _ = q.shape
+        hkv, j = k.shape[1], k.shape[2]
         g = h // hkv
-        chunks = _chunks(b, hkv, g, (g * q.shape[2] * q.shape[3] + j * q.shape[3] + j * e) * q.element_size())
+        chunks = _chunks(b, hkv, g, i, j, backward=True)
         dq = dk = dv = None
+        last_mask: list = []
         for batch, kv_heads in chunks:
-            qh, qc, kc, vc, m = _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g)
+            qh, qc, kc, vc, m = _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g, last_mask)
             rows = _part(row_ok, batch, qh)
             go = _select_copy(rows, grad[batch, qh])  # dead rows pass no gradient into the kernel
             dqc, dkc, dvc = _FLASH_CPU_BACKWARD(go, qc, kc, vc, out[batch, qh], lse[batch, qh], 0.0, ctx.is_causal,
@@ -501,6 +524,7 @@ class _MaskedLinear(torch.autograd.Function):
     The weight gradient needs the selected input: the backward selects it again (a transient copy).
     The gradient of x is selected (exactly 0 at dropped rows). The products are those of autograd's
     ``linear`` (``addmm``/``mm`` on the rows flattened), so the results equal the plain expression's.
+    The backward is differentiable (a gradient penalty), as the plain expression's is.
     """
 
     @staticmethod
@@ -510,16 +534,18 @@ class _MaskedLinear(torch.autograd.Function):
         return F.linear(_select_copy(keep[..., None], x), weight, bias)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
         x, keep, weight = ctx.saved_tensors
+        rows_keep = keep[..., None]
+        graph = torch.is_grad_enabled()  # backward(create_graph=True): autograd records what follows
         g2 = grad.reshape(-1, grad.shape[-1])  # (rows, out)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _select_(keep[..., None], g2.mm(weight).view(x.shape))  # (..., in)
+            dx = g2.mm(weight).view(x.shape)  # (..., in)
+            dx = torch.where(rows_keep, dx, 0.0) if graph else _select_(rows_keep, dx)
         if ctx.needs_input_grad[2]:
-            xs = _select_copy(keep[..., None], x).reshape(-1, x.shape[-1])  # (rows, in), transient
-            dw = xs.t().mm(g2).t()  # (out, in)
+            xs = torch.where(rows_keep, x, 0.0) if graph else _select_copy(rows_keep, x)  # transient
+            dw = xs.reshape(-1, x.shape[-1]).t().mm(g2).t()  # (out, in)
             del xs
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = g2.sum(0)
@@ -546,7 +572,11 @@ def masked_linear(x: Tensor, keep: Tensor, linear: nn.Linear) -> Tensor:
         raise TypeError(f"keep must be a torch.bool tensor, got {getattr(keep, 'dtype', type(keep))}")
     if keep.device != x.device:
         raise ValueError(f"keep is on {keep.device}, expected {x.device} (the device of x)")
-    if torch.broadcast_shapes(keep.shape, x.shape[:-1]) != x.shape[:-1]:
+    try:
+        fits = torch.broadcast_shapes(keep.shape, x.shape[:-1]) == x.shape[:-1]
+    except RuntimeError:
+        fits = False
+    if not fits:
         raise ValueError(f"keep {tuple(keep.shape)} must broadcast to x.shape[:-1] = {tuple(x.shape[:-1])}")
     weight, bias = linear.weight, linear.bias
     if (type(linear).forward is not nn.Linear.forward or not torch.is_grad_enabled() or not weight.requires_grad
