@@ -507,6 +507,7 @@ class AttentionLayers(Configurable, nn.Module):
         cache: KVCache | None = None,
         return_cache: bool = False,
         return_hiddens: bool = False,
+        pos: Tensor | None = None,
     ) -> Tensor | tuple:
         """Run the stack.
 
@@ -531,6 +532,7 @@ class AttentionLayers(Configurable, nn.Module):
                 that built it; they may be passed again only as the very same tensors (else
                 ``ValueError``).
             return_cache: also return the updated cache.
+            pos: x-transformers' name for ``positions``.
             return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
                 layer, the attention weights of every attention block (explicit float32 attention:
                 slower, ``(b, h, i, j)`` memory), the final hidden states. Padded positions, dead rows
@@ -540,6 +542,10 @@ class AttentionLayers(Configurable, nn.Module):
             ``(b, n, c)`` hidden states after the final norm, then the cache if ``return_cache``, then
             the ``LayerIntermediates`` if ``return_hiddens``.
         """
+        if pos is not None:  # x-transformers' name for positions
+            if positions is not None:
+                raise ValueError("pass positions or pos (x-transformers' name for it), not both")
+            positions = pos
         self._check_inputs(x, mask, context, context_mask, cache)
         b, n, _ = x.shape
         device = x.device

@@ -398,3 +398,14 @@ def test_xtransformer_per_side_options():
                       (dict(bogus=1), "bogus"), (dict(enc_dim=3), "enc_dim")):
         with pytest.raises(TypeError, match=text):
             sf.XTransformer(**base, **bad)
+
+
+def test_attention_layers_take_pos():
+    """``AttentionLayers.forward(pos=...)`` is x-transformers' name for ``positions``; both at once is an error."""
+    _seed(11)
+    stack = sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True)
+    x = torch.randn(2, 5, 16)
+    p = torch.arange(5) + 3
+    torch.testing.assert_close(stack(x, pos=p), stack(x, positions=p))
+    with pytest.raises(ValueError, match="pos"):
+        stack(x, pos=p, positions=p)
