@@ -659,9 +659,9 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
         mask = mask.combined
     m = None if mask is None else as_attention_mask(mask, b, h, i, j)
     reach = None
-    if bias is not None:
+    if bias is not None:  # -inf in q's dtype masks its key, as in attend (-1e9 in float16 included)
+        reach = bias.to(q.dtype) != float("-inf")
         bias = bias.to(dtype)
-        reach = bias != float("-inf")
     c = causal_mask(i, j, device=q.device) if causal and i > 1 or (causal and i > j) else None
     if c is not None and c.dim() < 4:
         c = c.reshape((1,) * (4 - c.dim()) + tuple(c.shape))

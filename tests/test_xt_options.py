@@ -409,3 +409,31 @@ def test_attention_layers_take_pos():
     torch.testing.assert_close(stack(x, pos=p), stack(x, positions=p))
     with pytest.raises(ValueError, match="pos"):
         stack(x, pos=p, positions=p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=["f64", "f16"])
+def test_explicit_path_equals_attend(dtype):
+    """The explicit path (attention maps, softclamp) gives ``attend``'s outputs and gradients: key padding,
+    causal, GQA, a bias of -inf on a row and -1e9 (-inf in float16) on another, NaN at masked slots."""
+    g = _seed(12)
+    b, h, hkv, i, j, d = 3, 4, 2, 5, 6, 8
+    mask = torch.rand(b, j, generator=g) > 0.3
+    mask[0] = False
+    bias = torch.randn(1, h, i, j, generator=g)
+    bias[:, :, 1] = -float("inf")
+    bias[:, :, 2] = -1e9
+    q, k, v = (torch.randn(b, n, L, d, generator=g).to(dtype) for n, L in ((h, i), (hkv, j), (hkv, j)))
+    k[~mask[:, None, :, None].expand_as(k)] = NAN
+    v[~mask[:, None, :, None].expand_as(v)] = NAN
+    outs = []
+    for fn in (lambda *t: sf.attend(*t, mask=mask, causal=True, bias=bias, backend="reference"),
+               lambda *t: _explicit_attention(*t, mask=mask, causal=True, bias=bias)[0]):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.float().square().sum().backward()
+        outs.append((out, [t.grad for t in leaves]))
+    tol = 1e-10 if dtype == torch.float64 else 2e-3
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=tol, rtol=tol)
+    for a, e in zip(outs[1][1], outs[0][1]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, e, atol=tol, rtol=tol)
