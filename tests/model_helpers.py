@@ -1502,6 +1502,23 @@ class MemoryTokensWrapperCase(TransformerWrapperCase):
         return {"main.self": _no_dead(sc, sc.n + self.M), "main.cross": ctx_dead(sc.ctx_mask, sc.n + self.M)}
 
 
+class SoftclampWrapperCase(TransformerWrapperCase):
+    """``TransformerWrapper`` with x-transformers' ``l2norm_embed``, a tied head with
+    ``tie_embedding_scale`` and ``attn_softclamp_logits`` in every attention: attention runs the explicit
+    float32 path (no fused kernel), which must keep dead rows exactly 0 and masked slots out by itself."""
+
+    name = "TransformerWrapper-softclamp-l2norm"
+    explicit_attention = True  # no kernel call: the kernel-substitution clauses (S6, S7's scaling) do not apply
+
+    def make(self, backend="auto"):
+        return sf.TransformerWrapper(
+            num_tokens=VOCAB, max_seq_len=MAX_SEQ, l2norm_embed=True, tie_embedding=True, tie_embedding_scale=0.5,
+            attn_layers=sf.Decoder(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, cross_attend=True,
+                                   dim_context=CTX_DIM, attn_softclamp_logits=True, attn_logit_softclamp_value=5.0,
+                                   backend=backend),
+        )
+
+
 def set_unpadded(model: nn.Module, value) -> nn.Module:
     """Set ``unpadded`` on every layer stack of ``model`` (False: the padded path, explicitly)."""
     for m in model.modules():
@@ -1513,12 +1530,13 @@ def set_unpadded(model: nn.Module, value) -> nn.Module:
 CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
-    AttentionMemKVCase(), DecoderMemKVCase(), MemoryTokensWrapperCase(),
+    AttentionMemKVCase(), DecoderMemKVCase(), MemoryTokensWrapperCase(), SoftclampWrapperCase(),
 ]
 # every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
 # run on the padded path only (the stack refuses unpadded=True with them)
 UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
-                  if not c.name.startswith("Attention-") and c.name not in ("Decoder-memkv-sink",)]
+                  if not c.name.startswith("Attention-")
+                  and c.name not in ("Decoder-memkv-sink", "TransformerWrapper-softclamp-l2norm")]
 ALL_CASES = CASES + UNPADDED_CASES
 
 

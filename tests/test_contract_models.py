@@ -368,6 +368,8 @@ def test_s5_decoder_without_padding_uses_is_causal():
 def test_s6_kernel_not_trusted(case: Case, sc: Scenario):
     """A kernel that writes NaN into every dead row (by its mask, and every row known to be dead)
     changes no output and no gradient, on every SDPA backend."""
+    if getattr(case, "explicit_attention", False):
+        pytest.skip("this case's attention runs the explicit path: no kernel is called (S2/S3 cover its dead rows)")
     dead = case.dead(sc)
     must_fire = any(rows.any() and case.key_len(sc, role) > 0 for role, rows in dead.items())
     for backend in mh.SDPA_BACKENDS:
@@ -434,6 +436,8 @@ def test_s7_half_precision_large_logits(case: Case, dtype: torch.dtype, sc: Scen
 
     The loss covers real output positions only (as a masked loss does): a gradient sent into padded
     rows can overflow float16, see test_s7_fp16_gradient_into_padded_rows."""
+    if getattr(case, "explicit_attention", False):
+        pytest.skip("softclamped logits are bounded (|logit| <= attn_logit_softclamp_value): no large-logit regime")
     model = scaled_model(case, dtype)
     dead = case.dead(sc)
     for backend in ("auto", "reference"):
