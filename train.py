@@ -32,7 +32,7 @@ Usage:
     python train.py --help                           # every option with its default
 
 Outputs (in --out): metrics.json, samples.png (a row-block per guidance setting), loss.png, and
-checkpoint/ (safeformer.training's state: model.safetensors with every weight, optimizer.safetensors,
+checkpoint/ (safeformer.training_state's state: model.safetensors with every weight, optimizer.safetensors,
 rng.safetensors and training_state.json, for --resume under any strategy; decoder/ and text_encoder/:
 the two models as TransformerWrapper.from_pretrained folders). No pickle is written.
 
@@ -62,7 +62,7 @@ from tqdm import tqdm
 
 from safeformer import Decoder, Encoder, TransformerWrapper
 from safeformer.generation import AutoregressiveWrapper
-from safeformer.training import STATE_NAME, load_training_state, save_training_state
+from safeformer.training_state import STATE_NAME, load_training_state, save_training_state
 
 LEVELS, CLASSES, PIXELS = 17, 10, 64  # grey levels 0..16 are the tokens 0..16
 BOS = LEVELS  # token 17 starts every image; the model never predicts it (logits_dim = 17)

@@ -1,10 +1,10 @@
 """safeformer: a transformer library in which no mask makes a model produce NaN or inf."""
 
 from .attend import BACKENDS, AttentionPlan, PreparedMask, attend, plan_attention, prepare_mask, substitute_kernel
-from .checkpoint import Configurable, load_pretrained, save_pretrained
 from .conditions import Conditions, compose_guidance, drop_conditions
 from .continuous import ContinuousAutoregressiveWrapper
 from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
+from .encoder_decoder import XTransformer
 from .generation import (
     FILTERS,
     AutoregressiveWrapper,
@@ -20,6 +20,7 @@ from .generation import (
 )
 from .interop import from_x_transformers
 from .layers import AttentionLayers, AttnIntermediate, CrossAttender, Decoder, Encoder, KVCache, LayerIntermediates
+from .losses import masked_mean, safe_cross_entropy
 from .masks import (
     alive_keys,
     alive_rows,
@@ -28,9 +29,7 @@ from .masks import (
     check_finite,
     combine_masks,
     dead_rows,
-    masked_mean,
     padding_mask,
-    safe_cross_entropy,
     validate_mask,
 )
 from .modules import (
@@ -45,6 +44,7 @@ from .modules import (
     positions_from_mask,
 )
 from .nonautoregressive import NonAutoregressiveWrapper
+from .pretrained import Configurable, load_pretrained, save_pretrained
 from .varlen import (
     VarlenLayout,
     VarlenPlan,
@@ -55,7 +55,6 @@ from .varlen import (
     varlen_layout,
 )
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
-from .xtransformer import XTransformer
 
 __all__ = [
     "AttnIntermediate",

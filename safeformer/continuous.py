@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import Configurable
 from .conditions import (
     Conditions,
     GuidanceSchedule,
@@ -35,6 +34,7 @@ from .conditions import (
     stack_conditions,
 )
 from .masks import check_finite, validate_mask
+from .pretrained import Configurable
 from .wrappers import ContinuousTransformerWrapper
 
 __all__ = ["ContinuousAutoregressiveWrapper"]

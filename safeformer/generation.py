@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import Configurable
 from .conditions import (
     Conditions,
     GuidanceSchedule,
@@ -37,6 +36,7 @@ from .conditions import (
 )
 from .losses import next_token_loss
 from .masks import check_finite, validate_mask
+from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
 __all__ = [

@@ -77,11 +77,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .encoder_decoder import XTransformer
 from .generation import AutoregressiveWrapper
 from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, _defaults
 from .modules import RMSNorm, alibi_slopes
 from .wrappers import TransformerWrapper
-from .xtransformer import XTransformer
 
 __all__ = ["from_x_transformers"]
 
@@ -853,7 +853,7 @@ def _xtransformer_kwargs(sf_enc: TransformerWrapper, sf_dec: TransformerWrapper,
     ...) with the encoder's values, and in ``enc_options`` / ``dec_options`` every other option that is
     not at its default (and the decoder's shared options where they differ from the encoder's). What
     no argument can express is recorded in ``problems``."""
-    from .xtransformer import _WRAPPER_SIDE
+    from .encoder_decoder import _WRAPPER_SIDE
 
     params = inspect.signature(XTransformer.__init__).parameters
     layer_defaults, wrapper_defaults = _defaults(AttentionLayers), _defaults(TransformerWrapper)

@@ -21,7 +21,6 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .attend import prepare_mask
-from .checkpoint import Configurable
 from .masks import causal_mask, validate_mask
 from .modules import (
     AdaptiveLayerScale,
@@ -34,6 +33,7 @@ from .modules import (
     make_norm,
     positions_from_mask,
 )
+from .pretrained import Configurable
 from .varlen import VarlenPlan, plan_varlen, varlen_layout
 
 __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender"]
@@ -157,7 +157,7 @@ _DEFAULT = object()
 
 
 def owner_cls(owner: str):
-    from .checkpoint import _REGISTRY
+    from .pretrained import _REGISTRY
 
     return _REGISTRY.get(owner, AttentionLayers)
 

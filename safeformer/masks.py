@@ -10,7 +10,7 @@ Canonical attention-mask shape: ``(b|1, h|1, i|1, j|1)``, broadcastable to ``(b,
 masks stay broadcast: a key padding mask ``(b, j)`` becomes ``(b, 1, 1, j)``, a query padding mask
 ``(b, i)`` becomes ``(b, 1, i, 1)``; neither ever becomes a dense ``(b, h, i, j)`` tensor.
 
-Words (see SAFETY_CONTRACT.md):
+Words (see docs/safety.md):
 - dead row: a query that may attend to no key once every mask is combined.
 - masked key: a key that no query may attend to (a column of the combined mask that is all False).
 """
@@ -18,7 +18,6 @@ Words (see SAFETY_CONTRACT.md):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -32,8 +31,6 @@ __all__ = [
     "dead_rows",
     "alive_rows",
     "alive_keys",
-    "masked_mean",
-    "safe_cross_entropy",
     "check_finite",
 ]
 
@@ -190,73 +187,6 @@ def dead_rows(mask: Tensor) -> Tensor:
 def alive_keys(mask: Tensor) -> Tensor:
     """``(..., 1, j)``: True where at least one query may attend to the key (the rest are masked keys)."""
     return mask.any(dim=-2, keepdim=True)
-
-
-def masked_mean(x: Tensor, mask: Tensor | None, dim: int = 1, keepdim: bool = False) -> Tensor:
-    """Mean of ``x`` over ``dim`` counting only positions where ``mask`` is True.
-
-    ``x`` is ``(b, n, ...)`` and ``mask`` ``(b, n)`` for ``dim=1``. Positions that are masked are selected
-    away (a NaN there does not reach the result), and a mean over zero valid positions is ``0`` with
-    zero gradient, not NaN (S8). The sum and the count are accumulated in float32 (float64 for float64
-    inputs), so a half-precision mean of many large values does not overflow (S7); the result is cast
-    back to ``x``'s dtype.
-    """
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
-    acc = torch.promote_types(x.dtype, torch.float32)
-    if mask is None:
-        return x.mean(dim=dim, keepdim=keepdim, dtype=acc).to(x.dtype)
-    validate_mask(mask, "mask", device=x.device)
-    if mask.shape != x.shape[: mask.dim()]:
-        raise ValueError(f"mask must have shape {tuple(x.shape[: mask.dim()])} (leading dims of x), got {_shape(mask)}")
-    m = mask.reshape(*mask.shape, *([1] * (x.dim() - mask.dim())))
-    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=dim, keepdim=keepdim, dtype=acc)
-    count = m.sum(dim=dim, keepdim=keepdim).to(acc)
-    return (total / count.clamp(min=1)).to(x.dtype)
-
-
-def safe_cross_entropy(
-    logits: Tensor,
-    target: Tensor,
-    *,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-) -> Tensor:
-    """Cross-entropy whose mean over zero counted targets is ``0.0`` with zero gradient (S8).
-
-    Args:
-        logits: ``(b, n, c)`` or ``(N, c)`` scores.
-        target: ``(b, n)`` or ``(N,)`` class indices; ``ignore_index`` marks positions that do not count.
-        ignore_index: the index of targets to ignore (padding).
-        reduction: ``"mean"`` (over counted targets), ``"sum"`` or ``"none"``.
-        label_smoothing: as in ``F.cross_entropy``.
-
-    Logits at ignored positions are selected away before the loss, so a NaN there reaches neither
-    the loss nor any gradient.
-    """
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"target must hold integer class indices, got dtype {target.dtype}")
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(
-            f"logits must have shape (*target.shape, num_classes) = ({', '.join(map(str, target.shape))}, c), "
-            f"got {_shape(logits)}"
-        )
-    c = logits.shape[-1]
-    flat_logits = logits.reshape(-1, c)
-    flat_target = target.reshape(-1).long()
-    valid = flat_target != ignore_index
-    safe_logits = torch.where(valid[:, None], flat_logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-    safe_target = torch.where(valid, flat_target, torch.zeros_like(flat_target))
-    losses = F.cross_entropy(safe_logits.to(torch.promote_types(logits.dtype, torch.float32)), safe_target, reduction="none", label_smoothing=label_smoothing)
-    losses = torch.where(valid, losses, torch.zeros_like(losses))
-    if reduction == "none":
-        return losses.reshape(target.shape)
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / valid.sum().clamp(min=1).to(losses.dtype)
 
 
 def check_finite(x: Tensor, mask: Tensor | None, name: str) -> None:

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import Configurable
 from .conditions import GuidanceSchedule, compose_guidance, drop_conditions, drop_probabilities
 from .continuous import (
     _branches,
@@ -41,7 +40,9 @@ from .continuous import (
     _with_negative_kinds,
 )
 from .generation import _resolve_filter, sample_logits
-from .masks import safe_cross_entropy, validate_mask
+from .losses import safe_cross_entropy
+from .masks import validate_mask
+from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
 __all__ = ["NonAutoregressiveWrapper"]

@@ -1,5 +1,5 @@
 """Wrappers: ``TransformerWrapper`` (tokens in, logits out) and ``ContinuousTransformerWrapper``
-(vectors in and out). The encoder-decoder ``XTransformer`` builds on generation: ``xtransformer.py``.
+(vectors in and out). The encoder-decoder ``XTransformer`` builds on generation: ``encoder_decoder.py``.
 
 Shape legend: b batch, n positions, j context length, c model width, v vocabulary size.
 Masks: bool, True = real position / may attend (``masks.py``).
@@ -12,11 +12,12 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import Configurable
 from .layers import AttentionLayers, KVCache, translate_aliases
+from .losses import masked_mean
 from .masks import check_finite as _check_finite
-from .masks import masked_mean, validate_mask
+from .masks import validate_mask
 from .modules import AbsolutePositionalEmbedding, l2norm, positions_from_mask
+from .pretrained import Configurable
 
 __all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
 

@@ -696,8 +696,8 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("mask_report", note="diagnostics: tests/test_debug.py"),
     Door("plot_mask", note="diagnostics: tests/test_debug.py"),
     Door("from_x_transformers", note="conversion: tests/test_interop.py (S9 on unsupported options)"),
-    Door("load_pretrained", note="hostile checkpoints (S9): tests/test_checkpoint.py"),
-    Door("save_pretrained", note="checkpoints: tests/test_checkpoint.py"),
+    Door("load_pretrained", note="hostile checkpoints (S9): tests/test_pretrained.py"),
+    Door("save_pretrained", note="checkpoints: tests/test_pretrained.py"),
 ]}
 
 NOT_DOORS: dict[str, str] = {

@@ -26,6 +26,7 @@ from contract import (
 from hypothesis import given
 from hypothesis import strategies as st
 
+from safeformer.losses import masked_mean, safe_cross_entropy
 from safeformer.masks import (
     _same_device,
     alive_keys,
@@ -36,10 +37,8 @@ from safeformer.masks import (
     combine_masks,
     dead_rows,
     key_padding_mask,
-    masked_mean,
     padding_mask,
     query_padding_mask,
-    safe_cross_entropy,
     validate_mask,
 )
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import Configurable
 from .generation import generate_tokens
 from .layers import LAYER_ALIASES, AttentionLayers, Decoder, Encoder
 from .losses import next_token_loss
+from .pretrained import Configurable
 from .wrappers import TransformerWrapper, _check_tokens
 
 __all__ = ["XTransformer"]

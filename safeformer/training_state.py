@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import WEIGHTS_NAME, Configurable, _unshared, save_pretrained
+from .pretrained import WEIGHTS_NAME, Configurable, _unshared, save_pretrained
 
 __all__ = ["save_training_state", "load_training_state", "STATE_NAME"]
 

@@ -1,4 +1,4 @@
-"""Tests for safeformer/checkpoint.py: save_pretrained / from_pretrained, configs, and their errors.
+"""Tests for safeformer/pretrained.py: save_pretrained / from_pretrained, configs, and their errors.
 
 A checkpoint is ``config.json`` + ``model.safetensors``; loading must never unpickle anything, must
 rebuild the same architecture from the config alone, and must give bit-for-bit the same outputs.
@@ -21,7 +21,7 @@ from model_helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, VOCAB
 from torch import nn
 
 import safeformer as sf
-from safeformer.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+from safeformer.pretrained import CONFIG_NAME, WEIGHTS_NAME
 
 
 @pytest.fixture(autouse=True)

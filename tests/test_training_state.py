@@ -1,4 +1,4 @@
-"""Training state (safeformer/training.py) and activation checkpointing (``checkpoint_layers``).
+"""Training state (safeformer/training_state.py) and activation checkpointing (``checkpoint_layers``).
 
 An interrupted run resumed from ``save_training_state`` equals the uninterrupted run bit for bit on the
 CPU (model, optimizer, scheduler, RNG: dropout and data draws included); hostile or mismatched state
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import safeformer as sf
-from safeformer.training import load_training_state, save_training_state
+from safeformer.training_state import load_training_state, save_training_state
 
 V = 13
 
