@@ -1,6 +1,7 @@
 """safeformer: a transformer library in which no mask makes a model produce NaN or inf."""
 
 from .attend import BACKENDS, AttentionPlan, PreparedMask, attend, plan_attention, prepare_mask, substitute_kernel
+from .attention import Attention
 from .conditions import Conditions, compose_guidance, drop_conditions
 from .continuous import ContinuousAutoregressiveWrapper
 from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
@@ -34,7 +35,6 @@ from .masks import (
 )
 from .modules import (
     AbsolutePositionalEmbedding,
-    Attention,
     FeedForward,
     RMSNorm,
     RotaryEmbedding,

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .masks import validate_mask
 
-__all__ = ["KINDS", "Conditions", "guided_logits", "compose_guidance", "drop_conditions", "GuidanceSchedule",
+__all__ = ["KINDS", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "drop_conditions", "GuidanceSchedule",
            "guidance_branches", "drop_probabilities"]
 
 KINDS = ("context", "prepend", "condition")
@@ -442,3 +442,35 @@ def guidance_branches(conds: Conditions, negatives: Conditions, schedule: Guidan
                 br = br.with_pair(kind, *null_of(conds, kind, (nulls or {}).get(kind)))
         branches.append(br)
     return names, branches
+def adaptive_condition(stack, condition, condition_mask, cache, b: int, x: Tensor) -> Tensor | None:
+    """The ``(b, K)`` condition of the adaptive layers: the user's, with the null condition selected in
+    for dropped samples (``condition_mask`` False) or for all (``condition=None``)."""
+    if not stack.adaptive:
+        if condition is not None or condition_mask is not None:
+            raise ValueError("condition was given but this stack has no adaptive layers; build it with "
+                             "use_adaptive_layernorm=True (or use_adaptive_rmsnorm / use_adaptive_layerscale)")
+        return None
+    if condition_mask is not None and condition is None:
+        raise ValueError("condition_mask was given without a condition; pass condition=... as well")
+    if cache is not None and cache.condition is not None:
+        if condition is not None and not (condition is cache.condition_input and condition_mask is cache.condition_mask):
+            raise ValueError("condition was passed with a cache built with another: the cache answers for the "
+                             "condition of the call that built it (pass the very same tensors, or none)")
+        return cache.condition
+    null = stack.null_condition.to(x.dtype)[None].expand(b, -1)  # (b, K)
+    if condition is None:
+        return null
+    if not isinstance(condition, Tensor) or condition.dim() != 2 or tuple(condition.shape) != (b, stack.dim_condition):
+        raise ValueError(f"condition must have shape (b={b}, dim_condition={stack.dim_condition}), got "
+                         f"{getattr(condition, 'shape', type(condition))}")
+    if not condition.is_floating_point():
+        raise TypeError(f"condition must be a floating-point tensor, got dtype {condition.dtype}")
+    if condition.device != x.device:
+        raise ValueError(f"condition is on {condition.device}, expected {x.device}")
+    if condition.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"condition has dtype {condition.dtype}, expected {x.dtype}")
+    if condition_mask is None:
+        return condition
+    validate_mask(condition_mask, "condition_mask", shape=(b,), device=x.device)
+    return torch.where(condition_mask[:, None], condition, null)  # a dropped row is selected away
+

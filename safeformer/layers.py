@@ -14,18 +14,19 @@ Masks follow the one convention (bool, True = real / may attend):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .attend import prepare_mask
+from .attention import Attention
+from .block import Block, apply_norm
+from .cache import AttnIntermediate, KVCache, LayerIntermediates, _dtype_differs
+from .conditions import adaptive_condition
 from .masks import causal_mask, validate_mask
 from .modules import (
     AdaptiveLayerScale,
     AdaptiveNorm,
-    Attention,
     FeedForward,
     RotaryEmbedding,
     alibi_bias,
@@ -34,111 +35,10 @@ from .modules import (
     positions_from_mask,
 )
 from .pretrained import Configurable
-from .varlen import VarlenPlan, plan_varlen, varlen_layout
+from .unpadded import UNPADDED_THRESHOLD, UnpaddedPlan, forward_unpadded, plan_unpadded
 
-__all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender"]
-
-
-@dataclass
-class KVCache:
-    """What incremental decoding keeps between steps. Returned by ``forward(..., return_cache=True)``.
-
-    Attributes:
-        self_kv: per self-attention block, keys and values ``(b, h_kv, p, d)`` (rotary applied).
-        cross_kv: per cross-attention block, the context's keys and values, computed once; ``None``
-            when the stack ran without a context.
-        mask: ``(b, p)`` which cached positions are real; ``None`` when all are.
-        context_mask: ``(b, j)`` the context's padding mask, or ``None``.
-        count: ``(b,)`` real tokens seen per sample (the next token's position).
-        positions: ``(b|1, p)`` positions of the cached tokens (for ALiBi).
-        context: the context tensor ``cross_kv`` was computed from (a reference, no copy): a later
-            call may pass this same tensor (and the same ``context_mask``) again; any other context
-            with a cache is an error, never silently ignored.
-        condition: ``(b, K)`` the adaptive-norm condition in use (nulls in place of dropped ones);
-            ``condition_input`` / ``condition_mask``: what the user passed (references), which a later
-            call may pass again (the same tensors), like ``context``.
-        lead: ``(b,)`` real rows before the tokens (memory, class and prefix rows), set by the wrappers:
-            the tokens' absolute positions start after them. ``lead_slots``: those rows' slots.
-
-    A cache is input like any other: whatever its masked slots hold (positions where ``mask`` or
-    ``context_mask`` is False) reaches no output and no gradient.
-    """
-
-    self_kv: list[tuple[Tensor, Tensor]]
-    cross_kv: list[tuple[Tensor, Tensor]] | None
-    mask: Tensor | None
-    context_mask: Tensor | None
-    count: Tensor
-    positions: Tensor
-    context: Tensor | None = None
-    condition: Tensor | None = None
-    condition_input: Tensor | None = None
-    condition_mask: Tensor | None = None
-    lead: Tensor | None = None
-    lead_slots: int = 0
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.count.shape[0])
-
-    @property
-    def length(self) -> int:
-        """p, the number of cached positions (real or padding)."""
-        return self.self_kv[0][0].shape[2] if self.self_kv else int(self.positions.shape[1])
-
-    def index_select(self, index: Tensor) -> KVCache:
-        """The cache of the samples ``index`` (a ``(b',)`` long tensor), e.g. to repeat or reorder."""
-
-        def sel(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.index_select(0, index)
-
-        return replace(
-            self,
-            self_kv=[(sel(k), sel(v)) for k, v in self.self_kv],
-            cross_kv=None if self.cross_kv is None else [(sel(k), sel(v)) for k, v in self.cross_kv],
-            mask=sel(self.mask), context_mask=sel(self.context_mask), count=sel(self.count),
-            positions=self.positions if self.positions.shape[0] == 1 else sel(self.positions),
-            context=sel(self.context), condition=sel(self.condition), condition_input=sel(self.condition_input),
-            condition_mask=sel(self.condition_mask), lead=sel(self.lead),
-        )
-
-
-@dataclass
-class AttnIntermediate:
-    """One attention block's weights, as x-transformers' ``Intermediates`` names them.
-
-    Attributes:
-        post_softmax_attn: ``(b, h, i, j)`` float32 weights (memory keys first); rows of padded
-            queries and dead rows, and columns of masked keys, are exactly 0.
-        layer_type: ``"a"`` (self-attention) or ``"c"`` (cross-attention).
-    """
-
-    post_softmax_attn: Tensor
-    layer_type: str
-
-
-@dataclass
-class LayerIntermediates:
-    """What ``return_hiddens`` / ``return_intermediates`` returns besides the output.
-
-    Attributes:
-        hiddens: the residual stream entering each layer, ``(b, n, c)`` each (padded positions 0).
-        last_hidden: the output of the stack (after the final norm).
-        attn_intermediates: one ``AttnIntermediate`` per attention block that ran, in order.
-        cache: the ``KVCache`` when ``return_cache`` was asked too.
-        memory_tokens: the memory tokens' outputs ``(b, M, c)`` (set by the wrapper).
-    """
-
-    hiddens: list[Tensor] = field(default_factory=list)
-    last_hidden: Tensor | None = None
-    attn_intermediates: list[AttnIntermediate] = field(default_factory=list)
-    cache: KVCache | None = None
-    memory_tokens: Tensor | None = None
-
-    @property
-    def attn_maps(self) -> list[Tensor]:
-        """The ``post_softmax_attn`` of every attention block."""
-        return [a.post_softmax_attn for a in self.attn_intermediates]
+__all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender",
+           "UNPADDED_THRESHOLD"]
 
 
 # x-transformers' spelling -> safeformer's name (or a function of the value giving {name: value}); None:
@@ -200,12 +100,6 @@ def translate_aliases(owner: str, given: dict, aliases: dict, table: dict) -> di
                 raise TypeError(f"{owner}: {name!r} is given twice, as {name!r} and as {key!r}")
             out[name] = v
     return out
-
-
-# the padding fraction from which "auto" runs the stack on real tokens only: measured with
-# `python benchmarks/unpadded.py --sweep` (benchmarks/results/unpadded_threshold.md), the unpadded path
-# already wins at 6-12% padding on the CPU (0.95x / 0.89x the padded path's step time)
-UNPADDED_THRESHOLD = 0.1
 
 
 class AttentionLayers(Configurable, nn.Module):
@@ -309,19 +203,7 @@ class AttentionLayers(Configurable, nn.Module):
             AttentionLayers.__init__(self, **translate_aliases(type(self).__name__, given, aliases, LAYER_ALIASES))
             return
         super().__init__()
-        self._set_config(
-            dim=dim, depth=depth, heads=heads, dim_head=dim_head, kv_heads=kv_heads, causal=causal,
-            cross_attend=cross_attend, only_cross=only_cross, dim_context=dim_context, ff_mult=ff_mult,
-            ff_glu=ff_glu, ff_swish=ff_swish, use_rmsnorm=use_rmsnorm, norm_eps=norm_eps, rotary_pos_emb=rotary_pos_emb,
-            rotary_emb_dim=rotary_emb_dim, rotary_theta=rotary_theta, alibi_pos_bias=alibi_pos_bias,
-            attn_qk_norm=attn_qk_norm, attn_dropout=attn_dropout, ff_dropout=ff_dropout, attn_bias=attn_bias,
-            backend=backend, use_adaptive_layernorm=use_adaptive_layernorm, use_adaptive_rmsnorm=use_adaptive_rmsnorm,
-            use_adaptive_layerscale=use_adaptive_layerscale, dim_condition=dim_condition, adaptive_null=adaptive_null,
-            layer_dropout=layer_dropout, cross_attn_tokens_dropout=cross_attn_tokens_dropout,
-            checkpoint_layers=checkpoint_layers, unpadded=unpadded, attn_num_mem_kv=attn_num_mem_kv,
-            attn_head_learned_sink=attn_head_learned_sink, attn_softclamp_logits=attn_softclamp_logits,
-            attn_logit_softclamp_value=attn_logit_softclamp_value, attn_qk_norm_eps=attn_qk_norm_eps,
-        )
+        self._set_config_from(AttentionLayers.__init__, locals())
         if unpadded not in (True, False, "auto"):
             raise ValueError(f"unpadded must be True, False or 'auto', got {unpadded!r}")
         self.unpadded = unpadded
@@ -390,27 +272,21 @@ class AttentionLayers(Configurable, nn.Module):
                 return AdaptiveNorm(dim, self.dim_condition, rms=use_adaptive_rmsnorm, eps=norm_eps)
             return make_norm(dim, use_rmsnorm, norm_eps)
 
-        def block(module: nn.Module) -> nn.ModuleList:
-            parts = [norm(), module]
-            if use_adaptive_layerscale:
-                parts.append(AdaptiveLayerScale(dim, self.dim_condition))
-            return nn.ModuleList(parts)
+        def block(kind: str, module: nn.Module) -> Block:
+            return Block(kind, norm(), module, AdaptiveLayerScale(dim, self.dim_condition) if use_adaptive_layerscale else None)
 
-        kinds, blocks = [], []
+        blocks = []
         for _ in range(depth):
             if not only_cross:
-                kinds.append("self")
-                blocks.append(block(attention(None)))
+                blocks.append(block("self", attention(None)))
             if self.has_cross:
-                kinds.append("cross")
-                blocks.append(block(attention(self.dim_context)))
-            kinds.append("ff")
-            blocks.append(block(FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout)))
-        self.layer_kinds = tuple(kinds)
+                blocks.append(block("cross", attention(self.dim_context)))
+            blocks.append(block("ff", FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout)))
         self.layers = nn.ModuleList(blocks)
+        self.layer_kinds = tuple(blk.kind for blk in blocks)
         self.final_norm = norm()
-        # the unpadded path packs tokens; memory keys, sinks and softclamp run on the padded path only
-        self.packable = attn_num_mem_kv == 0 and not attn_head_learned_sink and not attn_softclamp_logits
+        # the unpadded path packs tokens; Attention.packable says which options run on the padded path only
+        self.packable = all(blk.mixer.packable for blk in blocks if blk.kind != "ff")
         if unpadded is True and not self.packable:
             raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink or "
                              "attn_softclamp_logits (they run on the padded path); use unpadded='auto' or False")
@@ -424,7 +300,7 @@ class AttentionLayers(Configurable, nn.Module):
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
         if cache is not None:
-            self._check_cache(cache, x)
+            KVCache.check(cache, x, self.layer_kinds.count("self"), self.layer_kinds.count("cross"))
             if context is not None and cache.cross_kv is None and self.has_cross:
                 raise ValueError(
                     "context was passed with a cache built without one: the cached positions never saw it. "
@@ -462,36 +338,11 @@ class AttentionLayers(Configurable, nn.Module):
         if context_mask is not None:
             validate_mask(context_mask, "context_mask", shape=(b, context.shape[1]), device=x.device)
 
-    def _check_cache(self, cache, x: Tensor) -> None:
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache returned by forward(..., return_cache=True), got {type(cache).__name__}")
-        n_self = sum(kind == "self" for kind in self.layer_kinds)
-        if len(cache.self_kv) != n_self:
-            raise ValueError(f"cache holds {len(cache.self_kv)} self-attention layers, this stack has {n_self}")
-        n_cross = sum(kind == "cross" for kind in self.layer_kinds)
-        if cache.cross_kv is not None and len(cache.cross_kv) != n_cross:
-            raise ValueError(f"cache holds {len(cache.cross_kv)} cross-attention layers, this stack has {n_cross}")
-        b = x.shape[0]
-        if cache.batch_size != b:
-            raise ValueError(f"cache is for a batch of {cache.batch_size} samples, x has {b}; "
-                             f"use cache.index_select(...) to repeat or reorder its samples")
-        if cache.count.device != x.device:
-            raise ValueError(f"cache is on {cache.count.device}, expected {x.device} (the device of x)")
-        p = cache.length
-        if cache.mask is not None:
-            validate_mask(cache.mask, "cache.mask", shape=(b, p), device=x.device)
-        for k, v in cache.self_kv:
-            if k.shape[0] != b or k.shape[2] != p or v.shape[:3] != k.shape[:3] or _dtype_differs(k, x):
-                raise ValueError(f"cache.self_kv holds keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)}, "
-                                 f"expected (b={b}, h_kv, p={p}, d) in {x.dtype}")
-        if cache.cross_kv is not None:
-            for k, v in cache.cross_kv:
-                if k.shape[0] != b or v.shape[:3] != k.shape[:3] or _dtype_differs(k, x):
-                    raise ValueError(f"cache.cross_kv holds keys {tuple(k.shape)} {k.dtype} and values "
-                                     f"{tuple(v.shape)}, expected (b={b}, h_kv, j, d) in {x.dtype}")
-            if cache.context_mask is not None:
-                j = cache.cross_kv[0][0].shape[2] if cache.cross_kv else cache.context_mask.shape[1]
-                validate_mask(cache.context_mask, "cache.context_mask", shape=(b, j), device=x.device)
+    def plan_unpadded(self, mask: Tensor | None, *, cache=None, return_cache: bool = False,
+                      attn_mask: Tensor | None = None, return_hiddens: bool = False) -> UnpaddedPlan | None:
+        """Whether (and on which real tokens) ``forward`` runs the unpadded path: see ``unpadded.py``."""
+        return plan_unpadded(self.unpadded, mask, packable=self.packable, cache=cache, return_cache=return_cache,
+                             attn_mask=attn_mask, return_hiddens=return_hiddens)
 
     def forward(
         self,
@@ -508,6 +359,7 @@ class AttentionLayers(Configurable, nn.Module):
         return_cache: bool = False,
         return_hiddens: bool = False,
         pos: Tensor | None = None,
+        unpadded_plan: UnpaddedPlan | None = None,
     ) -> Tensor | tuple:
         """Run the stack.
 
@@ -533,6 +385,8 @@ class AttentionLayers(Configurable, nn.Module):
                 ``ValueError``).
             return_cache: also return the updated cache.
             pos: x-transformers' name for ``positions``.
+            unpadded_plan: the ``plan_unpadded`` of this call (a wrapper computes it once to run its output
+                head on the same real tokens); by default the stack plans itself.
             return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
                 layer, the attention weights of every attention block (explicit float32 attention:
                 slower, ``(b, h, i, j)`` memory), the final hidden states. Padded positions, dead rows
@@ -609,69 +463,54 @@ class AttentionLayers(Configurable, nn.Module):
                 context = torch.where(context_mask[..., None], context, 0.0)
                 cross_mask = context_mask[:, None, None, :]  # (b, 1, 1, j)
 
-        cond = self._condition(condition, condition_mask, cache, b, x)  # (b, K) or None
+        cond = adaptive_condition(self, condition, condition_mask, cache, b, x)  # (b, K) or None
 
-        if not return_hiddens and self._use_unpadded(mask, cache, return_cache, attn_mask):
-            return self._forward_unpadded(x, mask, positions, context if use_cross else None,
-                                          context_mask, cross_mask, cond)
+        if unpadded_plan is None:
+            unpadded_plan = self.plan_unpadded(mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask,
+                                               return_hiddens=return_hiddens)
+        elif not isinstance(unpadded_plan, UnpaddedPlan) or (unpadded_plan.b, unpadded_plan.n) != (b, n) or mask is None:
+            raise ValueError("unpadded_plan must be the plan_unpadded(...) of this call's mask")
+        if unpadded_plan is not None:
+            return forward_unpadded(self, x, unpadded_plan, positions, context if use_cross else None, context_mask, cond)
 
         # a cache is input too: only a cache with padding has masked slots, and what they hold (its own
         # finite projections, or whatever a user put there) is selected away by attend, not trusted
-        self_clean = attn_mask is None and (cache is None or cache.mask is None)
-        cross_clean = not cached_cross or context_mask is None
-        drop_path = self.training and self.layer_dropout > 0
+        self_args = dict(mask=self_mask, causal=causal, rotary=rotary, bias=bias, return_attn=return_hiddens,
+                         _inputs_finite=attn_mask is None and (cache is None or cache.mask is None))
+        cross_args = dict(mask=cross_mask, return_attn=return_hiddens,  # a new context was selected above
+                          _inputs_finite=not cached_cross or context_mask is None)
         recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled() and not return_cache \
             and cache is None and not return_hiddens
-        self_kv, cross_kv = [], []
+        self_kv, cross_kv, hiddens, attn_maps = [], [], [], []
 
-        def branch(kind: str, parts: nn.ModuleList, x: Tensor, cond: Tensor | None, past_kv, cached):
-            """One residual branch: norm, block, gate. Returns ``(out, kv)``."""
-            norm, block = parts[0], parts[1]
-            h = norm(x, cond) if cond is not None and isinstance(norm, AdaptiveNorm) else norm(x)
-            kv = None
-            if kind == "self":
-                # masked keys and dead rows are padding, selected to 0 at the input (unless attn_mask hides
-                # real positions): the block need not select its inputs again
-                res = block(h, mask=self_mask, causal=causal, rotary=rotary, bias=bias, past_kv=past_kv,
-                            return_attn=return_hiddens, _inputs_finite=self_clean)
-            elif kind == "cross":
-                res = block(h, None if cached is not None else context, mask=cross_mask, kv=cached,
-                            return_attn=return_hiddens, _inputs_finite=cross_clean)  # a new context was selected above
-            else:
-                res = (block(h), None)
-            out, kv = res[0], res[1]
-            if len(res) > 2:  # the attention weights: padded queries' rows are 0
-                attn_maps.append(res[2] if mask is None else torch.where(mask[:, None, :, None], res[2], 0.0))
-            if len(parts) > 2:  # adaptive layerscale: the condition gates the branch
-                out = parts[2](out, cond)
-            return out, kv
+        def run(block: Block, x: Tensor, cond: Tensor | None, past_kv=None, cached=None) -> tuple[Tensor, tuple]:
+            if block.kind == "self":
+                return block(x, cond, past_kv=past_kv, **self_args)
+            if block.kind == "cross":
+                return block(x, cond, None if cached is not None else context, kv=cached, **cross_args)
+            return block(x, cond)
 
-        hiddens, attn_maps = [], []
-        first_kind = self.layer_kinds[0]
-        for kind, parts in zip(self.layer_kinds, self.layers):
-            if return_hiddens and kind == first_kind:  # the residual stream entering each layer
+        for block in self.layers:
+            if return_hiddens and block.kind == self.layer_kinds[0]:  # the residual stream entering each layer
                 hiddens.append(x if mask is None else torch.where(mask[..., None], x, 0.0))
-            if kind == "cross" and not use_cross:
+            if block.kind == "cross" and not use_cross:
                 continue
-            past_kv = cache.self_kv[len(self_kv)] if kind == "self" and cache is not None else None
-            cached = None
-            if kind == "cross" and cache is not None and cache.cross_kv is not None:
-                cached = cache.cross_kv[len(cross_kv)]
             if recompute:  # keeps no activations; recomputed (same RNG draws) in the backward pass
-                out = checkpoint(lambda x, c, k=kind, p=parts: branch(k, p, x, c, None, None)[0], x, cond,
-                                 use_reentrant=False)
-                kv = None
+                out = checkpoint(lambda t, c, blk=block: run(blk, t, c)[0], x, cond, use_reentrant=False)
+                extra = (None,)
             else:
-                out, kv = branch(kind, parts, x, cond, past_kv, cached)
-            if kind == "self":
-                self_kv.append(kv)
-            elif kind == "cross":
-                cross_kv.append(kv)
-            if drop_path:  # stochastic depth: a sample skips this branch (kept ones rescaled)
+                past_kv = cache.self_kv[len(self_kv)] if cache is not None and block.kind == "self" else None
+                cached = cache.cross_kv[len(cross_kv)] if cached_cross and block.kind == "cross" else None
+                out, extra = run(block, x, cond, past_kv, cached)
+            if block.kind != "ff":
+                (self_kv if block.kind == "self" else cross_kv).append(extra[0])
+            if len(extra) > 1:  # the attention weights: padded queries' rows are 0
+                attn_maps.append(extra[1] if mask is None else torch.where(mask[:, None, :, None], extra[1], 0.0))
+            if self.training and self.layer_dropout > 0:  # stochastic depth: a sample skips this branch
                 keep = torch.rand(b, 1, 1, device=device) >= self.layer_dropout
                 out = torch.where(keep, out / (1.0 - self.layer_dropout), 0.0)
             x = x + out
-        x = self.final_norm(x, cond) if cond is not None and isinstance(self.final_norm, AdaptiveNorm) else self.final_norm(x)
+        x = apply_norm(self.final_norm, x, cond)
         if mask is not None:  # padded positions leave as exact zeros (and pass back no gradient)
             x = torch.where(mask[..., None], x, 0.0)
         intermediates = None
@@ -698,169 +537,6 @@ class AttentionLayers(Configurable, nn.Module):
             intermediates.cache = new_cache
             return x, new_cache, intermediates
         return x, new_cache
-
-    def _use_unpadded(self, mask, cache, return_cache, attn_mask) -> bool:
-        """Run token-wise work on the real tokens only? (``unpadded``: True, False or "auto")."""
-        if mask is None or cache is not None or return_cache or attn_mask is not None or self.unpadded is False \
-                or mask.numel() == 0 or not self.packable:
-            return False
-        if torch.compiler.is_compiling():  # the gather's size is data-dependent: the padded path compiles
-            return False
-        if self.unpadded is True:
-            return True
-        padded = 1.0 - float(mask.sum()) / max(mask.numel(), 1)  # one host sync (the gather needs one anyway)
-        return padded >= UNPADDED_THRESHOLD
-
-    def _length_groups(self, mask: Tensor, positions: Tensor, idx: Tensor) -> list:
-        """Self-attention layouts of the unpadded path: samples sorted by their number of real tokens and
-        split into groups (a dynamic programme over ``sum(b_g * L_g**2)`` plus a fixed cost per group);
-        each group's real tokens are compacted to the left of a ``(b_g, L_g)`` layout, in order. Real tokens
-        keep their order, so causal and key-padding attention see exactly the keys of the padded path.
-
-        Returns a list of ``(tok (T_g,), dest (T_g,), b_g, L_g, key_pad (b_g, L_g), pos (b_g, L_g))``.
-        """
-        b, n = mask.shape
-        counts = mask.sum(1).tolist()  # a second host sync: the layouts are sizes
-        offsets = [0]
-        for cnt in counts:
-            offsets.append(offsets[-1] + cnt)
-        order = sorted((s for s in range(b) if counts[s] > 0), key=lambda s: counts[s])
-        lens = [counts[s] for s in order]
-        overhead = max(n * n // 8, 64)
-        best, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
-        for j in range(1, len(order) + 1):  # best[j]: cost of the first j samples
-            for i in range(max(0, j - 64), j):
-                cost = best[i] + (j - i) * lens[j - 1] ** 2 + overhead
-                if cost < best[j]:
-                    best[j], cut[j] = cost, i
-        bounds, j = [], len(order)
-        while j > 0:
-            bounds.append((cut[j], j))
-            j = cut[j]
-        device = mask.device
-        pos_p = positions.expand(b, n).reshape(-1).index_select(0, idx)  # (T,)
-        groups = []
-        for i, j in reversed(bounds):
-            samples = order[i:j]
-            L = counts[samples[-1]]
-            tok, dest = [], []
-            for slot, smp in enumerate(samples):
-                tok.extend(range(offsets[smp], offsets[smp] + counts[smp]))
-                dest.extend(range(slot * L, slot * L + counts[smp]))
-            tok_t = torch.tensor(tok, device=device)
-            dest_t = torch.tensor(dest, device=device)
-            cnt = torch.tensor([counts[smp] for smp in samples], device=device)
-            key_pad = torch.arange(L, device=device)[None] < cnt[:, None]  # (b_g, L_g)
-            pos = torch.zeros(len(samples) * L, dtype=pos_p.dtype, device=device)
-            pos = pos.index_copy(0, dest_t, pos_p.index_select(0, tok_t)).view(len(samples), L)
-            groups.append((tok_t, dest_t, len(samples), L, key_pad, pos))
-        return groups
-
-    def _forward_unpadded(self, x, mask, positions, context, context_mask, cross_mask, cond):
-        """The stack on real tokens only: norms, projections, feed-forward, residuals (and the wrapper's
-        output head) run on the packed ``(T, c)`` real tokens. Self-attention runs per group of samples of
-        similar length on a compacted layout (``_length_groups``; causal without a mask tensor), and
-        cross-attention on the padded query layout; q, k, v are scattered into zeros, so every slot that
-        is not a real token is an exact zero. Same results to the dtype's tolerance, padded outputs 0."""
-        b, n, c = x.shape
-        idx = mask.reshape(-1).nonzero().squeeze(1)  # (T,): a host sync (the gather's size)
-        bi = torch.div(idx, n, rounding_mode="floor")  # (T,) the sample of each real token
-        vplan = None if self.only_cross else self._varlen_plan(x)
-        if vplan is not None and vplan.path == "varlen":  # CUDA: Flash varlen over the packed tokens, no layout
-            pos_p = positions.expand(b, n).reshape(-1).index_select(0, idx)  # (T,)
-            groups = ("varlen", varlen_layout(mask.sum(1).tolist(), device=x.device), pos_p, vplan)
-        else:
-            groups = self._length_groups(mask, positions, idx) if not self.only_cross else []
-        rotary_fn = None if self.rotary is None else (lambda pos, dt: self.rotary(pos, dtype=dt))
-        bias_fn = None if self.alibi_slopes is None else (lambda pos, dt: alibi_bias(self.alibi_slopes, pos, pos).to(dt))
-        self_layout = (groups, self.causal, rotary_fn, bias_fn)
-        xp = x.reshape(b * n, c).index_select(0, idx)  # (T, c)
-        condp = None if cond is None else cond.index_select(0, bi)  # (T, K)
-        ctx_pad = None
-        if context is not None:  # the context's keys/values from its real tokens only
-            j = context.shape[1]
-            if context_mask is not None:
-                cidx = context_mask.reshape(-1).nonzero().squeeze(1)
-                ctx_p = context.reshape(b * j, context.shape[-1]).index_select(0, cidx)
-                ctx_pad = (cidx, ctx_p, j)
-            else:
-                ctx_pad = (None, context.reshape(b * j, context.shape[-1]), j)
-        drop_path = self.training and self.layer_dropout > 0
-        recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled()
-
-        def branch(kind: str, parts: nn.ModuleList, xp: Tensor, condp: Tensor | None) -> Tensor:
-            norm, block = parts[0], parts[1]
-            h = norm(xp, condp) if condp is not None and isinstance(norm, AdaptiveNorm) else norm(xp)
-            if kind == "self":
-                out = block(h, _packed=(idx, bi, b, n, self_layout))[0]
-            elif kind == "cross":
-                out = block(h, ctx_pad, mask=cross_mask, _packed=(idx, bi, b, n))[0]
-            else:
-                out = block(h)
-            if len(parts) > 2:
-                out = parts[2](out, condp)
-            return out
-
-        for kind, parts in zip(self.layer_kinds, self.layers):
-            if kind == "cross" and context is None:
-                continue
-            if recompute:
-                out = checkpoint(lambda t, c_, k=kind, p=parts: branch(k, p, t, c_), xp, condp, use_reentrant=False)
-            else:
-                out = branch(kind, parts, xp, condp)
-            if drop_path:
-                keep = (torch.rand(b, device=x.device) >= self.layer_dropout).index_select(0, bi)[:, None]
-                out = torch.where(keep, out / (1.0 - self.layer_dropout), 0.0)
-            xp = xp + out
-        final = self.final_norm
-        xp = final(xp, condp) if condp is not None and isinstance(final, AdaptiveNorm) else final(xp)
-        return xp.new_zeros(b * n, c).index_copy(0, idx, xp).view(b, n, c)  # padded positions exactly 0
-
-    def _varlen_plan(self, x: Tensor) -> VarlenPlan:
-        """Whether the unpadded path's self-attention runs the varlen kernel (``plan_varlen``: CUDA,
-        half precision, no ALiBi, no dropout) or the compacted padded groups."""
-        attn = next(parts[1] for kind, parts in zip(self.layer_kinds, self.layers) if kind == "self")
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        return plan_varlen(device_type=x.device.type, dtype=dtype, head_dim=attn.dim_head, heads=attn.heads,
-                           kv_heads=attn.kv_heads, causal=self.causal, has_bias=self.alibi_slopes is not None,
-                           dropout_p=attn.dropout if self.training else 0.0, backend=attn.backend)
-
-    def _condition(self, condition, condition_mask, cache, b: int, x: Tensor) -> Tensor | None:
-        """The ``(b, K)`` condition of the adaptive layers: the user's, with the null condition selected in
-        for dropped samples (``condition_mask`` False) or for all (``condition=None``)."""
-        if not self.adaptive:
-            if condition is not None or condition_mask is not None:
-                raise ValueError("condition was given but this stack has no adaptive layers; build it with "
-                                 "use_adaptive_layernorm=True (or use_adaptive_rmsnorm / use_adaptive_layerscale)")
-            return None
-        if condition_mask is not None and condition is None:
-            raise ValueError("condition_mask was given without a condition; pass condition=... as well")
-        if cache is not None and cache.condition is not None:
-            if condition is not None and not (condition is cache.condition_input and condition_mask is cache.condition_mask):
-                raise ValueError("condition was passed with a cache built with another: the cache answers for the "
-                                 "condition of the call that built it (pass the very same tensors, or none)")
-            return cache.condition
-        null = self.null_condition.to(x.dtype)[None].expand(b, -1)  # (b, K)
-        if condition is None:
-            return null
-        if not isinstance(condition, Tensor) or condition.dim() != 2 or tuple(condition.shape) != (b, self.dim_condition):
-            raise ValueError(f"condition must have shape (b={b}, dim_condition={self.dim_condition}), got "
-                             f"{getattr(condition, 'shape', type(condition))}")
-        if not condition.is_floating_point():
-            raise TypeError(f"condition must be a floating-point tensor, got dtype {condition.dtype}")
-        if condition.device != x.device:
-            raise ValueError(f"condition is on {condition.device}, expected {x.device}")
-        if _dtype_differs(condition, x):
-            raise TypeError(f"condition has dtype {condition.dtype}, expected {x.dtype}")
-        if condition_mask is None:
-            return condition
-        validate_mask(condition_mask, "condition_mask", shape=(b,), device=x.device)
-        return torch.where(condition_mask[:, None], condition, null)  # a dropped row is selected away
-
-
-def _dtype_differs(t: Tensor, x: Tensor) -> bool:
-    """``t`` cannot meet ``x`` in one matmul: dtypes differ outside autocast (which mixes them itself)."""
-    return t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)
 
 
 def _check_positions(positions, b: int, n: int, device) -> Tensor:

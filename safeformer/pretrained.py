@@ -34,7 +34,7 @@ import os
 import struct
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,13 @@ class Configurable:
 
     def _set_config(self, **config: Any) -> None:
         self._sf_config = config
+
+    def _set_config_from(self, init: Callable, local_vars: dict[str, Any]) -> None:
+        """The config captured once from ``init``'s own parameters, read from its ``locals()`` (so an
+        argument is written in the signature only, never listed a second time)."""
+        params = inspect.signature(init).parameters.values()
+        self._set_config(**{p.name: local_vars[p.name] for p in params
+                            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)})
 
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments, JSON-ready (nested modules as ``{"class": ..., "config": ...}``)."""

@@ -118,7 +118,8 @@ class _Wrapper(Configurable, nn.Module):
     def _run(self, x, mask, context, context_mask, attn_mask, cache, return_cache, *, prepend_embeds=None,
              prepend_mask=None, condition=None, condition_mask=None, pos=None, return_hiddens=False):
         """Positions, the fixed rows and the prefix, the stack. Returns ``(h (b, m + n, c), new cache or
-        None, mask (b, m + n) or None, m, fixed outputs (b, F, c) or None, intermediates or None)``."""
+        None, mask (b, m + n) or None, m, fixed outputs (b, F, c) or None, intermediates or None, the
+        unpadded plan or None)``."""
         b, n = x.shape[:2]
         m = 0
         if pos is not None:
@@ -171,10 +172,13 @@ class _Wrapper(Configurable, nn.Module):
             pe = self.pos_emb(abs_pos).to(x.dtype)
             x = x + pe if not lead_slots else torch.cat((x[:, :lead_slots], x[:, lead_slots:] + pe[:, lead_slots:]), dim=1)
         x = self.emb_dropout(x)
+        # the unpadded path decided once (one host sync): the stack runs it, the output head reuses it
+        plan = self.attn_layers.plan_unpadded(
+            mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask, return_hiddens=return_hiddens)
         out = self.attn_layers(
             x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
             positions=positions, condition=condition, condition_mask=condition_mask, cache=cache,
-            return_cache=return_cache, return_hiddens=return_hiddens,
+            return_cache=return_cache, return_hiddens=return_hiddens, unpadded_plan=plan,
         )
         out = out if isinstance(out, tuple) else (out,)
         h = out[0]
@@ -189,7 +193,7 @@ class _Wrapper(Configurable, nn.Module):
             mask = None if mask is None else mask[:, fixed:]
             if intermediates is not None and self.num_memory_tokens:
                 intermediates.memory_tokens = fixed_out[:, :self.num_memory_tokens]
-        return h, new_cache, mask, m, fixed_out, intermediates
+        return h, new_cache, mask, m, fixed_out, intermediates, plan
 
 
 def _start_mask(seq_start_pos, mask: Tensor | None, b: int, n: int, device) -> Tensor:
@@ -382,7 +386,7 @@ class TransformerWrapper(_Wrapper):
         emb = self.token_emb(x)
         if self.l2norm_embed:
             emb = l2norm(emb)
-        h, new_cache, full_mask, m, fixed_out, inter = self._run(
+        h, new_cache, full_mask, m, fixed_out, inter, plan = self._run(
             emb, mask, context, context_mask, attn_mask, cache, return_cache,
             prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
             pos=pos, return_hiddens=want_inter,
@@ -407,12 +411,9 @@ class TransformerWrapper(_Wrapper):
             full_mask = None if full_mask is None else full_mask[:, m:]
         if return_embeddings or self.return_only_embed:
             out = h
-        elif full_mask is not None and self.attn_layers._use_unpadded(full_mask, cache, return_cache, attn_mask):
-            # the output head on real tokens only (padded rows are exact zeros: their logits are 0)
-            b_, n_, c_ = h.shape
-            idx = full_mask.reshape(-1).nonzero().squeeze(1)
-            lp = self._head(h.reshape(b_ * n_, c_).index_select(0, idx))
-            out = lp.new_zeros(b_ * n_, lp.shape[-1]).index_copy(0, idx, lp).view(b_, n_, lp.shape[-1])
+        elif plan is not None and plan.n == h.shape[1]:
+            # the output head on the stack's real tokens only (padded rows are exact zeros: their logits are 0)
+            out = plan.unpack(self._head(plan.pack(h)))
         else:
             out = self._head(h)  # (b, n, v)
         return result(out)
@@ -524,7 +525,7 @@ class ContinuousTransformerWrapper(_Wrapper):
             x = torch.where(mask[..., None], x, 0.0)
         self._check_context(context, context_mask, check)
         want_inter = return_intermediates or return_hiddens or return_attn
-        h, new_cache, full_mask, m, _, inter = self._run(
+        h, new_cache, full_mask, m, _, inter, _ = self._run(
             self.project_in(x), mask, context, context_mask, attn_mask, cache, return_cache,
             prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
             pos=pos, return_hiddens=want_inter,

@@ -1,4 +1,8 @@
-"""The README's Python examples run as written (with small stand-in inputs), so the docs cannot rot."""
+"""The README's Python examples run as written (with small stand-in inputs), so the docs cannot rot.
+
+The helpers here (`python_blocks`, `run_blocks`, `_inputs`) are shared with `tests/test_docs.py`, which
+runs the pages under `docs/` the same way.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+# a fenced block that opens with ```python at the start of a line and closes with ``` at the start of a line;
+# a block that is not meant to run is fenced as ```text (or any other language) instead
+PYTHON_FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
+
+
+def python_blocks(path: Path) -> list[str]:
+    return PYTHON_FENCE.findall(path.read_text())
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return python_blocks(README)
 
 
 def _inputs() -> dict:
@@ -40,18 +53,26 @@ def _inputs() -> dict:
     )
 
 
+def run_blocks(path: Path) -> dict:
+    """Exec every Python block of one page, in order, in one namespace seeded with `_inputs()`."""
+    ns = _inputs()
+    torch.manual_seed(0)
+    name = path.relative_to(ROOT)
+    for i, code in enumerate(python_blocks(path)):
+        try:
+            exec(compile(code, f"{name} python block {i}", "exec"), ns)
+        except Exception as err:  # pragma: no cover - the message is the point
+            pytest.fail(f"{name} python block {i} failed: {type(err).__name__}: {err}\n{code}")
+    return ns
+
+
 def test_readme_has_examples():
     assert len(_blocks()) >= 5
 
 
 def test_readme_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    ns = _inputs()
-    for i, code in enumerate(_blocks()):
-        try:
-            exec(compile(code, f"README.md python block {i}", "exec"), ns)
-        except Exception as err:  # pragma: no cover - the message is the point
-            pytest.fail(f"README python block {i} failed: {type(err).__name__}: {err}\n{code}")
+    ns = run_blocks(README)
     # the blocks' own results, checked where they are values
     assert ns["out"][1].eq(0).all() and torch.isfinite(ns["out"]).all()
     assert torch.isfinite(ns["loss"]) and ns["new"].shape == (3, 64)

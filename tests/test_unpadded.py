@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import safeformer as sf
-from safeformer.layers import UNPADDED_THRESHOLD
+from safeformer.unpadded import UNPADDED_THRESHOLD
 
 STACKS = {
     "encoder-alibi-qknorm-bias": lambda: sf.Encoder(dim=16, depth=2, heads=2, dim_head=8, alibi_pos_bias=True,
@@ -110,17 +110,17 @@ def test_unpadded_wrappers_equal_padded_path(kind):
 def test_auto_picks_the_unpadded_path_from_the_padding_fraction():
     dec = sf.Decoder(dim=16, depth=1, heads=2, dim_head=8)
     full = torch.ones(4, 10, dtype=torch.bool)
-    assert not dec._use_unpadded(full, None, False, None)
+    assert dec.plan_unpadded(full) is None
     few = full.clone()
     few[0, 8:] = False  # 5% padding
-    assert not dec._use_unpadded(few, None, False, None)
+    assert dec.plan_unpadded(few) is None
     many = full.clone()
     many[:, 10 - int(10 * UNPADDED_THRESHOLD) - 1:] = False
-    assert dec._use_unpadded(many, None, False, None)
-    assert not dec._use_unpadded(many, None, True, None), "a forward that returns a cache stays padded"
+    assert dec.plan_unpadded(many) is not None
+    assert not dec.plan_unpadded(many, return_cache=True) is not None, "a forward that returns a cache stays padded"
     dec.unpadded = False
-    assert not dec._use_unpadded(many, None, False, None)
+    assert not dec.plan_unpadded(many) is not None
     dec.unpadded = True
-    assert dec._use_unpadded(few, None, False, None)
+    assert dec.plan_unpadded(few) is not None
     with pytest.raises(ValueError, match="unpadded"):
         sf.Decoder(dim=16, depth=1, unpadded="sometimes")

@@ -572,7 +572,7 @@ def test_stack_unpadded_varlen_path_equals_padded_path(monkeypatch, layers_cls, 
     """``AttentionLayers(unpadded=True)`` with the varlen plan (forced here; on CUDA ``plan_varlen`` picks it)
     hands the kernel the packed real tokens with their segment offsets (empty samples dropped) and gives
     the padded path's outputs and gradients; NaN at padded positions reaches nothing."""
-    from safeformer.layers import AttentionLayers
+    import safeformer.unpadded
 
     torch.manual_seed(0)
     stack = layers_cls(dim=32, depth=2, heads=4, dim_head=8, **opts).double()
@@ -595,7 +595,7 @@ def test_stack_unpadded_varlen_path_equals_padded_path(monkeypatch, layers_cls, 
 
     want = run(False)
     plan = VarlenPlan("varlen", "forced for the test", (-1, 0) if stack.causal else (-1, -1), False)
-    monkeypatch.setattr(AttentionLayers, "_varlen_plan", lambda self, x: plan)
+    monkeypatch.setattr(safeformer.unpadded, "stack_varlen_plan", lambda stack, x: plan)
     calls: list = []
     with substitute_varlen_kernel(cpu_varlen_kernel(calls)):
         got = run(True)

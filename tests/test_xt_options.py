@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import safeformer as sf
-from safeformer.modules import _explicit_attention
+from safeformer.attention import _explicit_attention
 
 NAN = float("nan")
 xt = pytest.importorskip("x_transformers")

@@ -1,0 +1,507 @@
+"""The ``Attention`` module: projections, heads, grouped-query attention, rotary, qk-norm, memory
+keys/values, sinks and softclamp, for self- and cross-attention, with a KV cache.
+
+Shape legend: b batch, h query heads, h_kv key/value heads, i queries, j keys, d head dim, c model
+width, c_ctx context width, T packed real tokens.
+
+One seam for every path: ``_project_q`` / ``_project_kv`` compute q, k, v (positions first,
+``(..., heads, d)``) and ``_output`` produces the output, for the padded path, the explicit float32 path
+and the unpadded layouts (``unpadded.py``). A new option on queries, keys or outputs is written once.
+Masks follow safeformer's one convention (bool, True = may attend / is real); see ``masks.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attend import BACKENDS, PreparedMask, _grad_select, attend, masked_linear
+from .masks import as_attention_mask, causal_mask, combine_masks
+from .modules import RMSNorm, apply_rotary
+from .varlen import varlen_attention
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    """Multi-head attention for self- and cross-attention, with grouped-query heads and a KV cache.
+
+    ``forward(x)`` attends within ``x``; ``forward(x, context)`` attends from ``x`` to ``context``.
+
+    Args:
+        dim: model width c.
+        heads: query heads h.
+        dim_head: head dim d.
+        kv_heads: key/value heads (grouped-query attention); default ``heads``.
+        dim_context: width of the context for cross-attention; default ``dim``.
+        qk_norm: RMS-normalise queries and keys per head before the dot product.
+        dropout: attention dropout (training only).
+        bias: use biases in the projections.
+        backend: ``attend`` backend (``"auto"`` picks per call).
+        num_mem_kv: learned memory key/value pairs ``mem_k, mem_v (h_kv, num_mem_kv, d)`` prepended to
+            the keys of every call (x-transformers' ``attn_num_mem_kv``): every query may always see
+            them (bias 0 under ALiBi), so no row is dead; masked keys still reach nothing.
+        learned_sink: a learned per-head sink logit ``head_attn_sink (h,)`` (x-transformers'
+            ``attn_head_learned_sink``): one more key with logit ``head_attn_sink[h]`` and value 0, so a
+            row's weights may sum to less than 1; a row with no other key gives exactly 0. Its gradient
+            flows through the additive mask, which PyTorch's flash and cuDNN kernels do not
+            differentiate: with ``backend='flash'``/``'cudnn'`` a sink trains on the math kernel.
+        softclamp_logits: ``tanh((logits + bias) / value) * value`` before masking and softmax
+            (``logit_softclamp_value``, default 50); runs the explicit float32 path (no fused kernel).
+        qk_norm_eps: the epsilon of the q/k RMS norms (default 1e-6).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        heads: int = 8,
+        dim_head: int = 64,
+        kv_heads: int | None = None,
+        dim_context: int | None = None,
+        qk_norm: bool = False,
+        dropout: float = 0.0,
+        bias: bool = False,
+        backend: str = "auto",
+        num_mem_kv: int = 0,
+        learned_sink: bool = False,
+        softclamp_logits: bool = False,
+        logit_softclamp_value: float = 50.0,
+        qk_norm_eps: float | None = None,
+    ):
+        super().__init__()
+        kv_heads = heads if kv_heads is None else kv_heads
+        if isinstance(num_mem_kv, bool) or not isinstance(num_mem_kv, int) or num_mem_kv < 0:
+            raise ValueError(f"num_mem_kv (attn_num_mem_kv) must be a non-negative integer, got {num_mem_kv!r}")
+        if softclamp_logits and not (isinstance(logit_softclamp_value, (int, float)) and not isinstance(
+                logit_softclamp_value, bool) and math.isfinite(logit_softclamp_value) and logit_softclamp_value > 0):
+            raise ValueError(f"logit_softclamp_value must be a positive finite number, got {logit_softclamp_value!r}")
+        if heads <= 0 or dim_head <= 0:
+            raise ValueError(f"heads and dim_head must be positive, got heads={heads}, dim_head={dim_head}")
+        if kv_heads <= 0 or heads % kv_heads != 0:
+            raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"attention dropout must be in [0, 1), got {dropout}")
+        self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
+        self.dim_context = dim if dim_context is None else dim_context
+        self.dropout = dropout
+        self.backend = backend
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=bias)
+        self.to_k = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
+        self.to_v = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=bias)
+        eps = 1e-6 if qk_norm_eps is None else qk_norm_eps
+        self.q_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
+        self.k_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
+        self.num_mem_kv = num_mem_kv
+        if num_mem_kv > 0:
+            self.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
+            self.mem_v = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))
+        self.head_attn_sink = nn.Parameter(torch.zeros(heads)) if learned_sink else None  # (h,)
+        self.softclamp_value = float(logit_softclamp_value) if softclamp_logits else None
+
+    @property
+    def extra_keys(self) -> int:
+        """Keys every query sees besides the inputs' own: the sink (if any) and the memory keys."""
+        return self.num_mem_kv + (self.head_attn_sink is not None)
+
+    @property
+    def packable(self) -> bool:
+        """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
+        return self.extra_keys == 0 and self.softclamp_value is None
+
+    # ------------------------------------------------------------------------------------------------
+    # the one projection seam and the one output seam, used by every path (padded, explicit, packed)
+    # ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _linear(linear: nn.Linear, x: Tensor, keep: Tensor | None) -> Tensor:
+        """``linear(x)``; with ``keep (...)`` the rows where it is False are selected to 0 first (saving x
+        itself for the backward, not the selected copy)."""
+        return linear(x) if keep is None else masked_linear(x, keep, linear)
+
+    def _project_q(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
+        """Queries ``(..., h, d)`` of ``x (..., c)``, q-normed."""
+        q = self._linear(self.to_q, x, keep).unflatten(-1, (self.heads, self.dim_head))
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def _project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated)."""
+        k = self._linear(self.to_k, source, keep).unflatten(-1, (self.kv_heads, self.dim_head))
+        v = self._linear(self.to_v, source, keep).unflatten(-1, (self.kv_heads, self.dim_head))
+        return (k if self.k_norm is None else self.k_norm(k)), v
+
+    def _output(self, out: Tensor, keep: Tensor | None = None, rows_ok: Tensor | None = None) -> Tensor:
+        """``out (..., h, d)`` -> ``(..., c)``: the output projection; ``keep``: rows selected to 0 before it
+        (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that
+        are exactly 0 after it (a bias would move dead rows off 0)."""
+        out = self._linear(self.to_out, out.flatten(-2), keep)
+        return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+
+    def project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values ``(b, h_kv, j, d)`` of ``source (b, j, c_ctx)`` (normed, not yet rotated);
+        ``keep (b|1, j)``: positions of ``source`` selected to 0 first where False."""
+        if source.shape[-1] != self.dim_context:
+            raise ValueError(
+                f"context must have feature size {self.dim_context} (dim_context), got shape {tuple(source.shape)}"
+            )
+        k, v = self._project_kv(source, keep)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        causal: bool = False,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        bias: Tensor | None = None,
+        kv: tuple[Tensor, Tensor] | None = None,
+        past_kv: tuple[Tensor, Tensor] | None = None,
+        return_attn: bool = False,
+        _inputs_finite: bool = False,
+        layout=None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Attend from ``x (b, i, c)``.
+
+        Args:
+            x: queries' input.
+            context: ``(b, j, c_ctx)`` for cross-attention; ``None`` for self-attention.
+            mask: bool attention mask as ``attend`` takes it (True = may attend). In self-attention a
+                ``(b, j)`` (or ``(b, 1, 1, j)``) padding mask marks padding of ``x`` itself: a padded
+                position is neither a key nor a query, whatever it holds, and its output is exactly 0.
+            causal: bottom-right causal masking.
+            rotary: ``(q_angles, k_angles)`` from ``RotaryEmbedding`` for the new queries and new keys.
+            bias: additive attention bias (ALiBi).
+            kv: precomputed keys/values (cross-attention with a cache); ``context`` is then unused.
+            past_kv: cached self-attention keys/values to prepend (already rotated).
+                ``kv`` and ``past_kv`` are usually what this module returned; whatever they hold at
+                masked key positions (NaN, inf) reaches no output and no gradient.
+            return_attn: also return the attention weights ``(b, h, i, M + j)`` in float32 (memory
+                keys first; the sink's weight left out): computed by the explicit path; masked keys
+                and dead rows are exactly 0 (and padded queries, in self-attention).
+            _inputs_finite: private, for ``AttentionLayers``: ``x`` at dead rows and ``context`` (or
+                ``x``) at masked keys are finite already (the stack selected its padded inputs to 0),
+                so they need not be selected again before the projections.
+            layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
+                ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
+                tokens, and the output too.
+
+        Returns:
+            ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache (the memory keys not
+            included), and the weights if ``return_attn``. Rows that may attend to no key are exactly 0
+            after the output projection, and pass zero gradient (S2).
+        """
+        if layout is not None:
+            return self._forward_layout(x, layout), None
+        if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
+        b, i = x.shape[:2]
+        if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != b):
+            raise ValueError(f"context must have shape (b={b}, j, dim_context), got {getattr(context, 'shape', type(context))}")
+        mixed_ok = torch.is_autocast_enabled(x.device.type)  # autocast mixes dtypes on purpose
+        if context is not None and context.dtype != x.dtype and not mixed_ok:
+            raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of x)")
+        if kv is not None and past_kv is not None:
+            raise ValueError("pass kv (cross-attention keys/values) or past_kv (self-attention cache), not both")
+        if kv is not None:
+            self._check_kv(kv, "kv", b, x, mixed_ok)
+        if past_kv is not None:
+            self._check_kv(past_kv, "past_kv", b, x, mixed_ok)
+        source = x if context is None else context
+        if kv is not None:
+            j = kv[0].shape[2]
+        else:
+            j = source.shape[1] + (past_kv[0].shape[2] if past_kv is not None else 0)
+        self_pad = None  # (b, i): in self-attention, a (b, j) padding mask marks padding of x itself
+        if not _inputs_finite and context is None and kv is None and isinstance(mask, Tensor):
+            self_pad = _self_padding(mask, b, i, j)
+        user_mask, j_user = mask, j
+        ext = self.extra_keys
+        if ext:  # the sink and memory keys come first; every query sees them (bottom-right causal keeps that)
+            mask, bias = self._extend(mask, bias, b, i, j, x)
+            j = j + ext
+        if _inputs_finite and self.to_out.bias is None and self_pad is None:
+            rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
+        else:
+            reach = None
+            if bias is not None and isinstance(bias, Tensor) and bias.is_floating_point():
+                reach = bias.to(x.dtype) != float("-inf")  # a bias of -inf (in x's dtype) masks its key too
+            rows_ok, keys_ok = _alive(mask, causal, b, self.heads, i, j, x.device, reach)
+        if self_pad is not None:
+            # padded positions of x are no queries either: selected to 0 at the input and at the output
+            # (the mask stays a broadcast key padding mask: no (b, 1, i, j) tensor for the kernel)
+            rows_ok = self_pad if rows_ok is None else rows_ok & self_pad
+        # select masked inputs away *before* the projections: a NaN there would otherwise reach the
+        # projection weights' gradients (0 * NaN) even though attend() never uses it
+        # (masked_linear: the projection of the selected input, saving x itself rather than the copy)
+        q = self._project_q(x, rows_ok).transpose(1, 2)  # (b, h, i, d)
+        if self_pad is not None:  # the kernel sees padded queries as live rows: keep its backward there out
+            q = _grad_select(self_pad[:, None, :, None], q)
+        if kv is not None:
+            k, v = kv
+        else:
+            k, v = self.project_kv(source, None if keys_ok is None else keys_ok[:, j - source.shape[1]:])  # new keys
+            if rotary is not None:
+                k = apply_rotary(k, rotary[1])
+            if past_kv is not None:
+                k = torch.cat((past_kv[0], k), dim=2)
+                v = torch.cat((past_kv[1], v), dim=2)
+        if rotary is not None:
+            q = apply_rotary(q, rotary[0])
+        if self_pad is not None:  # keys that only padded queries see are masked keys too: guard their gradients
+            seen = as_attention_mask(user_mask, b, self.heads, i, j_user) & self_pad[:, None, :, None]  # (b, 1, i, j)
+            if causal:
+                seen = seen & causal_mask(i, j_user, device=x.device)
+            key_seen = seen.any(dim=-2, keepdim=True).any(dim=1, keepdim=True).transpose(-1, -2)  # (b, 1, j, 1)
+            k, v = _grad_select(key_seen, k), _grad_select(key_seen, v)
+        kv_out = (k, v)  # for the cache: without the memory keys
+        if ext:  # a sample whose queries are all padding sends its memory keys no gradient (the kernel's
+            # backward there is not trusted)
+            k, v = self._prepend_extra(k, v, None if self_pad is None else self_pad.any(dim=1))
+        if return_attn or self.softclamp_value is not None:
+            out, weights = _explicit_attention(
+                q, k, v, mask=mask, causal=causal, bias=bias, softclamp=self.softclamp_value,
+                dropout_p=self.dropout if self.training else 0.0, sink=self.head_attn_sink,
+            )
+            if self.head_attn_sink is not None:
+                weights = weights[..., 1:]  # the sink's weight is not a key's
+            if self_pad is not None:
+                weights = torch.where(self_pad[:, None, :, None], weights, 0.0)
+        else:
+            weights = None
+            out = None
+        # q at dead rows and new k, v at masked keys are finite here (their inputs were selected to 0
+        # above). Keys/values handed in (kv, past_kv) are input like any other: attend selects their
+        # masked positions itself, unless the stack vouches for them (its own cache, _inputs_finite).
+        # A bias can mask keys too: then attend selects as well (its selections also guard the gradients).
+        if out is None:
+            backend = self.backend
+            if self.head_attn_sink is not None and backend in ("flash", "cudnn") and torch.is_grad_enabled():
+                backend = "math"  # the sink's gradient flows through the additive mask: flash cannot give it
+            out = attend(
+                q, k, v, mask=mask, causal=causal, bias=bias,
+                dropout_p=self.dropout if self.training else 0.0, backend=backend,
+                _inputs_finite=_inputs_finite or (kv is None and past_kv is None and bias is None),
+            )  # (b, h, i, d)
+        # padded queries: selected before to_out; dead rows: exactly 0 after it (a bias would move them)
+        zero_rows = rows_ok if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None) else None
+        out = self._output(out.transpose(1, 2), self_pad, zero_rows)  # (b, i, c)
+        if return_attn:
+            return out, kv_out, weights
+        return out, kv_out
+
+    def _extend(self, mask, bias, b: int, i: int, j: int, x: Tensor):
+        """The mask and bias over ``[sink?, memory keys, keys]``: the extra keys visible to every query,
+        at bias 0 (the sink at its learned logit)."""
+        ext = self.extra_keys
+        if isinstance(mask, PreparedMask):
+            mask = mask.combined
+        if mask is not None:
+            m = as_attention_mask(mask, b, self.heads, i, j)  # (b|1, h|1, i|1, j)
+            m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+            mask = torch.cat((m.new_ones(*m.shape[:-1], ext), m), dim=-1)
+        if bias is not None or self.head_attn_sink is not None:
+            if bias is None:
+                bias = x.new_zeros(1, 1, 1, j)
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).to(x.dtype)  # (b|1, h|1, i|1, j)
+            front = bias.new_zeros(*bias.shape[:-1], ext)
+            if self.head_attn_sink is not None:  # the sink's logit, per head
+                bias = bias.expand(bias.shape[0], self.heads, *bias.shape[2:])
+                sink = self.head_attn_sink.to(bias.dtype)[None, :, None, None].expand(*bias.shape[:-1], 1)
+                front = torch.cat((sink, bias.new_zeros(*bias.shape[:-1], ext - 1)), dim=-1)
+            bias = torch.cat((front, bias), dim=-1)
+        return mask, bias
+
+    def _prepend_extra(self, k: Tensor, v: Tensor, live: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``[sink?, memory, keys]``: the sink key and value are 0 (its logit comes from the bias).
+        ``live (b,)``: samples with a live query; the others' memory keys get no gradient."""
+        b = k.shape[0]
+        parts_k, parts_v = [], []
+        if self.head_attn_sink is not None:
+            parts_k.append(k.new_zeros(b, self.kv_heads, 1, self.dim_head))
+            parts_v.append(v.new_zeros(b, self.kv_heads, 1, v.shape[-1]))
+        if self.num_mem_kv:
+            mk, mv = self.mem_k.to(k.dtype), self.mem_v.to(v.dtype)
+            if self.k_norm is not None:
+                mk = self.k_norm(mk)
+            mk, mv = mk[None].expand(b, -1, -1, -1), mv[None].expand(b, -1, -1, -1)
+            if live is not None:
+                mk, mv = _grad_select(live[:, None, None, None], mk), _grad_select(live[:, None, None, None], mv)
+            parts_k.append(mk)
+            parts_v.append(mv)
+        return torch.cat((*parts_k, k), dim=2), torch.cat((*parts_v, v), dim=2)
+
+    def _forward_layout(self, h: Tensor, layout) -> Tensor:
+        """The unpadded path: projections and the output projection on the packed real tokens
+        ``h (T, c)``, attention on ``layout``'s own arrangement of them (padded slots exact zeros)."""
+        from .unpadded import GroupedSelfLayout, PackedCrossLayout, VarlenSelfLayout
+
+        if not self.packable:  # one place says why: the extra keys and the clamp run on the padded path
+            raise ValueError("memory keys/values, a learned sink and softclamp run on the padded path only")
+        dropout_p = self.dropout if self.training else 0.0
+        if isinstance(layout, VarlenSelfLayout):  # CUDA: Flash varlen over the packed tokens
+            q, (k, v) = self._project_q(h), self._project_kv(h)  # (T, h, d), (T, h_kv, d)
+            if layout.rotary is not None:
+                angles = layout.rotary(layout.positions[None], q.dtype)[0, 0][:, None]  # (T, 1, rot)
+                q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+            return self._output(varlen_attention(q, k, v, layout.layout, causal=layout.causal, plan=layout.plan))
+        if isinstance(layout, GroupedSelfLayout):  # self-attention on compacted per-group layouts
+            q_all, (k_all, v_all) = self._project_q(h), self._project_kv(h)  # (T, h, d), (T, h_kv, d)
+            out_all = q_all.new_zeros(q_all.shape)
+            for g in layout.groups:
+                q, k, v = (_scatter(t.index_select(0, g.tok), g.dest, g.b, g.length) for t in (q_all, k_all, v_all))
+                if layout.rotary is not None:
+                    angles = layout.rotary(g.pos, q.dtype)
+                    q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+                bias = None if layout.bias is None else layout.bias(g.pos, q.dtype)
+                # real tokens are compacted to the left in order: causal needs no mask tensor (a real query
+                # sees no padded key), a bidirectional stack needs the key padding
+                o = attend(q, k, v, mask=None if layout.causal and bias is None else g.key_pad, causal=layout.causal,
+                           bias=bias, dropout_p=dropout_p, backend=self.backend, _inputs_finite=True)
+                o = o.transpose(1, 2).flatten(0, 1).index_select(0, g.dest)  # (T_g, h, d)
+                out_all = out_all.index_copy(0, g.tok, o)
+            return self._output(out_all)
+        if not isinstance(layout, PackedCrossLayout):
+            raise TypeError(f"layout must be an unpadded layout, got {type(layout).__name__}")
+        plan = layout.plan
+        q = _scatter(self._project_q(h), plan.idx, plan.b, plan.n)  # (b, h, n, d)
+        k, v = (_scatter(t, layout.cidx, plan.b, layout.j) for t in self._project_kv(layout.rows))  # (b, h_kv, j, d)
+        out = attend(q, k, v, mask=layout.mask, dropout_p=dropout_p, backend=self.backend, _inputs_finite=True)
+        out = plan.pack(out.transpose(1, 2))  # (T, h, d)
+        rows_ok = None
+        if self.to_out.bias is not None:  # a bias would move dead rows off 0
+            if layout.j == 0:  # a zero-length context: every row is dead
+                rows_ok = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+            elif layout.mask is not None:
+                rows_ok = layout.mask.any(dim=-1).any(dim=1).expand(plan.b, plan.n).reshape(-1).index_select(0, plan.idx)
+        return self._output(out, rows_ok=rows_ok)
+
+    def _check_kv(self, kv, name: str, b: int, x: Tensor, mixed_ok: bool = False) -> None:
+        ok = isinstance(kv, (tuple, list)) and len(kv) == 2 and all(isinstance(t, Tensor) and t.dim() == 4 for t in kv)
+        if not ok:
+            raise ValueError(f"{name} must be a pair of tensors (k, v) of shape (b, h_kv, j, d), got {type(kv).__name__}")
+        k, v = kv
+        want = (b, self.kv_heads, None, self.dim_head)
+        for t, label in ((k, "keys"), (v, "values")):
+            if any(w is not None and w != s for w, s in zip(want, t.shape)):
+                raise ValueError(f"{name} {label} must have shape (b={b}, h_kv={self.kv_heads}, j, d={self.dim_head}), got {tuple(t.shape)}")
+            if (t.dtype != x.dtype and not mixed_ok) or not t.is_floating_point() or t.device != x.device:
+                raise ValueError(f"{name} {label} are {t.dtype} on {t.device}, expected {x.dtype} on {x.device} (those of x)")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"{name} keys and values must have the same length, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = False, bias: Tensor | None = None,
+                        softclamp: float | None = None, dropout_p: float = 0.0,
+                        sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Attention written out in float32 (float64 for float64 inputs), returning its weights too.
+
+    For what no fused kernel does: the weights themselves (``return_attn``) and logit softclamping
+    (``tanh(logits / s) * s``, after the bias and before the mask, as x-transformers). Safe like ``attend``:
+    q at dead rows and k, v at masked keys are selected to 0 first (no ``0 * NaN``), masked logits are
+    selected to ``-inf``, a dead row's logits to 0, and the weights of masked keys and dead rows to
+    exactly 0 afterwards, so a dead row outputs 0 with zero gradient.
+
+    ``sink (h,)``: key 0 is a learned sink whose logit is ``sink[h]`` (not clamped).
+
+    Returns:
+        ``out (b, h, i, e)`` in q's dtype and ``weights (b, h, i, j)`` in float32 (or float64).
+    """
+    b, h, i, d = q.shape
+    hkv, j = k.shape[1], k.shape[2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    if isinstance(mask, PreparedMask):
+        mask = mask.combined
+    m = None if mask is None else as_attention_mask(mask, b, h, i, j)
+    reach = None
+    if bias is not None:  # -inf in q's dtype masks its key, as in attend (-1e9 in float16 included)
+        reach = bias.to(q.dtype) != float("-inf")
+        bias = bias.to(dtype)
+    c = causal_mask(i, j, device=q.device) if causal and i > 1 or (causal and i > j) else None
+    if c is not None and c.dim() < 4:
+        c = c.reshape((1,) * (4 - c.dim()) + tuple(c.shape))
+    combined = combine_masks(m, c, reach)
+    if combined is not None and combined.dim() < 4:
+        combined = combined.reshape((1,) * (4 - combined.dim()) + tuple(combined.shape))
+    if hkv != h:
+        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+    if j == 0:
+        w = q.new_zeros(b, h, i, 0, dtype=dtype) + (q.sum() + k.sum() + v.sum()) * 0
+        return w.new_zeros(b, h, i, v.shape[-1]).to(q.dtype) + w.sum() * 0, w
+    qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
+    row_ok = None
+    if combined is not None:
+        row_ok = combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
+        key_ok = combined.any(dim=-2, keepdim=True).transpose(-1, -2)  # (b|1, h|1, j, 1)
+        qf = torch.where(row_ok, qf, 0.0)
+        kf, vf = torch.where(key_ok, kf, 0.0), torch.where(key_ok, vf, 0.0)
+    logits = (qf @ kf.transpose(-1, -2)) * d**-0.5  # (b, h, i, j)
+    if bias is not None:  # the bias first, then the clamp (x-transformers' order); -inf is masked below
+        logits = logits + torch.where(reach, bias, 0.0)
+    if softclamp is not None:
+        logits = torch.tanh(logits / softclamp) * softclamp
+    if sink is not None:  # key 0 is the sink: its logit is the learned one, never clamped (x-transformers)
+        logits = torch.cat((sink.to(dtype)[None, :, None, None].expand(b, h, i, 1), logits[..., 1:]), dim=-1)
+    if combined is not None:
+        logits = torch.where(combined, logits, float("-inf"))
+        logits = torch.where(row_ok, logits, 0.0)  # a dead row: finite logits, weights selected to 0 below
+    weights = logits.softmax(dim=-1)
+    if combined is not None:
+        weights = torch.where(combined & row_ok, weights, 0.0)
+    if dropout_p > 0:
+        weights = F.dropout(weights, p=dropout_p)
+    return (weights @ vf).to(q.dtype), weights
+
+
+def _self_padding(mask: Tensor, b: int, i: int, j: int) -> Tensor | None:
+    """``(b, i)`` which positions of x are real, when ``mask`` is a key padding mask of self-attention
+    (``(b, j)`` or ``(b, 1, 1, j)``; the last ``i`` keys are x's own positions); otherwise ``None``."""
+    if mask.dtype != torch.bool or j < i:
+        return None
+    if mask.dim() == 2 and tuple(mask.shape) == (b, j):
+        pad = mask
+    elif mask.dim() == 4 and mask.shape[0] == b and mask.shape[1] == 1 and mask.shape[2] == 1 and mask.shape[3] == j:
+        pad = mask[:, 0, 0]
+    else:
+        return None
+    return pad[:, j - i:]
+
+
+def _alive(mask: Tensor | None, causal: bool, b: int, h: int, i: int, j: int, device,
+           reach: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """Which queries ``(b|1, i)`` may attend to some key and which keys ``(b|1, j)`` some query may see
+    (in any head); ``(None, None)`` when every query and key is live. ``reach``: where an additive bias
+    is not ``-inf`` (broadcastable to ``(b, h, i, j)``)."""
+    if j == 0:
+        return torch.zeros(1, i, dtype=torch.bool, device=device), torch.zeros(1, 0, dtype=torch.bool, device=device)
+    if isinstance(mask, PreparedMask):
+        mask = mask.combined
+    m = None if mask is None else as_attention_mask(mask, b, h, i, j)
+    if m is not None and m.device != torch.device(device):
+        raise ValueError(f"mask is on {m.device}, expected {device} (the device of the inputs)")
+    if reach is not None:
+        if reach.dim() > 4 or any(s not in (1, f) for s, f in zip(reach.shape[::-1], (j, i, h, b))):
+            raise ValueError(f"bias must broadcast to (b, h, i, j) = ({b}, {h}, {i}, {j}), got {tuple(reach.shape)}")
+        reach = reach.reshape((1,) * (4 - reach.dim()) + tuple(reach.shape))
+    c = causal_mask(i, j, device=device) if causal and (i > j or ((m is not None or reach is not None) and i > 1)) else None
+    combined = combine_masks(m, c, reach)  # (b|1, h|1, i|1, j|1)
+    if combined is None:
+        return None, None
+    rows = combined.any(dim=-1).any(dim=1).expand(combined.shape[0], i)
+    keys = combined.any(dim=-2).any(dim=1).expand(combined.shape[0], j)
+    return rows, keys
+
+
+def _scatter(t: Tensor, index: Tensor | None, b: int, n: int) -> Tensor:
+    """Packed rows ``(T, h, d)`` placed at flat positions ``index`` of ``(b, n)`` among zeros (``None``:
+    ``t`` holds every position) -> ``(b, h, n, d)``."""
+    if index is not None:
+        t = t.new_zeros(b * n, *t.shape[1:]).index_copy(0, index, t)
+    return t.view(b, n, *t.shape[1:]).transpose(1, 2)

@@ -1,0 +1,156 @@
+"""What a layer stack keeps and returns besides its output: the KV cache and the intermediates.
+
+Shape legend: b batch, p cached positions, j context length, h_kv key/value heads, d head dim,
+c model width, K adaptive-condition width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from torch import Tensor
+
+from .masks import validate_mask
+
+__all__ = ["KVCache", "AttnIntermediate", "LayerIntermediates"]
+
+
+@dataclass
+class KVCache:
+    """What incremental decoding keeps between steps. Returned by ``forward(..., return_cache=True)``.
+
+    Attributes:
+        self_kv: per self-attention block, keys and values ``(b, h_kv, p, d)`` (rotary applied).
+        cross_kv: per cross-attention block, the context's keys and values, computed once; ``None``
+            when the stack ran without a context.
+        mask: ``(b, p)`` which cached positions are real; ``None`` when all are.
+        context_mask: ``(b, j)`` the context's padding mask, or ``None``.
+        count: ``(b,)`` real tokens seen per sample (the next token's position).
+        positions: ``(b|1, p)`` positions of the cached tokens (for ALiBi).
+        context: the context tensor ``cross_kv`` was computed from (a reference, no copy): a later
+            call may pass this same tensor (and the same ``context_mask``) again; any other context
+            with a cache is an error, never silently ignored.
+        condition: ``(b, K)`` the adaptive-norm condition in use (nulls in place of dropped ones);
+            ``condition_input`` / ``condition_mask``: what the user passed (references), which a later
+            call may pass again (the same tensors), like ``context``.
+        lead: ``(b,)`` real rows before the tokens (memory, class and prefix rows), set by the wrappers:
+            the tokens' absolute positions start after them. ``lead_slots``: those rows' slots.
+
+    A cache is input like any other: whatever its masked slots hold (positions where ``mask`` or
+    ``context_mask`` is False) reaches no output and no gradient.
+    """
+
+    self_kv: list[tuple[Tensor, Tensor]]
+    cross_kv: list[tuple[Tensor, Tensor]] | None
+    mask: Tensor | None
+    context_mask: Tensor | None
+    count: Tensor
+    positions: Tensor
+    context: Tensor | None = None
+    condition: Tensor | None = None
+    condition_input: Tensor | None = None
+    condition_mask: Tensor | None = None
+    lead: Tensor | None = None
+    lead_slots: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.count.shape[0])
+
+    @property
+    def length(self) -> int:
+        """p, the number of cached positions (real or padding)."""
+        return self.self_kv[0][0].shape[2] if self.self_kv else int(self.positions.shape[1])
+
+    @staticmethod
+    def check(cache, x: Tensor, n_self: int, n_cross: int) -> None:
+        """Raise a clear error unless ``cache`` fits a stack of ``n_self`` self- and ``n_cross``
+        cross-attention blocks run on ``x (b, n, c)``: batch, device, dtype, lengths and masks (S9)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache returned by forward(..., return_cache=True), got {type(cache).__name__}")
+        if len(cache.self_kv) != n_self:
+            raise ValueError(f"cache holds {len(cache.self_kv)} self-attention layers, this stack has {n_self}")
+        if cache.cross_kv is not None and len(cache.cross_kv) != n_cross:
+            raise ValueError(f"cache holds {len(cache.cross_kv)} cross-attention layers, this stack has {n_cross}")
+        b = x.shape[0]
+        if cache.batch_size != b:
+            raise ValueError(f"cache is for a batch of {cache.batch_size} samples, x has {b}; "
+                             f"use cache.index_select(...) to repeat or reorder its samples")
+        if cache.count.device != x.device:
+            raise ValueError(f"cache is on {cache.count.device}, expected {x.device} (the device of x)")
+        p = cache.length
+        if cache.mask is not None:
+            validate_mask(cache.mask, "cache.mask", shape=(b, p), device=x.device)
+        for k, v in cache.self_kv:
+            if k.shape[0] != b or k.shape[2] != p or v.shape[:3] != k.shape[:3] or _dtype_differs(k, x):
+                raise ValueError(f"cache.self_kv holds keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)}, "
+                                 f"expected (b={b}, h_kv, p={p}, d) in {x.dtype}")
+        if cache.cross_kv is not None:
+            for k, v in cache.cross_kv:
+                if k.shape[0] != b or v.shape[:3] != k.shape[:3] or _dtype_differs(k, x):
+                    raise ValueError(f"cache.cross_kv holds keys {tuple(k.shape)} {k.dtype} and values "
+                                     f"{tuple(v.shape)}, expected (b={b}, h_kv, j, d) in {x.dtype}")
+            if cache.context_mask is not None:
+                j = cache.cross_kv[0][0].shape[2] if cache.cross_kv else cache.context_mask.shape[1]
+                validate_mask(cache.context_mask, "cache.context_mask", shape=(b, j), device=x.device)
+
+    def index_select(self, index: Tensor) -> KVCache:
+        """The cache of the samples ``index`` (a ``(b',)`` long tensor), e.g. to repeat or reorder."""
+
+        def sel(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        return replace(
+            self,
+            self_kv=[(sel(k), sel(v)) for k, v in self.self_kv],
+            cross_kv=None if self.cross_kv is None else [(sel(k), sel(v)) for k, v in self.cross_kv],
+            mask=sel(self.mask), context_mask=sel(self.context_mask), count=sel(self.count),
+            positions=self.positions if self.positions.shape[0] == 1 else sel(self.positions),
+            context=sel(self.context), condition=sel(self.condition), condition_input=sel(self.condition_input),
+            condition_mask=sel(self.condition_mask), lead=sel(self.lead),
+        )
+
+
+@dataclass
+class AttnIntermediate:
+    """One attention block's weights, as x-transformers' ``Intermediates`` names them.
+
+    Attributes:
+        post_softmax_attn: ``(b, h, i, j)`` float32 weights (memory keys first); rows of padded
+            queries and dead rows, and columns of masked keys, are exactly 0.
+        layer_type: ``"a"`` (self-attention) or ``"c"`` (cross-attention).
+    """
+
+    post_softmax_attn: Tensor
+    layer_type: str
+
+
+@dataclass
+class LayerIntermediates:
+    """What ``return_hiddens`` / ``return_intermediates`` returns besides the output.
+
+    Attributes:
+        hiddens: the residual stream entering each layer, ``(b, n, c)`` each (padded positions 0).
+        last_hidden: the output of the stack (after the final norm).
+        attn_intermediates: one ``AttnIntermediate`` per attention block that ran, in order.
+        cache: the ``KVCache`` when ``return_cache`` was asked too.
+        memory_tokens: the memory tokens' outputs ``(b, M, c)`` (set by the wrapper).
+    """
+
+    hiddens: list[Tensor] = field(default_factory=list)
+    last_hidden: Tensor | None = None
+    attn_intermediates: list[AttnIntermediate] = field(default_factory=list)
+    cache: KVCache | None = None
+    memory_tokens: Tensor | None = None
+
+    @property
+    def attn_maps(self) -> list[Tensor]:
+        """The ``post_softmax_attn`` of every attention block."""
+        return [a.post_softmax_attn for a in self.attn_intermediates]
+
+
+def _dtype_differs(t: Tensor, x: Tensor) -> bool:
+    """``t`` cannot meet ``x`` in one matmul: dtypes differ outside autocast (which mixes them itself)."""
+    import torch
+
+    return t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)
