@@ -21,7 +21,6 @@ from torch import Tensor, nn
 from .attend import BACKENDS, PreparedMask, _grad_select, attend, masked_linear
 from .masks import as_attention_mask, causal_mask, combine_masks
 from .modules import RMSNorm, apply_rotary
-from .varlen import varlen_attention
 
 __all__ = ["Attention"]
 
@@ -199,7 +198,9 @@ class Attention(nn.Module):
             after the output projection, and pass zero gradient (S2).
         """
         if layout is not None:
-            return self._forward_layout(x, layout), None
+            from .unpadded import attend_layout  # the unpadded path's layouts live there
+
+            return attend_layout(self, x, layout), None
         if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
         b, i = x.shape[:2]
@@ -338,51 +339,6 @@ class Attention(nn.Module):
             parts_v.append(mv)
         return torch.cat((*parts_k, k), dim=2), torch.cat((*parts_v, v), dim=2)
 
-    def _forward_layout(self, h: Tensor, layout) -> Tensor:
-        """The unpadded path: projections and the output projection on the packed real tokens
-        ``h (T, c)``, attention on ``layout``'s own arrangement of them (padded slots exact zeros)."""
-        from .unpadded import GroupedSelfLayout, PackedCrossLayout, VarlenSelfLayout
-
-        if not self.packable:  # one place says why: the extra keys and the clamp run on the padded path
-            raise ValueError("memory keys/values, a learned sink and softclamp run on the padded path only")
-        dropout_p = self.dropout if self.training else 0.0
-        if isinstance(layout, VarlenSelfLayout):  # CUDA: Flash varlen over the packed tokens
-            q, (k, v) = self._project_q(h), self._project_kv(h)  # (T, h, d), (T, h_kv, d)
-            if layout.rotary is not None:
-                angles = layout.rotary(layout.positions[None], q.dtype)[0, 0][:, None]  # (T, 1, rot)
-                q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-            return self._output(varlen_attention(q, k, v, layout.layout, causal=layout.causal, plan=layout.plan))
-        if isinstance(layout, GroupedSelfLayout):  # self-attention on compacted per-group layouts
-            q_all, (k_all, v_all) = self._project_q(h), self._project_kv(h)  # (T, h, d), (T, h_kv, d)
-            out_all = q_all.new_zeros(q_all.shape)
-            for g in layout.groups:
-                q, k, v = (_scatter(t.index_select(0, g.tok), g.dest, g.b, g.length) for t in (q_all, k_all, v_all))
-                if layout.rotary is not None:
-                    angles = layout.rotary(g.pos, q.dtype)
-                    q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-                bias = None if layout.bias is None else layout.bias(g.pos, q.dtype)
-                # real tokens are compacted to the left in order: causal needs no mask tensor (a real query
-                # sees no padded key), a bidirectional stack needs the key padding
-                o = attend(q, k, v, mask=None if layout.causal and bias is None else g.key_pad, causal=layout.causal,
-                           bias=bias, dropout_p=dropout_p, backend=self.backend, _inputs_finite=True)
-                o = o.transpose(1, 2).flatten(0, 1).index_select(0, g.dest)  # (T_g, h, d)
-                out_all = out_all.index_copy(0, g.tok, o)
-            return self._output(out_all)
-        if not isinstance(layout, PackedCrossLayout):
-            raise TypeError(f"layout must be an unpadded layout, got {type(layout).__name__}")
-        plan = layout.plan
-        q = _scatter(self._project_q(h), plan.idx, plan.b, plan.n)  # (b, h, n, d)
-        k, v = (_scatter(t, layout.cidx, plan.b, layout.j) for t in self._project_kv(layout.rows))  # (b, h_kv, j, d)
-        out = attend(q, k, v, mask=layout.mask, dropout_p=dropout_p, backend=self.backend, _inputs_finite=True)
-        out = plan.pack(out.transpose(1, 2))  # (T, h, d)
-        rows_ok = None
-        if self.to_out.bias is not None:  # a bias would move dead rows off 0
-            if layout.j == 0:  # a zero-length context: every row is dead
-                rows_ok = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-            elif layout.mask is not None:
-                rows_ok = layout.mask.any(dim=-1).any(dim=1).expand(plan.b, plan.n).reshape(-1).index_select(0, plan.idx)
-        return self._output(out, rows_ok=rows_ok)
-
     def _check_kv(self, kv, name: str, b: int, x: Tensor, mixed_ok: bool = False) -> None:
         ok = isinstance(kv, (tuple, list)) and len(kv) == 2 and all(isinstance(t, Tensor) and t.dim() == 4 for t in kv)
         if not ok:
@@ -498,10 +454,3 @@ def _alive(mask: Tensor | None, causal: bool, b: int, h: int, i: int, j: int, de
     keys = combined.any(dim=-2).any(dim=1).expand(combined.shape[0], j)
     return rows, keys
 
-
-def _scatter(t: Tensor, index: Tensor | None, b: int, n: int) -> Tensor:
-    """Packed rows ``(T, h, d)`` placed at flat positions ``index`` of ``(b, n)`` among zeros (``None``:
-    ``t`` holds every position) -> ``(b, h, n, d)``."""
-    if index is not None:
-        t = t.new_zeros(b * n, *t.shape[1:]).index_copy(0, index, t)
-    return t.view(b, n, *t.shape[1:]).transpose(1, 2)

@@ -14,6 +14,8 @@ Masks follow the one convention (bool, True = real / may attend):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -291,53 +293,6 @@ class AttentionLayers(Configurable, nn.Module):
             raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink or "
                              "attn_softclamp_logits (they run on the padded path); use unpadded='auto' or False")
 
-    def _check_inputs(self, x, mask, context, context_mask, cache) -> None:
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape (b, n, dim={self.dim}), got {getattr(x, 'shape', type(x))}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-        b, n = x.shape[:2]
-        if mask is not None:
-            validate_mask(mask, "mask", shape=(b, n), device=x.device)
-        if cache is not None:
-            KVCache.check(cache, x, self.layer_kinds.count("self"), self.layer_kinds.count("cross"))
-            if context is not None and cache.cross_kv is None and self.has_cross:
-                raise ValueError(
-                    "context was passed with a cache built without one: the cached positions never saw it. "
-                    "Pass the context on the first call (the one that builds the cache)"
-                )
-            if context is not None and cache.cross_kv is not None:
-                same = context is cache.context and (context_mask is cache.context_mask or (
-                    context_mask is None and cache.context_mask is None))
-                if not same:
-                    raise ValueError(
-                        "context was passed with a cache that already holds a context's keys/values: the cache "
-                        "answers for the context (and context_mask) of the call that built it. Pass context only "
-                        "on that first call (or the very same context and context_mask tensors again); to change "
-                        "the condition, start without a cache"
-                    )
-        if context is None:
-            if context_mask is not None:
-                raise ValueError("context_mask was given without a context; pass context=... as well")
-            if self.only_cross and (cache is None or cache.cross_kv is None):
-                raise ValueError("a CrossAttender (only_cross=True) needs a context")
-            return
-        if not self.has_cross:
-            raise ValueError("context was given but this stack has no cross-attention; build it with cross_attend=True")
-        if not isinstance(context, Tensor) or context.dim() != 3:
-            raise ValueError(f"context must be a tensor of shape (b, j, dim_context), got {getattr(context, 'shape', type(context))}")
-        if context.shape[0] != b or context.shape[-1] != self.dim_context:
-            raise ValueError(
-                f"context must have shape (b={b}, j, dim_context={self.dim_context}), got {tuple(context.shape)}"
-            )
-        if context.device != x.device:
-            raise ValueError(f"context is on {context.device}, expected {x.device}")
-        if _dtype_differs(context, x):
-            raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of the model's hidden "
-                            f"states); convert it with context.to({x.dtype})")
-        if context_mask is not None:
-            validate_mask(context_mask, "context_mask", shape=(b, context.shape[1]), device=x.device)
-
     def plan_unpadded(self, mask: Tensor | None, *, cache=None, return_cache: bool = False,
                       attn_mask: Tensor | None = None, return_hiddens: bool = False) -> UnpaddedPlan | None:
         """Whether (and on which real tokens) ``forward`` runs the unpadded path: see ``unpadded.py``."""
@@ -400,68 +355,15 @@ class AttentionLayers(Configurable, nn.Module):
             if positions is not None:
                 raise ValueError("pass positions or pos (x-transformers' name for it), not both")
             positions = pos
-        self._check_inputs(x, mask, context, context_mask, cache)
+        check_inputs(self, x, mask, context, context_mask, cache)
         b, n, _ = x.shape
         device = x.device
-        past = cache.length if cache is not None else 0
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
-
-        # self-attention mask: built once here, passed to every block
-        key_pad = None
-        if mask is not None or (cache is not None and cache.mask is not None):
-            old = cache.mask if cache is not None and cache.mask is not None else torch.ones(b, past, dtype=torch.bool, device=device)
-            new = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=device)
-            key_pad = torch.cat((old, new), dim=1)  # (b, p + n)
-        self_mask = None if key_pad is None else key_pad[:, None, None, :]  # (b, 1, 1, p + n)
-        if attn_mask is not None:
-            validate_mask(attn_mask, "attn_mask", device=device)
-            if attn_mask.shape not in ((b, n, past + n), (n, past + n)):
-                raise ValueError(f"attn_mask must have shape (b, n, p + n) = ({b}, {n}, {past + n}) or (n, p + n), got {tuple(attn_mask.shape)}")
-            extra = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None]
-            self_mask = extra if self_mask is None else self_mask & extra
-        causal = self.causal
-        if causal and self_mask is not None and n > 1:
-            self_mask = self_mask & causal_mask(n, past + n, device=device)  # (b, 1, n, p + n)
-            causal = False
-        elif causal and past > 0 and n > 1:
-            self_mask = causal_mask(n, past + n, device=device)  # (1, 1, n, p + n)
-            causal = False
-
-        if positions is None:
-            positions = positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
-        else:
-            positions = _check_positions(positions, b, n, device)
-        rotary = None
-        if self.rotary is not None:
-            angles = self.rotary(positions, dtype=x.dtype)  # (b|1, 1, n, d_rot), float32 or wider
-            rotary = (angles, angles)
-        bias = None
-        all_positions = positions if cache is None else torch.cat(_broadcast_batch(cache.positions, positions), dim=1)
-        if self.alibi_slopes is not None:
-            bias = alibi_bias(self.alibi_slopes, positions, all_positions).to(x.dtype)  # (b|1, h, n, p + n)
-        if self_mask is not None and self_mask.shape[2] > 1 and bias is None:
-            # a mask that varies per query (padding + causal): prepared once, one kernel mask for all layers
-            self_mask = prepare_mask(self_mask, dtype=x.dtype)
-
-        # cross-attention: context padded positions are selected away before any projection
-        use_cross = self.has_cross and (context is not None or (cache is not None and cache.cross_kv is not None))
-        cached_cross = cache is not None and cache.cross_kv is not None
-        user_context = context  # the cache keeps a reference to what the user passed (not a copy)
-        if cached_cross:  # the cache answers for the context (checked: the same tensors, or none passed)
-            context, context_mask = cache.context, cache.context_mask
-            user_context = context
-        cross_mask = None
-        if cached_cross:
-            cross_mask = None if context_mask is None else context_mask[:, None, None, :]
-        elif context is not None:
-            if self.training and self.cross_attn_tokens_dropout > 0 and context.shape[1] > 0:
-                # each context token dropped per sample; a sample may lose them all (a dead row, safe)
-                keep = torch.rand(b, context.shape[1], device=device) >= self.cross_attn_tokens_dropout
-                context_mask = keep if context_mask is None else context_mask & keep
-            if context_mask is not None:
-                context = torch.where(context_mask[..., None], context, 0.0)
-                cross_mask = context_mask[:, None, None, :]  # (b, 1, 1, j)
+        sa = self_attention_inputs(self, x, mask, cache, attn_mask, positions)
+        ca = cross_attention_inputs(self, context, context_mask, cache, b)
+        self_mask, causal, rotary, bias, positions = sa.mask, sa.causal, sa.rotary, sa.bias, sa.positions
+        context, context_mask, cross_mask, use_cross, cached_cross = ca.context, ca.context_mask, ca.mask, ca.used, ca.cached
 
         cond = adaptive_condition(self, condition, condition_mask, cache, b, x)  # (b, K) or None
 
@@ -527,9 +429,9 @@ class AttentionLayers(Configurable, nn.Module):
         if cache is not None:
             count = cache.count + count
         new_cache = KVCache(
-            self_kv=self_kv, cross_kv=cross_kv if use_cross else None, mask=key_pad,
-            context_mask=context_mask if use_cross else None, count=count, positions=all_positions,
-            context=user_context if use_cross else None,
+            self_kv=self_kv, cross_kv=cross_kv if use_cross else None, mask=sa.key_pad,
+            context_mask=context_mask if use_cross else None, count=count, positions=sa.all_positions,
+            context=ca.user_context if use_cross else None,
             condition=cond, condition_input=condition if cache is None else cache.condition_input,
             condition_mask=condition_mask if cache is None else cache.condition_mask,
         )
@@ -537,6 +439,150 @@ class AttentionLayers(Configurable, nn.Module):
             intermediates.cache = new_cache
             return x, new_cache, intermediates
         return x, new_cache
+
+
+
+def check_inputs(stack: AttentionLayers, x, mask, context, context_mask, cache) -> None:
+    """The stack's door: shapes, dtypes, devices and masks of everything ``forward`` takes (S9), once."""
+    if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != stack.dim:
+        raise ValueError(f"x must have shape (b, n, dim={stack.dim}), got {getattr(x, 'shape', type(x))}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    b, n = x.shape[:2]
+    if mask is not None:
+        validate_mask(mask, "mask", shape=(b, n), device=x.device)
+    if cache is not None:
+        KVCache.check(cache, x, stack.layer_kinds.count("self"), stack.layer_kinds.count("cross"))
+        if context is not None and cache.cross_kv is None and stack.has_cross:
+            raise ValueError(
+                "context was passed with a cache built without one: the cached positions never saw it. "
+                "Pass the context on the first call (the one that builds the cache)"
+            )
+        if context is not None and cache.cross_kv is not None:
+            same = context is cache.context and (context_mask is cache.context_mask or (
+                context_mask is None and cache.context_mask is None))
+            if not same:
+                raise ValueError(
+                    "context was passed with a cache that already holds a context's keys/values: the cache "
+                    "answers for the context (and context_mask) of the call that built it. Pass context only "
+                    "on that first call (or the very same context and context_mask tensors again); to change "
+                    "the condition, start without a cache"
+                )
+    if context is None:
+        if context_mask is not None:
+            raise ValueError("context_mask was given without a context; pass context=... as well")
+        if stack.only_cross and (cache is None or cache.cross_kv is None):
+            raise ValueError("a CrossAttender (only_cross=True) needs a context")
+        return
+    if not stack.has_cross:
+        raise ValueError("context was given but this stack has no cross-attention; build it with cross_attend=True")
+    if not isinstance(context, Tensor) or context.dim() != 3:
+        raise ValueError(f"context must be a tensor of shape (b, j, dim_context), got {getattr(context, 'shape', type(context))}")
+    if context.shape[0] != b or context.shape[-1] != stack.dim_context:
+        raise ValueError(
+            f"context must have shape (b={b}, j, dim_context={stack.dim_context}), got {tuple(context.shape)}"
+        )
+    if context.device != x.device:
+        raise ValueError(f"context is on {context.device}, expected {x.device}")
+    if _dtype_differs(context, x):
+        raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of the model's hidden "
+                        f"states); convert it with context.to({x.dtype})")
+    if context_mask is not None:
+        validate_mask(context_mask, "context_mask", shape=(b, context.shape[1]), device=x.device)
+
+@dataclass(frozen=True)
+class SelfAttentionInputs:
+    """What every self-attention block of one forward shares, built once: the combined mask (a
+    ``PreparedMask`` when it varies per query), whether the kernel applies causal itself, rotary angles,
+    the ALiBi bias, the key padding ``(b, p + n)`` and the positions (new, and cached + new)."""
+
+    mask: object
+    causal: bool
+    rotary: tuple[Tensor, Tensor] | None
+    bias: Tensor | None
+    key_pad: Tensor | None
+    positions: Tensor
+    all_positions: Tensor
+
+
+def self_attention_inputs(stack: AttentionLayers, x: Tensor, mask, cache, attn_mask, positions) -> SelfAttentionInputs:
+    b, n = x.shape[:2]
+    device = x.device
+    past = cache.length if cache is not None else 0
+    # self-attention mask: built once here, passed to every block
+    key_pad = None
+    if mask is not None or (cache is not None and cache.mask is not None):
+        old = cache.mask if cache is not None and cache.mask is not None else torch.ones(b, past, dtype=torch.bool, device=device)
+        new = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=device)
+        key_pad = torch.cat((old, new), dim=1)  # (b, p + n)
+    self_mask = None if key_pad is None else key_pad[:, None, None, :]  # (b, 1, 1, p + n)
+    if attn_mask is not None:
+        validate_mask(attn_mask, "attn_mask", device=device)
+        if attn_mask.shape not in ((b, n, past + n), (n, past + n)):
+            raise ValueError(f"attn_mask must have shape (b, n, p + n) = ({b}, {n}, {past + n}) or (n, p + n), got {tuple(attn_mask.shape)}")
+        extra = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None]
+        self_mask = extra if self_mask is None else self_mask & extra
+    causal = stack.causal
+    if causal and self_mask is not None and n > 1:
+        self_mask = self_mask & causal_mask(n, past + n, device=device)  # (b, 1, n, p + n)
+        causal = False
+    elif causal and past > 0 and n > 1:
+        self_mask = causal_mask(n, past + n, device=device)  # (1, 1, n, p + n)
+        causal = False
+
+    if positions is None:
+        positions = positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
+    else:
+        positions = _check_positions(positions, b, n, device)
+    rotary = None
+    if stack.rotary is not None:
+        angles = stack.rotary(positions, dtype=x.dtype)  # (b|1, 1, n, d_rot), float32 or wider
+        rotary = (angles, angles)
+    bias = None
+    all_positions = positions if cache is None else torch.cat(_broadcast_batch(cache.positions, positions), dim=1)
+    if stack.alibi_slopes is not None:
+        bias = alibi_bias(stack.alibi_slopes, positions, all_positions).to(x.dtype)  # (b|1, h, n, p + n)
+    if self_mask is not None and self_mask.shape[2] > 1 and bias is None:
+        # a mask that varies per query (padding + causal): prepared once, one kernel mask for all layers
+        self_mask = prepare_mask(self_mask, dtype=x.dtype)
+    return SelfAttentionInputs(self_mask, causal, rotary, bias, key_pad, positions, all_positions)
+
+
+@dataclass(frozen=True)
+class CrossAttentionInputs:
+    """The context every cross-attention block of one forward shares: the context (masked rows selected
+    to 0) or the cache's, its mask ``(b, j)`` and kernel mask ``(b, 1, 1, j)``, whether cross-attention
+    runs at all (``used``) and whether the cache holds its keys/values (``cached``); ``user_context``
+    is what the cache keeps a reference to."""
+
+    context: Tensor | None
+    context_mask: Tensor | None
+    mask: Tensor | None
+    used: bool
+    cached: bool
+    user_context: Tensor | None
+
+
+def cross_attention_inputs(stack: AttentionLayers, context, context_mask, cache, b: int) -> CrossAttentionInputs:
+    # cross-attention: context padded positions are selected away before any projection
+    use_cross = stack.has_cross and (context is not None or (cache is not None and cache.cross_kv is not None))
+    cached_cross = cache is not None and cache.cross_kv is not None
+    user_context = context  # the cache keeps a reference to what the user passed (not a copy)
+    if cached_cross:  # the cache answers for the context (checked: the same tensors, or none passed)
+        context, context_mask = cache.context, cache.context_mask
+        user_context = context
+    cross_mask = None
+    if cached_cross:
+        cross_mask = None if context_mask is None else context_mask[:, None, None, :]
+    elif context is not None:
+        if stack.training and stack.cross_attn_tokens_dropout > 0 and context.shape[1] > 0:
+            # each context token dropped per sample; a sample may lose them all (a dead row, safe)
+            keep = torch.rand(b, context.shape[1], device=context.device) >= stack.cross_attn_tokens_dropout
+            context_mask = keep if context_mask is None else context_mask & keep
+        if context_mask is not None:
+            context = torch.where(context_mask[..., None], context, 0.0)
+            cross_mask = context_mask[:, None, None, :]  # (b, 1, 1, j)
+    return CrossAttentionInputs(context, context_mask, cross_mask, use_cross, cached_cross, user_context)
 
 
 def _check_positions(positions, b: int, n: int, device) -> Tensor:

@@ -27,11 +27,13 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .attend import attend
 from .block import apply_norm
-from .varlen import VarlenLayout, VarlenPlan, plan_varlen, varlen_layout
+from .modules import alibi_bias, apply_rotary
+from .varlen import VarlenLayout, VarlenPlan, plan_varlen, varlen_attention, varlen_layout
 
 __all__ = ["UNPADDED_THRESHOLD", "UnpaddedPlan", "plan_unpadded", "LengthGroup", "GroupedSelfLayout",
-           "VarlenSelfLayout", "PackedCrossLayout", "length_groups", "stack_varlen_plan", "forward_unpadded"]
+           "VarlenSelfLayout", "PackedCrossLayout", "length_groups", "stack_varlen_plan", "forward_unpadded", "attend_layout"]
 
 # the padding fraction from which "auto" runs the stack on real tokens only: measured with
 # `python benchmarks/unpadded.py --sweep` (benchmarks/results/unpadded_threshold.md), the unpadded path
@@ -193,7 +195,6 @@ def _self_layout(stack, plan: UnpaddedPlan, positions: Tensor, x: Tensor):
     if vplan.path == "varlen":
         pos_p = plan.pack(positions.expand(plan.b, plan.n)[..., None])[:, 0]  # (T,)
         return VarlenSelfLayout(varlen_layout(list(plan.counts), device=x.device), pos_p, vplan, stack.causal, rotary)
-    from .modules import alibi_bias
 
     slopes = stack.alibi_slopes
     bias = None if slopes is None else (lambda pos, dt: alibi_bias(slopes, pos, pos).to(dt))
@@ -240,3 +241,56 @@ def forward_unpadded(stack, x: Tensor, plan: UnpaddedPlan, positions: Tensor, co
             out = torch.where(keep, out / (1.0 - stack.layer_dropout), 0.0)
         xp = xp + out
     return plan.unpack(apply_norm(stack.final_norm, xp, condp))
+
+
+def attend_layout(attn, h: Tensor, layout) -> Tensor:
+    """``Attention`` ``attn`` on the unpadded path: its projections and output projection (its one seam) on
+    the packed real tokens ``h (T, c)``, attention on ``layout``'s own arrangement of them (padded slots
+    exact zeros)."""
+    if not attn.packable:  # one place says why: the extra keys and the clamp run on the padded path
+        raise ValueError("memory keys/values, a learned sink and softclamp run on the padded path only")
+    dropout_p = attn.dropout if attn.training else 0.0
+    if isinstance(layout, VarlenSelfLayout):  # CUDA: Flash varlen over the packed tokens
+        q, (k, v) = attn._project_q(h), attn._project_kv(h)  # (T, h, d), (T, h_kv, d)
+        if layout.rotary is not None:
+            angles = layout.rotary(layout.positions[None], q.dtype)[0, 0][:, None]  # (T, 1, rot)
+            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        return attn._output(varlen_attention(q, k, v, layout.layout, causal=layout.causal, plan=layout.plan))
+    if isinstance(layout, GroupedSelfLayout):  # self-attention on compacted per-group layouts
+        q_all, (k_all, v_all) = attn._project_q(h), attn._project_kv(h)  # (T, h, d), (T, h_kv, d)
+        out_all = q_all.new_zeros(q_all.shape)
+        for g in layout.groups:
+            q, k, v = (_scatter(t.index_select(0, g.tok), g.dest, g.b, g.length) for t in (q_all, k_all, v_all))
+            if layout.rotary is not None:
+                angles = layout.rotary(g.pos, q.dtype)
+                q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+            bias = None if layout.bias is None else layout.bias(g.pos, q.dtype)
+            # real tokens are compacted to the left in order: causal needs no mask tensor (a real query
+            # sees no padded key), a bidirectional stack needs the key padding
+            o = attend(q, k, v, mask=None if layout.causal and bias is None else g.key_pad, causal=layout.causal,
+                       bias=bias, dropout_p=dropout_p, backend=attn.backend, _inputs_finite=True)
+            o = o.transpose(1, 2).flatten(0, 1).index_select(0, g.dest)  # (T_g, h, d)
+            out_all = out_all.index_copy(0, g.tok, o)
+        return attn._output(out_all)
+    if not isinstance(layout, PackedCrossLayout):
+        raise TypeError(f"layout must be an unpadded layout, got {type(layout).__name__}")
+    plan = layout.plan
+    q = _scatter(attn._project_q(h), plan.idx, plan.b, plan.n)  # (b, h, n, d)
+    k, v = (_scatter(t, layout.cidx, plan.b, layout.j) for t in attn._project_kv(layout.rows))  # (b, h_kv, j, d)
+    out = attend(q, k, v, mask=layout.mask, dropout_p=dropout_p, backend=attn.backend, _inputs_finite=True)
+    out = plan.pack(out.transpose(1, 2))  # (T, h, d)
+    rows_ok = None
+    if attn.to_out.bias is not None:  # a bias would move dead rows off 0
+        if layout.j == 0:  # a zero-length context: every row is dead
+            rows_ok = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+        elif layout.mask is not None:
+            rows_ok = layout.mask.any(dim=-1).any(dim=1).expand(plan.b, plan.n).reshape(-1).index_select(0, plan.idx)
+    return attn._output(out, rows_ok=rows_ok)
+
+
+def _scatter(t: Tensor, index: Tensor | None, b: int, n: int) -> Tensor:
+    """Packed rows ``(T, h, d)`` placed at flat positions ``index`` of ``(b, n)`` among zeros (``None``:
+    ``t`` holds every position) -> ``(b, h, n, d)``."""
+    if index is not None:
+        t = t.new_zeros(b * n, *t.shape[1:]).index_copy(0, index, t)
+    return t.view(b, n, *t.shape[1:]).transpose(1, 2)
