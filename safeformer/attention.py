@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attend import BACKENDS, PreparedMask, _grad_select, attend, masked_linear
-from .masks import as_attention_mask, causal_mask, combine_masks
+from .masks import as_attention_mask, causal_mask, checked_once, combine_masks
 from .modules import RMSNorm, apply_rotary
 
 __all__ = ["Attention"]
@@ -152,6 +152,7 @@ class Attention(nn.Module):
         k, v = self._project_kv(source, keep)
         return k.transpose(1, 2), v.transpose(1, 2)
 
+    @checked_once
     def forward(
         self,
         x: Tensor,

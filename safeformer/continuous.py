@@ -33,7 +33,7 @@ from .conditions import (
     guidance_branches,
     stack_conditions,
 )
-from .masks import check_finite, validate_mask
+from .masks import check_finite, checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import ContinuousTransformerWrapper
 
@@ -269,6 +269,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         floor = torch.tensor(math.log(self.min_variance), dtype=raw.dtype, device=raw.device)
         return mean, torch.logaddexp(raw, floor)  # log(exp(raw) + min_variance), stable both ways
 
+    @checked_once
     def forward(
         self,
         x: Tensor,

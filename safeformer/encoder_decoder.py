@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from .generation import generate_tokens
 from .layers import LAYER_ALIASES, AttentionLayers, Decoder, Encoder
 from .losses import next_token_loss
+from .masks import checked_once
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper, _check_tokens
 
@@ -174,6 +175,7 @@ class XTransformer(Configurable, nn.Module):
                               ones(src.shape[1]) if mask is None else mask), dim=1)
         return enc, mask
 
+    @checked_once
     def forward(self, src: Tensor, tgt: Tensor, *, mask: Tensor | None = None, tgt_mask: Tensor | None = None,
                 src_prepend_embeds: Tensor | None = None, src_prepend_mask: Tensor | None = None) -> Tensor:
         """Next-token cross-entropy of ``tgt (b, n)`` given ``src (b, j)``.

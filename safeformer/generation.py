@@ -35,7 +35,7 @@ from .conditions import (
     stack_conditions,
 )
 from .losses import next_token_loss
-from .masks import check_finite, validate_mask
+from .masks import check_finite, checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
@@ -872,6 +872,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                              dim=layers.dim, dim_condition=layers.dim_condition)
         return conds
 
+    @checked_once
     def forward(
         self,
         x: Tensor,

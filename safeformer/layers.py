@@ -25,7 +25,7 @@ from .attention import Attention
 from .block import Block, apply_norm
 from .cache import AttnIntermediate, KVCache, LayerIntermediates, _dtype_differs
 from .conditions import adaptive_condition
-from .masks import causal_mask, validate_mask
+from .masks import causal_mask, checked_once, validate_mask
 from .modules import (
     AdaptiveLayerScale,
     AdaptiveNorm,
@@ -299,6 +299,7 @@ class AttentionLayers(Configurable, nn.Module):
         return plan_unpadded(self.unpadded, mask, packable=self.packable, cache=cache, return_cache=return_cache,
                              attn_mask=attn_mask, return_hiddens=return_hiddens)
 
+    @checked_once
     def forward(
         self,
         x: Tensor,

@@ -17,6 +17,11 @@ Words (see docs/safety.md):
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 from torch import Tensor
 
@@ -37,6 +42,40 @@ __all__ = [
 
 def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
+
+
+# The masks validated in the current call of the outermost door (``checked_once``): each mask is checked
+# once per call against each requirement, however many layers below the door receive it. Keyed by the
+# tensor's identity and version (an in-place change is checked again); the tensors are held so that an
+# identity cannot be reused within the call.
+_VALIDATED: ContextVar[dict | None] = ContextVar("safeformer_validated_masks", default=None)
+
+
+@contextmanager
+def validation_scope() -> Iterator[None]:
+    """Within this scope ``validate_mask`` checks each mask once per requirement (the outermost door
+    opens it; a module used on its own opens its own, so it still validates)."""
+    if _VALIDATED.get() is not None:
+        yield
+        return
+    token = _VALIDATED.set({})
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
+
+
+def checked_once(fn: Callable) -> Callable:
+    """Decorator for a door's ``forward``: its masks are validated once per call (``validation_scope``)."""
+
+    @functools.wraps(fn)
+    def door(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        with validation_scope():
+            return fn(*args, **kwargs)
+
+    return door
 
 
 def validate_mask(
@@ -61,6 +100,19 @@ def validate_mask(
         TypeError: ``mask`` is not a tensor or not ``torch.bool``.
         ValueError: wrong number of dimensions, wrong size, or wrong device.
     """
+    seen = None if torch.compiler.is_compiling() else _VALIDATED.get()
+    if seen is not None and isinstance(mask, Tensor):
+        key = (id(mask), mask._version, shape, None if device is None else str(torch.device(device)))
+        if key in seen:
+            return mask
+        _check_mask(mask, name, shape, device)
+        seen[key] = mask
+        return mask
+    _check_mask(mask, name, shape, device)
+    return mask
+
+
+def _check_mask(mask, name: str, shape, device) -> None:
     if not isinstance(mask, Tensor):
         raise TypeError(f"{name} must be a torch.bool tensor (True = may attend), got {type(mask).__name__}")
     if mask.dtype != torch.bool:
@@ -75,7 +127,6 @@ def validate_mask(
             raise ValueError(f"{name} must have shape {want}, got {_shape(mask)}")
     if device is not None and not _same_device(mask.device, device):
         raise ValueError(f"{name} is on {mask.device}, expected {device} (the device of the inputs)")
-    return mask
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

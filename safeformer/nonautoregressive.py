@@ -41,7 +41,7 @@ from .continuous import (
 )
 from .generation import _resolve_filter, sample_logits
 from .losses import safe_cross_entropy
-from .masks import validate_mask
+from .masks import checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
@@ -227,6 +227,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         hidden = (rank < k[:, None]) & real
         return torch.where(hidden, torch.full_like(x, self.mask_id), x), hidden
 
+    @checked_once
     def forward(
         self,
         x: Tensor,

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .layers import AttentionLayers, KVCache, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
-from .masks import validate_mask
+from .masks import checked_once, validate_mask
 from .modules import AbsolutePositionalEmbedding, l2norm, positions_from_mask
 from .pretrained import Configurable
 
@@ -306,6 +306,7 @@ class TransformerWrapper(_Wrapper):
         self.to_logits = nn.Linear(dim, num_tokens if logits_dim is None else logits_dim, bias=False) if has_head else None
         self.check_finite = check_finite
 
+    @checked_once
     def forward(
         self,
         x: Tensor,
@@ -475,6 +476,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.check_finite = check_finite
 
+    @checked_once
     def forward(
         self,
         x: Tensor,
