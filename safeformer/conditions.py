@@ -33,13 +33,58 @@ from torch import Tensor
 
 from .masks import validate_mask
 
-__all__ = ["KINDS", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "drop_conditions", "GuidanceSchedule",
+__all__ = ["KINDS", "CONDITION_KINDS", "ConditionKind", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "drop_conditions", "GuidanceSchedule",
            "guidance_branches", "drop_probabilities"]
 
-KINDS = ("context", "prepend", "condition")
 _NEG_INF = float("-inf")
-_PAIRS = {"context": ("context", "context_mask"), "prepend": ("prepend_embeds", "prepend_mask"),
-          "condition": ("condition", "condition_mask")}
+
+
+@dataclass(frozen=True)
+class ConditionKind:
+    """How one kind of condition is passed, checked, dropped, padded and stacked: one entry per kind.
+
+    Attributes:
+        name: the kind's name in ``cond_drop_prob`` / ``cond_scale`` mappings.
+        value, mask: the forward keywords of the tensor and its mask (``Conditions``' fields).
+        sequence: ``value (b, j, width)`` with ``mask (b, j)`` (a dropped sample: an all-False row, or a
+            null sequence); otherwise ``value (b, width)`` with ``mask (b,)`` (a dropped sample: the
+            model's null condition is selected in).
+        width: the model attribute giving the width (``"dim_context"``, ``"dim"``, ``"dim_condition"``).
+        needs: what the model must have to take this kind (for the error when it has not).
+    """
+
+    name: str
+    value: str
+    mask: str
+    sequence: bool
+    width: str
+    needs: str | None = None
+
+    def mask_shape(self, t: Tensor) -> tuple[int, ...]:
+        return tuple(t.shape[:2] if self.sequence else t.shape[:1])
+
+    def full_mask(self, t: Tensor, mask: Tensor | None) -> Tensor:
+        """``mask``, or all True (every row real) when it is ``None``."""
+        return mask if mask is not None else torch.ones(self.mask_shape(t), dtype=torch.bool, device=t.device)
+
+    def per_sample(self, d: Tensor) -> Tensor:
+        """A per-sample ``(b,)`` bool broadcast against this kind's mask."""
+        return d[:, None] if self.sequence else d
+
+    def empty(self, t: Tensor, b: int, prefix: str = "negative_") -> tuple[Tensor, Tensor]:
+        """The kind given with nothing in it (for a negative condition passed alone)."""
+        if not self.sequence:
+            raise ValueError(f"{prefix}{self.value} needs a {self.value} for the conditional branch too")
+        return t[:, :0], torch.zeros(b, 0, dtype=torch.bool, device=t.device)
+
+
+CONDITION_KINDS: dict[str, ConditionKind] = {k.name: k for k in (
+    ConditionKind("context", "context", "context_mask", True, "dim_context", "cross-attention (cross_attend=True)"),
+    ConditionKind("prepend", "prepend_embeds", "prepend_mask", True, "dim"),
+    ConditionKind("condition", "condition", "condition_mask", False, "dim_condition",
+                  "adaptive layers (use_adaptive_layernorm=True)"),
+)}
+KINDS = tuple(CONDITION_KINDS)
 
 
 @dataclass
@@ -55,15 +100,24 @@ class Conditions:
 
     def kinds(self) -> tuple[str, ...]:
         """The kinds present, in ``KINDS`` order."""
-        return tuple(k for k in KINDS if getattr(self, _PAIRS[k][0]) is not None)
+        return tuple(k for k in KINDS if getattr(self, CONDITION_KINDS[k].value) is not None)
 
     def pair(self, kind: str) -> tuple[Tensor | None, Tensor | None]:
-        a, m = _PAIRS[kind]
-        return getattr(self, a), getattr(self, m)
+        spec = CONDITION_KINDS[kind]
+        return getattr(self, spec.value), getattr(self, spec.mask)
 
     def with_pair(self, kind: str, value: Tensor | None, mask: Tensor | None) -> Conditions:
-        a, m = _PAIRS[kind]
-        return replace(self, **{a: value, m: mask})
+        spec = CONDITION_KINDS[kind]
+        return replace(self, **{spec.value: value, spec.mask: mask})
+
+    def with_empty_for(self, negatives: Conditions, b: int, prefix: str = "negative_") -> Conditions:
+        """A negative condition given alone: the conditional branch sees that kind empty (no context,
+        no prefix); an adaptive condition has no empty form, so its negative needs a positive one."""
+        out = self
+        for kind in negatives.kinds():
+            if self.pair(kind)[0] is None:
+                out = out.with_pair(kind, *CONDITION_KINDS[kind].empty(negatives.pair(kind)[0], b, prefix))
+        return out
 
     def kwargs(self) -> dict:
         """Keyword arguments for a wrapper's forward (the prefix's outputs excised)."""
@@ -81,10 +135,7 @@ class Conditions:
 
 
 def _full_mask(t: Tensor, mask: Tensor | None, kind: str) -> Tensor:
-    if mask is not None:
-        return mask
-    shape = t.shape[:1] if kind == "condition" else t.shape[:2]
-    return torch.ones(shape, dtype=torch.bool, device=t.device)
+    return CONDITION_KINDS[kind].full_mask(t, mask)
 
 
 def null_of(conds: Conditions, kind: str, null: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
@@ -112,7 +163,7 @@ def stack_conditions(branches: list[Conditions]) -> Conditions:
     out = Conditions()
     for kind in kinds:
         pairs = [(t, _full_mask(t, m, kind)) for t, m in (br.pair(kind) for br in branches)]
-        if kind != "condition":
+        if CONDITION_KINDS[kind].sequence:
             length = max(m.shape[1] for _, m in pairs)
             dtype = pairs[0][0].dtype
             pairs = [_pad(t.to(dtype), m, length) for t, m in pairs]
@@ -160,12 +211,11 @@ def drop_conditions(
         m = _full_mask(t, m, kind)
         null = None if nulls is None else nulls.get(kind)
         if null is None:
-            keep = ~d if kind == "condition" else ~d[:, None]
-            conds = conds.with_pair(kind, t, m & keep)
+            conds = conds.with_pair(kind, t, m & CONDITION_KINDS[kind].per_sample(~d))
             continue
         nt, nm = null
         nm = _full_mask(nt, nm, kind)
-        if kind == "condition":
+        if not CONDITION_KINDS[kind].sequence:
             conds = conds.with_pair(kind, torch.where(d[:, None], nt.to(t.dtype), t), torch.where(d, nm, m))
             continue
         length = max(m.shape[1], nm.shape[1])
@@ -366,18 +416,15 @@ class GuidanceSchedule:
 def check_condition_args(conds: Conditions, b: int, device, *, dim_context: int | None, dim: int,
                          dim_condition: int | None, prefix: str = "") -> None:
     """Shapes, dtypes and devices of every condition given (S9); ``prefix`` names negative ones."""
+    widths = {"dim_context": dim_context, "dim": dim, "dim_condition": dim_condition}
     for kind in conds.kinds():
+        spec = CONDITION_KINDS[kind]
         t, m = conds.pair(kind)
-        name, mname = (prefix + a for a in _PAIRS[kind])
-        if kind == "condition":
-            want = (b, dim_condition)
-            if dim_condition is None:
-                raise ValueError(f"{name} was given but the model has no adaptive layers (use_adaptive_layernorm=True)")
-        else:
-            width = dim_context if kind == "context" else dim
-            if kind == "context" and width is None:
-                raise ValueError(f"{name} was given but the model has no cross-attention (cross_attend=True)")
-            want = (b, None, width)
+        name, mname = prefix + spec.value, prefix + spec.mask
+        width = widths[spec.width]
+        if width is None:
+            raise ValueError(f"{name} was given but the model has no {spec.needs}")
+        want = (b, None, width) if spec.sequence else (b, width)
         if not isinstance(t, Tensor) or t.dim() != len(want) or any(w is not None and w != s for w, s in zip(want, t.shape)):
             shape = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -387,11 +434,11 @@ def check_condition_args(conds: Conditions, b: int, device, *, dim_context: int 
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the prompts)")
         if m is not None:
-            validate_mask(m, mname, shape=tuple(t.shape[:1] if kind == "condition" else t.shape[:2]), device=device)
-    for kind in KINDS:
-        t, m = conds.pair(kind)
+            validate_mask(m, mname, shape=spec.mask_shape(t), device=device)
+    for spec in CONDITION_KINDS.values():
+        t, m = conds.pair(spec.name)
         if m is not None and t is None:
-            raise ValueError(f"{prefix}{_PAIRS[kind][1]} was given without {prefix}{_PAIRS[kind][0]}")
+            raise ValueError(f"{prefix}{spec.mask} was given without {prefix}{spec.value}")
 
 
 def drop_probabilities(cond_drop_prob) -> dict[str, float]:

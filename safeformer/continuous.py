@@ -99,18 +99,6 @@ def _negatives(net, b: int, device, kw: Mapping) -> Conditions:
     return neg
 
 
-def _with_negative_kinds(conds: Conditions, negatives: Conditions, b: int, device) -> Conditions:
-    """A negative condition given alone: the conditional branch sees that kind empty (no context / no
-    prefix). A negative adaptive condition needs a positive one."""
-    for kind in negatives.kinds():
-        if conds.pair(kind)[0] is None:
-            if kind == "condition":
-                raise ValueError("negative_condition needs a condition for the conditional branch too")
-            t = negatives.pair(kind)[0]
-            conds = conds.with_pair(kind, t[:, :0], torch.zeros(b, 0, dtype=torch.bool, device=device))
-    return conds
-
-
 def _branches(conds: Conditions, negatives: Conditions, schedule: GuidanceSchedule, steps: int,
               need_joint: bool = False) -> tuple[tuple[str, ...], Conditions]:
     """``guidance_branches``, stacked into one batch of ``r * b``."""
@@ -438,7 +426,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             negative_context=negative_context, negative_context_mask=negative_context_mask,
             negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask,
             negative_condition=negative_condition))
-        conds = _with_negative_kinds(conds, negatives, b, device)
+        conds = conds.with_empty_for(negatives, b)
         if self.net.pos_emb is not None and n0 + seq_len - 1 > self.max_seq_len:  # a prefix takes no absolute position
             raise ValueError(
                 f"a start of {n0} steps plus seq_len={seq_len} new steps needs "

@@ -251,7 +251,7 @@ class XTransformer(Configurable, nn.Module):
                     uncond_mask = None if uncond_mask is None else uncond_mask.expand(enc.shape[0], -1)
             return generate_tokens(
                 self.decoder, start_tokens, seq_len, mask=start_mask, context=enc, context_mask=mask,
-                uncond_context=uncond, uncond_context_mask=uncond_mask, cond_scale=cond_scale,
+                negative_context=uncond, negative_context_mask=uncond_mask, cond_scale=cond_scale,
                 pad_value=self.pad_value, **options,
             )
         finally:

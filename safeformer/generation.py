@@ -447,7 +447,7 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
     dims = dict(dim_context=layers.dim_context if layers.has_cross else None, dim=layers.dim,
                 dim_condition=layers.dim_condition)
     check_condition_args(conds, b, device, **dims)
-    check_condition_args(negatives, b, device, **dims, prefix="uncond_")
+    check_condition_args(negatives, b, device, **dims, prefix="negative_")
     if null_context is not None:
         check_condition_args(Conditions(context=null_context), b, device, **dims, prefix="null_")
     if filter_kwargs is not None and filter_logits_fn is None:
@@ -464,13 +464,7 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
             f"alibi_pos_bias=True), which can slide past max_seq_len"
         )
     window = net.max_seq_len if restrict_to_max_seq_len and needed > net.max_seq_len else None
-    for kind in negatives.kinds():  # a negative condition alone: the conditional branch sees the empty one
-        if conds.pair(kind)[0] is None:
-            t = negatives.pair(kind)[0]
-            empty = t[:, :0] if kind != "condition" else None
-            if empty is None:
-                raise ValueError("uncond_condition needs a condition for the conditional branch too")
-            conds = conds.with_pair(kind, empty, torch.zeros(b, 0, dtype=torch.bool, device=device))
+    conds = conds.with_empty_for(negatives, b)  # a negative condition alone: the conditional branch sees it empty
     schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                       has_uncond=bool(conds.kinds()), steps=seq_len)
     nulls = {} if null_context is None else {"context": (null_context, None)}
@@ -486,8 +480,8 @@ def generate_tokens(
     mask: Tensor | None = None,
     context: Tensor | None = None,
     context_mask: Tensor | None = None,
-    uncond_context: Tensor | None = None,
-    uncond_context_mask: Tensor | None = None,
+    negative_context: Tensor | None = None,
+    negative_context_mask: Tensor | None = None,
     temperature: float = 1.0,
     filter_logits_fn: Callable[..., Tensor] | str | None = None,
     filter_kwargs: dict[str, Any] | None = None,
@@ -500,9 +494,9 @@ def generate_tokens(
     prepend_mask: Tensor | None = None,
     condition: Tensor | None = None,
     condition_mask: Tensor | None = None,
-    uncond_prepend_embeds: Tensor | None = None,
-    uncond_prepend_mask: Tensor | None = None,
-    uncond_condition: Tensor | None = None,
+    negative_prepend_embeds: Tensor | None = None,
+    negative_prepend_mask: Tensor | None = None,
+    negative_condition: Tensor | None = None,
     null_context: Tensor | None = None,
     guidance_interval: tuple[int, int] | None = None,
     guidance_space: str = "logits",
@@ -519,7 +513,7 @@ def generate_tokens(
             left-padded; any padding works since positions count real tokens only. Every prompt
             needs at least one real token.
         context, context_mask: the condition ``(b, j, c_ctx)`` / ``(b, j)`` for cross-attention.
-        uncond_context, uncond_context_mask: the unconditional branch's context (a negative prompt, a
+        negative_context, negative_context_mask: the unconditional branch's context (a negative prompt, a
             learned null token); ``None``: the conditional context with an all-False mask (the
             empty context).
         temperature: softmax temperature; ``0.0`` is greedy.
@@ -538,8 +532,8 @@ def generate_tokens(
         pad_value: token written after a sample's ``eos_token``.
         prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)`` (prefix conditioning).
         condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
-        uncond_prepend_embeds, uncond_prepend_mask, uncond_condition: negative conditions for the
-            unconditional branch (like ``uncond_context``); by default it sees every condition dropped.
+        negative_prepend_embeds, negative_prepend_mask, negative_condition: negative conditions for the
+            unconditional branch (like ``negative_context``); by default it sees every condition dropped.
         null_context: ``(b, m, c_ctx)`` what a dropped context is in the per-condition branches (a
             learned null token); default: the empty context.
         guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``; the others sample
@@ -567,7 +561,7 @@ def generate_tokens(
         TypeError: a tensor of the wrong dtype, a non-bool ``restrict_to_max_seq_len``.
     """
     conds = Conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask)
-    negatives = Conditions(uncond_context, uncond_context_mask, uncond_prepend_embeds, uncond_prepend_mask, uncond_condition)
+    negatives = Conditions(negative_context, negative_context_mask, negative_prepend_embeds, negative_prepend_mask, negative_condition)
     conds, schedule, nulls, window = _prepare(
         net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
         filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token, cond_scale=cond_scale,
@@ -663,11 +657,11 @@ def beam_search_tokens(
     guidance_rescale: float = 0.0,
     guidance_interval: tuple[int, int] | None = None,
     guidance_space: str = "logits",
-    uncond_context: Tensor | None = None,
-    uncond_context_mask: Tensor | None = None,
-    uncond_prepend_embeds: Tensor | None = None,
-    uncond_prepend_mask: Tensor | None = None,
-    uncond_condition: Tensor | None = None,
+    negative_context: Tensor | None = None,
+    negative_context_mask: Tensor | None = None,
+    negative_prepend_embeds: Tensor | None = None,
+    negative_prepend_mask: Tensor | None = None,
+    negative_condition: Tensor | None = None,
     null_context: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Beam search: the ``beams`` continuations of ``seq_len`` tokens with the largest summed log-probability.
@@ -698,7 +692,7 @@ def beam_search_tokens(
         cache_kv: decode with the KV cache; the result equals the uncached recompute.
         restrict_to_max_seq_len: the sliding window of ``generate_tokens``.
         pad_value: token written after a beam's ``eos_token``.
-        cond_scale, guidance_rescale, guidance_interval, guidance_space, uncond_*, null_context:
+        cond_scale, guidance_rescale, guidance_interval, guidance_space, negative_*, null_context:
             classifier-free guidance, as in ``generate_tokens``: beams are scored with the
             log-softmax of the guided logits.
 
@@ -724,7 +718,7 @@ def beam_search_tokens(
         raise ValueError(f"temperature={temperature!r} only applies with stochastic=True (deterministic beam search "
                          "ranks by the model's log-probabilities)")
     conds = Conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask)
-    negatives = Conditions(uncond_context, uncond_context_mask, uncond_prepend_embeds, uncond_prepend_mask, uncond_condition)
+    negatives = Conditions(negative_context, negative_context_mask, negative_prepend_embeds, negative_prepend_mask, negative_condition)
     conds, schedule, nulls, window = _prepare(
         net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
         filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token, cond_scale=cond_scale,
@@ -940,15 +934,15 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 validate_mask(negative_context_mask, "negative_context_mask", shape=tuple(negative_context.shape[:2]), device=device)
             if self.net.check_finite:
                 check_finite(negative_context, negative_context_mask, "negative_context")
-            out.update(uncond_context=negative_context, uncond_context_mask=negative_context_mask)
+            out.update(negative_context=negative_context, negative_context_mask=negative_context_mask)
         elif self.null_token is not None:
-            out.update(uncond_context=self.null_token[None].expand(b, -1, -1))
+            out.update(negative_context=self.null_token[None].expand(b, -1, -1))
         if self.null_token is not None:
             out["null_context"] = self.null_token[None].expand(b, -1, -1)
         if negative_prepend_embeds is not None:
-            out.update(uncond_prepend_embeds=negative_prepend_embeds, uncond_prepend_mask=negative_prepend_mask)
+            out.update(negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask)
         if negative_condition is not None:
-            out["uncond_condition"] = negative_condition
+            out["negative_condition"] = negative_condition
         return out
 
     def next_token_logits(self, prompts: Tensor, **kwargs) -> Tensor:

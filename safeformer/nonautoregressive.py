@@ -37,7 +37,6 @@ from .continuous import (
     _conditions_of,
     _negatives,
     _repeat,
-    _with_negative_kinds,
 )
 from .generation import _resolve_filter, sample_logits
 from .losses import safe_cross_entropy
@@ -364,7 +363,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             negative_context=negative_context, negative_context_mask=negative_context_mask,
             negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask,
             negative_condition=negative_condition))
-        conds = _with_negative_kinds(conds, negatives, b, device)
+        conds = conds.with_empty_for(negatives, b)
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                           has_uncond=bool(conds.kinds()), steps=steps)
         names, stacked = _branches(conds, negatives, schedule, steps, need_joint=guidance_rescale > 0)
