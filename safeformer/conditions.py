@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .masks import validate_mask
 
-__all__ = ["KINDS", "CONDITION_KINDS", "ConditionKind", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "drop_conditions", "GuidanceSchedule",
+__all__ = ["KINDS", "CONDITION_KINDS", "ConditionKind", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "compose_values", "drop_conditions", "GuidanceSchedule",
            "guidance_branches", "drop_probabilities"]
 
 _NEG_INF = float("-inf")
@@ -288,22 +288,41 @@ def compose_guidance(
     for t in vals.values():
         banned = banned | (t == _NEG_INF)
     zero = torch.zeros((), dtype=dtype, device=uncond.device)
+    clean = {k: torch.where(banned, zero, t) for k, t in vals.items()}  # -inf selected away, not subtracted
+    guided = _combine(clean, used, guidance_rescale, clean.get("reference"), live=~banned)
+    return guided.masked_fill(banned, _NEG_INF)
+
+
+def _combine(vals: Mapping[str, Tensor], used: Mapping[str, float], guidance_rescale: float,
+             reference: Tensor | None, live: Tensor | None = None) -> Tensor:
+    """``vals["uncond"] + sum_k used[k] * (vals[k] - vals["uncond"])`` (a single branch at scale 1 is that
+    branch exactly), then the rescale toward ``reference``'s standard deviation over the last dim (over
+    ``live`` entries only), shared by logits and continuous values."""
     if len(used) == 1 and next(iter(used.values())) == 1.0:
-        guided = vals[next(iter(used))]  # s == 1 is exactly that branch
+        guided = vals[next(iter(used))]
     else:
-        u = torch.where(banned, zero, vals["uncond"])  # -inf selected away, not subtracted
+        u = vals["uncond"]
         guided = u
         for k, s in used.items():
-            guided = guided + s * (torch.where(banned, zero, vals[k]) - u)
+            guided = guided + s * (vals[k] - u)
     if guidance_rescale > 0.0:
-        ref = vals.get("reference", guided)
-        live = ~banned
-        std_ref = _masked_std(ref, live)
-        std_guided = _masked_std(guided, live)
+        ref = guided if reference is None else reference
+        live = torch.ones(guided.shape, dtype=torch.bool, device=guided.device) if live is None else live
+        std_ref, std_guided = _masked_std(ref, live), _masked_std(guided, live)
         flat = std_guided == 0
         ratio = torch.where(flat, 1.0, std_ref / torch.where(flat, 1.0, std_guided))
         guided = guidance_rescale * (guided * ratio) + (1.0 - guidance_rescale) * guided
-    return guided.masked_fill(banned, _NEG_INF)
+    return guided
+
+
+def compose_values(uncond: Tensor, conds: Mapping[str, Tensor], scales: Mapping[str, float], *,
+                   guidance_rescale: float = 0.0, reference: Tensor | None = None) -> Tensor:
+    """``compose_guidance`` for continuous values ``(..., d)``: the same combination and rescale, in
+    float32 (float64 for float64 inputs), without banned entries; a branch at scale 0 is not read."""
+    dtype = torch.promote_types(uncond.dtype, torch.float32)
+    used = {k: float(s) for k, s in scales.items() if s != 0}
+    vals = {k: t.to(dtype) for k, t in {"uncond": uncond, **conds}.items() if k == "uncond" or k in used}
+    return _combine(vals, used, guidance_rescale, None if reference is None else reference.to(dtype))
 
 
 def _log_softmax(t: Tensor) -> Tensor:

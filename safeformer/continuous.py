@@ -28,11 +28,11 @@ from .conditions import (
     Conditions,
     GuidanceSchedule,
     check_condition_args,
+    compose_values,
     drop_conditions,
     drop_probabilities,
-    guidance_branches,
-    stack_conditions,
 )
+from .decode import GuidedForward, autoregress
 from .masks import check_finite, checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import ContinuousTransformerWrapper
@@ -99,26 +99,6 @@ def _negatives(net, b: int, device, kw: Mapping) -> Conditions:
     return neg
 
 
-def _branches(conds: Conditions, negatives: Conditions, schedule: GuidanceSchedule, steps: int,
-              need_joint: bool = False) -> tuple[tuple[str, ...], Conditions]:
-    """``guidance_branches``, stacked into one batch of ``r * b``."""
-    names, branches = guidance_branches(conds, negatives, schedule, steps, need_joint=need_joint)
-    return names, stack_conditions(branches)
-
-
-def _repeat(t: Tensor | None, r: int) -> Tensor | None:
-    return t if t is None or r == 1 else torch.cat([t] * r)
-
-
-def _last_real(out: Tensor, mask: Tensor | None) -> Tensor:
-    """``(b, ...)``: the output at each sample's last real position of ``out (b, n, ...)``."""
-    if mask is None:
-        return out[:, -1]
-    n = mask.shape[1]
-    idx = torch.where(mask, torch.arange(n, device=mask.device), -1).amax(dim=1)  # (b,)
-    return out[torch.arange(out.shape[0], device=out.device), idx]
-
-
 def _check_guidance_rescale(guidance_rescale) -> float:
     if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
@@ -135,31 +115,6 @@ def _check_count(v, name: str, minimum: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
     return v
-
-
-def _combine_values(uncond: Tensor, conds: Mapping[str, Tensor], scales: Mapping[str, float], *,
-                    guidance_rescale: float = 0.0, reference: Tensor | None = None) -> Tensor:
-    """``uncond + sum_k scales[k] * (conds[k] - uncond)`` on continuous values ``(..., d)``, in float32
-    (float64 for float64 inputs); a branch at scale 0 is not read; a single branch at scale 1 is that
-    branch exactly. ``guidance_rescale`` phi pulls the standard deviation over the last dim toward
-    ``reference``'s (arXiv 2305.08891); a row whose guided values are all equal is left as guided."""
-    dtype = torch.promote_types(uncond.dtype, torch.float32)
-    used = {k: float(s) for k, s in scales.items() if s != 0}
-    if len(used) == 1 and next(iter(used.values())) == 1.0:
-        guided = conds[next(iter(used))].to(dtype)
-    else:
-        u = uncond.to(dtype)
-        guided = u
-        for k, s in used.items():
-            guided = guided + s * (conds[k].to(dtype) - u)
-    if guidance_rescale > 0.0:
-        ref = guided if reference is None else reference.to(dtype)
-        std_ref = ref.std(dim=-1, keepdim=True)
-        std_guided = guided.std(dim=-1, keepdim=True)
-        flat = std_guided == 0
-        ratio = torch.where(flat, 1.0, std_ref / torch.where(flat, 1.0, std_guided))
-        guided = guidance_rescale * (guided * ratio) + (1.0 - guidance_rescale) * guided
-    return guided
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -433,45 +388,38 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
                 f"{n0 + seq_len - 1} positions, more than the model's max_seq_len={self.max_seq_len}")
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                           has_uncond=bool(conds.kinds()), steps=seq_len)
-        names, stacked = _branches(conds, negatives, schedule, seq_len,
-                                   need_joint=self.probabilistic or guidance_rescale > 0)
-        r = len(names)
         out = start.new_zeros(b, seq_len, self.dim_in)
         if seq_len == 0:
             return out
+        big = torch.finfo(start.dtype).max  # a value beyond the model's dtype saturates instead of inf
+
+        def combine(outs: dict[str, Tensor], t: int) -> tuple[Tensor, Tensor | None]:
+            """The guided mean and the joint branch's log-variance."""
+            split = {name: self._split(o) for name, o in outs.items()}
+            log_var = split[next(iter(split))][1]  # the joint branch comes first
+            if len(split) == 1:  # one branch (joint, or uncond at scale 0): its prediction, unguided
+                return next(iter(split.values()))[0], log_var
+            means = {name: m for name, (m, _) in split.items()}
+            uncond = means.pop("uncond")
+            return compose_values(uncond, means, schedule.at(t), guidance_rescale=guidance_rescale,
+                                  reference=means.get("joint")), log_var
+
+        def pick(guided: tuple[Tensor, Tensor | None], t: int) -> tuple[Tensor, bool]:
+            mean, log_var = guided
+            if log_var is not None and temperature > 0:
+                noise = torch.randn(mean.shape, generator=generator, device=device, dtype=mean.dtype)
+                std = torch.exp(0.5 * log_var.clamp(max=math.log(torch.finfo(log_var.dtype).max) / 2))  # finite
+                mean = mean + std * math.sqrt(temperature) * noise
+            value = mean.clamp(-big, big).to(start.dtype)
+            out[:, t] = value
+            return value, False
+
         was_training = self.training
         self.eval()
         try:
-            cache = None
-            seq, seq_mask = start, mask
-            for t in range(seq_len):
-                if cache_kv and t > 0:
-                    res, cache = self.net(_repeat(seq[:, -1:], r), cache=cache, return_cache=True)
-                    last = res[:, -1]
-                else:
-                    rm = _repeat(seq_mask, r)
-                    res = self.net(_repeat(seq, r), mask=rm, return_cache=cache_kv, **stacked.kwargs())
-                    if cache_kv:
-                        res, cache = res
-                    last = _last_real(res, rm)  # (r * b, dim_out)
-                mean, log_var = self._split(last)
-                if r > 1:
-                    means = dict(zip(names, mean.split(b)))
-                    uncond = means.pop("uncond")
-                    mean = _combine_values(uncond, means, schedule.at(t), guidance_rescale=guidance_rescale,
-                                           reference=means.get("joint"))
-                    if log_var is not None:
-                        log_var = log_var[: b]  # the joint branch comes first
-                if log_var is not None and temperature > 0:
-                    noise = torch.randn(mean.shape, generator=generator, device=device, dtype=mean.dtype)
-                    std = torch.exp(0.5 * log_var.clamp(max=math.log(torch.finfo(log_var.dtype).max) / 2))  # finite
-                    mean = mean + std * math.sqrt(temperature) * noise
-                big = torch.finfo(start.dtype).max  # a value beyond the model's dtype saturates instead of inf
-                value = mean.clamp(-big, big).to(start.dtype)
-                out[:, t] = value
-                seq = torch.cat((seq, value[:, None]), dim=1)
-                if seq_mask is not None:
-                    seq_mask = torch.cat((seq_mask, torch.ones(b, 1, dtype=torch.bool, device=device)), dim=1)
+            engine = GuidedForward(self.net, b, conds, negatives, schedule, combine, cache_kv=cache_kv, steps=seq_len,
+                                   need_joint=self.probabilistic or guidance_rescale > 0)
+            autoregress(engine, start, mask, seq_len, pick)
         finally:
             self.train(was_training)
         return out

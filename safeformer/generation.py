@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -30,10 +29,9 @@ from .conditions import (
     compose_guidance,
     drop_conditions,
     drop_probabilities,
-    guidance_branches,
     guided_logits,
-    stack_conditions,
 )
+from .decode import GuidedForward, autoregress
 from .losses import next_token_loss
 from .masks import check_finite, checked_once, validate_mask
 from .pretrained import Configurable
@@ -284,112 +282,19 @@ def _pad_context(context: Tensor, mask: Tensor | None, length: int) -> tuple[Ten
 # ----------------------------------------------------------------------------------------------------
 
 
-def _last_logits(logits: Tensor, mask: Tensor | None) -> Tensor:
-    """``(b, v)``: the logits at each sample's last real position of ``logits (b, n, v)``."""
-    if mask is None:
-        return logits[:, -1]
-    n = mask.shape[1]
-    idx = torch.where(mask, torch.arange(n, device=mask.device), -1).amax(dim=1)  # (b,)
-    return logits[torch.arange(logits.shape[0], device=logits.device), idx]
+def guided_logits_combine(schedule: GuidanceSchedule, guidance_rescale: float = 0.0,
+                          space: str = "logits") -> Callable[[dict[str, Tensor], int], Tensor]:
+    """The decode engine's combine function for logits: ``compose_guidance`` at step ``t``'s scales
+    (the joint branch alone, unguided, is returned as it is)."""
 
+    def combine(outs: dict[str, Tensor], t: int) -> Tensor:
+        if len(outs) == 1:
+            return next(iter(outs.values()))
+        uncond = outs.pop("uncond")
+        return compose_guidance(uncond, outs, schedule.at(t), guidance_rescale=guidance_rescale,
+                                reference=outs.get("joint"), space=space)
 
-def _twice(t: Tensor | None, r: int) -> Tensor | None:
-    return t if t is None or r == 1 else torch.cat([t] * r)
-
-
-def _window_inputs(seq: Tensor, mask: Tensor | None, kwargs: dict, window: int) -> tuple[Tensor, Tensor | None, dict]:
-    """Hide every real position but each row's last ``window`` (prefix rows included) behind the masks.
-
-    The hidden positions become padding: they reach nothing and positions count real tokens only, so
-    this equals running each row on its last ``window`` real positions alone. Leading token columns
-    that no row keeps are cut off. Returns ``(seq, mask, kwargs)`` with ``prepend_mask`` updated.
-    """
-    b, n = seq.shape
-    pre = kwargs.get("prepend_embeds")
-    m = 0 if pre is None else pre.shape[1]
-    if m + n <= window:
-        return seq, mask, kwargs
-    ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=seq.device)  # noqa: E731
-    pre_mask = kwargs.get("prepend_mask")
-    full = torch.cat((ones(m) if pre_mask is None else pre_mask, ones(n) if mask is None else mask), dim=1)  # (b, m + n)
-    later = full.flip(1).long().cumsum(1).flip(1)  # real positions at or after each one
-    keep = full & (later <= window)
-    keep_tok = keep[:, m:]
-    start = int(keep_tok.any(0).long().argmax())  # every row keeps its last token: some column is True
-    seq, keep_tok = seq[:, start:], keep_tok[:, start:]
-    if m:
-        kwargs = {**kwargs, "prepend_mask": keep[:, :m]}
-    return seq, None if bool(keep_tok.all()) else keep_tok, kwargs
-
-
-def _select_conditions(conds: Conditions, index: Tensor) -> Conditions:
-    return Conditions(**{f.name: None if getattr(conds, f.name) is None else getattr(conds, f.name).index_select(0, index)
-                         for f in fields(conds)})
-
-
-class _Stepper:
-    """The forward passes of one generation: returns the (guided) next-token logits ``(b, v)``.
-
-    Every branch guidance needs (``uncond``, ``joint``, one per guided kind) runs in one batched forward
-    of ``r * b`` samples sharing one KV cache (or, with ``two_pass``, one forward and cache per branch,
-    the peers' way, kept for the benchmark and tests). With ``window`` (``restrict_to_max_seq_len``)
-    each row sees its last ``window`` real positions only: once the sequence may be longer, every step
-    re-encodes the window without a cache (a trimmed KV cache would not be the same model: from the
-    second layer on, the cached keys of old tokens were computed while attending to tokens that have
-    left the window).
-    """
-
-    def __init__(self, net, b: int, conds: Conditions, nulls: dict, negatives: Conditions,
-                 schedule: GuidanceSchedule, guidance_rescale: float, space: str, cache_kv: bool, two_pass: bool,
-                 steps: int = 1, window: int | None = None):
-        self.net, self.b, self.cache_kv, self.window = net, b, cache_kv, window
-        self.schedule, self.guidance_rescale, self.space = schedule, guidance_rescale, space
-        self.names, branches = guidance_branches(conds, negatives, schedule, steps,
-                                                 need_joint=guidance_rescale > 0, nulls=nulls)
-        if two_pass or len(branches) == 1:
-            self.runs = [(br, 1) for br in branches]
-        else:
-            self.runs = [(stack_conditions(branches), len(branches))]
-        self.caches: list[Any] = [None] * len(self.runs)
-
-    def select(self, index: Tensor) -> None:
-        """Keep (repeat, reorder) the samples ``index (b',)`` in every branch and cache (beam search)."""
-        b = self.b
-        for i, (conds, r) in enumerate(self.runs):
-            idx = torch.cat([index + k * b for k in range(r)]) if r > 1 else index
-            self.runs[i] = (_select_conditions(conds, idx), r)
-            if self.caches[i] is not None:
-                self.caches[i] = self.caches[i].index_select(idx)
-        self.b = int(index.shape[0])
-
-    def __call__(self, seq: Tensor, seq_mask: Tensor | None, new: Tensor | None, t: int) -> Tensor:
-        """Logits for the token after ``seq (b, n)``; ``new (b, 1)`` is its last token (cached path:
-        ``seq`` is then needed only with a window)."""
-        outs = []
-        for i, (conds, r) in enumerate(self.runs):
-            prefix = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
-            windowed = self.window is not None and prefix + seq.shape[1] > self.window  # may be longer: re-encode
-            if self.cache_kv and new is not None and not windowed:
-                logits, self.caches[i] = self.net(_twice(new, r), cache=self.caches[i], return_cache=True)
-                outs.append(logits[:, -1])
-                continue
-            s, m, kw = _twice(seq, r), _twice(seq_mask, r), conds.kwargs()
-            if windowed:
-                s, m, kw = _window_inputs(s, m, kw, self.window)
-            keep_cache = self.cache_kv and not windowed
-            res = self.net(s, mask=m, return_cache=keep_cache, **kw)
-            if keep_cache:
-                res, self.caches[i] = res
-            else:
-                self.caches[i] = None
-            outs.append(_last_logits(res, m))
-        logits = torch.cat(outs) if len(outs) > 1 else outs[0]  # (r * b, v)
-        if len(self.names) == 1:
-            return logits
-        by_name = dict(zip(self.names, logits.split(self.b)))
-        uncond = by_name.pop("uncond")
-        return compose_guidance(uncond, by_name, self.schedule.at(t), guidance_rescale=self.guidance_rescale,
-                                reference=by_name.get("joint"), space=self.space)
+    return combine
 
 
 def _check_context_arg(t: Tensor | None, name: str, b: int, device, width: int | None = None) -> None:
@@ -577,23 +482,22 @@ def generate_tokens(
     was_training = net.training
     net.eval()
     try:
-        step = _Stepper(net, b, conds, nulls, negatives, schedule, guidance_rescale, guidance_space, cache_kv, _two_pass,
-                        steps=seq_len, window=window)
+        engine = GuidedForward(net, b, conds, negatives, schedule,
+                               guided_logits_combine(schedule, guidance_rescale, guidance_space),
+                               need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
+                               window=window, two_pass=_two_pass)
         done = torch.zeros(b, dtype=torch.bool, device=device)
-        seq, seq_mask, new = prompts, mask, None
-        for t in range(seq_len):
-            logits = step(seq, seq_mask, new, t)  # (b, v)
-            tok = sample_logits(logits, temperature, filter_fn, filter_kwargs)
-            tok = torch.where(done, pad_value, tok)
+
+        def pick(logits: Tensor, t: int) -> tuple[Tensor, bool]:
+            nonlocal done
+            tok = torch.where(done, pad_value, sample_logits(logits, temperature, filter_fn, filter_kwargs))
             out[:, t] = tok
-            if eos_token is not None:
-                done = done | (tok == eos_token)
-                if bool(done.all()):
-                    break
-            new = tok[:, None]
-            if not cache_kv or window is not None:
-                seq = torch.cat((seq, new), dim=1)
-                seq_mask = None if seq_mask is None else torch.cat((seq_mask, torch.ones_like(new, dtype=torch.bool)), dim=1)
+            if eos_token is None:
+                return tok, False
+            done = done | (tok == eos_token)
+            return tok, bool(done.all())
+
+        autoregress(engine, prompts, mask, seq_len, pick)
     finally:
         net.train(was_training)
     return out
@@ -736,8 +640,9 @@ def beam_search_tokens(
     was_training = net.training
     net.eval()
     try:
-        step = _Stepper(net, b, conds, nulls, negatives, schedule, guidance_rescale, guidance_space, cache_kv, False,
-                        steps=seq_len, window=window)
+        step = GuidedForward(net, b, conds, negatives, schedule,
+                             guided_logits_combine(schedule, guidance_rescale, guidance_space),
+                             need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len, window=window)
         logits = step(prompts, mask, None, 0)  # (b, v)
         kc = min(k, logits.shape[-1])  # candidates per beam
         rep = torch.arange(b, device=device).repeat_interleave(k)  # (b * k,): each sample's beams side by side
@@ -763,7 +668,7 @@ def beam_search_tokens(
             if t == seq_len - 1 or bool(done.all()):
                 break
             step.select(parent)
-            if not cache_kv or window is not None:
+            if step.needs_sequence:
                 seq = torch.cat((seq.index_select(0, parent), tok[:, None]), dim=1)
                 if seq_mask is not None:
                     seq_mask = torch.cat((seq_mask.index_select(0, parent), torch.ones_like(tok[:, None], dtype=torch.bool)), 1)

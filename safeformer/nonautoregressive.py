@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .conditions import GuidanceSchedule, compose_guidance, drop_conditions, drop_probabilities
+from .conditions import GuidanceSchedule, drop_conditions, drop_probabilities
 from .continuous import (
-    _branches,
     _check_count,
     _check_drop_kinds,
     _check_guidance_rescale,
@@ -36,9 +35,9 @@ from .continuous import (
     _check_temperature,
     _conditions_of,
     _negatives,
-    _repeat,
 )
-from .generation import _resolve_filter, sample_logits
+from .decode import GuidedForward
+from .generation import _resolve_filter, guided_logits_combine, sample_logits
 from .losses import safe_cross_entropy
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
@@ -366,8 +365,6 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         conds = conds.with_empty_for(negatives, b)
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                           has_uncond=bool(conds.kinds()), steps=steps)
-        names, stacked = _branches(conds, negatives, schedule, steps, need_joint=guidance_rescale > 0)
-        r = len(names)
 
         real = torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
         counts = hidden_counts(self.schedule_fn, steps, real.sum(1))  # (steps, b)
@@ -376,16 +373,12 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         was_training = self.training
         self.eval()
         try:
-            rm = _repeat(mask, r)
+            engine = GuidedForward(self.net, b, conds, negatives, schedule,
+                                   guided_logits_combine(schedule, guidance_rescale, guidance_space),
+                                   need_joint=guidance_rescale > 0, cache_kv=False, read="all", steps=steps)
             for s in range(steps):
-                logits = self.net(_repeat(seq, r), mask=rm, **stacked.kwargs())  # (r * b, n, v)
-                if r > 1:
-                    by_name = dict(zip(names, logits.split(b)))
-                    uncond = by_name.pop("uncond")
-                    logits = compose_guidance(uncond, by_name, schedule.at(s), guidance_rescale=guidance_rescale,
-                                              reference=by_name.get("joint"), space=guidance_space)
-                else:
-                    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                logits = engine(seq, mask, None, s)  # (b, n, v), every branch in one batched forward
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 if self.mask_id < logits.shape[-1]:
                     logits[..., self.mask_id] = _NEG_INF  # the hidden token is never produced
                 flat = logits.reshape(b * n, -1)
