@@ -89,7 +89,12 @@ KINDS = tuple(CONDITION_KINDS)
 
 @dataclass
 class Conditions:
-    """The conditions of one batch: any of the three kinds (``None`` = that kind is not used)."""
+    """The conditions of one batch: any of the kinds of ``CONDITION_KINDS`` (``None`` = not used).
+
+    The public entry points take x-transformers' keywords (``context=``, ``context_mask=``,
+    ``prepend_embeds=``, ...) and turn them into one ``Conditions`` (and one for the negatives) at the
+    door (``from_kwargs``); everything below takes these objects.
+    """
 
     context: Tensor | None = None
     context_mask: Tensor | None = None
@@ -125,6 +130,39 @@ class Conditions:
         if self.prepend_embeds is not None:
             out["excise_prepend_embeds"] = True
         return out
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping, prefix: str = "") -> Conditions:
+        """The conditions among ``kwargs`` (a door's keywords; ``prefix="negative_"`` for the negatives)."""
+        out = {}
+        for spec in CONDITION_KINDS.values():
+            out[spec.value] = kwargs.get(prefix + spec.value)
+            out[spec.mask] = kwargs.get(prefix + spec.mask)
+        return cls(**out)
+
+    def expand_batch(self, b: int) -> Conditions:
+        """A kind given for one sample (batch 1) repeated for a batch of ``b`` (one negative for all), with
+        its mask when that is for one sample too."""
+        out = self
+        for kind in self.kinds():
+            t, m = self.pair(kind)
+            if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == 1 and b != 1:
+                if isinstance(m, Tensor) and m.dim() >= 1 and m.shape[0] == 1:
+                    m = m.expand(b, *m.shape[1:])
+                out = out.with_pair(kind, t.expand(b, *t.shape[1:]), m)
+        return out
+
+    def check(self, net, b: int, device, *, prefix: str = "") -> Conditions:
+        """Shapes, dtypes, devices and masks against ``net`` (a wrapper), once at the door (S9); with the
+        net's ``check_finite``, NaN/inf at real context positions too. Returns ``self``."""
+        layers = net.attn_layers
+        check_condition_args(self, b, device, dim_context=layers.dim_context if layers.has_cross else None,
+                             dim=layers.dim, dim_condition=layers.dim_condition, prefix=prefix)
+        if self.context is not None and getattr(net, "check_finite", False):  # before a drop could hide it
+            from .masks import check_finite
+
+            check_finite(self.context, self.context_mask, prefix + "context")
+        return self
 
     def batch_size(self) -> int | None:
         for f in fields(self):

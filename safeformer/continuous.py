@@ -27,13 +27,12 @@ from torch import Tensor, nn
 from .conditions import (
     Conditions,
     GuidanceSchedule,
-    check_condition_args,
     compose_values,
     drop_conditions,
     drop_probabilities,
 )
 from .decode import GuidedForward, autoregress
-from .masks import check_finite, checked_once, validate_mask
+from .masks import checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import ContinuousTransformerWrapper
 
@@ -50,14 +49,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def _conditions_of(net, b: int, device, kw: Mapping) -> Conditions:
     """The conditions passed to a wrapper's call, checked against the net (S9)."""
-    conds = Conditions(kw.get("context"), kw.get("context_mask"), kw.get("prepend_embeds"), kw.get("prepend_mask"),
-                       kw.get("condition"), kw.get("condition_mask"))
-    layers = net.attn_layers
-    check_condition_args(conds, b, device, dim_context=layers.dim_context if layers.has_cross else None,
-                         dim=layers.dim, dim_condition=layers.dim_condition)
-    if conds.context is not None and net.check_finite:  # before a dropped condition could hide it
-        check_finite(conds.context, conds.context_mask, "context")
-    return conds
+    return Conditions.from_kwargs(kw).check(net, b, device)
 
 
 def _check_drop_kinds(net, cond_drop_prob) -> None:
@@ -77,26 +69,7 @@ def _check_prob(p, name: str) -> float:
 
 def _negatives(net, b: int, device, kw: Mapping) -> Conditions:
     """The unconditional branch's conditions in place of the dropped ones (batch ``b`` or 1), checked."""
-    pairs = (("negative_context", "negative_context_mask"), ("negative_prepend_embeds", "negative_prepend_mask"),
-             ("negative_condition", None))
-    vals: list = []
-    for name, mname in pairs:
-        t = kw.get(name)
-        m = kw.get(mname) if mname else None
-        if m is not None and t is None:
-            raise ValueError(f"{mname} was given without {name}")
-        if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == 1 and b != 1:  # one negative for the batch
-            t = t.expand(b, *t.shape[1:])
-            if isinstance(m, Tensor) and m.dim() >= 1 and m.shape[0] == 1:
-                m = m.expand(b, *m.shape[1:])
-        vals += [t, m] if mname else [t]
-    neg = Conditions(*vals)
-    layers = net.attn_layers
-    check_condition_args(neg, b, device, dim_context=layers.dim_context if layers.has_cross else None,
-                         dim=layers.dim, dim_condition=layers.dim_condition, prefix="negative_")
-    if neg.context is not None and net.check_finite:
-        check_finite(neg.context, neg.context_mask, "negative_context")
-    return neg
+    return Conditions.from_kwargs(kw, prefix="negative_").expand_batch(b).check(net, b, device, prefix="negative_")
 
 
 def _check_guidance_rescale(guidance_rescale) -> float:

@@ -33,7 +33,7 @@ from .conditions import (
 )
 from .decode import GuidedForward, autoregress
 from .losses import next_token_loss
-from .masks import check_finite, checked_once, validate_mask
+from .masks import checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
@@ -313,7 +313,7 @@ def _check_context_arg(t: Tensor | None, name: str, b: int, device, width: int |
 def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditions, null_context, *, pad_value,
              temperature, filter_logits_fn, filter_kwargs, eos_token, cond_scale, guidance_rescale,
              guidance_interval, guidance_space, restrict_to_max_seq_len):
-    """Every check of a generation's arguments. Returns ``(conds, schedule, nulls, window)``."""
+    """Every check of a generation's arguments. Returns ``(conds, negatives, schedule, nulls, window)``."""
     if not isinstance(net, TransformerWrapper):
         raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
     if not isinstance(prompts, Tensor) or prompts.dim() != 2:
@@ -351,8 +351,8 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
     layers = net.attn_layers
     dims = dict(dim_context=layers.dim_context if layers.has_cross else None, dim=layers.dim,
                 dim_condition=layers.dim_condition)
-    check_condition_args(conds, b, device, **dims)
-    check_condition_args(negatives, b, device, **dims, prefix="negative_")
+    conds.check(net, b, device)
+    negatives = negatives.expand_batch(b).check(net, b, device, prefix="negative_")
     if null_context is not None:
         check_condition_args(Conditions(context=null_context), b, device, **dims, prefix="null_")
     if filter_kwargs is not None and filter_logits_fn is None:
@@ -373,7 +373,7 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
     schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                       has_uncond=bool(conds.kinds()), steps=seq_len)
     nulls = {} if null_context is None else {"context": (null_context, None)}
-    return conds, schedule, nulls, window
+    return conds, negatives, schedule, nulls, window
 
 
 @torch.no_grad()
@@ -465,9 +465,20 @@ def generate_tokens(
             ``restrict_to_max_seq_len``).
         TypeError: a tensor of the wrong dtype, a non-bool ``restrict_to_max_seq_len``.
     """
-    conds = Conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask)
-    negatives = Conditions(negative_context, negative_context_mask, negative_prepend_embeds, negative_prepend_mask, negative_condition)
-    conds, schedule, nulls, window = _prepare(
+    kw = locals()
+    return _generate(net, prompts, seq_len, Conditions.from_kwargs(kw), Conditions.from_kwargs(kw, "negative_"),
+                     null_context, mask=mask, temperature=temperature, filter_logits_fn=filter_logits_fn,
+                     filter_kwargs=filter_kwargs, eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale,
+                     guidance_rescale=guidance_rescale, pad_value=pad_value, guidance_interval=guidance_interval,
+                     guidance_space=guidance_space, restrict_to_max_seq_len=restrict_to_max_seq_len, two_pass=_two_pass)
+
+
+@torch.no_grad()
+def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, *, mask, temperature,
+              filter_logits_fn, filter_kwargs, eos_token, cache_kv, cond_scale, guidance_rescale, pad_value,
+              guidance_interval, guidance_space, restrict_to_max_seq_len, two_pass=False) -> Tensor:
+    """``generate_tokens`` on conditions already gathered into ``Conditions`` (checked here, once)."""
+    conds, negatives, schedule, nulls, window = _prepare(
         net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
         filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token, cond_scale=cond_scale,
         guidance_rescale=guidance_rescale, guidance_interval=guidance_interval, guidance_space=guidance_space,
@@ -485,7 +496,7 @@ def generate_tokens(
         engine = GuidedForward(net, b, conds, negatives, schedule,
                                guided_logits_combine(schedule, guidance_rescale, guidance_space),
                                need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
-                               window=window, two_pass=_two_pass)
+                               window=window, two_pass=two_pass)
         done = torch.zeros(b, dtype=torch.bool, device=device)
 
         def pick(logits: Tensor, t: int) -> tuple[Tensor, bool]:
@@ -610,6 +621,20 @@ def beam_search_tokens(
             ``filter_logits_fn``, ``filter_kwargs`` or a temperature other than 0 and 1 without
             ``stochastic`` (they would be ignored).
     """
+    kw = locals()
+    return _beam_search(net, prompts, seq_len, Conditions.from_kwargs(kw), Conditions.from_kwargs(kw, "negative_"),
+                        null_context, beams=beams, mask=mask, eos_token=eos_token, temperature=temperature,
+                        stochastic=stochastic, filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs,
+                        cache_kv=cache_kv, restrict_to_max_seq_len=restrict_to_max_seq_len, pad_value=pad_value,
+                        cond_scale=cond_scale, guidance_rescale=guidance_rescale, guidance_interval=guidance_interval,
+                        guidance_space=guidance_space)
+
+
+@torch.no_grad()
+def _beam_search(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, *, beams, mask,
+                 eos_token, temperature, stochastic, filter_logits_fn, filter_kwargs, cache_kv, restrict_to_max_seq_len,
+                 pad_value, cond_scale, guidance_rescale, guidance_interval, guidance_space) -> tuple[Tensor, Tensor]:
+    """``beam_search_tokens`` on conditions already gathered into ``Conditions`` (checked here, once)."""
     if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
         raise ValueError(f"beams must be an integer >= 1, got {beams!r}")
     if not isinstance(stochastic, bool):
@@ -621,9 +646,7 @@ def beam_search_tokens(
             and temperature not in (0.0, 1.0):
         raise ValueError(f"temperature={temperature!r} only applies with stochastic=True (deterministic beam search "
                          "ranks by the model's log-probabilities)")
-    conds = Conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask)
-    negatives = Conditions(negative_context, negative_context_mask, negative_prepend_embeds, negative_prepend_mask, negative_condition)
-    conds, schedule, nulls, window = _prepare(
+    conds, negatives, schedule, nulls, window = _prepare(
         net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
         filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token, cond_scale=cond_scale,
         guidance_rescale=guidance_rescale, guidance_interval=guidance_interval, guidance_space=guidance_space,
@@ -763,14 +786,6 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         else:
             self.null_token = None
 
-    def _conditions(self, b: int, device, **kw) -> Conditions:
-        conds = Conditions(kw.get("context"), kw.get("context_mask"), kw.get("prepend_embeds"), kw.get("prepend_mask"),
-                           kw.get("condition"), kw.get("condition_mask"))
-        layers = self.net.attn_layers
-        check_condition_args(conds, b, device, dim_context=layers.dim_context if layers.has_cross else None,
-                             dim=layers.dim, dim_condition=layers.dim_condition)
-        return conds
-
     @checked_once
     def forward(
         self,
@@ -802,11 +817,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         """
         if not isinstance(x, Tensor) or x.dim() != 2:
             raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-        conds = self._conditions(x.shape[0], x.device, context=context, context_mask=context_mask,
-                                 prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition,
-                                 condition_mask=condition_mask)
-        if context is not None and self.net.check_finite:  # checked before a dropped condition could hide it
-            check_finite(context, context_mask, "context")
+        conds = Conditions.from_kwargs(locals()).check(self.net, x.shape[0], x.device)  # before a drop could hide it
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
             nulls = {}
             if self.null_token is not None and context is not None:
@@ -814,41 +825,15 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, nulls=nulls)
         return next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, **conds.kwargs())
 
-    def _negatives(self, prompts, negative_context, negative_context_mask, negative_prepend_embeds,
-                   negative_prepend_mask, negative_condition) -> dict:
-        """The unconditional branch's conditions: the negative ones, the learned null token, or none."""
-        if not isinstance(prompts, Tensor) or prompts.dim() != 2:
-            raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
-        b, device = prompts.shape[0], prompts.device
-        out: dict = {}
-        if negative_context_mask is not None and negative_context is None:
-            raise ValueError("negative_context_mask was given without negative_context")
-        if negative_prepend_mask is not None and negative_prepend_embeds is None:
-            raise ValueError("negative_prepend_mask was given without negative_prepend_embeds")
-        if negative_context is not None:
-            if not isinstance(negative_context, Tensor) or negative_context.dim() != 3:
-                raise ValueError(
-                    f"negative_context must have shape (b, j, c_ctx) or (1, j, c_ctx), got {getattr(negative_context, 'shape', type(negative_context))}"
-                )
-            if negative_context.shape[0] == 1 and b != 1:  # one negative prompt for the whole batch
-                negative_context = negative_context.expand(b, -1, -1)
-                if negative_context_mask is not None and negative_context_mask.dim() == 2 and negative_context_mask.shape[0] == 1:
-                    negative_context_mask = negative_context_mask.expand(b, -1)
-            _check_context_arg(negative_context, "negative_context", b, device, self.net.attn_layers.dim_context)
-            if negative_context_mask is not None:
-                validate_mask(negative_context_mask, "negative_context_mask", shape=tuple(negative_context.shape[:2]), device=device)
-            if self.net.check_finite:
-                check_finite(negative_context, negative_context_mask, "negative_context")
-            out.update(negative_context=negative_context, negative_context_mask=negative_context_mask)
-        elif self.null_token is not None:
-            out.update(negative_context=self.null_token[None].expand(b, -1, -1))
-        if self.null_token is not None:
-            out["null_context"] = self.null_token[None].expand(b, -1, -1)
-        if negative_prepend_embeds is not None:
-            out.update(negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask)
-        if negative_condition is not None:
-            out["negative_condition"] = negative_condition
-        return out
+    def _negatives(self, prompts: Tensor, negatives: Conditions) -> tuple[Conditions, Tensor | None]:
+        """The unconditional branch's conditions (the negative ones, else the learned null token for the
+        context) and the null context of the per-condition branches."""
+        if self.null_token is None:
+            return negatives, None
+        null = self.null_token[None].expand(prompts.shape[0], -1, -1)  # (b, 1, c_ctx)
+        if negatives.context is None and negatives.context_mask is None:  # (a stray mask is refused later)
+            negatives = negatives.with_pair("context", null, None)
+        return negatives, null
 
     def next_token_logits(self, prompts: Tensor, **kwargs) -> Tensor:
         """The (guided) logits ``(b, v)`` ``generate`` samples its first token from (same code path).
@@ -968,20 +953,18 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             >>> model.generate(prompt, 64, context=text, context_mask=text_mask, condition=style,
             ...                cond_scale={"context": 3.0, "condition": 1.5})
         """
+        kw = locals()
         prompts, mask = self._batch(prompts, mask, prompt_lens)
-        neg = self._negatives(prompts, negative_context, negative_context_mask, negative_prepend_embeds,
-                              negative_prepend_mask, negative_condition)
+        negatives, null = self._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
         was_training = self.training
         self.eval()
         try:
-            return generate_tokens(
-                self.net, prompts, seq_len, mask=mask, context=context, context_mask=context_mask,
-                prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition,
-                condition_mask=condition_mask, temperature=temperature, filter_logits_fn=filter_logits_fn,
-                filter_kwargs=filter_kwargs, eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale,
-                guidance_rescale=guidance_rescale, guidance_interval=guidance_interval,
-                guidance_space=guidance_space, pad_value=self.pad_value,
-                restrict_to_max_seq_len=restrict_to_max_seq_len, **neg,
+            return _generate(
+                self.net, prompts, seq_len, Conditions.from_kwargs(kw), negatives, null, mask=mask,
+                temperature=temperature, filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs,
+                eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
+                guidance_interval=guidance_interval, guidance_space=guidance_space, pad_value=self.pad_value,
+                restrict_to_max_seq_len=restrict_to_max_seq_len,
             )
         finally:
             self.train(was_training)
@@ -1054,22 +1037,20 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             ValueError / TypeError: as ``generate``; ``beams`` not a positive integer; sampling
                 options without ``stochastic``.
         """
+        kw = locals()
         prompts, mask = self._batch(prompts, mask, prompt_lens)
-        neg = self._negatives(prompts, negative_context, negative_context_mask, negative_prepend_embeds,
-                              negative_prepend_mask, negative_condition)
+        negatives, null = self._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
         if not isinstance(return_beams_and_scores, bool):
             raise TypeError(f"return_beams_and_scores must be True or False, got {return_beams_and_scores!r}")
         was_training = self.training
         self.eval()
         try:
-            tokens, scores = beam_search_tokens(
-                self.net, prompts, seq_len, beams=beams, mask=mask, context=context, context_mask=context_mask,
-                prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition,
-                condition_mask=condition_mask, eos_token=eos_token, temperature=temperature, stochastic=stochastic,
-                filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, cache_kv=cache_kv,
-                restrict_to_max_seq_len=restrict_to_max_seq_len, pad_value=self.pad_value, cond_scale=cond_scale,
-                guidance_rescale=guidance_rescale, guidance_interval=guidance_interval,
-                guidance_space=guidance_space, **neg,
+            tokens, scores = _beam_search(
+                self.net, prompts, seq_len, Conditions.from_kwargs(kw), negatives, null, beams=beams, mask=mask,
+                eos_token=eos_token, temperature=temperature, stochastic=stochastic, filter_logits_fn=filter_logits_fn,
+                filter_kwargs=filter_kwargs, cache_kv=cache_kv, restrict_to_max_seq_len=restrict_to_max_seq_len,
+                pad_value=self.pad_value, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
+                guidance_interval=guidance_interval, guidance_space=guidance_space,
             )  # (b, beams, seq_len), (b, beams)
         finally:
             self.train(was_training)

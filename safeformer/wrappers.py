@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .conditions import Conditions
 from .layers import AttentionLayers, KVCache, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
@@ -115,13 +116,13 @@ class _Wrapper(Configurable, nn.Module):
         if check and context is not None:
             _check_finite(context, context_mask, "context")
 
-    def _run(self, x, mask, context, context_mask, attn_mask, cache, return_cache, *, prepend_embeds=None,
-             prepend_mask=None, condition=None, condition_mask=None, pos=None, return_hiddens=False):
+    def _run(self, x, mask, conds: Conditions, attn_mask, cache, return_cache, *, pos=None, return_hiddens=False):
         """Positions, the fixed rows and the prefix, the stack. Returns ``(h (b, m + n, c), new cache or
         None, mask (b, m + n) or None, m, fixed outputs (b, F, c) or None, intermediates or None, the
         unpadded plan or None)``."""
         b, n = x.shape[:2]
         m = 0
+        prepend_embeds, prepend_mask = conds.prepend_embeds, conds.prepend_mask
         if pos is not None:
             if prepend_embeds is not None or (cache is None and self.num_fixed_tokens):
                 raise ValueError("pos (custom positions) cannot be combined with prepend_embeds, memory tokens or "
@@ -176,8 +177,8 @@ class _Wrapper(Configurable, nn.Module):
         plan = self.attn_layers.plan_unpadded(
             mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask, return_hiddens=return_hiddens)
         out = self.attn_layers(
-            x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
-            positions=positions, condition=condition, condition_mask=condition_mask, cache=cache,
+            x, mask=mask, context=conds.context, context_mask=conds.context_mask, attn_mask=attn_mask,
+            positions=positions, condition=conds.condition, condition_mask=conds.condition_mask, cache=cache,
             return_cache=return_cache, return_hiddens=return_hiddens, unpadded_plan=plan,
         )
         out = out if isinstance(out, tuple) else (out,)
@@ -388,8 +389,7 @@ class TransformerWrapper(_Wrapper):
         if self.l2norm_embed:
             emb = l2norm(emb)
         h, new_cache, full_mask, m, fixed_out, inter, plan = self._run(
-            emb, mask, context, context_mask, attn_mask, cache, return_cache,
-            prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
+            emb, mask, Conditions.from_kwargs(locals()), attn_mask, cache, return_cache,
             pos=pos, return_hiddens=want_inter,
         )
 
@@ -528,8 +528,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         self._check_context(context, context_mask, check)
         want_inter = return_intermediates or return_hiddens or return_attn
         h, new_cache, full_mask, m, _, inter, _ = self._run(
-            self.project_in(x), mask, context, context_mask, attn_mask, cache, return_cache,
-            prepend_embeds=prepend_embeds, prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
+            self.project_in(x), mask, Conditions.from_kwargs(locals()), attn_mask, cache, return_cache,
             pos=pos, return_hiddens=want_inter,
         )
         if excise_prepend_embeds and m and not (return_pooled or self.average_pool_embed):
