@@ -470,6 +470,22 @@ class GuidanceSchedule:
         return GuidanceSchedule(names, at)
 
 
+def check_condition_tensor(t, name: str, want: tuple, device, *, dtype: torch.dtype | None = None,
+                           shape_text: str | None = None, where: str = "") -> None:
+    """``t`` is a floating-point tensor of shape ``want`` (``None``: any size) on ``device`` (and of
+    ``dtype`` outside autocast, when given): else a clear error naming ``name`` (S9)."""
+    if not isinstance(t, Tensor) or t.dim() != len(want) or any(w is not None and w != s for w, s in zip(want, t.shape)):
+        shape = shape_text or "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
+        got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} must have shape {shape}, got {got}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}{where}")
+    if dtype is not None and t.dtype != dtype and not torch.is_autocast_enabled(t.device.type):
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {dtype}")
+
+
 def check_condition_args(conds: Conditions, b: int, device, *, dim_context: int | None, dim: int,
                          dim_condition: int | None, prefix: str = "") -> None:
     """Shapes, dtypes and devices of every condition given (S9); ``prefix`` names negative ones."""
@@ -482,14 +498,7 @@ def check_condition_args(conds: Conditions, b: int, device, *, dim_context: int 
         if width is None:
             raise ValueError(f"{name} was given but the model has no {spec.needs}")
         want = (b, None, width) if spec.sequence else (b, width)
-        if not isinstance(t, Tensor) or t.dim() != len(want) or any(w is not None and w != s for w, s in zip(want, t.shape)):
-            shape = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must have shape {shape}, got {got}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the prompts)")
+        check_condition_tensor(t, name, want, device, where=" (the device of the prompts)")
         if m is not None:
             validate_mask(m, mname, shape=spec.mask_shape(t), device=device)
     for spec in CONDITION_KINDS.values():
@@ -564,15 +573,8 @@ def adaptive_condition(stack, condition, condition_mask, cache, b: int, x: Tenso
     null = stack.null_condition.to(x.dtype)[None].expand(b, -1)  # (b, K)
     if condition is None:
         return null
-    if not isinstance(condition, Tensor) or condition.dim() != 2 or tuple(condition.shape) != (b, stack.dim_condition):
-        raise ValueError(f"condition must have shape (b={b}, dim_condition={stack.dim_condition}), got "
-                         f"{getattr(condition, 'shape', type(condition))}")
-    if not condition.is_floating_point():
-        raise TypeError(f"condition must be a floating-point tensor, got dtype {condition.dtype}")
-    if condition.device != x.device:
-        raise ValueError(f"condition is on {condition.device}, expected {x.device}")
-    if condition.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(f"condition has dtype {condition.dtype}, expected {x.dtype}")
+    check_condition_tensor(condition, "condition", (b, stack.dim_condition), x.device, dtype=x.dtype,
+                           shape_text=f"(b={b}, dim_condition={stack.dim_condition})")
     if condition_mask is None:
         return condition
     validate_mask(condition_mask, "condition_mask", shape=(b,), device=x.device)

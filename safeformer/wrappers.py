@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .conditions import Conditions
+from .conditions import Conditions, check_condition_tensor
 from .layers import AttentionLayers, KVCache, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
@@ -137,14 +137,8 @@ class _Wrapper(Configurable, nn.Module):
             if attn_mask is not None:
                 raise ValueError("prepend_embeds and attn_mask cannot be combined (attn_mask covers the tokens only)")
             dim = self.attn_layers.dim
-            if not isinstance(prepend_embeds, Tensor) or prepend_embeds.dim() != 3 or prepend_embeds.shape[0] != b \
-                    or prepend_embeds.shape[-1] != dim:
-                raise ValueError(f"prepend_embeds must have shape (b={b}, m, dim={dim}), got "
-                                 f"{getattr(prepend_embeds, 'shape', type(prepend_embeds))}")
-            if not prepend_embeds.is_floating_point():
-                raise TypeError(f"prepend_embeds must be a floating-point tensor, got dtype {prepend_embeds.dtype}")
-            if prepend_embeds.device != x.device:
-                raise ValueError(f"prepend_embeds is on {prepend_embeds.device}, expected {x.device}")
+            check_condition_tensor(prepend_embeds, "prepend_embeds", (b, None, dim), x.device,
+                                   shape_text=f"(b={b}, m, dim={dim})")
             m = prepend_embeds.shape[1]
             if prepend_mask is not None:
                 validate_mask(prepend_mask, "prepend_mask", shape=(b, m), device=x.device)
