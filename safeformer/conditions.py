@@ -27,13 +27,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .masks import validate_mask
 
-__all__ = ["KINDS", "CONDITION_KINDS", "ConditionKind", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "compose_values", "drop_conditions", "GuidanceSchedule",
+__all__ = ["KINDS", "CONDITION_KINDS", "CONDITION_KEYWORDS", "condition_kwargs", "check_drop_kinds", "ConditionKind", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "compose_values", "drop_conditions", "GuidanceSchedule",
            "guidance_branches", "drop_probabilities"]
 
 _NEG_INF = float("-inf")
@@ -49,7 +50,8 @@ class ConditionKind:
         sequence: ``value (b, j, width)`` with ``mask (b, j)`` (a dropped sample: an all-False row, or a
             null sequence); otherwise ``value (b, width)`` with ``mask (b,)`` (a dropped sample: the
             model's null condition is selected in).
-        width: the model attribute giving the width (``"dim_context"``, ``"dim"``, ``"dim_condition"``).
+        width: ``width(stack) -> int | None``: the feature size a stack (``AttentionLayers``) takes for this
+            kind, ``None`` when it cannot take it at all.
         needs: what the model must have to take this kind (for the error when it has not).
     """
 
@@ -57,7 +59,7 @@ class ConditionKind:
     value: str
     mask: str
     sequence: bool
-    width: str
+    width: Callable[[Any], int | None]
     needs: str | None = None
 
     def mask_shape(self, t: Tensor) -> tuple[int, ...]:
@@ -79,12 +81,36 @@ class ConditionKind:
 
 
 CONDITION_KINDS: dict[str, ConditionKind] = {k.name: k for k in (
-    ConditionKind("context", "context", "context_mask", True, "dim_context", "cross-attention (cross_attend=True)"),
-    ConditionKind("prepend", "prepend_embeds", "prepend_mask", True, "dim"),
-    ConditionKind("condition", "condition", "condition_mask", False, "dim_condition",
+    ConditionKind("context", "context", "context_mask", True, lambda s: s.dim_context if s.has_cross else None,
+                  "cross-attention (cross_attend=True)"),
+    ConditionKind("prepend", "prepend_embeds", "prepend_mask", True, lambda s: s.dim),
+    ConditionKind("condition", "condition", "condition_mask", False, lambda s: s.dim_condition,
                   "adaptive layers (use_adaptive_layernorm=True)"),
 )}
 KINDS = tuple(CONDITION_KINDS)
+CONDITION_KEYWORDS = tuple(name for k in CONDITION_KINDS.values() for name in (k.value, k.mask))
+
+
+def condition_kwargs(owner: str, kwargs: Mapping, *, negatives: bool = False) -> dict:
+    """The condition keywords among a door's ``**conditions`` (kinds beyond the ones its signature
+    names); anything else is a ``TypeError`` naming the keyword, as Python's own."""
+    allowed = set(CONDITION_KEYWORDS) | ({"negative_" + k for k in CONDITION_KEYWORDS} if negatives else set())
+    for key in kwargs:
+        if key not in allowed:
+            import difflib
+
+            close = difflib.get_close_matches(key, sorted(allowed), n=2, cutoff=0.7)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}{hint}")
+    return dict(kwargs)
+
+
+def check_drop_kinds(layers, cond_drop_prob) -> None:
+    """A ``cond_drop_prob`` mapping names only kinds the stack can take."""
+    if isinstance(cond_drop_prob, Mapping):
+        for kind, p in drop_probabilities(cond_drop_prob).items():
+            if p > 0 and CONDITION_KINDS[kind].width(layers) is None:
+                raise ValueError(f"cond_drop_prob[{kind!r}] > 0 but the net cannot take that condition")
 
 
 @dataclass
@@ -155,9 +181,7 @@ class Conditions:
     def check(self, net, b: int, device, *, prefix: str = "") -> Conditions:
         """Shapes, dtypes, devices and masks against ``net`` (a wrapper), once at the door (S9); with the
         net's ``check_finite``, NaN/inf at real context positions too. Returns ``self``."""
-        layers = net.attn_layers
-        check_condition_args(self, b, device, dim_context=layers.dim_context if layers.has_cross else None,
-                             dim=layers.dim, dim_condition=layers.dim_condition, prefix=prefix)
+        check_condition_args(self, b, device, net.attn_layers, prefix=prefix)
         if self.context is not None and getattr(net, "check_finite", False):  # before a drop could hide it
             from .masks import check_finite
 
@@ -486,15 +510,14 @@ def check_condition_tensor(t, name: str, want: tuple, device, *, dtype: torch.dt
         raise TypeError(f"{name} has dtype {t.dtype}, expected {dtype}")
 
 
-def check_condition_args(conds: Conditions, b: int, device, *, dim_context: int | None, dim: int,
-                         dim_condition: int | None, prefix: str = "") -> None:
-    """Shapes, dtypes and devices of every condition given (S9); ``prefix`` names negative ones."""
-    widths = {"dim_context": dim_context, "dim": dim, "dim_condition": dim_condition}
+def check_condition_args(conds: Conditions, b: int, device, layers, prefix: str = "") -> None:
+    """Shapes, dtypes and devices of every condition given, against the stack ``layers`` (S9); ``prefix``
+    names negative ones."""
     for kind in conds.kinds():
         spec = CONDITION_KINDS[kind]
         t, m = conds.pair(kind)
         name, mname = prefix + spec.value, prefix + spec.mask
-        width = widths[spec.width]
+        width = spec.width(layers)
         if width is None:
             raise ValueError(f"{name} was given but the model has no {spec.needs}")
         want = (b, None, width) if spec.sequence else (b, width)

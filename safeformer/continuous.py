@@ -27,7 +27,9 @@ from torch import Tensor, nn
 from .conditions import (
     Conditions,
     GuidanceSchedule,
+    check_drop_kinds,
     compose_values,
+    condition_kwargs,
     drop_conditions,
     drop_probabilities,
 )
@@ -50,15 +52,6 @@ _REDUCTIONS = ("mean", "sum", "none")
 def _conditions_of(net, b: int, device, kw: Mapping) -> Conditions:
     """The conditions passed to a wrapper's call, checked against the net (S9)."""
     return Conditions.from_kwargs(kw).check(net, b, device)
-
-
-def _check_drop_kinds(net, cond_drop_prob) -> None:
-    layers = net.attn_layers
-    can = {"context": layers.has_cross, "prepend": True, "condition": layers.adaptive}
-    if isinstance(cond_drop_prob, Mapping):
-        for kind, p in drop_probabilities(cond_drop_prob).items():
-            if p > 0 and not can[kind]:
-                raise ValueError(f"cond_drop_prob[{kind!r}] > 0 but the net cannot take that condition")
 
 
 def _check_prob(p, name: str) -> float:
@@ -158,7 +151,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             what = "2 * dim_in (a mean and a log-variance per feature)" if probabilistic else "dim_in (it is fed back as input)"
             raise ValueError(f"the net's dim_out must be {what} = {want} with probabilistic={probabilistic}, got dim_out={dim_out}")
         probs = drop_probabilities(cond_drop_prob)
-        _check_drop_kinds(net, cond_drop_prob)
+        check_drop_kinds(net.attn_layers, cond_drop_prob)
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
         self._set_config(net=net, probabilistic=probabilistic, loss=loss, min_variance=min_variance,
                          cond_drop_prob=cond_drop_prob, cond_drop_all_prob=cond_drop_all_prob)
@@ -199,6 +192,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         condition_mask: Tensor | None = None,
         reduction: str = "mean",
         generator: torch.Generator | None = None,
+        **conditions,
     ) -> Tensor:
         """Next-step loss of ``x (b, n, d)``.
 
@@ -218,6 +212,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         In training mode each condition given is dropped per sample (``cond_drop_prob``,
         ``cond_drop_all_prob``). Returns the loss in float32 (float64 for float64 models).
         """
+        conditions = condition_kwargs("ContinuousAutoregressiveWrapper.forward", conditions)
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim_in:
             raise ValueError(f"x must have shape (b, n, dim_in={self.dim_in}), got {getattr(x, 'shape', type(x))}")
         if not x.is_floating_point():
@@ -229,9 +224,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
         if n < 1:
             raise ValueError("x must hold at least one position (got n = 0)")
-        conds = _conditions_of(self.net, b, x.device, dict(
-            context=context, context_mask=context_mask, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
-            condition=condition, condition_mask=condition_mask))
+        conds = _conditions_of(self.net, b, x.device, {**locals(), **conditions})
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, generator=generator)
         inp, target = x[:, :-1], x[:, 1:]
@@ -285,6 +278,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         cache_kv: bool = True,
         temperature: float = 1.0,
         generator: torch.Generator | None = None,
+        **conditions,
     ) -> Tensor:
         """Generate ``seq_len`` new steps after ``start``, optionally with classifier-free guidance.
 
@@ -322,8 +316,10 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             ``(b, seq_len, d)`` the new steps, in ``start``'s dtype; for an unbatched ``start (n0, d)``
             (x-transformers' call), ``(seq_len, d)``.
         """
+        conditions = condition_kwargs("ContinuousAutoregressiveWrapper.generate", conditions, negatives=True)
         if isinstance(start, Tensor) and start.dim() == 2 and start.shape[-1] == self.dim_in:  # one unbatched start
-            kwargs = {k: v for k, v in locals().items() if k not in ("self", "start", "seq_len", "mask", "__class__")}
+            kwargs = {k: v for k, v in locals().items() if k not in ("self", "start", "seq_len", "mask", "__class__", "conditions")}
+            kwargs.update(conditions)
             if mask is not None:
                 validate_mask(mask, "mask", shape=(start.shape[0],), device=start.device)
             return self.generate(start[None], seq_len, mask=None if mask is None else mask[None], **kwargs)[0]
@@ -347,13 +343,8 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         guidance_rescale = _check_guidance_rescale(guidance_rescale)
         if guidance_rescale > 0 and self.dim_in < 2:
             raise ValueError(f"guidance_rescale needs dim_in >= 2 (a standard deviation over the features), got dim_in={self.dim_in}")
-        conds = _conditions_of(self.net, b, device, dict(
-            context=context, context_mask=context_mask, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
-            condition=condition, condition_mask=condition_mask))
-        negatives = _negatives(self.net, b, device, dict(
-            negative_context=negative_context, negative_context_mask=negative_context_mask,
-            negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask,
-            negative_condition=negative_condition))
+        kw = {**locals(), **conditions}
+        conds, negatives = _conditions_of(self.net, b, device, kw), _negatives(self.net, b, device, kw)
         conds = conds.with_empty_for(negatives, b)
         if self.net.pos_emb is not None and n0 + seq_len - 1 > self.max_seq_len:  # a prefix takes no absolute position
             raise ValueError(

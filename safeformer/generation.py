@@ -26,7 +26,9 @@ from .conditions import (
     Conditions,
     GuidanceSchedule,
     check_condition_args,
+    check_drop_kinds,
     compose_guidance,
+    condition_kwargs,
     drop_conditions,
     drop_probabilities,
     guided_logits,
@@ -349,12 +351,10 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
     if not isinstance(restrict_to_max_seq_len, bool):
         raise TypeError(f"restrict_to_max_seq_len must be True or False, got {restrict_to_max_seq_len!r}")
     layers = net.attn_layers
-    dims = dict(dim_context=layers.dim_context if layers.has_cross else None, dim=layers.dim,
-                dim_condition=layers.dim_condition)
     conds.check(net, b, device)
     negatives = negatives.expand_batch(b).check(net, b, device, prefix="negative_")
     if null_context is not None:
-        check_condition_args(Conditions(context=null_context), b, device, **dims, prefix="null_")
+        check_condition_args(Conditions(context=null_context), b, device, layers, prefix="null_")
     if filter_kwargs is not None and filter_logits_fn is None:
         raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
     m = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
@@ -407,6 +407,7 @@ def generate_tokens(
     guidance_space: str = "logits",
     restrict_to_max_seq_len: bool = True,
     _two_pass: bool = False,
+    **conditions,
 ) -> Tensor:
     """Sample ``seq_len`` tokens from a causal ``TransformerWrapper`` (the engine of every ``generate``).
 
@@ -465,7 +466,8 @@ def generate_tokens(
             ``restrict_to_max_seq_len``).
         TypeError: a tensor of the wrong dtype, a non-bool ``restrict_to_max_seq_len``.
     """
-    kw = locals()
+    conditions = condition_kwargs("generate_tokens", conditions, negatives=True)
+    kw = {**locals(), **conditions}
     return _generate(net, prompts, seq_len, Conditions.from_kwargs(kw), Conditions.from_kwargs(kw, "negative_"),
                      null_context, mask=mask, temperature=temperature, filter_logits_fn=filter_logits_fn,
                      filter_kwargs=filter_kwargs, eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale,
@@ -578,6 +580,7 @@ def beam_search_tokens(
     negative_prepend_mask: Tensor | None = None,
     negative_condition: Tensor | None = None,
     null_context: Tensor | None = None,
+    **conditions,
 ) -> tuple[Tensor, Tensor]:
     """Beam search: the ``beams`` continuations of ``seq_len`` tokens with the largest summed log-probability.
 
@@ -621,7 +624,8 @@ def beam_search_tokens(
             ``filter_logits_fn``, ``filter_kwargs`` or a temperature other than 0 and 1 without
             ``stochastic`` (they would be ignored).
     """
-    kw = locals()
+    conditions = condition_kwargs("beam_search_tokens", conditions, negatives=True)
+    kw = {**locals(), **conditions}
     return _beam_search(net, prompts, seq_len, Conditions.from_kwargs(kw), Conditions.from_kwargs(kw, "negative_"),
                         null_context, beams=beams, mask=mask, eos_token=eos_token, temperature=temperature,
                         stochastic=stochastic, filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs,
@@ -762,11 +766,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
         layers = net.attn_layers
-        can = {"context": layers.has_cross, "prepend": True, "condition": layers.adaptive}
-        if isinstance(cond_drop_prob, dict):
-            for kind, p in probs.items():
-                if p > 0 and not can[kind]:
-                    raise ValueError(f"cond_drop_prob[{kind!r}] > 0 but the net cannot take that condition")
+        check_drop_kinds(layers, cond_drop_prob)
         if null_context == "learned" and not layers.has_cross:
             raise ValueError("null_context='learned' needs a net with cross-attention (Decoder(..., cross_attend=True))")
         self._set_config(
@@ -798,6 +798,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         prepend_mask: Tensor | None = None,
         condition: Tensor | None = None,
         condition_mask: Tensor | None = None,
+        **conditions,
     ) -> Tensor:
         """Next-token cross-entropy of ``x (b, n)``.
 
@@ -815,9 +816,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         Returns:
             the scalar mean loss over counted targets.
         """
+        conditions = condition_kwargs("AutoregressiveWrapper.forward", conditions)
         if not isinstance(x, Tensor) or x.dim() != 2:
             raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-        conds = Conditions.from_kwargs(locals()).check(self.net, x.shape[0], x.device)  # before a drop could hide it
+        conds = Conditions.from_kwargs({**locals(), **conditions}).check(self.net, x.shape[0], x.device)  # before a drop could hide it
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
             nulls = {}
             if self.null_token is not None and context is not None:
@@ -903,6 +905,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         negative_prepend_embeds: Tensor | None = None,
         negative_prepend_mask: Tensor | None = None,
         negative_condition: Tensor | None = None,
+        **conditions,
     ) -> Tensor:
         """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
 
@@ -953,7 +956,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             >>> model.generate(prompt, 64, context=text, context_mask=text_mask, condition=style,
             ...                cond_scale={"context": 3.0, "condition": 1.5})
         """
-        kw = locals()
+        conditions = condition_kwargs("AutoregressiveWrapper.generate", conditions, negatives=True)
+        kw = {**locals(), **conditions}
         prompts, mask = self._batch(prompts, mask, prompt_lens)
         negatives, null = self._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
         was_training = self.training
@@ -1000,6 +1004,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         negative_prepend_embeds: Tensor | None = None,
         negative_prepend_mask: Tensor | None = None,
         negative_condition: Tensor | None = None,
+        **conditions,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Beam search (x-transformers' ``beam_search``, same arguments and return values).
 
@@ -1037,7 +1042,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             ValueError / TypeError: as ``generate``; ``beams`` not a positive integer; sampling
                 options without ``stochastic``.
         """
-        kw = locals()
+        conditions = condition_kwargs("AutoregressiveWrapper.beam_search", conditions, negatives=True)
+        kw = {**locals(), **conditions}
         prompts, mask = self._batch(prompts, mask, prompt_lens)
         negatives, null = self._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
         if not isinstance(return_beams_and_scores, bool):

@@ -26,10 +26,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .conditions import GuidanceSchedule, drop_conditions, drop_probabilities
+from .conditions import (
+    Conditions,
+    GuidanceSchedule,
+    check_drop_kinds,
+    condition_kwargs,
+    drop_conditions,
+    drop_probabilities,
+)
 from .continuous import (
     _check_count,
-    _check_drop_kinds,
     _check_guidance_rescale,
     _check_prob,
     _check_temperature,
@@ -149,7 +155,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         if pad_value == mask_id:
             raise ValueError(f"pad_value must differ from mask_id={mask_id} (no mask_id is left in an output)")
         probs = drop_probabilities(cond_drop_prob)
-        _check_drop_kinds(net, cond_drop_prob)
+        check_drop_kinds(net.attn_layers, cond_drop_prob)
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
         self._set_config(net=net, mask_id=mask_id, steps=steps, schedule=schedule, pad_value=pad_value,
                          cond_drop_prob=cond_drop_prob, cond_drop_all_prob=cond_drop_all_prob)
@@ -239,6 +245,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         condition_mask: Tensor | None = None,
         reduction: str = "mean",
         generator: torch.Generator | None = None,
+        **conditions,
     ) -> Tensor:
         """Masked-token cross-entropy of ``x (b, n)``.
 
@@ -254,13 +261,12 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
                 positions not hidden.
             generator: the random source of the hiding (``hide_tokens``) and of condition dropping.
         """
+        conditions = condition_kwargs("NonAutoregressiveWrapper.forward", conditions)
         self._check_tokens(x, mask)
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
         b = x.shape[0]
-        conds = _conditions_of(self.net, b, x.device, dict(
-            context=context, context_mask=context_mask, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
-            condition=condition, condition_mask=condition_mask))
+        conds = _conditions_of(self.net, b, x.device, {**locals(), **conditions})
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, generator=generator)
         inp, hidden = self.hide_tokens(x, mask, generator=generator)
@@ -299,6 +305,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         filter_logits_fn: Callable[..., Tensor] | str | None = None,
         filter_kwargs: dict[str, Any] | None = None,
         steps: int | None = None,
+        **conditions,
     ) -> Tensor:
         """Iterative parallel decoding (MaskGIT), optionally with classifier-free guidance.
 
@@ -326,15 +333,12 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         Returns:
             ``(b, seq_len)`` token ids; none is ``mask_id``.
         """
+        conditions = condition_kwargs("NonAutoregressiveWrapper.generate", conditions, negatives=True)
         device = next(self.net.parameters()).device
-        kw = dict(context=context, context_mask=context_mask, prepend_embeds=prepend_embeds,
-                  prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask)
-        b = None
-        for name in ("context", "prepend_embeds", "condition"):
-            t = kw[name]
-            if isinstance(t, Tensor) and t.dim() >= 1:
-                b = int(t.shape[0])
-                break
+        kw = {**locals(), **conditions}
+        given = Conditions.from_kwargs(kw)
+        b = next((int(t.shape[0]) for t in (given.pair(k)[0] for k in given.kinds()) if isinstance(t, Tensor) and t.dim() >= 1),
+                 None)
         if batch_size is None:
             if b is None:
                 raise ValueError("batch_size is needed when no condition gives the batch size")
@@ -358,10 +362,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         if filter_kwargs is not None and filter_fn is None:
             raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
         conds = _conditions_of(self.net, b, device, kw)
-        negatives = _negatives(self.net, b, device, dict(
-            negative_context=negative_context, negative_context_mask=negative_context_mask,
-            negative_prepend_embeds=negative_prepend_embeds, negative_prepend_mask=negative_prepend_mask,
-            negative_condition=negative_condition))
+        negatives = _negatives(self.net, b, device, kw)
         conds = conds.with_empty_for(negatives, b)
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                           has_uncond=bool(conds.kinds()), steps=steps)

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .conditions import Conditions, check_condition_tensor
+from .conditions import Conditions, check_condition_tensor, condition_kwargs
 from .layers import AttentionLayers, KVCache, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
@@ -325,6 +325,7 @@ class TransformerWrapper(_Wrapper):
         return_intermediates: bool = False,
         return_attn: bool = False,
         return_hiddens: bool = False,
+        **conditions,
     ):
         """Run the model.
 
@@ -365,6 +366,7 @@ class TransformerWrapper(_Wrapper):
             class token), then the cache if ``return_cache``, then the intermediates if
             ``return_intermediates`` / ``return_hiddens``, or the attention weights if ``return_attn``.
         """
+        conditions = condition_kwargs("TransformerWrapper.forward", conditions)
         _check_tokens(x, "x")
         b, n = x.shape
         if mask is not None:
@@ -383,7 +385,7 @@ class TransformerWrapper(_Wrapper):
         if self.l2norm_embed:
             emb = l2norm(emb)
         h, new_cache, full_mask, m, fixed_out, inter, plan = self._run(
-            emb, mask, Conditions.from_kwargs(locals()), attn_mask, cache, return_cache,
+            emb, mask, Conditions.from_kwargs({**locals(), **conditions}), attn_mask, cache, return_cache,
             pos=pos, return_hiddens=want_inter,
         )
 
@@ -494,6 +496,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         return_intermediates: bool = False,
         return_attn: bool = False,
         return_hiddens: bool = False,
+        **conditions,
     ):
         """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward``;
         ``lens (b,)`` (x-transformers' name) gives right-padded lengths instead of a mask.
@@ -501,6 +504,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         Values at padded positions of ``x`` (mask False) are selected away before any use: NaN or
         inf there reaches no output and no gradient.
         """
+        conditions = condition_kwargs("ContinuousTransformerWrapper.forward", conditions)
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim_in:
             raise ValueError(f"x must have shape (b, n, dim_in={self.dim_in}), got {getattr(x, 'shape', type(x))}")
         if not x.is_floating_point():
@@ -522,7 +526,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         self._check_context(context, context_mask, check)
         want_inter = return_intermediates or return_hiddens or return_attn
         h, new_cache, full_mask, m, _, inter, _ = self._run(
-            self.project_in(x), mask, Conditions.from_kwargs(locals()), attn_mask, cache, return_cache,
+            self.project_in(x), mask, Conditions.from_kwargs({**locals(), **conditions}), attn_mask, cache, return_cache,
             pos=pos, return_hiddens=want_inter,
         )
         if excise_prepend_embeds and m and not (return_pooled or self.average_pool_embed):
