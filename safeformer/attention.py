@@ -135,8 +135,9 @@ class Attention(nn.Module):
         v = self._linear(self.to_v, source, keep).unflatten(-1, (self.kv_heads, self.dim_head))
         return (k if self.k_norm is None else self.k_norm(k)), v
 
-    def _output(self, out: Tensor, keep: Tensor | None = None, rows_ok: Tensor | None = None) -> Tensor:
-        """``out (..., h, d)`` -> ``(..., c)``: the output projection; ``keep``: rows selected to 0 before it
+    def _output(self, out: Tensor, x: Tensor, keep: Tensor | None = None, rows_ok: Tensor | None = None) -> Tensor:
+        """``out (..., h, d)`` -> ``(..., c)``: the output projection. ``x (..., c)`` is the queries' input (what
+        an output option such as a per-head gate reads); ``keep``: rows selected to 0 before the projection
         (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that
         are exactly 0 after it (a bias would move dead rows off 0)."""
         out = self._linear(self.to_out, out.flatten(-2), keep)
@@ -294,7 +295,7 @@ class Attention(nn.Module):
             )  # (b, h, i, d)
         # padded queries: selected before to_out; dead rows: exactly 0 after it (a bias would move them)
         zero_rows = rows_ok if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None) else None
-        out = self._output(out.transpose(1, 2), self_pad, zero_rows)  # (b, i, c)
+        out = self._output(out.transpose(1, 2), x, self_pad, zero_rows)  # (b, i, c)
         if return_attn:
             return out, kv_out, weights
         return out, kv_out

@@ -53,6 +53,8 @@ class ConditionKind:
         width: ``width(stack) -> int | None``: the feature size a stack (``AttentionLayers``) takes for this
             kind, ``None`` when it cannot take it at all.
         needs: what the model must have to take this kind (for the error when it has not).
+        in_stack: the layer stack consumes it (a wrapper passes it on to ``AttentionLayers.forward``);
+            otherwise the wrapper itself does (a prefix).
     """
 
     name: str
@@ -61,6 +63,7 @@ class ConditionKind:
     sequence: bool
     width: Callable[[Any], int | None]
     needs: str | None = None
+    in_stack: bool = True
 
     def mask_shape(self, t: Tensor) -> tuple[int, ...]:
         return tuple(t.shape[:2] if self.sequence else t.shape[:1])
@@ -83,7 +86,7 @@ class ConditionKind:
 CONDITION_KINDS: dict[str, ConditionKind] = {k.name: k for k in (
     ConditionKind("context", "context", "context_mask", True, lambda s: s.dim_context if s.has_cross else None,
                   "cross-attention (cross_attend=True)"),
-    ConditionKind("prepend", "prepend_embeds", "prepend_mask", True, lambda s: s.dim),
+    ConditionKind("prepend", "prepend_embeds", "prepend_mask", True, lambda s: s.dim, in_stack=False),
     ConditionKind("condition", "condition", "condition_mask", False, lambda s: s.dim_condition,
                   "adaptive layers (use_adaptive_layernorm=True)"),
 )}
@@ -187,6 +190,11 @@ class Conditions:
 
             check_finite(self.context, self.context_mask, prefix + "context")
         return self
+
+    def stack_kwargs(self) -> dict:
+        """Keyword arguments for ``AttentionLayers.forward``: every kind the stack consumes (``None`` if absent)."""
+        return {name: getattr(self, name) for spec in CONDITION_KINDS.values() if spec.in_stack
+                for name in (spec.value, spec.mask)}
 
     def batch_size(self) -> int | None:
         for f in fields(self):

@@ -255,7 +255,7 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
         if layout.rotary is not None:
             angles = layout.rotary(layout.positions[None], q.dtype)[0, 0][:, None]  # (T, 1, rot)
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-        return attn._output(varlen_attention(q, k, v, layout.layout, causal=layout.causal, plan=layout.plan))
+        return attn._output(varlen_attention(q, k, v, layout.layout, causal=layout.causal, plan=layout.plan), h)
     if isinstance(layout, GroupedSelfLayout):  # self-attention on compacted per-group layouts
         q_all, (k_all, v_all) = attn._project_q(h), attn._project_kv(h)  # (T, h, d), (T, h_kv, d)
         out_all = q_all.new_zeros(q_all.shape)
@@ -271,7 +271,7 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
                        bias=bias, dropout_p=dropout_p, backend=attn.backend, _inputs_finite=True)
             o = o.transpose(1, 2).flatten(0, 1).index_select(0, g.dest)  # (T_g, h, d)
             out_all = out_all.index_copy(0, g.tok, o)
-        return attn._output(out_all)
+        return attn._output(out_all, h)
     if not isinstance(layout, PackedCrossLayout):
         raise TypeError(f"layout must be an unpadded layout, got {type(layout).__name__}")
     plan = layout.plan
@@ -285,7 +285,7 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
             rows_ok = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
         elif layout.mask is not None:
             rows_ok = layout.mask.any(dim=-1).any(dim=1).expand(plan.b, plan.n).reshape(-1).index_select(0, plan.idx)
-    return attn._output(out, rows_ok=rows_ok)
+    return attn._output(out, h, rows_ok=rows_ok)
 
 
 def _scatter(t: Tensor, index: Tensor | None, b: int, n: int) -> Tensor:

@@ -171,8 +171,7 @@ class _Wrapper(Configurable, nn.Module):
         plan = self.attn_layers.plan_unpadded(
             mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask, return_hiddens=return_hiddens)
         out = self.attn_layers(
-            x, mask=mask, context=conds.context, context_mask=conds.context_mask, attn_mask=attn_mask,
-            positions=positions, condition=conds.condition, condition_mask=conds.condition_mask, cache=cache,
+            x, mask=mask, attn_mask=attn_mask, positions=positions, cache=cache, **conds.stack_kwargs(),
             return_cache=return_cache, return_hiddens=return_hiddens, unpadded_plan=plan,
         )
         out = out if isinstance(out, tuple) else (out,)

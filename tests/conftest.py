@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import the shared helpers as `import contract`
+sys.path.insert(0, os.path.dirname(__file__))  # tests import the shared helpers package as `import helpers`
 
 # The suite runs thousands of tiny attention calls: one intra-op thread is the fastest by far for them, and
 # on a shared or loaded CPU a second OpenMP thread can make each kernel call hundreds of times slower.

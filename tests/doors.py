@@ -10,7 +10,7 @@ Each door says how its clauses are tested:
   (dead rows and fully masked samples on purpose, ``value`` planted at every masked position) and calls
   it. ``test_doors.py`` runs S1 (finite, no missing gradient), S2 (dead outputs exactly 0), S3
   (masked contents never matter, their gradient exactly 0) and S9 (clear errors) over every probe.
-- ``cases``: the names of model-level cases (``model_helpers.CASES``) through which
+- ``cases``: the names of model-level cases (``helpers.CASES``) through which
   ``test_contract_models.py`` runs every clause S1-S9 against the door (modules and stacks), or of the
   guidance suite (``test_contract_guidance.py``) for the autoregressive wrapper.
 
@@ -23,12 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from helpers import INF, NAN
 from torch import Tensor
 
 import safeformer as sf
 
-NAN, INF = float("nan"), float("inf")
-PLANT_VALUES = (NAN, INF, -INF, 1e4)
+PLANT_VALUES = (NAN, INF, -INF, 1e4)  # the garbage planted at masked positions of every probe
 
 
 @dataclass

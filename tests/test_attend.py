@@ -1,9 +1,9 @@
-"""The safety contract (SAFETY_CONTRACT.md) for ``safeformer.attend``, one named test per clause.
+"""The safety contract (docs/safety.md) for ``safeformer.attend``, one named test per clause.
 
 Every property test draws batch sizes, query/key lengths (0 included), head counts and GQA ratios,
 every mask kind with dead rows on purpose, causal on/off, and garbage (NaN, +-inf, huge) planted at
 masked keys/values and dead queries; it runs on every backend of the device and every dtype, and
-compares against a float64 reference in the plainest code (``contract.reference_attention64``).
+compares against a float64 reference in the plainest code (``helpers.ref_attend``).
 
 Shape legend: b batch, h query heads, h_kv key/value heads, i queries, j keys, d/e head dims.
 """
@@ -14,28 +14,28 @@ import math
 
 import pytest
 import torch
-from contract import (
+from helpers import (
+    ATTEND_TOL,
     DEVICES,
     INF,
     NAN,
     AttnCase,
-    assert_all_finite,
-    assert_bitwise_equal,
-    assert_close_finite,
-    assert_exactly_zero,
+    NaNKernel,
+    RecordingKernel,
+    assert_bitwise,
+    assert_close,
+    assert_finite,
+    assert_zero,
     attention_cases,
     attention_masks,
     backends_for,
     device_dtype_backend_params,
     dtypes_for,
+    faithful_kernel,
     grads,
     mask_from_lengths,
-    nan_kernel,
     plant,
-    recording_kernel,
-    reference_attention64,
-    reference_grads,
-    tol,
+    ref_attend,
 )
 from hypothesis import assume, given, reject
 from hypothesis import strategies as st
@@ -73,10 +73,10 @@ def run(case: AttnCase, dtype, device, backend, *, garbage=True, **kwargs):
 def reference(case: AttnCase, q, k, v, upstream=None, **kwargs):
     """The float64 reference output for the same (rounded, garbage-planted) inputs, and its gradients."""
     leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
-    out = reference_attention64(*leaves, case.mask4d, causal=case.causal, **kwargs)
+    out = ref_attend(*leaves, case.mask4d, causal=case.causal, **kwargs)
     if upstream is None:
         return out.detach(), None
-    return out.detach(), reference_grads(out, leaves, upstream.double().cpu())
+    return out.detach(), grads(out, leaves, upstream.double().cpu(), missing_is_zero=True)
 
 
 def expand_rows(rows, e):
@@ -97,12 +97,12 @@ def test_s1_finite(device, dtype, backend, case):
     with torch.autograd.detect_anomaly(check_nan=True):
         out, inputs = run(case, dtype, device, backend)
         assert out.shape == (case.b, case.h, case.i, case.e) and out.dtype == dtype
-        assert_all_finite(out, "output")
+        assert_finite(out, "output")
         if case.j == 0:  # every row is dead; gradients are covered by test_s1_zero_length_context_*
-            assert_exactly_zero(out, "output with no keys")
+            assert_zero(out, "output with no keys")
             return
         for name, g in zip("qkv", grads(out, inputs, case.upstream(dtype, device))):
-            assert_all_finite(g, f"grad of {name}")
+            assert_finite(g, f"grad of {name}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -118,15 +118,15 @@ def test_s2_dead_rows_exactly_zero(device, dtype, backend, case):
     assume(bool(dead.any()))
     out, inputs = run(case, dtype, device, backend)
     dead_el = expand_rows(dead, case.e).to(device)
-    assert_exactly_zero(out[dead_el], "output at dead rows")
+    assert_zero(out[dead_el], "output at dead rows")
     # an upstream gradient on dead rows only reaches nothing
     only_dead = case.upstream(dtype, device) * dead_el
     gq, gk, gv = grads(out, inputs, only_dead)
     for name, g in (("q", gq), ("k", gk), ("v", gv)):
-        assert_exactly_zero(g, f"grad of {name} from dead rows only")
+        assert_zero(g, f"grad of {name} from dead rows only")
     # with a gradient everywhere, a dead query still receives exactly zero
     gq, _, _ = grads(out, inputs, case.upstream(dtype, device))
-    assert_exactly_zero(gq[expand_rows(dead, case.d).to(device)], "grad of q at dead rows")
+    assert_zero(gq[expand_rows(dead, case.d).to(device)], "grad of q at dead rows")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -143,19 +143,19 @@ def test_s3_no_leak_from_masked_keys(device, dtype, backend, case, other):
     dead = case.dead()
     clean_out, clean_in = run(case, dtype, device, backend, garbage=False)
     out, inputs = run(case, dtype, device, backend, garbage=True)
-    assert_bitwise_equal(out, clean_out, "output with garbage at masked positions")
+    assert_bitwise(out, clean_out, "output with garbage at masked positions")
     q2, k2, v2 = (t.detach() for t in case.clean(dtype, device))  # a second garbage value
     q2, k2, v2 = plant(q2, dead, other), plant(k2, masked, other), plant(v2, masked, other)
     out2 = attend(q2, k2, v2, mask=None if case.mask is None else case.mask.to(device), causal=case.causal,
                   backend=backend)
-    assert_bitwise_equal(out2, clean_out, f"output with {other} at masked positions")
+    assert_bitwise(out2, clean_out, f"output with {other} at masked positions")
 
     upstream = case.upstream(dtype, device)
     for name, g, g_clean, where in zip(
         "qkv", grads(out, inputs, upstream), grads(clean_out, clean_in, upstream), (dead, masked, masked)
     ):
-        assert_bitwise_equal(g, g_clean, f"grad of {name} with garbage at masked positions")
-        assert_exactly_zero(g[where.to(device)], f"grad of {name} at masked positions")
+        assert_bitwise(g, g_clean, f"grad of {name} with garbage at masked positions")
+        assert_zero(g[where.to(device)], f"grad of {name} at masked positions")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -197,11 +197,11 @@ def test_s4_padded_batch_equals_each_sample_alone(
         pos = real[s].nonzero().flatten()
         alone = attend(q[s : s + 1, :, pos].to(device), k[s : s + 1, :, pos].to(device),
                        v[s : s + 1, :, pos].to(device), causal=causal, backend=backend)
-        assert_close_finite(batched[s : s + 1, :, pos.to(device)], alone.double(), dtype, f"sample {s} padded vs alone")
-        ref = reference_attention64(q[s : s + 1, :, pos], k[s : s + 1, :, pos], v[s : s + 1, :, pos], causal=causal)
-        assert_close_finite(alone, ref, dtype, f"sample {s} alone vs float64 reference")
+        assert_close(batched[s : s + 1, :, pos.to(device)], alone.double(), f"sample {s} padded vs alone", dtype, table=ATTEND_TOL)
+        ref = ref_attend(q[s : s + 1, :, pos], k[s : s + 1, :, pos], v[s : s + 1, :, pos], causal=causal)
+        assert_close(alone, ref, f"sample {s} alone vs float64 reference", dtype, table=ATTEND_TOL)
         if query_mask:
-            assert_exactly_zero(batched[s, :, ~real[s].to(device)], f"padded queries of sample {s}")
+            assert_zero(batched[s, :, ~real[s].to(device)], f"padded queries of sample {s}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,9 +219,9 @@ def test_s5_backends_agree(device, dtype, backend, data):
     out, inputs = run(case, dtype, device, backend)
     upstream = case.upstream(dtype, device)
     ref_out, ref_grads = reference(case, *inputs, upstream=upstream)
-    assert_close_finite(out, ref_out, dtype, "output")
+    assert_close(out, ref_out, "output", dtype, table=ATTEND_TOL)
     for name, g, rg in zip("qkv", grads(out, inputs, upstream), ref_grads):
-        assert_close_finite(g, rg, dtype, f"grad of {name}")
+        assert_close(g, rg, f"grad of {name}", dtype, table=ATTEND_TOL)
 
 
 @pytest.mark.parametrize(("device", "dtype", "backend"), PARAMS, ids=PARAM_IDS)
@@ -243,15 +243,15 @@ def test_s5_kv_cache_path_equals_full_causal(device, dtype, backend, lengths, ch
     v = torch.randn(b, h_kv, n, d, generator=gen).to(device=device, dtype=dtype)
     real = mask_from_lengths(lengths, n, left=True).to(device)  # (b, n), left padding
     full = attend(q, k, v, mask=real, causal=True, backend=backend)
-    ref = reference_attention64(q, k, v, real[:, None, None].cpu(), causal=True)
-    assert_close_finite(full, ref, dtype, "full causal")
+    ref = ref_attend(q, k, v, real[:, None, None].cpu(), causal=True)
+    assert_close(full, ref, "full causal", dtype, table=ATTEND_TOL)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
         step = attend(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], mask=real[:, :stop], causal=True,
                       backend=backend)
-        assert_close_finite(step, ref[:, :, start:stop], dtype, f"cached queries {start}:{stop}")
+        assert_close(step, ref[:, :, start:stop], f"cached queries {start}:{stop}", dtype, table=ATTEND_TOL)
         dead = ~real[:, start:stop]  # a padded query sees only padding: a dead row
-        assert_exactly_zero(step.transpose(1, 2)[dead], "dead rows of the cached step")
+        assert_zero(step.transpose(1, 2)[dead], "dead rows of the cached step")
 
 
 def test_s5_reference_path_equals_sdpa_path_float64():
@@ -264,10 +264,10 @@ def test_s5_reference_path_equals_sdpa_path_float64():
     mask[0, :, 1] = False
     mask[1] = False
     outs = {be: attend(q, k, v, mask=mask, causal=True, backend=be) for be in ("reference", "math", "flash", "auto")}
-    ref = reference_attention64(q, k, v, mask, causal=True)
+    ref = ref_attend(q, k, v, mask, causal=True)
     for be, out in outs.items():
-        assert_close_finite(out, ref, torch.float64, f"{be} output")
-    assert_exactly_zero(outs["math"][1], "fully masked sample")
+        assert_close(out, ref, f"{be} output", torch.float64, table=ATTEND_TOL)
+    assert_zero(outs["math"][1], "fully masked sample")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -284,21 +284,21 @@ def test_nan_kernel_poisons_what_it_should():
     mask[0, 0, 1] = False
     told = torch.zeros(2, 1, 3, dtype=torch.bool)
     told[1, 0, 2] = True
-    out = nan_kernel(told)(q, k, v, attn_mask=mask)
+    out = NaNKernel(told)(q, k, v, attn_mask=mask)
     poisoned = torch.zeros(2, 1, 3, dtype=torch.bool)
     poisoned[0, 0, 1] = poisoned[1, 0, 2] = True
     assert bool(torch.isnan(out[poisoned]).all())
     real = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    assert_bitwise_equal(out[~poisoned], real[~poisoned], "unpoisoned rows")
+    assert_bitwise(out[~poisoned], real[~poisoned], "unpoisoned rows")
     _, gk, _ = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) * ~poisoned[..., None])
     assert bool(torch.isnan(gk[0]).all())  # the dead row's NaN reached every key of its sample
-    assert_all_finite(gk[1], "grad of k where the kernel saw no dead row")
+    assert_finite(gk[1], "grad of k where the kernel saw no dead row")
     float_mask = torch.zeros(2, 1, 3, 5).masked_fill(~mask, -INF)
-    assert bool(torch.isnan(nan_kernel(value=INF)(q, k, v, attn_mask=float_mask)[0, 0, 1]).all() == 0)
-    calls = []
-    out_inf = nan_kernel(value=INF, calls=calls)(q, k, v, attn_mask=float_mask)
-    assert bool((out_inf[0, 0, 1] == INF).all()) and calls[0]["rows_without_keys"] == 1
-    assert calls[0]["mask_shape"] == (2, 1, 3, 5)
+    assert bool(torch.isnan(NaNKernel(value=INF)(q, k, v, attn_mask=float_mask)[0, 0, 1]).all() == 0)
+    kernel = NaNKernel(value=INF)
+    out_inf = kernel(q, k, v, attn_mask=float_mask)
+    assert bool((out_inf[0, 0, 1] == INF).all()) and kernel.calls[0].rows_without_keys == 1
+    assert kernel.calls[0].mask_shape == (2, 1, 3, 5)
 
 
 @pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
@@ -316,15 +316,15 @@ def test_s6_kernel_not_trusted(device, dtype, backend, value, case, with_bias):
     upstream = case.upstream(dtype, device)
     # the reference run goes through the same substituted kernel writing nothing: its gradients come out
     # of one autograd node, which can change the engine's summation order by an ulp on the math backend
-    with substitute_kernel(nan_kernel(value=0.0)):
+    with substitute_kernel(faithful_kernel()):
         out, inputs = run(case, dtype, device, backend, **kwargs)
         g_real = grads(out, inputs, upstream)
-    with substitute_kernel(nan_kernel(case.dead().to(device), value=value)):
+    with substitute_kernel(NaNKernel(case.dead().to(device), value=value)):
         bad_out, bad_inputs = run(case, dtype, device, backend, **kwargs)
         g_bad = grads(bad_out, bad_inputs, upstream)
-    assert_bitwise_equal(bad_out, out, "output under a kernel that poisons dead rows")
+    assert_bitwise(bad_out, out, "output under a kernel that poisons dead rows")
     for name, g, g0 in zip("qkv", g_bad, g_real):
-        assert_bitwise_equal(g, g0, f"grad of {name} under a kernel that poisons dead rows")
+        assert_bitwise(g, g0, f"grad of {name} under a kernel that poisons dead rows")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -359,15 +359,15 @@ def test_s7_large_logits_half_precision(device, dtype, backend, b, i, j, causal,
     logits = (q.double() @ k.double().repeat_interleave(h // h_kv, 1).transpose(-1, -2)) * d**-0.5
     assert float(logits.detach().abs().max()) <= 1e4
     out = attend(q, k, v, mask=None if mask is None else mask.to(device), causal=causal, backend=backend)
-    ref = reference_attention64(q, k, v, mask4d, causal=causal)
-    assert_close_finite(out, ref, dtype, "output with logits up to 1e4")
+    ref = ref_attend(q, k, v, mask4d, causal=causal)
+    assert_close(out, ref, "output with logits up to 1e4", dtype, table=ATTEND_TOL)
     upstream = torch.randn(b, h, i, d, generator=gen).to(device=device, dtype=dtype)
     leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
-    ref_g = reference_grads(reference_attention64(*leaves, mask4d, causal=causal), leaves, upstream.double().cpu())
+    ref_g = grads(ref_attend(*leaves, mask4d, causal=causal), leaves, upstream.double().cpu(), missing_is_zero=True)
     gq, gk, gv = grads(out, (q, k, v), upstream)
-    assert_all_finite(gq, "grad of q")
-    assert_all_finite(gk, "grad of k")
-    assert_close_finite(gv, ref_g[2], dtype, "grad of v")
+    assert_finite(gq, "grad of q")
+    assert_finite(gk, "grad of k")
+    assert_close(gv, ref_g[2], "grad of v", dtype, table=ATTEND_TOL)
     # the softmax is one-hot: dq and dk are 0 up to the rounding of dO . O
     assert float(gq.abs().max()) < 0.5 and float(gk.abs().max()) < 0.5
 
@@ -386,8 +386,8 @@ def test_s7_softmax_statistics_kept_in_float32(device, dtype, backend, case):
     q, k, v = (t.to(dtype) for t in (q, k, v))
     mask = None if case.mask is None else case.mask.to(device)
     out = attend(q.to(device), k.to(device), v.to(device), mask=mask, causal=case.causal, backend=backend)
-    ref = reference_attention64(q, k, v, case.mask4d, causal=case.causal)
-    assert_all_finite(out, "output")
+    ref = ref_attend(q, k, v, case.mask4d, causal=case.causal)
+    assert_finite(out, "output")
     err = float((out.double().cpu() - ref).abs().max())
     bound = torch.finfo(dtype).eps * max(1.0, float(ref.abs().max()))
     assert err <= bound, f"error {err:.3g} > {bound:.3g}: logits or softmax statistics not kept in float32"
@@ -404,18 +404,18 @@ def test_s7_large_random_logits_stay_finite_and_convex(device, dtype, backend, c
     q, k, v = ((q * s).to(dtype), (k * s).to(dtype), v.to(dtype))
     q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
     out = attend(q, k, v, mask=None if case.mask is None else case.mask.to(device), causal=case.causal, backend=backend)
-    assert_all_finite(out, "output")
+    assert_finite(out, "output")
     for name, g in zip("qkv", grads(out, (q, k, v), case.upstream(dtype, device))):
-        assert_all_finite(g, f"grad of {name}")
+        assert_finite(g, f"grad of {name}")
     allowed = case.allowed()  # (b, h, i, j)
     vv = v.detach().double().cpu().repeat_interleave(case.h // case.h_kv, 1)[:, :, None]  # (b, h, 1, j, e)
     lo = torch.where(allowed[..., None], vv, INF).amin(-2)
     hi = torch.where(allowed[..., None], vv, -INF).amax(-2)
     o = out.detach().double().cpu()
-    slack = 2 * tol(dtype)[0] * max(1.0, float(v.detach().abs().max()))
+    slack = 2 * ATTEND_TOL[dtype][0] * max(1.0, float(v.detach().abs().max()))
     alive = ~case.dead()[..., None].expand_as(o)
     assert bool(((o >= lo - slack) & (o <= hi + slack))[alive].all()), "an output left the convex hull of its values"
-    assert_exactly_zero(o[~alive], "dead rows")
+    assert_zero(o[~alive], "dead rows")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -488,8 +488,8 @@ def test_s9_two_d_mask_is_key_padding_when_b_equals_i():
     q, k, v = _qkv(b=3, h=2, h_kv=2, i=3, j=4)
     m = torch.tensor([[True, False, False, False], [True, True, False, False], [True, True, True, True]])
     out = attend(q, k, v, mask=m, backend="reference")
-    ref = reference_attention64(q, k, v, m[:, None, None, :])
-    assert_close_finite(out, ref, torch.float32, "2-d mask read as (b, j)")
+    ref = ref_attend(q, k, v, m[:, None, None, :])
+    assert_close(out, ref, "2-d mask read as (b, j)", torch.float32, table=ATTEND_TOL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -576,37 +576,37 @@ def test_padding_mask_never_materialized(backend, h, h_kv):
     b, i, j = 3, 5, 7
     q, k, v = _qkv(b=b, h=h, h_kv=h_kv, i=i, j=j)
     mask = mask_from_lengths([7, 3, 0], j)
-    calls = []
-    with substitute_kernel(recording_kernel(calls)):
+    rec = RecordingKernel()
+    with substitute_kernel(rec):
         out = attend(q, k, v, mask=mask, backend=backend)
         out_causal = attend(q, k, v, mask=mask, causal=True, backend=backend)
-    assert calls[0]["mask_shape"] == (b, 1, 1, j) and calls[0]["mask_dtype"] == torch.bool
-    assert calls[0]["is_causal"] is False
-    assert calls[1]["mask_shape"] == (b, 1, i, j) and calls[1]["mask_dtype"] == torch.bool
-    assert calls[0]["k_shape"] == (b, h_kv, j, 8) and calls[0]["enable_gqa"] == (h != h_kv)
-    assert_close_finite(out, reference_attention64(q, k, v, mask[:, None, None]), torch.float32, "padding output")
-    ref_causal = reference_attention64(q, k, v, mask[:, None, None], causal=True)
-    assert_close_finite(out_causal, ref_causal, torch.float32, "padding+causal output")
+    assert rec.calls[0].mask_shape == (b, 1, 1, j) and rec.calls[0].mask_dtype == torch.bool
+    assert rec.calls[0].is_causal is False
+    assert rec.calls[1].mask_shape == (b, 1, i, j) and rec.calls[1].mask_dtype == torch.bool
+    assert rec.calls[0].k_shape == (b, h_kv, j, 8) and rec.calls[0].enable_gqa == (h != h_kv)
+    assert_close(out, ref_attend(q, k, v, mask[:, None, None]), "padding output", torch.float32, table=ATTEND_TOL)
+    ref_causal = ref_attend(q, k, v, mask[:, None, None], causal=True)
+    assert_close(out_causal, ref_causal, "padding+causal output", torch.float32, table=ATTEND_TOL)
 
 
 @pytest.mark.parametrize("backend", ["auto", "math", "flash"])
 def test_causal_square_without_mask_passes_is_causal(backend):
     """causal with i == j and no mask reaches the kernel as is_causal=True with no mask tensor; i != j
     as a bottom-right (1, 1, i, j) mask; a single query as neither."""
-    calls = []
-    with substitute_kernel(recording_kernel(calls)):
+    rec = RecordingKernel()
+    with substitute_kernel(rec):
         q, k, v = _qkv(i=6, j=6)
         square = attend(q, k, v, causal=True, backend=backend)
         q2, k2, v2 = _qkv(i=3, j=6)
         rect = attend(q2, k2, v2, causal=True, backend=backend)
         q3, k3, v3 = _qkv(i=1, j=6)
         single = attend(q3, k3, v3, causal=True, backend=backend)
-    assert calls[0]["is_causal"] is True and calls[0]["mask_shape"] is None
-    assert calls[1]["is_causal"] is False and calls[1]["mask_shape"] == (1, 1, 3, 6)
-    assert calls[2]["is_causal"] is False and calls[2]["mask_shape"] is None
-    assert_close_finite(square, reference_attention64(q, k, v, causal=True), torch.float32, "square causal")
-    assert_close_finite(rect, reference_attention64(q2, k2, v2, causal=True), torch.float32, "bottom-right causal")
-    assert_close_finite(single, reference_attention64(q3, k3, v3), torch.float32, "single query")
+    assert rec.calls[0].is_causal is True and rec.calls[0].mask_shape is None
+    assert rec.calls[1].is_causal is False and rec.calls[1].mask_shape == (1, 1, 3, 6)
+    assert rec.calls[2].is_causal is False and rec.calls[2].mask_shape is None
+    assert_close(square, ref_attend(q, k, v, causal=True), "square causal", torch.float32, table=ATTEND_TOL)
+    assert_close(rect, ref_attend(q2, k2, v2, causal=True), "bottom-right causal", torch.float32, table=ATTEND_TOL)
+    assert_close(single, ref_attend(q3, k3, v3), "single query", torch.float32, table=ATTEND_TOL)
 
 
 def test_kernel_never_sees_a_dead_row():
@@ -615,15 +615,15 @@ def test_kernel_never_sees_a_dead_row():
     q, k, v = _qkv(b=2, h=4, h_kv=2, i=4, j=5)
     mask = torch.zeros(2, 4, 4, 5, dtype=torch.bool)
     mask[0, 1, 2, 3] = True  # query head 1 uses key/value head 0
-    calls = []
-    with substitute_kernel(recording_kernel(calls)):
+    rec = RecordingKernel()
+    with substitute_kernel(rec):
         out = attend(q, k, v, mask=mask, causal=True, backend="math")
-    assert calls[0]["mask_shape"] == (2, 4, 4, 5)
-    assert calls[0]["rows_without_keys"] == 0
+    assert rec.calls[0].mask_shape == (2, 4, 4, 5)
+    assert rec.calls[0].rows_without_keys == 0
     dead = torch.ones(2, 4, 4, dtype=torch.bool)
     dead[0, 1, 2] = False
-    assert_exactly_zero(out[dead], "dead rows")
-    assert_close_finite(out[0, 1, 2], v[0, 0, 3].double(), torch.float32, "the one live row")
+    assert_zero(out[dead], "dead rows")
+    assert_close(out[0, 1, 2], v[0, 0, 3].double(), "the one live row", torch.float32, table=ATTEND_TOL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -646,12 +646,12 @@ def test_compile_fullgraph_matches_eager():
     q, v = q.requires_grad_(), v.requires_grad_()
     eager = f(q, k_bad, v, mask)
     got = compiled(q, k_bad, v, mask)
-    assert_close_finite(got, eager.double(), torch.float32, "compiled output")
-    assert_exactly_zero(got[2], "fully padded sample")
+    assert_close(got, eager.double(), "compiled output", torch.float32, table=ATTEND_TOL)
+    assert_zero(got[2], "fully padded sample")
     up = torch.randn_like(eager)
     compiled_grads = torch.autograd.grad(got, (q, k_bad, v), up)  # compiled backward: no retain_graph
     for name, g, g0 in zip("qkv", compiled_grads, grads(eager, (q, k_bad, v), up)):
-        assert_close_finite(g, g0.double(), torch.float32, f"compiled grad of {name}")
+        assert_close(g, g0.double(), f"compiled grad of {name}", torch.float32, table=ATTEND_TOL)
 
 
 @pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS, ids=DEVICE_BACKEND_IDS)
@@ -674,13 +674,13 @@ def test_bias_nan_at_masked_positions_does_not_leak(device, backend, case, bias_
     out = attend(q, k, v, mask=mask, causal=case.causal, bias=bias_bad, backend=backend)
     bias_clean = bias_clean.to(device).requires_grad_(trainable)  # same autograd needs: same kernel
     out_clean = attend(q, k, v, mask=mask, causal=case.causal, bias=bias_clean, backend=backend)
-    assert_bitwise_equal(out, out_clean, "output with garbage bias at masked positions")
+    assert_bitwise(out, out_clean, "output with garbage bias at masked positions")
     ref, _ = reference(case, q, k, v, bias=bias_clean.detach())
-    assert_close_finite(out, ref, dtype, "output with bias")
+    assert_close(out, ref, "output with bias", dtype, table=ATTEND_TOL)
     if trainable:
         (g_bias,) = grads(out, (bias_bad,), case.upstream(dtype, device))
-        assert_all_finite(g_bias, "grad of bias")
-        assert_exactly_zero(g_bias[not_allowed.to(device)], "grad of bias at masked positions")
+        assert_finite(g_bias, "grad of bias")
+        assert_zero(g_bias[not_allowed.to(device)], "grad of bias at masked positions")
 
 
 def test_trainable_bias_on_cpu_flash_is_a_clear_error():
@@ -699,18 +699,18 @@ def test_dropout_finite_dead_rows_zero(device, backend, case):
     masked keys exactly zero gradient, and dropout does act on live rows."""
     torch.manual_seed(case.seed)
     out, inputs = run(case, torch.float32, device, backend, dropout_p=0.5)
-    assert_all_finite(out, "output with dropout")
+    assert_finite(out, "output with dropout")
     dead = expand_rows(case.dead(), case.e).to(device)
-    assert_exactly_zero(out[dead], "dead rows with dropout")
+    assert_zero(out[dead], "dead rows with dropout")
     gq, gk, gv = grads(out, inputs, case.upstream(torch.float32, device))
     for name, g in (("q", gq), ("k", gk), ("v", gv)):
-        assert_all_finite(g, f"grad of {name} with dropout")
+        assert_finite(g, f"grad of {name} with dropout")
     masked = case.masked_keys().to(device)
-    assert_exactly_zero(gk[masked], "grad of k at masked keys with dropout")
-    assert_exactly_zero(gv[masked], "grad of v at masked keys with dropout")
+    assert_zero(gk[masked], "grad of k at masked keys with dropout")
+    assert_zero(gv[masked], "grad of v at masked keys with dropout")
     out_dead_only = grads(out, inputs, case.upstream(torch.float32, device) * dead)
     for name, g in zip("qkv", out_dead_only):
-        assert_exactly_zero(g, f"grad of {name} from dead rows with dropout")
+        assert_zero(g, f"grad of {name} from dead rows with dropout")
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "math"])
@@ -724,7 +724,7 @@ def test_dropout_is_unbiased(backend):
     rep = lambda t: t.expand(n, *t.shape[1:])
     out = attend(rep(q1), rep(k1), rep(v1), mask=rep(mask), dropout_p=0.3, backend=backend)
     assert not torch.equal(out[0], expected[0])  # dropout acted
-    assert_all_finite(out, "output with dropout")
+    assert_finite(out, "output with dropout")
     err = (out.mean(0) - expected[0]).abs().max()
     assert float(err) < 0.08, f"mean over {n} dropout samples is off by {float(err)}"
 
@@ -740,13 +740,13 @@ def test_zero_size_dims(device, backend, causal, b, i, j):
         out = attend(q, k, v, mask=None if mask is None else mask.to(device), causal=causal, backend=backend)
         assert out.shape == (b, 4, i, 8) and out.dtype == torch.float32
         if j == 0:
-            assert_exactly_zero(out, "output with no keys")
+            assert_zero(out, "output with no keys")
         else:
-            assert_all_finite(out, "output")
+            assert_finite(out, "output")
         if b * i == 0:
             continue
         gq, gv = torch.autograd.grad(out, (q, v), torch.ones_like(out))
-        assert_exactly_zero(gq, "grad of q with no keys")
+        assert_zero(gq, "grad of q with no keys")
         assert gv.shape == v.shape
 
 
@@ -759,8 +759,8 @@ def test_s1_zero_length_context_queries_pass_zero_gradient(backend):
     with torch.autograd.detect_anomaly():
         out = attend(q, k, v, mask=torch.ones(2, 0, dtype=torch.bool), backend=backend)
         (gq,) = torch.autograd.grad(out, (q,), torch.randn_like(out))
-    assert_exactly_zero(out, "output with no keys")
-    assert_exactly_zero(gq, "grad of q with no keys")
+    assert_zero(out, "output with no keys")
+    assert_zero(gq, "grad of q with no keys")
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
@@ -772,7 +772,7 @@ def test_s1_zero_length_context_gradient_reaches_k(backend):
     out = attend(q, k, v, backend=backend)
     gq, gk, gv = grads(out, (q, k, v), torch.ones_like(out))
     assert gk.shape == k.shape and gv.shape == v.shape
-    assert_exactly_zero(gq, "grad of q")
+    assert_zero(gq, "grad of q")
 
 
 @pytest.mark.parametrize("dtype", dtypes_for("cpu"), ids=str)
@@ -780,12 +780,12 @@ def test_scale_argument(dtype):
     """An explicit scale is used in place of d ** -0.5, on every backend."""
     q, k, v = _qkv(dtype=dtype)
     mask = mask_from_lengths([5, 2], 5)
-    ref = reference_attention64(q, k, v, mask[:, None, None], scale=0.7)
+    ref = ref_attend(q, k, v, mask[:, None, None], scale=0.7)
     for backend in backends_for("cpu"):
         out = attend(q, k, v, mask=mask, scale=0.7, backend=backend)
-        assert_close_finite(out, ref, dtype, f"{backend} with scale=0.7")
+        assert_close(out, ref, f"{backend} with scale=0.7", dtype, table=ATTEND_TOL)
     default = attend(q, k, v, mask=mask)
-    assert_close_finite(default, reference_attention64(q, k, v, mask[:, None, None]), dtype, "default scale")
+    assert_close(default, ref_attend(q, k, v, mask[:, None, None]), "default scale", dtype, table=ATTEND_TOL)
 
 
 def test_s2_fully_masked_sample_passes_no_gradient_through_attend():
@@ -799,12 +799,12 @@ def test_s2_fully_masked_sample_passes_no_gradient_through_attend():
     with torch.autograd.detect_anomaly():
         out = attend(q, k, v, mask=mask)
         gq, gk, gv = grads(out, (q, k, v), torch.randn_like(out))
-    assert_exactly_zero(out[1], "fully padded sample")
+    assert_zero(out[1], "fully padded sample")
     for name, g in (("q", gq), ("k", gk), ("v", gv)):
-        assert_exactly_zero(g[1], f"grad of {name} in the fully padded sample")
-        assert_all_finite(g, f"grad of {name}")
-    assert_exactly_zero(gk[0, :, 2], "grad of k at the padded key")
-    assert_close_finite(out[:1], reference_attention64(q[:1], k[:1], v[:1], mask[:1, None, None]), torch.float32, "live sample")
+        assert_zero(g[1], f"grad of {name} in the fully padded sample")
+        assert_finite(g, f"grad of {name}")
+    assert_zero(gk[0, :, 2], "grad of k at the padded key")
+    assert_close(out[:1], ref_attend(q[:1], k[:1], v[:1], mask[:1, None, None]), "live sample", torch.float32, table=ATTEND_TOL)
 
 
 def test_dead_rows_left_padding_causal():
@@ -816,10 +816,10 @@ def test_dead_rows_left_padding_causal():
     q, k, v = _qkv(b=3, h=2, h_kv=1, i=n, j=n)
     out = attend(q, k, v, mask=mask, causal=True)
     for s, length in enumerate(lengths):
-        assert_exactly_zero(out[s, :, : n - length], f"left padding rows of sample {s}")
-        alone = reference_attention64(q[s : s + 1, :, n - length :], k[s : s + 1, :, n - length :],
+        assert_zero(out[s, :, : n - length], f"left padding rows of sample {s}")
+        alone = ref_attend(q[s : s + 1, :, n - length :], k[s : s + 1, :, n - length :],
                                       v[s : s + 1, :, n - length :], causal=True)
-        assert_close_finite(out[s : s + 1, :, n - length :], alone, torch.float32, f"sample {s}")
+        assert_close(out[s : s + 1, :, n - length :], alone, f"sample {s}", torch.float32, table=ATTEND_TOL)
 
 
 
@@ -840,11 +840,11 @@ def test_prepared_mask_equals_plain_mask(backend):
     prepared = sf.prepare_mask(mask)
     out_prep = attend(*qkv, mask=prepared, backend=backend)
     grads_prep = torch.autograd.grad(out_prep.sum(), qkv)
-    assert_close_finite(out_prep, out_plain.double(), torch.float32, "prepared vs plain mask")
+    assert_close(out_prep, out_plain.double(), "prepared vs plain mask", torch.float32, table=ATTEND_TOL)
     for a, e in zip(grads_prep, grads_plain):
-        assert_close_finite(a, e.double(), torch.float32, "grad, prepared vs plain mask")
-    assert_exactly_zero(out_prep[2], "fully padded sample")
-    assert_exactly_zero(out_prep[0, :, :4], "dead rows of the left-padded sample")
+        assert_close(a, e.double(), "grad, prepared vs plain mask", torch.float32, table=ATTEND_TOL)
+    assert_zero(out_prep[2], "fully padded sample")
+    assert_zero(out_prep[0, :, :4], "dead rows of the left-padded sample")
     with pytest.raises(ValueError, match="causal"):
         attend(*qkv, mask=prepared, causal=True)
     with pytest.raises(TypeError, match="bool"):

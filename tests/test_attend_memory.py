@@ -2,7 +2,7 @@
 
 On PyTorch's CPU flash kernel, ``attend`` selects q, k, v (dead rows, masked keys) inside one autograd
 function that saves the caller's tensors and selects again in the backward, instead of handing SDPA
-selected copies that SDPA saves (issue 14: the padding-mask peak was 1.45x the unmasked one). These
+selected copies that SDPA saves (with those copies the padding-mask peak was 1.45x the unmasked one). These
 tests show that the lean path gives exactly the generic path's results (forward, gradients, every
 dtype, garbage planted where the masks hide it), that it runs exactly where it should, and that it
 saves no q/k/v-sized copy: counted from the autograd graph's saved tensors and from every allocation,
@@ -20,17 +20,17 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from contract import (
+from helpers import (
     INF,
     NAN,
     allowed_matrix,
-    assert_all_finite,
-    assert_bitwise_equal,
-    assert_exactly_zero,
+    assert_bitwise,
+    assert_finite,
+    assert_zero,
     mask_from_lengths,
     plant,
+    single_thread,
 )
-from model_helpers import single_thread
 from torch import nn
 
 import safeformer  # noqa: F401  (loads safeformer.attend)
@@ -56,9 +56,9 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None
     """Bitwise equal on one thread (how the suite runs); with more threads the CPU kernel's gemms may
     round a tiny chunk differently, so a few units of the dtype's epsilon are allowed there."""
     if torch.get_num_threads() == 1:
-        assert_bitwise_equal(actual, expected, what)
+        assert_bitwise(actual, expected, what)
     else:
-        assert_all_finite(actual, what)
+        assert_finite(actual, what)
         eps = torch.finfo(actual.dtype).eps
         torch.testing.assert_close(actual, expected, atol=8 * eps, rtol=8 * eps, msg=what)
 
@@ -176,10 +176,10 @@ def test_lean_path_equals_generic_path(dtype, kind, hkv, chunked):
         assert_same(a, b, f"{what} ({kind}, {dtype}, h_kv={hkv}, chunked={chunked})")
     assert_same(lean_nograd, generic[0], "out under no_grad")
     out, dq, dk, dv = lean
-    assert_exactly_zero(out.transpose(1, 2)[dead.transpose(1, 2)], "out at dead rows")
-    assert_exactly_zero(dq[dead], "dq at dead rows")
-    assert_exactly_zero(dk[masked_keys], "dk at masked keys")
-    assert_exactly_zero(dv[masked_keys], "dv at masked keys")
+    assert_zero(out.transpose(1, 2)[dead.transpose(1, 2)], "out at dead rows")
+    assert_zero(dq[dead], "dq at dead rows")
+    assert_zero(dk[masked_keys], "dk at masked keys")
+    assert_zero(dv[masked_keys], "dv at masked keys")
 
 
 def test_chunking_splits_batch_and_heads():
@@ -374,8 +374,8 @@ def test_masked_linear_equals_plain_expression(dtype, bias, shapes, value):
     assert "_MaskedLinearBackward" in names, sorted(names)
     plain, _ = _linear_run(plain_masked_linear, x, keep, linear, upstream)
     for what, a, b in zip(("y", "dx", "dW", "db"), lean, plain):
-        assert_bitwise_equal(a, b, f"masked_linear {what}")
-    assert_exactly_zero(lean[1][~keep.expand(shape[:-1])], "dx at dropped rows")
+        assert_bitwise(a, b, f"masked_linear {what}")
+    assert_zero(lean[1][~keep.expand(shape[:-1])], "dx at dropped rows")
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
@@ -396,7 +396,7 @@ def test_masked_linear_double_backward_equals_plain_expression(bias):
         (dx.square().sum() + y.square().mean()).backward()
         results.append([xl.grad, linear.weight.grad] + ([linear.bias.grad] if bias else []))
     for what, a, b in zip(("dx", "dW", "db"), *results):
-        assert_all_finite(a, f"second derivative {what}")
+        assert_finite(a, f"second derivative {what}")
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"second derivative {what}")
 
 
@@ -418,7 +418,7 @@ def test_masked_linear_falls_back_and_checks_its_arguments():
     keep = torch.tensor([[True] * 5, [False] * 5])
     linear = nn.Linear(8, 4)
     with torch.no_grad():  # nothing saved, nothing to spare: the plain expression
-        assert_bitwise_equal(masked_linear(x, keep, linear), plain_masked_linear(x, keep, linear))
+        assert_bitwise(masked_linear(x, keep, linear), plain_masked_linear(x, keep, linear))
     frozen = nn.Linear(8, 4).requires_grad_(False)
     assert "_MaskedLinearBackward" not in graph_names(masked_linear(x.requires_grad_(), keep, frozen))
     with pytest.raises(TypeError, match="keep"):

@@ -12,7 +12,7 @@ Shape legend: b batch, n tokens, m prefix length, j context length, K condition 
 
 from __future__ import annotations
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
 
@@ -60,7 +60,7 @@ def test_all_false_prefix_row_equals_no_prefix(rotary):
     pre[2] = NAN  # sample 2's prefix is all masked: its contents never matter
     out = net(inp["x"], prepend_embeds=pre, prepend_mask=inp["prepend_mask"], excise_prepend_embeds=True)
     alone = net(inp["x"][2:])
-    mh.assert_close(out[2:], alone, "all-False prefix vs no prefix", torch.float64)
+    hp.assert_close(out[2:], alone, "all-False prefix vs no prefix", torch.float64)
 
 
 @pytest.mark.parametrize("rotary", [False, True], ids=["abs-pos", "rotary"])
@@ -72,7 +72,7 @@ def test_padded_prefix_equals_the_shorter_prefix_alone(rotary):
     out = net(inp["x"], prepend_embeds=pre, prepend_mask=pm, excise_prepend_embeds=True)
     for s in range(3):
         alone = net(inp["x"][s : s + 1], prepend_embeds=inp["prepend_embeds"][s : s + 1, pm[s]], excise_prepend_embeds=True)
-        mh.assert_close(out[s : s + 1], alone, f"sample {s}: padded prefix vs its real rows alone", torch.float64)
+        hp.assert_close(out[s : s + 1], alone, f"sample {s}: padded prefix vs its real rows alone", torch.float64)
 
 
 def test_prefix_outputs_come_first_unless_excised_and_padded_rows_are_zero():
@@ -80,10 +80,10 @@ def test_prefix_outputs_come_first_unless_excised_and_padded_rows_are_zero():
     inp = _inputs()
     full = net(inp["x"], prepend_embeds=inp["prepend_embeds"], prepend_mask=inp["prepend_mask"], return_embeddings=True)
     assert full.shape == (3, 3 + 5, C)
-    mh.assert_zero(full[:, :3][~inp["prepend_mask"]], "hidden states at masked prefix rows")
+    hp.assert_zero(full[:, :3][~inp["prepend_mask"]], "hidden states at masked prefix rows")
     excised = net(inp["x"], prepend_embeds=inp["prepend_embeds"], prepend_mask=inp["prepend_mask"],
                   return_embeddings=True, excise_prepend_embeds=True)
-    mh.assert_bitwise(excised, full[:, 3:], "excised outputs")
+    hp.assert_bitwise(excised, full[:, 3:], "excised outputs")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -101,12 +101,12 @@ def test_dropped_adaptive_condition_is_the_null_whatever_it_holds():
     kw = dict(context=inp["context"], context_mask=inp["context_mask"], condition_mask=inp["condition_mask"])
     a = net(inp["x"], condition=cond, **kw)
     b = net(inp["x"], condition=dirty, **kw)
-    mh.assert_bitwise(b, a, "output with NaN in a dropped condition")
+    hp.assert_bitwise(b, a, "output with NaN in a dropped condition")
     null = net(inp["x"][1:2], context=inp["context"][1:2], context_mask=inp["context_mask"][1:2])  # no condition
-    mh.assert_close(a[1:2], null, "a dropped condition vs none", torch.float64)
+    hp.assert_close(a[1:2], null, "a dropped condition vs none", torch.float64)
     b.sum().backward()
-    mh.assert_zero(dirty.grad[1], "grad of a dropped condition")
-    mh.assert_finite(dirty.grad, "grad of the conditions")
+    hp.assert_zero(dirty.grad[1], "grad of a dropped condition")
+    hp.assert_finite(dirty.grad, "grad of the conditions")
 
 
 def test_zero_null_condition_option():
@@ -115,7 +115,7 @@ def test_zero_null_condition_option():
     for p in dec.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(2, 3, C)
-    mh.assert_bitwise(dec(x), dec(x, condition=torch.zeros(2, K)), "no condition vs zeros")
+    hp.assert_bitwise(dec(x), dec(x, condition=torch.zeros(2, K)), "no condition vs zeros")
     assert not any("null_condition" in n for n, _ in dec.named_parameters())
 
 
@@ -170,9 +170,9 @@ def test_training_loss_with_dropped_conditions_never_sees_their_contents():
     clean, g_clean, dropped = run(False)
     assert any(bool(d.any()) for d in dropped.values()) and any(bool((~d).any()) for d in dropped.values())
     dirty, g_dirty, _ = run(True)
-    mh.assert_bitwise(dirty, clean, "loss with NaN in dropped conditions")
+    hp.assert_bitwise(dirty, clean, "loss with NaN in dropped conditions")
     for n, g in g_clean.items():
-        mh.assert_bitwise(g_dirty[n], g, f"grad of {n}")
+        hp.assert_bitwise(g_dirty[n], g, f"grad of {n}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def test_cached_generation_equals_uncached(kinds, cond_scale):
     assert torch.equal(a, b), f"cached {a.tolist()} vs uncached {b.tolist()}"
     la = model.next_token_logits(prompts, cond_scale=scale, cache_kv=True, **kw)
     lb = model.next_token_logits(prompts, cond_scale=scale, cache_kv=False, **kw)
-    mh.assert_close(la, lb, "first-step logits cached vs uncached", torch.float64)
+    hp.assert_close(la, lb, "first-step logits cached vs uncached", torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_per_condition_guidance_equals_the_formula_from_separate_passes(space):
     if space == "logprobs":
         branch = {k: v.log_softmax(-1) for k, v in branch.items()}
     want = branch["uncond"] + sum(s * (branch[k] - branch["uncond"]) for k, s in scales.items())
-    mh.assert_close(got.double(), want, f"compositional guidance ({space}) vs by hand", torch.float64)
+    hp.assert_close(got.double(), want, f"compositional guidance ({space}) vs by hand", torch.float64)
 
 
 def test_joint_scale_number_equals_the_two_branch_formula_with_every_kind():
@@ -246,7 +246,7 @@ def test_joint_scale_number_equals_the_two_branch_formula_with_every_kind():
     got = model.next_token_logits(prompts, cond_scale=3.0, **{k: v for k, v in inp.items() if k != "x"})
     u = _branch_logits(net, prompts, inp, set())
     j = _branch_logits(net, prompts, inp, {"context", "prepend", "condition"})
-    mh.assert_close(got.double(), u + 3.0 * (j - u), "joint guidance vs by hand", torch.float64)
+    hp.assert_close(got.double(), u + 3.0 * (j - u), "joint guidance vs by hand", torch.float64)
 
 
 def test_negative_condition_replaces_the_null_in_the_unconditional_branch():
@@ -260,7 +260,7 @@ def test_negative_condition_replaces_the_null_in_the_unconditional_branch():
     with torch.no_grad():
         j = net(prompts, condition=inp["condition"], condition_mask=inp["condition_mask"])[:, -1]
         u = net(prompts, condition=neg)[:, -1]
-    mh.assert_close(got.double(), u + 2.0 * (j - u), "negative condition", torch.float64)
+    hp.assert_close(got.double(), u + 2.0 * (j - u), "negative condition", torch.float64)
 
 
 def test_guidance_schedule_callable_and_interval():
@@ -287,7 +287,7 @@ def test_guidance_schedule_callable_and_interval():
         assert len(seen) == 3
         for t, scale in enumerate(per_step):
             want = model.next_token_logits(torch.cat((prompts, toks[:, :t]), 1), cond_scale=scale, **kw)
-            mh.assert_close(seen[t].double(), want.double(), f"step {t} with scale {scale}", torch.float64)
+            hp.assert_close(seen[t].double(), want.double(), f"step {t} with scale {scale}", torch.float64)
     plain = model.next_token_logits(prompts, cond_scale=1.0, **kw)
     assert not torch.allclose(model.next_token_logits(prompts, cond_scale=4.0, **kw), plain), "guidance must matter here"
 
@@ -327,11 +327,11 @@ def test_cross_attn_tokens_dropout_may_empty_a_sample_safely():
     with torch.autograd.detect_anomaly():
         out = dec(x, context=ctx, context_mask=cm)
         out.sum().backward()
-    mh.assert_finite(out, "output")
-    mh.assert_finite(x.grad, "grad of x")
+    hp.assert_finite(out, "output")
+    hp.assert_finite(x.grad, "grad of x")
     dec.eval()
     a, b = dec(x, context=ctx, context_mask=cm), dec(x, context=ctx, context_mask=cm)
-    mh.assert_bitwise(a, b, "no token dropout at evaluation")
+    hp.assert_bitwise(a, b, "no token dropout at evaluation")
 
 
 def test_layer_dropout_is_per_sample_in_training_and_off_at_evaluation():
@@ -340,7 +340,7 @@ def test_layer_dropout_is_per_sample_in_training_and_off_at_evaluation():
     x = torch.randn(16, 3, C)
     dec.eval()
     ref = dec(x)
-    mh.assert_bitwise(dec(x), ref, "evaluation is deterministic")
+    hp.assert_bitwise(dec(x), ref, "evaluation is deterministic")
     dec.train()
     out = dec(x)
     differs = (out - ref).abs().flatten(1).amax(1) > 1e-6

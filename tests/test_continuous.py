@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with mh.single_thread():
+    with hp.single_thread():
         yield
 
 
@@ -109,11 +109,11 @@ def test_loss_equals_the_formula_by_hand(kind, left):
         per = (out - tgt) ** 2 if kind == "mse" else (out - tgt).abs()
     counted = mask[:, 1:] & mask[:, :-1]
     want = per.mean(-1)[counted].mean()
-    mh.assert_close(got.detach(), want, f"{kind} loss", torch.float64)
+    hp.assert_close(got.detach(), want, f"{kind} loss", torch.float64)
     none = model(x, mask=mask, reduction="none", **conds)
     assert none.shape == counted.shape
-    mh.assert_zero(none[~counted], "per-target losses that do not count")
-    mh.assert_close(model(x, mask=mask, reduction="sum", **conds).detach(), per.mean(-1)[counted].sum(), "sum", torch.float64)
+    hp.assert_zero(none[~counted], "per-target losses that do not count")
+    hp.assert_close(model(x, mask=mask, reduction="sum", **conds).detach(), per.mean(-1)[counted].sum(), "sum", torch.float64)
 
 
 def test_gaussian_nll_is_finite_for_extreme_log_variances():
@@ -125,10 +125,10 @@ def test_gaussian_nll_is_finite_for_extreme_log_variances():
         model.net.project_out.bias[D:] = torch.tensor([1e4, -1e4])
     loss = model(x, mask=mask)
     loss.backward()
-    mh.assert_finite(loss, "loss")
+    hp.assert_finite(loss, "loss")
     for name, p in model.named_parameters():
         if p.grad is not None:
-            mh.assert_finite(p.grad, f"grad of {name}")
+            hp.assert_finite(p.grad, f"grad of {name}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
@@ -141,15 +141,15 @@ def test_half_precision_stays_finite(dtype):
     loss = model(x * 300, mask=mask, **conds)
     assert loss.dtype == torch.float32
     loss.backward()
-    mh.assert_finite(loss, "loss")
+    hp.assert_finite(loss, "loss")
     for name, p in model.named_parameters():
         if p.grad is not None:
-            mh.assert_finite(p.grad, f"grad of {name}")
+            hp.assert_finite(p.grad, f"grad of {name}")
     start, smask = _start(dtype=dtype)
     steps = 1 if dtype == torch.float16 else 3  # a float16 net cannot read 65504 back in (its own range)
     out = model.generate(start, steps, mask=smask, cond_scale=1e6, temperature=1.0, **conds)
     assert out.dtype == dtype
-    mh.assert_finite(out, "generated with cond_scale=1e6")
+    hp.assert_finite(out, "generated with cond_scale=1e6")
     if dtype == torch.float16:
         assert bool((out.abs() == torch.finfo(dtype).max).any()), "the guided value should have saturated"
 
@@ -178,14 +178,14 @@ def test_garbage_at_padded_steps_never_matters(probabilistic, left, value):
     dirty["prepend_embeds"] = conds["prepend_embeds"].masked_fill(~conds["prepend_mask"][..., None], value)
     dirty["condition"] = conds["condition"].masked_fill(~conds["condition_mask"][:, None], value)
     got = _loss_and_grads(model, dirty_x, mask, **dirty)
-    mh.assert_bitwise(got[0], clean[0], "loss")
+    hp.assert_bitwise(got[0], clean[0], "loss")
     assert set(got[1]) == set(clean[1])
     for name, g in clean[1].items():
-        mh.assert_bitwise(got[1][name], g, f"grad of {name}")
+        hp.assert_bitwise(got[1][name], g, f"grad of {name}")
     xg = dirty_x.clone().requires_grad_()
     model(xg, mask=mask, **dirty).backward()
-    mh.assert_zero(xg.grad[~mask], "grad at padded steps")
-    mh.assert_finite(xg.grad, "grad of x")
+    hp.assert_zero(xg.grad[~mask], "grad at padded steps")
+    hp.assert_finite(xg.grad, "grad of x")
 
 
 @pytest.mark.parametrize("probabilistic", [False, True], ids=["mse", "gaussian"])
@@ -199,12 +199,12 @@ def test_all_padding_batch_is_exactly_zero_with_zero_gradients(probabilistic):
     assert loss.item() == 0.0 and loss.dtype == torch.float32
     assert set(grads) == set(normal), "a parameter got None instead of a zero gradient"
     for name, g in grads.items():
-        mh.assert_zero(g, f"grad of {name}")
+        hp.assert_zero(g, f"grad of {name}")
     # one step per sample: no target at all
     loss, grads = _loss_and_grads(model, x[:, :1], None, **conds)
     assert loss.item() == 0.0
     for name, g in grads.items():
-        mh.assert_zero(g, f"grad of {name} (one step, no target)")
+        hp.assert_zero(g, f"grad of {name} (one step, no target)")
 
 
 def test_padded_sample_scores_what_it_scores_alone():
@@ -216,7 +216,7 @@ def test_padded_sample_scores_what_it_scores_alone():
         per = model(x, mask=mask, reduction="none", **conds).sum(1)
         for s in range(3):
             alone = model(x[s : s + 1, mask[s]], reduction="sum", **{k: v[s : s + 1] for k, v in conds.items()})
-            mh.assert_close(per[s], alone.detach(), f"sample {s} (left={left})", torch.float64)
+            hp.assert_close(per[s], alone.detach(), f"sample {s} (left={left})", torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -249,9 +249,9 @@ def test_dropped_conditions_contents_never_matter(probabilistic):
 
     clean, g_clean = run(conds)
     dirty, g_dirty = run(poisoned)
-    mh.assert_bitwise(dirty, clean, "loss with NaN in dropped conditions")
+    hp.assert_bitwise(dirty, clean, "loss with NaN in dropped conditions")
     for n, g in g_clean.items():
-        mh.assert_bitwise(g_dirty[n], g, f"grad of {n}")
+        hp.assert_bitwise(g_dirty[n], g, f"grad of {n}")
     per = model(x, mask=mask, reduction="none", generator=torch.Generator().manual_seed(seed), **poisoned)
     model.eval()
     explicit = dict(conds)
@@ -259,7 +259,7 @@ def test_dropped_conditions_contents_never_matter(probabilistic):
     explicit["prepend_mask"] = conds["prepend_mask"] & ~dropped["prepend"][:, None]
     explicit["condition_mask"] = conds["condition_mask"] & ~dropped["condition"]
     want = model(x, mask=mask, reduction="none", **explicit)
-    mh.assert_close(per.detach(), want.detach(), "per-target loss vs the conditions dropped by hand", torch.float32)
+    hp.assert_close(per.detach(), want.detach(), "per-target loss vs the conditions dropped by hand", torch.float32)
 
 
 def test_cond_drop_arguments_are_checked():
@@ -332,7 +332,7 @@ def test_guided_generation_equals_the_formula_from_separate_passes(scale):
         for kind in KINDS:
             br[kind] = _branch_out(model.net, seq, sm, conds, {kind})
         want = br["uncond"] + sum(v * (br[k] - br["uncond"]) for k, v in s.items())
-        mh.assert_close(out[:, t], want, f"step {t} with scale {s}", torch.float64)
+        hp.assert_close(out[:, t], want, f"step {t} with scale {s}", torch.float64)
 
 
 def test_probabilistic_guides_the_mean_and_samples_with_the_joint_variance():
@@ -345,12 +345,12 @@ def test_probabilistic_guides_the_mean_and_samples_with_the_joint_variance():
     mean = u[:, :D] + 2.5 * (j[:, :D] - u[:, :D])
     log_var = torch.logaddexp(j[:, D:], torch.tensor(math.log(1e-3), dtype=torch.float64))
     greedy = model.generate(start, 1, mask=smask, cond_scale=2.5, temperature=0.0, **conds)
-    mh.assert_close(greedy[:, 0], mean, "temperature 0: the guided mean", torch.float64)
+    hp.assert_close(greedy[:, 0], mean, "temperature 0: the guided mean", torch.float64)
     noise = torch.randn(3, D, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     drawn = model.generate(start, 1, mask=smask, cond_scale=2.5, temperature=0.7,
                            generator=torch.Generator().manual_seed(9), **conds)
     want = mean + torch.exp(0.5 * log_var) * math.sqrt(0.7) * noise
-    mh.assert_close(drawn[:, 0], want, "a draw: guided mean, joint variance * temperature", torch.float64)
+    hp.assert_close(drawn[:, 0], want, "a draw: guided mean, joint variance * temperature", torch.float64)
 
 
 @pytest.mark.parametrize("probabilistic", [False, True], ids=["mse", "gaussian"])
@@ -365,7 +365,7 @@ def test_cached_generation_equals_uncached(probabilistic, kinds, cond_scale):
     kw = dict(mask=smask, cond_scale=scale, temperature=0.5, **conds)
     a = model.generate(start, 5, cache_kv=True, generator=torch.Generator().manual_seed(0), **kw)
     b = model.generate(start, 5, cache_kv=False, generator=torch.Generator().manual_seed(0), **kw)
-    mh.assert_close(a, b, "cached vs uncached", torch.float64)
+    hp.assert_close(a, b, "cached vs uncached", torch.float64)
 
 
 def test_all_branches_run_in_one_batched_forward_sharing_one_cache():
@@ -400,7 +400,7 @@ def test_all_branches_run_in_one_batched_forward_sharing_one_cache():
     assert calls == [(3, 3, False), (3, 1, True)], calls
     dropped = dict(conds, context_mask=conds["context_mask"] & False, prepend_mask=conds["prepend_mask"] & False,
                    condition_mask=conds["condition_mask"] & False)
-    mh.assert_close(zero, model.generate(start, 2, mask=smask, **dropped), "cond_scale=0 vs every condition dropped",
+    hp.assert_close(zero, model.generate(start, 2, mask=smask, **dropped), "cond_scale=0 vs every condition dropped",
                     torch.float64)
 
 
@@ -411,10 +411,10 @@ def test_left_padded_start_equals_each_start_alone():
     start, smask = _start()
     start = start.masked_fill(~smask[..., None], NAN)
     out = model.generate(start, 4, mask=smask, cond_scale=2.0, **conds)
-    mh.assert_finite(out, "generated")
+    hp.assert_finite(out, "generated")
     for s in range(3):
         alone = model.generate(start[s : s + 1, smask[s]], 4, cond_scale=2.0, **{k: v[s : s + 1] for k, v in conds.items()})
-        mh.assert_close(out[s : s + 1], alone, f"sample {s} alone", torch.float64)
+        hp.assert_close(out[s : s + 1], alone, f"sample {s} alone", torch.float64)
 
 
 def test_sample_with_an_empty_context_is_unconditional_and_negatives_replace_the_null():
@@ -423,12 +423,12 @@ def test_sample_with_an_empty_context_is_unconditional_and_negatives_replace_the
     start, smask = _start()
     out = model.generate(start, 3, mask=smask, cond_scale=4.0, **conds)
     plain = model.generate(start[1:2], 3, mask=smask[1:2])  # sample 1's context is all masked
-    mh.assert_close(out[1:2], plain, "an empty context is no condition, whatever the scale", torch.float64)
+    hp.assert_close(out[1:2], plain, "an empty context is no condition, whatever the scale", torch.float64)
     neg = torch.randn(1, 2, CC, dtype=torch.float64)
     got = model.generate(start, 1, mask=smask, cond_scale=2.0, negative_context=neg, **conds)
     u = _branch_out(model.net, start, smask, conds, set(), negative={"context": {"context": neg.expand(3, -1, -1)}})
     j = _branch_out(model.net, start, smask, conds, {"context"})
-    mh.assert_close(got[:, 0], u + 2.0 * (j - u), "negative context in the unconditional branch", torch.float64)
+    hp.assert_close(got[:, 0], u + 2.0 * (j - u), "negative context in the unconditional branch", torch.float64)
 
 
 def test_guidance_rescale_pulls_the_std_toward_the_joint_branch():
@@ -440,7 +440,7 @@ def test_guidance_rescale_pulls_the_std_toward_the_joint_branch():
     j = _branch_out(model.net, start, smask, conds, {"context"})
     g = u + 3.0 * (j - u)
     rescaled = g * j.std(-1, keepdim=True) / g.std(-1, keepdim=True)
-    mh.assert_close(got[:, 0], 0.6 * rescaled + 0.4 * g, "rescaled guidance", torch.float64)
+    hp.assert_close(got[:, 0], 0.6 * rescaled + 0.4 * g, "rescaled guidance", torch.float64)
 
 
 def test_generate_argument_errors():
@@ -493,7 +493,7 @@ def test_save_and_load_round_trip(tmp_path):
     x, mask = _seq(dtype=torch.float32)
     model.eval()
     back.eval()
-    mh.assert_bitwise(back(x, mask=mask), model(x, mask=mask), "loss after reloading")
+    hp.assert_bitwise(back(x, mask=mask), model(x, mask=mask), "loss after reloading")
 
 
 # ----------------------------------------------------------------------------------------------------

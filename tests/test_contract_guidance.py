@@ -1,4 +1,4 @@
-"""The safety contract (SAFETY_CONTRACT.md, S1-S9) for ``AutoregressiveWrapper``: the next-token loss
+"""The safety contract (docs/safety.md, S1-S9) for ``AutoregressiveWrapper``: the next-token loss
 (with classifier-free-guidance condition dropout, ``null_context`` "empty" and "learned") and guided
 generation (``generate`` / ``next_token_logits`` with ``cond_scale``, guidance rescale and negative
 contexts).
@@ -7,7 +7,7 @@ One test function per clause (``test_s<k>_...``), so a failure names the clause.
 drawn by hypothesis with dead rows on purpose: left padding under the causal mask, fully padded
 samples, all-False context masks, zero-length contexts, every condition dropped (``cond_drop_prob``
 1) or some (0.5, in train mode; the drop pattern is reproduced from the seed). Numbers are compared
-with a plain float64 reference built from the model's weights (``model_helpers.ref_stack``: loops over
+with a plain float64 reference built from the model's weights (``helpers.ref_stack``: loops over
 samples, heads and queries), one sample at a time with its padding removed.
 
 Shape legend: b batch, n sequence (prompt) positions, j context positions, c_ctx context width,
@@ -17,16 +17,14 @@ v vocabulary, t generated tokens.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
-from contract import mask_from_lengths
-from hypothesis import HealthCheck, example, given, settings
+from helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, NAN, VOCAB, Scenario, mask_from_lengths
+from hypothesis import example, given
 from hypothesis import strategies as st
-from model_helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, NAN, VOCAB, Scenario
 from torch import Tensor
 
 import safeformer as sf
@@ -37,16 +35,10 @@ GARBAGE = (NAN, float("inf"), float("-inf"), 3.0e38)
 NULLS = ("empty", "learned")
 
 
-def cfg(k: int):
-    return settings(
-        max_examples=mh.n_examples(k), deadline=None, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
-    )
-
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with mh.single_thread():
+    with hp.single_thread():
         yield
 
 
@@ -77,7 +69,7 @@ def model_of(null: str, p: float = 0.0, backend: str = "auto", dtype: torch.dtyp
     if key not in _MODELS:
         # the padded path: these tests follow each attention's dead rows through hooks (the unpadded path
         # is held to the same clauses in test_contract_models.py and to equality in test_unpadded.py)
-        _MODELS[key] = mh.set_unpadded(mh.seeded_module(lambda: make_model(null, p, backend)).to(dtype), False)
+        _MODELS[key] = hp.set_unpadded(hp.seeded_module(lambda: make_model(null, p, backend)).to(dtype), False)
     return _MODELS[key]
 
 
@@ -90,7 +82,7 @@ def cross_param_names(model: AutoregressiveWrapper) -> set[str]:
 
 
 def roles(model: AutoregressiveWrapper) -> dict[int, str]:
-    return mh.stack_roles(model.net.attn_layers, "main")
+    return hp.stack_roles(model.net.attn_layers, "main")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -100,31 +92,7 @@ def roles(model: AutoregressiveWrapper) -> dict[int, str]:
 
 def ref_logits64(model: AutoregressiveWrapper, ids: Tensor, context: Tensor | None) -> Tensor:
     """``(L, v)`` float64 logits of one unpadded sample ``ids (L,)`` with its real context ``(j, c_ctx)``."""
-    net = model.net
-    L = ids.shape[0]
-    emb = net.token_emb.weight.detach().double()[ids] + net.pos_emb.emb.weight.detach().double()[:L] * net.pos_emb.scale
-    ctx = None if context is None else context.detach().double()[None]
-    h = mh.ref_stack(net.attn_layers, emb[None], context=ctx)[0]  # (L, c)
-    return h @ net.to_logits.weight.detach().double().T
-
-
-def ref_nll(logits: Tensor, target: int) -> Tensor:
-    m = logits.max()
-    return m + torch.log(torch.exp(logits - m).sum()) - logits[target]
-
-
-def ref_guided(cond: Tensor, uncond: Tensor, scale: float, phi: float) -> Tensor:
-    guided = uncond + scale * (cond - uncond)
-    if phi == 0:
-        return guided
-
-    def std(x):
-        mean = x.sum() / x.numel()
-        return torch.sqrt(((x - mean) ** 2).sum() / (x.numel() - 1))
-
-    s = std(guided)
-    rescaled = guided * std(cond) / s if s > 0 else guided
-    return phi * rescaled + (1 - phi) * guided
+    return hp.ref_wrapper(model.net, ids[None], context=None if context is None else context.detach().double()[None])[0]
 
 
 def dropped_for(seed: int, b: int, p: float) -> Tensor:
@@ -202,12 +170,12 @@ class TrainCase:
         return (~alive)[:, None].expand(self.b, max(self.sc.n - 1, 0))
 
     def self_dead(self) -> Tensor:
-        return mh.causal_dead(self.sc.seq_mask[:, :-1])
+        return hp.causal_dead(self.sc.seq_mask[:, :-1])
 
 
 @st.composite
 def train_cases(draw, styles=("left", "right", "holes"), force_dead: bool = True, ps=(0.5, 0.0, 1.0)) -> TrainCase:
-    sc = draw(mh.scenarios(max_b=3, min_n=2, max_n=6, max_j=4, styles=styles, force_dead=force_dead))
+    sc = draw(hp.scenarios(max_b=3, min_n=2, max_n=6, max_j=4, styles=styles, force_dead=force_dead))
     p = draw(st.sampled_from(ps))
     null = draw(st.sampled_from(NULLS))
     ctx_kind = draw(st.sampled_from(["masked", "masked", "masked", "unmasked", "none"]))
@@ -215,7 +183,7 @@ def train_cases(draw, styles=("left", "right", "holes"), force_dead: bool = True
 
 
 def fixed_train(p: float = 0.5, null: str = "learned") -> TrainCase:
-    return TrainCase(mh.fixed_scenario(), p, null, "masked")
+    return TrainCase(hp.fixed_scenario(), p, null, "masked")
 
 
 def ref_sample_terms(case: TrainCase, model, ids: Tensor, ctx: Tensor | None, dropped: Tensor) -> list[tuple[Tensor, int]]:
@@ -233,7 +201,7 @@ def ref_sample_terms(case: TrainCase, model, ids: Tensor, ctx: Tensor | None, dr
             logits = ref_logits64(model, toks[:-1], case.sample_context(model, ctx, s, dropped))
             for k in range(1, len(pos)):
                 if pos[k] == pos[k - 1] + 1:
-                    total = total + ref_nll(logits[k - 1], int(toks[k]))
+                    total = total + hp.ref_cross_entropy(logits[k - 1], toks[k])
                     count += 1
         out.append((total, count))
     return out
@@ -258,33 +226,21 @@ def loss_and_grads(case: TrainCase, model, ids: Tensor, ctx: Tensor | None, trai
     if loss.requires_grad:
         loss.backward()
     cg = None if ctx is None else (torch.zeros_like(ctx) if ctx.grad is None else ctx.grad.detach().clone())
-    return Grads(loss.detach(), mh.param_grads(model), cg)
+    return Grads(loss.detach(), hp.param_grads(model), cg)
 
 
 def assert_grads_bitwise(got: Grads, want: Grads, what: str, skip: set[str] = frozenset()) -> None:
-    mh.assert_bitwise(got.loss, want.loss, f"{what}: loss")
-    for k, g in want.params.items():
-        if k in skip:
-            continue
-        mine = got.params[k]
-        if g is None or mine is None:
-            assert (g is None or not bool(g.any())) and (mine is None or not bool(mine.any())), f"{what}: grad of {k}"
-        else:
-            mh.assert_bitwise(mine, g, f"{what}: grad of {k}")
+    hp.assert_bitwise(got.loss, want.loss, f"{what}: loss")
+    hp.assert_grads_match(got.params, want.params, what, skip=skip)
     if want.context is not None:
-        mh.assert_bitwise(got.context, want.context, f"{what}: grad of context")
+        hp.assert_bitwise(got.context, want.context, f"{what}: grad of context")
 
 
 def assert_grads_close(got: Grads, want: Grads, what: str, dtype: torch.dtype) -> None:
-    mh.assert_close(got.loss.double(), want.loss.double(), f"{what}: loss", dtype)
-    for k, g in want.params.items():
-        mine = got.params[k]
-        if g is None or mine is None:
-            assert (g is None or not bool(g.any())) and (mine is None or not bool(mine.any())), f"{what}: grad of {k}"
-        else:
-            mh.assert_close(mine.double(), g.double(), f"{what}: grad of {k}", dtype)
+    hp.assert_close(got.loss.double(), want.loss.double(), f"{what}: loss", dtype)
+    hp.assert_grads_match(got.params, want.params, what, dtype)
     if want.context is not None:
-        mh.assert_close(got.context.double(), want.context.double(), f"{what}: grad of context", dtype)
+        hp.assert_close(got.context.double(), want.context.double(), f"{what}: grad of context", dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -369,7 +325,7 @@ class GenCase:
         else:
             uctx = None
         uncond = ref_logits64(model, prompt[0], uctx)[-1]
-        return ref_guided(cond, uncond, self.cond_scale, self.phi)
+        return hp.ref_guidance(cond, uncond, self.cond_scale, self.phi)
 
     def cross_dead_samples(self, model) -> Tensor:
         """``(b,)`` or ``(2b,)`` (conditional then unconditional branch): samples whose cross-attention
@@ -449,7 +405,7 @@ def generate_captured(model, prompts, case: GenCase, **kw) -> tuple[Tensor, list
 # ----------------------------------------------------------------------------------------------------
 
 
-@cfg(15)
+@hp.examples(15)
 @example(tc=fixed_train(0.5, "learned"))
 @example(tc=fixed_train(1.0, "empty"))
 @given(tc=train_cases())
@@ -461,17 +417,17 @@ def test_s1_finite_loss_and_grads(tc: TrainCase):
     ids, ctx = tc.ids(), tc.context()
     with torch.autograd.detect_anomaly(check_nan=True):
         run = loss_and_grads(tc, model, ids, ctx)
-    mh.assert_finite(run.loss, "loss")
+    hp.assert_finite(run.loss, "loss")
     got = {k: g for k, g in run.params.items() if g is not None}
     assert got, "no parameter received a gradient"
     for k, g in got.items():
-        mh.assert_finite(g, f"grad of {k}")
+        hp.assert_finite(g, f"grad of {k}")
     if ctx is not None:
-        mh.assert_finite(run.context, "grad of context")
-    mh.assert_close(run.loss, ref_loss64(tc, model, ids, ctx), "loss vs float64 reference", torch.float32)
+        hp.assert_finite(run.context, "grad of context")
+    hp.assert_close(run.loss, ref_loss64(tc, model, ids, ctx), "loss vs float64 reference", torch.float32)
 
 
-@cfg(10)
+@hp.examples(10)
 @example(gc=fixed_gen(3.0, "empty"))
 @example(gc=fixed_gen(0.0, "learned", "none"))
 @given(gc=gen_cases())
@@ -484,7 +440,7 @@ def test_s1_finite_guided_generation(gc: GenCase):
         kw = gc.kwargs(cond_scale=scale)
         logits = model.next_token_logits(prompts, **kw)
         assert logits.shape == (gc.b, VOCAB)
-        mh.assert_finite(logits, f"guided logits (cond_scale={scale})")
+        hp.assert_finite(logits, f"guided logits (cond_scale={scale})")
         greedy = model.generate(prompts, gc.steps, temperature=0.0, **kw)
         sampled = model.generate(prompts, gc.steps, temperature=1.0, filter_logits_fn="top_k", filter_kwargs={"k": 5}, **kw)
         for what, toks in (("greedy", greedy), ("sampled", sampled)):
@@ -498,7 +454,7 @@ def test_s1_finite_guided_generation(gc: GenCase):
 # ----------------------------------------------------------------------------------------------------
 
 
-@cfg(10)
+@hp.examples(10)
 @example(tc=fixed_train(0.0, "empty"))
 @given(tc=train_cases(ps=(0.0,)))
 def test_s2_dropped_condition_is_exact_noop(tc: TrainCase):
@@ -530,33 +486,19 @@ def test_s2_dropped_condition_is_exact_noop(tc: TrainCase):
             ctx.grad = None
             loss = m.train()(ids, mask=sc.seq_mask, **kw)
             loss.backward()
-            got = Grads(loss.detach(), mh.param_grads(m), None)
+            got = Grads(loss.detach(), hp.param_grads(m), None)
             assert_grads_bitwise(got, plain, f"{null} null, {what} vs context=None", skip=cross)
             for k in cross:
-                mh.assert_zero(got.params[k], f"{null} null, {what}: grad of cross-attention parameter {k}", none_ok=True)
-            mh.assert_zero(ctx.grad, f"{null} null, {what}: grad of context", none_ok=True)
+                hp.assert_zero(got.params[k], f"{null} null, {what}: grad of cross-attention parameter {k}", none_ok=True)
+            hp.assert_zero(ctx.grad, f"{null} null, {what}: grad of context", none_ok=True)
 
     # dead rows inside a mixed batch: each cross-attention output row of a sample without context is 0
     model = model_of("empty")
     ctx = torch.randn(sc.b, sc.j, CTX_DIM, generator=sc.generator()).requires_grad_()
-    dead = {"main.cross": mh.ctx_dead(sc.ctx_mask, sc.n - 1), "main.self": tc.self_dead()}
-    with mh.capture_attention(model, roles(model)) as seen:
+    dead = {"main.cross": hp.ctx_dead(sc.ctx_mask, sc.n - 1), "main.self": tc.self_dead()}
+    with hp.capture_attention(model, roles(model)) as seen:
         model.train()(ids, mask=sc.seq_mask, context=ctx, context_mask=sc.ctx_mask)
-    g = torch.Generator().manual_seed(0)
-    checked = set()
-    for role, mod, out, args in seen:
-        rows = dead[role]
-        assert tuple(out.shape[:2]) == tuple(rows.shape), f"{role}: {tuple(out.shape)} vs {tuple(rows.shape)}"
-        if not rows.any():
-            continue
-        mh.assert_zero(out[rows], f"{role} attention output at dead rows")
-        upstream = torch.zeros_like(out)
-        upstream[rows] = torch.randn(upstream[rows].shape, generator=g)
-        targets = [*mod.parameters(), *[a for a in args if isinstance(a, Tensor) and a.requires_grad]]
-        grads = torch.autograd.grad(out, targets, upstream, retain_graph=True, allow_unused=True)
-        for k, gr in enumerate(grads):
-            mh.assert_zero(gr, f"{role}: gradient from dead rows into its input/parameter #{k}", none_ok=True)
-        checked.add(role)
+    checked = hp.assert_dead_rows_zero(seen, dead)
     keys = {"main.self": sc.n - 1, "main.cross": sc.j}
     expected = {r for r, rows in dead.items() if rows.any() and keys[r] > 0}
     assert expected <= checked, f"dead rows of {sorted(expected - checked)} were never seen"
@@ -571,15 +513,15 @@ def test_s2_dropped_condition_is_exact_noop(tc: TrainCase):
     model.eval()
     cdet, empty = ctx.detach(), torch.zeros_like(sc.ctx_mask)
     one = model.next_token_logits(prompts, mask=pmask, context=cdet, context_mask=empty, cond_scale=1.0)
-    mh.assert_bitwise(one, model.next_token_logits(prompts, mask=pmask, cond_scale=1.0), "logits (cond_scale=1), all-False context mask vs no context")
+    hp.assert_bitwise(one, model.next_token_logits(prompts, mask=pmask, cond_scale=1.0), "logits (cond_scale=1), all-False context mask vs no context")
     guided = {s: model.next_token_logits(prompts, mask=pmask, context=cdet, context_mask=empty, cond_scale=s) for s in (0.0, 3.0, -2.0)}
     zero_len = model.next_token_logits(prompts, mask=pmask, context=cdet[:, :0], cond_scale=3.0)
     for s, got in guided.items():
         if s != 0.0:
-            mh.assert_bitwise(got, guided[3.0], f"guided logits with an all-False context mask, cond_scale={s} vs 3")
-        mh.assert_close(got, guided[0.0], f"guided logits with an all-False context mask, cond_scale={s} vs 0", torch.float32)
-        mh.assert_close(got, one, f"guided logits with an all-False context mask (cond_scale={s}) vs no context", torch.float32)
-    mh.assert_bitwise(zero_len, guided[3.0], "guided logits, zero-length context vs all-False context mask")
+            hp.assert_bitwise(got, guided[3.0], f"guided logits with an all-False context mask, cond_scale={s} vs 3")
+        hp.assert_close(got, guided[0.0], f"guided logits with an all-False context mask, cond_scale={s} vs 0", torch.float32)
+        hp.assert_close(got, one, f"guided logits with an all-False context mask (cond_scale={s}) vs no context", torch.float32)
+    hp.assert_bitwise(zero_len, guided[3.0], "guided logits, zero-length context vs all-False context mask")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -587,7 +529,7 @@ def test_s2_dropped_condition_is_exact_noop(tc: TrainCase):
 # ----------------------------------------------------------------------------------------------------
 
 
-@cfg(10)
+@hp.examples(10)
 @example(tc=fixed_train(0.5, "learned"))
 @example(tc=fixed_train(0.5, "empty"))
 @given(tc=train_cases())
@@ -610,12 +552,12 @@ def test_s3_no_leak_from_masked_positions(tc: TrainCase):
         run = loss_and_grads(tc, model, bad_ids, bad_ctx)
         if ctx is not None:
             masked = ~tc.ctx_real()
-            mh.assert_zero(run.context[masked], f"grad of context at masked positions holding {value}")
-            mh.assert_bitwise(run.context[~masked], base.context[~masked], f"grad of context at real positions ({value} planted)")
+            hp.assert_zero(run.context[masked], f"grad of context at masked positions holding {value}")
+            hp.assert_bitwise(run.context[~masked], base.context[~masked], f"grad of context at real positions ({value} planted)")
         assert_grads_bitwise(Grads(run.loss, run.params, None), Grads(base.loss, base.params, None), f"{value} at masked positions")
 
 
-@cfg(10)
+@hp.examples(10)
 @example(gc=fixed_gen(3.0, "empty", "batch"))
 @example(gc=fixed_gen(2.0, "learned", "shared"))
 @given(gc=gen_cases(scales=(3.0, 0.0, 1.0, -0.5)))
@@ -636,7 +578,7 @@ def test_s3_no_leak_into_guided_generation(gc: GenCase):
         if gc.neg_kind != "none":
             neg = torch.where(gc.neg_mask[..., None], gc.negative(), value)
         kw = gc.kwargs(ctx=ctx, neg=neg)
-        mh.assert_bitwise(model.next_token_logits(bad_prompts, **kw), clean_logits, f"guided logits with {value} planted")
+        hp.assert_bitwise(model.next_token_logits(bad_prompts, **kw), clean_logits, f"guided logits with {value} planted")
         tokens = model.generate(bad_prompts, gc.steps, temperature=0.0, **kw)
         assert torch.equal(tokens, clean_tokens), f"{value} planted: {tokens.tolist()} vs {clean_tokens.tolist()}"
         uncached = model.generate(bad_prompts, gc.steps, temperature=0.0, cache_kv=False, **kw)
@@ -648,7 +590,7 @@ def test_s3_no_leak_into_guided_generation(gc: GenCase):
 # ----------------------------------------------------------------------------------------------------
 
 
-@cfg(10)
+@hp.examples(10)
 @example(tc=fixed_train(0.5, "learned"))
 @given(tc=train_cases(styles=("left", "right"), force_dead=False) | train_cases(styles=("left", "right")))
 def test_s4_padding_invariance(tc: TrainCase):
@@ -668,15 +610,15 @@ def test_s4_padding_invariance(tc: TrainCase):
         alone = model(ids[s, real][None], context=None if c is None else c[None]).detach()
         n_s = max(int(real.sum()) - 1, 0)
         if n_s == 0:
-            mh.assert_zero(alone, f"loss of sample {s} with no counted target")
+            hp.assert_zero(alone, f"loss of sample {s} with no counted target")
         else:
-            mh.assert_close(alone, ref[s][0] / ref[s][1], f"sample {s} alone vs float64 reference", torch.float64)
+            hp.assert_close(alone, ref[s][0] / ref[s][1], f"sample {s} alone vs float64 reference", torch.float64)
         assert ref[s][1] == n_s
         total, count = total + alone * n_s, count + n_s
-    mh.assert_close(batch, total / max(count, 1), "batch loss vs count-weighted mean of samples alone", torch.float64)
+    hp.assert_close(batch, total / max(count, 1), "batch loss vs count-weighted mean of samples alone", torch.float64)
 
 
-@cfg(8)
+@hp.examples(8)
 @example(gc=fixed_gen(3.0, "empty", "batch"))
 @example(gc=fixed_gen(3.0, "learned", "none"))
 @given(gc=gen_cases())
@@ -695,8 +637,8 @@ def test_s4_guided_generation_padding_invariance(gc: GenCase):
         assert tokens[s].tolist() == alone[0].tolist(), f"sample {s}: batch {tokens[s].tolist()} vs alone {alone[0].tolist()}"
         ref = gc.ref_guided64(model64, s)
         # next_token_logits hands back the logits sampling sees: float32, whatever the model's dtype
-        mh.assert_close(model64.next_token_logits(prompt, **kw)[0], ref, f"sample {s} alone: logits vs reference", torch.float32)
-        mh.assert_close(logits32[s], ref, f"sample {s} in the batch: guided logits vs float64 reference", torch.float32)
+        hp.assert_close(model64.next_token_logits(prompt, **kw)[0], ref, f"sample {s} alone: logits vs reference", torch.float32)
+        hp.assert_close(logits32[s], ref, f"sample {s} in the batch: guided logits vs float64 reference", torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -704,7 +646,7 @@ def test_s4_guided_generation_padding_invariance(gc: GenCase):
 # ----------------------------------------------------------------------------------------------------
 
 
-@cfg(8)
+@hp.examples(8)
 @example(tc=fixed_train(0.5, "learned"))
 @example(tc=fixed_train(1.0, "empty"))
 @given(tc=train_cases())
@@ -713,17 +655,17 @@ def test_s5_paths_agree(tc: TrainCase):
     reference path agree with the float64 reference path, dead rows and dropped conditions included."""
     ctx64 = tc.context(torch.float64)
     want = loss_and_grads(tc, model_of(tc.null, tc.p, "reference", torch.float64), tc.ids(), ctx64)
-    mh.assert_close(want.loss, ref_loss64(tc, model_of(tc.null, tc.p, "reference", torch.float64), tc.ids(), ctx64),
+    hp.assert_close(want.loss, ref_loss64(tc, model_of(tc.null, tc.p, "reference", torch.float64), tc.ids(), ctx64),
                     "float64 reference path vs plain reference", torch.float64)
     runs = {}
-    for backend in mh.ALL_BACKENDS:
+    for backend in hp.ALL_BACKENDS:
         runs[backend] = loss_and_grads(tc, model_of(tc.null, tc.p, backend), tc.ids(), tc.context())
         assert_grads_close(runs[backend], want, f"backend={backend} vs float64", torch.float32)
-    for backend in mh.SDPA_BACKENDS:
+    for backend in hp.SDPA_BACKENDS:
         assert_grads_close(runs[backend], runs["reference"], f"backend={backend} vs backend='reference'", torch.float32)
 
 
-@cfg(8)
+@hp.examples(8)
 @example(gc=fixed_gen(3.0, "empty", "batch"))
 @example(gc=fixed_gen(2.0, "learned", "none"))
 @given(gc=gen_cases(scales=(3.0, 0.0, 1.0, 7.5)))
@@ -734,7 +676,7 @@ def test_s5_cached_and_uncached_guided_generation_agree(gc: GenCase):
     backend."""
     prompts = gc.prompts()
     for dtype in (torch.float64, torch.float32):
-        for backend in mh.ALL_BACKENDS if dtype == torch.float32 else ("auto",):
+        for backend in hp.ALL_BACKENDS if dtype == torch.float32 else ("auto",):
             model = model_of(gc.null, backend=backend, dtype=dtype)
             kw = gc.kwargs(dtype=dtype)
             cached, c_steps = generate_captured(model, prompts, gc, cache_kv=True, **kw)
@@ -742,9 +684,10 @@ def test_s5_cached_and_uncached_guided_generation_agree(gc: GenCase):
             assert torch.equal(cached, uncached), f"{dtype} {backend}: cached {cached.tolist()} vs uncached {uncached.tolist()}"
             assert len(c_steps) == len(u_steps) == gc.steps
             for t, (a, b) in enumerate(zip(c_steps, u_steps)):
-                mh.assert_close(a.double(), b.double(), f"{dtype} {backend}: guided logits at step {t}, cached vs uncached", dtype)
+                hp.assert_close(a.double(), b.double(), f"{dtype} {backend}: guided logits at step {t}, cached vs uncached", dtype)
             if dtype == torch.float64:  # the peers' way: conditional and unconditional as two forwards, two caches
-                neg = model._negatives(prompts, kw.get("negative_context"), kw.get("negative_context_mask"), None, None, None)
+                negs, null = model._negatives(prompts, sf.Conditions(context=kw.get("negative_context"), context_mask=kw.get("negative_context_mask")))
+                neg = {"negative_context": negs.context, "negative_context_mask": negs.context_mask, "null_context": null}
                 cap = Capture()
                 two = sf.generate_tokens(
                     model.net, prompts, gc.steps, mask=kw["mask"], context=kw.get("context"), context_mask=kw.get("context_mask"),
@@ -753,7 +696,7 @@ def test_s5_cached_and_uncached_guided_generation_agree(gc: GenCase):
                 )
                 assert torch.equal(two, cached), f"two passes {two.tolist()} vs one batched pass {cached.tolist()}"
                 for t, (a, b) in enumerate(zip(cap.steps, c_steps)):
-                    mh.assert_close(a.double(), b.double(), f"guided logits at step {t}, two passes vs batched", torch.float32)
+                    hp.assert_close(a.double(), b.double(), f"guided logits at step {t}, two passes vs batched", torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -761,37 +704,24 @@ def test_s5_cached_and_uncached_guided_generation_agree(gc: GenCase):
 # ----------------------------------------------------------------------------------------------------
 
 
-class GenerationNaNKernel:
-    """SDPA that writes NaN into every row with no key to attend to (by its mask) and into every row
-    the test knows is dead in guided generation: ``cross`` ``(B,)`` samples (both CFG branches) whose
-    context is empty, all rows; ``self_dead`` ``(B, n)`` prompt positions before the first real token
-    (in any call that covers the whole prompt). ``poisoned`` counts the rows set to NaN."""
+def generation_dead(cross: Tensor, self_dead: Tensor) -> dict:
+    """The rows known to be dead in guided generation, by role, for ``helpers.NaNKernel``: ``cross``
+    ``(B,)`` samples (both CFG branches) whose context is empty, all rows; ``self_dead`` ``(B, n)`` prompt
+    positions before the first real token (in any call that covers the whole prompt)."""
 
-    def __init__(self, cross: Tensor, self_dead: Tensor):
-        self.cross, self.self_dead = cross, self_dead
-        self.role: str | None = None
-        self.poisoned = 0
+    def cross_rows(q, k, v, attn_mask):
+        return cross[:, None, None] if cross.shape[0] == q.shape[0] else None
 
-    def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        b, h, i, _ = out.shape
-        bad = torch.zeros(b, h, i, 1, dtype=torch.bool)
-        if attn_mask is not None:
-            sees = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
-            bad = bad | ~sees.any(-1, keepdim=True)
-        if self.role == "main.cross" and self.cross.shape[0] == b:
-            bad = bad | self.cross[:, None, None, None]
-        n = self.self_dead.shape[1]
-        if self.role == "main.self" and self.self_dead.shape[0] == b and i >= n:
-            rows = torch.cat((self.self_dead, torch.zeros(b, i - n, dtype=torch.bool)), dim=1)
-            bad = bad | rows[:, None, :, None]
-        bad = bad.expand(b, h, i, 1)
-        self.poisoned += int(bad.any(1).sum())
-        return torch.where(bad, torch.full((), NAN, dtype=out.dtype), out)
+    def self_rows(q, k, v, attn_mask):
+        (b, _, i, _), n = q.shape, self_dead.shape[1]
+        if self_dead.shape[0] != b or i < n:
+            return None
+        return torch.cat((self_dead, torch.zeros(b, i - n, dtype=torch.bool)), dim=1)[:, None, :]
+
+    return {"main.cross": cross_rows, "main.self": self_rows}
 
 
-@cfg(8)
+@hp.examples(8)
 @example(tc=fixed_train(0.5, "learned"), gc=fixed_gen(3.0, "empty", "batch"))
 @example(tc=fixed_train(1.0, "empty"), gc=fixed_gen(1.0, "learned", "none"))
 @given(tc=train_cases(), gc=gen_cases())
@@ -802,12 +732,12 @@ def test_s6_kernel_not_trusted(tc: TrainCase, gc: GenCase):
     dead = {"main.self": tc.self_dead(), "main.cross": tc.cross_dead(True)}
     must_fire = bool(dead["main.self"].any()) or (bool(dead["main.cross"].any()) and tc.sc.j > 0 and tc.ctx_kind != "none")
     prompts = gc.prompts()
-    for backend in mh.SDPA_BACKENDS:
+    for backend in hp.SDPA_BACKENDS:
         model = model_of(tc.null, tc.p, backend)
-        with sf.substitute_kernel(mh.faithful_kernel()):
+        with sf.substitute_kernel(hp.faithful_kernel()):
             clean = loss_and_grads(tc, model, tc.ids(), tc.context())
-        kernel = mh.NaNDeadRowKernel(dead)
-        with sf.substitute_kernel(kernel), mh.track_roles(model, roles(model), kernel):
+        kernel = hp.NaNKernel(dead)
+        with sf.substitute_kernel(kernel), hp.track_roles(model, roles(model), kernel):
             poisoned = loss_and_grads(tc, model, tc.ids(), tc.context())
         if must_fire:
             assert kernel.poisoned > 0, "the NaN kernel never saw a dead row: the test would prove nothing"
@@ -818,10 +748,10 @@ def test_s6_kernel_not_trusted(tc: TrainCase, gc: GenCase):
         clean_logits = gen.next_token_logits(prompts, **kw)
         clean_tokens = gen.generate(prompts, gc.steps, temperature=0.0, **kw)
         cross = gc.cross_dead_samples(gen)
-        self_dead = mh.causal_dead(gc.mask()).repeat(cross.shape[0] // gc.b, 1)
+        self_dead = hp.causal_dead(gc.mask()).repeat(cross.shape[0] // gc.b, 1)
         for cache_kv in (True, False):
-            kernel = GenerationNaNKernel(cross, self_dead)
-            with sf.substitute_kernel(kernel), mh.track_roles(gen, roles(gen), kernel):
+            kernel = hp.NaNKernel(generation_dead(cross, self_dead))
+            with sf.substitute_kernel(kernel), hp.track_roles(gen, roles(gen), kernel):
                 logits = gen.next_token_logits(prompts, **kw)
                 tokens = gen.generate(prompts, gc.steps, temperature=0.0, cache_kv=cache_kv, **kw)
             # the cross-attention kernel runs only for a context of some length in a branch that runs
@@ -832,7 +762,7 @@ def test_s6_kernel_not_trusted(tc: TrainCase, gc: GenCase):
             fires = bool(self_dead.any()) or (bool(cross.any()) and gc.ctx_kind != "none" and j_run > 0)
             if fires:
                 assert kernel.poisoned > 0, "the NaN kernel never saw a dead row in generation"
-            mh.assert_bitwise(logits, clean_logits, f"guided logits under the NaN kernel, backend={backend}")
+            hp.assert_bitwise(logits, clean_logits, f"guided logits under the NaN kernel, backend={backend}")
             assert torch.equal(tokens, clean_tokens), f"tokens under the NaN kernel, backend={backend}, cache_kv={cache_kv}"
 
 
@@ -842,7 +772,7 @@ def test_s6_kernel_not_trusted(tc: TrainCase, gc: GenCase):
 
 
 def _max_logit(model, run) -> float:
-    rec = mh.RecordingKernel()
+    rec = hp.RecordingKernel()
     with sf.substitute_kernel(rec), torch.no_grad():
         run(model)
     return max((c.max_abs_logit for c in rec.calls), default=0.0)
@@ -858,11 +788,11 @@ def scaled_model(null: str, p: float, dtype: torch.dtype) -> AutoregressiveWrapp
     if key not in _SCALED:
         tc = fixed_train(0.0, null)
         run = lambda m, dt=torch.float32: tc.loss(m, tc.ids(), tc.context(dt), train=False)
-        model = mh.set_unpadded(mh.seeded_module(lambda: make_model(null, p)), False)  # hooks follow dead rows
+        model = hp.set_unpadded(hp.seeded_module(lambda: make_model(null, p)), False)  # hooks follow dead rows
         base = _max_logit(model, run)
         factor = (4000.0 / base) ** 0.5
         with torch.no_grad():
-            for m in mh.attention_modules(model):
+            for m in hp.attention_modules(model):
                 m.to_q.weight.mul_(factor)
                 m.to_k.weight.mul_(factor)
         model = model.to(dtype)
@@ -873,7 +803,7 @@ def scaled_model(null: str, p: float, dtype: torch.dtype) -> AutoregressiveWrapp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@cfg(4)
+@hp.examples(4)
 @example(tc=fixed_train(0.5, "learned"), gc=fixed_gen(3.0, "empty", "batch"))
 @given(tc=train_cases(), gc=gen_cases(scales=(3.0, 0.0)))
 def test_s7_half_precision(dtype: torch.dtype, tc: TrainCase, gc: GenCase):
@@ -884,35 +814,35 @@ def test_s7_half_precision(dtype: torch.dtype, tc: TrainCase, gc: GenCase):
     model = scaled_model(tc.null, tc.p, dtype)
     ids = tc.ids()
     for backend in ("auto", "reference"):
-        mh.set_backend(model, backend)
+        hp.set_backend(model, backend)
         try:
             run = loss_and_grads(tc, model, ids, tc.context(dtype))
-            with mh.capture_attention(model, roles(model)) as seen, torch.no_grad():
+            with hp.capture_attention(model, roles(model)) as seen, torch.no_grad():
                 tc.loss(model, ids, tc.context(dtype))
         finally:
-            mh.set_backend(model, "auto")
-        mh.assert_finite(run.loss, f"{dtype} loss ({backend})")
+            hp.set_backend(model, "auto")
+        hp.assert_finite(run.loss, f"{dtype} loss ({backend})")
         grads = {k: g for k, g in run.params.items() if g is not None}
         assert grads
         for k, g in grads.items():
-            mh.assert_finite(g, f"{dtype} grad of {k} ({backend})")
+            hp.assert_finite(g, f"{dtype} grad of {k} ({backend})")
         if run.context is not None:
-            mh.assert_finite(run.context, f"{dtype} grad of context ({backend})")
+            hp.assert_finite(run.context, f"{dtype} grad of context ({backend})")
         for role, _, out, _ in seen:
             if role == "main.cross":
-                mh.assert_zero(out[tc.cross_dead(True)], f"{dtype} cross-attention output at dead rows ({backend})")
+                hp.assert_zero(out[tc.cross_dead(True)], f"{dtype} cross-attention output at dead rows ({backend})")
     if tc.null == "empty" and tc.ctx_kind != "none":
         dropper = scaled_model("empty", 1.0, dtype)
         ctx = tc.context(dtype)
         dropped = dropper.train()(ids, mask=tc.sc.seq_mask, context=ctx, context_mask=tc.ctx_mask())
         plain = dropper(ids, mask=tc.sc.seq_mask)
-        mh.assert_bitwise(dropped, plain, f"{dtype}: loss with every condition dropped vs context=None")
+        hp.assert_bitwise(dropped, plain, f"{dtype}: loss with every condition dropped vs context=None")
 
     gen = scaled_model(gc.null, 0.0, dtype)
     prompts = gc.prompts()
     kw = gc.kwargs(dtype=dtype)
     logits = gen.next_token_logits(prompts, **kw)
-    mh.assert_finite(logits, f"{dtype} guided logits")
+    hp.assert_finite(logits, f"{dtype} guided logits")
     tokens = gen.generate(prompts, gc.steps, temperature=0.0, **kw)
     assert bool(((tokens >= 0) & (tokens < VOCAB)).all())
     assert torch.equal(tokens[:, 0], logits.argmax(-1)), f"{dtype}: first greedy token vs argmax of guided logits"
@@ -948,9 +878,9 @@ def test_s8_all_ignored_loss_is_zero(p: float, null: str):
             assert loss.dtype == torch.float32 and loss.item() == 0.0 and not torch.isnan(loss), f"{what}: loss {loss}"
             loss.backward()
             for name, prm in model.named_parameters():
-                mh.assert_zero(prm.grad, f"{what}: grad of {name}", none_ok=True)
+                hp.assert_zero(prm.grad, f"{what}: grad of {name}", none_ok=True)
             if ctx is not None:
-                mh.assert_zero(ctx.grad, f"{what}: grad of context", none_ok=True)
+                hp.assert_zero(ctx.grad, f"{what}: grad of context", none_ok=True)
 
     # ignore_index in the middle of a sample is padding there (bit for bit), and matches the reference
     holes = torch.tensor([[True, True, False, True, True], [True] * 5, [False, True, True, False, True]])
@@ -959,17 +889,13 @@ def test_s8_all_ignored_loss_is_zero(p: float, null: str):
     torch.manual_seed(9)
     by_ignore = model(torch.where(holes, ids, IGNORE), context=ctx, context_mask=ctx_mask)
     by_mask = tc.loss(model, ids, ctx)
-    mh.assert_bitwise(by_ignore, by_mask, "ignore_index vs mask=False at the same positions")
-    mh.assert_close(by_mask.detach(), ref_loss64(tc, model, ids, ctx), "loss with holes vs float64 reference", torch.float32)
+    hp.assert_bitwise(by_ignore, by_mask, "ignore_index vs mask=False at the same positions")
+    hp.assert_close(by_mask.detach(), ref_loss64(tc, model, ids, ctx), "loss with holes vs float64 reference", torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
 # S9 bad input gets a clear error
 # ----------------------------------------------------------------------------------------------------
-
-
-def _names(msg: str, name: str) -> bool:
-    return re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", msg) is not None
 
 
 def _bad_calls(model: AutoregressiveWrapper):
@@ -1042,25 +968,18 @@ def test_s9_bad_input_errors(null: str):
     bad guidance/sampling arguments, bad constructor arguments: each raises the documented error whose
     message names the argument; the same calls with good arguments give finite values."""
     model = model_of(null, 0.5)
-    calls = _bad_calls(model)
-    for what, call, exc, name in calls:
-        with pytest.raises(exc) as info:
-            call()
-        assert _names(str(info.value), name), f"{what}: the {exc.__name__} does not name {name!r}: {info.value}"
+    hp.assert_clear_errors(_bad_calls(model))
     ctor = [
         ("cond_drop_prob > 1", lambda: AutoregressiveWrapper(make_model("empty", 0.0).net, cond_drop_prob=1.5), ValueError, "cond_drop_prob"),
         ("unknown null_context", lambda: AutoregressiveWrapper(make_model("empty", 0.0).net, null_context="zeros"), ValueError, "null_context"),
         ("non-causal net", lambda: AutoregressiveWrapper(sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=8, attn_layers=sf.Encoder(dim=DIM, depth=1))), ValueError, "net"),
         ("not a TransformerWrapper", lambda: AutoregressiveWrapper(sf.Decoder(dim=DIM, depth=1)), TypeError, "net"),
     ]
-    for what, call, exc, name in ctor:
-        with pytest.raises(exc) as info:
-            call()
-        assert _names(str(info.value), name), f"{what}: the {exc.__name__} does not name {name!r}: {info.value}"
+    hp.assert_clear_errors(ctor)
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         AutoregressiveWrapper(make_model("empty", 0.0).net, cond_dropout=0.1)
     # check_finite=True on the net: NaN at a real context position is reported, at a masked one it is not
-    checked = mh.copy_weights(make_model(null, 0.0, check_finite=True), model)
+    checked = hp.copy_weights(make_model(null, 0.0, check_finite=True), model)
     x = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     ctx, cm = torch.randn(2, 4, CTX_DIM), torch.tensor([[True, True, False, False], [True] * 4])
     nan_real, nan_masked = ctx.clone(), ctx.clone()
@@ -1073,16 +992,16 @@ def test_s9_bad_input_errors(null: str):
     ):
         with pytest.raises(ValueError) as info:
             call(nan_real)
-        assert _names(str(info.value), "context"), f"{what}, NaN at a real context position: {info.value}"
+        assert hp.names_argument(str(info.value), "context"), f"{what}, NaN at a real context position: {info.value}"
         clean, masked = call(ctx), call(nan_masked)
         assert torch.equal(masked, clean), f"{what}: NaN at a masked context position changed the result"
-        mh.assert_finite(masked.float(), f"{what} with NaN at a masked context position")
+        hp.assert_finite(masked.float(), f"{what} with NaN at a masked context position")
 
     # the good calls run and give finite values: the errors come from the argument under test
     x = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     ctx, cm = torch.randn(2, 4, CTX_DIM), torch.tensor([[True, True, False, False], [True] * 4])
-    mh.assert_finite(model.train()(x, mask=torch.ones(2, 5, dtype=torch.bool), context=ctx, context_mask=cm).detach(), "loss")
-    mh.assert_finite(model.next_token_logits(x[:, :3], context=ctx, context_mask=cm, cond_scale=3.0,
+    hp.assert_finite(model.train()(x, mask=torch.ones(2, 5, dtype=torch.bool), context=ctx, context_mask=cm).detach(), "loss")
+    hp.assert_finite(model.next_token_logits(x[:, :3], context=ctx, context_mask=cm, cond_scale=3.0,
                                              negative_context=torch.randn(2, 3, CTX_DIM)), "guided logits")
 
 
@@ -1132,14 +1051,14 @@ def _unvalidated():
         return model.generate(p, 2, filter_kwargs={"k": 3})
 
     def nan_real_negative_checked(null):
-        model = mh.copy_weights(make_model(null, 0.0, check_finite=True), model_of(null))
+        model = hp.copy_weights(make_model(null, 0.0, check_finite=True), model_of(null))
         p = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(0))
         neg = torch.randn(2, 3, CTX_DIM)
         neg[1, 1, 0] = NAN
         return model.generate(p, 2, context=torch.randn(2, 4, CTX_DIM), cond_scale=3.0, negative_context=neg)
 
     def nan_real_context_dropped_checked(null):
-        model = mh.copy_weights(make_model(null, 1.0, check_finite=True), model_of(null, 1.0)).train()
+        model = hp.copy_weights(make_model(null, 1.0, check_finite=True), model_of(null, 1.0)).train()
         ctx = torch.randn(2, 4, CTX_DIM)
         ctx[1, 1, 0] = NAN
         return model(torch.randint(0, VOCAB, (2, 5)), context=ctx)
@@ -1169,8 +1088,8 @@ def test_s9_bad_input_errors_more_cases(call, null, exc, text):
         if text.startswith("("):
             assert text in str(e), f"message does not report the shape {text}: {e}"
         else:
-            assert _names(str(e), text), f"the {exc.__name__} does not name {text!r}: {e}"
+            assert hp.names_argument(str(e), text), f"the {exc.__name__} does not name {text!r}: {e}"
         if text == "context":  # the message must not blame another argument
-            assert not _names(str(e), "null_context") and not _names(str(e), "uncond_context"), str(e)
+            assert not hp.names_argument(str(e), "null_context") and not hp.names_argument(str(e), "uncond_context"), str(e)
         return
     pytest.fail(f"no {exc.__name__} raised")

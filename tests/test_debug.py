@@ -1,5 +1,5 @@
 """Tests for ``safeformer.debug`` (find_nonfinite, mask_report, plot_mask) and the wrappers'
-``check_finite`` mode (SAFETY_CONTRACT.md, S9).
+``check_finite`` mode (docs/safety.md, S9).
 
 Shape legend: b batch, n positions, j context length, c model width, h heads, i queries.
 """

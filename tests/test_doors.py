@@ -10,11 +10,11 @@ Shape legend: as in doors.py.
 from __future__ import annotations
 
 import doors
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
 from doors import DOORS, NOT_DOORS, PLANT_VALUES, PROBE_DOORS, Door, Probe
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -23,10 +23,6 @@ import safeformer as sf
 IDS = [d.name for d in PROBE_DOORS]
 SEEDS = st.integers(0, 2**31 - 1)
 
-
-def cfg(k: int):
-    return settings(max_examples=mh.n_examples(k), deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -53,7 +49,7 @@ def test_every_public_name_is_importable_from_all():
 
 def test_every_door_is_tested_somewhere():
     """Each door has a probe (run by this file), model-level contract cases, or a named suite."""
-    case_names = {c.name for c in mh.CASES} | {"guidance"}
+    case_names = {c.name for c in hp.CASES} | {"guidance"}
     for door in DOORS.values():
         assert door.probe or door.cases or door.note, f"door {door.name} has no test"
         unknown = set(door.cases) - case_names
@@ -82,11 +78,11 @@ def _grads(probe: Probe, seed: int) -> dict[str, Tensor]:
 
 def _finite_where(t: Tensor, where: Tensor | None, what: str) -> None:
     t = t.detach() if where is None else t.detach()[where]
-    mh.assert_finite(t, what)
+    hp.assert_finite(t, what)
 
 
 @pytest.mark.parametrize("door", PROBE_DOORS, ids=IDS)
-@cfg(6)
+@hp.examples(6)
 @given(seed=SEEDS)
 def test_s1_finite(door: Door, seed: int):
     """NaN planted at every masked position, dead rows on purpose: outputs and gradients are finite."""
@@ -99,22 +95,22 @@ def test_s1_finite(door: Door, seed: int):
 
 
 @pytest.mark.parametrize("door", [d for d in PROBE_DOORS if d.has_dead], ids=lambda d: d.name)
-@cfg(4)
+@hp.examples(4)
 @given(seed=SEEDS)
 def test_s2_dead_outputs_exactly_zero(door: Door, seed: int):
     """Outputs the contract calls dead (no key, no valid position, no counted target) are exactly 0,
     and send exactly 0 gradient into masked inputs."""
     probe = door.probe(seed, doors.NAN)
     assert probe.dead is not None and bool(probe.dead.any()), f"{door.name}: the probe drew no dead output"
-    mh.assert_zero(probe.out.detach()[probe.dead], f"{door.name}: dead outputs")
+    hp.assert_zero(probe.out.detach()[probe.dead], f"{door.name}: dead outputs")
     for k, g in _grads(probe, seed).items():
         if probe.masked_grad_zero and k in probe.masked:
-            mh.assert_zero(g[probe.masked[k]], f"{door.name}: grad of {k} at masked positions")
+            hp.assert_zero(g[probe.masked[k]], f"{door.name}: grad of {k} at masked positions")
 
 
 @pytest.mark.parametrize("value", PLANT_VALUES, ids=["nan", "inf", "-inf", "1e4"])
 @pytest.mark.parametrize("door", PROBE_DOORS, ids=IDS)
-@cfg(4)
+@hp.examples(4)
 @given(seed=SEEDS)
 def test_s3_masked_contents_never_matter(door: Door, value: float, seed: int):
     """Garbage planted at masked positions changes no output and no gradient (bit for bit), and the
@@ -124,23 +120,19 @@ def test_s3_masked_contents_never_matter(door: Door, value: float, seed: int):
         return  # the probe checked its own equality (tokens, reports) inside
     where = clean.compare
     a, b = dirty.out.detach(), clean.out.detach()
-    mh.assert_bitwise(a if where is None else a[where], b if where is None else b[where], f"{door.name}: output")
+    hp.assert_bitwise(a if where is None else a[where], b if where is None else b[where], f"{door.name}: output")
     g_clean, g_dirty = _grads(clean, seed), _grads(dirty, seed)
     for k, g in g_dirty.items():
         masked = dirty.masked.get(k)
         if masked is None:
-            mh.assert_bitwise(g, g_clean[k], f"{door.name}: grad of {k}")
+            hp.assert_bitwise(g, g_clean[k], f"{door.name}: grad of {k}")
             continue
-        mh.assert_bitwise(g[~masked], g_clean[k][~masked], f"{door.name}: grad of {k} at real positions")
+        hp.assert_bitwise(g[~masked], g_clean[k][~masked], f"{door.name}: grad of {k} at real positions")
         if dirty.masked_grad_zero:
-            mh.assert_zero(g[masked], f"{door.name}: grad of {k} at masked positions ({value} planted)")
+            hp.assert_zero(g[masked], f"{door.name}: grad of {k} at masked positions ({value} planted)")
 
 
 @pytest.mark.parametrize("door", PROBE_DOORS, ids=IDS)
 def test_s9_bad_input_is_a_clear_error(door: Door):
     """Each wrong input raises the documented exception, naming the argument."""
-    probe = door.probe(0, 0.0)
-    for what, call, exc, text in probe.bad_calls:
-        with pytest.raises(exc) as info:
-            call()
-        assert text in str(info.value), f"{door.name}, {what}: message {str(info.value)!r} does not name {text!r}"
+    hp.assert_clear_errors(door.probe(0, 0.0).bad_calls, f"{door.name}, ")

@@ -15,8 +15,7 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from contract import assert_all_finite, assert_bitwise_equal, assert_close_finite, assert_exactly_zero
+from helpers import ATTEND_TOL, NaNKernel, assert_bitwise, assert_close, assert_finite, assert_zero, ref_guidance
 
 from safeformer import ContinuousTransformerWrapper, Decoder, TransformerWrapper, XTransformer, substitute_kernel
 from safeformer.generation import (
@@ -59,20 +58,6 @@ def left_pad(prompts: list[list[int]], garbage: int = 7):
     return tokens, mask
 
 
-def hand_guidance64(cond, uncond, scale, phi):
-    """The CFG formula in float64, written out: ``uncond + s (cond - uncond)``, then the rescale."""
-    cond, uncond = cond.double(), uncond.double()
-    guided = uncond + scale * (cond - uncond)
-    if phi == 0:
-        return guided
-
-    def std(x):  # unbiased std over the last dim
-        mean = x.sum(-1, keepdim=True) / x.shape[-1]
-        return (((x - mean) ** 2).sum(-1, keepdim=True) / (x.shape[-1] - 1)).sqrt()
-
-    return phi * (guided * std(cond) / std(guided)) + (1 - phi) * guided
-
-
 def argmax_clear(logits64: torch.Tensor) -> torch.Tensor:
     """Greedy choice of a float64 reference, refusing near-ties (float32 may break them either way)."""
     top2 = logits64.topk(2, dim=-1).values
@@ -97,7 +82,7 @@ def reference_greedy(net, prompt: list[int], steps: int, ctx=None, ctx_mask=None
             logits = cond
             if scale != 1.0:
                 uncond = net64(seq, context=d(uctx), context_mask=uctx_mask)[:, -1]
-                logits = hand_guidance64(cond, uncond, scale, phi)
+                logits = ref_guidance(cond, uncond, scale, phi)
             tok = int(argmax_clear(logits)[0])
             out.append(tok)
             if eos is not None and tok == eos:
@@ -160,7 +145,7 @@ def test_cond_scale_zero_is_exactly_unconditional_generation(null_context):
     for i, p in enumerate([[4, 1, 8], [6], [2, 2, 3, 11]]):
         c, _ = uctx(i)
         ref = net64(torch.tensor([p]), context=None if c is None else c.double())[:, -1]
-        assert_close_finite(logits[i : i + 1], ref, torch.float32, f"unconditional logits of sample {i}")
+        assert_close(logits[i : i + 1], ref, f"unconditional logits of sample {i}", torch.float32, table=ATTEND_TOL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -191,15 +176,15 @@ def test_batched_cfg_equals_two_pass_formula(scale, phi, negative):
         seq = torch.tensor([p])
         cond = net64(seq, context=ctx[i : i + 1].double(), context_mask=ctx_mask[i : i + 1])[:, -1]
         uncond = net64(seq, context=uctx[i : i + 1].double(), context_mask=uctx_mask[i : i + 1])[:, -1]
-        assert_close_finite(logits[i : i + 1], hand_guidance64(cond, uncond, scale, phi), torch.float32,
-                            f"guided logits of sample {i}")
+        assert_close(logits[i : i + 1], ref_guidance(cond, uncond, scale, phi), f"guided logits of sample {i}",
+                     torch.float32, table=ATTEND_TOL)
 
     # the generated tokens: batched (one forward of 2b, one cache) == two passes == float64 by hand
     tokens = model.generate(prompts, 8, mask=mask, context=ctx, context_mask=ctx_mask, temperature=0.0,
                             cond_scale=scale, guidance_rescale=phi, **kw)
     two_pass = generate_tokens(net, prompts, 8, mask=mask, context=ctx, context_mask=ctx_mask,
-                               uncond_context=uctx if negative else None,
-                               uncond_context_mask=uctx_mask if negative else None,
+                               negative_context=uctx if negative else None,
+                               negative_context_mask=uctx_mask if negative else None,
                                temperature=0.0, cond_scale=scale, guidance_rescale=phi, _two_pass=True)
     assert torch.equal(tokens, two_pass)
     for i, p in enumerate(prompt_lists):
@@ -220,7 +205,7 @@ def test_batched_cfg_with_learned_null_token_equals_formula():
     null = model.null_token.detach().double()[None].expand(2, -1, -1)
     cond = net64(prompts, context=ctx.double(), context_mask=ctx_mask)[:, -1]
     uncond = net64(prompts, context=null)[:, -1]
-    assert_close_finite(logits, hand_guidance64(cond, uncond, 4.0, 0.0), torch.float32, "guided logits")
+    assert_close(logits, ref_guidance(cond, uncond, 4.0, 0.0), "guided logits", torch.float32, table=ATTEND_TOL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -237,17 +222,17 @@ def test_training_with_cond_drop_prob_one_gives_finite_loss_and_grads(null_conte
     ctx = torch.where(ctx_mask[..., None], ctx, NAN)  # garbage in padding must not matter
     loss = model(x, context=ctx, context_mask=ctx_mask)
     loss.backward()
-    assert_all_finite(loss, "loss")
+    assert_finite(loss, "loss")
     for name, p in model.named_parameters():
         if p.grad is not None:
-            assert_all_finite(p.grad, f"grad of {name}")
+            assert_finite(p.grad, f"grad of {name}")
 
     # every condition was dropped: the loss is the unconditional model's, computed in float64
     net64 = copy.deepcopy(net).double().eval()
     null = None if null_context == "empty" else model.null_token.detach().double()[None].expand(3, -1, -1)
     logits = net64(x[:, :-1], context=null)
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1))
-    assert_close_finite(loss.detach(), ref, torch.float32, "loss with every condition dropped")
+    assert_close(loss.detach(), ref, "loss with every condition dropped", torch.float32, table=ATTEND_TOL)
     if null_context == "learned":
         assert model.null_token.grad is not None and bool(model.null_token.grad.abs().sum() > 0)
 
@@ -268,15 +253,15 @@ def test_xtransformer_cond_drop_prob_one_is_the_unconditioned_decoder():
     src, tgt = torch.randint(0, V, (2, 5)), torch.randint(0, V, (2, 7))
     loss = xt.train()(src, tgt)
     loss.backward()
-    assert_all_finite(loss, "loss")
+    assert_finite(loss, "loss")
     for name, p in xt.named_parameters():
         if p.grad is not None:
-            assert_all_finite(p.grad, f"grad of {name}")
+            assert_finite(p.grad, f"grad of {name}")
     dec64 = copy.deepcopy(xt.decoder).double().eval()
     ref = torch.nn.functional.cross_entropy(dec64(tgt[:, :-1]).reshape(-1, V), tgt[:, 1:].reshape(-1))
-    assert_close_finite(loss.detach(), ref, torch.float32, "XTransformer loss with every source dropped")
+    assert_close(loss.detach(), ref, "XTransformer loss with every source dropped", torch.float32, table=ATTEND_TOL)
     # the encoder got no gradient path: every source was dropped (exactly zero, not NaN)
-    assert_exactly_zero(xt.encoder.token_emb.weight.grad, "encoder embedding grad")
+    assert_zero(xt.encoder.token_emb.weight.grad, "encoder embedding grad")
 
 
 def test_continuous_wrapper_with_condition_dropout():
@@ -296,20 +281,20 @@ def test_continuous_wrapper_with_condition_dropout():
     model64 = copy.deepcopy(model).double()
     no_ctx = model64(x.double())
     with_ctx = model64(x.double(), context=torch.where(ctx_mask[..., None], ctx, 0).double(), context_mask=ctx_mask)
-    assert_close_finite(out[dropped], no_ctx[dropped], torch.float32, "dropped samples")
-    assert_close_finite(out[~dropped], with_ctx[~dropped], torch.float32, "kept samples")
+    assert_close(out[dropped], no_ctx[dropped], "dropped samples", torch.float32, table=ATTEND_TOL)
+    assert_close(out[~dropped], with_ctx[~dropped], "kept samples", torch.float32, table=ATTEND_TOL)
 
     # learned null token: dropped samples see exactly that one token; it gets a finite gradient
     null = torch.nn.Parameter(torch.randn(1, C))
     c3, m3 = drop_condition(ctx_mask, 1.0, context=ctx, null_context=null)
     out = model(x, context=c3, context_mask=m3)
     ref = model64(x.double(), context=null.detach().double()[None].expand(4, -1, -1))
-    assert_close_finite(out, ref, torch.float32, "null-token outputs")
+    assert_close(out, ref, "null-token outputs", torch.float32, table=ATTEND_TOL)
     out.square().mean().backward()
-    assert_all_finite(null.grad, "null token grad")
+    assert_finite(null.grad, "null token grad")
     assert bool(null.grad.abs().sum() > 0)
     for name, p in model.named_parameters():
-        assert_all_finite(p.grad, f"grad of {name}")
+        assert_finite(p.grad, f"grad of {name}")
 
 
 @pytest.mark.parametrize("how", ["ignore_index", "mask"])
@@ -326,10 +311,10 @@ def test_all_ignored_loss_is_exactly_zero_with_zero_grads(how):
     loss = model(x, mask=mask, context=ctx, context_mask=ctx_mask)
     loss.backward()
     assert loss.item() == 0.0 and not torch.isnan(loss)
-    assert_exactly_zero(net.token_emb.weight.grad, "token embedding grad")
+    assert_zero(net.token_emb.weight.grad, "token embedding grad")
     for name, p in model.named_parameters():
         if p.grad is not None:
-            assert_exactly_zero(p.grad, f"grad of {name}")
+            assert_zero(p.grad, f"grad of {name}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -407,20 +392,20 @@ def test_nan_planted_in_padded_context_changes_no_generated_token(value):
         assert torch.equal(clean, dirty), f"{kw}"
         logits_clean = model.next_token_logits(prompts, mask=mask, context=ctx, context_mask=ctx_mask, **clean_kw)
         logits_dirty = model.next_token_logits(prompts, mask=mask, context=bad_ctx, context_mask=ctx_mask, **bad_kw)
-        assert_bitwise_equal(logits_dirty, logits_clean, f"next-token logits with {kw}")
+        assert_bitwise(logits_dirty, logits_clean, f"next-token logits with {kw}")
 
 
 def test_guided_generation_does_not_trust_the_kernel_on_empty_contexts():
     """S6 for guidance: a kernel that writes NaN for every sample whose keys are all masked (the
     unconditional half of the CFG batch) changes no logit and no token."""
-    poisoned = []
+    empties = []
 
-    def nan_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                             scale=scale, enable_gqa=enable_gqa)
-        empty = (k == 0).flatten(1).all(1)  # (b,): every key masked (attend selects masked keys to 0)
-        poisoned.append(int(empty.sum()))
-        return out.masked_fill(empty[:, None, None, None], NAN)
+    def empty_samples(q, k, v, attn_mask):  # (b, 1, 1): every key masked (attend selects masked keys to 0)
+        empty = (k == 0).flatten(1).all(1)
+        empties.append(int(empty.sum()))
+        return empty[:, None, None]
+
+    kernel = NaNKernel(empty_samples)
 
     model = AutoregressiveWrapper(make_net(seed=18))
     prompts, mask = left_pad([[2, 4, 6], [1, 3]])
@@ -428,11 +413,11 @@ def test_guided_generation_does_not_trust_the_kernel_on_empty_contexts():
     kw = dict(mask=mask, context=ctx, context_mask=ctx_mask, cond_scale=3.0, guidance_rescale=0.3)
     clean_logits = model.next_token_logits(prompts, **kw)
     clean_tokens = model.generate(prompts, 8, temperature=0.0, **kw)
-    with substitute_kernel(nan_kernel):
+    with substitute_kernel(kernel):
         logits = model.next_token_logits(prompts, **kw)
         tokens = model.generate(prompts, 8, temperature=0.0, **kw)
-    assert sum(poisoned) > 0, "the kernel never saw an empty context: the test would prove nothing"
-    assert_bitwise_equal(logits, clean_logits, "guided logits under a NaN kernel")
+    assert sum(empties) > 0, "the kernel never saw an empty context: the test would prove nothing"
+    assert_bitwise(logits, clean_logits, "guided logits under a NaN kernel")
     assert torch.equal(tokens, clean_tokens)
 
 
@@ -470,7 +455,7 @@ def test_checkpoint_round_trip_generates_the_same_tokens(tmp_path):
     a = model.generate(prompts, 6, context=ctx, context_mask=ctx_mask, temperature=0.0, cond_scale=2.0)
     b = loaded.generate(prompts, 6, context=ctx, context_mask=ctx_mask, temperature=0.0, cond_scale=2.0)
     assert torch.equal(a, b)
-    assert_bitwise_equal(loaded.null_token.detach(), model.null_token.detach(), "null token")
+    assert_bitwise(loaded.null_token.detach(), model.null_token.detach(), "null token")
 
 
 def test_xtransformer_generate_with_guidance():
@@ -516,16 +501,16 @@ def test_guided_logits_matches_float64_hand_formula(scale, phi):
             guided = [phi * x * ratio + (1 - phi) * x for x in guided]
         ref.append(guided)
     ref = torch.tensor(ref, dtype=torch.float64)
-    assert_close_finite(guided_logits(cond, uncond, scale, phi), ref, torch.float64, "guided logits (float64)")
-    assert_close_finite(guided_logits(cond.float(), uncond.float(), scale, phi), ref, torch.float32,
-                        "guided logits (float32)")
+    assert_close(guided_logits(cond, uncond, scale, phi), ref, "guided logits (float64)", torch.float64, table=ATTEND_TOL)
+    assert_close(guided_logits(cond.float(), uncond.float(), scale, phi), ref, "guided logits (float32)",
+                 torch.float32, table=ATTEND_TOL)
 
 
 def test_guided_logits_rescale_of_flat_rows_stays_finite():
     cond = torch.zeros(2, 5)
     uncond = torch.zeros(2, 5)
     out = guided_logits(cond, uncond, 3.0, 0.7)  # std(guided) = 0: left as guided, not 0/0
-    assert_bitwise_equal(out, torch.zeros(2, 5), "flat rows")
+    assert_bitwise(out, torch.zeros(2, 5), "flat rows")
 
 
 def _reference_filters(row: list[float], kind: str, arg: float) -> list[bool]:

@@ -17,7 +17,7 @@ import itertools
 
 import pytest
 import torch
-from contract import assert_all_finite, assert_bitwise_equal, assert_close_finite
+from helpers import ATTEND_TOL, assert_bitwise, assert_close, assert_finite
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,7 +101,7 @@ def test_window_equals_rerun_on_the_last_max_seq_len_tokens(pos, cache_kv):
         seq = p.tolist()
         for t in range(steps):
             ref = window_logits64(net64, None, seq, net.max_seq_len)
-            assert_close_finite(logits[t, i], ref, torch.float32, f"logits of sample {i} at step {t}")
+            assert_close(logits[t, i], ref, f"logits of sample {i} at step {t}", torch.float32, table=ATTEND_TOL)
             assert int(tokens[i, t]) == argmax_clear(ref), f"sample {i} step {t}"
             seq.append(int(tokens[i, t]))
 
@@ -148,7 +148,7 @@ def test_window_off_keeps_the_whole_sequence():
         seq = p.tolist()
         for t in range(6):
             ref = window_logits64(net64, None, seq, None)
-            assert_close_finite(rec.logits()[t, i], ref, torch.float32, f"logits of sample {i} at step {t}")
+            assert_close(rec.logits()[t, i], ref, f"logits of sample {i} at step {t}", torch.float32, table=ATTEND_TOL)
             seq.append(int(tokens[i, t]))
 
 
@@ -179,7 +179,7 @@ def test_window_counts_prefix_rows_and_keeps_the_context():
         seq, prefix, c = p.tolist(), pre[i][pre_mask[i]], ctx[i][ctx_mask[i]]
         for t in range(steps):
             ref = window_logits64(net64, prefix if prefix.shape[0] else None, seq, net.max_seq_len, c)
-            assert_close_finite(logits[t, i], ref, torch.float32, f"logits of sample {i} at step {t}")
+            assert_close(logits[t, i], ref, f"logits of sample {i} at step {t}", torch.float32, table=ATTEND_TOL)
             assert int(tokens[i, t]) == argmax_clear(ref), f"sample {i} step {t}"
             seq.append(int(tokens[i, t]))
 
@@ -283,7 +283,7 @@ def test_beam_search_equals_brute_force(eos):
         ref_scores = torch.tensor([s for _, s in ranked[: k + 1]], dtype=torch.float64)
         gaps = ref_scores[:-1] - ref_scores[1:]
         assert float(gaps.min()) > 1e-4, "near-tie in the brute force; pick another seed"
-        assert_close_finite(scores[:, i], ref_scores[:k], torch.float32, f"beam scores of sample {i}")
+        assert_close(scores[:, i], ref_scores[:k], f"beam scores of sample {i}", torch.float32, table=ATTEND_TOL)
         assert tokens[:, i].tolist() == [list(s) for s, _ in ranked[:k]], f"beams of sample {i}"
         assert model.beam_search(p[None], steps, beams=k, eos_token=eos)[0].tolist() == list(ranked[0][0])
 
@@ -306,8 +306,8 @@ def test_finished_beams_keep_their_score_and_pad():
             with torch.no_grad():
                 logp = net64(torch.tensor([p.tolist() + row[:end]])).log_softmax(-1)[0]
             ref = sum(float(logp[len(p) - 1 + t, row[t]]) for t in range(end))
-            assert_close_finite(scores[kk, i : i + 1], torch.tensor([ref], dtype=torch.float64), torch.float32,
-                                f"score of beam {kk} of sample {i}")
+            assert_close(scores[kk, i : i + 1], torch.tensor([ref], dtype=torch.float64), f"score of beam {kk} of sample {i}",
+                         torch.float32, table=ATTEND_TOL)
     assert finished > 0
 
 
@@ -343,8 +343,8 @@ def test_half_precision_scores_are_float32():
             with torch.no_grad():
                 logp = net64(torch.cat((p, tokens[kk, i]))[None]).log_softmax(-1)[0]
             ref = sum(float(logp[len(p) - 1 + t, int(tokens[kk, i, t])]) for t in range(4))
-            assert_close_finite(scores[kk, i : i + 1], torch.tensor([ref], dtype=torch.float64), torch.bfloat16,
-                                f"bfloat16 beam {kk} of sample {i}")
+            assert_close(scores[kk, i : i + 1], torch.tensor([ref], dtype=torch.float64), f"bfloat16 beam {kk} of sample {i}",
+                         torch.bfloat16, table=ATTEND_TOL)
 
 
 @settings(max_examples=6)
@@ -363,7 +363,7 @@ def test_beam_search_padded_batch_equals_each_prompt_alone(seed, lengths):
     for i, p in enumerate(prompts):
         t1, s1 = model.beam_search(p[None], 4, beams=3, context=ctx[i : i + 1], context_mask=ctx_mask[i : i + 1],
                                    return_beams_and_scores=True)
-        assert_close_finite(scores[:, i], s1[:, 0].double(), torch.float32, f"scores of sample {i}")
+        assert_close(scores[:, i], s1[:, 0].double(), f"scores of sample {i}", torch.float32, table=ATTEND_TOL)
         if float((s1[:-1, 0] - s1[1:, 0]).min()) > 1e-4:  # beams in the same order unless scores nearly tie
             assert torch.equal(tokens[:, i], t1[:, 0]), f"beams of sample {i}"
 
@@ -383,8 +383,8 @@ def test_beam_search_cache_equals_no_cache():
     tokens, scores = model.beam_search(prompts, 7, **kw)
     t2, s2 = model.beam_search(prompts, 7, cache_kv=False, **kw)
     assert torch.equal(tokens, t2)
-    assert_close_finite(scores, s2.double(), torch.float32, "scores of the cached path")
-    assert_all_finite(scores[torch.isfinite(scores)], "scores")
+    assert_close(scores, s2.double(), "scores of the cached path", torch.float32, table=ATTEND_TOL)
+    assert_finite(scores[torch.isfinite(scores)], "scores")
 
 
 @pytest.mark.parametrize("cache_kv", [True, False])
@@ -405,7 +405,7 @@ def test_garbage_in_padded_slots_changes_nothing(cache_kv):
                               prepend_embeds=pre.masked_fill(~pre_mask[..., None], NAN), prepend_mask=pre_mask,
                               return_beams_and_scores=True, cache_kv=cache_kv)
     assert torch.equal(clean[0], dirty[0])
-    assert_bitwise_equal(dirty[1], clean[1], "scores with garbage in padding")
+    assert_bitwise(dirty[1], clean[1], "scores with garbage in padding")
 
 
 def test_stochastic_beam_search():
@@ -430,8 +430,8 @@ def test_stochastic_beam_search():
             with torch.no_grad():
                 logp = net64(torch.cat((p, tokens[kk, i]))[None]).log_softmax(-1)[0]
             ref = sum(float(logp[len(p) - 1 + t, int(tokens[kk, i, t])]) for t in range(4))
-            assert_close_finite(scores[kk, i : i + 1], torch.tensor([ref], dtype=torch.float64), torch.float32,
-                                f"stochastic beam {kk} of sample {i}")
+            assert_close(scores[kk, i : i + 1], torch.tensor([ref], dtype=torch.float64), f"stochastic beam {kk} of sample {i}",
+                         torch.float32, table=ATTEND_TOL)
 
 
 def test_prompt_lens_is_right_padding():
@@ -446,7 +446,7 @@ def test_prompt_lens_is_right_padding():
     b2 = model.beam_search(as_list, 5, beams=3, return_beams_and_scores=True)
     assert b1[0].shape == (3, 2, 5) and b1[1].shape == (3, 2)
     assert torch.equal(b1[0], b2[0])
-    assert_close_finite(b1[1], b2[1].double(), torch.float32, "scores of right- and left-padded prompts")
+    assert_close(b1[1], b2[1].double(), "scores of right- and left-padded prompts", torch.float32, table=ATTEND_TOL)
 
 
 def test_beam_search_bad_arguments_raise_clear_errors():
@@ -516,9 +516,9 @@ def test_beam_search_matches_x_transformers():
         xt_tokens, xt_scores = xw.beam_search(prompts, 4, beams=3, return_beams_and_scores=True, **kw)
         sf_tokens, sf_scores = sw.beam_search(prompts, 4, beams=3, return_beams_and_scores=True, **kw)
         assert torch.equal(xt_tokens, sf_tokens), list(kw)
-        assert_close_finite(sf_scores, xt_scores.double(), torch.float32, f"beam scores {list(kw)}")
+        assert_close(sf_scores, xt_scores.double(), f"beam scores {list(kw)}", torch.float32, table=ATTEND_TOL)
         assert torch.equal(xw.beam_search(prompts, 4, beams=3, **kw), sw.beam_search(prompts, 4, beams=3, **kw))
     xt_tokens, xt_scores = xw.beam_search(prompts, 10, beams=2, return_beams_and_scores=True, cache_kv=False)
     sf_tokens, sf_scores = sw.beam_search(prompts, 10, beams=2, return_beams_and_scores=True)  # past max_seq_len
     assert torch.equal(xt_tokens, sf_tokens)
-    assert_close_finite(sf_scores, xt_scores.double(), torch.float32, "beam scores past max_seq_len")
+    assert_close(sf_scores, xt_scores.double(), "beam scores past max_seq_len", torch.float32, table=ATTEND_TOL)

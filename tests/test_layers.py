@@ -1,6 +1,6 @@
 """Tests for safeformer/layers.py: AttentionLayers, Encoder, Decoder, CrossAttender and the KV cache.
 
-Whole stacks are compared with ``model_helpers.ref_stack``, a float64 pre-norm stack built from the
+Whole stacks are compared with ``helpers.ref_stack``, a float64 pre-norm stack built from the
 module's weights with loops (``ref_attention``, ``ref_feed_forward``, ``ref_norm``).
 
 Shape legend: b batch, n positions, p cached positions, j context positions, h heads, c model width.
@@ -8,25 +8,21 @@ Shape legend: b batch, n positions, p cached positions, j context positions, h h
 
 from __future__ import annotations
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from helpers import CTX_DIM, DIM, DIM_HEAD, HEADS
+from hypothesis import given
 from hypothesis import strategies as st
-from model_helpers import CTX_DIM, DIM, DIM_HEAD, HEADS
 
 import safeformer as sf
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with mh.single_thread():
+    with hp.single_thread():
         yield
 
-
-def cfg(k: int):
-    return settings(max_examples=mh.n_examples(k), deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 BASE = dict(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD)
@@ -44,7 +40,7 @@ STACKS = {
 
 def build(name: str, **extra) -> sf.AttentionLayers:
     cls, kw = STACKS[name]
-    return mh.seeded_module(lambda: cls(**{**BASE, **kw, **extra}))
+    return hp.seeded_module(lambda: cls(**{**BASE, **kw, **extra}))
 
 
 def ref_dtype(layers: sf.AttentionLayers) -> torch.dtype:
@@ -91,10 +87,10 @@ def test_stack_matches_float64_reference(name):
     layers = build(name).double()
     x, kw = inputs(layers)
     out = layers(x, **kw)
-    want = mh.ref_stack(layers, x, **kw)
-    mh.assert_close(out[MASK], want[MASK], name, ref_dtype(layers))
-    out32 = mh.copy_weights(build(name), layers)(x.float(), **{k: (v.float() if v.is_floating_point() else v) for k, v in kw.items()})
-    mh.assert_close(out32[MASK], want[MASK], f"{name} in float32", torch.float32)
+    want = hp.ref_stack(layers, x, **kw)
+    hp.assert_close(out[MASK], want[MASK], name, ref_dtype(layers))
+    out32 = hp.copy_weights(build(name), layers)(x.float(), **{k: (v.float() if v.is_floating_point() else v) for k, v in kw.items()})
+    hp.assert_close(out32[MASK], want[MASK], f"{name} in float32", torch.float32)
 
 
 @pytest.mark.parametrize("name", ["encoder_layernorm", "decoder_rotary_mqa", "decoder_alibi_swiglu_bias"])
@@ -104,8 +100,8 @@ def test_attn_mask_restricts_self_attention(name):
     g = torch.Generator().manual_seed(5)
     for extra in (torch.rand(6, 6, generator=g) > 0.3, torch.rand(5, 6, 6, generator=g) > 0.3):
         out = layers(x, attn_mask=extra, **kw)
-        want = mh.ref_stack(layers, x, attn_mask=extra, **kw)
-        mh.assert_close(out[MASK], want[MASK], f"{name} with attn_mask {tuple(extra.shape)}", ref_dtype(layers))
+        want = hp.ref_stack(layers, x, attn_mask=extra, **kw)
+        hp.assert_close(out[MASK], want[MASK], f"{name} with attn_mask {tuple(extra.shape)}", ref_dtype(layers))
 
 
 @pytest.mark.parametrize("name", ["decoder_rotary_mqa", "encoder_rmsnorm_alibi"])
@@ -116,10 +112,10 @@ def test_relative_positions_are_shift_invariant(name):
     x, kw = inputs(layers)
     default = layers(x, **kw)
     pos = sf.positions_from_mask(MASK, MASK.shape[1], "cpu")
-    mh.assert_close(layers(x, positions=pos, **kw), default, "explicit default positions", torch.float64)
-    mh.assert_close(layers(x, positions=pos + 7, **kw)[MASK], default[MASK], "positions + 7", torch.float32)
-    want = mh.ref_stack(layers, x, positions=pos + 7, **kw)
-    mh.assert_close(layers(x, positions=pos + 7, **kw)[MASK], want[MASK], "positions + 7 vs reference", torch.float32)
+    hp.assert_close(layers(x, positions=pos, **kw), default, "explicit default positions", torch.float64)
+    hp.assert_close(layers(x, positions=pos + 7, **kw)[MASK], default[MASK], "positions + 7", torch.float32)
+    want = hp.ref_stack(layers, x, positions=pos + 7, **kw)
+    hp.assert_close(layers(x, positions=pos + 7, **kw)[MASK], want[MASK], "positions + 7 vs reference", torch.float32)
 
 
 def test_structure_follows_the_configuration():
@@ -158,7 +154,7 @@ def test_padded_batch_equals_each_sample_alone(name):
         if has_ctx(layers):
             alone_kw["context"] = kw["context"][s : s + 1, CTX_MASK[s]]
         alone = layers(x[s : s + 1, MASK[s]], **alone_kw)
-        mh.assert_close(out[s, MASK[s]], alone[0], f"{name}: sample {s}", torch.float64)
+        hp.assert_close(out[s, MASK[s]], alone[0], f"{name}: sample {s}", torch.float64)
 
 
 @pytest.mark.parametrize("name", ["decoder_cross_geglu_qknorm", "decoder_cross_rotary_gqa", "encoder_cross", "cross_attender_rmsnorm"])
@@ -173,8 +169,8 @@ def test_per_sample_empty_context_equals_no_context(name):
         ref = layers(x1, mask=m1, context=kw["context"][s : s + 1, :0])
     else:
         ref = layers(x1, mask=m1)
-    mh.assert_close(out[s][MASK[s]], ref[0][MASK[s]], "all-False context vs no context", torch.float64)
-    mh.assert_close(layers(x1, mask=m1, context=kw["context"][s : s + 1, :0])[0][MASK[s]], ref[0][MASK[s]], "zero-length context", torch.float64)
+    hp.assert_close(out[s][MASK[s]], ref[0][MASK[s]], "all-False context vs no context", torch.float64)
+    hp.assert_close(layers(x1, mask=m1, context=kw["context"][s : s + 1, :0])[0][MASK[s]], ref[0][MASK[s]], "zero-length context", torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -206,7 +202,7 @@ def test_cached_decoding_equals_full_forward(name, prefix, chunk):
     x, kw = inputs(layers)
     full = layers(x, **kw)
     inc, cache = decode(layers, x, kw, prefix, chunk)
-    mh.assert_close(inc[MASK], full[MASK], f"{name} prefix {prefix} chunk {chunk}", torch.float64)
+    hp.assert_close(inc[MASK], full[MASK], f"{name} prefix {prefix} chunk {chunk}", torch.float64)
     assert cache.length == MASK.shape[1]
     assert torch.equal(cache.count, MASK.sum(1))
     assert torch.equal(cache.mask, MASK)
@@ -219,7 +215,7 @@ def test_cached_decoding_equals_full_forward(name, prefix, chunk):
         assert cache.cross_kv is None
 
 
-@cfg(10)
+@hp.examples(10)
 @given(
     lengths=st.lists(st.integers(0, 5), min_size=1, max_size=3), ctx_lengths=st.lists(st.integers(0, 4), min_size=3, max_size=3),
     prefix=st.integers(1, 5), name=st.sampled_from(DECODERS),
@@ -236,8 +232,8 @@ def test_cached_decoding_property(lengths, ctx_lengths, prefix, name):
         kw.update(context=torch.randn(b, 4, CTX_DIM, generator=g), context_mask=sf.padding_mask(torch.tensor(ctx_lengths[:b]), 4))
     full = layers(x, **kw)
     inc, _ = decode(layers, x, kw, min(prefix, n), 1)
-    mh.assert_close(inc[mask], full[mask], name, torch.float32)
-    mh.assert_finite(inc, "cached outputs, padding included")
+    hp.assert_close(inc[mask], full[mask], name, torch.float32)
+    hp.assert_finite(inc, "cached outputs, padding included")
 
 
 def test_cache_index_select_reorders_samples():
@@ -248,7 +244,7 @@ def test_cache_index_select_reorders_samples():
     out = layers(x[order, 4:], mask=MASK[order, 4:], cache=cache.index_select(order))
     full = layers(x[order], mask=MASK[order], context=kw["context"][order], context_mask=CTX_MASK[order])
     m = MASK[order, 4:]
-    mh.assert_close(out[m], full[:, 4:][m], "reordered cache", ref_dtype(layers))
+    hp.assert_close(out[m], full[:, 4:][m], "reordered cache", ref_dtype(layers))
 
 
 def test_cache_index_select_repeats_a_single_sample():
@@ -258,7 +254,7 @@ def test_cache_index_select_repeats_a_single_sample():
     rep = cache.index_select(torch.tensor([0, 0]))
     out = layers(x[:, 3:].expand(2, 1, DIM), cache=rep)
     full = layers(x)
-    mh.assert_close(out, full[:, 3:].expand(2, 1, DIM), "repeated cache", torch.float32)
+    hp.assert_close(out, full[:, 3:].expand(2, 1, DIM), "repeated cache", torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -267,7 +263,7 @@ def test_cache_index_select_repeats_a_single_sample():
 
 
 def _record(layers, *args, **kwargs):
-    rec = mh.RecordingKernel()
+    rec = hp.RecordingKernel()
     with sf.substitute_kernel(rec):
         out = layers(*args, **kwargs)
     return rec.calls, out
@@ -277,12 +273,12 @@ def test_padding_masks_stay_broadcast():
     """Padding masks reach the kernel as bool (b, 1, 1, j) (encoder, cross-attention) or as one additive
     (b, 1, n, n) (decoder: padding and causal combined, prepared once), never as a dense (b, h, i, j)."""
     b, n, j = MASK.shape[0], MASK.shape[1], CTX_MASK.shape[1]
-    enc = mh.set_unpadded(build("encoder_cross", heads=4), False)  # the padded path (unpadded: below)
+    enc = hp.set_unpadded(build("encoder_cross", heads=4), False)  # the padded path (unpadded: below)
     calls, _ = _record(enc, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
     assert len(calls) == 4
     for c in calls:
         assert c.mask_dtype == torch.bool and c.mask_shape == (b, 1, 1, c.k_shape[2]), c
-    dec = mh.set_unpadded(build("decoder_cross_rotary_gqa"), False)
+    dec = hp.set_unpadded(build("decoder_cross_rotary_gqa"), False)
     calls, _ = _record(dec, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
     self_calls = [c for c in calls if c.k_shape[2] == n]
     cross_calls = [c for c in calls if c.k_shape[2] == j]
@@ -298,7 +294,7 @@ def test_unpadded_path_hands_the_kernels_compacted_layouts():
     is_causal and no mask tensor, an encoder a (b_g, 1, 1, L_g) key padding; cross-attention keeps the
     broadcast (b, 1, 1, j) context mask."""
     b, n, j = MASK.shape[0], MASK.shape[1], CTX_MASK.shape[1]
-    dec = mh.set_unpadded(build("decoder_cross_rotary_gqa"), True)
+    dec = hp.set_unpadded(build("decoder_cross_rotary_gqa"), True)
     calls, _ = _record(dec, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
     cross = [c for c in calls if c.mask_shape == (b, 1, 1, j)]
     self_calls = [c for c in calls if c not in cross]
@@ -306,7 +302,7 @@ def test_unpadded_path_hands_the_kernels_compacted_layouts():
     assert all(c.is_causal and c.mask_shape is None for c in self_calls), self_calls
     real = int(MASK.sum(1).max())
     assert all(c.q_shape[2] <= real for c in self_calls), "a group's layout is as long as its longest sample"
-    enc = mh.set_unpadded(build("encoder_cross", heads=4), True)
+    enc = hp.set_unpadded(build("encoder_cross", heads=4), True)
     calls, _ = _record(enc, torch.randn(b, n, DIM), mask=MASK, context=torch.randn(b, j, CTX_DIM), context_mask=CTX_MASK)
     for c in calls:
         assert c.mask_dtype == torch.bool and c.mask_shape[1:3] == (1, 1), c
@@ -318,17 +314,17 @@ def test_decoder_without_padding_passes_is_causal_and_no_mask():
     calls, out = _record(dec, x)
     assert len(calls) == 2
     assert all(c.is_causal and c.mask_shape is None for c in calls), calls
-    mh.assert_close(out, mh.ref_stack(dec, x), "is_causal path vs reference", torch.float32)
+    hp.assert_close(out, hp.ref_stack(dec, x), "is_causal path vs reference", torch.float32)
     # a step with the cache: one query sees every cached key, no mask and no is_causal needed
     _, cache = dec(x[:, :4], return_cache=True)
     calls, step = _record(dec, x[:, 4:], cache=cache)
     assert all(not c.is_causal and c.mask_shape is None for c in calls), calls
-    mh.assert_close(step, out[:, 4:], "one cached step", torch.float32)
+    hp.assert_close(step, out[:, 4:], "one cached step", torch.float32)
     # several new tokens after a cache: a bottom-right causal mask (1, 1, n, p + n), still not per head
     _, cache = dec(x[:, :2], return_cache=True)
     calls, chunk = _record(dec, x[:, 2:], cache=cache)
     assert all(c.mask_shape == (1, 1, 3, 5) for c in calls), calls
-    mh.assert_close(chunk, out[:, 2:], "three cached steps at once", torch.float32)
+    hp.assert_close(chunk, out[:, 2:], "three cached steps at once", torch.float32)
 
 
 def test_alibi_reaches_the_kernel_as_a_float_bias():
@@ -400,7 +396,7 @@ def test_zero_length_sequence(name):
     out.sum().backward()
     assert x.grad.shape == (2, 0, DIM)
     for pname, p in layers.named_parameters():
-        mh.assert_zero(p.grad, f"grad of {pname}", none_ok=True)
+        hp.assert_zero(p.grad, f"grad of {pname}", none_ok=True)
 
 
 def test_norm_eps_reaches_every_norm():
@@ -412,4 +408,4 @@ def test_norm_eps_reaches_every_norm():
         assert len(norms) == 5 and all(m.eps == 0.25 for m in norms)
         assert layers.get_config()["norm_eps"] == 0.25
         x = torch.randn(2, 3, DIM, dtype=torch.float64)
-        mh.assert_close(layers.double()(x), mh.ref_stack(layers, x), f"norm_eps=0.25 (rmsnorm={use_rms})", torch.float64)
+        hp.assert_close(layers.double()(x), hp.ref_stack(layers, x), f"norm_eps=0.25 (rmsnorm={use_rms})", torch.float64)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from contract import (
+from helpers import (
+    ATTEND_TOL,
     INF,
     NAN,
-    assert_all_finite,
-    assert_bitwise_equal,
-    assert_close_finite,
-    assert_exactly_zero,
+    assert_bitwise,
+    assert_close,
+    assert_finite,
+    assert_zero,
     causal_allowed,
     dense_masks,
     dtypes_for,
@@ -335,16 +336,16 @@ def test_masked_mean_matches_reference_and_does_not_leak(dtype, b, n, d, garbage
     x = plant(x_clean, ~mask, garbage).requires_grad_()
     got = masked_mean(x, mask, dim=1)
     assert got.shape == (b, d) and got.dtype == dtype
-    assert_close_finite(got, _masked_mean64(x_clean, mask), dtype, "masked mean")
-    assert_bitwise_equal(got, masked_mean(x_clean, mask, dim=1), "masked mean with garbage in padding")
+    assert_close(got, _masked_mean64(x_clean, mask), "masked mean", dtype, table=ATTEND_TOL)
+    assert_bitwise(got, masked_mean(x_clean, mask, dim=1), "masked mean with garbage in padding")
     empty = mask.sum(-1) == 0
-    assert_exactly_zero(got[empty], "mean over zero real positions")
+    assert_zero(got[empty], "mean over zero real positions")
     with torch.autograd.detect_anomaly():
         (g,) = torch.autograd.grad(got, x, torch.ones_like(got))
-    assert_exactly_zero(g[~mask], "grad at padded positions")
+    assert_zero(g[~mask], "grad at padded positions")
     count = mask.sum(-1, keepdim=True).clamp(min=1).to(torch.float64)
     expected = (1 / count)[:, :, None].expand(b, n, d) * mask[:, :, None]
-    assert_close_finite(g, expected, dtype, "grad of masked mean")
+    assert_close(g, expected, "grad of masked mean", dtype, table=ATTEND_TOL)
 
 
 def test_masked_mean_zero_valid_positions_is_zero_with_zero_grad():
@@ -352,8 +353,8 @@ def test_masked_mean_zero_valid_positions_is_zero_with_zero_grad():
     mask = torch.zeros(2, 3, dtype=torch.bool)
     out = masked_mean(x, mask)
     out.sum().backward()
-    assert_exactly_zero(out, "masked mean of nothing")
-    assert_exactly_zero(x.grad, "its gradient")
+    assert_zero(out, "masked mean of nothing")
+    assert_zero(x.grad, "its gradient")
     assert masked_mean(torch.zeros(2, 0, 4), torch.zeros(2, 0, dtype=torch.bool)).tolist() == [[0.0] * 4] * 2
 
 
@@ -361,9 +362,9 @@ def test_masked_mean_keepdim_none_mask_and_errors():
     x = torch.randn(2, 5, 3)
     mask = mask_from_lengths([5, 2], 5)
     assert masked_mean(x, mask, keepdim=True).shape == (2, 1, 3)
-    assert_close_finite(masked_mean(x, mask, keepdim=True)[:, 0], _masked_mean64(x, mask), torch.float32, "keepdim")
-    assert_close_finite(masked_mean(x, None), x.double().mean(1), torch.float32, "no mask")
-    assert_close_finite(masked_mean(x, torch.ones(2, 5, dtype=torch.bool)), x.double().mean(1), torch.float32, "all real")
+    assert_close(masked_mean(x, mask, keepdim=True)[:, 0], _masked_mean64(x, mask), "keepdim", torch.float32, table=ATTEND_TOL)
+    assert_close(masked_mean(x, None), x.double().mean(1), "no mask", torch.float32, table=ATTEND_TOL)
+    assert_close(masked_mean(x, torch.ones(2, 5, dtype=torch.bool)), x.double().mean(1), "all real", torch.float32, table=ATTEND_TOL)
     with pytest.raises(TypeError, match=r"mask must have dtype torch\.bool.*int64"):
         masked_mean(x, mask.long())
     with pytest.raises(ValueError, match=r"mask must have shape \(2, 5\).*got \(2, 4\)"):
@@ -388,8 +389,8 @@ def test_safe_cross_entropy_all_ignored_is_exactly_zero_with_zero_grad(dtype, re
         loss = safe_cross_entropy(logits, target, reduction=reduction)
         (g,) = torch.autograd.grad(loss.sum(), logits)
     assert loss.shape == (() if reduction != "none" else (2, 3))
-    assert_exactly_zero(loss, "loss over no targets")
-    assert_exactly_zero(g, "its gradient")
+    assert_zero(loss, "loss over no targets")
+    assert_zero(g, "its gradient")
     assert torch.isnan(F.cross_entropy(torch.zeros(6, 5), target.reshape(6)))  # what S8 guards against
 
 
@@ -407,7 +408,7 @@ def test_safe_cross_entropy_matches_torch_on_valid_and_does_not_leak(dtype, redu
     clean = torch.randn(b, n, c, generator=g).to(dtype)
     logits = plant(clean, ~valid, garbage).requires_grad_()
     loss = safe_cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=smoothing)
-    assert_bitwise_equal(loss, safe_cross_entropy(clean, target, ignore_index=ignore_index, reduction=reduction,
+    assert_bitwise(loss, safe_cross_entropy(clean, target, ignore_index=ignore_index, reduction=reduction,
                                                   label_smoothing=smoothing), "loss with garbage at ignored logits")
     ref_logits = clean.double().requires_grad_()
     ref = F.cross_entropy(ref_logits.reshape(-1, c), target.reshape(-1), ignore_index=ignore_index,
@@ -416,12 +417,12 @@ def test_safe_cross_entropy_matches_torch_on_valid_and_does_not_leak(dtype, redu
         ref = ref.reshape(b, n)
     elif reduction == "mean" and not bool(valid.any()):
         ref = torch.zeros((), dtype=torch.float64) + 0 * ref_logits.sum()  # torch gives NaN here; S8 says 0
-    assert_close_finite(loss, ref, dtype, f"{reduction} loss")
+    assert_close(loss, ref, f"{reduction} loss", dtype, table=ATTEND_TOL)
     up = torch.randn(loss.shape, generator=g, dtype=torch.float64)
     (grad,) = torch.autograd.grad(loss, logits, up.to(loss.dtype))
     (ref_grad,) = torch.autograd.grad(ref, ref_logits, up)
-    assert_close_finite(grad, ref_grad, dtype, "grad of logits")
-    assert_exactly_zero(grad[~valid], "grad at ignored positions")
+    assert_close(grad, ref_grad, "grad of logits", dtype, table=ATTEND_TOL)
+    assert_zero(grad[~valid], "grad at ignored positions")
 
 
 def test_safe_cross_entropy_flat_logits_and_int32_targets():
@@ -429,7 +430,7 @@ def test_safe_cross_entropy_flat_logits_and_int32_targets():
     target = torch.tensor([0, 3, -100, 1, -100, 2], dtype=torch.int32)
     got = safe_cross_entropy(logits, target)
     ref = F.cross_entropy(logits.double(), target.long())
-    assert_close_finite(got, ref, torch.float32, "flat logits")
+    assert_close(got, ref, "flat logits", torch.float32, table=ATTEND_TOL)
 
 
 @pytest.mark.parametrize(
@@ -495,20 +496,20 @@ def test_check_finite_rejects_wrong_mask_shape():
 def test_contract_helpers_never_pass_nan():
     """The suite's own comparisons: NaN (and inf) fail every one of them, even against NaN."""
     x = torch.randn(2, 3, 4)
-    assert_all_finite(x)
+    assert_finite(x)
     y = x.clone()
     y[1, 2, 3] = NAN
     for check in (
-        lambda: assert_all_finite(y),
-        lambda: assert_close_finite(y, y.double(), torch.float32),
-        lambda: assert_close_finite(x, y.double(), torch.float32),
-        lambda: assert_bitwise_equal(y, y),
-        lambda: assert_exactly_zero(torch.tensor([0.0, NAN])),
-        lambda: assert_close_finite(torch.tensor([INF]), torch.tensor([INF], dtype=torch.float64), torch.float32),
-        lambda: assert_close_finite(x + 1e-3, x.double(), torch.float32),
+        lambda: assert_finite(y),
+        lambda: assert_close(y, y.double(), "result", torch.float32, table=ATTEND_TOL),
+        lambda: assert_close(x, y.double(), "result", torch.float32, table=ATTEND_TOL),
+        lambda: assert_bitwise(y, y),
+        lambda: assert_zero(torch.tensor([0.0, NAN])),
+        lambda: assert_close(torch.tensor([INF]), torch.tensor([INF], dtype=torch.float64), "result", torch.float32, table=ATTEND_TOL),
+        lambda: assert_close(x + 1e-3, x.double(), "result", torch.float32, table=ATTEND_TOL),
     ):
         with pytest.raises(AssertionError):
             check()
-    assert_close_finite(x + 1e-7, x.double(), torch.float32)
+    assert_close(x + 1e-7, x.double(), "result", torch.float32, table=ATTEND_TOL)
     with pytest.raises(ValueError, match=r"at real position \(1, 2\)"):
         check_finite(y, None, "y")

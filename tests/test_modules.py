@@ -1,6 +1,6 @@
 """Tests for safeformer/modules.py: norms, feed-forward, positions, and the ``Attention`` module.
 
-Every numeric check compares with a float64 reference written plainly in ``model_helpers``
+Every numeric check compares with a float64 reference written plainly in ``helpers.references``
 (one head and one sample at a time, softmax by hand, rotary as a complex rotation).
 
 Shape legend: b batch, n positions, i queries, j keys, h heads, h_kv key/value heads, d head dim,
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from helpers import CTX_DIM, DIM, DIM_HEAD, NAN
+from hypothesis import given
 from hypothesis import strategies as st
-from model_helpers import CTX_DIM, DIM, DIM_HEAD, NAN
 from torch import nn
 
 import safeformer as sf
@@ -24,13 +24,9 @@ import safeformer as sf
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with mh.single_thread():
+    with hp.single_thread():
         yield
 
-
-def cfg(k: int):
-    return settings(max_examples=mh.n_examples(k), deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -40,12 +36,12 @@ def cfg(k: int):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_rmsnorm_matches_float64_reference(dtype):
-    norm = mh.seeded_module(lambda: sf.RMSNorm(DIM))
+    norm = hp.seeded_module(lambda: sf.RMSNorm(DIM))
     x = torch.randn(3, 5, DIM).to(dtype)
     out = norm.to(dtype)(x)
     assert out.dtype == dtype
-    want = mh.ref_rms_norm(x.double(), norm.weight.detach().double(), norm.eps)
-    mh.assert_close(out, want, f"RMSNorm in {dtype}", dtype)
+    want = hp.ref_rms_norm(x.double(), norm.weight.detach().double(), norm.eps)
+    hp.assert_close(out, want, f"RMSNorm in {dtype}", dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -54,16 +50,16 @@ def test_rmsnorm_statistics_in_float32_for_large_half_inputs(dtype):
     norm = sf.RMSNorm(DIM).to(dtype)
     x = (torch.randn(2, 4, DIM) * 3e4).clamp(-6e4, 6e4).to(dtype)
     out = norm(x)
-    mh.assert_finite(out, "RMSNorm of large half inputs")
-    mh.assert_close(out, mh.ref_rms_norm(x.double(), torch.ones(DIM, dtype=torch.float64), norm.eps), "RMSNorm", dtype)
+    hp.assert_finite(out, "RMSNorm of large half inputs")
+    hp.assert_close(out, hp.ref_rms_norm(x.double(), torch.ones(DIM, dtype=torch.float64), norm.eps), "RMSNorm", dtype)
 
 
 def test_make_norm_picks_rmsnorm_or_layernorm_and_they_differ():
     rms, ln = sf.modules.make_norm(DIM, True), sf.modules.make_norm(DIM, False)
     assert isinstance(rms, sf.RMSNorm) and isinstance(ln, nn.LayerNorm)
     x = torch.randn(2, 3, DIM, dtype=torch.float64) + 2.0  # a mean offset: LayerNorm removes it, RMSNorm does not
-    mh.assert_close(ln.double()(x), mh.ref_layer_norm(x, torch.ones(DIM).double(), torch.zeros(DIM).double(), ln.eps), "LayerNorm", torch.float64)
-    mh.assert_close(rms.double()(x), mh.ref_rms_norm(x, torch.ones(DIM).double(), rms.eps), "RMSNorm", torch.float64)
+    hp.assert_close(ln.double()(x), hp.ref_layer_norm(x, torch.ones(DIM).double(), torch.zeros(DIM).double(), ln.eps), "LayerNorm", torch.float64)
+    hp.assert_close(rms.double()(x), hp.ref_rms_norm(x, torch.ones(DIM).double(), rms.eps), "RMSNorm", torch.float64)
     with torch.no_grad():
         assert float((ln.double()(x) - rms.double()(x)).abs().max()) > 0.5
 
@@ -75,19 +71,19 @@ def test_make_norm_picks_rmsnorm_or_layernorm_and_they_differ():
 
 @pytest.mark.parametrize("glu,swish,name", [(False, False, "GELU"), (True, False, "GEGLU"), (True, True, "SwiGLU"), (False, True, "SiLU")])
 def test_feed_forward_matches_float64_reference(glu, swish, name):
-    ff = mh.seeded_module(lambda: sf.FeedForward(DIM, mult=2, glu=glu, swish=swish)).double()
+    ff = hp.seeded_module(lambda: sf.FeedForward(DIM, mult=2, glu=glu, swish=swish)).double()
     assert ff.proj_in.out_features == 2 * DIM * (2 if glu else 1) and ff.proj_out.in_features == 2 * DIM
     x = torch.randn(3, 4, DIM, dtype=torch.float64)
-    mh.assert_close(ff(x), mh.ref_feed_forward(ff, x), name, torch.float64)
-    ff32 = mh.copy_weights(sf.FeedForward(DIM, mult=2, glu=glu, swish=swish), ff)
-    mh.assert_close(ff32(x.float()), mh.ref_feed_forward(ff, x), f"{name} float32", torch.float32)
+    hp.assert_close(ff(x), hp.ref_feed_forward(ff, x), name, torch.float64)
+    ff32 = hp.copy_weights(sf.FeedForward(DIM, mult=2, glu=glu, swish=swish), ff)
+    hp.assert_close(ff32(x.float()), hp.ref_feed_forward(ff, x), f"{name} float32", torch.float32)
 
 
 def test_feed_forward_gates_differ_from_plain_mlp():
     """GEGLU and SwiGLU are gated (the product of two projections), not the ungated MLP."""
     x = torch.randn(2, 3, DIM, dtype=torch.float64)
-    geglu = mh.seeded_module(lambda: sf.FeedForward(DIM, glu=True)).double()
-    swiglu = mh.copy_weights(sf.FeedForward(DIM, glu=True, swish=True).double(), geglu)
+    geglu = hp.seeded_module(lambda: sf.FeedForward(DIM, glu=True)).double()
+    swiglu = hp.copy_weights(sf.FeedForward(DIM, glu=True, swish=True).double(), geglu)
     with torch.no_grad():
         assert float((geglu(x) - swiglu(x)).abs().max()) > 1e-3
 
@@ -106,7 +102,7 @@ def test_feed_forward_rejects_bad_mult(mult):
 def test_positions_from_mask_counts_real_tokens():
     mask = torch.tensor([[False, False, True, True], [True, True, False, False], [True, False, True, True], [False] * 4])
     pos = sf.positions_from_mask(mask, 4, "cpu")
-    want = mh.ref_positions(mask, 4, 4)
+    want = hp.ref_positions(mask, 4, 4)
     assert torch.equal(pos[mask], want[mask])  # real tokens: 0, 1, 2, ... whatever the padding
     # documented for padding: the position of the last real token before it (0 before any)
     assert pos.tolist() == [[0, 0, 0, 1], [0, 1, 1, 1], [0, 0, 1, 2], [0, 0, 0, 0]]
@@ -116,12 +112,12 @@ def test_positions_from_mask_counts_real_tokens():
 
 
 def test_absolute_positional_embedding_scale_and_clamp():
-    emb = mh.seeded_module(lambda: sf.AbsolutePositionalEmbedding(DIM, 6))
+    emb = hp.seeded_module(lambda: sf.AbsolutePositionalEmbedding(DIM, 6))
     pos = torch.tensor([[0, 3, 5, 9]])
     out = emb(pos)
     w = emb.emb.weight.detach()
     want = torch.stack([w[0], w[3], w[5], w[5]]) * DIM**-0.5  # positions past the table clamp to its end
-    mh.assert_close(out[0], want, "absolute positions", torch.float32)
+    hp.assert_close(out[0], want, "absolute positions", torch.float32)
 
 
 @pytest.mark.parametrize("rot_dim", [2, 4, 8])
@@ -131,8 +127,8 @@ def test_rotary_matches_complex_rotation(rot_dim):
     t = torch.randn(1, 2, 5, DIM_HEAD, dtype=torch.float64)
     got = sf.apply_rotary(t, rot(pos).double())
     for h in range(2):
-        want = mh.ref_rotate(t[0, h], pos[0], rot_dim, 100.0)
-        mh.assert_close(got[0, h], want, f"rotary (rot_dim {rot_dim})", torch.float32)  # angles are float32
+        want = hp.ref_rotate(t[0, h], pos[0], rot_dim, 100.0)
+        hp.assert_close(got[0, h], want, f"rotary (rot_dim {rot_dim})", torch.float32)  # angles are float32
     assert torch.equal(got[..., rot_dim:], t[..., rot_dim:])  # features past rot_dim pass through
 
 
@@ -156,7 +152,7 @@ def test_rotary_rejects_odd_or_nonpositive_dim(bad):
 @pytest.mark.parametrize("heads", [1, 2, 3, 4, 6, 8, 12, 16])
 def test_alibi_slopes_follow_the_paper(heads):
     got = sf.alibi_slopes(heads)
-    assert got.tolist() == pytest.approx(mh.ref_alibi_slopes(heads), rel=1e-6)
+    assert got.tolist() == pytest.approx(hp.ref_alibi_slopes(heads), rel=1e-6)
     if heads == 8:
         assert got.tolist() == pytest.approx([2.0 ** -(k + 1) for k in range(8)])
 
@@ -178,7 +174,7 @@ def test_alibi_bias_is_minus_slope_times_distance():
 
 
 def _attention(**kw) -> sf.Attention:
-    return mh.seeded_module(lambda: sf.Attention(DIM, dim_head=DIM_HEAD, **{"heads": 4, **kw}))
+    return hp.seeded_module(lambda: sf.Attention(DIM, dim_head=DIM_HEAD, **{"heads": 4, **kw}))
 
 
 ATTN_CONFIGS = {
@@ -192,20 +188,20 @@ ATTN_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(ATTN_CONFIGS))
-@pytest.mark.parametrize("backend", mh.ALL_BACKENDS)
+@pytest.mark.parametrize("backend", hp.ALL_BACKENDS)
 def test_attention_self_matches_float64_reference(name, backend):
     attn = _attention(backend=backend, **ATTN_CONFIGS[name])
     x = torch.randn(3, 5, DIM, dtype=torch.float64)
     key_pad = torch.tensor([[True] * 5, [True, True, True, False, False], [False] * 5])
     allowed = key_pad[:, None, None, :]
     for causal in (False, True):
-        want = mh.ref_attention(attn, x, allowed=allowed, causal=causal)
+        want = hp.ref_attention(attn, x, allowed=allowed, causal=causal)
         want = torch.where(key_pad[..., None], want, 0.0)  # a (b, j) mask in self-attention pads x itself
         for dtype in (torch.float64, torch.float32):
             out, (k, v) = attn.to(dtype)(x.to(dtype), mask=key_pad, causal=causal)
-            mh.assert_close(out, want, f"{name} {backend} causal={causal} {dtype}", dtype)
+            hp.assert_close(out, want, f"{name} {backend} causal={causal} {dtype}", dtype)
             assert k.shape == (3, attn.kv_heads, 5, DIM_HEAD) and v.shape == k.shape
-        mh.assert_zero(out[2], "fully padded sample (dead rows)")
+        hp.assert_zero(out[2], "fully padded sample (dead rows)")
 
 
 
@@ -218,9 +214,9 @@ def test_attention_causal_left_padding_matches_reference(name, backend):
     x = torch.randn(2, 5, DIM, dtype=torch.float64)
     key_pad = torch.tensor([[False, False, True, True, True], [False, True, True, True, True]])
     out, _ = attn(x, mask=key_pad, causal=True)
-    mh.assert_zero(out[0, :2], "sample 0, queries before the first real key")
-    mh.assert_zero(out[1, :1], "sample 1, query before the first real key")
-    mh.assert_close(out, mh.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True), name, torch.float64)
+    hp.assert_zero(out[0, :2], "sample 0, queries before the first real key")
+    hp.assert_zero(out[1, :1], "sample 1, query before the first real key")
+    hp.assert_close(out, hp.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True), name, torch.float64)
 
 
 @pytest.mark.parametrize("name", ["mha", "mqa", "gqa_qknorm_bias"])
@@ -230,8 +226,8 @@ def test_attention_cross_matches_float64_reference(name):
     ctx = torch.randn(3, 6, CTX_DIM, dtype=torch.float64)
     cmask = torch.tensor([[True, True, False, True, False, False], [False] * 6, [True] * 6])
     out, _ = attn.double()(x, ctx, mask=cmask)
-    mh.assert_close(out, mh.ref_attention(attn, x, ctx, allowed=cmask[:, None, None, :]), name, torch.float64)
-    mh.assert_zero(out[1], "all-False context")
+    hp.assert_close(out, hp.ref_attention(attn, x, ctx, allowed=cmask[:, None, None, :]), name, torch.float64)
+    hp.assert_zero(out[1], "all-False context")
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
@@ -261,12 +257,12 @@ def test_attention_mask_forms_agree(kv_heads):
         else:
             allowed = mask
         out, _ = attn(x, mask=mask)
-        want = mh.ref_attention(attn, x, allowed=allowed)
+        want = hp.ref_attention(attn, x, allowed=allowed)
         if label == "(b, j)":  # in self-attention a padding mask pads x itself: padded rows are exactly 0
             want = torch.where(mask[..., None], want, 0.0)
-        mh.assert_close(out, want, f"mask {label}", torch.float64)
+        hp.assert_close(out, want, f"mask {label}", torch.float64)
     out, _ = attn(x, mask=per_head)
-    mh.assert_zero(out[1, 2], "a query dead in every head")
+    hp.assert_zero(out[1, 2], "a query dead in every head")
 
 
 def test_attention_rotary_and_alibi_match_reference():
@@ -277,15 +273,15 @@ def test_attention_rotary_and_alibi_match_reference():
     x = torch.randn(2, 5, DIM, dtype=torch.float64)
     angles = rot(pos).double()
     out, _ = attn(x, mask=key_pad, causal=True, rotary=(angles, angles))
-    want = mh.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True, q_pos=pos, k_pos=pos, rot_dim=4)
-    mh.assert_close(out[key_pad], want[key_pad], "rotary", torch.float32)
+    want = hp.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True, q_pos=pos, k_pos=pos, rot_dim=4)
+    hp.assert_close(out[key_pad], want[key_pad], "rotary", torch.float32)
     bias = sf.alibi_bias(sf.alibi_slopes(4), pos, pos).double()
     out, _ = attn(x, mask=key_pad, causal=True, bias=bias)
-    want = mh.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True, q_pos=pos, k_pos=pos, alibi=True)
-    mh.assert_close(out, want, "ALiBi", torch.float64)
+    want = hp.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True, q_pos=pos, k_pos=pos, alibi=True)
+    hp.assert_close(out, want, "ALiBi", torch.float64)
 
 
-@cfg(10)
+@hp.examples(10)
 @given(
     b=st.integers(1, 3), n=st.integers(1, 6), kv=st.sampled_from([1, 2, 4]), qk_norm=st.booleans(),
     bias=st.booleans(), seed=st.integers(0, 1000),
@@ -297,12 +293,12 @@ def test_attention_property_float32_vs_float64(b, n, kv, qk_norm, bias, seed):
     key_pad = sf.padding_mask(lengths, n, left=bool(seed % 2))
     x = torch.randn(b, n, DIM, generator=g)
     attn = _attention(kv_heads=kv, qk_norm=qk_norm, bias=bias)
-    want = mh.ref_attention(attn, x.double(), allowed=key_pad[:, None, None, :], causal=True)
+    want = hp.ref_attention(attn, x.double(), allowed=key_pad[:, None, None, :], causal=True)
     want = torch.where(key_pad[..., None], want, 0.0)  # padded positions of x are no queries
-    for backend in mh.ALL_BACKENDS:
-        mh.set_backend(attn, backend)
+    for backend in hp.ALL_BACKENDS:
+        hp.set_backend(attn, backend)
         out, _ = attn(x, mask=key_pad, causal=True)
-        mh.assert_close(out, want, f"backend {backend}", torch.float32)
+        hp.assert_close(out, want, f"backend {backend}", torch.float32)
 
 
 def test_attention_kv_cache_matches_full_forward():
@@ -321,8 +317,8 @@ def test_attention_kv_cache_matches_full_forward():
         a = ang[:, :, t : t + 1]
         out, kv = attn(x[:, t : t + 1], mask=key_pad[:, : t + 1], causal=True, rotary=(a, a), past_kv=kv)
         steps.append(out)
-    mh.assert_close(torch.cat(steps, 1), full, "cached vs full", torch.float64)
-    mh.assert_zero(full[0, :2], "left padding under causal: dead rows")
+    hp.assert_close(torch.cat(steps, 1), full, "cached vs full", torch.float64)
+    hp.assert_zero(full[0, :2], "left padding under causal: dead rows")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -332,9 +328,9 @@ def test_attention_kv_cache_matches_full_forward():
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("kv_heads", [2, 1])
-@pytest.mark.parametrize("backend", mh.ALL_BACKENDS)
+@pytest.mark.parametrize("backend", hp.ALL_BACKENDS)
 def test_attention_all_false_context_is_exactly_zero_with_zero_grads(bias, kv_heads, backend):
-    attn = mh.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, kv_heads=kv_heads, dim_context=CTX_DIM,
+    attn = hp.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, kv_heads=kv_heads, dim_context=CTX_DIM,
                                                  bias=bias, qk_norm=True, backend=backend))
     x = torch.randn(2, 3, DIM, requires_grad=True)
     ctx = torch.randn(2, 4, CTX_DIM, requires_grad=True)
@@ -343,29 +339,29 @@ def test_attention_all_false_context_is_exactly_zero_with_zero_grads(bias, kv_he
         attn.zero_grad(set_to_none=True)
         x.grad = ctx.grad = None
         out, _ = attn(x, **kwargs)
-        mh.assert_zero(out, f"{label}: output")
+        hp.assert_zero(out, f"{label}: output")
         (out * torch.randn_like(out)).sum().backward()
         for name in ("to_q", "to_k", "to_v", "to_out"):
             lin = getattr(attn, name)
-            mh.assert_zero(lin.weight.grad, f"{label}: grad of {name}.weight", none_ok=True)
+            hp.assert_zero(lin.weight.grad, f"{label}: grad of {name}.weight", none_ok=True)
             if bias:
-                mh.assert_zero(lin.bias.grad, f"{label}: grad of {name}.bias", none_ok=True)
-        mh.assert_zero(x.grad, f"{label}: grad of x", none_ok=True)
-        mh.assert_zero(ctx.grad, f"{label}: grad of context", none_ok=True)
+                hp.assert_zero(lin.bias.grad, f"{label}: grad of {name}.bias", none_ok=True)
+        hp.assert_zero(x.grad, f"{label}: grad of x", none_ok=True)
+        hp.assert_zero(ctx.grad, f"{label}: grad of context", none_ok=True)
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_attention_dropout_keeps_dead_rows_zero(backend):
-    attn = mh.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, dim_context=CTX_DIM, dropout=0.5, backend=backend))
+    attn = hp.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, dim_context=CTX_DIM, dropout=0.5, backend=backend))
     x, ctx = torch.randn(2, 3, DIM), torch.randn(2, 4, CTX_DIM)
     mask = torch.tensor([[True, False, True, True], [False] * 4])
     attn.train()
     out, _ = attn(x, ctx, mask=mask)
-    mh.assert_finite(out, "output with dropout")
-    mh.assert_zero(out[1], "dead rows with dropout")
+    hp.assert_finite(out, "output with dropout")
+    hp.assert_zero(out[1], "dead rows with dropout")
     attn.eval()  # no dropout at evaluation: equals the float64 reference
     out, _ = attn(x, ctx, mask=mask)
-    mh.assert_close(out, mh.ref_attention(attn, x, ctx, allowed=mask[:, None, None, :]), "eval mode", torch.float32)
+    hp.assert_close(out, hp.ref_attention(attn, x, ctx, allowed=mask[:, None, None, :]), "eval mode", torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -375,18 +371,18 @@ def test_attention_dropout_keeps_dead_rows_zero(backend):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_attention_masked_context_garbage_changes_no_output(qk_norm):
-    attn = mh.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, dim_context=CTX_DIM, qk_norm=qk_norm))
+    attn = hp.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, dim_context=CTX_DIM, qk_norm=qk_norm))
     x, ctx = torch.randn(2, 3, DIM), torch.randn(2, 5, CTX_DIM)
     mask = torch.tensor([[True, True, False, True, False], [False] * 5])
     clean, _ = attn(x, ctx, mask=mask)
     for value in (NAN, math.inf, -math.inf):
         dirty = torch.where(mask[..., None], ctx, value)
         out, _ = attn(x, dirty, mask=mask)
-        mh.assert_bitwise(out, clean, f"output with {value} in masked context")
+        hp.assert_bitwise(out, clean, f"output with {value} in masked context")
 
 
 def _masked_context_grads(qk_norm: bool):
-    attn = mh.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, dim_context=CTX_DIM, qk_norm=qk_norm))
+    attn = hp.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, dim_context=CTX_DIM, qk_norm=qk_norm))
     x = torch.randn(2, 3, DIM)
     mask = torch.tensor([[True, True, False, True, False], [False] * 5])
     ctx = torch.where(mask[..., None], torch.randn(2, 5, CTX_DIM), NAN).requires_grad_()
@@ -397,19 +393,19 @@ def _masked_context_grads(qk_norm: bool):
 
 def test_attention_qk_norm_masked_context_gets_zero_gradient():
     _, ctx, mask = _masked_context_grads(qk_norm=True)
-    mh.assert_zero(ctx.grad[~mask], "grad of masked context positions")
+    hp.assert_zero(ctx.grad[~mask], "grad of masked context positions")
 
 
 def test_attention_masked_context_gets_zero_gradient_without_qk_norm():
     _, ctx, mask = _masked_context_grads(qk_norm=False)
-    mh.assert_zero(ctx.grad[~mask], "grad of masked context positions")
-    mh.assert_finite(ctx.grad[mask], "grad of real context positions")
+    hp.assert_zero(ctx.grad[~mask], "grad of masked context positions")
+    hp.assert_finite(ctx.grad[mask], "grad of real context positions")
 
 
 def test_attention_masked_context_keeps_parameter_grads_finite():
     attn, _, _ = _masked_context_grads(qk_norm=False)
     for name, p in attn.named_parameters():
-        mh.assert_finite(p.grad, f"grad of {name}")
+        hp.assert_finite(p.grad, f"grad of {name}")
 
 
 # ----------------------------------------------------------------------------------------------------

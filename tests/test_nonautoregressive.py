@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with mh.single_thread():
+    with hp.single_thread():
         yield
 
 
@@ -97,10 +97,10 @@ def test_loss_is_the_cross_entropy_of_the_hidden_real_tokens(left):
     with torch.no_grad():
         logp = model.net(inp, mask=mask, excise_prepend_embeds=True, **conds).log_softmax(-1)
     nll = -logp.gather(-1, x.clamp(0, V - 2)[..., None])[..., 0]
-    mh.assert_close(got.detach(), nll[hidden].mean(), "loss", torch.float64)
+    hp.assert_close(got.detach(), nll[hidden].mean(), "loss", torch.float64)
     none = model(x, mask=mask, reduction="none", generator=torch.Generator().manual_seed(5), **conds)
-    mh.assert_zero(none[~hidden], "per-position loss where nothing was hidden")
-    mh.assert_close(none[hidden].detach(), nll[hidden], "per-position loss", torch.float64)
+    hp.assert_zero(none[~hidden], "per-position loss where nothing was hidden")
+    hp.assert_close(none[hidden].detach(), nll[hidden], "per-position loss", torch.float64)
 
 
 def _loss_and_grads(model, x, mask, seed=5, **kw):
@@ -122,10 +122,10 @@ def test_garbage_at_padding_and_in_masked_conditions_never_matters(value):
     dirty["prepend_embeds"] = conds["prepend_embeds"].masked_fill(~conds["prepend_mask"][..., None], value)
     dirty["condition"] = conds["condition"].masked_fill(~conds["condition_mask"][:, None], value)
     got = _loss_and_grads(model, dirty_x, mask, **dirty)
-    mh.assert_bitwise(got[0], clean[0], "loss")
+    hp.assert_bitwise(got[0], clean[0], "loss")
     assert set(got[1]) == set(clean[1])
     for name, g in clean[1].items():
-        mh.assert_bitwise(got[1][name], g, f"grad of {name}")
+        hp.assert_bitwise(got[1][name], g, f"grad of {name}")
 
 
 def test_nothing_hidden_is_exactly_zero_with_zero_gradients():
@@ -138,7 +138,7 @@ def test_nothing_hidden_is_exactly_zero_with_zero_gradients():
     assert loss.item() == 0.0
     assert set(grads) == set(normal), "a parameter got None instead of a zero gradient"
     for name, g in grads.items():
-        mh.assert_zero(g, f"grad of {name}")
+        hp.assert_zero(g, f"grad of {name}")
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
@@ -271,7 +271,7 @@ def test_guided_logits_equal_the_formula_from_separate_passes(scale):
         want = br["uncond"] + sum(v * (br[k] - br["uncond"]) for k, v in sc.items())
         got = seen[s].reshape(3, 8, -1)
         assert bool((got[..., MASK_ID] == -INF).all()) if got.shape[-1] > MASK_ID else True
-        mh.assert_close(got[mask].double(), want[mask], f"step {s} with scale {sc}", torch.float64)
+        hp.assert_close(got[mask].double(), want[mask], f"step {s} with scale {sc}", torch.float64)
 
 
 def test_all_branches_run_in_one_forward_per_step():
@@ -321,7 +321,7 @@ def test_negative_context_replaces_the_empty_one_in_the_unconditional_branch():
     u = _branch_logits(model.net, seq, None, conds, set(), negative={"context": {"context": neg.expand(3, -1, -1)}})
     j = _branch_logits(model.net, seq, None, conds, {"context"})
     want = u + 2.0 * (j - u)
-    mh.assert_close(seen[0].reshape(3, 6, -1).double(), want, "negative context", torch.float64)
+    hp.assert_close(seen[0].reshape(3, 6, -1).double(), want, "negative context", torch.float64)
 
 
 def test_custom_schedule_and_logits_dim_including_mask_id():
@@ -335,7 +335,7 @@ def test_custom_schedule_and_logits_dim_including_mask_id():
     out = model.generate(4, 10, temperature=1.0)
     assert not bool((out == MASK_ID).any())
     loss = model(torch.randint(0, V - 1, (2, 10)))
-    mh.assert_finite(loss, "loss")
+    hp.assert_finite(loss, "loss")
 
 
 def test_constructor_errors():
@@ -401,7 +401,7 @@ def test_save_and_load_round_trip(tmp_path):
     model.eval()
     back.eval()
     gen = torch.Generator().manual_seed(0)
-    mh.assert_bitwise(back(x, mask=mask, generator=gen), model(x, mask=mask, generator=torch.Generator().manual_seed(0)),
+    hp.assert_bitwise(back(x, mask=mask, generator=gen), model(x, mask=mask, generator=torch.Generator().manual_seed(0)),
                       "loss after reloading")
     custom = sf.NonAutoregressiveWrapper(_net(), mask_id=MASK_ID, schedule=lambda r: 1 - r)
     with pytest.raises(ValueError, match="schedule"):  # never saved as another schedule

@@ -14,10 +14,10 @@ import pickle
 import struct
 import time
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
-from model_helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, VOCAB
+from helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, VOCAB
 from torch import nn
 
 import safeformer as sf
@@ -26,7 +26,7 @@ from safeformer.pretrained import CONFIG_NAME, WEIGHTS_NAME
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with mh.single_thread():
+    with hp.single_thread():
         yield
 
 
@@ -68,7 +68,7 @@ MODELS = {
 
 def saved(tmp_path, name: str):
     make, run = MODELS[name]
-    model = mh.seeded_module(make).eval()
+    model = hp.seeded_module(make).eval()
     path = model.save_pretrained(tmp_path / name)
     return model, run, path
 
@@ -85,7 +85,7 @@ def test_save_load_gives_identical_outputs(tmp_path, name):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     with torch.no_grad():
-        mh.assert_bitwise(run(loaded), run(model), f"{name}: outputs after save/load")
+        hp.assert_bitwise(run(loaded), run(model), f"{name}: outputs after save/load")
     generic = sf.load_pretrained(path)  # without naming the class
     assert type(generic) is type(model)
 
@@ -131,11 +131,11 @@ def test_files_are_json_and_safetensors_never_pickle(tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "Unpickler", forbidden)
     loaded = sf.Decoder.from_pretrained(path).eval()
     with torch.no_grad():
-        mh.assert_bitwise(run(loaded), run(model), "outputs")
+        hp.assert_bitwise(run(loaded), run(model), "outputs")
 
 
 def test_config_roundtrip_rebuilds_the_architecture():
-    model = mh.seeded_module(MODELS["TransformerWrapper"][0])
+    model = hp.seeded_module(MODELS["TransformerWrapper"][0])
     config = model.get_config()
     json.dumps(config)  # JSON-ready
     assert config["attn_layers"]["class"] == "Decoder"

@@ -9,8 +9,7 @@ Shape legend: b batch, h heads, i queries, j keys, d head dim, n positions, c wi
 
 from __future__ import annotations
 
-import contract
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
 
@@ -41,16 +40,16 @@ def test_attend_row_masked_only_by_the_bias_is_dead(backend, dtype, neg):
     v_dirty = v.detach().clone()
     v_dirty[1, :, 2] = NAN
     v_dirty.requires_grad_()
-    for kernel in (None, contract.nan_kernel(torch.tensor([[False, True, False], [False] * 3])[:, None, :])):
+    for kernel in (None, hp.NaNKernel(torch.tensor([[False, True, False], [False] * 3])[:, None, :])):
         ctx = sf.substitute_kernel(kernel) if kernel else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         with ctx:
             out = sf.attend(q, k, v_dirty, bias=bias.to(dtype), backend=backend)
             gq, gk, gv = torch.autograd.grad((out.float() * torch.randn(out.shape)).sum(), (q, k, v_dirty))
-        mh.assert_zero(out[0, :, 1], "row masked by the bias")
-        mh.assert_zero(gq[0, :, 1], "grad of q at that row")
-        mh.assert_zero(gv[1, :, 2], "grad of v at the key masked by the bias")
+        hp.assert_zero(out[0, :, 1], "row masked by the bias")
+        hp.assert_zero(gq[0, :, 1], "grad of q at that row")
+        hp.assert_zero(gv[1, :, 2], "grad of v at the key masked by the bias")
         for name, t in (("out", out), ("grad q", gq), ("grad k", gk), ("grad v", gv)):
-            mh.assert_finite(t, name)
+            hp.assert_finite(t, name)
 
 
 def test_attention_module_bias_masks_like_a_mask():
@@ -71,13 +70,13 @@ def test_attention_module_bias_masks_like_a_mask():
     dirty[:, 3] = NAN
     dirty.requires_grad_()
     out2, _ = attn(dirty, bias=bias)
-    mh.assert_zero(out2[:, 0], "the row dead by the bias (with projection biases)")
-    mh.assert_zero(out2[:, 3], "the other row dead by the bias")
-    mh.assert_bitwise(out2, out, "outputs with NaN at a position the bias masks")
+    hp.assert_zero(out2[:, 0], "the row dead by the bias (with projection biases)")
+    hp.assert_zero(out2[:, 3], "the other row dead by the bias")
+    hp.assert_bitwise(out2, out, "outputs with NaN at a position the bias masks")
     out2.backward(torch.ones_like(out2))
     for n, p in attn.named_parameters():
-        mh.assert_bitwise(p.grad, want[n], f"grad of {n}")
-    mh.assert_zero(dirty.grad[:, 3], "grad of x at the masked position")
+        hp.assert_bitwise(p.grad, want[n], f"grad of {n}")
+    hp.assert_zero(dirty.grad[:, 3], "grad of x at the masked position")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -97,11 +96,11 @@ def test_attention_alone_with_padding_mask_and_nan_in_padded_x(causal):
     x.requires_grad_()
     out, _ = attn(x, mask=mask, causal=causal)
     out.backward(torch.randn(out.shape))
-    mh.assert_finite(out, "output")
-    mh.assert_zero(out[~mask], "padded outputs")
-    mh.assert_zero(x.grad[~mask], "grad of x at padding")
+    hp.assert_finite(out, "output")
+    hp.assert_zero(out[~mask], "padded outputs")
+    hp.assert_zero(x.grad[~mask], "grad of x at padding")
     for n, p in attn.named_parameters():
-        mh.assert_finite(p.grad, f"grad of {n}")
+        hp.assert_finite(p.grad, f"grad of {n}")
 
 
 def test_attention_kv_and_past_kv_with_nan_at_masked_keys():
@@ -116,7 +115,7 @@ def test_attention_kv_and_past_kv_with_nan_at_masked_keys():
     k[~cm[:, None, :, None].expand_as(k)] = NAN
     v[~cm[:, None, :, None].expand_as(v)] = INF
     out, _ = attn(x, mask=cm, kv=(k, v))
-    mh.assert_bitwise(out, ref, "cross-attention from kv with NaN at masked keys")
+    hp.assert_bitwise(out, ref, "cross-attention from kv with NaN at masked keys")
     past_mask = torch.tensor([[False, True, True], [True, True, True]])
     pk, pv = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
     step = torch.randn(2, 1, 16)
@@ -124,7 +123,7 @@ def test_attention_kv_and_past_kv_with_nan_at_masked_keys():
     ref, _ = attn(step, mask=full_mask, past_kv=(pk, pv))
     pk[0, :, 0], pv[0, :, 0] = NAN, -INF
     out, _ = attn(step, mask=full_mask, past_kv=(pk, pv))
-    mh.assert_bitwise(out, ref, "past_kv with NaN at a masked slot")
+    hp.assert_bitwise(out, ref, "past_kv with NaN at a masked slot")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -149,9 +148,9 @@ def test_cache_keeps_its_context_mask_and_refuses_another_context():
     step = torch.randn(2, 1, 16)
     cached = dec(step, cache=cache)
     again = dec(step, cache=cache, context=ctx, context_mask=cm)
-    mh.assert_bitwise(again, cached, "the same context passed again")
+    hp.assert_bitwise(again, cached, "the same context passed again")
     full = dec(torch.cat((x, step), 1), context=ctx, context_mask=cm)[:, -1:]
-    mh.assert_close(cached, full, "cached step vs full forward", torch.float32)
+    hp.assert_close(cached, full, "cached step vs full forward", torch.float32)
     with pytest.raises(ValueError, match="context"):
         dec(step, cache=cache, context=ctx)  # the mask dropped: sample 1 would be conditioned again
     with pytest.raises(ValueError, match="context"):
@@ -205,7 +204,7 @@ def test_return_pooled_of_a_half_encoder_over_1024_tokens_is_accurate():
         pooled = model(ids, mask=mask, return_pooled=True)
         h = model(ids, mask=mask, return_embeddings=True).double()
     want = torch.stack([h[s, mask[s]].mean(0) for s in range(2)])
-    mh.assert_close(pooled.double(), want, "pooled float16 vs float64 mean", torch.float16)
+    hp.assert_close(pooled.double(), want, "pooled float16 vs float64 mean", torch.float16)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,7 +218,7 @@ def test_guided_logits_half_inputs_large_scale_and_banned_tokens():
     out = sf.guided_logits(cond, uncond, 7.5)
     assert out.dtype == torch.float32
     want = uncond[0, :3].double() + 7.5 * (cond[0, :3].double() - uncond[0, :3].double())
-    mh.assert_close(out[0, :3].double(), want, "guided logits vs float64", torch.float32)
+    hp.assert_close(out[0, :3].double(), want, "guided logits vs float64", torch.float32)
     assert out[0, 3].item() == -INF, "a token banned in both branches must stay -inf, not NaN"
     resc = sf.guided_logits(cond, uncond, 7.5, guidance_rescale=0.7)
     assert torch.isfinite(resc[0, :3]).all() and resc[0, 3].item() == -INF
@@ -238,7 +237,7 @@ def test_positions_one_dimensional_are_shared_and_wrong_shapes_refused():
     dec = sf.Decoder(dim=16, depth=1, heads=n, dim_head=4, rotary_pos_emb=True)
     x = torch.randn(2, n, 16)
     pos = torch.tensor([3, 4, 5, 6])
-    mh.assert_bitwise(dec(x, positions=pos), dec(x, positions=pos[None].expand(2, n)), "(n,) vs (b, n) positions")
+    hp.assert_bitwise(dec(x, positions=pos), dec(x, positions=pos[None].expand(2, n)), "(n,) vs (b, n) positions")
     for bad, exc in ((torch.zeros(2, n, 1, dtype=torch.long), ValueError), (torch.zeros(n + 1, dtype=torch.long), ValueError),
                      (torch.zeros(3, n, dtype=torch.long), ValueError), (torch.zeros(2, n), TypeError)):
         with pytest.raises(exc, match="positions"):
@@ -308,4 +307,4 @@ def test_double_backward_is_a_clear_error_or_works_on_math():
         reached = {n: p.grad for n, p in enc.named_parameters() if p.grad is not None}
         assert any("layers.0.1.to_q" in n for n in reached), "the penalty's gradient never reached attention"
         for n, gr in reached.items():
-            mh.assert_finite(gr, f"double-backward grad of {n}")
+            hp.assert_finite(gr, f"double-backward grad of {n}")

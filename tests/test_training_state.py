@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
 
@@ -68,7 +68,7 @@ def test_interrupted_run_resumed_equals_uninterrupted_bit_for_bit(tmp_path):
     rest = [_step(model2, opt2, sched2) for _ in range(3)]
     assert first + rest == straight, "the losses of the resumed run differ"
     for k, v in model2.state_dict().items():
-        mh.assert_bitwise(v, want[k], f"weight {k} after resume")
+        hp.assert_bitwise(v, want[k], f"weight {k} after resume")
     assert sched2.last_epoch == 6
 
 
@@ -84,8 +84,8 @@ def test_training_state_of_a_plain_module_and_atomic_replace(tmp_path):
     lin2 = torch.nn.Linear(3, 2)
     opt2 = torch.optim.SGD(lin2.parameters(), lr=0.1, momentum=0.9)
     assert load_training_state(tmp_path / "s", lin2, opt2)["step"] == 2
-    mh.assert_bitwise(lin2.weight, lin.weight, "weight")
-    mh.assert_bitwise(opt2.state[lin2.weight]["momentum_buffer"], opt.state[lin.weight]["momentum_buffer"], "momentum")
+    hp.assert_bitwise(lin2.weight, lin.weight, "weight")
+    hp.assert_bitwise(opt2.state[lin2.weight]["momentum_buffer"], opt.state[lin.weight]["momentum_buffer"], "momentum")
 
 
 def test_hostile_training_state_folders_are_clear_errors(tmp_path):
@@ -136,13 +136,13 @@ def test_checkpoint_layers_gives_identical_gradients(adaptive):
         out.pow(2).sum().backward()
         runs.append((out.detach(), x.grad, {n: p.grad for n, p in dec.named_parameters()}))
     (o0, g0, p0), (o1, g1, p1) = runs
-    mh.assert_bitwise(o1, o0, "output")
-    mh.assert_bitwise(g1, g0, "grad of x")
+    hp.assert_bitwise(o1, o0, "output")
+    hp.assert_bitwise(g1, g0, "grad of x")
     for n, g in p0.items():
         if g is None:
             assert p1[n] is None, n
         else:
-            mh.assert_bitwise(p1[n], g, f"grad of {n}")
+            hp.assert_bitwise(p1[n], g, f"grad of {n}")
 
 
 def test_checkpoint_layers_saves_activation_memory():

@@ -8,7 +8,7 @@ Shape legend: b batch, n positions, j context length, c width.
 
 from __future__ import annotations
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
 
@@ -41,7 +41,7 @@ def _inputs(name: str):
 
 
 def _run(model, x, mask, kw, unpadded):
-    mh.set_unpadded(model, unpadded)
+    hp.set_unpadded(model, unpadded)
     model.zero_grad(set_to_none=True)
     xx = x.clone().requires_grad_()
     out = model(xx, mask=mask, **kw)
@@ -57,14 +57,14 @@ def test_unpadded_stack_equals_padded_path(name):
         torch.nn.init.normal_(p, std=0.3)
     x, mask, kw = _inputs(name)
     a, b = _run(model, x, mask, kw, False), _run(model, x, mask, kw, True)
-    mh.assert_close(b[0], a[0], f"{name}: output", torch.float64)
-    mh.assert_zero(b[0][~mask], f"{name}: padded outputs on the unpadded path")
-    mh.assert_close(b[1], a[1], f"{name}: grad of x", torch.float64)
+    hp.assert_close(b[0], a[0], f"{name}: output", torch.float64)
+    hp.assert_zero(b[0][~mask], f"{name}: padded outputs on the unpadded path")
+    hp.assert_close(b[1], a[1], f"{name}: grad of x", torch.float64)
     for n, g in a[2].items():
         if g is None:
             assert b[2][n] is None or not bool(b[2][n].any()), n
         else:
-            mh.assert_close(b[2][n], g, f"{name}: grad of {n}", torch.float64)
+            hp.assert_close(b[2][n], g, f"{name}: grad of {n}", torch.float64)
 
 
 @pytest.mark.parametrize("kind", ["tokens", "tokens-tied", "prefix", "continuous", "xtransformer"])
@@ -95,16 +95,16 @@ def test_unpadded_wrappers_equal_padded_path(kind):
         run = lambda: model(ids, mask=mask, **extra)  # noqa: E731
     outs = []
     for flag in (False, True):
-        mh.set_unpadded(model, flag)
+        hp.set_unpadded(model, flag)
         model.zero_grad(set_to_none=True)
         out = run()
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
         outs.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (a, ga), (b, gb) = outs
-    mh.assert_close(b, a, f"{kind}: output", torch.float64)
+    hp.assert_close(b, a, f"{kind}: output", torch.float64)
     for n, g_ in ga.items():
         if g_ is not None:
-            mh.assert_close(gb[n], g_, f"{kind}: grad of {n}", torch.float64)
+            hp.assert_close(gb[n], g_, f"{kind}: grad of {n}", torch.float64)
 
 
 def test_auto_picks_the_unpadded_path_from_the_padding_fraction():

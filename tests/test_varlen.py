@@ -2,7 +2,7 @@
 every path (the per-segment reference; a substituted CPU kernel with ``varlen_attn``'s signature, which
 checks the calling convention; PyTorch's real varlen Flash kernel on a CUDA machine), empty segments kept
 away from every kernel (S1, S6), and clear errors (S9). Every result is compared with a float64
-reference computed per segment (``contract.reference_attention64``), with dtype-tied tolerances.
+reference computed per segment (``helpers.ref_attend``), with dtype-tied tolerances.
 
 Shape legend: T packed tokens, b segments, h query heads, h_kv key/value heads, d head dim.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from contract import DEVICES, NAN, assert_all_finite, assert_close_finite, assert_exactly_zero, reference_attention64
+from helpers import ATTEND_TOL, DEVICES, NAN, assert_close, assert_finite, assert_zero, grads, ref_attend
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -59,24 +59,21 @@ def reference64(q, k, v, lengths, causal, scale=None):
         if n == 0:
             continue
         seg = [t[start:start + n].double().cpu().transpose(0, 1)[None] for t in (q, k, v)]  # (1, h|h_kv, n, d)
-        outs.append(reference_attention64(*seg, scale=scale, causal=causal)[0].transpose(0, 1))  # (n, h, d)
+        outs.append(ref_attend(*seg, scale=scale, causal=causal)[0].transpose(0, 1))  # (n, h, d)
         start += n
     return torch.cat(outs) if outs else torch.zeros(0, h, d, dtype=torch.float64)
 
 
 def check_against_reference(out, inputs, up, lengths, causal, dtype, scale=None, what=""):
-    """``out`` and the gradients of ``(out * up).sum()`` equal the float64 reference within ``tol(dtype)``."""
+    """``out`` and the gradients of ``(out * up).sum()`` equal the float64 reference within ``ATTEND_TOL[dtype]``."""
     q, k, v = inputs
     leaves64 = [t.detach().double().cpu().requires_grad_() for t in inputs]
     ref = reference64(*leaves64, lengths, causal, scale)
-    assert_close_finite(out, ref, dtype, f"{what} output")
-    got = torch.autograd.grad(out, [q, k, v], grad_outputs=up.to(out.dtype))
-    want = [None] * 3  # no segment: the reference is a constant, its gradients zeros
-    if ref.requires_grad:
-        want = torch.autograd.grad(ref, leaves64, grad_outputs=up.double().cpu(), allow_unused=True)
-    for name, a, e, x in zip("qkv", got, want, leaves64):
-        e = torch.zeros_like(x) if e is None else e
-        assert_close_finite(a, e, dtype, f"{what} grad {name}")
+    assert_close(out, ref, f"{what} output", dtype, table=ATTEND_TOL)
+    got = grads(out, [q, k, v], up)
+    want = grads(ref, leaves64, up.double().cpu(), missing_is_zero=True)  # no segment: a constant reference
+    for name, a, e in zip("qkv", got, want):
+        assert_close(a, e, f"{what} grad {name}", dtype, table=ATTEND_TOL)
 
 
 class _Poison(torch.autograd.Function):
@@ -336,7 +333,7 @@ def test_all_segments_empty_calls_no_kernel_and_gives_zero_gradients(device, pat
     assert out.shape == (0, 4, 8) and out.requires_grad
     for g, x in zip(torch.autograd.grad(out, [q, k, v], grad_outputs=up), (q, k, v)):
         assert g.shape == x.shape
-        assert_exactly_zero(g, "gradient")
+        assert_zero(g, "gradient")
 
 
 def test_no_anomaly_with_empty_segments():
@@ -348,7 +345,7 @@ def test_no_anomaly_with_empty_segments():
             out = varlen_attention(q, k, v, lengths, causal=True, plan=plan)
             (out * up).sum().backward()
         for x in (q, k, v):
-            assert_all_finite(x.grad, "gradient")
+            assert_finite(x.grad, "gradient")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -375,7 +372,7 @@ def test_equals_attend_on_the_padded_layout(path, causal):
     want = want.transpose(1, 2).reshape(b * n, h, d).index_select(0, idx)  # (T, h, d)
     with substitute_varlen_kernel(cpu_varlen_kernel()):
         got = varlen_attention(q, k, v, lengths, causal=causal, plan=KERNEL_PLAN if path == "kernel" else None)
-    assert_close_finite(got, want.detach(), torch.float64, "varlen vs attend")
+    assert_close(got, want.detach(), "varlen vs attend", torch.float64, table=ATTEND_TOL)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
@@ -542,7 +539,7 @@ def test_real_kernel_all_empty_and_double_backward():
     q, k, v, up = make_inputs([0, 0], 4, 2, 64, torch.bfloat16, "cuda")
     out = varlen_attention(q, k, v, [0, 0], causal=True)
     assert out.shape == (0, 4, 64)
-    assert_exactly_zero(torch.autograd.grad(out, q, grad_outputs=up)[0], "gradient")
+    assert_zero(torch.autograd.grad(out, q, grad_outputs=up)[0], "gradient")
     q, k, v, up = make_inputs([3, 4], 4, 2, 64, torch.bfloat16, "cuda")
     out = varlen_attention(q, k, v, [3, 4], causal=True)
     with pytest.raises(RuntimeError, match="double backward"):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-import model_helpers as mh
+import helpers as hp
 import pytest
 import torch
-from model_helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, NAN, VOCAB
+from helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, NAN, VOCAB
 from torch import Tensor
 
 import safeformer as sf
@@ -22,7 +22,7 @@ import safeformer as sf
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with mh.single_thread():
+    with hp.single_thread():
         yield
 
 
@@ -40,20 +40,7 @@ def layers_of(kind: str, **kw) -> sf.AttentionLayers:
 
 
 def tw(kind: str = "abs", **kw) -> sf.TransformerWrapper:
-    return mh.seeded_module(lambda: sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ, attn_layers=layers_of(kind), **kw))
-
-
-def ref_tw(model: sf.TransformerWrapper, ids: Tensor, mask: Tensor | None = None, **ctx) -> Tensor:
-    """float64 logits of a TransformerWrapper: embedding + scaled absolute position, the stack, the head."""
-    b, n = ids.shape
-    emb = model.token_emb.weight.detach().double()
-    h = emb[torch.where(mask, ids, 0) if mask is not None else ids]
-    if model.pos_emb is not None:
-        pos = mh.ref_positions(mask, b, n)
-        h = h + model.pos_emb.emb.weight.detach().double()[pos] * DIM**-0.5
-    h = mh.ref_stack(model.attn_layers, h, mask=mask, **ctx)
-    head = emb if model.tie_embedding else model.to_logits.weight.detach().double()
-    return h @ head.T
+    return hp.seeded_module(lambda: sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ, attn_layers=layers_of(kind), **kw))
 
 
 MASK = torch.tensor([
@@ -95,9 +82,9 @@ def test_transformer_wrapper_matches_float64_reference(kind, tie):
     ids, ctx = data()
     logits = model(ids, mask=MASK, **ctx_kwargs(model, ctx))
     assert logits.shape == (*MASK.shape, VOCAB)
-    want = ref_tw(model, ids, MASK, **ctx_kwargs(model, ctx))
+    want = hp.ref_wrapper(model, ids, MASK, **ctx_kwargs(model, ctx))
     tol = torch.float32 if kind == "rotary" else torch.float64  # rotary angles are float32 inside
-    mh.assert_close(logits[MASK], want[MASK], f"{kind} logits", tol)
+    hp.assert_close(logits[MASK], want[MASK], f"{kind} logits", tol)
 
 
 def test_embeddings_and_pooled_outputs():
@@ -105,16 +92,16 @@ def test_embeddings_and_pooled_outputs():
     ids, ctx = data()
     kw = dict(mask=MASK, context=ctx, context_mask=CTX_MASK)
     emb = model(ids, return_embeddings=True, **kw)
-    mh.assert_close(emb, model.attn_layers(model.token_emb(torch.where(MASK, ids, 0)) + model.pos_emb(sf.positions_from_mask(MASK, 5, "cpu")), **kw),
+    hp.assert_close(emb, model.attn_layers(model.token_emb(torch.where(MASK, ids, 0)) + model.pos_emb(sf.positions_from_mask(MASK, 5, "cpu")), **kw),
                     "return_embeddings = the stack's output", torch.float64)
     pooled = model(ids, return_pooled=True, **kw)
     assert pooled.shape == (4, DIM)
     for s in range(4):
         if MASK[s].any():
-            mh.assert_close(pooled[s], emb[s, MASK[s]].mean(0), f"pooled sample {s}", torch.float64)
-    mh.assert_zero(pooled[3], "pooled fully padded sample")
+            hp.assert_close(pooled[s], emb[s, MASK[s]].mean(0), f"pooled sample {s}", torch.float64)
+    hp.assert_zero(pooled[3], "pooled fully padded sample")
     logits = model(ids, mask=MASK, context=ctx, context_mask=CTX_MASK)
-    mh.assert_close(logits, emb @ model.to_logits.weight.T, "logits = head(embeddings)", torch.float64)
+    hp.assert_close(logits, emb @ model.to_logits.weight.T, "logits = head(embeddings)", torch.float64)
 
 
 @pytest.mark.parametrize("kind", ["abs", "rotary", "alibi"])
@@ -127,7 +114,7 @@ def test_left_and_right_padding_equal_each_sample_alone(kind):
         kw = dict(context=ctx[s : s + 1, CTX_MASK[s]]) if model.attn_layers.has_cross else {}
         alone = model(ids[s : s + 1, MASK[s]], **kw)
         tol = torch.float32 if kind == "rotary" else torch.float64
-        mh.assert_close(logits[s, MASK[s]], alone[0], f"{kind}: sample {s}", tol)
+        hp.assert_close(logits[s, MASK[s]], alone[0], f"{kind}: sample {s}", tol)
 
 
 def test_per_sample_empty_context_equals_no_context():
@@ -136,9 +123,9 @@ def test_per_sample_empty_context_equals_no_context():
     logits = model(ids, mask=MASK, context=ctx, context_mask=CTX_MASK)
     s = 1  # all-False context mask
     alone = model(ids[s : s + 1], mask=MASK[s : s + 1])
-    mh.assert_close(logits[s, MASK[s]], alone[0, MASK[s]], "all-False context vs context=None", torch.float64)
+    hp.assert_close(logits[s, MASK[s]], alone[0, MASK[s]], "all-False context vs context=None", torch.float64)
     empty = model(ids[s : s + 1], mask=MASK[s : s + 1], context=ctx[s : s + 1, :0])
-    mh.assert_close(empty[0, MASK[s]], alone[0, MASK[s]], "zero-length context vs context=None", torch.float64)
+    hp.assert_close(empty[0, MASK[s]], alone[0, MASK[s]], "zero-length context vs context=None", torch.float64)
 
 
 @pytest.mark.parametrize("kind", ["abs", "rotary", "alibi"])
@@ -153,11 +140,11 @@ def test_greedy_generation_left_padded_batch_equals_each_prompt_alone(kind):
     kw = dict(context=ctx, context_mask=cm) if model.attn_layers.has_cross else {}
     steps = 6
     with torch.no_grad():
-        batch = mh.greedy_generate(model, ids, mask, steps, **kw)
+        batch = hp.greedy_generate(model, ids, mask, steps, **kw)
         assert batch.shape == (3, steps)
         for s in range(3):
             alone_kw = dict(context=ctx[s : s + 1, cm[s]]) if kw else {}
-            alone = mh.greedy_generate(model, ids[s : s + 1, mask[s]], None, steps, **alone_kw)
+            alone = hp.greedy_generate(model, ids[s : s + 1, mask[s]], None, steps, **alone_kw)
             assert batch[s].tolist() == alone[0].tolist(), f"sample {s}: batch {batch[s].tolist()} vs alone {alone[0].tolist()}"
         # without a cache: the whole sequence again at every step
         seq, m = ids, mask
@@ -197,12 +184,12 @@ def test_transformer_wrapper_errors():
 
 
 def test_logits_dim_and_token_ids_at_padding_are_never_looked_up():
-    model = mh.seeded_module(lambda: sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ, logits_dim=3, attn_layers=layers_of("alibi")))
+    model = hp.seeded_module(lambda: sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ, logits_dim=3, attn_layers=layers_of("alibi")))
     ids, _ = data(4)
     out = model(ids, mask=MASK)
     assert out.shape == (*MASK.shape, 3)
     junk = torch.where(MASK, ids, torch.tensor([-5, 10**9, VOCAB, -1]).repeat(2)[:5])  # out of range at padding
-    mh.assert_bitwise(model(junk, mask=MASK), out, "logits with out-of-range ids at padded positions")
+    hp.assert_bitwise(model(junk, mask=MASK), out, "logits with out-of-range ids at padded positions")
 
 
 def test_check_finite_reports_real_positions_only():
@@ -211,14 +198,14 @@ def test_check_finite_reports_real_positions_only():
     ctx = ctx.float()
     dirty = torch.where(CTX_MASK[..., None], ctx, NAN)  # garbage only at padding: fine
     clean = model(ids, mask=MASK, context=ctx, context_mask=CTX_MASK)
-    mh.assert_bitwise(model(ids, mask=MASK, context=dirty, context_mask=CTX_MASK), clean, "NaN at masked context")
+    hp.assert_bitwise(model(ids, mask=MASK, context=dirty, context_mask=CTX_MASK), clean, "NaN at masked context")
     bad = ctx.clone()
     bad[2, 1, 3] = math.inf
     with pytest.raises(ValueError, match=r"^context holds a non-finite value .* at real position \(2, 1\)"):
         model(ids, mask=MASK, context=bad, context_mask=CTX_MASK)
     out = model(ids, mask=MASK, context=bad, context_mask=CTX_MASK, check_finite=False)  # the per-call override
     assert torch.isinf(out[2]).any() or torch.isnan(out[2]).any()  # the user's own inf, unchecked, shows up
-    mh.assert_bitwise(out[0], clean[0], "other samples are untouched by sample 2's inf")
+    hp.assert_bitwise(out[0], clean[0], "other samples are untouched by sample 2's inf")
 
 
 
@@ -238,7 +225,7 @@ def test_check_finite_validates_context_mask_first(bad_mask, exc):
 
 @pytest.mark.parametrize("dim_in,dim_out", [(5, 7), (None, None)])
 def test_continuous_wrapper_matches_float64_reference(dim_in, dim_out):
-    model = mh.seeded_module(lambda: sf.ContinuousTransformerWrapper(max_seq_len=MAX_SEQ, dim_in=dim_in, dim_out=dim_out,
+    model = hp.seeded_module(lambda: sf.ContinuousTransformerWrapper(max_seq_len=MAX_SEQ, dim_in=dim_in, dim_out=dim_out,
                                                                      attn_layers=layers_of("encoder"))).double()
     g = torch.Generator().manual_seed(7)
     x = torch.randn(4, 5, dim_in or DIM, generator=g, dtype=torch.float64)
@@ -246,21 +233,21 @@ def test_continuous_wrapper_matches_float64_reference(dim_in, dim_out):
     out = model(x, mask=MASK, context=ctx, context_mask=CTX_MASK)
     assert out.shape == (4, 5, dim_out or DIM)
     h = x if dim_in is None else x @ model.project_in.weight.detach().T + model.project_in.bias.detach()
-    h = h + model.pos_emb.emb.weight.detach()[mh.ref_positions(MASK, 4, 5)] * DIM**-0.5
-    h = mh.ref_stack(model.attn_layers, h, mask=MASK, context=ctx, context_mask=CTX_MASK)
+    h = h + model.pos_emb.emb.weight.detach()[hp.ref_positions(MASK, 4, 5)] * DIM**-0.5
+    h = hp.ref_stack(model.attn_layers, h, mask=MASK, context=ctx, context_mask=CTX_MASK)
     if dim_out is not None:
         h = h @ model.project_out.weight.detach().T + model.project_out.bias.detach()
-    mh.assert_close(out[MASK], h[MASK], "continuous wrapper", torch.float64)
+    hp.assert_close(out[MASK], h[MASK], "continuous wrapper", torch.float64)
     pooled = model(x, mask=MASK, context=ctx, context_mask=CTX_MASK, return_pooled=True)
-    mh.assert_zero(pooled[3], "pooled fully padded sample")
+    hp.assert_zero(pooled[3], "pooled fully padded sample")
 
 
 def test_continuous_wrapper_check_finite_and_errors():
-    model = mh.seeded_module(lambda: sf.ContinuousTransformerWrapper(max_seq_len=MAX_SEQ, dim_in=5, attn_layers=layers_of("encoder")))
+    model = hp.seeded_module(lambda: sf.ContinuousTransformerWrapper(max_seq_len=MAX_SEQ, dim_in=5, attn_layers=layers_of("encoder")))
     x = torch.randn(4, 5, 5)
     clean = model(x, mask=MASK)
     dirty = torch.where(MASK[..., None], x, NAN)
-    mh.assert_bitwise(model(dirty, mask=MASK, check_finite=True), clean, "NaN at padded x with check_finite=True")
+    hp.assert_bitwise(model(dirty, mask=MASK, check_finite=True), clean, "NaN at padded x with check_finite=True")
     with pytest.raises(ValueError, match=r"^x holds a non-finite value"):
         model(dirty, check_finite=True)  # no mask: every position is real
     for call, exc, match in [
@@ -281,33 +268,19 @@ SRC_V, TGT_V = 11, 13
 
 
 def xt(**kw) -> sf.XTransformer:
-    return mh.seeded_module(lambda: sf.XTransformer(
+    return hp.seeded_module(lambda: sf.XTransformer(
         dim=DIM, enc_num_tokens=SRC_V, enc_max_seq_len=MAX_SEQ, dec_num_tokens=kw.pop("dec_num_tokens", TGT_V),
         dec_max_seq_len=MAX_SEQ, enc_depth=1, dec_depth=2, enc_heads=HEADS, dec_heads=HEADS, dim_head=DIM_HEAD, **kw))
 
 
 def ref_xt_loss(model: sf.XTransformer, src, tgt, src_mask, tgt_mask, ignore_index=-100) -> Tensor:
     """float64 next-token loss: mean over counted targets of -log softmax(logits)[target]."""
-    enc_h = _ref_hidden(model.encoder, src, src_mask)  # the encoder's hidden states (no head)
+    enc_h = hp.ref_wrapper(model.encoder, src, src_mask, head=False)  # the encoder's hidden states
     real = (tgt != ignore_index) & (tgt_mask if tgt_mask is not None else True)
     inp = torch.where(real[:, :-1], tgt[:, :-1], 0)
-    logits = ref_tw(model.decoder, inp, real[:, :-1] if tgt_mask is not None else None, context=enc_h, context_mask=src_mask)
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for s in range(tgt.shape[0]):
-        for t in range(tgt.shape[1] - 1):
-            if real[s, t + 1]:
-                row = logits[s, t]
-                total = total - (row[tgt[s, t + 1]] - torch.logsumexp(row, 0))
-                count += 1
-    return total / max(count, 1)
-
-
-def _ref_hidden(model: sf.TransformerWrapper, ids, mask):
-    b, n = ids.shape
-    h = model.token_emb.weight.detach().double()[torch.where(mask, ids, 0) if mask is not None else ids]
-    if model.pos_emb is not None:
-        h = h + model.pos_emb.emb.weight.detach().double()[mh.ref_positions(mask, b, n)] * DIM**-0.5
-    return mh.ref_stack(model.attn_layers, h, mask=mask)
+    logits = hp.ref_wrapper(model.decoder, inp, real[:, :-1] if tgt_mask is not None else None, context=enc_h,
+                            context_mask=src_mask)
+    return hp.ref_cross_entropy(logits, torch.where(real[:, 1:], tgt[:, 1:], ignore_index), ignore_index=ignore_index)
 
 
 def xt_data(seed=0):
@@ -322,13 +295,13 @@ def test_xtransformer_loss_matches_float64_reference():
     model = xt().double()
     src, tgt, src_mask, tgt_mask = xt_data()
     loss = model(src, tgt, mask=src_mask, tgt_mask=tgt_mask)
-    mh.assert_close(loss, ref_xt_loss(model, src, tgt, src_mask, tgt_mask), "loss", torch.float32)  # the loss is float32
+    hp.assert_close(loss, ref_xt_loss(model, src, tgt, src_mask, tgt_mask), "loss", torch.float32)  # the loss is float32
     tgt_ign = torch.where(tgt_mask, tgt, -100)  # the same padding through ignore_index
-    mh.assert_close(model(src, tgt_ign, mask=src_mask), ref_xt_loss(model, src, tgt_ign, src_mask, None), "ignore_index", torch.float32)
+    hp.assert_close(model(src, tgt_ign, mask=src_mask), ref_xt_loss(model, src, tgt_ign, src_mask, None), "ignore_index", torch.float32)
     loss.backward()
     for name, p in model.named_parameters():
         if name != "encoder.to_logits.weight":  # unused: see the next test
-            mh.assert_finite(p.grad, f"grad of {name}")
+            hp.assert_finite(p.grad, f"grad of {name}")
 
 
 def test_xtransformer_every_parameter_gets_a_gradient():
@@ -344,7 +317,7 @@ def test_xtransformer_encode_and_tied_embeddings():
     assert model.decoder.token_emb is model.encoder.token_emb
     src, _, src_mask, _ = xt_data()
     enc = model.encode(src, src_mask)
-    mh.assert_close(enc[src_mask], _ref_hidden(model.encoder, src, src_mask)[src_mask], "encode", torch.float64)
+    hp.assert_close(enc[src_mask], hp.ref_wrapper(model.encoder, src, src_mask, head=False)[src_mask], "encode", torch.float64)
     with pytest.raises(ValueError, match="tie_token_emb"):
         xt(tie_token_emb=True)
 
@@ -358,8 +331,8 @@ def test_xtransformer_empty_source_equals_no_source():
     real = tgt_mask
     logits = model.decoder(torch.where(real[:, :-1], tgt[:, :-1], 0), mask=real[:, :-1])
     want = sf.safe_cross_entropy(logits, torch.where(real[:, 1:], tgt[:, 1:], -100))
-    mh.assert_bitwise(loss, want, "all-False source mask vs no context")
-    mh.assert_bitwise(model(src[:, :0], tgt, mask=none[:, :0], tgt_mask=tgt_mask), want, "zero-length source vs no context")
+    hp.assert_bitwise(loss, want, "all-False source mask vs no context")
+    hp.assert_bitwise(model(src[:, :0], tgt, mask=none[:, :0], tgt_mask=tgt_mask), want, "zero-length source vs no context")
 
 
 @pytest.mark.parametrize("via", ["tgt_mask", "ignore_index"])
@@ -371,7 +344,7 @@ def test_xtransformer_left_padded_targets_equal_unpadded(via):
     padded = torch.cat((torch.zeros(1, 2, dtype=torch.long), tgt), 1)
     real = torch.cat((torch.zeros(1, 2, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool)), 1)
     loss = model(src, padded, tgt_mask=real) if via == "tgt_mask" else model(src, torch.where(real, padded, -100))
-    mh.assert_close(loss, alone, "left-padded targets vs unpadded", torch.float32)
+    hp.assert_close(loss, alone, "left-padded targets vs unpadded", torch.float32)
 
 
 def test_xtransformer_right_padded_targets_equal_unpadded():
@@ -380,7 +353,7 @@ def test_xtransformer_right_padded_targets_equal_unpadded():
     src, tgt = src[:1], tgt[:1, :4]
     padded = torch.cat((tgt, torch.zeros(1, 2, dtype=torch.long)), 1)
     real = torch.cat((torch.ones(1, 4, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.bool)), 1)
-    mh.assert_close(model(src, padded, tgt_mask=real), model(src, tgt), "right-padded targets vs unpadded", torch.float32)
+    hp.assert_close(model(src, padded, tgt_mask=real), model(src, tgt), "right-padded targets vs unpadded", torch.float32)
 
 
 def test_xtransformer_errors_name_its_arguments():
@@ -410,15 +383,15 @@ def test_xtransformer_condition_dropout_is_the_empty_source():
     at evaluation (or with probability 0) nothing is dropped."""
     src, tgt, src_mask, tgt_mask = xt_data(3)
     always = xt(cond_drop_prob=1.0).double()
-    never = mh.copy_weights(xt(cond_drop_prob=0.0).double(), always)
+    never = hp.copy_weights(xt(cond_drop_prob=0.0).double(), always)
     empty = never(src, tgt, mask=torch.zeros_like(src_mask), tgt_mask=tgt_mask)
     full = never(src, tgt, mask=src_mask, tgt_mask=tgt_mask)
     assert float((empty - full).detach().abs()) > 1e-6  # the source matters, so the comparison below means something
     always.train()
-    mh.assert_bitwise(always(src, tgt, mask=src_mask, tgt_mask=tgt_mask), empty, "training with cond_drop_prob=1")
+    hp.assert_bitwise(always(src, tgt, mask=src_mask, tgt_mask=tgt_mask), empty, "training with cond_drop_prob=1")
     always.eval()
-    mh.assert_bitwise(always(src, tgt, mask=src_mask, tgt_mask=tgt_mask), full, "evaluation ignores cond_drop_prob")
+    hp.assert_bitwise(always(src, tgt, mask=src_mask, tgt_mask=tgt_mask), full, "evaluation ignores cond_drop_prob")
     never.train()
-    mh.assert_bitwise(never(src, tgt, mask=src_mask, tgt_mask=tgt_mask), full, "cond_drop_prob=0 in training")
+    hp.assert_bitwise(never(src, tgt, mask=src_mask, tgt_mask=tgt_mask), full, "cond_drop_prob=0 in training")
     with pytest.raises(ValueError, match="cond_drop_prob"):
         xt(cond_drop_prob=1.5)

@@ -1,4 +1,4 @@
-"""x-transformers' options in safeformer (issue 13): memory key/values, learned sinks, logit softclamp,
+"""x-transformers' options in safeformer: memory key/values, learned sinks, logit softclamp,
 attention maps and intermediates, memory and class tokens, average pooling, l2norm embeddings, tied
 scales, ``pos=`` and ``seq_start_pos``.
 
@@ -6,13 +6,12 @@ Each option is checked three ways: against a float64 formula written out here, a
 own module on the same weights where the math is the same, and for the contract (NaN planted in masked
 slots reaches nothing, dead and padded rows are exact zeros, clear errors). The S1-S9 suite also runs
 the cases ``Attention-memkv-sink``, ``Decoder-memkv-sink`` and ``TransformerWrapper-memory``
-(tests/model_helpers.py).
+(``helpers.models.CASES``).
 """
 
 from __future__ import annotations
 
-import math
-
+import helpers as hp
 import pytest
 import torch
 
@@ -26,51 +25,6 @@ xt = pytest.importorskip("x_transformers")
 def _seed(seed: int = 0) -> torch.Generator:
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
-
-
-def ref_extended_attention(attn: sf.Attention, x: torch.Tensor, keep: torch.Tensor, causal: bool) -> torch.Tensor:
-    """float64 self-attention of ``attn`` with its memory keys, sink and softclamp written out.
-
-    ``keep (b, n)``: real positions (padding of x). A padded query's output is 0; every real query sees
-    the sink (logit ``head_attn_sink[h]``, value 0), the memory keys, and the real keys (at or before it
-    if causal).
-    """
-    P = {k: p.detach().double() for k, p in attn.named_parameters()}
-    x = x.detach().double()
-    b, n, _ = x.shape
-    h, hkv, d = attn.heads, attn.kv_heads, attn.dim_head
-    out = torch.zeros(b, n, P["to_out.weight"].shape[0], dtype=torch.float64)
-    for s in range(b):
-        heads = []
-        for hq in range(h):
-            g = hq // (h // hkv)
-            rq, rk = slice(hq * d, (hq + 1) * d), slice(g * d, (g + 1) * d)
-            q = x[s] @ P["to_q.weight"][rq].T
-            k = x[s] @ P["to_k.weight"][rk].T
-            v = x[s] @ P["to_v.weight"][rk].T
-            mk = P["mem_k"][g] if "mem_k" in P else torch.zeros(0, d, dtype=torch.float64)
-            mv = P["mem_v"][g] if "mem_v" in P else torch.zeros(0, d, dtype=torch.float64)
-            o = torch.zeros(n, d, dtype=torch.float64)
-            for i in range(n):
-                if not keep[s, i]:
-                    continue
-                idx = [j for j in range(n) if keep[s, j] and (not causal or j <= i)]
-                keys = torch.cat((mk, k[idx]))
-                vals = torch.cat((mv, v[idx]))
-                logits = keys @ q[i] / math.sqrt(d)
-                if attn.softclamp_value is not None:
-                    logits = torch.tanh(logits / attn.softclamp_value) * attn.softclamp_value
-                if "head_attn_sink" in P:
-                    logits = torch.cat((P["head_attn_sink"][hq].reshape(1), logits))
-                    vals = torch.cat((torch.zeros(1, d, dtype=torch.float64), vals))
-                if len(logits) == 0:
-                    continue
-                w = torch.softmax(logits, 0)
-                o[i] = w @ vals
-            heads.append(o)
-        y = torch.cat(heads, -1) @ P["to_out.weight"].T
-        out[s] = torch.where(keep[s, :, None], y, 0.0)
-    return out
 
 
 MASK = torch.tensor([[True, True, True, False, False], [False, False, True, True, True],
@@ -91,7 +45,9 @@ def test_extra_keys_match_float64_formula(opts, causal, dtype):
     if attn.head_attn_sink is not None:
         torch.nn.init.normal_(attn.head_attn_sink)
     x = torch.randn(4, 5, 16)
-    want = ref_extended_attention(attn, x, MASK, causal)
+    # float64, written out: a padded query's output is 0; every real query sees the sink (logit
+    # head_attn_sink[h], value 0), the memory keys, and the real keys (at or before it if causal)
+    want = hp.ref_attention(attn, x, allowed=MASK[:, None, None, :], causal=causal, queries=MASK)
     attn = attn.to(dtype)
     planted = x.clone()
     planted[~MASK] = NAN

@@ -1,4 +1,4 @@
-"""x-transformers' README examples, run with the import changed to safeformer (issue 13, item 5 "Proof").
+"""x-transformers' README examples, run with the import changed to safeformer.
 
 Source: the README of the installed x-transformers 2.31.10 (its PyPI long description, in
 ``x_transformers-2.31.10.dist-info/METADATA``; the same 58 python blocks as

@@ -1,16 +1,12 @@
-"""Shared helpers for the model-stack tests (modules, layers, wrappers, checkpoints, contract).
+"""Model builders and one small case per public module, for the contract tests of the model stack.
 
-What is here:
-- assertions that NaN can never pass (``assert_finite``, ``assert_close``, ``assert_bitwise``,
-  ``assert_zero``) and dtype-tied tolerances;
-- plain float64 references written with loops: one attention head at a time, norms, feed-forward,
-  rotary (as a complex rotation), ALiBi, and a whole pre-norm layer stack;
-- SDPA stand-ins for ``safeformer.substitute_kernel``: one that records what the kernel receives, and
-  one that writes NaN into every dead row (S6);
-- hypothesis strategies for padding / context masks with dead rows on purpose (``scenarios``);
-- one small "case" per public module (``CASES``): a factory, an input builder, how to run it, which
-  rows of which attention are dead, how to plant garbage in masked positions, how to run a sample
-  alone, and how to decode with a KV cache. ``test_contract_models.py`` runs every clause over them.
+- building: ``seeded_module`` (fixed weights, norms perturbed), ``copy_weights``, ``set_backend``,
+  ``set_unpadded``; the sizes every model test uses (tiny: the suite runs on 2 shared cores);
+- attention roles: ``stack_roles`` names each ``Attention`` of a stack, ``track_roles`` tells a
+  ``kernels.NaNKernel`` which one is running, ``capture_attention`` records their outputs;
+- ``CASES``: per public module a factory, an input builder, how to run it, which rows of which attention
+  are dead, how to plant garbage in masked positions, how to run a sample alone, and how to decode with a
+  KV cache. ``test_contract_models.py`` runs every clause (docs/safety.md, S1-S9) over them.
 
 Shape legend: b batch, n sequence positions, i queries, j keys / context positions, h query heads,
 h_kv key/value heads, d head dim, c model width, c_ctx context width, v vocabulary.
@@ -19,114 +15,35 @@ h_kv key/value heads, d head dim, c model width, c_ctx context width, v vocabula
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import contract  # tests/ is on sys.path (conftest.py)
 import torch
-import torch.nn.functional as F
-from hypothesis import settings
-from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import safeformer as sf
 
-NAN, INF = float("nan"), float("inf")
+from .kernels import NaNKernel
+from .masks import Scenario, causal_dead, ctx_dead, full_dead, plant
+from .numerics import INF, NAN
+
+__all__ = [
+    "DIM", "HEADS", "DIM_HEAD", "CTX_DIM", "VOCAB", "MAX_SEQ",
+    "param_grads", "seeded_module", "copy_weights", "set_backend", "set_unpadded", "attention_modules",
+    "stack_roles", "track_roles", "capture_attention", "greedy_generate",
+    "Inputs", "Case", "AttentionSelfCase", "AttentionSelfPaddingCase", "AttentionPastKVCase", "AttentionCrossCase",
+    "EncoderCase", "DecoderCase", "CrossAttenderCase", "TransformerWrapperCase", "PrefixWrapperCase",
+    "AdaptiveDecoderCase", "ContinuousWrapperCase", "XTransformerCase", "UnpaddedCase", "AttentionMemKVCase",
+    "DecoderMemKVCase", "MemoryTokensWrapperCase", "SoftclampWrapperCase", "CASES", "UNPADDED_CASES", "ALL_CASES",
+]
 
 # Tiny sizes: every test file of the model stack together must run in about a minute on 2 cores.
 DIM, HEADS, DIM_HEAD, CTX_DIM = 16, 2, 8, 12
 VOCAB, MAX_SEQ = 19, 16
-SDPA_BACKENDS = ("auto", "math", "flash")  # the SDPA backends that exist on CPU
-ALL_BACKENDS = SDPA_BACKENDS + ("reference",)
-
-
-def n_examples(k: int) -> int:
-    """``k`` hypothesis examples, or more under a thorough profile (``HYPOTHESIS_PROFILE=thorough``)."""
-    return max(k, settings.default.max_examples // 4) if settings.default.max_examples > 25 else k
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run with one intra-op thread: tiny tensors run faster so, and the machine is shared."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
 
 # ----------------------------------------------------------------------------------------------------
-# assertions and tolerances
+# building
 # ----------------------------------------------------------------------------------------------------
-
-# (atol, rtol) against a float64 reference computed from the same weights and inputs.
-TOL = {
-    torch.float64: (1e-10, 1e-9),
-    torch.float32: (2e-5, 2e-5),
-    torch.bfloat16: (6e-2, 6e-2),
-    torch.float16: (8e-3, 8e-3),
-}
-
-
-def assert_finite(t: Tensor | None, what: str) -> None:
-    """Fail unless ``t`` is a tensor without NaN or inf."""
-    assert t is not None, f"{what} is None (no gradient reached it)"
-    bad = ~torch.isfinite(t.detach())
-    assert not bool(bad.any()), f"{what} holds {int(bad.sum())} non-finite value(s), first at {tuple(bad.nonzero()[0].tolist())}"
-
-
-def assert_close(actual: Tensor, expected: Tensor, what: str, dtype: torch.dtype | None = None, scale_atol: bool = True) -> None:
-    """``actual`` equals ``expected`` within the tolerance of ``dtype`` (default: actual's dtype); NaN fails.
-
-    The absolute tolerance grows with the largest magnitude of ``expected`` when ``scale_atol``.
-    """
-    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert_finite(actual, what)
-    assert_finite(expected, f"expected {what}")
-    if actual.numel() == 0:
-        return
-    atol, rtol = TOL[dtype or actual.dtype]
-    a, e = actual.detach().double(), expected.detach().double()
-    if scale_atol:
-        atol = atol * max(1.0, float(e.abs().max()))
-    err = (a - e).abs()
-    ok = err <= atol + rtol * e.abs()
-    if not bool(ok.all()):
-        k = int((err - rtol * e.abs()).flatten().argmax())
-        idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(k), a.shape))
-        raise AssertionError(
-            f"{what}: max error {float(err.max()):.3g}; at {idx} got {float(a.flatten()[k]):.8g}, "
-            f"expected {float(e.flatten()[k]):.8g} (atol {atol:.3g}, rtol {rtol})"
-        )
-
-
-def assert_bitwise(actual: Tensor, expected: Tensor, what: str) -> None:
-    """Same shape, dtype and bits; NaN never passes."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
-        f"{what}: {tuple(actual.shape)} {actual.dtype} vs {tuple(expected.shape)} {expected.dtype}"
-    )
-    assert_finite(actual, what)
-    actual, expected = actual.detach(), expected.detach()
-    diff = actual != expected
-    assert not bool(diff.any()), (
-        f"{what} differs at {int(diff.sum())} element(s), first at {tuple(diff.nonzero()[0].tolist())}: "
-        f"{float(actual[diff][0])} vs {float(expected[diff][0])}"
-    )
-
-
-def assert_zero(t: Tensor | None, what: str, none_ok: bool = False) -> None:
-    """Every element of ``t`` is exactly ``0.0`` (``None`` = no gradient path, allowed if ``none_ok``)."""
-    if t is None:
-        assert none_ok, f"{what} is None"
-        return
-    t = t.detach()
-    nz = t != 0  # NaN != 0
-    assert not bool(nz.any()), (
-        f"{what} must be exactly 0, has {int(nz.sum())} nonzero element(s), first {float(t[nz][0])} at "
-        f"{tuple(nz.nonzero()[0].tolist())}"
-    )
 
 
 def param_grads(model: nn.Module) -> dict[str, Tensor | None]:
@@ -166,291 +83,21 @@ def attention_modules(model: nn.Module) -> list[sf.Attention]:
     return [m for m in model.modules() if isinstance(m, sf.Attention)]
 
 
-# ----------------------------------------------------------------------------------------------------
-# float64 references, written as plainly as possible
-# ----------------------------------------------------------------------------------------------------
-
-
-def ref_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    mean = x.mean(-1, keepdim=True)
-    var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + eps) * weight + bias
-
-
-def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * weight
-
-
-def ref_norm(norm: nn.Module, x: Tensor) -> Tensor:
-    """float64 reference of a safeformer norm module (``nn.LayerNorm`` or ``RMSNorm``)."""
-    if isinstance(norm, nn.LayerNorm):
-        return ref_layer_norm(x, norm.weight.detach().double(), norm.bias.detach().double(), norm.eps)
-    assert isinstance(norm, sf.RMSNorm), type(norm)
-    return ref_rms_norm(x, norm.weight.detach().double(), norm.eps)
-
-
-def ref_gelu(x: Tensor) -> Tensor:
-    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-
-
-def ref_silu(x: Tensor) -> Tensor:
-    return x / (1.0 + torch.exp(-x))
-
-
-def ref_feed_forward(ff: sf.FeedForward, x: Tensor) -> Tensor:
-    """float64 reference of ``FeedForward``: Linear, activation (or gate), Linear."""
-    w1, b1 = ff.proj_in.weight.detach().double(), ff.proj_in.bias.detach().double()
-    w2, b2 = ff.proj_out.weight.detach().double(), ff.proj_out.bias.detach().double()
-    act = ref_silu if isinstance(ff.act, nn.SiLU) else ref_gelu
-    h = x @ w1.T + b1
-    if ff.glu:
-        half = h.shape[-1] // 2
-        h = h[..., :half] * act(h[..., half:])
-    else:
-        h = act(h)
-    return h @ w2.T + b2
-
-
-def ref_rotate(t: Tensor, pos: Tensor, rot_dim: int, theta: float) -> Tensor:
-    """Rotate features ``(2p, 2p+1)`` of ``t (n, d)`` by angle ``pos * theta ** (-2p / rot_dim)`` (complex product)."""
-    out = t.clone()
-    for p in range(rot_dim // 2):
-        freq = theta ** (-2.0 * p / rot_dim)
-        ang = pos.double() * freq
-        z = torch.complex(t[:, 2 * p], t[:, 2 * p + 1]) * torch.polar(torch.ones_like(ang), ang)
-        out[:, 2 * p], out[:, 2 * p + 1] = z.real, z.imag
-    return out
-
-
-def ref_alibi_slopes(heads: int) -> list[float]:
-    """The ALiBi slopes of the paper: geometric from ``2 ** (-8 / n)``; for non-powers of two the
-    closest power of two, then every other slope of twice that many."""
-
-    def geometric(n: int) -> list[float]:
-        return [2.0 ** (-8.0 * (k + 1) / n) for k in range(n)]
-
-    if heads & (heads - 1) == 0:
-        return geometric(heads)
-    closest = 2 ** int(math.floor(math.log2(heads)))
-    return geometric(closest) + geometric(2 * closest)[0::2][: heads - closest]
-
-
-def ref_attention(
-    attn: sf.Attention,
-    x: Tensor,
-    context: Tensor | None = None,
-    *,
-    allowed: Tensor | None = None,
-    causal: bool = False,
-    q_pos: Tensor | None = None,
-    k_pos: Tensor | None = None,
-    rot_dim: int = 0,
-    theta: float = 10000.0,
-    alibi: bool = False,
-) -> Tensor:
-    """float64 multi-head attention with ``attn``'s weights, one sample and one head at a time.
-
-    Args:
-        attn: the module whose weights are used.
-        x: ``(b, i, c)`` queries' input.
-        context: ``(b, j, c_ctx)`` or ``None`` (self-attention).
-        allowed: bool ``(b, h, i, j)`` (or broadcastable), True = may attend.
-        causal: also require ``key <= query + (j - i)``.
-        q_pos, k_pos: ``(b, i)`` and ``(b, j)`` positions for rotary (``rot_dim > 0``) or ALiBi.
-        rot_dim, theta: rotary features per head and base.
-        alibi: add ``-slope_h * |q_pos - k_pos|``.
-
-    Returns:
-        ``(b, i, c)``; a query that may attend to no key in any head gives exactly 0.
-    """
-    P = {n: p.detach().double() for n, p in attn.named_parameters()}
-    x = x.detach().double()
-    src = x if context is None else context.detach().double()
-    b, i, _ = x.shape
-    j = src.shape[1]
-    h, hkv, d = attn.heads, attn.kv_heads, attn.dim_head
-    ok = torch.ones(b, h, i, j, dtype=torch.bool)
-    if allowed is not None:
-        ok = ok & allowed.expand(b, h, i, j)
-    if causal:
-        for qi in range(i):
-            for kj in range(j):
-                if kj > qi + (j - i):
-                    ok[:, :, qi, kj] = False
-    slopes = ref_alibi_slopes(h)
-    out = torch.zeros(b, i, P["to_out.weight"].shape[0], dtype=torch.float64)
-    for s in range(b):
-        heads_out = []
-        for hq in range(h):
-            g = hq // (h // hkv)
-            rows_q, rows_kv = slice(hq * d, (hq + 1) * d), slice(g * d, (g + 1) * d)
-            q = x[s] @ P["to_q.weight"][rows_q].T
-            k = src[s] @ P["to_k.weight"][rows_kv].T
-            v = src[s] @ P["to_v.weight"][rows_kv].T
-            if "to_q.bias" in P:
-                q, k, v = q + P["to_q.bias"][rows_q], k + P["to_k.bias"][rows_kv], v + P["to_v.bias"][rows_kv]
-            if attn.q_norm is not None:
-                q = ref_rms_norm(q, P["q_norm.weight"], attn.q_norm.eps)
-                k = ref_rms_norm(k, P["k_norm.weight"], attn.k_norm.eps)
-            if rot_dim:
-                q = ref_rotate(q, q_pos[s], rot_dim, theta)
-                k = ref_rotate(k, k_pos[s], rot_dim, theta)
-            logits = (q @ k.T) / math.sqrt(d)
-            if alibi:
-                logits = logits - slopes[hq] * (q_pos[s][:, None] - k_pos[s][None, :]).abs().double()
-            o = torch.zeros(i, d, dtype=torch.float64)
-            for qi in range(i):
-                idx = ok[s, hq, qi].nonzero().flatten()
-                if idx.numel() == 0:
-                    continue  # a dead row contributes nothing
-                row = logits[qi, idx]
-                w = torch.exp(row - row.max())
-                o[qi] = (w / w.sum()) @ v[idx]
-            heads_out.append(o)
-        y = torch.cat(heads_out, dim=-1) @ P["to_out.weight"].T
-        if "to_out.bias" in P:
-            y = y + P["to_out.bias"]
-        dead = ~ok[s].any(-1).any(0)  # (i,): dead in every head
-        y[dead] = 0.0
-        out[s] = y
-    return out
-
-
-def ref_positions(mask: Tensor | None, b: int, n: int, offset: Tensor | None = None) -> Tensor:
-    """Position of each real token = number of real tokens before it (padding: don't care)."""
-    if mask is None:
-        pos = torch.arange(n).expand(b, n)
-    else:
-        pos = torch.stack([torch.tensor([int(mask[s, :t].sum()) for t in range(n)], dtype=torch.long) for s in range(b)]) if n else torch.zeros(b, 0, dtype=torch.long)
-    return pos if offset is None else pos + offset[:, None]
-
-
-def ref_stack(
-    layers: sf.AttentionLayers,
-    x: Tensor,
-    *,
-    mask: Tensor | None = None,
-    context: Tensor | None = None,
-    context_mask: Tensor | None = None,
-    attn_mask: Tensor | None = None,
-    positions: Tensor | None = None,
-) -> Tensor:
-    """float64 reference of ``AttentionLayers.forward`` (pre-norm; no cache) from its weights.
-
-    ``attn_mask`` ``(b, n, n)`` or ``(n, n)`` further restricts self-attention; ``positions`` ``(b, n)``
-    replaces the default positions. Compare only real positions: the position given to a padded
-    query is not part of the contract.
-    """
-    x = x.detach().double()
-    b, n, _ = x.shape
-    if mask is not None:
-        x = x * mask[..., None].double()
-    key_ok = torch.ones(b, 1, 1, n, dtype=torch.bool) if mask is None else mask[:, None, None, :]
-    if attn_mask is not None:
-        key_ok = key_ok & (attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None])
-    pos = ref_positions(mask, b, n) if positions is None else positions.expand(b, n)
-    cfg = layers._sf_config
-    rot_dim = 0
-    if cfg["rotary_pos_emb"]:
-        rot_dim = cfg["rotary_emb_dim"] or cfg["dim_head"] // 2
-    ctx = None
-    if context is not None:
-        ctx = context.detach().double()
-        ctx_ok = torch.ones(b, 1, 1, ctx.shape[1], dtype=torch.bool) if context_mask is None else context_mask[:, None, None, :]
-        if context_mask is not None:
-            ctx = torch.where(context_mask[..., None], ctx, torch.zeros((), dtype=torch.float64))
-    for kind, (norm, block) in zip(layers.layer_kinds, layers.layers):
-        hn = ref_norm(norm, x)
-        if kind == "self":
-            out = ref_attention(block, hn, allowed=key_ok, causal=layers.causal, q_pos=pos, k_pos=pos,
-                                rot_dim=rot_dim, theta=cfg["rotary_theta"], alibi=cfg["alibi_pos_bias"])
-        elif kind == "cross":
-            if ctx is None:
-                continue
-            out = ref_attention(block, hn, ctx, allowed=ctx_ok)
-        else:
-            out = ref_feed_forward(block, hn)
-        x = x + out
-    return ref_norm(layers.final_norm, x)
+def set_unpadded(model: nn.Module, value) -> nn.Module:
+    """Set ``unpadded`` on every layer stack of ``model`` (False: the padded path, explicitly)."""
+    for m in model.modules():
+        if isinstance(m, sf.AttentionLayers):
+            m.unpadded = value
+    return model
 
 
 # ----------------------------------------------------------------------------------------------------
-# kernels for substitute_kernel
+# attention roles
 # ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class KernelCall:
-    q_shape: tuple[int, ...]
-    k_shape: tuple[int, ...]
-    mask_shape: tuple[int, ...] | None
-    mask_dtype: torch.dtype | None
-    is_causal: bool
-    enable_gqa: bool
-    max_abs_logit: float
-
-
-class RecordingKernel:
-    """SDPA that records what it receives (mask shape/dtype, is_causal, the largest |logit|)."""
-
-    def __init__(self) -> None:
-        self.calls: list[KernelCall] = []
-
-    def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        with torch.no_grad():
-            kk = k.float()
-            if kk.shape[1] != q.shape[1]:
-                kk = kk.repeat_interleave(q.shape[1] // kk.shape[1], dim=1)
-            logits = (q.float() @ kk.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-            top = float(logits.abs().max()) if logits.numel() else 0.0
-        self.calls.append(KernelCall(
-            tuple(q.shape), tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape),
-            None if attn_mask is None else attn_mask.dtype, bool(is_causal), bool(enable_gqa), top,
-        ))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-
-
-class NaNDeadRowKernel:
-    """A kernel that misbehaves on dead rows (S6), forward and backward: it runs the real SDPA, then writes NaN into
-
-    - every row whose ``attn_mask`` row lets it see no key (all False, or all -inf), and
-    - every row the test knows to be dead: ``dead[role]`` is a ``(b, i)`` bool tensor and ``role`` the
-      role of the ``Attention`` now running (set by ``track_roles``).
-    ``self.poisoned`` counts the rows it set to NaN, so a test can show that it fired.
-    """
-
-    def __init__(self, dead: dict[str, Tensor], value: float = NAN):
-        self.dead = dead
-        self.role: str | None = None
-        self.poisoned = 0
-        self.value = value
-
-    def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        b, h, i, _ = q.shape
-        bad = torch.zeros(b, h, i, 1, dtype=torch.bool)
-        if attn_mask is not None:
-            sees = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
-            bad = bad | ~sees.any(-1, keepdim=True)
-        known = self.dead.get(self.role) if self.role is not None else None
-        if known is not None and tuple(known.shape) == (b, i):
-            bad = bad | known[:, None, :, None]
-        bad = bad.expand(b, h, i, 1)
-        self.poisoned += int(bad.any(1).sum())
-        # NaN in the dead rows' outputs, and in the backward NaN into q's gradient at those rows and
-        # into k's and v's gradients at keys no live row may see (contract.PoisonedSDPA)
-        return contract.poisoned_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, bad, self.value)
-
-
-def faithful_kernel() -> NaNDeadRowKernel:
-    """The same substituted kernel writing 0 instead of NaN: what a poisoned run is compared with, bit
-    for bit (a substituted kernel returns its gradients from one autograd node, which can change the
-    order in which the engine sums gradients by an ulp; comparing like with like keeps the test exact)."""
-    return NaNDeadRowKernel({}, value=0.0)
 
 
 @contextlib.contextmanager
-def track_roles(model: nn.Module, roles: dict[int, str], kernel: NaNDeadRowKernel) -> Iterator[None]:
+def track_roles(model: nn.Module, roles: dict[int, str], kernel: NaNKernel) -> Iterator[None]:
     """While inside, ``kernel.role`` names the ``Attention`` that is running (by ``roles[id(module)]``)."""
     handles = []
     for m in attention_modules(model):
@@ -492,108 +139,20 @@ def stack_roles(layers: sf.AttentionLayers, prefix: str) -> dict[int, str]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# masks with dead rows on purpose
+# generation
 # ----------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Scenario:
-    """A batch layout: ``seq_mask (b, n)`` padding of the sequence and ``ctx_mask (b, j)`` of the context."""
-
-    seq_mask: Tensor
-    ctx_mask: Tensor
-    seed: int = 0
-
-    @property
-    def b(self) -> int:
-        return self.seq_mask.shape[0]
-
-    @property
-    def n(self) -> int:
-        return self.seq_mask.shape[1]
-
-    @property
-    def j(self) -> int:
-        return self.ctx_mask.shape[1]
-
-    def generator(self) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed)
-
-
-def _row(style: str, n: int, length: int, bits: list[bool]) -> list[bool]:
-    if style == "left":
-        return [False] * (n - length) + [True] * length
-    if style == "right":
-        return [True] * length + [False] * (n - length)
-    return bits
-
-
-@st.composite
-def scenarios(
-    draw,
-    *,
-    max_b: int = 3,
-    min_n: int = 1,
-    max_n: int = 6,
-    max_j: int = 5,
-    styles: tuple[str, ...] = ("left", "right", "holes"),
-    force_dead: bool = True,
-) -> Scenario:
-    """Draw a batch layout. Sequence rows are left-padded, right-padded or have holes; context rows
-    are arbitrary; ``j`` may be 0. With ``force_dead`` one sample is fully padded, or has an all-False
-    context, or both (dead rows on purpose)."""
-    b = draw(st.integers(1, max_b))
-    n = draw(st.integers(min_n, max_n))
-    j = draw(st.integers(0, max_j))
-    seq, ctx = [], []
-    for _ in range(b):
-        style = draw(st.sampled_from(styles))
-        length = draw(st.integers(0, n))
-        bits = draw(st.lists(st.booleans(), min_size=n, max_size=n))
-        seq.append(_row(style, n, length, bits))
-        ctx.append(draw(st.lists(st.booleans(), min_size=j, max_size=j)))
-    if force_dead:
-        victim = draw(st.integers(0, b - 1))
-        what = draw(st.sampled_from(("seq", "ctx", "both")))
-        if what in ("seq", "both"):
-            seq[victim] = [False] * n
-        if what in ("ctx", "both"):
-            ctx[victim] = [False] * j
-    seed = draw(st.integers(0, 2**20))
-    return Scenario(torch.tensor(seq, dtype=torch.bool).reshape(b, n), torch.tensor(ctx, dtype=torch.bool).reshape(b, j), seed)
-
-
-def fixed_scenario() -> Scenario:
-    """A hand-made layout with every kind of dead row: left padding, a fully padded sample, an all-False
-    context, right padding with a hole in the context."""
-    seq = torch.tensor([
-        [False, False, True, True, True, True],
-        [True, True, True, True, False, False],
-        [False, False, False, False, False, False],
-        [False, True, True, True, True, True],
-    ])
-    ctx = torch.tensor([
-        [True, True, False, True, False],
-        [False, False, False, False, False],
-        [True, True, True, True, True],
-        [True, True, True, False, False],
-    ])
-    return Scenario(seq, ctx, seed=1)
-
-
-def causal_dead(mask: Tensor) -> Tensor:
-    """``(b, n)``: under causal masking with key padding, a query is dead iff no real key is at or before it."""
-    return mask.long().cumsum(1) == 0
-
-
-def full_dead(mask: Tensor) -> Tensor:
-    """``(b, n)``: without causal masking, every query of a sample with no real key is dead."""
-    return (~mask.any(1, keepdim=True)).expand_as(mask)
-
-
-def ctx_dead(ctx_mask: Tensor, i: int) -> Tensor:
-    """``(b, i)``: every query of a sample whose context is empty or fully masked is dead."""
-    return (~ctx_mask.any(1, keepdim=True)).expand(ctx_mask.shape[0], i)
+def greedy_generate(model: sf.TransformerWrapper, prompt: Tensor, mask: Tensor | None, steps: int, **kwargs) -> Tensor:
+    """Greedy decoding with the KV cache: ``(b, steps)`` new token ids after a (left-padded) prompt."""
+    logits, cache = model(prompt, mask=mask, return_cache=True, **kwargs)
+    nxt = logits[:, -1].argmax(-1, keepdim=True)
+    out = [nxt]
+    for _ in range(steps - 1):
+        logits, cache = model(nxt, cache=cache, return_cache=True)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+    return torch.cat(out, dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -680,9 +239,7 @@ def _randn(g: torch.Generator, *shape: int, dtype=torch.float32, grad: bool = Tr
 
 def _plant_float(t: Tensor, where: Tensor, value: float) -> Tensor:
     """``t`` with ``value`` at positions ``where (b, n)``, as a new leaf with the same requires_grad."""
-    out = t.detach().clone()
-    out[where] = value
-    return out.requires_grad_(t.requires_grad)
+    return plant(t.detach(), where, value).requires_grad_(t.requires_grad)
 
 
 def _garbage_ids(ids: Tensor, where: Tensor, g: torch.Generator) -> Tensor:
@@ -808,9 +365,7 @@ class AttentionPastKVCase(Case):
         x = _plant_float(inp.args[0], ~sc.seq_mask, value)
         pk, pv = inp.kwargs["past_kv"]
         where = (~sc.ctx_mask)[:, None, :, None].expand_as(pk)
-        pk2, pv2 = pk.detach().clone(), pv.detach().clone()
-        pk2[where], pv2[where] = value, value
-        pk2.requires_grad_(), pv2.requires_grad_()
+        pk2, pv2 = _plant_float(pk, where, value), _plant_float(pv, where, value)
         kw = dict(inp.kwargs, past_kv=(pk2, pv2))
         return Inputs([x], kw, {"x": x, "past_k": pk2, "past_v": pv2},
                       {"x": ~sc.seq_mask, "past_k": where, "past_v": where})
@@ -1040,7 +595,25 @@ class CrossAttenderCase(_StackCase):
         return calls
 
 
-class TransformerWrapperCase(_StackCase):
+class _TokenCase(_StackCase):
+    """A ``TransformerWrapper`` case: token ids (garbage ids at padded positions) and one float input
+    ``kwargs[side]`` (the leaf ``leaf``) laid out as the context (garbage at its masked positions)."""
+
+    side = leaf = "context"
+    alone_kwargs: dict = {}
+
+    def plant(self, inp, sc, value):
+        ids = _garbage_ids(inp.args[0], ~sc.seq_mask, sc.generator())
+        side = _plant_float(inp.kwargs[self.side], ~sc.ctx_mask, value)
+        return Inputs([ids], {**inp.kwargs, self.side: side}, {self.leaf: side}, {self.leaf: ~sc.ctx_mask})
+
+    def alone(self, inp, sc, s):
+        ids = inp.args[0][s : s + 1, sc.seq_mask[s]]
+        side = inp.kwargs[self.side][s : s + 1, sc.ctx_mask[s]]
+        return Inputs([ids], {self.side: side, **self.alone_kwargs}, {self.leaf: side})
+
+
+class TransformerWrapperCase(_TokenCase):
     """``TransformerWrapper`` over a cross-attending ``Decoder`` with absolute positions."""
 
     name = "TransformerWrapper"
@@ -1063,16 +636,6 @@ class TransformerWrapperCase(_StackCase):
         ids = torch.randint(0, VOCAB, (sc.b, sc.n), generator=g)
         ctx = _randn(g, sc.b, sc.j, CTX_DIM, dtype=dtype)
         return Inputs([ids], dict(mask=sc.seq_mask, context=ctx, context_mask=sc.ctx_mask), {"context": ctx})
-
-    def plant(self, inp, sc, value):
-        ids = _garbage_ids(inp.args[0], ~sc.seq_mask, sc.generator())
-        ctx = _plant_float(inp.kwargs["context"], ~sc.ctx_mask, value)
-        return Inputs([ids], dict(inp.kwargs, context=ctx), {"context": ctx}, {"context": ~sc.ctx_mask})
-
-    def alone(self, inp, sc, s):
-        ids = inp.args[0][s : s + 1, sc.seq_mask[s]]
-        ctx = inp.kwargs["context"][s : s + 1, sc.ctx_mask[s]]
-        return Inputs([ids], dict(context=ctx), {"context": ctx})
 
     def bad_calls(self, model, inp):
         ids, kw = inp.args[0], inp.kwargs
@@ -1112,7 +675,7 @@ class TransformerWrapperCase(_StackCase):
         return pooled, model(*inp.args, **inp.kwargs, return_embeddings=True)
 
 
-class PrefixWrapperCase(_StackCase):
+class PrefixWrapperCase(_TokenCase):
     """``TransformerWrapper`` over a rotary ``Decoder`` conditioned by a prefix: ``prepend_embeds (b, j, c)``
     with the context layout as its ``prepend_mask`` (all-False rows: no prefix; holes; zero length).
     Outputs are the tokens' (``excise_prepend_embeds=True``)."""
@@ -1120,6 +683,7 @@ class PrefixWrapperCase(_StackCase):
     name = "TransformerWrapper-prefix"
     causal = True
     decodes = True
+    side, leaf, alone_kwargs = "prepend_embeds", "prefix", {"excise_prepend_embeds": True}
 
     def make(self, backend="auto"):
         return sf.TransformerWrapper(
@@ -1142,26 +706,6 @@ class PrefixWrapperCase(_StackCase):
         pre = _randn(g, sc.b, sc.j, DIM, dtype=dtype)
         kw = dict(mask=sc.seq_mask, prepend_embeds=pre, prepend_mask=sc.ctx_mask, excise_prepend_embeds=True)
         return Inputs([ids], kw, {"prefix": pre})
-
-    def plant(self, inp, sc, value):
-        ids = _garbage_ids(inp.args[0], ~sc.seq_mask, sc.generator())
-        pre = _plant_float(inp.kwargs["prepend_embeds"], ~sc.ctx_mask, value)
-        return Inputs([ids], dict(inp.kwargs, prepend_embeds=pre), {"prefix": pre}, {"prefix": ~sc.ctx_mask})
-
-    def alone(self, inp, sc, s):
-        ids = inp.args[0][s : s + 1, sc.seq_mask[s]]
-        pre = inp.kwargs["prepend_embeds"][s : s + 1, sc.ctx_mask[s]]
-        return Inputs([ids], dict(prepend_embeds=pre, excise_prepend_embeds=True), {"prefix": pre})
-
-    def decode(self, model, inp, sc, prefix):
-        ids, kw = inp.args[0], inp.kwargs
-        first = dict(kw, mask=kw["mask"][:, :prefix])
-        out, cache = model(ids[:, :prefix], return_cache=True, **first)
-        outs = [out]
-        for t in range(prefix, sc.n):
-            out, cache = model(ids[:, t : t + 1], mask=kw["mask"][:, t : t + 1], cache=cache, return_cache=True)
-            outs.append(out)
-        return torch.cat(outs, dim=1)
 
     def bad_calls(self, model, inp):
         ids, kw = inp.args[0], inp.kwargs
@@ -1232,16 +776,6 @@ class AdaptiveDecoderCase(DecoderCase):
         out = super().alone(inp, sc, s)
         out.kwargs.update(condition=inp.kwargs["condition"][s : s + 1], condition_mask=self.cond_mask(sc)[s : s + 1])
         return out
-
-    def decode(self, model, inp, sc, prefix):
-        x, kw = inp.args[0], inp.kwargs
-        first = {k: v for k, v in kw.items() if k != "mask"}
-        out, cache = model(x[:, :prefix], mask=kw["mask"][:, :prefix], return_cache=True, **first)
-        outs = [out]
-        for t in range(prefix, sc.n):
-            out, cache = model(x[:, t : t + 1], mask=kw["mask"][:, t : t + 1], cache=cache, return_cache=True)
-            outs.append(out)
-        return torch.cat(outs, dim=1)
 
     def bad_calls(self, model, inp):
         x, kw = inp.args[0], inp.kwargs
@@ -1519,14 +1053,6 @@ class SoftclampWrapperCase(TransformerWrapperCase):
         )
 
 
-def set_unpadded(model: nn.Module, value) -> nn.Module:
-    """Set ``unpadded`` on every layer stack of ``model`` (False: the padded path, explicitly)."""
-    for m in model.modules():
-        if isinstance(m, sf.AttentionLayers):
-            m.unpadded = value
-    return model
-
-
 CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
@@ -1539,19 +1065,3 @@ UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
                   and c.name not in ("Decoder-memkv-sink", "TransformerWrapper-softclamp-l2norm")]
 ALL_CASES = CASES + UNPADDED_CASES
 
-
-# ----------------------------------------------------------------------------------------------------
-# generation
-# ----------------------------------------------------------------------------------------------------
-
-
-def greedy_generate(model: sf.TransformerWrapper, prompt: Tensor, mask: Tensor | None, steps: int, **kwargs) -> Tensor:
-    """Greedy decoding with the KV cache: ``(b, steps)`` new token ids after a (left-padded) prompt."""
-    logits, cache = model(prompt, mask=mask, return_cache=True, **kwargs)
-    nxt = logits[:, -1].argmax(-1, keepdim=True)
-    out = [nxt]
-    for _ in range(steps - 1):
-        logits, cache = model(nxt, cache=cache, return_cache=True)
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        out.append(nxt)
-    return torch.cat(out, dim=1)
