@@ -1,6 +1,7 @@
 """safeformer: a transformer library in which no mask makes a model produce NaN or inf."""
 
-from .attend import BACKENDS, AttentionPlan, PreparedMask, attend, plan_attention, prepare_mask, substitute_kernel
+from . import testing
+from .attend import attend
 from .attention import Attention
 from .conditions import Conditions, compose_guidance, drop_conditions
 from .continuous import ContinuousAutoregressiveWrapper
@@ -9,7 +10,6 @@ from .encoder_decoder import XTransformer
 from .generation import (
     FILTERS,
     AutoregressiveWrapper,
-    drop_condition,
     generate_tokens,
     guided_logits,
     left_pad,
@@ -45,33 +45,15 @@ from .modules import (
 )
 from .nonautoregressive import NonAutoregressiveWrapper
 from .pretrained import Configurable, load_pretrained, save_pretrained
-from .varlen import (
-    VarlenLayout,
-    VarlenPlan,
-    plan_varlen,
-    substitute_varlen_kernel,
-    varlen_attention,
-    varlen_kernel_available,
-    varlen_layout,
-)
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
 
 __all__ = [
     "AttnIntermediate",
     "LayerIntermediates",
-    "VarlenLayout",
-    "VarlenPlan",
-    "plan_varlen",
-    "substitute_varlen_kernel",
-    "varlen_attention",
-    "varlen_kernel_available",
-    "varlen_layout",
     "AbsolutePositionalEmbedding",
     "Attention",
     "AttentionLayers",
-    "AttentionPlan",
     "AutoregressiveWrapper",
-    "BACKENDS",
     "Configurable",
     "ContinuousAutoregressiveWrapper",
     "ContinuousTransformerWrapper",
@@ -87,7 +69,6 @@ __all__ = [
     "NonAutoregressiveWrapper",
     "NonFiniteReport",
     "NonFiniteTensor",
-    "PreparedMask",
     "RMSNorm",
     "RotaryEmbedding",
     "TransformerWrapper",
@@ -104,7 +85,6 @@ __all__ = [
     "combine_masks",
     "compose_guidance",
     "dead_rows",
-    "drop_condition",
     "drop_conditions",
     "find_nonfinite",
     "from_x_transformers",
@@ -116,14 +96,11 @@ __all__ = [
     "left_pad",
     "min_p",
     "padding_mask",
-    "plan_attention",
     "plot_mask",
     "positions_from_mask",
-    "prepare_mask",
     "safe_cross_entropy",
     "sample_logits",
     "save_pretrained",
-    "substitute_kernel",
     "top_a",
     "top_k",
     "top_p",

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .masks import validate_mask
 
-__all__ = ["KINDS", "CONDITION_KINDS", "CONDITION_KEYWORDS", "condition_kwargs", "check_drop_kinds", "ConditionKind", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "compose_values", "drop_conditions", "GuidanceSchedule",
+__all__ = ["KINDS", "CONDITION_KINDS", "CONDITION_KEYWORDS", "condition_kwargs", "check_drop_kinds", "ConditionKind", "Conditions", "adaptive_condition", "guided_logits", "compose_guidance", "compose_values", "drop_conditions", "drop_condition", "GuidanceSchedule",
            "guidance_branches", "drop_probabilities"]
 
 _NEG_INF = float("-inf")
@@ -292,6 +292,71 @@ def drop_conditions(
         (t, m), (nt, nm) = _pad(t, m, length), _pad(nt.to(t.dtype), nm, length)
         conds = conds.with_pair(kind, torch.where(d[:, None, None], nt, t), torch.where(d[:, None], nm, m))
     return conds, dropped
+
+
+def drop_condition(
+    context_mask: Tensor | None,
+    p: float = 0.0,
+    *,
+    context: Tensor | None = None,
+    null_context: Tensor | None = None,
+    dropped: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor]:
+    """Drop each sample's condition with probability ``p``: CFG training for any wrapper.
+
+    By default a dropped sample's ``context_mask`` row becomes all False: the empty context, which
+    makes its cross-attention an exact no-op (S2). With ``null_context`` the dropped samples see the
+    learned null token(s) instead (real positions), and everything else in their context becomes
+    masked padding. Values are *selected*, never multiplied away: NaN in a padded context position
+    stays out of every output.
+
+    Args:
+        context_mask: ``(b, j)`` bool (True = real), or ``None`` (every position real; ``context``
+            then gives ``b`` and ``j``).
+        p: drop probability in ``[0, 1]``, drawn per sample (ignored when ``dropped`` is given).
+        context: ``(b, j, c_ctx)``; required with ``null_context`` (or when ``context_mask`` is None).
+        null_context: ``(m, c_ctx)`` learned null token(s) (e.g. an ``nn.Parameter``), or ``None``.
+        dropped: ``(b,)`` bool, which samples to drop (instead of drawing them with ``p``).
+
+    Returns:
+        ``(context, context_mask)`` to pass to the model. ``context`` is the input itself when
+        ``null_context`` is None; with it, ``(b, max(j, m), c_ctx)``.
+
+    Example:
+        >>> ctx, ctx_mask = drop_condition(ctx_mask, 0.1, context=ctx)   # in the training step
+        >>> out = model(x, context=ctx, context_mask=ctx_mask)
+    """
+    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
+        raise ValueError(f"p (the condition drop probability) must be in [0, 1], got {p!r}")
+    if context_mask is None and context is None:
+        raise ValueError("drop_condition needs context_mask or context (to know the batch and context length)")
+    if context is not None and (not isinstance(context, Tensor) or context.dim() != 3):
+        raise ValueError(f"context must have shape (b, j, c_ctx), got {getattr(context, 'shape', type(context))}")
+    ref = context if context is not None else context_mask
+    b, j = ref.shape[0], ref.shape[1]
+    if context_mask is None:
+        context_mask = torch.ones(b, j, dtype=torch.bool, device=ref.device)
+    validate_mask(context_mask, "context_mask", shape=(b, j), device=ref.device)
+    if dropped is None:
+        dropped = torch.rand(b, device=ref.device) < p
+    else:
+        validate_mask(dropped, "dropped", shape=(b,), device=ref.device)
+    if null_context is None:
+        return context, context_mask & ~dropped[:, None]
+    if context is None:
+        raise ValueError("null_context needs the context itself (context=...), to put the null token in its place")
+    if null_context.dim() != 2 or null_context.shape[-1] != context.shape[-1]:
+        raise ValueError(
+            f"null_context must have shape (m, c_ctx={context.shape[-1]}), got {tuple(null_context.shape)}"
+        )
+    m = null_context.shape[0]
+    length = max(j, m)
+    ctx, ctx_mask = _pad(context, context_mask, length)
+    null_t = null_context.to(context.dtype)[None]
+    null = _pad(null_t, torch.ones(null_t.shape[:2], dtype=torch.bool, device=null_t.device), length)
+    null_ctx, null_mask = null[0].expand(b, -1, -1), null[1].expand(b, -1)
+    context = torch.where(dropped[:, None, None], null_ctx, ctx)
+    return context, torch.where(dropped[:, None], null_mask, ctx_mask)
 
 
 # ----------------------------------------------------------------------------------------------------

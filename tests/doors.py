@@ -1,7 +1,8 @@
 """The registry of safeformer's public doors (docs/safety.md): every public name, and how to attack it.
 
 A **door** is a public callable that takes tensors, masks, contexts, conditions or caches. Every name in
-``safeformer.__all__`` is either in ``DOORS`` or in ``NOT_DOORS`` (with the reason it takes none of
+``PUBLIC`` (``safeformer.__all__``, ``safeformer.testing.__all__`` and a few module-level callables) is
+either in ``DOORS`` or in ``NOT_DOORS`` (with the reason it takes none of
 those); ``test_doors.py`` fails when a public name is in neither, so a new public callable cannot ship
 untested.
 
@@ -135,11 +136,11 @@ def probe_varlen_attention(seed: int, value: float) -> Probe:
     q = torch.randn(T, h, d, generator=g).requires_grad_()
     k = torch.randn(T, hkv, d, generator=g).requires_grad_()
     v = torch.randn(T, hkv, d, generator=g).requires_grad_()
-    out = sf.varlen_attention(q, k, v, lengths, causal=True)
+    out = sf.testing.varlen_attention(q, k, v, lengths, causal=True)
     return Probe(out, {"q": q, "k": k, "v": v}, bad_calls=[
-        ("lengths not summing to T", lambda: sf.varlen_attention(q, k, v, [T + 1], causal=True), ValueError, "lengths"),
-        ("float lengths", lambda: sf.varlen_attention(q, k, v, torch.tensor([float(T)]), causal=True), TypeError, "lengths"),
-        ("k of another head dim", lambda: sf.varlen_attention(q, k[..., :4], v, lengths, causal=True), ValueError, "k"),
+        ("lengths not summing to T", lambda: sf.testing.varlen_attention(q, k, v, [T + 1], causal=True), ValueError, "lengths"),
+        ("float lengths", lambda: sf.testing.varlen_attention(q, k, v, torch.tensor([float(T)]), causal=True), TypeError, "lengths"),
+        ("k of another head dim", lambda: sf.testing.varlen_attention(q, k[..., :4], v, lengths, causal=True), ValueError, "k"),
     ])
 
 
@@ -154,12 +155,12 @@ def probe_prepared_mask(seed: int, value: float) -> Probe:
     q = _leaf(torch.randn(b, h, n, d, generator=g), dead[..., None], value)
     k = _leaf(torch.randn(b, h, n, d, generator=g), masked[..., None], value)
     v = _leaf(torch.randn(b, h, n, d, generator=g), masked[..., None], value)
-    prepared = sf.prepare_mask(allowed)
+    prepared = sf.testing.prepare_mask(allowed)
     out = sf.attend(q, k, v, mask=prepared)
     return Probe(out, {"q": q, "k": k, "v": v},
                  {"q": dead[..., None].expand_as(q), "k": masked[..., None].expand_as(k), "v": masked[..., None].expand_as(v)},
                  dead=dead[..., None].expand_as(out),
-                 bad_calls=[("int mask", lambda: sf.prepare_mask(allowed.int()), TypeError, "mask"),
+                 bad_calls=[("int mask", lambda: sf.testing.prepare_mask(allowed.int()), TypeError, "mask"),
                             ("causal with a prepared mask", lambda: sf.attend(q, k, v, mask=prepared, causal=True), ValueError, "causal")])
 
 
@@ -271,13 +272,13 @@ def probe_drop_condition(seed: int, value: float) -> Probe:
     null = torch.randn(2, c, generator=g).requires_grad_()
     torch.manual_seed(0)
     enc = sf.Encoder(dim=c, depth=1, heads=2, dim_head=4, cross_attend=True)
-    ctx, cm = sf.drop_condition(ctx_mask, context=context, null_context=null, dropped=dropped)
+    ctx, cm = sf.conditions.drop_condition(ctx_mask, context=context, null_context=null, dropped=dropped)
     x = torch.randn(b, n, c, generator=g)
     out = enc(x, context=ctx, context_mask=cm)
     return Probe(out, {"context": context, "null": null}, {"context": hidden[..., None].expand_as(context)},
-                 bad_calls=[("float context_mask", lambda: sf.drop_condition(ctx_mask.float(), 0.5), TypeError, "context_mask"),
-                            ("p above 1", lambda: sf.drop_condition(ctx_mask, 1.5), ValueError, "p"),
-                            ("null of wrong width", lambda: sf.drop_condition(ctx_mask, 0.5, context=context,
+                 bad_calls=[("float context_mask", lambda: sf.conditions.drop_condition(ctx_mask.float(), 0.5), TypeError, "context_mask"),
+                            ("p above 1", lambda: sf.conditions.drop_condition(ctx_mask, 1.5), ValueError, "p"),
+                            ("null of wrong width", lambda: sf.conditions.drop_condition(ctx_mask, 0.5, context=context,
                                                                                 null_context=torch.zeros(1, c + 1)), ValueError, "null_context")])
 
 
@@ -721,6 +722,14 @@ NOT_DOORS: dict[str, str] = {
     "substitute_varlen_kernel": "a testing hook that swaps the varlen kernel",
     "LayerIntermediates": "a result record of return_intermediates (its door is the wrapper)",
     "AttnIntermediate": "a result record of return_intermediates (its door is the wrapper)",
+}
+
+# the public names the registry covers: the user's API (``safeformer.__all__``), the testing module's
+# (test hooks and planning internals) and the public callables that live in their module only
+PUBLIC: dict[str, object] = {
+    **{name: getattr(sf, name) for name in sf.__all__},
+    **{name: getattr(sf.testing, name) for name in sf.testing.__all__},
+    "drop_condition": sf.conditions.drop_condition,
 }
 
 PROBE_DOORS = [d for d in DOORS.values() if d.probe is not None]

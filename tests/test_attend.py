@@ -41,7 +41,8 @@ from hypothesis import assume, given, reject
 from hypothesis import strategies as st
 
 import safeformer as sf
-from safeformer import AttentionPlan, attend, plan_attention, substitute_kernel
+from safeformer import attend
+from safeformer.testing import AttentionPlan, plan_attention, substitute_kernel
 
 PARAMS = device_dtype_backend_params()
 PARAM_IDS = [f"{dev}-{str(dt).removeprefix('torch.')}-{be}" for dev, dt, be in PARAMS]
@@ -837,7 +838,7 @@ def test_prepared_mask_equals_plain_mask(backend):
     qkv = [torch.randn(b, h, n, d, generator=g, requires_grad=True) for _ in range(3)]
     out_plain = attend(*qkv, mask=mask, backend=backend)
     grads_plain = torch.autograd.grad(out_plain.sum(), qkv)
-    prepared = sf.prepare_mask(mask)
+    prepared = sf.testing.prepare_mask(mask)
     out_prep = attend(*qkv, mask=prepared, backend=backend)
     grads_prep = torch.autograd.grad(out_prep.sum(), qkv)
     assert_close(out_prep, out_plain.double(), "prepared vs plain mask", torch.float32, table=ATTEND_TOL)
@@ -848,4 +849,4 @@ def test_prepared_mask_equals_plain_mask(backend):
     with pytest.raises(ValueError, match="causal"):
         attend(*qkv, mask=prepared, causal=True)
     with pytest.raises(TypeError, match="bool"):
-        sf.prepare_mask(mask.float())
+        sf.testing.prepare_mask(mask.float())

@@ -34,7 +34,8 @@ from helpers import (
 from torch import nn
 
 import safeformer  # noqa: F401  (loads safeformer.attend)
-from safeformer import attend, prepare_mask, substitute_kernel
+from safeformer import attend
+from safeformer.testing import prepare_mask, substitute_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 from memory import TensorMemory  # noqa: E402  (the benchmark's allocation meter)

@@ -734,10 +734,10 @@ def test_s6_kernel_not_trusted(tc: TrainCase, gc: GenCase):
     prompts = gc.prompts()
     for backend in hp.SDPA_BACKENDS:
         model = model_of(tc.null, tc.p, backend)
-        with sf.substitute_kernel(hp.faithful_kernel()):
+        with sf.testing.substitute_kernel(hp.faithful_kernel()):
             clean = loss_and_grads(tc, model, tc.ids(), tc.context())
         kernel = hp.NaNKernel(dead)
-        with sf.substitute_kernel(kernel), hp.track_roles(model, roles(model), kernel):
+        with sf.testing.substitute_kernel(kernel), hp.track_roles(model, roles(model), kernel):
             poisoned = loss_and_grads(tc, model, tc.ids(), tc.context())
         if must_fire:
             assert kernel.poisoned > 0, "the NaN kernel never saw a dead row: the test would prove nothing"
@@ -751,7 +751,7 @@ def test_s6_kernel_not_trusted(tc: TrainCase, gc: GenCase):
         self_dead = hp.causal_dead(gc.mask()).repeat(cross.shape[0] // gc.b, 1)
         for cache_kv in (True, False):
             kernel = hp.NaNKernel(generation_dead(cross, self_dead))
-            with sf.substitute_kernel(kernel), hp.track_roles(gen, roles(gen), kernel):
+            with sf.testing.substitute_kernel(kernel), hp.track_roles(gen, roles(gen), kernel):
                 logits = gen.next_token_logits(prompts, **kw)
                 tokens = gen.generate(prompts, gc.steps, temperature=0.0, cache_kv=cache_kv, **kw)
             # the cross-attention kernel runs only for a context of some length in a branch that runs
@@ -773,7 +773,7 @@ def test_s6_kernel_not_trusted(tc: TrainCase, gc: GenCase):
 
 def _max_logit(model, run) -> float:
     rec = hp.RecordingKernel()
-    with sf.substitute_kernel(rec), torch.no_grad():
+    with sf.testing.substitute_kernel(rec), torch.no_grad():
         run(model)
     return max((c.max_abs_logit for c in rec.calls), default=0.0)
 

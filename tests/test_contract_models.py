@@ -317,7 +317,7 @@ def test_s5_decoder_without_padding_uses_is_causal():
     model = model_of(case)
     x = torch.randn(2, 5, hp.DIM)
     rec = hp.RecordingKernel()
-    with sf.substitute_kernel(rec):
+    with sf.testing.substitute_kernel(rec):
         out = model(x)
     self_calls = [c for c in rec.calls if c.k_shape[2] == 5]
     assert len(self_calls) == 2
@@ -343,10 +343,10 @@ def test_s6_kernel_not_trusted(case: Case, sc: Scenario):
     must_fire = any(rows.any() and case.key_len(sc, role) > 0 for role, rows in dead.items())
     for backend in hp.SDPA_BACKENDS:
         model = model_of(case, backend)
-        with sf.substitute_kernel(hp.faithful_kernel()):
+        with sf.testing.substitute_kernel(hp.faithful_kernel()):
             clean = forward_backward(case, model, case.inputs(sc))
         kernel = hp.NaNKernel(dead)
-        with sf.substitute_kernel(kernel), hp.track_roles(model, case.roles(model), kernel):
+        with sf.testing.substitute_kernel(kernel), hp.track_roles(model, case.roles(model), kernel):
             poisoned = forward_backward(case, model, case.inputs(sc))
         if must_fire:
             assert kernel.poisoned > 0, "the NaN kernel never saw a dead row: the test would prove nothing"
@@ -371,7 +371,7 @@ def _scale_qk(model: nn.Module, factor: float) -> None:
 
 def _max_logit(case: Case, model: nn.Module, inp: Inputs) -> float:
     rec = hp.RecordingKernel()
-    with sf.substitute_kernel(rec), torch.no_grad():
+    with sf.testing.substitute_kernel(rec), torch.no_grad():
         case.run(model, inp)
     return max((c.max_abs_logit for c in rec.calls), default=0.0)
 

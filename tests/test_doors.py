@@ -13,7 +13,7 @@ import doors
 import helpers as hp
 import pytest
 import torch
-from doors import DOORS, NOT_DOORS, PLANT_VALUES, PROBE_DOORS, Door, Probe
+from doors import DOORS, NOT_DOORS, PLANT_VALUES, PROBE_DOORS, PUBLIC, Door, Probe
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
@@ -33,7 +33,7 @@ SEEDS = st.integers(0, 2**31 - 1)
 def test_registry_lists_every_public_name():
     """A public name that is neither a registered door nor declared 'not a door' fails: a new public
     callable cannot ship without contract tests."""
-    public = set(sf.__all__)
+    public = set(PUBLIC)
     missing = public - set(DOORS) - set(NOT_DOORS)
     assert not missing, f"public names missing from the door registry (tests/doors.py): {sorted(missing)}"
     stale = (set(DOORS) | set(NOT_DOORS)) - public
@@ -43,8 +43,15 @@ def test_registry_lists_every_public_name():
 
 
 def test_every_public_name_is_importable_from_all():
-    for name in sf.__all__:
-        assert hasattr(sf, name), f"safeformer.__all__ names {name!r}, which safeformer does not define"
+    for module in (sf, sf.testing):
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.__all__ names {name!r}, which it does not define"
+
+
+def test_the_users_api_holds_no_test_hooks_or_planning_internals():
+    """``safeformer.__all__`` is the user's API: test hooks and plans live in ``safeformer.testing``."""
+    assert not set(sf.__all__) & set(sf.testing.__all__)
+    assert "drop_condition" not in sf.__all__, "one spelling: drop_conditions is the public one"
 
 
 def test_every_door_is_tested_somewhere():

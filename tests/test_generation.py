@@ -17,10 +17,10 @@ import pytest
 import torch
 from helpers import ATTEND_TOL, NaNKernel, assert_bitwise, assert_close, assert_finite, assert_zero, ref_guidance
 
-from safeformer import ContinuousTransformerWrapper, Decoder, TransformerWrapper, XTransformer, substitute_kernel
+from safeformer import ContinuousTransformerWrapper, Decoder, TransformerWrapper, XTransformer
+from safeformer.conditions import drop_condition
 from safeformer.generation import (
     AutoregressiveWrapper,
-    drop_condition,
     generate_tokens,
     guided_logits,
     min_p,
@@ -28,6 +28,7 @@ from safeformer.generation import (
     top_k,
     top_p,
 )
+from safeformer.testing import substitute_kernel
 
 V, C, DIM = 24, 8, 32  # vocabulary, context width, model width
 NAN = float("nan")

@@ -27,7 +27,7 @@ import torch
 from helpers import ATTEND_TOL, INF, NAN, RecordingKernel, assert_bitwise, assert_close, mask_from_lengths, ref_attend
 
 import safeformer as sf
-from safeformer import plan_attention, substitute_kernel
+from safeformer.testing import plan_attention, substitute_kernel
 
 attend_module = importlib.import_module("safeformer.attend")  # the module (``safeformer.attend`` is the function)
 

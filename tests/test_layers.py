@@ -264,7 +264,7 @@ def test_cache_index_select_repeats_a_single_sample():
 
 def _record(layers, *args, **kwargs):
     rec = hp.RecordingKernel()
-    with sf.substitute_kernel(rec):
+    with sf.testing.substitute_kernel(rec):
         out = layers(*args, **kwargs)
     return rec.calls, out
 

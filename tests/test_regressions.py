@@ -41,7 +41,7 @@ def test_attend_row_masked_only_by_the_bias_is_dead(backend, dtype, neg):
     v_dirty[1, :, 2] = NAN
     v_dirty.requires_grad_()
     for kernel in (None, hp.NaNKernel(torch.tensor([[False, True, False], [False] * 3])[:, None, :])):
-        ctx = sf.substitute_kernel(kernel) if kernel else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        ctx = sf.testing.substitute_kernel(kernel) if kernel else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         with ctx:
             out = sf.attend(q, k, v_dirty, bias=bias.to(dtype), backend=backend)
             gq, gk, gv = torch.autograd.grad((out.float() * torch.randn(out.shape)).sum(), (q, k, v_dirty))

@@ -1,0 +1,39 @@
+"""Below the user's API: the test hooks and the planning internals, for tests, benchmarks and the curious.
+
+- ``substitute_kernel`` / ``substitute_varlen_kernel``: swap the SDPA (varlen) kernel for a stand-in, e.g.
+  one that misbehaves on dead rows on purpose, to prove that safeformer's own code makes it harmless.
+- The plans: ``plan_attention`` (``AttentionPlan``) picks the path, kernel and mask form of one ``attend``
+  call; ``plan_varlen`` (``VarlenPlan``) whether the unpadded path's self-attention runs the varlen kernel;
+  ``prepare_mask`` (``PreparedMask``) combines a stack's mask once for every layer; ``varlen_layout``
+  (``VarlenLayout``) turns per-sample counts into segment offsets.
+
+Each name lives in its own module too (``safeformer.attend``, ``safeformer.varlen``); none is in
+``safeformer.__all__``, which is the user's API.
+"""
+
+from .attend import BACKENDS, AttentionPlan, PreparedMask, plan_attention, prepare_mask, substitute_kernel
+from .varlen import (
+    VarlenLayout,
+    VarlenPlan,
+    plan_varlen,
+    substitute_varlen_kernel,
+    varlen_attention,
+    varlen_kernel_available,
+    varlen_layout,
+)
+
+__all__ = [
+    "BACKENDS",
+    "AttentionPlan",
+    "PreparedMask",
+    "VarlenLayout",
+    "VarlenPlan",
+    "plan_attention",
+    "plan_varlen",
+    "prepare_mask",
+    "substitute_kernel",
+    "substitute_varlen_kernel",
+    "varlen_attention",
+    "varlen_kernel_available",
+    "varlen_layout",
+]
