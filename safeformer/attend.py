@@ -179,6 +179,20 @@ class PreparedMask:
     key_ok: Tensor | None = None
 
 
+@dataclass(frozen=True)
+class SelectedMask:
+    """A mask (a tensor, a ``PreparedMask`` or ``None``) passed with the caller's word that q at dead rows
+    and k, v at masked keys are finite already: its own modules selected their inputs to 0 before the
+    projections (or the keys/values are their own cache). ``attend`` then skips its three selections
+    of q, k, v (copies and their backward passes); dead rows are still handed a key and still come out
+    exactly 0 with zero gradient, and the gradients at dead rows and masked keys are still selected.
+
+    Made by safeformer's layer stack for its own blocks: a trusted value passed down instead of a flag.
+    """
+
+    mask: Tensor | PreparedMask | None = None
+
+
 def prepare_mask(mask: Tensor, *, dtype: torch.dtype = torch.float32) -> PreparedMask:
     """Prepare a 4-d bool attention mask ``(b|1, h|1, i, j)`` (True = may attend) for ``attend``.
 
@@ -637,7 +651,6 @@ def attend(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
-    _inputs_finite: bool = False,
 ) -> Tensor:
     """Scaled dot-product attention that no mask can make non-finite.
 
@@ -647,7 +660,9 @@ def attend(
             uses key/value head ``n // (h // h_kv)``).
         v: ``(b, h_kv, j, e)`` values.
         mask: bool, ``True`` = query may attend to key. ``(b, j)`` key padding, ``(i, j)``,
-            ``(b, i, j)`` or ``(b|1, h|1, i|1, j|1)``. Kept in its broadcast shape.
+            ``(b, i, j)`` or ``(b|1, h|1, i|1, j|1)``. Kept in its broadcast shape. A ``PreparedMask``
+            (a stack's mask combined once), or a ``SelectedMask`` (a mask whose masked inputs the caller
+            already selected to 0).
         causal: bottom-right aligned causal masking: query ``q_idx`` may attend key ``k_idx`` iff
             ``k_idx <= q_idx + (j - i)`` (what a KV cache needs). Combined with ``mask``.
         bias: float additive bias broadcastable to ``(b, h, i, j)`` (ALiBi, relative positions).
@@ -655,11 +670,6 @@ def attend(
         dropout_p: attention dropout probability (pass 0 at evaluation).
         backend: ``"auto"``, ``"reference"`` (explicit float32 softmax), or an SDPA backend:
             ``"math"``, ``"flash"``, ``"efficient"``, ``"cudnn"``.
-        _inputs_finite: private, for safeformer's own modules: the caller guarantees that q at dead
-            rows and k, v at masked keys are finite (``Attention`` selects its inputs to 0 before the
-            projections, and its caches hold what it computed), so the three selections of q, k, v
-            are skipped (three copies and their backward passes). Dead rows are still handed keys
-            and still come out exactly 0 with zero gradient.
 
     Returns:
         ``(b, h, i, e)``. Rows of dead queries are exactly 0 and pass zero gradient; masked keys and
@@ -669,6 +679,9 @@ def attend(
         TypeError, ValueError: wrong dtypes, shapes, devices or backend (S9).
     """
     _validate(q, k, v, bias, scale, dropout_p)
+    inputs_finite = isinstance(mask, SelectedMask)
+    if inputs_finite:
+        mask = mask.mask
     b, h, i, d = q.shape
     hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
     user = None
@@ -733,13 +746,13 @@ def attend(
             if combined.shape[-1] == j > 1:
                 dead_sees = dead_sees & (torch.arange(j, device=q.device) == 0)  # (b|1, h|1, i, j)
             attn_mask = combined | dead_sees
-        if not _inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
+        if not inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
             # the CPU flash kernel with the selections inside: no selected copy outlives the call
             out = _flash_selected(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal)  # dead rows: 0
             if out.requires_grad:
                 out = _FirstOrderOnly.apply(out, plan.expected)
             return out
-        if not _inputs_finite:
+        if not inputs_finite:
             q = _select(row_ok, q)  # the selections' backward also zeroes what a kernel sends back there
             k = _select(key_ok, k)
             v = _select(key_ok, v)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attend import BACKENDS, PreparedMask, _grad_select, attend, masked_linear
+from .attend import BACKENDS, PreparedMask, SelectedMask, _grad_select, attend, masked_linear
 from .masks import as_attention_mask, causal_mask, checked_once, combine_masks
 from .modules import RMSNorm, apply_rotary
 
@@ -166,7 +166,6 @@ class Attention(nn.Module):
         kv: tuple[Tensor, Tensor] | None = None,
         past_kv: tuple[Tensor, Tensor] | None = None,
         return_attn: bool = False,
-        _inputs_finite: bool = False,
         layout=None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Attend from ``x (b, i, c)``.
@@ -174,7 +173,8 @@ class Attention(nn.Module):
         Args:
             x: queries' input.
             context: ``(b, j, c_ctx)`` for cross-attention; ``None`` for self-attention.
-            mask: bool attention mask as ``attend`` takes it (True = may attend). In self-attention a
+            mask: bool attention mask as ``attend`` takes it (True = may attend); a ``SelectedMask`` from
+                the stack says ``x`` at dead rows and the source at masked keys are 0 already. In self-attention a
                 ``(b, j)`` (or ``(b, 1, 1, j)``) padding mask marks padding of ``x`` itself: a padded
                 position is neither a key nor a query, whatever it holds, and its output is exactly 0.
             causal: bottom-right causal masking.
@@ -187,9 +187,6 @@ class Attention(nn.Module):
             return_attn: also return the attention weights ``(b, h, i, M + j)`` in float32 (memory
                 keys first; the sink's weight left out): computed by the explicit path; masked keys
                 and dead rows are exactly 0 (and padded queries, in self-attention).
-            _inputs_finite: private, for ``AttentionLayers``: ``x`` at dead rows and ``context`` (or
-                ``x``) at masked keys are finite already (the stack selected its padded inputs to 0),
-                so they need not be selected again before the projections.
             layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
                 ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
                 tokens, and the output too.
@@ -199,6 +196,9 @@ class Attention(nn.Module):
             included), and the weights if ``return_attn``. Rows that may attend to no key are exactly 0
             after the output projection, and pass zero gradient (S2).
         """
+        inputs_finite = isinstance(mask, SelectedMask)
+        if inputs_finite:  # the stack selected its padded inputs to 0: nothing to select again here
+            mask = mask.mask
         if layout is not None:
             from .unpadded import attend_layout  # the unpadded path's layouts live there
 
@@ -223,14 +223,14 @@ class Attention(nn.Module):
         else:
             j = source.shape[1] + (past_kv[0].shape[2] if past_kv is not None else 0)
         self_pad = None  # (b, i): in self-attention, a (b, j) padding mask marks padding of x itself
-        if not _inputs_finite and context is None and kv is None and isinstance(mask, Tensor):
+        if not inputs_finite and context is None and kv is None and isinstance(mask, Tensor):
             self_pad = _self_padding(mask, b, i, j)
         user_mask, j_user = mask, j
         ext = self.extra_keys
         if ext:  # the sink and memory keys come first; every query sees them (bottom-right causal keeps that)
             mask, bias = self._extend(mask, bias, b, i, j, x)
             j = j + ext
-        if _inputs_finite and self.to_out.bias is None and self_pad is None:
+        if inputs_finite and self.to_out.bias is None and self_pad is None:
             rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
         else:
             reach = None
@@ -282,16 +282,16 @@ class Attention(nn.Module):
             out = None
         # q at dead rows and new k, v at masked keys are finite here (their inputs were selected to 0
         # above). Keys/values handed in (kv, past_kv) are input like any other: attend selects their
-        # masked positions itself, unless the stack vouches for them (its own cache, _inputs_finite).
+        # masked positions itself, unless the stack vouches for them (its own cache, a SelectedMask).
         # A bias can mask keys too: then attend selects as well (its selections also guard the gradients).
         if out is None:
             backend = self.backend
             if self.head_attn_sink is not None and backend in ("flash", "cudnn") and torch.is_grad_enabled():
                 backend = "math"  # the sink's gradient flows through the additive mask: flash cannot give it
+            selected = inputs_finite or (kv is None and past_kv is None and bias is None)
             out = attend(
-                q, k, v, mask=mask, causal=causal, bias=bias,
+                q, k, v, mask=SelectedMask(mask) if selected else mask, causal=causal, bias=bias,
                 dropout_p=self.dropout if self.training else 0.0, backend=backend,
-                _inputs_finite=_inputs_finite or (kv is None and past_kv is None and bias is None),
             )  # (b, h, i, d)
         # padded queries: selected before to_out; dead rows: exactly 0 after it (a bias would move them)
         zero_rows = rows_ok if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None) else None

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attend import prepare_mask
+from .attend import SelectedMask, prepare_mask
 from .attention import Attention
 from .block import Block, apply_norm
 from .cache import AttnIntermediate, KVCache, LayerIntermediates, _dtype_differs
@@ -378,10 +378,12 @@ class AttentionLayers(Configurable, nn.Module):
 
         # a cache is input too: only a cache with padding has masked slots, and what they hold (its own
         # finite projections, or whatever a user put there) is selected away by attend, not trusted
-        self_args = dict(mask=self_mask, causal=causal, rotary=rotary, bias=bias, return_attn=return_hiddens,
-                         _inputs_finite=attn_mask is None and (cache is None or cache.mask is None))
-        cross_args = dict(mask=cross_mask, return_attn=return_hiddens,  # a new context was selected above
-                          _inputs_finite=not cached_cross or context_mask is None)
+        # (masked keys and dead rows are padding, selected to 0 at the input unless attn_mask hides real positions)
+        self_clean = attn_mask is None and (cache is None or cache.mask is None)
+        cross_clean = not cached_cross or context_mask is None  # a new context was selected above
+        self_args = dict(mask=SelectedMask(self_mask) if self_clean else self_mask, causal=causal, rotary=rotary,
+                         bias=bias, return_attn=return_hiddens)
+        cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, return_attn=return_hiddens)
         recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled() and not return_cache \
             and cache is None and not return_hiddens
         self_kv, cross_kv, hiddens, attn_maps = [], [], [], []

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .attend import attend
+from .attend import SelectedMask, attend
 from .block import apply_norm
 from .modules import alibi_bias, apply_rotary
 from .varlen import VarlenLayout, VarlenPlan, plan_varlen, varlen_attention, varlen_layout
@@ -267,8 +267,9 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
             bias = None if layout.bias is None else layout.bias(g.pos, q.dtype)
             # real tokens are compacted to the left in order: causal needs no mask tensor (a real query
             # sees no padded key), a bidirectional stack needs the key padding
-            o = attend(q, k, v, mask=None if layout.causal and bias is None else g.key_pad, causal=layout.causal,
-                       bias=bias, dropout_p=dropout_p, backend=attn.backend, _inputs_finite=True)
+            key_pad = None if layout.causal and bias is None else g.key_pad
+            o = attend(q, k, v, mask=SelectedMask(key_pad), causal=layout.causal, bias=bias, dropout_p=dropout_p,
+                       backend=attn.backend)
             o = o.transpose(1, 2).flatten(0, 1).index_select(0, g.dest)  # (T_g, h, d)
             out_all = out_all.index_copy(0, g.tok, o)
         return attn._output(out_all, h)
@@ -277,7 +278,7 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
     plan = layout.plan
     q = _scatter(attn._project_q(h), plan.idx, plan.b, plan.n)  # (b, h, n, d)
     k, v = (_scatter(t, layout.cidx, plan.b, layout.j) for t in attn._project_kv(layout.rows))  # (b, h_kv, j, d)
-    out = attend(q, k, v, mask=layout.mask, dropout_p=dropout_p, backend=attn.backend, _inputs_finite=True)
+    out = attend(q, k, v, mask=SelectedMask(layout.mask), dropout_p=dropout_p, backend=attn.backend)
     out = plan.pack(out.transpose(1, 2))  # (T, h, d)
     rows_ok = None
     if attn.to_out.bias is not None:  # a bias would move dead rows off 0
