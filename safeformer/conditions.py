@@ -154,9 +154,10 @@ class Conditions:
         return out
 
     def kwargs(self) -> dict:
-        """Keyword arguments for a wrapper's forward (the prefix's outputs excised)."""
+        """Keyword arguments for a wrapper's forward (the outputs of the rows the wrapper places before the
+        tokens, a prefix, excised)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        if self.prepend_embeds is not None:
+        if any(not spec.in_stack and getattr(self, spec.value) is not None for spec in CONDITION_KINDS.values()):
             out["excise_prepend_embeds"] = True
         return out
 
