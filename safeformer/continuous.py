@@ -329,8 +329,6 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             raise TypeError(f"start must be a floating-point tensor, got dtype {start.dtype}")
         b, n0, _ = start.shape
         device = start.device
-        if b == 0:
-            raise ValueError("start has batch size 0: nothing to generate (pass at least one sequence)")
         if n0 == 0:
             raise ValueError("start must hold at least one step per sample (got n0 = 0 positions)")
         seq_len = _check_count(seq_len, "seq_len", 0)
@@ -353,7 +351,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                           has_uncond=bool(conds.kinds()), steps=seq_len)
         out = start.new_zeros(b, seq_len, self.dim_in)
-        if seq_len == 0:
+        if seq_len == 0 or b == 0:  # nothing to generate: empty in, empty out
             return out
         big = torch.finfo(start.dtype).max  # a value beyond the model's dtype saturates instead of inf
 

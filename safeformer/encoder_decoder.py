@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .generation import generate_tokens
+from .generation import check_pad_value, generate_tokens
 from .layers import LAYER_ALIASES, AttentionLayers, Decoder, Encoder
 from .losses import next_token_loss
 from .masks import checked_once
@@ -115,8 +115,7 @@ class XTransformer(Configurable, nn.Module):
         super().__init__()
         if isinstance(cond_drop_prob, bool) or not (isinstance(cond_drop_prob, (int, float)) and 0.0 <= cond_drop_prob <= 1.0):
             raise ValueError(f"cond_drop_prob must be in [0, 1], got {cond_drop_prob!r}")
-        if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < dec_num_tokens:
-            raise ValueError(f"pad_value must be a target token id in [0, dec_num_tokens={dec_num_tokens}), got {pad_value!r}")
+        check_pad_value(pad_value)
         self._set_config(
             dim=dim, enc_num_tokens=enc_num_tokens, enc_max_seq_len=enc_max_seq_len, dec_num_tokens=dec_num_tokens,
             dec_max_seq_len=dec_max_seq_len, enc_depth=enc_depth, dec_depth=dec_depth, enc_heads=enc_heads,

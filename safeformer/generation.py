@@ -235,6 +235,14 @@ def _check_context_arg(t: Tensor | None, name: str, b: int, device, width: int |
         raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the prompts)")
 
 
+def check_pad_value(pad_value) -> int:
+    """``pad_value`` only fills outputs (after a sample's EOS, at padded positions): it is never embedded,
+    so any integer will do, ``-1`` included (x-transformers' habit); not a bool."""
+    if isinstance(pad_value, bool) or not isinstance(pad_value, int):
+        raise TypeError(f"pad_value must be an int (it only fills outputs; -1 is fine), got {pad_value!r}")
+    return pad_value
+
+
 def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditions, null_context, *, pad_value,
              temperature, filter_logits_fn, filter_kwargs, eos_token, cond_scale, guidance_rescale,
              guidance_interval, guidance_space, restrict_to_max_seq_len):
@@ -247,10 +255,7 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
         raise TypeError(f"prompts must hold integer token ids, got dtype {prompts.dtype}")
     b, n = prompts.shape
     device = prompts.device
-    if b == 0:
-        raise ValueError("prompts has batch size 0: nothing to generate (pass at least one prompt)")
-    if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < net.num_tokens:
-        raise ValueError(f"pad_value must be a token id in [0, num_tokens={net.num_tokens}), got {pad_value!r}")
+    check_pad_value(pad_value)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
     if n == 0:
@@ -413,7 +418,7 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
     b, device = prompts.shape[0], prompts.device
 
     out = torch.full((b, seq_len), pad_value, dtype=torch.long, device=device)
-    if seq_len == 0:
+    if seq_len == 0 or b == 0:  # nothing to generate: empty in, empty out
         return out
     was_training = net.training
     net.eval()
@@ -425,13 +430,16 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
         done = torch.zeros(b, dtype=torch.bool, device=device)
 
         def pick(logits: Tensor, t: int) -> tuple[Tensor, bool]:
+            """The sampled token is fed back (a finished sample's output shows ``pad_value`` instead, which
+            may be no token id at all, e.g. -1: it is never embedded)."""
             nonlocal done
-            tok = torch.where(done, pad_value, sample_logits(logits, temperature, filter_fn, filter_kwargs))
+            sampled = sample_logits(logits, temperature, filter_fn, filter_kwargs)
+            tok = torch.where(done, pad_value, sampled)
             out[:, t] = tok
             if eos_token is None:
-                return tok, False
+                return sampled, False
             done = done | (tok == eos_token)
-            return tok, bool(done.all())
+            return sampled, bool(done.all())
 
         autoregress(engine, prompts, mask, seq_len, pick)
     finally:
@@ -585,7 +593,7 @@ def _beam_search(net, prompts, seq_len, conds: Conditions, negatives: Conditions
     out = torch.full((b * k, seq_len), pad_value, dtype=torch.long, device=device)
     scores = torch.zeros(b, k, dtype=torch.float32, device=device)
     scores[:, 1:] = _NEG_INF  # one live beam per sample at the start: no duplicates
-    if seq_len == 0:
+    if seq_len == 0 or b == 0:  # nothing to search: empty in, empty out
         return out.view(b, k, seq_len), scores
     was_training = net.training
     net.eval()
@@ -618,6 +626,7 @@ def _beam_search(net, prompts, seq_len, conds: Conditions, negatives: Conditions
             if t == seq_len - 1 or bool(done.all()):
                 break
             step.select(parent)
+            tok = torch.where(done, 0, tok)  # a finished beam's pad_value (maybe -1) is never fed back
             if step.needs_sequence:
                 seq = torch.cat((seq.index_select(0, parent), tok[:, None]), dim=1)
                 if seq_mask is not None:
@@ -684,8 +693,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             raise ValueError(f"cond_drop_all_prob must be in [0, 1], got {cond_drop_all_prob!r}")
         if null_context not in ("empty", "learned"):
             raise ValueError(f"null_context must be 'empty' or 'learned', got {null_context!r}")
-        if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < net.num_tokens:
-            raise ValueError(f"pad_value must be a token id in [0, num_tokens={net.num_tokens}), got {pad_value!r}")
+        check_pad_value(pad_value)
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
         layers = net.attn_layers

@@ -43,7 +43,7 @@ from .continuous import (
     _negatives,
 )
 from .decode import GuidedForward
-from .generation import _resolve_filter, guided_logits_combine, sample_logits
+from .generation import _resolve_filter, check_pad_value, guided_logits_combine, sample_logits
 from .losses import safe_cross_entropy
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
@@ -150,8 +150,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             raise ValueError(f"the net can produce no token but mask_id={mask_id} (logits_dim={logits_dim})")
         _check_count(steps, "steps", 1)
         schedule_fn = _resolve_schedule(schedule)
-        if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value < v:
-            raise ValueError(f"pad_value must be a token id in [0, num_tokens={v}), got {pad_value!r}")
+        check_pad_value(pad_value)
         if pad_value == mask_id:
             raise ValueError(f"pad_value must differ from mask_id={mask_id} (no mask_id is left in an output)")
         probs = drop_probabilities(cond_drop_prob)
@@ -343,7 +342,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             if b is None:
                 raise ValueError("batch_size is needed when no condition gives the batch size")
             batch_size = b
-        batch_size = _check_count(batch_size, "batch_size", 1)
+        batch_size = _check_count(batch_size, "batch_size", 0)
         if b is not None and b != batch_size:
             raise ValueError(f"batch_size={batch_size} but the conditions hold {b} samples")
         b = batch_size
@@ -367,6 +366,8 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                           has_uncond=bool(conds.kinds()), steps=steps)
 
+        if b == 0:  # nothing to generate: empty in, empty out
+            return torch.full((0, n), self.pad_value, dtype=torch.long, device=device)
         real = torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
         counts = hidden_counts(self.schedule_fn, steps, real.sum(1))  # (steps, b)
         seq = torch.full((b, n), self.mask_id, dtype=torch.long, device=device)

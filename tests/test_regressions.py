@@ -255,23 +255,48 @@ def _net(vocab=11):
                                  attn_layers=sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, cross_attend=True))
 
 
-def test_pad_value_outside_the_vocabulary_is_refused():
-    with pytest.raises(ValueError, match="pad_value"):
-        sf.AutoregressiveWrapper(_net(11), pad_value=11)
-    with pytest.raises(ValueError, match="pad_value"):
-        sf.AutoregressiveWrapper(_net(11), pad_value=-1)
-    with pytest.raises(ValueError, match="pad_value"):
-        sf.XTransformer(dim=16, enc_num_tokens=5, enc_max_seq_len=4, dec_num_tokens=5, dec_max_seq_len=4,
-                        enc_depth=1, dec_depth=1, pad_value=5)
-    with pytest.raises(ValueError, match="pad_value"):
-        sf.generate_tokens(_net(11), torch.zeros(1, 2, dtype=torch.long), 2, pad_value=11)
-    sf.AutoregressiveWrapper(_net(11), pad_value=10)  # the boundary: the last id is fine
+def test_pad_value_only_fills_outputs_so_any_int_is_allowed():
+    """pad_value marks positions after EOS in the output (x-transformers' code often uses -1); it is never
+    embedded: a finished sample is fed its sampled token, and ignored inputs are masked before the lookup."""
+    torch.manual_seed(0)
+    net = _net(11)
+    for pad in (-1, 11, 10):
+        ar = sf.AutoregressiveWrapper(net, pad_value=pad, ignore_index=-1)
+        prompts = torch.randint(0, 11, (4, 3))
+        for cache_kv in (True, False):
+            out = ar.generate(prompts, 12, eos_token=3, temperature=1.0, cache_kv=cache_kv)
+            after = (out == 3).long().cumsum(1) - (out == 3).long() > 0  # positions after each sample's EOS
+            assert bool((out[after] == pad).all()) and bool(((out[~after] >= 0) & (out[~after] < 11)).all())
+        tokens = ar.beam_search(prompts, 4, beams=2, eos_token=3)
+        assert tokens.shape == (4, 4)
+        x = torch.randint(0, 11, (2, 6))
+        x[0, 4:] = -1  # ignored targets, fed back as pad_value at masked positions: never looked up
+        assert torch.isfinite(ar(x))
+    sf.XTransformer(dim=16, enc_num_tokens=5, enc_max_seq_len=4, dec_num_tokens=5, dec_max_seq_len=4,
+                    enc_depth=1, dec_depth=1, pad_value=-1)
+    with pytest.raises(TypeError, match="pad_value"):
+        sf.AutoregressiveWrapper(net, pad_value=True)
+    with pytest.raises(TypeError, match="pad_value"):
+        sf.generate_tokens(net, torch.zeros(1, 2, dtype=torch.long), 2, pad_value=0.5)
 
 
-def test_generate_with_batch_size_zero_is_a_clear_error():
+def test_generation_with_batch_size_zero_gives_empty_out():
+    torch.manual_seed(0)
     wrapper = sf.AutoregressiveWrapper(_net())
-    with pytest.raises(ValueError, match="batch size 0"):
-        wrapper.generate(torch.zeros(0, 3, dtype=torch.long), 2)
+    empty = torch.zeros(0, 3, dtype=torch.long)
+    assert wrapper.generate(empty, 2).shape == (0, 2)
+    assert wrapper.generate(empty, 2, context=torch.randn(0, 4, 16), cond_scale=3.0).shape == (0, 2)
+    tokens, scores = wrapper.beam_search(empty, 2, beams=3, return_beams_and_scores=True)
+    assert tokens.shape == (3, 0, 2) and scores.shape == (3, 0)
+    assert sf.generate_tokens(wrapper.net, empty, 4).shape == (0, 4)
+    with pytest.raises(TypeError, match="prompts"):  # the checks still run on an empty batch
+        wrapper.generate(torch.zeros(0, 3), 2)
+    cont = sf.ContinuousAutoregressiveWrapper(sf.ContinuousTransformerWrapper(
+        dim_in=4, dim_out=4, max_seq_len=16, attn_layers=sf.Decoder(dim=16, depth=1, heads=2, dim_head=8)))
+    assert cont.generate(torch.randn(0, 3, 4), 5).shape == (0, 5, 4)
+    nar = sf.NonAutoregressiveWrapper(sf.TransformerWrapper(
+        num_tokens=12, max_seq_len=8, attn_layers=sf.Encoder(dim=16, depth=1, heads=2, dim_head=8)), mask_id=11)
+    assert nar.generate(batch_size=0).shape == (0, 8)
 
 
 def test_logits_dim_zero_is_refused_not_replaced():
