@@ -18,6 +18,13 @@ On the CPU flash kernel (eager, no dropout) steps 2-4 run inside one autograd fu
 ``_SelectedFlashAttention``: it saves the caller's q, k, v and the masks instead of the selected
 copies, calls the kernel's forward and backward ops itself on selected copies made per chunk of
 (batch, head) pairs, and so keeps no q, k, v-sized copy alive between the forward and the backward.
+
+Second derivatives and ``torch.func``: the fused kernels have no second derivative, so a backward with
+``create_graph=True`` (a gradient penalty) goes around them (``_ReferenceSecondOrder``, and
+``_SelectedFlashAttention``'s own backward): it returns the gradients of the reference math recomputed
+on the same selected inputs, as a graph autograd differentiates again; an ordinary backward is the
+kernel's own, untouched. Under ``torch.func`` transforms (grad, vmap, jacrev, ...) ``backend="auto"``
+runs the reference math and the selections are ``torch.where``: no custom autograd function is used.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .masks import as_attention_mask, causal_mask, combine_masks
@@ -111,28 +117,64 @@ class _GradSelect(torch.autograd.Function):
         return None, torch.where(keep, grad, 0.0)
 
 
-class _FirstOrderOnly(torch.autograd.Function):
-    """Identity; its backward refuses ``create_graph=True``, which the fused kernels cannot differentiate.
+class _ReferenceSecondOrder(torch.autograd.Function):
+    """Identity on a fused kernel's output; a backward with ``create_graph=True`` goes around the kernel.
 
-    PyTorch's flash, memory-efficient and cuDNN kernels have no second derivative; without this, a
-    gradient penalty fails deep in the autograd engine with a raw "derivative not implemented" error.
+    PyTorch's flash, memory-efficient and cuDNN kernels have no second derivative. In an ordinary
+    backward this passes the gradient on to the kernel's own backward, untouched (it saves q, k, v and
+    the mask, which the kernel's node saves anyway: no copy). In a backward with ``create_graph=True``
+    (a gradient penalty: R1, WGAN-GP) it passes the kernel nothing and returns instead the gradients of
+    the reference math (``_reference``: an explicit float32 softmax) at the kernel's own inputs, as a
+    graph autograd can differentiate again. The kernel's inputs are already selected (dead rows of q,
+    masked keys of k and v are 0 or known finite) and the output's dead rows are selected after this, so
+    the recomputation sees no NaN and sends none back. Attention dropout cannot be recomputed (the
+    kernel's random mask is its own): that case alone keeps a clear error.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, kernel: str) -> Tensor:
-        ctx.kernel = kernel
-        return x.view_as(x)
+    def forward(ctx, out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                scale: float, dropout_p: float, kernel: str) -> Tensor:
+        ctx.save_for_backward(q, k, v, attn_mask)
+        ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.kernel = is_causal, scale, dropout_p, kernel
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative will be asked for
+        if not torch.is_grad_enabled():  # an ordinary backward: the kernel's own
+            return grad, None, None, None, None, None, None, None, None
+        if ctx.dropout_p > 0:  # backward(create_graph=True) with the kernel's random dropout mask
             raise RuntimeError(
                 f"attend: double backward (create_graph=True, e.g. a gradient penalty) through the fused "
-                f"'{ctx.kernel}' SDPA kernel is not supported by PyTorch; build the model with backend='math' "
-                f"(or 'reference'), e.g. Decoder(..., backend='math'), Attention(..., backend='math'), or "
-                f"attend(..., backend='math')"
+                f"'{ctx.kernel}' SDPA kernel with attention dropout (dropout_p={ctx.dropout_p}) is not supported: "
+                f"the kernel has no second derivative and its dropout mask cannot be recomputed; build the model "
+                f"with backend='math' (or 'reference'), e.g. Decoder(..., backend='math'), or use attn_dropout=0"
             )
-        return grad, None
+        q, k, v, attn_mask = ctx.saved_tensors
+        dq, dk, dv, dmask = _reference_vjp(grad, q, k, v, attn_mask, ctx.is_causal, ctx.scale, ctx.needs_input_grad[1:5])
+        return None, dq, dk, dv, dmask, None, None, None, None
+
+
+def _reference_vjp(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                   scale: float, needs, row_ok: Tensor | None = None, key_ok: Tensor | None = None):
+    """The gradients at (q, k, v, attn_mask) of ``_reference`` attention against ``grad``, as a graph autograd
+    can differentiate again (a backward with ``create_graph=True`` through a fused kernel).
+
+    With ``row_ok`` / ``key_ok`` (q, k, v as the caller passed them), q is selected to 0 at dead rows, k
+    and v at masked keys, and the output at dead rows, as ``attend`` does: a NaN there reaches nothing.
+    Entries of ``needs`` (4 bools) that are False give ``None``.
+    """
+    with torch.enable_grad():
+        qs, ks, vs = q, k, v
+        if row_ok is not None:
+            qs = torch.where(row_ok, q, 0.0)
+        if key_ok is not None:
+            ks, vs = torch.where(key_ok, k, 0.0), torch.where(key_ok, v, 0.0)
+        out = _reference(qs, ks, vs, attn_mask, is_causal, scale, 0.0)
+        if row_ok is not None:
+            out = torch.where(row_ok, out, 0.0)
+        wrt = [t for t, need in zip((q, k, v, attn_mask), needs) if need]
+        got = iter(torch.autograd.grad(out, wrt, grad, create_graph=True, allow_unused=True) if wrt else ())
+    return tuple(next(got) if need else None for need in needs)
 
 
 def _grad_select(keep: Tensor, x: Tensor) -> Tensor:
@@ -472,9 +514,13 @@ class _SelectedFlashAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
         q, k, v, row_ok, key_ok, mask, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # backward(create_graph=True): the kernel's backward has no derivative;
+            # the reference math's gradients, selected as in the forward, as a graph (a gradient penalty)
+            dq, dk, dv, _ = _reference_vjp(grad, q, k, v, mask, ctx.is_causal, ctx.scale,
+                                           (*ctx.needs_input_grad[:3], False), row_ok, key_ok)
+            return dq, dk, dv, None, None, None, None, None
         b, h, i, _ = q.shape
         hkv, j = k.shape[1], k.shape[2]
         g = h // hkv
@@ -699,6 +745,11 @@ def attend(
         device_type=q.device.type, dtype=q.dtype, head_dim=d, q_len=i, k_len=j, heads=h, kv_heads=hkv,
         mask_kind=mask_kind, causal=causal, has_bias=bias is not None, dropout_p=dropout_p, backend=backend,
     )
+    if backend == "auto" and plan.path == "sdpa" and plan.expected != "math" and torch._C._are_functorch_transforms_active():
+        # torch.func (grad, vmap, jacrev, ...): the fused kernels have no batching rule on the CPU and no
+        # second derivative anywhere; the reference math is plain differentiable ops that every transform
+        # (and any nesting of them) takes
+        plan = AttentionPlan("reference", (), "reference", plan.mask_form, expand_kv=True)
     scale = d**-0.5 if scale is None else float(scale)
 
     if j == 0 or i == 0:  # no keys (every row is dead) or no queries: no kernel call; keep the graph so
@@ -748,10 +799,8 @@ def attend(
             attn_mask = combined | dead_sees
         if not inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
             # the CPU flash kernel with the selections inside: no selected copy outlives the call
-            out = _flash_selected(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal)  # dead rows: 0
-            if out.requires_grad:
-                out = _FirstOrderOnly.apply(out, plan.expected)
-            return out
+            # dead rows: 0; a backward with create_graph=True runs the reference math (a gradient penalty)
+            return _flash_selected(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal)
         if not inputs_finite:
             q = _select(row_ok, q)  # the selections' backward also zeroes what a kernel sends back there
             k = _select(key_ok, k)
@@ -769,8 +818,11 @@ def attend(
         out = _reference(q, k, v, attn_mask, is_causal, scale, dropout_p)
     else:
         out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
-        if plan.expected != "math" and out.requires_grad and not torch.compiler.is_compiling():
-            out = _FirstOrderOnly.apply(out, plan.expected)  # a clear error instead of the kernel's raw one
+        if (plan.expected != "math" and out.requires_grad and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active()):
+            # the fused kernels have no second derivative: a backward with create_graph=True goes around
+            # the kernel, through the reference math on the same (selected) inputs
+            out = _ReferenceSecondOrder.apply(out, q, k, v, attn_mask, is_causal, scale, dropout_p, plan.expected)
 
     if row_ok is not None:
         out = _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned

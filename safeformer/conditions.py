@@ -383,8 +383,11 @@ def compose_guidance(
     """``uncond + sum_k scales[k] * (conds[k] - uncond)``: compositional classifier-free guidance.
 
     A token whose logit is ``-inf`` in any branch taking part stays ``-inf`` (it is impossible under one
-    of the models); NaN or ``+inf`` in a branch is a ``ValueError``. Computed in float32 (float64 for
-    float64 inputs) and returned in that dtype.
+    of the models); NaN or ``+inf`` in any branch given is a ``ValueError``, whatever its scale (one rule).
+    Computed in float64 and returned in float32 (float64 for float64 inputs). Any finite scale is allowed:
+    where ``uncond + s * (cond - uncond)`` would leave the returned dtype's range, the row is scaled down
+    to fit (its order, hence the greedy token, kept: the saturated answer), never inf or NaN; a row whose
+    branches agree is that row at any scale.
 
     Args:
         uncond: ``(..., v)`` the branch with every condition dropped.
@@ -412,28 +415,45 @@ def compose_guidance(
     for t in tensors.values():
         dtype = torch.promote_types(dtype, t.dtype)
     used = {k: _check_scale(s, f"the scale of {k!r}") for k, s in scales.items() if s != 0}
-    vals = {k: tensors[k].to(dtype) for k in ["uncond", *used]}
+    checked = dict(tensors) if reference is None or guidance_rescale == 0 else {**tensors, "reference": reference}
+    bad = torch.stack([(torch.isnan(t) | (t == float("inf"))).any() for t in checked.values()])
+    if bool(bad.any()):  # one host sync per call (a generation step); every branch given, whatever its scale
+        name = list(checked)[int(bad.long().argmax())]
+        raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
+    work = _work_dtype(uncond)
+    vals = {k: tensors[k].to(work) for k in ["uncond", *used]}
     if guidance_rescale > 0 and reference is not None:
-        vals["reference"] = reference.to(dtype)
-    for name, t in vals.items():
-        if bool((torch.isnan(t) | (t == float("inf"))).any()):  # one host sync per call (a generation step)
-            raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
+        vals["reference"] = reference.to(work)
     if space == "logprobs":
         vals = {k: _log_softmax(t) for k, t in vals.items()}
     banned = torch.zeros(uncond.shape, dtype=torch.bool, device=uncond.device)
     for t in vals.values():
         banned = banned | (t == _NEG_INF)
-    zero = torch.zeros((), dtype=dtype, device=uncond.device)
+    zero = torch.zeros((), dtype=work, device=uncond.device)
     clean = {k: torch.where(banned, zero, t) for k, t in vals.items()}  # -inf selected away, not subtracted
-    guided = _combine(clean, used, guidance_rescale, clean.get("reference"), live=~banned)
+    guided = _combine(clean, used, guidance_rescale, clean.get("reference"), live=~banned, out_dtype=dtype)
     return guided.masked_fill(banned, _NEG_INF)
 
 
+def _work_dtype(t: Tensor) -> torch.dtype:
+    """Guidance arithmetic runs in float64 (float32 where the device has none)."""
+    return torch.float32 if t.device.type == "mps" else torch.float64
+
+
 def _combine(vals: Mapping[str, Tensor], used: Mapping[str, float], guidance_rescale: float,
-             reference: Tensor | None, live: Tensor | None = None) -> Tensor:
+             reference: Tensor | None, live: Tensor | None = None, *, out_dtype: torch.dtype,
+             limit: float | None = None) -> Tensor:
     """``vals["uncond"] + sum_k used[k] * (vals[k] - vals["uncond"])`` (a single branch at scale 1 is that
     branch exactly), then the rescale toward ``reference``'s standard deviation over the last dim (over
-    ``live`` entries only), shared by logits and continuous values."""
+    ``live`` entries only), shared by logits and continuous values. ``vals`` are finite (float64).
+
+    Saturation: a row whose result would leave ``out_dtype``'s range (a huge scale) is computed as
+    ``S * r`` with ``S = max |s_k|`` and ``r = u / S + sum_k (s_k / S) d_k`` (finite), and scaled down to
+    fit (``limit``, default a quarter of ``out_dtype``'s largest value): its order and direction are kept.
+    Returned in ``out_dtype``.
+    """
+    limit = torch.finfo(out_dtype).max / 4 if limit is None else limit  # headroom for a softmax's shift, the rescale
+    live = torch.ones(vals["uncond"].shape, dtype=torch.bool, device=vals["uncond"].device) if live is None else live
     if len(used) == 1 and next(iter(used.values())) == 1.0:
         guided = vals[next(iter(used))]
     else:
@@ -441,6 +461,14 @@ def _combine(vals: Mapping[str, Tensor], used: Mapping[str, float], guidance_res
         guided = u
         for k, s in used.items():
             guided = guided + s * (vals[k] - u)
+        big = max((abs(s) for s in used.values()), default=1.0)
+        if big > 1.0:  # a huge scale: keep the rows that would overflow finite and in order
+            r = u / big
+            for k, s in used.items():
+                r = r + (s / big) * (vals[k] - u)
+            peak = torch.where(live, r.abs(), 0.0).amax(dim=-1, keepdim=True)  # (..., 1)
+            over = (peak * big > limit) | ~torch.isfinite(guided).all(dim=-1, keepdim=True)
+            guided = torch.where(over, r * (limit / torch.where(over, peak, 1.0)), guided)
     if guidance_rescale > 0.0:
         ref = guided if reference is None else reference
         live = torch.ones(guided.shape, dtype=torch.bool, device=guided.device) if live is None else live
@@ -448,17 +476,29 @@ def _combine(vals: Mapping[str, Tensor], used: Mapping[str, float], guidance_res
         flat = std_guided == 0
         ratio = torch.where(flat, 1.0, std_ref / torch.where(flat, 1.0, std_guided))
         guided = guidance_rescale * (guided * ratio) + (1.0 - guidance_rescale) * guided
-    return guided
+    peak = torch.where(live, guided.abs(), 0.0).amax(dim=-1, keepdim=True)
+    guided = torch.where(peak > limit, guided * (limit / torch.where(peak > limit, peak, 1.0)), guided)
+    return guided.to(out_dtype)
+
+
+# the largest magnitude guidance gives a continuous value: generated values are fed back into the model,
+# whose float32 norms square them (2**60 squared is far inside float32's range)
+VALUE_LIMIT = 2.0**60
 
 
 def compose_values(uncond: Tensor, conds: Mapping[str, Tensor], scales: Mapping[str, float], *,
                    guidance_rescale: float = 0.0, reference: Tensor | None = None) -> Tensor:
-    """``compose_guidance`` for continuous values ``(..., d)``: the same combination and rescale, in
-    float32 (float64 for float64 inputs), without banned entries; a branch at scale 0 is not read."""
+    """``compose_guidance`` for continuous values ``(..., d)``: the same combination, rescale and saturation
+    (computed in float64, returned in float32, float64 for float64 inputs), without banned entries; a
+    branch at scale 0 is not read. Any finite scale gives finite values: a row past ``VALUE_LIMIT``
+    saturates (scaled down to it, direction kept), so that values fed back into the model stay inside
+    what its arithmetic takes."""
     dtype = torch.promote_types(uncond.dtype, torch.float32)
+    work = _work_dtype(uncond)
     used = {k: float(s) for k, s in scales.items() if s != 0}
-    vals = {k: t.to(dtype) for k, t in {"uncond": uncond, **conds}.items() if k == "uncond" or k in used}
-    return _combine(vals, used, guidance_rescale, None if reference is None else reference.to(dtype))
+    vals = {k: t.to(work) for k, t in {"uncond": uncond, **conds}.items() if k == "uncond" or k in used}
+    return _combine(vals, used, guidance_rescale, None if reference is None else reference.to(work), out_dtype=dtype,
+                    limit=VALUE_LIMIT)
 
 
 def _log_softmax(t: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .conditions import (
+    VALUE_LIMIT,
     Conditions,
     GuidanceSchedule,
     check_drop_kinds,
@@ -353,7 +354,8 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         out = start.new_zeros(b, seq_len, self.dim_in)
         if seq_len == 0 or b == 0:  # nothing to generate: empty in, empty out
             return out
-        big = torch.finfo(start.dtype).max  # a value beyond the model's dtype saturates instead of inf
+        # a value beyond what the model takes back saturates instead of becoming inf (or NaN a step later)
+        big = min(torch.finfo(start.dtype).max / 4, VALUE_LIMIT)
 
         def combine(outs: dict[str, Tensor], t: int) -> tuple[Tensor, Tensor | None]:
             """The guided mean and the joint branch's log-variance."""

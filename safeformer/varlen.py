@@ -21,8 +21,10 @@ How it is safe whatever the kernel does (SAFETY_CONTRACT.md, S1, S6):
 3. ``cu_seqlens`` covers ``[0, T)`` exactly (the lengths must sum to T): Flash's varlen backward allocates
    dq, dk, dv with ``empty_like`` and writes only the rows of its sequences, so a token outside every
    sequence would get uninitialised memory as its gradient.
-4. The kernel's backward has no derivative of its own: a double backward (``create_graph=True``) gets a
-   clear error naming the way out instead of the autograd engine's raw one.
+4. The kernel's backward has no derivative of its own: a backward with ``create_graph=True`` (a gradient
+   penalty) goes around it, through the per-segment reference recomputed on the same q, k, v, whose
+   gradients autograd can differentiate again; under ``torch.func`` transforms the reference runs instead
+   of the kernel.
 The tests prove 2 by substituting a kernel (``substitute_varlen_kernel``) that writes NaN into the
 output and into dq, dk, dv whenever it is handed a zero-length segment.
 """
@@ -267,22 +269,34 @@ def varlen_layout(lengths: Sequence[int] | Tensor, device: torch.device | str | 
     return VarlenLayout(kept, total, max(kept, default=0), cu)
 
 
-class _FirstOrderOnly(torch.autograd.Function):
-    """Identity; its backward refuses ``create_graph=True``: the varlen kernel's backward has no derivative."""
+class _ReferenceSecondOrder(torch.autograd.Function):
+    """Identity on the varlen kernel's output; a backward with ``create_graph=True`` goes around the kernel.
+
+    The varlen kernel's backward has no derivative. In an ordinary backward this passes the gradient on to
+    the kernel's own backward, untouched (it saves q, k, v, which the kernel saves anyway: no copy). In a
+    backward with ``create_graph=True`` (a gradient penalty) it passes the kernel nothing and returns the
+    gradients of the per-segment reference (``_reference``, float32 softmax) at q, k, v instead, as a graph
+    autograd can differentiate again.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
+    def forward(ctx, out: Tensor, q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, causal: bool,
+                scale: float) -> Tensor:
+        ctx.save_for_backward(q, k, v)
+        ctx.layout, ctx.causal, ctx.scale = layout, causal, scale
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative will be asked for
-            raise RuntimeError(
-                "varlen_attention: double backward (create_graph=True, e.g. a gradient penalty) through "
-                "PyTorch's varlen Flash kernel is not supported; pass backend='reference' (or build the model "
-                "with backend='math', which plans the padded path)"
-            )
-        return grad
+        if not torch.is_grad_enabled():  # an ordinary backward: the kernel's own
+            return grad, None, None, None, None, None, None
+        q, k, v = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:4]
+        with torch.enable_grad():
+            out = _reference(q, k, v, ctx.layout, ctx.causal, ctx.scale)
+            wrt = [t for t, need in zip((q, k, v), needs) if need]
+            got = iter(torch.autograd.grad(out, wrt, grad, create_graph=True, allow_unused=True) if wrt else ())
+        return (None, *(next(got) if need else None for need in needs), None, None, None)
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, causal, scale) -> None:
@@ -377,7 +391,9 @@ def varlen_attention(
         anchor = q.sum() + k.sum() + v.sum()  # empty sums: exactly 0
         return q.new_zeros(0, h, d) + anchor * 0
 
-    if plan.path == "padded":
+    if plan.path == "padded" or torch._C._are_functorch_transforms_active():
+        # torch.func (grad, vmap, jacrev, ...): the kernel has no batching rule and no second derivative;
+        # the reference is plain differentiable ops that every transform takes
         return _reference(q, k, v, layout, causal, scale)
     return _run_kernel(q, k, v, layout, causal, scale)
 
@@ -395,7 +411,7 @@ def _run_kernel(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, causal: b
     if not isinstance(out, Tensor) or out.shape != q.shape:
         raise RuntimeError(f"the varlen kernel returned {getattr(out, 'shape', type(out))}, expected {tuple(q.shape)}")
     if out.requires_grad and not torch.compiler.is_compiling():
-        out = _FirstOrderOnly.apply(out)
+        out = _ReferenceSecondOrder.apply(out, q, k, v, layout, causal, scale)  # create_graph=True: the reference
     return out
 
 
