@@ -45,7 +45,8 @@ class Attention(nn.Module):
             them (bias 0 under ALiBi), so no row is dead; masked keys still reach nothing.
         learned_sink: a learned per-head sink logit ``head_attn_sink (h,)`` (x-transformers'
             ``attn_head_learned_sink``): one more key with logit ``head_attn_sink[h]`` and value 0, so a
-            row's weights may sum to less than 1; a row with no other key gives exactly 0. Its gradient
+            row's weights may sum to less than 1; a row with no other key gives exactly 0, after the output
+            projection's bias too (a dead row for the no-op rule: a dropped context adds nothing). Its gradient
             flows through the additive mask, which PyTorch's flash and cuDNN kernels do not
             differentiate: with ``backend='flash'``/``'cudnn'`` a sink trains on the math kernel.
         softclamp_logits: ``tanh((logits + bias) / value) * value`` before masking and softmax
@@ -227,8 +228,12 @@ class Attention(nn.Module):
             self_pad = _self_padding(mask, b, i, j)
         user_mask, j_user = mask, j
         ext = self.extra_keys
+        sink_only = None  # (b|1, i): rows that see a real key; with the sink alone a row is dead (adds exactly 0)
+        if self.head_attn_sink is not None and self.num_mem_kv == 0:
+            reach = None if bias is None else bias.to(x.dtype) != float("-inf")
+            sink_only, _ = _alive(mask, causal, b, self.heads, i, j, x.device, reach)
         if ext:  # the sink and memory keys come first; every query sees them (bottom-right causal keeps that)
-            mask, bias = self._extend(mask, bias, b, i, j, x)
+            mask, bias = self._extend(mask, bias, b, i, j, x, sink_only)
             j = j + ext
         if inputs_finite and self.to_out.bias is None and self_pad is None:
             rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
@@ -295,21 +300,31 @@ class Attention(nn.Module):
             )  # (b, h, i, d)
         # padded queries: selected before to_out; dead rows: exactly 0 after it (a bias would move them)
         zero_rows = rows_ok if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None) else None
+
         out = self._output(out.transpose(1, 2), x, self_pad, zero_rows)  # (b, i, c)
         if return_attn:
             return out, kv_out, weights
         return out, kv_out
 
-    def _extend(self, mask, bias, b: int, i: int, j: int, x: Tensor):
+    def _extend(self, mask, bias, b: int, i: int, j: int, x: Tensor, real_rows: Tensor | None = None):
         """The mask and bias over ``[sink?, memory keys, keys]``: the extra keys visible to every query,
-        at bias 0 (the sink at its learned logit)."""
+        at bias 0 (the sink at its learned logit). ``real_rows (b|1, i)``: with a sink and no memory keys,
+        the rows that see a real key; the others do not see the sink either (dead rows: exactly 0, their
+        gradients too, whatever a kernel does with them)."""
         ext = self.extra_keys
         if isinstance(mask, PreparedMask):
             mask = mask.combined
+        if mask is None and real_rows is not None:
+            mask = torch.ones(1, 1, 1, j, dtype=torch.bool, device=x.device)
         if mask is not None:
             m = as_attention_mask(mask, b, self.heads, i, j)  # (b|1, h|1, i|1, j)
             m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
-            mask = torch.cat((m.new_ones(*m.shape[:-1], ext), m), dim=-1)
+            front = m.new_ones(*m.shape[:-1], ext)
+            if real_rows is not None:
+                front = real_rows[:, None, :, None]  # (b|1, 1, i, 1)
+                lead = torch.broadcast_shapes(m.shape[:-1], front.shape[:-1])
+                m, front = m.expand(*lead, j), front.expand(*lead, 1)
+            mask = torch.cat((front, m), dim=-1)
         if bias is not None or self.head_attn_sink is not None:
             if bias is None:
                 bias = x.new_zeros(1, 1, 1, j)

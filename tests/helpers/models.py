@@ -34,7 +34,8 @@ __all__ = [
     "Inputs", "Case", "AttentionSelfCase", "AttentionSelfPaddingCase", "AttentionPastKVCase", "AttentionCrossCase",
     "EncoderCase", "DecoderCase", "CrossAttenderCase", "TransformerWrapperCase", "PrefixWrapperCase",
     "AdaptiveDecoderCase", "ContinuousWrapperCase", "XTransformerCase", "UnpaddedCase", "AttentionMemKVCase",
-    "DecoderMemKVCase", "MemoryTokensWrapperCase", "SoftclampWrapperCase", "CASES", "UNPADDED_CASES", "ALL_CASES",
+    "DecoderMemKVCase", "DecoderSinkBiasCase", "MemoryTokensWrapperCase", "SoftclampWrapperCase", "CASES", "UNPADDED_CASES",
+    "ALL_CASES",
 ]
 
 # Tiny sizes: every test file of the model stack together must run in about a minute on 2 cores.
@@ -1014,6 +1015,20 @@ class DecoderMemKVCase(DecoderCase):
         return {"main.self": _no_dead(sc, sc.n), "main.cross": _no_dead(sc, sc.n)}
 
 
+class DecoderSinkBiasCase(DecoderCase):
+    """``Decoder`` with learned sinks and projection biases (``attn_bias``), no memory keys: a query whose
+    only key is the sink is a dead row (its output, bias included, exactly 0), so a dropped or zero-length
+    context is still an exact no-op."""
+
+    name = "Decoder-sink-bias"
+
+    def config(self):
+        return dict(super().config(), attn_head_learned_sink=True, attn_bias=True)
+
+    def make(self, backend="auto"):
+        return _nonzero_sinks(super().make(backend))
+
+
 class MemoryTokensWrapperCase(TransformerWrapperCase):
     """``TransformerWrapper`` with memory tokens (x-transformers' ``num_memory_tokens``) before the
     sequence: the attention sees ``M + n`` rows; left-padded queries see the memory tokens (not dead);
@@ -1056,12 +1071,12 @@ class SoftclampWrapperCase(TransformerWrapperCase):
 CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
-    AttentionMemKVCase(), DecoderMemKVCase(), MemoryTokensWrapperCase(), SoftclampWrapperCase(),
+    AttentionMemKVCase(), DecoderMemKVCase(), DecoderSinkBiasCase(), MemoryTokensWrapperCase(), SoftclampWrapperCase(),
 ]
 # every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
 # run on the padded path only (the stack refuses unpadded=True with them)
 UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
                   if not c.name.startswith("Attention-")
-                  and c.name not in ("Decoder-memkv-sink", "TransformerWrapper-softclamp-l2norm")]
+                  and c.name not in ("Decoder-memkv-sink", "Decoder-sink-bias", "TransformerWrapper-softclamp-l2norm")]
 ALL_CASES = CASES + UNPADDED_CASES
 
