@@ -132,26 +132,27 @@ class _ReferenceSecondOrder(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                scale: float, dropout_p: float, kernel: str) -> Tensor:
+    def forward(ctx, out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, call: tuple) -> Tensor:
+        # call: (is_causal, scale, dropout_p, kernel name), one argument (each costs ``apply`` time)
         ctx.save_for_backward(q, k, v, attn_mask)
-        ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.kernel = is_causal, scale, dropout_p, kernel
+        ctx.call = call
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         if not torch.is_grad_enabled():  # an ordinary backward: the kernel's own
-            return grad, None, None, None, None, None, None, None, None
-        if ctx.dropout_p > 0:  # backward(create_graph=True) with the kernel's random dropout mask
+            return grad, None, None, None, None, None
+        is_causal, scale, dropout_p, kernel = ctx.call
+        if dropout_p > 0:  # backward(create_graph=True) with the kernel's random dropout mask
             raise RuntimeError(
                 f"attend: double backward (create_graph=True, e.g. a gradient penalty) through the fused "
-                f"'{ctx.kernel}' SDPA kernel with attention dropout (dropout_p={ctx.dropout_p}) is not supported: "
-                f"the kernel has no second derivative and its dropout mask cannot be recomputed; build the model "
+                f"'{kernel}' SDPA kernel with attention dropout (dropout_p={dropout_p}) is not supported: the "
+                f"kernel has no second derivative and its dropout mask cannot be recomputed; build the model "
                 f"with backend='math' (or 'reference'), e.g. Decoder(..., backend='math'), or use attn_dropout=0"
             )
         q, k, v, attn_mask = ctx.saved_tensors
-        dq, dk, dv, dmask = _reference_vjp(grad, q, k, v, attn_mask, ctx.is_causal, ctx.scale, ctx.needs_input_grad[1:5])
-        return None, dq, dk, dv, dmask, None, None, None, None
+        dq, dk, dv, dmask = _reference_vjp(grad, q, k, v, attn_mask, is_causal, scale, ctx.needs_input_grad[1:5])
+        return None, dq, dk, dv, dmask, None
 
 
 def _reference_vjp(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
@@ -503,7 +504,9 @@ class _SelectedFlashAttention(torch.autograd.Function):
     Forward and backward equal (bit for bit) ``_select`` of q, k, v, then SDPA's flash kernel, then
     ``_select`` of the output, with the gradients selected the same way; but what it saves between the
     two passes is the caller's q, k, v (alive anyway), the small masks, the output and the log-sum-exp,
-    not selected copies. (Old-style ``forward(ctx, ...)``, as ``_SelectOrZero``.)
+    not selected copies. (Old-style ``forward(ctx, ...)``, as ``_SelectOrZero``.) A backward with
+    ``create_graph=True`` returns instead the gradients of the reference math on the same selections
+    (``_reference_vjp``), which autograd can differentiate again: the kernel's backward has no derivative.
     """
 
     @staticmethod
@@ -822,7 +825,7 @@ def attend(
                 and not torch._C._are_functorch_transforms_active()):
             # the fused kernels have no second derivative: a backward with create_graph=True goes around
             # the kernel, through the reference math on the same (selected) inputs
-            out = _ReferenceSecondOrder.apply(out, q, k, v, attn_mask, is_causal, scale, dropout_p, plan.expected)
+            out = _ReferenceSecondOrder.apply(out, q, k, v, attn_mask, (is_causal, scale, dropout_p, plan.expected))
 
     if row_ok is not None:
         out = _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch import Tensor
 
 from .masks import validate_mask
@@ -79,6 +80,22 @@ class KVCache:
         if cache.count.device != x.device:
             raise ValueError(f"cache is on {cache.count.device}, expected {x.device} (the device of x)")
         p = cache.length
+
+        def integer(t) -> bool:
+            return isinstance(t, Tensor) and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+        if not integer(cache.count) or tuple(cache.count.shape) != (b,):
+            raise ValueError(f"cache.count must be an integer tensor of shape (b,) = ({b},), got {getattr(cache.count, 'shape', None)}")
+        pos = cache.positions
+        if not integer(pos) or pos.dim() != 2 or pos.shape[0] not in (1, b) or pos.shape[1] != p:
+            raise ValueError(f"cache.positions must be integer positions of shape (b|1, p) = ({b}, {p}), got "
+                             f"{getattr(pos, 'shape', type(pos))}")
+        if cache.lead is not None and (not integer(cache.lead) or tuple(cache.lead.shape) != (b,)):
+            raise ValueError(f"cache.lead must be an integer tensor of shape (b,) = ({b},), got {getattr(cache.lead, 'shape', None)}")
+        for name in ("context", "condition", "condition_input"):
+            t = getattr(cache, name)
+            if t is not None and (not isinstance(t, Tensor) or t.dim() < 2 or t.shape[0] != b):
+                raise ValueError(f"cache.{name} is for a batch of {getattr(t, 'shape', [None])[0]} samples, x has {b}")
         if cache.mask is not None:
             validate_mask(cache.mask, "cache.mask", shape=(b, p), device=x.device)
         for k, v in cache.self_kv:
@@ -151,6 +168,4 @@ class LayerIntermediates:
 
 def _dtype_differs(t: Tensor, x: Tensor) -> bool:
     """``t`` cannot meet ``x`` in one matmul: dtypes differ outside autocast (which mixes them itself)."""
-    import torch
-
     return t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)

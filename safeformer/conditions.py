@@ -186,11 +186,25 @@ class Conditions:
         """Shapes, dtypes, devices and masks against ``net`` (a wrapper), once at the door (S9); with the
         net's ``check_finite``, NaN/inf at real context positions too. Returns ``self``."""
         check_condition_args(self, b, device, net.attn_layers, prefix=prefix)
-        if self.context is not None and getattr(net, "check_finite", False):  # before a drop could hide it
-            from .masks import check_finite
-
-            check_finite(self.context, self.context_mask, prefix + "context")
+        if getattr(net, "check_finite", False):  # before a drop could hide it
+            self.check_finite(prefix)
         return self
+
+    def check_finite(self, prefix: str = "") -> None:
+        """NaN or inf at a real position of any kind (its mask True, or no mask) is a ``ValueError`` naming
+        it; masked positions and dropped samples may hold anything. One host sync per kind."""
+        from .masks import check_finite
+
+        b = self.batch_size()
+        if b is not None:
+            _check_conditions_shape(self, b, prefix)  # ranks, batch and masks first: the names stay right
+        for kind in self.kinds():
+            spec = CONDITION_KINDS[kind]
+            t, m = self.pair(kind)
+            if spec.sequence:
+                check_finite(t, m, prefix + spec.value)
+            else:  # one row per sample: (b, K) with mask (b,)
+                check_finite(t[:, None], None if m is None else m[:, None], prefix + spec.value)
 
     def stack_kwargs(self) -> dict:
         """Keyword arguments for ``AttentionLayers.forward``: every kind the stack consumes (``None`` if absent)."""
@@ -242,6 +256,22 @@ def stack_conditions(branches: list[Conditions]) -> Conditions:
     return out
 
 
+def _check_conditions_shape(conds: Conditions, b: int, prefix: str) -> None:
+    """Every kind given holds ``b`` samples, floats of its rank, with a bool mask of its shape (S9)."""
+    for kind in conds.kinds():
+        spec = CONDITION_KINDS[kind]
+        t, m = conds.pair(kind)
+        want = (b, None, None) if spec.sequence else (b, None)
+        check_condition_tensor(t, prefix + spec.value, want, t.device if isinstance(t, Tensor) else None,
+                               shape_text=f"(b={b}, j, width)" if spec.sequence else f"(b={b}, width)")
+        if m is not None:
+            validate_mask(m, prefix + spec.mask, shape=spec.mask_shape(t), device=t.device)
+    for spec in CONDITION_KINDS.values():
+        t, m = conds.pair(spec.name)
+        if m is not None and t is None:
+            raise ValueError(f"{prefix}{spec.mask} was given without {prefix}{spec.value}")
+
+
 def drop_conditions(
     conds: Conditions,
     probs: Mapping[str, float],
@@ -264,9 +294,23 @@ def drop_conditions(
         ``(conditions, {kind: (b,) bool dropped})``. Dropped values are selected away: whatever a
         dropped sample's condition holds (NaN included) reaches no output and no gradient.
     """
+    if not isinstance(conds, Conditions):
+        raise TypeError(f"conds must be a Conditions, got {type(conds).__name__}")
+    probs = drop_probabilities(probs, "probs")
+    if isinstance(all_prob, bool) or not (isinstance(all_prob, (int, float)) and 0.0 <= all_prob <= 1.0):
+        raise ValueError(f"all_prob must be a probability in [0, 1], got {all_prob!r}")
+    if nulls is not None and not isinstance(nulls, Mapping):
+        raise TypeError(f"nulls must be a mapping {{kind: (null, mask)}}, got {type(nulls).__name__}")
     b = conds.batch_size()
     if b is None:
         return conds, {}
+    _check_conditions_shape(conds, b, "")
+    for kind, null in (nulls or {}).items():
+        if kind not in CONDITION_KINDS:
+            raise ValueError(f"nulls names an unknown condition {kind!r}; the kinds are {list(KINDS)}")
+        if not (isinstance(null, (tuple, list)) and len(null) == 2):
+            raise TypeError(f"nulls[{kind!r}] must be a pair (null, mask or None), got {type(null).__name__}")
+        _check_conditions_shape(Conditions().with_pair(kind, *null), b, f"nulls[{kind!r}]: ")
     device = next(getattr(conds, f.name) for f in fields(conds) if getattr(conds, f.name) is not None).device
     every = torch.rand(b, device=device, generator=generator) < all_prob if all_prob > 0 else None
     dropped: dict[str, Tensor] = {}
@@ -644,19 +688,21 @@ def check_condition_args(conds: Conditions, b: int, device, layers, prefix: str 
             raise ValueError(f"{prefix}{spec.mask} was given without {prefix}{spec.value}")
 
 
-def drop_probabilities(cond_drop_prob) -> dict[str, float]:
+def drop_probabilities(cond_drop_prob, name: str = "cond_drop_prob") -> dict[str, float]:
     """``{kind: p}`` from one number (every kind) or a mapping ``{"context" | "prepend" | "condition": p}``."""
-    def check(p, name):
+    def check(p, what):
         if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
-            raise ValueError(f"{name} must be in [0, 1], got {p!r}")
+            raise ValueError(f"{what} must be a probability in [0, 1], got {p!r}")
         return float(p)
 
     if isinstance(cond_drop_prob, Mapping):
         bad = [k for k in cond_drop_prob if k not in KINDS]
         if bad:
-            raise ValueError(f"cond_drop_prob names unknown conditions {bad}; use 'context', 'prepend', 'condition'")
-        return {k: check(cond_drop_prob.get(k, 0.0), f"cond_drop_prob[{k!r}]") for k in KINDS}
-    p = check(cond_drop_prob, "cond_drop_prob")
+            raise ValueError(f"{name} names unknown conditions {bad}; the kinds are {list(KINDS)}")
+        return {k: check(cond_drop_prob.get(k, 0.0), f"{name}[{k!r}]") for k in KINDS}
+    if not isinstance(cond_drop_prob, (int, float)) or isinstance(cond_drop_prob, bool):
+        raise TypeError(f"{name} must be a number or a mapping {{kind: p}}, got {type(cond_drop_prob).__name__}")
+    p = check(cond_drop_prob, name)
     return {k: p for k in KINDS}
 
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 __all__ = [
     "validate_mask",
+    "check_lengths",
     "padding_mask",
     "key_padding_mask",
     "query_padding_mask",
@@ -136,14 +137,34 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
+def check_lengths(lengths, name: str, b: int | None = None, max_len: int | None = None, device=None) -> Tensor:
+    """Per-sample lengths (or start positions): an integer tensor ``(b,)`` with values in ``[0, max_len]``,
+    else a clear error naming ``name`` (S9). One host sync (the values), at the door."""
+    if not isinstance(lengths, Tensor) or lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+        raise TypeError(f"{name} must be an integer tensor (b,), got {getattr(lengths, 'dtype', type(lengths).__name__)}")
+    if lengths.dim() != 1 or (b is not None and lengths.shape[0] != b):
+        raise ValueError(f"{name} must have shape (b,){'' if b is None else f' = ({b},)'}, got {tuple(lengths.shape)}")
+    if device is not None and not _same_device(lengths.device, device):
+        raise ValueError(f"{name} is on {lengths.device}, expected {device}")
+    if lengths.numel() and not torch.compiler.is_compiling():
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 0 or (max_len is not None and high > max_len):
+            bound = "" if max_len is None else f", at most {max_len}"
+            raise ValueError(f"{name} must hold values >= 0{bound}; got {low if low < 0 else high}")
+    return lengths
+
+
 def padding_mask(lengths: Tensor, max_len: int | None = None, *, left: bool = False) -> Tensor:
     """Build a ``(b, n)`` padding mask from per-sample lengths (True = real position).
 
     Args:
-        lengths: ``(b,)`` integer lengths.
-        max_len: ``n``; defaults to ``lengths.max()`` (a host sync; pass it to avoid one).
+        lengths: ``(b,)`` integer lengths, each in ``[0, max_len]`` (checked: one host sync).
+        max_len: ``n``; defaults to ``lengths.max()``.
         left: real positions at the end (left padding) instead of the start.
     """
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0):
+        raise ValueError(f"max_len must be an integer >= 0, got {max_len!r}")
+    check_lengths(lengths, "lengths", max_len=max_len)
     if max_len is None:
         max_len = int(lengths.max()) if lengths.numel() else 0
     pos = torch.arange(max_len, device=lengths.device)

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .conditions import (
+    CONDITION_KINDS,
     Conditions,
     GuidanceSchedule,
     check_drop_kinds,
@@ -336,15 +337,16 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         device = next(self.net.parameters()).device
         kw = {**locals(), **conditions}
         given = Conditions.from_kwargs(kw)
-        b = next((int(t.shape[0]) for t in (given.pair(k)[0] for k in given.kinds()) if isinstance(t, Tensor) and t.dim() >= 1),
-                 None)
+        sized = [(CONDITION_KINDS[k].value, t) for k, t in ((k, given.pair(k)[0]) for k in given.kinds())
+                 if isinstance(t, Tensor) and t.dim() >= 1]
+        b, source = (int(sized[0][1].shape[0]), sized[0][0]) if sized else (None, None)
         if batch_size is None:
             if b is None:
                 raise ValueError("batch_size is needed when no condition gives the batch size")
             batch_size = b
         batch_size = _check_count(batch_size, "batch_size", 0)
         if b is not None and b != batch_size:
-            raise ValueError(f"batch_size={batch_size} but the conditions hold {b} samples")
+            raise ValueError(f"batch_size={batch_size} but {source} holds {b} samples")
         b = batch_size
         n = self.max_seq_len if seq_len is None else _check_count(seq_len, "seq_len", 1)
         if self.net.pos_emb is not None and n > self.max_seq_len:

@@ -16,7 +16,7 @@ from .conditions import Conditions, check_condition_tensor, condition_kwargs
 from .layers import AttentionLayers, KVCache, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
-from .masks import checked_once, validate_mask
+from .masks import check_lengths, checked_once, validate_mask
 from .modules import AbsolutePositionalEmbedding, l2norm, positions_from_mask
 from .pretrained import Configurable
 
@@ -105,7 +105,10 @@ class _Wrapper(Configurable, nn.Module):
                              f"[0, max_seq_len={self.max_seq_len})")
         return pos if pos.dim() == 2 else pos[None]
 
-    def _check_context(self, context, context_mask, check: bool) -> None:
+    def _check_conditions(self, conds: Conditions, check: bool) -> Conditions:
+        """The context's rank, dtype and mask here (the stack checks the rest); with ``check``, NaN/inf at
+        real positions of every kind of condition."""
+        context, context_mask = conds.context, conds.context_mask
         if context is not None:
             if not isinstance(context, Tensor) or context.dim() != 3:
                 raise ValueError(f"context must have shape (b, j, dim_context), got {getattr(context, 'shape', type(context))}")
@@ -113,8 +116,9 @@ class _Wrapper(Configurable, nn.Module):
                 raise TypeError(f"context must be a floating-point tensor, got dtype {context.dtype}")
         if context is not None and context_mask is not None:
             validate_mask(context_mask, "context_mask", shape=tuple(context.shape[:2]), device=context.device)
-        if check and context is not None:
-            _check_finite(context, context_mask, "context")
+        if check:
+            conds.check_finite()
+        return conds
 
     def _run(self, x, mask, conds: Conditions, attn_mask, cache, return_cache, *, pos=None, return_hiddens=False):
         """Positions, the fixed rows and the prefix, the stack. Returns ``(h (b, m + n, c), new cache or
@@ -123,6 +127,9 @@ class _Wrapper(Configurable, nn.Module):
         b, n = x.shape[:2]
         m = 0
         prepend_embeds, prepend_mask = conds.prepend_embeds, conds.prepend_mask
+        if cache is not None:  # the cache is input: checked before the wrapper reads its rows (lead, positions)
+            kinds = self.attn_layers.layer_kinds
+            KVCache.check(cache, x, kinds.count("self"), kinds.count("cross"))
         if pos is not None:
             if prepend_embeds is not None or (cache is None and self.num_fixed_tokens):
                 raise ValueError("pos (custom positions) cannot be combined with prepend_embeds, memory tokens or "
@@ -192,13 +199,7 @@ class _Wrapper(Configurable, nn.Module):
 
 def _start_mask(seq_start_pos, mask: Tensor | None, b: int, n: int, device) -> Tensor:
     """``mask`` with the positions before ``seq_start_pos (b,)`` marked as (left) padding."""
-    t = seq_start_pos
-    if not isinstance(t, Tensor) or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"seq_start_pos must be an integer tensor (b,), got {getattr(t, 'dtype', type(t))}")
-    if tuple(t.shape) != (b,):
-        raise ValueError(f"seq_start_pos must have shape (b,) = ({b},), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"seq_start_pos is on {t.device}, expected {device}")
+    t = check_lengths(seq_start_pos, "seq_start_pos", b, max_len=n, device=device)
     started = torch.arange(n, device=device)[None] >= t[:, None]  # (b, n)
     return started if mask is None else mask & started
 
@@ -378,13 +379,14 @@ class TransformerWrapper(_Wrapper):
             bad = ((x < 0) | (x >= self.num_tokens)).nonzero()[0].tolist()  # reached only on error
             raise ValueError(f"x holds token id {int(x[tuple(bad)])} at real position {tuple(bad)}, outside the "
                              f"vocabulary [0, num_tokens={self.num_tokens}); padded positions (mask False) may hold anything")
-        self._check_context(context, context_mask, self.check_finite if check_finite is None else check_finite)
+        conds = self._check_conditions(Conditions.from_kwargs({**locals(), **conditions}),
+                                       self.check_finite if check_finite is None else check_finite)
         want_inter = return_intermediates or return_hiddens or return_attn
         emb = self.token_emb(x)
         if self.l2norm_embed:
             emb = l2norm(emb)
         h, new_cache, full_mask, m, fixed_out, inter, plan = self._run(
-            emb, mask, Conditions.from_kwargs({**locals(), **conditions}), attn_mask, cache, return_cache,
+            emb, mask, conds, attn_mask, cache, return_cache,
             pos=pos, return_hiddens=want_inter,
         )
 
@@ -513,8 +515,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         if lens is not None:
             if mask is not None:
                 raise ValueError("pass mask or lens, not both")
-            if not isinstance(lens, Tensor) or lens.dtype == torch.bool or lens.is_floating_point() or tuple(lens.shape) != (b,):
-                raise ValueError(f"lens must be an integer tensor of shape (b,) = ({b},), got {getattr(lens, 'shape', type(lens))}")
+            check_lengths(lens, "lens", b, max_len=n, device=x.device)
             mask = torch.arange(n, device=x.device)[None] < lens.to(x.device)[:, None]
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
@@ -522,10 +523,10 @@ class ContinuousTransformerWrapper(_Wrapper):
             _check_finite(x, mask, "x")
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
-        self._check_context(context, context_mask, check)
+        conds = self._check_conditions(Conditions.from_kwargs({**locals(), **conditions}), check)
         want_inter = return_intermediates or return_hiddens or return_attn
         h, new_cache, full_mask, m, _, inter, _ = self._run(
-            self.project_in(x), mask, Conditions.from_kwargs({**locals(), **conditions}), attn_mask, cache, return_cache,
+            self.project_in(x), mask, conds, attn_mask, cache, return_cache,
             pos=pos, return_hiddens=want_inter,
         )
         if excise_prepend_embeds and m and not (return_pooled or self.average_pool_embed):

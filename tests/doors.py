@@ -471,7 +471,15 @@ def probe_drop_conditions(seed: int, value: float) -> Probe:
                  {"context": hidden_ctx[..., None].expand_as(ctx), "prefix": hidden_pre[..., None].expand_as(pre),
                   "condition": hidden_cond.expand_as(cond)},
                  bad_calls=[("unknown kind", lambda: sf.AutoregressiveWrapper(net, cond_drop_prob={"text": 0.1}), ValueError, "text"),
-                            ("probability above 1", lambda: sf.AutoregressiveWrapper(net, cond_drop_all_prob=1.5), ValueError, "cond_drop_all_prob")])
+                            ("probability above 1", lambda: sf.AutoregressiveWrapper(net, cond_drop_all_prob=1.5), ValueError, "cond_drop_all_prob"),
+                            ("unknown kind in probs", lambda: sf.drop_conditions(probe_conds, {"text": 0.1}), ValueError, "text"),
+                            ("float context_mask", lambda: sf.drop_conditions(
+                                sf.Conditions(torch.zeros(b, j, c), ctx_mask.float()), 0.5), TypeError, "context_mask"),
+                            ("(b, 1) condition_mask", lambda: sf.drop_conditions(sf.Conditions(
+                                condition=torch.zeros(b, k), condition_mask=torch.ones(b, 1, dtype=torch.bool)), 0.5),
+                             ValueError, "condition_mask"),
+                            ("kinds of different batches", lambda: sf.drop_conditions(
+                                sf.Conditions(torch.zeros(b, j, c), condition=torch.zeros(b + 1, k)), 0.5), ValueError, "condition")])
 
 
 def _cond_kinds_probe(g: torch.Generator, b: int, j: int, m: int, c: int, k: int, seed: int, probs: dict, all_prob: float):
