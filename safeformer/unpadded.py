@@ -272,6 +272,9 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
                        backend=attn.backend)
             o = o.transpose(1, 2).flatten(0, 1).index_select(0, g.dest)  # (T_g, h, d)
             out_all = out_all.index_copy(0, g.tok, o)
+        if not layout.groups:  # no real token at all: the projections still take part (zero gradients, no
+            # missing ones: a data-parallel reduction expects every parameter on every rank)
+            out_all = out_all + (q_all.sum() + k_all.sum() + v_all.sum()) * 0  # empty sums: exactly 0
         return attn._output(out_all, h)
     if not isinstance(layout, PackedCrossLayout):
         raise TypeError(f"layout must be an unpadded layout, got {type(layout).__name__}")
