@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from .masks import validate_mask
+from .masks import seen_in_scope, validate_mask
 
 __all__ = ["KVCache", "AttnIntermediate", "LayerIntermediates"]
 
@@ -69,6 +69,8 @@ class KVCache:
         cross-attention blocks run on ``x (b, n, c)``: batch, device, dtype, lengths and masks (S9)."""
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache returned by forward(..., return_cache=True), got {type(cache).__name__}")
+        if seen_in_scope(cache, ("KVCache", tuple(x.shape[:1]), x.dtype, str(x.device), n_self, n_cross)):
+            return  # checked already in this call (the wrapper checks it before its stack does)
         if len(cache.self_kv) != n_self:
             raise ValueError(f"cache holds {len(cache.self_kv)} self-attention layers, this stack has {n_self}")
         if cache.cross_kv is not None and len(cache.cross_kv) != n_cross:

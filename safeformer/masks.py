@@ -79,6 +79,19 @@ def checked_once(fn: Callable) -> Callable:
     return door
 
 
+def seen_in_scope(obj, requirement) -> bool:
+    """Whether ``obj`` was already checked against ``requirement`` in the current validation scope (and
+    records it): a door's checks of a value it hands on (a cache) run once per call."""
+    seen = None if torch.compiler.is_compiling() else _VALIDATED.get()
+    if seen is None:
+        return False
+    key = (id(obj), requirement)
+    if key in seen:
+        return True
+    seen[key] = obj
+    return False
+
+
 def validate_mask(
     mask: Tensor,
     name: str = "mask",
