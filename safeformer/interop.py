@@ -412,12 +412,8 @@ class _Plan:
     attn_opts: dict[int, _AttnOptions] = field(default_factory=dict)
 
 
-def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list[str]) -> _Plan:
-    """Checks an x-transformers ``TransformerWrapper`` (recording every problem) and plans its conversion."""
-    layers = model.attn_layers
-    dim = layers.dim
-
-    # ---- every module must be of a type we know; others name the option that made them
+def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
+    """Every module must be of a type we know; the others name the option that made them."""
     allowed = _allowed_types(xt, xt_attend)
     flagged: list[str] = []
     for mname, module in model.named_modules():
@@ -428,7 +424,10 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         problems.add(f"{option} ({tname})", mname or None)
         flagged.append(mname)
 
-    # ---- the wrapper
+
+
+def _check_wrapper(model, xt, problems: _Problems, training_only: list[str], dim: int) -> dict:
+    """The wrapper's options: a problem for each one safeformer has not; returns what the plan reads."""
     if not isinstance(model.project_emb, (nn.Identity,)) and type(model.project_emb).__name__ != "Identity":
         problems.add("emb_dim != dim (an embedding projection)")
     if not isinstance(model.token_emb, xt.TokenEmbedding):
@@ -478,8 +477,12 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
     l2norm_embed = bool(getattr(model, "l2norm_embed", False))
     if has_abs and bool(model.pos_emb.l2norm_embed) != l2norm_embed:
         problems.add("l2norm_embed on the position embedding only")
+    return dict(num_memory_tokens=num_memory_tokens, tied=tied, to_logits=to_logits, has_abs=has_abs,
+                l2norm_embed=l2norm_embed)
 
-    # ---- the layer stack
+
+def _check_stack(layers, xt, problems: _Problems, training_only: list[str], has_abs: bool) -> dict:
+    """The stack's options and layer pattern, its relative positions; returns what the plan reads."""
     for attr, option in (
         ("residual_attn", "residual_attn"),
         ("cross_residual_attn", "cross_residual_attn"),
@@ -549,8 +552,12 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
             problems.add("alibi_pos_bias with the absolute position embedding x-transformers keeps next to it "
                          "(safeformer drops it under ALiBi); such a model trained with use_abs_pos_emb=False or "
                          "disable_abs_pos_emb=True converts")
+    return dict(types=types, cross=cross, only_cross=only_cross, depth=depth, rotary=rotary, rotary_dim=rotary_dim,
+                alibi=alibi)
 
-    # ---- per layer: norms, residuals, blocks
+
+def _check_layers(layers, xt, xt_attend, types: tuple, dim: int, problems: _Problems, training_only: list[str]) -> dict:
+    """Per layer: norms, residuals, attention and feed-forward blocks, which must agree across layers."""
     norm_kinds: set[str] = set()
     attn_shapes: set[tuple] = set()
     attn_keys: set[tuple] = set()
@@ -629,6 +636,24 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
     for f in ff_ok:
         if f["out"].out_features != dim or f["in"].in_features != dim:
             problems.add("ff_dim_out != dim")
+    return dict(norm_kinds=norm_kinds, attn_shapes=attn_shapes, attn_opts=attn_opts, cross_dims=cross_dims,
+                attn_dropouts=attn_dropouts, ff_ok=ff_ok)
+
+
+def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list[str]) -> _Plan:
+    """Checks an x-transformers ``TransformerWrapper`` (recording every problem) and plans its conversion."""
+    layers = model.attn_layers
+    dim = layers.dim
+    _check_module_types(model, xt, xt_attend, problems)
+    w = _check_wrapper(model, xt, problems, training_only, dim)
+    num_memory_tokens, tied, to_logits, has_abs, l2norm_embed = (
+        w["num_memory_tokens"], w["tied"], w["to_logits"], w["has_abs"], w["l2norm_embed"])
+    st = _check_stack(layers, xt, problems, training_only, has_abs)
+    types, cross, only_cross, depth, rotary, rotary_dim, alibi = (
+        st["types"], st["cross"], st["only_cross"], st["depth"], st["rotary"], st["rotary_dim"], st["alibi"])
+    ly = _check_layers(layers, xt, xt_attend, types, dim, problems, training_only)
+    norm_kinds, attn_shapes, attn_opts, cross_dims, attn_dropouts, ff_ok = (
+        ly["norm_kinds"], ly["attn_shapes"], ly["attn_opts"], ly["cross_dims"], ly["attn_dropouts"], ly["ff_ok"])
 
     heads, kv_heads, dim_head = next(iter(attn_shapes)) if attn_shapes else (1, 1, dim)
     if alibi and 1 < kv_heads < heads:
