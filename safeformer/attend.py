@@ -117,18 +117,28 @@ class _GradSelect(torch.autograd.Function):
         return None, torch.where(keep, grad, 0.0)
 
 
+def _no_double_backward_with_dropout(kernel: str, dropout_p: float) -> RuntimeError:
+    return RuntimeError(
+        f"attend: double backward (create_graph=True, e.g. a gradient penalty) through the fused '{kernel}' "
+        f"SDPA kernel with attention dropout (dropout_p={dropout_p}) is not supported: the kernel has no second "
+        f"derivative and its dropout mask cannot be recomputed; build the model with backend='math' (or "
+        f"'reference'), e.g. Decoder(..., backend='math'), or use attn_dropout=0"
+    )
+
+
 class _ReferenceSecondOrder(torch.autograd.Function):
     """Identity on a fused kernel's output; a backward with ``create_graph=True`` goes around the kernel.
 
     PyTorch's flash, memory-efficient and cuDNN kernels have no second derivative. In an ordinary
     backward this passes the gradient on to the kernel's own backward, untouched (it saves q, k, v and
     the mask, which the kernel's node saves anyway: no copy). In a backward with ``create_graph=True``
-    (a gradient penalty: R1, WGAN-GP) it passes the kernel nothing and returns instead the gradients of
-    the reference math (``_reference``: an explicit float32 softmax) at the kernel's own inputs, as a
-    graph autograd can differentiate again. The kernel's inputs are already selected (dead rows of q,
-    masked keys of k and v are 0 or known finite) and the output's dead rows are selected after this, so
-    the recomputation sees no NaN and sends none back. Attention dropout cannot be recomputed (the
-    kernel's random mask is its own): that case alone keeps a clear error.
+    (a gradient penalty: R1, WGAN-GP) it passes the kernel no gradient (its node, handed none, returns
+    none: PyTorch's flash and memory-efficient backward ops check for it) and returns instead the
+    gradients of the reference math (``_reference``: an explicit float32 softmax) at the kernel's own
+    inputs, as a graph autograd can differentiate again. The kernel's inputs are already selected (dead
+    rows of q, masked keys of k and v are 0 or known finite) and the output's dead rows are selected
+    after this, so the recomputation sees no NaN and sends none back. Attention dropout cannot be
+    recomputed (the kernel's random mask is its own): that case alone keeps a clear error.
     """
 
     @staticmethod
@@ -144,15 +154,76 @@ class _ReferenceSecondOrder(torch.autograd.Function):
             return grad, None, None, None, None, None
         is_causal, scale, dropout_p, kernel = ctx.call
         if dropout_p > 0:  # backward(create_graph=True) with the kernel's random dropout mask
-            raise RuntimeError(
-                f"attend: double backward (create_graph=True, e.g. a gradient penalty) through the fused "
-                f"'{kernel}' SDPA kernel with attention dropout (dropout_p={dropout_p}) is not supported: the "
-                f"kernel has no second derivative and its dropout mask cannot be recomputed; build the model "
-                f"with backend='math' (or 'reference'), e.g. Decoder(..., backend='math'), or use attn_dropout=0"
-            )
+            raise _no_double_backward_with_dropout(kernel, dropout_p)
         q, k, v, attn_mask = ctx.saved_tensors
         dq, dk, dv, dmask = _reference_vjp(grad, q, k, v, attn_mask, is_causal, scale, ctx.needs_input_grad[1:5])
         return None, dq, dk, dv, dmask, None
+
+
+# whether the running backward keeps the graph (retain_graph=True); a private torch function, so a fallback
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+
+# the kernels run by ``_KernelApart`` rather than followed by ``_ReferenceSecondOrder``: cuDNN's backward op
+# (``_cudnn_attention_backward``) does not check for an undefined incoming gradient as flash's and the
+# memory-efficient one's do
+_KERNELS_APART = frozenset({"cudnn"})
+
+
+class _KernelApart(torch.autograd.Function):
+    """A kernel run on q, k, v (and the mask) in an autograd graph of its own; ``create_graph=True`` goes around it.
+
+    For a kernel whose autograd node cannot simply be skipped in a backward with ``create_graph=True``: a
+    ``torch.library`` custom op (the varlen kernel) or a backward op that needs a gradient (cuDNN) would
+    run its backward there, on zeros, and leave in the graph a node that refuses the second
+    differentiation. So the kernel runs on detached inputs, in a graph only this function reaches: an
+    ordinary backward runs that graph's backward (the kernel's own; the detached inputs share the
+    storage of q, k, v: no copy), a backward with ``create_graph=True`` returns instead the gradients of
+    ``reference`` (plain differentiable ops computing the same attention) at q, k, v and the mask, as a
+    graph autograd can differentiate again.
+
+    ``run``: ``(call, reference, dropout_p, kernel name)``; ``call`` and ``reference`` take
+    ``(q, k, v, mask)``. One argument: each costs ``apply`` time.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, run: tuple) -> Tensor:
+        call, ctx.reference, ctx.dropout_p, ctx.kernel = run
+        with torch.enable_grad():
+            inner = tuple(t if t is None else t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, mask))
+            out = call(*inner)
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.inner = (inner, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        needs = ctx.needs_input_grad[:4]
+        if torch.is_grad_enabled():  # backward(create_graph=True): the reference, differentiable again
+            if ctx.dropout_p > 0:
+                raise _no_double_backward_with_dropout(ctx.kernel, ctx.dropout_p)
+            return (*_graph_vjp(ctx.reference, ctx.saved_tensors, grad, needs), None)
+        if ctx.inner is None:
+            raise RuntimeError(f"the '{ctx.kernel}' kernel's graph was freed by an earlier backward; pass "
+                               f"retain_graph=True to the first backward to run it twice")
+        inner, out = ctx.inner
+        keep = _keep_graph()
+        if not keep:  # the kernel's graph (its saved output, log-sum-exp) goes as soon as it has run
+            ctx.inner = None
+        wrt = [t for t, need in zip(inner, needs) if need]
+        if not out.requires_grad or not wrt:  # a kernel with no gradient (a substituted one, in tests)
+            return None, None, None, None, None
+        got = iter(torch.autograd.grad(out, wrt, grad, retain_graph=keep, allow_unused=True))
+        return (*(next(got) if need else None for need in needs), None)
+
+
+def _graph_vjp(fn: Callable[..., Tensor], inputs, grad: Tensor, needs) -> tuple:
+    """The gradients of ``fn(*inputs)`` against ``grad`` at the ``inputs`` whose entry of ``needs`` is True
+    (``None`` elsewhere), as a graph autograd can differentiate again (``create_graph=True``)."""
+    with torch.enable_grad():
+        out = fn(*inputs)
+        wrt = [t for t, need in zip(inputs, needs) if need]
+        got = iter(torch.autograd.grad(out, wrt, grad, create_graph=True, allow_unused=True) if wrt else ())
+    return tuple(next(got) if need else None for need in needs)
 
 
 def _reference_vjp(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
@@ -164,18 +235,16 @@ def _reference_vjp(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Ten
     and v at masked keys, and the output at dead rows, as ``attend`` does: a NaN there reaches nothing.
     Entries of ``needs`` (4 bools) that are False give ``None``.
     """
-    with torch.enable_grad():
-        qs, ks, vs = q, k, v
+
+    def reference(q, k, v, attn_mask):
         if row_ok is not None:
-            qs = torch.where(row_ok, q, 0.0)
+            q = torch.where(row_ok, q, 0.0)
         if key_ok is not None:
-            ks, vs = torch.where(key_ok, k, 0.0), torch.where(key_ok, v, 0.0)
-        out = _reference(qs, ks, vs, attn_mask, is_causal, scale, 0.0)
-        if row_ok is not None:
-            out = torch.where(row_ok, out, 0.0)
-        wrt = [t for t, need in zip((q, k, v, attn_mask), needs) if need]
-        got = iter(torch.autograd.grad(out, wrt, grad, create_graph=True, allow_unused=True) if wrt else ())
-    return tuple(next(got) if need else None for need in needs)
+            k, v = torch.where(key_ok, k, 0.0), torch.where(key_ok, v, 0.0)
+        out = _reference(q, k, v, attn_mask, is_causal, scale, 0.0)
+        return out if row_ok is None else torch.where(row_ok, out, 0.0)
+
+    return _graph_vjp(reference, (q, k, v, attn_mask), grad, needs)
 
 
 def _grad_select(keep: Tensor, x: Tensor) -> Tensor:
@@ -820,12 +889,18 @@ def attend(
     if plan.path == "reference":
         out = _reference(q, k, v, attn_mask, is_causal, scale, dropout_p)
     else:
-        out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
-        if (plan.expected != "math" and out.requires_grad and not torch.compiler.is_compiling()
-                and not torch._C._are_functorch_transforms_active()):
-            # the fused kernels have no second derivative: a backward with create_graph=True goes around
-            # the kernel, through the reference math on the same (selected) inputs
-            out = _ReferenceSecondOrder.apply(out, q, k, v, attn_mask, (is_causal, scale, dropout_p, plan.expected))
+        # the fused kernels have no second derivative: a backward with create_graph=True goes around the
+        # kernel, through the reference math on the same (selected) inputs
+        graph = (plan.expected != "math" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                 and not torch._C._are_functorch_transforms_active())
+        if graph and plan.expected in _KERNELS_APART:
+            out = _KernelApart.apply(q, k, v, attn_mask, (
+                lambda q, k, v, m: _run_sdpa(plan, q, k, v, m, is_causal, scale, dropout_p),
+                lambda q, k, v, m: _reference(q, k, v, m, is_causal, scale, 0.0), dropout_p, plan.expected))
+        else:
+            out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
+            if graph and out.requires_grad:
+                out = _ReferenceSecondOrder.apply(out, q, k, v, attn_mask, (is_causal, scale, dropout_p, plan.expected))
 
     if row_ok is not None:
         out = _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned

@@ -76,7 +76,8 @@ def plan_unpadded(mode, mask: Tensor | None, *, packable: bool = True, cache=Non
     does not run under ``torch.compile`` (the gather's size is data-dependent). One host sync: the counts.
     """
     if mask is None or cache is not None or return_cache or attn_mask is not None or return_hiddens \
-            or mode is False or mask.numel() == 0 or not packable or torch.compiler.is_compiling():
+            or mode is False or mask.numel() == 0 or not packable or torch.compiler.is_compiling() \
+            or torch._C._are_functorch_transforms_active():  # a gather of data-dependent size: padded under torch.func
         return None
     b, n = mask.shape
     counts = tuple(mask.sum(1).tolist())  # the one host sync: every size below derives from it

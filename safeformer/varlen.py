@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attend import BACKENDS
+from .attend import BACKENDS, _KernelApart
 
 __all__ = [
     "VarlenPlan",
@@ -269,36 +269,6 @@ def varlen_layout(lengths: Sequence[int] | Tensor, device: torch.device | str | 
     return VarlenLayout(kept, total, max(kept, default=0), cu)
 
 
-class _ReferenceSecondOrder(torch.autograd.Function):
-    """Identity on the varlen kernel's output; a backward with ``create_graph=True`` goes around the kernel.
-
-    The varlen kernel's backward has no derivative. In an ordinary backward this passes the gradient on to
-    the kernel's own backward, untouched (it saves q, k, v, which the kernel saves anyway: no copy). In a
-    backward with ``create_graph=True`` (a gradient penalty) it passes the kernel nothing and returns the
-    gradients of the per-segment reference (``_reference``, float32 softmax) at q, k, v instead, as a graph
-    autograd can differentiate again.
-    """
-
-    @staticmethod
-    def forward(ctx, out: Tensor, q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, causal: bool,
-                scale: float) -> Tensor:
-        ctx.save_for_backward(q, k, v)
-        ctx.layout, ctx.causal, ctx.scale = layout, causal, scale
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        if not torch.is_grad_enabled():  # an ordinary backward: the kernel's own
-            return grad, None, None, None, None, None, None
-        q, k, v = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:4]
-        with torch.enable_grad():
-            out = _reference(q, k, v, ctx.layout, ctx.causal, ctx.scale)
-            wrt = [t for t, need in zip((q, k, v), needs) if need]
-            got = iter(torch.autograd.grad(out, wrt, grad, create_graph=True, allow_unused=True) if wrt else ())
-        return (None, *(next(got) if need else None for need in needs), None, None, None)
-
-
 def _validate(q: Tensor, k: Tensor, v: Tensor, causal, scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -405,14 +375,23 @@ def _run_kernel(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, causal: b
                          "plan with plan_varlen(), which falls back to the padded path")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # Flash: contiguous last dim
     cu = layout.cu_seqlens  # (b' + 1,) int32, strictly increasing: no zero-length segment reaches the kernel
-    out = kernel(q, k, v, cu, cu, layout.max_len, layout.max_len, scale=scale,
-                 window_size=(-1, 0) if causal else (-1, -1),  # a tuple: varlen_attn tests `== (-1, 0)`
-                 enable_gqa=k.shape[1] != q.shape[1])  # (T, h, d)
-    if not isinstance(out, Tensor) or out.shape != q.shape:
-        raise RuntimeError(f"the varlen kernel returned {getattr(out, 'shape', type(out))}, expected {tuple(q.shape)}")
-    if out.requires_grad and not torch.compiler.is_compiling():
-        out = _ReferenceSecondOrder.apply(out, q, k, v, layout, causal, scale)  # create_graph=True: the reference
-    return out
+
+    def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = kernel(q, k, v, cu, cu, layout.max_len, layout.max_len, scale=scale,
+                     window_size=(-1, 0) if causal else (-1, -1),  # a tuple: varlen_attn tests `== (-1, 0)`
+                     enable_gqa=k.shape[1] != q.shape[1])  # (T, h, d)
+        if not isinstance(out, Tensor) or out.shape != q.shape:
+            raise RuntimeError(f"the varlen kernel returned {getattr(out, 'shape', type(out))}, expected {tuple(q.shape)}")
+        return out
+
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and not torch.compiler.is_compiling()):
+        # the kernel's backward has no derivative, and as a custom op it cannot be skipped in a backward with
+        # create_graph=True: its graph is kept apart, and such a backward runs the reference instead
+        return _KernelApart.apply(q, k, v, None, (lambda q, k, v, _: call(q, k, v),
+                                                  lambda q, k, v, _: _reference(q, k, v, layout, causal, scale),
+                                                  0.0, "varlen Flash"))
+    return call(q, k, v)
 
 
 def _reference(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, causal: bool, scale: float) -> Tensor:

@@ -375,7 +375,8 @@ class TransformerWrapper(_Wrapper):
             mask = _start_mask(seq_start_pos, mask, b, n, x.device)
         if mask is not None:
             x = torch.where(mask, x, torch.zeros_like(x))
-        if not torch.compiler.is_compiling() and x.numel() and bool(((x < 0) | (x >= self.num_tokens)).any()):
+        if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() and x.numel() \
+                and bool(((x < 0) | (x >= self.num_tokens)).any()):  # (under vmap the embedding's own check)
             bad = ((x < 0) | (x >= self.num_tokens)).nonzero()[0].tolist()  # reached only on error
             raise ValueError(f"x holds token id {int(x[tuple(bad)])} at real position {tuple(bad)}, outside the "
                              f"vocabulary [0, num_tokens={self.num_tokens}); padded positions (mask False) may hold anything")

@@ -314,19 +314,15 @@ def test_token_ids_outside_the_vocabulary_at_real_positions_are_refused():
     net(ids, mask=torch.tensor([[True, True, False]]))  # at a padded position: anything goes
 
 
-def test_double_backward_is_a_clear_error_or_works_on_math():
-    """A gradient penalty through the default CPU kernel (flash) raises a clear error naming the way
-    out; on backend='math' it works and is finite."""
+def test_double_backward_works_on_every_backend():
+    """A gradient penalty through the default CPU kernel (flash) and through backend='math' works and is
+    finite (the default backend's double backward is the reference math's)."""
     torch.manual_seed(0)
     for backend in ("auto", "math"):
         enc = sf.Encoder(dim=16, depth=1, heads=2, dim_head=8, backend=backend)
         x = torch.randn(2, 3, 16, requires_grad=True)
         mask = torch.tensor([[True, True, False], [False, False, False]])
         out = enc(x, mask=mask)
-        if backend == "auto":
-            with pytest.raises(RuntimeError, match="backend='math'"):
-                torch.autograd.grad(out.sum(), x, create_graph=True)
-            continue
         (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
         (g.pow(2).sum()).backward()
         reached = {n: p.grad for n, p in enc.named_parameters() if p.grad is not None}
