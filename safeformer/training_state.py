@@ -33,15 +33,16 @@ when any check fails), and every problem is a ``ValueError`` naming the file and
 2. ``model.safetensors``: readable (not truncated), exactly the model's state-dict names, each with the
    model's shape and dtype; parameters finite; tensors the model ties together equal.
 3. The optimizer: the param groups against the optimizer's (count, parameter names, keys; booleans,
-   strings and ``None`` equal to the optimizer's, numbers finite and keeping the sign of its values),
-   then through the optimizer's own constructor and one zero-gradient step of a probe with tiny stand-in
-   parameters, which also yields the state layout it keeps (fields, shapes, dtypes) for every
-   ``torch.optim`` optimizer. Every state entry must name a parameter the optimizer holds; a parameter
-   has no state or exactly that layout; tensors are finite (second moments and the like >= 0), scalars
-   finite numbers. Other optimizers: state tensors need the parameter's shape and dtype.
+   strings and ``None`` equal to the optimizer's, a missing one taking its value; numbers finite and
+   keeping the sign of its values), then through the optimizer's own constructor and one zero-gradient
+   step of a probe with tiny stand-in parameters, which also yields the state layout it keeps (fields,
+   shapes, dtypes) for every ``torch.optim`` optimizer. Every state entry must name a parameter the
+   optimizer holds; a parameter has no state or exactly that layout; tensors are finite (second moments
+   and the like >= 0), scalars finite numbers. Other optimizers: state tensors need the shape and dtype of
+   the optimizer's current state, or else of the parameter.
 4. The scheduler: its state against the freshly built scheduler's ``state_dict()`` (same keys and
-   structure; booleans, strings and ``None`` equal; integers integers; numbers finite and keeping the
-   sign of its values).
+   structure; booleans, strings and ``None`` equal, a missing one taking its value; integers integers;
+   numbers finite and keeping the sign of its values).
 5. The random generators (with ``restore_rng``): torch's CPU state (a uint8 blob of the right size that
    torch accepts), CUDA states, Python's and NumPy's Mersenne Twister states (sizes, ranges, positions).
 6. The SHA-256 of ``training_state.json``'s record and of every safetensors file read (byte flips that
@@ -277,7 +278,8 @@ def _read_record(state_file: Path) -> dict:
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{state_file} is not valid JSON (truncated or corrupted?): {err}") from err
     version = record.get("version") if isinstance(record, dict) else None
-    if not isinstance(record, dict) or record.get("format") != _FORMAT or type(version) is not int or version != _VERSION:
+    if not isinstance(record, dict) or record.get("format") != _FORMAT or type(version) is not int \
+            or version != _VERSION:
         raise ValueError(f"{state_file} is not a safeformer training state (format/version)")
     return record
 
@@ -307,12 +309,17 @@ def _check_digests(record: dict, state_file: Path, needed: tuple[str, ...]) -> d
     return digests
 
 
+def _is_flag(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, str))
+
+
 def _like(saved: Any, ref: Any, where: str, file: Path, *, exact_ints: bool = True) -> Any:
     """``saved`` (parsed JSON) checked against ``ref`` (what the object built now holds), in ``ref``'s types.
 
     Booleans, strings and ``None`` must equal ``ref``'s (they are configuration); numbers must be numbers
     (integers where ``ref`` is one and ``exact_ints``), finite (or ``ref``'s own non-finite value), in the
-    int64 range and >= 0 where ``ref`` is; lists have ``ref``'s length, mappings ``ref``'s keys.
+    int64 range and >= 0 where ``ref`` is; lists have ``ref``'s length, mappings ``ref``'s keys (a missing
+    flag takes ``ref``'s value).
     """
 
     def bad(problem: str) -> ValueError:
@@ -326,7 +333,8 @@ def _like(saved: Any, ref: Any, where: str, file: Path, *, exact_ints: bool = Tr
             out = torch.tensor(value, dtype=ref.dtype, device=ref.device).reshape(ref.shape)
         except (RuntimeError, OverflowError) as err:
             raise bad(f"does not fit {ref.dtype}: {err}") from err
-        if (out.is_floating_point() or out.is_complex()) and math.isfinite(value) and not bool(torch.isfinite(out).all()):
+        overflowed = (out.is_floating_point() or out.is_complex()) and not bool(torch.isfinite(out).all())
+        if overflowed and math.isfinite(value):
             raise bad(f"is out of the range of {ref.dtype}: {_show(saved)}")
         return out
     if ref is None or isinstance(ref, (bool, str)):
@@ -364,10 +372,14 @@ def _like(saved: Any, ref: Any, where: str, file: Path, *, exact_ints: bool = Tr
         if not isinstance(saved, dict):
             raise bad(f"must be a mapping, got {_show(saved)}")
         keys = {str(k): k for k in ref}
-        missing, unexpected = sorted(set(keys) - set(saved)), sorted(set(saved) - set(keys))
+        # a missing flag (e.g. a key a newer torch added) takes the value of the object built now, which a
+        # saved one must equal anyway; anything else must be there
+        missing = sorted(k for k in set(keys) - set(saved) if not _is_flag(ref[keys[k]]))
+        unexpected = sorted(set(saved) - set(keys))
         if missing or unexpected:
             raise bad(f"does not fit the object built now: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        out = {keys[k]: _like(v, ref[keys[k]], f"{where}.{k}", file, exact_ints=exact_ints) for k, v in saved.items()}
+        out = {keys[k]: _like(saved[k], ref[keys[k]], f"{where}.{k}", file, exact_ints=exact_ints)
+               if k in saved else ref[keys[k]] for k in keys}
         if type(ref) is not dict:
             try:
                 out = type(ref)(out)  # e.g. MultiStepLR's milestones, a Counter with integer keys
@@ -413,14 +425,16 @@ def _probe_shape(param: torch.Tensor) -> tuple[int, ...]:
     return _PROBE_DIMS[:param.dim()] if param.dim() <= len(_PROBE_DIMS) else tuple(param.shape)
 
 
-def _expected_shape(state_shape: tuple[int, ...], probe_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+def _expected_shape(state_shape: tuple[int, ...], probe_shape: tuple[int, ...],
+                    shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape a state tensor needs for a parameter of ``shape``, from the probe's (shape ``probe_shape``)."""
     if probe_shape == shape:
         return state_shape
     return tuple(shape[probe_shape.index(d)] if d in probe_shape else d for d in state_shape)
 
 
-def _probe_layouts(optimizer: torch.optim.Optimizer, hypers: list[dict], state_file: Path) -> dict[int, tuple[dict, tuple]]:
+def _probe_layouts(optimizer: torch.optim.Optimizer, hypers: list[dict],
+                   state_file: Path) -> dict[int, tuple[dict, tuple]]:
     """Per parameter (by id): the state a ``torch.optim`` optimizer keeps for it, and the probe's shape.
 
     A probe of the optimizer's class is built with each saved param group's hyperparameters (its
@@ -444,7 +458,7 @@ def _probe_layouts(optimizer: torch.optim.Optimizer, hypers: list[dict], state_f
         try:
             probe = cls([probe_group], **kwargs)
             for q in probes.values():
-                q.grad = torch.zeros_like(q)
+                q.grad = torch.zeros_like(q).to_sparse() if cls is torch.optim.SparseAdam else torch.zeros_like(q)
             probe.step()
         except Exception as err:
             raise ValueError(f"{state_file}: optimizer.param_groups[{i}] does not work with {cls.__name__}: "
@@ -470,7 +484,8 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, record:
     if not o_file.is_file():
         raise FileNotFoundError(f"training state file {o_file} is missing, but {state_file} has an optimizer state")
     opt = record["optimizer"]
-    if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list) or not isinstance(opt.get("scalars"), dict):
+    if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list) \
+            or not isinstance(opt.get("scalars"), dict):
         raise ValueError(f"{state_file}: field 'optimizer' is malformed")
     by_name = dict(model.named_parameters())
     name_of = {id(p): n for n, p in by_name.items()}
@@ -493,18 +508,22 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, record:
             raise ValueError(f"{state_file}: {where} must be a mapping, got {_show(saved)}")
         names = saved.get("params")
         want = [name_of[id(p)] for p in group["params"]]
-        if not isinstance(names, list) or sorted(map(str, names)) != sorted(want) or len(set(map(str, names))) != len(names) \
-                or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or sorted(names) != sorted(want) \
+                or len(set(names)) != len(names):
             raise ValueError(f"{state_file}: {where}.params must name the group's {len(want)} parameters "
                              f"{_show(want)}, got {_show(names)}")
         keys, live = set(saved) - {"params"}, set(group) - {"params"}
-        # initial_lr: set by a scheduler built on the optimizer; optional where this optimizer has none yet
-        missing, unexpected = sorted(live - keys), sorted(keys - live - {"initial_lr"})
+        # a missing flag (a key a newer torch added) takes the optimizer's value: a saved one must equal it
+        # anyway; initial_lr is set by a scheduler built on the optimizer: optional where it has none yet
+        missing = sorted(k for k in live - keys if not _is_flag(group[k]))
+        unexpected = sorted(keys - live - {"initial_lr"})
         if missing or unexpected:
             raise ValueError(f"{state_file}: {where} does not fit the optimizer's: missing {missing}, "
                              f"unexpected {unexpected}")
-        hypers.append({k: _like(saved[k], group.get(k, 0.0), f"{where}.{k}", state_file, exact_ints=False)
-                       for k in sorted(keys)})
+        hyper = {k: group[k] for k in live - keys}
+        hyper.update({k: _like(saved[k], group.get(k, 0.0), f"{where}.{k}", state_file, exact_ints=False)
+                      for k in keys})
+        hypers.append(dict(sorted(hyper.items())))
 
     # state entries: each names a parameter the optimizer holds
     tensors = _read_tensors(o_file, device)
@@ -528,7 +547,8 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, record:
     for pid, fields in entries.items():
         p, name = held[pid], name_of[pid]
         if is_torch:
-            state[p] = _check_param_state(name, p, fields, layouts.get(pid), type(optimizer).__name__, o_file, state_file)
+            state[p] = _check_param_state(name, p, fields, layouts.get(pid), type(optimizer).__name__, o_file,
+                                          state_file)
         else:
             state[p] = _check_param_state_loosely(name, p, fields, optimizer.state.get(p), o_file, state_file)
     return _OptimizerPlan(hypers, state, {pid: name_of[pid] for pid in held})
@@ -589,7 +609,8 @@ def _check_param_state_loosely(name: str, p: torch.Tensor, fields: dict[str, tup
             if isinstance(ref, torch.Tensor) and ref.dim() > 0:
                 shape, dtype = tuple(ref.shape), ref.dtype
             else:
-                shape, dtype = tuple(p.shape), (p.dtype if value.is_floating_point() or value.is_complex() else value.dtype)
+                floating = value.is_floating_point() or value.is_complex()
+                shape, dtype = tuple(p.shape), (p.dtype if floating else value.dtype)
             _check_state_tensor(value, name, field, shape, dtype, p, o_file, False)
             out[field] = value
         elif ref is not None:
@@ -678,7 +699,8 @@ def _check_rng(rng: dict[str, torch.Tensor], record: dict, r_file: Path, state_f
     _check_mt_words(npr[1], _MT_N, f"{where}[1]", state_file)
     pos, has_gauss, gauss = npr[2:]
     if type(pos) is not int or not 0 <= pos <= _MT_N:
-        raise ValueError(f"{state_file}: {where}[2] (the position) must be an integer in [0, {_MT_N}], got {_show(pos)}")
+        raise ValueError(f"{state_file}: {where}[2] (the position) must be an integer in [0, {_MT_N}], "
+                         f"got {_show(pos)}")
     if type(has_gauss) is not int or has_gauss not in (0, 1):
         raise ValueError(f"{state_file}: {where}[3] (has_gauss) must be 0 or 1, got {_show(has_gauss)}")
     if isinstance(gauss, bool) or not isinstance(gauss, (int, float)):
@@ -740,6 +762,8 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, plan: _O
     for p in params:
         if p not in plan.state:
             optimizer.state.pop(p, None)  # as saved: no state (the initialising step made some)
+    for group, hyper in zip(optimizer.param_groups, plan.groups):
+        group.update(hyper)  # the checked values in the optimizer's types (the flattening made tuples lists)
 
 
 def load_training_state(
