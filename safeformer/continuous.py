@@ -154,8 +154,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         probs = drop_probabilities(cond_drop_prob)
         check_drop_kinds(net.attn_layers, cond_drop_prob)
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
-        self._set_config(net=net, probabilistic=probabilistic, loss=loss, min_variance=min_variance,
-                         cond_drop_prob=cond_drop_prob, cond_drop_all_prob=cond_drop_all_prob)
+        self._set_config_from(ContinuousAutoregressiveWrapper.__init__, locals())
         self.net = net
         self.probabilistic = probabilistic
         self.loss = loss

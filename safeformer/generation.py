@@ -700,10 +700,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         check_drop_kinds(layers, cond_drop_prob)
         if null_context == "learned" and not layers.has_cross:
             raise ValueError("null_context='learned' needs a net with cross-attention (Decoder(..., cross_attend=True))")
-        self._set_config(
-            net=net, ignore_index=ignore_index, pad_value=pad_value, cond_drop_prob=cond_drop_prob,
-            cond_drop_all_prob=cond_drop_all_prob, null_context=null_context,
-        )
+        self._set_config_from(AutoregressiveWrapper.__init__, locals())
         self.net = net
         self.ignore_index = ignore_index
         self.pad_value = pad_value

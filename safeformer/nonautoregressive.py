@@ -157,8 +157,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         probs = drop_probabilities(cond_drop_prob)
         check_drop_kinds(net.attn_layers, cond_drop_prob)
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
-        self._set_config(net=net, mask_id=mask_id, steps=steps, schedule=schedule, pad_value=pad_value,
-                         cond_drop_prob=cond_drop_prob, cond_drop_all_prob=cond_drop_all_prob)
+        self._set_config_from(NonAutoregressiveWrapper.__init__, locals())
         self.net = net
         self.mask_id = mask_id
         self.steps = steps

@@ -77,8 +77,10 @@ def _safetensors():
 class Configurable:
     """Mixin for modules that can be saved and rebuilt from their constructor arguments.
 
-    A subclass calls ``self._set_config(**arguments)`` in ``__init__`` with every argument that
-    defines it; nested configurable modules (``attn_layers=Decoder(...)``) are stored by class name.
+    A subclass calls ``self._set_config_from(Cls.__init__, locals())`` in ``__init__``: every argument of
+    its signature is captured once (never listed a second time); ``_set_config(**arguments)`` where the
+    stored values differ from the arguments. Nested configurable modules (``attn_layers=Decoder(...)``)
+    are stored by class name.
     """
 
     def __init_subclass__(cls, **kwargs):

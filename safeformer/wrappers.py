@@ -263,13 +263,7 @@ class TransformerWrapper(_Wrapper):
             return
         super().__init__()
         _check_layers(attn_layers)
-        self._set_config(
-            num_tokens=num_tokens, max_seq_len=max_seq_len, attn_layers=attn_layers, emb_dropout=emb_dropout,
-            use_abs_pos_emb=use_abs_pos_emb, tie_embedding=tie_embedding, logits_dim=logits_dim,
-            return_only_embed=return_only_embed, check_finite=check_finite, tie_embedding_scale=tie_embedding_scale,
-            num_memory_tokens=num_memory_tokens, l2norm_embed=l2norm_embed, average_pool_embed=average_pool_embed,
-            use_cls_token=use_cls_token, num_cls_tokens=num_cls_tokens,
-        )
+        self._set_config_from(TransformerWrapper.__init__, locals())
         if tie_embedding_scale is not None and not tie_embedding:
             raise ValueError("tie_embedding_scale was given without tie_embedding=True")
         if tie_embedding_scale is not None and (isinstance(tie_embedding_scale, bool) or not isinstance(
@@ -458,11 +452,7 @@ class ContinuousTransformerWrapper(_Wrapper):
             return
         super().__init__()
         _check_layers(attn_layers)
-        self._set_config(
-            max_seq_len=max_seq_len, attn_layers=attn_layers, dim_in=dim_in, dim_out=dim_out,
-            emb_dropout=emb_dropout, use_abs_pos_emb=use_abs_pos_emb, check_finite=check_finite,
-            num_memory_tokens=num_memory_tokens, average_pool_embed=average_pool_embed,
-        )
+        self._set_config_from(ContinuousTransformerWrapper.__init__, locals())
         dim = attn_layers.dim
         self.attn_layers = attn_layers
         self.dim_in = dim if dim_in is None else dim_in
