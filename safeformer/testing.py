@@ -12,15 +12,8 @@ Each name lives in its own module too (``safeformer.attend``, ``safeformer.varle
 """
 
 from .attend import BACKENDS, AttentionPlan, PreparedMask, plan_attention, prepare_mask, substitute_kernel
-from .varlen import (
-    VarlenLayout,
-    VarlenPlan,
-    plan_varlen,
-    substitute_varlen_kernel,
-    varlen_attention,
-    varlen_kernel_available,
-    varlen_layout,
-)
+from .varlen import VarlenLayout, VarlenPlan, plan_varlen, substitute_varlen_kernel
+from .varlen import varlen_attention, varlen_kernel_available, varlen_layout
 
 __all__ = [
     "BACKENDS",
