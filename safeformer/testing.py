@@ -11,22 +11,9 @@ Each name lives in its own module too (``safeformer.attend``, ``safeformer.varle
 ``safeformer.__all__``, which is the user's API.
 """
 
+from . import varlen as _varlen
 from .attend import BACKENDS, AttentionPlan, PreparedMask, plan_attention, prepare_mask, substitute_kernel
-from .varlen import VarlenLayout, VarlenPlan, plan_varlen, substitute_varlen_kernel
-from .varlen import varlen_attention, varlen_kernel_available, varlen_layout
+from .varlen import *  # noqa: F403 (varlen.__all__: its plan, layout, kernel hook and attention)
 
-__all__ = [
-    "BACKENDS",
-    "AttentionPlan",
-    "PreparedMask",
-    "VarlenLayout",
-    "VarlenPlan",
-    "plan_attention",
-    "plan_varlen",
-    "prepare_mask",
-    "substitute_kernel",
-    "substitute_varlen_kernel",
-    "varlen_attention",
-    "varlen_kernel_available",
-    "varlen_layout",
-]
+__all__ = ["BACKENDS", "AttentionPlan", "PreparedMask", "plan_attention", "prepare_mask", "substitute_kernel",
+           *_varlen.__all__]
