@@ -39,6 +39,8 @@ class Block(nn.ModuleList):
         if kind not in ("self", "cross", "ff"):
             raise ValueError(f"kind must be 'self', 'cross' or 'ff', got {kind!r}")
         self.kind = kind
+        # plain references to the registered parts (no second registration): read once per branch, every step
+        object.__setattr__(self, "_parts", (norm, mixer, gate))
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):  # a slice of the parts is a plain list of them, not a Block
@@ -47,21 +49,29 @@ class Block(nn.ModuleList):
 
     @property
     def norm(self) -> nn.Module:
-        return self[0]
+        return self._parts[0]
 
     @property
     def mixer(self) -> nn.Module:
-        return self[1]
+        return self._parts[1]
 
     @property
     def gate(self) -> nn.Module | None:
-        return self[2] if len(self) > 2 else None
+        return self._parts[2]
 
-    def forward(self, x: Tensor, condition: Tensor | None = None, *args, **kwargs) -> tuple[Tensor, tuple]:
+    def __setitem__(self, idx: int, module: nn.Module) -> None:
+        super().__setitem__(idx, module)
+        parts = list(self._parts)
+        parts[idx] = module
+        object.__setattr__(self, "_parts", tuple(parts))
+
+    def run(self, x: Tensor, condition: Tensor | None = None, *args, **kwargs) -> tuple[Tensor, tuple]:
         """The branch of ``x``: ``(out, extra)``, ``extra`` being what the mixer returned besides its
-        output (an attention's keys/values and weights; nothing for a feed-forward)."""
-        res = self.mixer(apply_norm(self.norm, x, condition), *args, **kwargs)
+        output (an attention's keys/values and weights; nothing for a feed-forward). A container's method,
+        not a module call: the parts' own hooks run, the container adds no call overhead per step."""
+        norm, mixer, gate = self._parts
+        res = mixer(apply_norm(norm, x, condition), *args, **kwargs)
         out, extra = (res[0], tuple(res[1:])) if isinstance(res, tuple) else (res, ())
-        if self.gate is not None:  # adaptive layerscale: the condition gates the branch
-            out = self.gate(out, condition)
+        if gate is not None:  # adaptive layerscale: the condition gates the branch
+            out = gate(out, condition)
         return out, extra

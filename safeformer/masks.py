@@ -71,10 +71,13 @@ def checked_once(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def door(*args, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _VALIDATED.get() is not None:  # an inner door: the scope is open
             return fn(*args, **kwargs)
-        with validation_scope():
+        token = _VALIDATED.set({})
+        try:
             return fn(*args, **kwargs)
+        finally:
+            _VALIDATED.reset(token)
 
     return door
 
