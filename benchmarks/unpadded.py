@@ -10,7 +10,7 @@ uniformly in [10%, 90%] of ``seq`` (right padding, a ``mask``), context lengths 
 Rows: ``unpadded`` (safeformer, ``unpadded="auto"``: real tokens only), ``padded path``
 (``unpadded=False``), ``fully real`` (safeformer, same shapes, no padding: the cost of the shapes), and
 ``x-transformers`` (``attn_flash=True``, same mask). "Fully real" passes no masks at all (the causal
-kernel without a mask tensor), the fastest those shapes can run. Targets (issue "padding costs nothing"): unpadded /
+kernel without a mask tensor), the fastest those shapes can run. Targets ("padding costs nothing"): unpadded /
 fully real <= real fraction + 0.1, and x-transformers / unpadded >= 1.5.
 
 Usage:

@@ -3,7 +3,7 @@
 Shape legend: b batch, h query heads, g = h // h_kv query heads per key/value head, i queries,
 j keys, d head dim (q, k), e head dim (v).
 
-How it is safe whatever the kernel does (SAFETY_CONTRACT.md, S1-S3, S6):
+How it is safe whatever the kernel does (docs/safety.md, S1-S3, S6):
 1. The masks are combined (user mask, bottom-right causal) in their broadcast shape.
 2. Masked keys (no query may see them) have k and v *selected* to 0, and dead rows (a query that may
    see no key) have q selected to 0, so NaN/inf there cannot reach any product (``0 * NaN``).
@@ -463,7 +463,7 @@ def _select_(keep: Tensor, x: Tensor) -> Tensor:
     return x
 
 
-# ---- the CPU flash kernel with selection on the way in (issue 14) ----------------------------------
+# ---- the CPU flash kernel with selection on the way in --------------------------------------------
 #
 # The generic path hands SDPA *selected copies* of q, k, v, which SDPA's autograd node saves for its
 # backward while the caller keeps the originals alive: three extra q/k/v-sized tensors between the

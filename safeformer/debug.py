@@ -5,7 +5,7 @@
   produces them), holds NaN or inf. When the gradient arriving at the model's outputs is already
   non-finite, it blames the loss (whatever consumed the outputs) instead of any module. It leaves the
   model as it found it.
-- ``mask_report(...)`` counts, per sample, the dead rows of an attention (SAFETY_CONTRACT.md: a query
+- ``mask_report(...)`` counts, per sample, the dead rows of an attention (docs/safety.md: a query
   that may attend to no key) and says *why* each row is dead, from the parts of the mask.
 - ``plot_mask(mask, path)`` writes a PNG of an ``(i, j)`` mask with its dead rows highlighted
   (matplotlib is imported only there; it is not a core dependency).

@@ -1,4 +1,4 @@
-"""Variable-length self-attention over packed real tokens (issue 14, "padding costs nothing").
+"""Variable-length self-attention over packed real tokens.
 
 Shape legend: T real tokens in all (packed, segment after segment, in order), b segments (samples),
 h query heads, h_kv key/value heads (``h % h_kv == 0``: query head ``n`` uses key/value head
@@ -10,7 +10,7 @@ each other only (block-diagonal attention), causally when asked (token ``t`` of 
 (``torch.nn.attention.varlen.varlen_attn``); elsewhere, and whenever ``plan_varlen`` says the kernel
 cannot run the inputs, a per-segment float32 reference.
 
-How it is safe whatever the kernel does (SAFETY_CONTRACT.md, S1, S6):
+How it is safe whatever the kernel does (docs/safety.md, S1, S6):
 1. Self-attention over real tokens has no dead rows and no masked keys: every token sees at least itself.
    So nothing here is selected away; a NaN at a real token is real input (the user's NaN, S9) and must
    surface, not be hidden.

@@ -2,7 +2,7 @@
 
 Every x-transformers model gets random weights (every parameter moved away from its init, so norm
 gains and biases matter), is converted, and must give the same logits at every real position:
-to 1e-5 in float32 (as the issue asks), and to 1e-10 in float64 where neither library computes in
+to 1e-5 in float32, and to 1e-10 in float64 where neither library computes in
 float32 internally (which shows the conversion is exact, not merely close). Padding is on the right (x-transformers numbers positions 0..n-1 whatever
 the mask) and no row is dead in these comparisons (x-transformers' dead rows are its own business).
 """
