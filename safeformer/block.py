@@ -65,10 +65,10 @@ class Block(nn.ModuleList):
         parts[idx] = module
         object.__setattr__(self, "_parts", tuple(parts))
 
-    def run(self, x: Tensor, condition: Tensor | None = None, *args, **kwargs) -> tuple[Tensor, tuple]:
+    def forward(self, x: Tensor, condition: Tensor | None = None, *args, **kwargs) -> tuple[Tensor, tuple]:
         """The branch of ``x``: ``(out, extra)``, ``extra`` being what the mixer returned besides its
-        output (an attention's keys/values and weights; nothing for a feed-forward). A container's method,
-        not a module call: the parts' own hooks run, the container adds no call overhead per step."""
+        output (an attention's keys/values and weights; nothing for a feed-forward). A module call, so a
+        block can be its own FSDP2 unit (``fully_shard(block)``) and hooks on it run."""
         norm, mixer, gate = self._parts
         res = mixer(apply_norm(norm, x, condition), *args, **kwargs)
         out, extra = (res[0], tuple(res[1:])) if isinstance(res, tuple) else (res, ())

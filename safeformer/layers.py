@@ -390,10 +390,10 @@ class AttentionLayers(Configurable, nn.Module):
 
         def run(block: Block, x: Tensor, cond: Tensor | None, past_kv=None, cached=None) -> tuple[Tensor, tuple]:
             if block.kind == "self":
-                return block.run(x, cond, past_kv=past_kv, **self_args)
+                return block(x, cond, past_kv=past_kv, **self_args)
             if block.kind == "cross":
-                return block.run(x, cond, None if cached is not None else context, kv=cached, **cross_args)
-            return block.run(x, cond)
+                return block(x, cond, None if cached is not None else context, kv=cached, **cross_args)
+            return block(x, cond)
 
         for block in self.layers:
             if return_hiddens and block.kind == self.layer_kinds[0]:  # the residual stream entering each layer

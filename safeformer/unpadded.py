@@ -227,8 +227,8 @@ def forward_unpadded(stack, x: Tensor, plan: UnpaddedPlan, positions: Tensor, co
 
     def branch(block, xp: Tensor, condp: Tensor | None) -> Tensor:
         if block.kind == "ff":
-            return block.run(xp, condp)[0]
-        return block.run(xp, condp, layout=self_layout if block.kind == "self" else cross_layout)[0]
+            return block(xp, condp)[0]
+        return block(xp, condp, layout=self_layout if block.kind == "self" else cross_layout)[0]
 
     for block in stack.layers:
         if block.kind == "cross" and context is None:
