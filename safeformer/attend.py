@@ -849,26 +849,7 @@ def attend(
     attn_mask: Tensor | None = None
     row_ok = None
     if combined is not None:
-        row_ok = prepared.row_ok if prepared is not None else combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
-        if prepared is not None and prepared.key_ok is not None and prepared.key_ok.shape[1] == 1:
-            key_ok = prepared.key_ok  # (b|1, 1, j, 1)
-        else:
-            key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
-            if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
-                key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
-            key_ok = key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
-        # no kernel sees a dead row: a dead row is handed one (finite) key to see, the first, which costs
-        # a kernel no more than a fully masked row (every key, as for a mask that is constant over keys)
-        if bias is not None:
-            fill = torch.where(row_ok, float("-inf"), 0.0).to(q.dtype)
-            attn_mask = torch.where(combined, bias, fill)  # a dead row sees every key at bias 0
-        elif prepared is not None:  # the stack's shared additive mask: one storage for every layer
-            attn_mask = prepared.additive if prepared.additive.dtype == q.dtype else prepared.additive.to(q.dtype)
-        else:
-            dead_sees = ~row_ok
-            if combined.shape[-1] == j > 1:
-                dead_sees = dead_sees & (torch.arange(j, device=q.device) == 0)  # (b|1, h|1, i, j)
-            attn_mask = combined | dead_sees
+        row_ok, key_ok, attn_mask = _kernel_mask(combined, prepared, bias, h, hkv, j, q.dtype)
         if not inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
             # the CPU flash kernel with the selections inside: no selected copy outlives the call
             # dead rows: 0; a backward with create_graph=True runs the reference math (a gradient penalty)
@@ -886,24 +867,51 @@ def attend(
     elif bias is not None:
         attn_mask = bias.to(q.dtype)
 
-    if plan.path == "reference":
-        out = _reference(q, k, v, attn_mask, is_causal, scale, dropout_p)
-    else:
-        # the fused kernels have no second derivative: a backward with create_graph=True goes around the
-        # kernel, through the reference math on the same (selected) inputs
-        graph = (plan.expected != "math" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                 and not torch._C._are_functorch_transforms_active())
-        if graph and plan.expected in _KERNELS_APART:
-            out = _KernelApart.apply(q, k, v, attn_mask, (
-                lambda q, k, v, m: _run_sdpa(plan, q, k, v, m, is_causal, scale, dropout_p),
-                lambda q, k, v, m: _reference(q, k, v, m, is_causal, scale, 0.0), dropout_p, plan.expected))
-        else:
-            out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
-            if graph and out.requires_grad:
-                out = _ReferenceSecondOrder.apply(out, q, k, v, attn_mask, (is_causal, scale, dropout_p, plan.expected))
-
+    out = _kernel_call(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
     if row_ok is not None:
         out = _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned
+    return out
+
+
+def _kernel_mask(combined: Tensor, prepared: PreparedMask | None, bias: Tensor | None, h: int, hkv: int, j: int,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(row_ok (b|1, h|1, i, 1), key_ok (b|1, h_kv|1, j, 1), the mask the kernel gets)`` from the combined
+    mask. No kernel sees a dead row: a dead row is handed one (finite) key to see, the first, which costs
+    a kernel no more than a fully masked row (every key at bias 0, with an additive bias)."""
+    row_ok = prepared.row_ok if prepared is not None else combined.any(dim=-1, keepdim=True)
+    if prepared is not None and prepared.key_ok is not None and prepared.key_ok.shape[1] == 1:
+        key_ok = prepared.key_ok  # (b|1, 1, j, 1)
+    else:
+        key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
+        if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
+            key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
+        key_ok = key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
+    if bias is not None:
+        fill = torch.where(row_ok, float("-inf"), 0.0).to(dtype)
+        return row_ok, key_ok, torch.where(combined, bias, fill)  # a dead row sees every key at bias 0
+    if prepared is not None:  # the stack's shared additive mask: one storage for every layer
+        return row_ok, key_ok, prepared.additive if prepared.additive.dtype == dtype else prepared.additive.to(dtype)
+    dead_sees = ~row_ok
+    if combined.shape[-1] == j > 1:
+        dead_sees = dead_sees & (torch.arange(j, device=combined.device) == 0)  # (b|1, h|1, i, j)
+    return row_ok, key_ok, combined | dead_sees
+
+
+def _kernel_call(plan: AttentionPlan, q, k, v, attn_mask, is_causal: bool, scale: float, dropout_p: float) -> Tensor:
+    """The planned kernel (or the reference math) on inputs already selected. The fused kernels have no
+    second derivative: a backward with create_graph=True goes around the kernel, through the reference
+    math on the same inputs."""
+    if plan.path == "reference":
+        return _reference(q, k, v, attn_mask, is_causal, scale, dropout_p)
+    graph = (plan.expected != "math" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+             and not torch._C._are_functorch_transforms_active())
+    if graph and plan.expected in _KERNELS_APART:
+        return _KernelApart.apply(q, k, v, attn_mask, (
+            lambda q, k, v, m: _run_sdpa(plan, q, k, v, m, is_causal, scale, dropout_p),
+            lambda q, k, v, m: _reference(q, k, v, m, is_causal, scale, 0.0), dropout_p, plan.expected))
+    out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
+    if graph and out.requires_grad:
+        out = _ReferenceSecondOrder.apply(out, q, k, v, attn_mask, (is_causal, scale, dropout_p, plan.expected))
     return out
 
 

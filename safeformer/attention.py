@@ -204,20 +204,8 @@ class Attention(nn.Module):
             from .unpadded import attend_layout  # the unpadded path's layouts live there
 
             return attend_layout(self, x, layout), None
-        if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
-            raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
+        self._check_call(x, context, kv, past_kv)
         b, i = x.shape[:2]
-        if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != b):
-            raise ValueError(f"context must have shape (b={b}, j, dim_context), got {getattr(context, 'shape', type(context))}")
-        mixed_ok = torch.is_autocast_enabled(x.device.type)  # autocast mixes dtypes on purpose
-        if context is not None and context.dtype != x.dtype and not mixed_ok:
-            raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of x)")
-        if kv is not None and past_kv is not None:
-            raise ValueError("pass kv (cross-attention keys/values) or past_kv (self-attention cache), not both")
-        if kv is not None:
-            self._check_kv(kv, "kv", b, x, mixed_ok)
-        if past_kv is not None:
-            self._check_kv(past_kv, "past_kv", b, x, mixed_ok)
         source = x if context is None else context
         if kv is not None:
             j = kv[0].shape[2]
@@ -355,6 +343,23 @@ class Attention(nn.Module):
             parts_k.append(mk)
             parts_v.append(mv)
         return torch.cat((*parts_k, k), dim=2), torch.cat((*parts_v, v), dim=2)
+
+    def _check_call(self, x, context, kv, past_kv) -> None:
+        """The door's checks of ``forward``'s tensors (S9); the masks are checked where they are read."""
+        if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
+        b = x.shape[0]
+        if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != b):
+            raise ValueError(f"context must have shape (b={b}, j, dim_context), got {getattr(context, 'shape', type(context))}")
+        mixed_ok = torch.is_autocast_enabled(x.device.type)  # autocast mixes dtypes on purpose
+        if context is not None and context.dtype != x.dtype and not mixed_ok:
+            raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of x)")
+        if kv is not None and past_kv is not None:
+            raise ValueError("pass kv (cross-attention keys/values) or past_kv (self-attention cache), not both")
+        if kv is not None:
+            self._check_kv(kv, "kv", b, x, mixed_ok)
+        if past_kv is not None:
+            self._check_kv(past_kv, "past_kv", b, x, mixed_ok)
 
     def _check_kv(self, kv, name: str, b: int, x: Tensor, mixed_ok: bool = False) -> None:
         ok = isinstance(kv, (tuple, list)) and len(kv) == 2 and all(isinstance(t, Tensor) and t.dim() == 4 for t in kv)

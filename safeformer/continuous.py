@@ -254,6 +254,27 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
     # generation
     # ------------------------------------------------------------------------------------------------
 
+    def _check_generate_args(self, start, seq_len, mask, temperature, guidance_rescale) -> tuple[int, float, float]:
+        """``generate``'s checks of its start, length, mask and sampling options (S9)."""
+        if not isinstance(start, Tensor) or start.dim() != 3 or start.shape[-1] != self.dim_in:
+            raise ValueError(f"start must have shape (b, n0, dim_in={self.dim_in}), got {getattr(start, 'shape', type(start))}")
+        if not start.is_floating_point():
+            raise TypeError(f"start must be a floating-point tensor, got dtype {start.dtype}")
+        b, n0, _ = start.shape
+        if n0 == 0:
+            raise ValueError("start must hold at least one step per sample (got n0 = 0 positions)")
+        seq_len = _check_count(seq_len, "seq_len", 0)
+        if mask is not None:
+            validate_mask(mask, "mask", shape=(b, n0), device=start.device)
+            empty = ~mask.any(dim=1)
+            if bool(empty.any()):
+                raise ValueError(f"every start needs at least one real step; mask rows {empty.nonzero().flatten().tolist()} are all False")
+        temperature = _check_temperature(temperature)
+        guidance_rescale = _check_guidance_rescale(guidance_rescale)
+        if guidance_rescale > 0 and self.dim_in < 2:
+            raise ValueError(f"guidance_rescale needs dim_in >= 2 (a standard deviation over the features), got dim_in={self.dim_in}")
+        return seq_len, temperature, guidance_rescale
+
     @torch.no_grad()
     def generate(
         self,
@@ -323,24 +344,10 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             if mask is not None:
                 validate_mask(mask, "mask", shape=(start.shape[0],), device=start.device)
             return self.generate(start[None], seq_len, mask=None if mask is None else mask[None], **kwargs)[0]
-        if not isinstance(start, Tensor) or start.dim() != 3 or start.shape[-1] != self.dim_in:
-            raise ValueError(f"start must have shape (b, n0, dim_in={self.dim_in}), got {getattr(start, 'shape', type(start))}")
-        if not start.is_floating_point():
-            raise TypeError(f"start must be a floating-point tensor, got dtype {start.dtype}")
+        seq_len, temperature, guidance_rescale = self._check_generate_args(start, seq_len, mask, temperature,
+                                                                           guidance_rescale)
         b, n0, _ = start.shape
         device = start.device
-        if n0 == 0:
-            raise ValueError("start must hold at least one step per sample (got n0 = 0 positions)")
-        seq_len = _check_count(seq_len, "seq_len", 0)
-        if mask is not None:
-            validate_mask(mask, "mask", shape=(b, n0), device=device)
-            empty = ~mask.any(dim=1)
-            if bool(empty.any()):
-                raise ValueError(f"every start needs at least one real step; mask rows {empty.nonzero().flatten().tolist()} are all False")
-        temperature = _check_temperature(temperature)
-        guidance_rescale = _check_guidance_rescale(guidance_rescale)
-        if guidance_rescale > 0 and self.dim_in < 2:
-            raise ValueError(f"guidance_rescale needs dim_in >= 2 (a standard deviation over the features), got dim_in={self.dim_in}")
         kw = {**locals(), **conditions}
         conds, negatives = _conditions_of(self.net, b, device, kw), _negatives(self.net, b, device, kw)
         conds = conds.with_empty_for(negatives, b)

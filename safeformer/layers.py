@@ -428,21 +428,27 @@ class AttentionLayers(Configurable, nn.Module):
             )
         if not return_cache:
             return x if intermediates is None else (x, intermediates)
-        count = torch.full((b,), n, device=device, dtype=torch.long) if mask is None else mask.sum(1)
-        if cache is not None:
-            count = cache.count + count
-        new_cache = KVCache(
-            self_kv=self_kv, cross_kv=cross_kv if use_cross else None, mask=sa.key_pad,
-            context_mask=context_mask if use_cross else None, count=count, positions=sa.all_positions,
-            context=ca.user_context if use_cross else None,
-            condition=cond, condition_input=condition if cache is None else cache.condition_input,
-            condition_mask=condition_mask if cache is None else cache.condition_mask,
-        )
+        new_cache = _new_cache(cache, mask, b, n, device, self_kv, cross_kv, sa, ca, cond, condition, condition_mask)
         if intermediates is not None:
             intermediates.cache = new_cache
             return x, new_cache, intermediates
         return x, new_cache
 
+
+
+def _new_cache(cache, mask, b: int, n: int, device, self_kv, cross_kv, sa, ca, cond, condition,
+               condition_mask) -> KVCache:
+    """The cache after a forward: the old one's positions and conditions, the new keys/values."""
+    count = torch.full((b,), n, device=device, dtype=torch.long) if mask is None else mask.sum(1)
+    if cache is not None:
+        count = cache.count + count
+    return KVCache(
+        self_kv=self_kv, cross_kv=cross_kv if ca.used else None, mask=sa.key_pad,
+        context_mask=ca.context_mask if ca.used else None, count=count, positions=sa.all_positions,
+        context=ca.user_context if ca.used else None,
+        condition=cond, condition_input=condition if cache is None else cache.condition_input,
+        condition_mask=condition_mask if cache is None else cache.condition_mask,
+    )
 
 
 def check_inputs(stack: AttentionLayers, x, mask, context, context_mask, cache) -> None:
