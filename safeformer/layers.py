@@ -206,51 +206,25 @@ class AttentionLayers(Configurable, nn.Module):
             return
         super().__init__()
         self._set_config_from(AttentionLayers.__init__, locals())
-        if unpadded not in (True, False, "auto"):
-            raise ValueError(f"unpadded must be True, False or 'auto', got {unpadded!r}")
+        _check_options(**self._sf_config)
         self.unpadded = unpadded
-        if not isinstance(checkpoint_layers, bool):
-            raise TypeError(f"checkpoint_layers must be a bool, got {checkpoint_layers!r}")
         self.checkpoint_layers = checkpoint_layers
-        if use_adaptive_layernorm and use_adaptive_rmsnorm:
-            raise ValueError("choose one of use_adaptive_layernorm and use_adaptive_rmsnorm, not both")
         self.adaptive = use_adaptive_layernorm or use_adaptive_rmsnorm or use_adaptive_layerscale
-        if dim_condition is not None and not self.adaptive:
-            raise ValueError("dim_condition was given but nothing uses a condition; set use_adaptive_layernorm, "
-                             "use_adaptive_rmsnorm or use_adaptive_layerscale")
-        if adaptive_null not in ("learned", "zeros"):
-            raise ValueError(f"adaptive_null must be 'learned' or 'zeros', got {adaptive_null!r}")
-        for name, p in (("layer_dropout", layer_dropout), ("cross_attn_tokens_dropout", cross_attn_tokens_dropout)):
-            if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0):
-                raise ValueError(f"{name} must be in [0, 1), got {p!r}")
-        if cross_attn_tokens_dropout > 0 and not (cross_attend or only_cross):
-            raise ValueError("cross_attn_tokens_dropout needs cross-attention (cross_attend=True)")
         self.layer_dropout = float(layer_dropout)
         self.cross_attn_tokens_dropout = float(cross_attn_tokens_dropout)
         self.dim_condition = (dim if dim_condition is None else dim_condition) if self.adaptive else None
-        if self.adaptive and (isinstance(self.dim_condition, bool) or not isinstance(self.dim_condition, int)
-                              or self.dim_condition <= 0):
-            raise ValueError(f"dim_condition must be a positive integer, got {self.dim_condition!r}")
         if self.adaptive and adaptive_null == "learned":
             self.null_condition = nn.Parameter(torch.zeros(self.dim_condition))  # (K,)
         elif self.adaptive:
             self.register_buffer("null_condition", torch.zeros(self.dim_condition), persistent=False)
         else:
             self.null_condition = None
-        if dim <= 0 or depth <= 0:
-            raise ValueError(f"dim and depth must be positive, got dim={dim}, depth={depth}")
-        if rotary_pos_emb and alibi_pos_bias:
-            raise ValueError("choose one relative position scheme: rotary_pos_emb or alibi_pos_bias, not both")
-        if only_cross and causal:
-            raise ValueError("only_cross=True has no self-attention, so causal=True has no meaning")
         self.dim = dim
         self.causal = causal
         self.has_cross = cross_attend or only_cross
         self.only_cross = only_cross
         self.dim_context = dim if dim_context is None else dim_context
         rotary_emb_dim = dim_head // 2 if rotary_emb_dim is None else rotary_emb_dim
-        if rotary_pos_emb and not (0 < rotary_emb_dim <= dim_head):
-            raise ValueError(f"rotary_emb_dim must be in (0, dim_head={dim_head}], got {rotary_emb_dim}")
         self.rotary = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta) if rotary_pos_emb else None
         if alibi_pos_bias:
             self.register_buffer("alibi_slopes", alibi_slopes(heads), persistent=False)
@@ -434,6 +408,42 @@ class AttentionLayers(Configurable, nn.Module):
             return x, new_cache, intermediates
         return x, new_cache
 
+
+
+def _check_options(*, dim, depth, dim_head, causal, cross_attend, only_cross, rotary_pos_emb, rotary_emb_dim,
+                   alibi_pos_bias, use_adaptive_layernorm, use_adaptive_rmsnorm, use_adaptive_layerscale,
+                   dim_condition, adaptive_null, layer_dropout, cross_attn_tokens_dropout, checkpoint_layers,
+                   unpadded, **_) -> None:
+    """``AttentionLayers``' options that must agree with each other (the modules check their own)."""
+    if unpadded not in (True, False, "auto"):
+        raise ValueError(f"unpadded must be True, False or 'auto', got {unpadded!r}")
+    if not isinstance(checkpoint_layers, bool):
+        raise TypeError(f"checkpoint_layers must be a bool, got {checkpoint_layers!r}")
+    if use_adaptive_layernorm and use_adaptive_rmsnorm:
+        raise ValueError("choose one of use_adaptive_layernorm and use_adaptive_rmsnorm, not both")
+    adaptive = use_adaptive_layernorm or use_adaptive_rmsnorm or use_adaptive_layerscale
+    if dim_condition is not None and not adaptive:
+        raise ValueError("dim_condition was given but nothing uses a condition; set use_adaptive_layernorm, "
+                         "use_adaptive_rmsnorm or use_adaptive_layerscale")
+    if adaptive_null not in ("learned", "zeros"):
+        raise ValueError(f"adaptive_null must be 'learned' or 'zeros', got {adaptive_null!r}")
+    for name, p in (("layer_dropout", layer_dropout), ("cross_attn_tokens_dropout", cross_attn_tokens_dropout)):
+        if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0):
+            raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+    if cross_attn_tokens_dropout > 0 and not (cross_attend or only_cross):
+        raise ValueError("cross_attn_tokens_dropout needs cross-attention (cross_attend=True)")
+    k = (dim if dim_condition is None else dim_condition) if adaptive else None
+    if adaptive and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
+        raise ValueError(f"dim_condition must be a positive integer, got {k!r}")
+    if dim <= 0 or depth <= 0:
+        raise ValueError(f"dim and depth must be positive, got dim={dim}, depth={depth}")
+    if rotary_pos_emb and alibi_pos_bias:
+        raise ValueError("choose one relative position scheme: rotary_pos_emb or alibi_pos_bias, not both")
+    if only_cross and causal:
+        raise ValueError("only_cross=True has no self-attention, so causal=True has no meaning")
+    rot = dim_head // 2 if rotary_emb_dim is None else rotary_emb_dim
+    if rotary_pos_emb and not (0 < rot <= dim_head):
+        raise ValueError(f"rotary_emb_dim must be in (0, dim_head={dim_head}], got {rot}")
 
 
 def _new_cache(cache, mask, b: int, n: int, device, self_kv, cross_kv, sa, ca, cond, condition,
