@@ -423,6 +423,7 @@ def compose_guidance(
     guidance_rescale: float = 0.0,
     reference: Tensor | None = None,
     space: str = "logits",
+    errors: Tensor | None = None,
 ) -> Tensor:
     """``uncond + sum_k scales[k] * (conds[k] - uncond)``: compositional classifier-free guidance.
 
@@ -441,6 +442,9 @@ def compose_guidance(
             that are not banned) toward that of ``reference`` (arXiv 2305.08891).
         reference: the branch whose standard deviation the rescale aims at (the joint branch).
         space: ``"logits"`` or ``"logprobs"`` (each branch is log-softmaxed first).
+        errors: a 0-d bool tensor: NaN or ``+inf`` in a branch sets it True instead of raising, so the call
+            reads nothing back to the host (a decode loop checks the flag now and then, and raises then).
+            The result is then computed with the offending entries treated as banned (``-inf``).
     """
     if space not in ("logits", "logprobs"):
         raise ValueError(f"guidance space must be 'logits' or 'logprobs', got {space!r}")
@@ -460,11 +464,18 @@ def compose_guidance(
         dtype = torch.promote_types(dtype, t.dtype)
     used = {k: _check_scale(s, f"the scale of {k!r}") for k, s in scales.items() if s != 0}
     checked = dict(tensors) if reference is None or guidance_rescale == 0 else {**tensors, "reference": reference}
-    bad = torch.stack([(torch.isnan(t) | (t == float("inf"))).any() for t in checked.values()])
-    if bool(bad.any()):  # one host sync per call (a generation step); every branch given, whatever its scale
-        name = list(checked)[int(bad.long().argmax())]
-        raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
     work = _work_dtype(uncond)
+    if errors is not None:  # no host read: flag it, and compute with NaN/+inf entries banned
+        bad = torch.zeros((), dtype=torch.bool, device=uncond.device)
+        for t in checked.values():
+            bad = bad | (torch.isnan(t) | (t == float("inf"))).any()
+        errors.logical_or_(bad)
+        tensors = {k: t.nan_to_num(nan=_NEG_INF, posinf=_NEG_INF) for k, t in tensors.items()}
+    else:
+        bad = torch.stack([(torch.isnan(t) | (t == float("inf"))).any() for t in checked.values()])
+        if bool(bad.any()):  # one host sync per call; every branch given, whatever its scale
+            name = list(checked)[int(bad.long().argmax())]
+            raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
     vals = {k: tensors[k].to(work) for k in ["uncond", *used]}
     if guidance_rescale > 0 and reference is not None:
         vals["reference"] = reference.to(work)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .conditions import Conditions, GuidanceSchedule, guidance_branches, stack_conditions
+from .static import StaticDecoder, capacity_bucket, static_reason
 
 __all__ = ["GuidedForward", "autoregress", "last_real", "repeat_batch"]
 
@@ -105,14 +106,20 @@ class GuidedForward:
     def __init__(self, net, b: int, conds: Conditions, negatives: Conditions, schedule: GuidanceSchedule,
                  combine: Callable[[dict[str, Tensor], int], Tensor], *, need_joint: bool = False,
                  nulls: dict | None = None, cache_kv: bool = True, read: str = "last", steps: int = 1,
-                 window: int | None = None, two_pass: bool = False):
+                 window: int | None = None, two_pass: bool = False, static: bool = False, compile: bool = False):
         self.net, self.b, self.combine, self.cache_kv, self.read, self.window = net, b, combine, cache_kv, read, window
+        self.steps = steps
+        # the static cache: after the prefill, one fixed-shape step per position (static.py); the dynamic
+        # cache when a sliding window may re-encode or the net has an option only the dynamic path runs
+        self.static = static and cache_kv and read == "last" and window is None and static_reason(net) is None
+        self.compile = compile
         self.names, branches = guidance_branches(conds, negatives, schedule, steps, need_joint=need_joint, nulls=nulls)
         if two_pass or len(branches) == 1:
             self.runs = [(br, 1) for br in branches]
         else:
             self.runs = [(stack_conditions(branches), len(branches))]
         self.caches: list[Any] = [None] * len(self.runs)
+        self.decoders: list[StaticDecoder | None] = [None] * len(self.runs)
 
     @property
     def needs_sequence(self) -> bool:
@@ -127,6 +134,8 @@ class GuidedForward:
             self.runs[i] = (_select_conditions(conds, idx), r)
             if self.caches[i] is not None:
                 self.caches[i] = self.caches[i].index_select(idx)
+            if self.decoders[i] is not None:
+                self.decoders[i].select(idx)
         self.b = int(index.shape[0])
 
     def __call__(self, seq: Tensor, seq_mask: Tensor | None, new: Tensor | None, t: int) -> Tensor:
@@ -136,6 +145,9 @@ class GuidedForward:
         for i, (conds, r) in enumerate(self.runs):
             prefix = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
             windowed = self.window is not None and prefix + seq.shape[1] > self.window  # may be longer: re-encode
+            if self.decoders[i] is not None and new is not None:
+                outs.append(self.decoders[i].step(repeat_batch(new[:, 0], r)))
+                continue
             if self.cache_kv and new is not None and not windowed:
                 res, self.caches[i] = self.net(repeat_batch(new, r), cache=self.caches[i], return_cache=True)
                 outs.append(res[:, -1])
@@ -147,6 +159,11 @@ class GuidedForward:
             res = self.net(s, mask=m, return_cache=keep_cache, **kw)
             if keep_cache:
                 res, self.caches[i] = res
+                if self.static:  # one static cache from the prefill's: room for every step's position
+                    need = self.caches[i].length + self.steps
+                    self.decoders[i] = StaticDecoder(self.net, self.caches[i],
+                                                     capacity_bucket(need) if self.compile else need, compile=self.compile)
+                    self.caches[i] = None
             else:
                 self.caches[i] = None
             outs.append(last_real(res, m) if self.read == "last" else res)

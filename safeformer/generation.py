@@ -208,16 +208,16 @@ def sample_logits(
 
 
 def guided_logits_combine(schedule: GuidanceSchedule, guidance_rescale: float = 0.0,
-                          space: str = "logits") -> Callable[[dict[str, Tensor], int], Tensor]:
+                          space: str = "logits", errors: Tensor | None = None) -> Callable[[dict[str, Tensor], int], Tensor]:
     """The decode engine's combine function for logits: ``compose_guidance`` at step ``t``'s scales
-    (the joint branch alone, unguided, is returned as it is)."""
+    (the joint branch alone, unguided, is returned as it is). ``errors``: see ``compose_guidance``."""
 
     def combine(outs: dict[str, Tensor], t: int) -> Tensor:
         if len(outs) == 1:
             return next(iter(outs.values()))
         uncond = outs.pop("uncond")
         return compose_guidance(uncond, outs, schedule.at(t), guidance_rescale=guidance_rescale,
-                                reference=outs.get("joint"), space=space)
+                                reference=outs.get("joint"), space=space, errors=errors)
 
     return combine
 
@@ -334,6 +334,9 @@ def generate_tokens(
     guidance_interval: tuple[int, int] | None = None,
     guidance_space: str = "logits",
     restrict_to_max_seq_len: bool = True,
+    static_cache: bool = True,
+    compile: bool = False,
+    eos_check_every: int = 16,
     _two_pass: bool = False,
     **conditions,
 ) -> Tensor:
@@ -384,6 +387,16 @@ def generate_tokens(
             whose cached keys saw tokens that have left the window), so the cached and uncached
             paths give the same tokens. ``False``: every token sees the whole sequence, however
             long. The cross-attention context and the adaptive condition are never cut.
+        static_cache: after the prompt, decode on a preallocated cache written in place, one
+            fixed-shape step per token that reads nothing back to the host (``static.py``); the same
+            tokens as the dynamic cache. Used where it applies (``cache_kv``, no sliding window
+            reached, no attention option that runs the explicit path); ``False``: the dynamic cache.
+        compile: compile the static step (``torch.compile(fullgraph=True)``, fixed shapes: one graph
+            per generation length); on a GPU the way to CUDA graphs. Compilation takes seconds, so it
+            pays only over long or repeated generations; on the CPU measure it first
+            (``benchmarks/generation_speed.py``).
+        eos_check_every: with ``eos_token``, look whether every sample has finished (a read of a device
+            value by the host) every this many steps; between checks no step waits for the device.
 
     Returns:
         ``(b, seq_len)`` the new tokens (long).
@@ -400,13 +413,15 @@ def generate_tokens(
                      null_context, mask=mask, temperature=temperature, filter_logits_fn=filter_logits_fn,
                      filter_kwargs=filter_kwargs, eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale,
                      guidance_rescale=guidance_rescale, pad_value=pad_value, guidance_interval=guidance_interval,
-                     guidance_space=guidance_space, restrict_to_max_seq_len=restrict_to_max_seq_len, two_pass=_two_pass)
+                     guidance_space=guidance_space, restrict_to_max_seq_len=restrict_to_max_seq_len, two_pass=_two_pass,
+                     static_cache=static_cache, compile=compile, eos_check_every=eos_check_every)
 
 
 @torch.no_grad()
 def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, *, mask, temperature,
               filter_logits_fn, filter_kwargs, eos_token, cache_kv, cond_scale, guidance_rescale, pad_value,
-              guidance_interval, guidance_space, restrict_to_max_seq_len, two_pass=False) -> Tensor:
+              guidance_interval, guidance_space, restrict_to_max_seq_len, two_pass=False, static_cache=True,
+              compile=False, eos_check_every=16) -> Tensor:
     """``generate_tokens`` on conditions already gathered into ``Conditions`` (checked here, once)."""
     conds, negatives, schedule, nulls, window = _prepare(
         net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
@@ -414,6 +429,11 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
         guidance_rescale=guidance_rescale, guidance_interval=guidance_interval, guidance_space=guidance_space,
         restrict_to_max_seq_len=restrict_to_max_seq_len,
     )
+    for name, flag in (("static_cache", static_cache), ("compile", compile)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if isinstance(eos_check_every, bool) or not isinstance(eos_check_every, int) or eos_check_every < 1:
+        raise ValueError(f"eos_check_every must be a positive integer, got {eos_check_every!r}")
     filter_fn = _resolve_filter(filter_logits_fn)
     b, device = prompts.shape[0], prompts.device
 
@@ -423,10 +443,11 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
     was_training = net.training
     net.eval()
     try:
+        errors = torch.zeros((), dtype=torch.bool, device=device)  # NaN/+inf logits, read at the checks only
         engine = GuidedForward(net, b, conds, negatives, schedule,
-                               guided_logits_combine(schedule, guidance_rescale, guidance_space),
+                               guided_logits_combine(schedule, guidance_rescale, guidance_space, errors),
                                need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
-                               window=window, two_pass=two_pass)
+                               window=window, two_pass=two_pass, static=static_cache or compile, compile=compile)
         done = torch.zeros(b, dtype=torch.bool, device=device)
 
         def pick(logits: Tensor, t: int) -> tuple[Tensor, bool]:
@@ -436,12 +457,22 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
             sampled = sample_logits(logits, temperature, filter_fn, filter_kwargs)
             tok = torch.where(done, pad_value, sampled)
             out[:, t] = tok
+            # the host reads the device's flags every eos_check_every steps only: no step waits for another
+            check = (t + 1) % eos_check_every == 0
+            if check and bool(errors):
+                raise_guidance_error()
             if eos_token is None:
                 return sampled, False
             done = done | (tok == eos_token)
-            return sampled, bool(done.all())
+            return sampled, check and bool(done.all())
+
+        def raise_guidance_error():
+            raise ValueError("the model's logits held NaN or +inf during guided generation: only -inf (a banned "
+                             "token) is allowed besides finite values")
 
         autoregress(engine, prompts, mask, seq_len, pick)
+        if bool(errors):
+            raise_guidance_error()
     finally:
         net.train(was_training)
     return out
@@ -833,6 +864,9 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         negative_prepend_embeds: Tensor | None = None,
         negative_prepend_mask: Tensor | None = None,
         negative_condition: Tensor | None = None,
+        static_cache: bool = True,
+        compile: bool = False,
+        eos_check_every: int = 16,
         **conditions,
     ) -> Tensor:
         """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
@@ -871,6 +905,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 the empty context (or the learned null token); batch ``b`` or 1.
             negative_prepend_embeds, negative_prepend_mask, negative_condition: the unconditional
                 branch's prefix and adaptive condition, in place of the dropped ones.
+            static_cache: decode on a preallocated cache with one fixed-shape step per token, no read back
+                to the host (default, where it applies; same tokens as ``False``, the dynamic cache).
+            compile: compile that step (``torch.compile(fullgraph=True)``); see ``generate_tokens``.
+            eos_check_every: with ``eos_token``, how often (in steps) the host looks whether all finished.
 
         Returns:
             ``(b, seq_len)`` new token ids.
@@ -896,7 +934,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 temperature=temperature, filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs,
                 eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
                 guidance_interval=guidance_interval, guidance_space=guidance_space, pad_value=self.pad_value,
-                restrict_to_max_seq_len=restrict_to_max_seq_len,
+                restrict_to_max_seq_len=restrict_to_max_seq_len, static_cache=static_cache, compile=compile,
+                eos_check_every=eos_check_every,
             )
         finally:
             self.train(was_training)
