@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attend import BACKENDS, PreparedMask, SelectedMask, _grad_select, attend, masked_linear
-from .masks import as_attention_mask, causal_mask, checked_once, combine_masks
+from .cache import AttnIntermediate
+from .masks import as_attention_mask, causal_mask, checked_once, combine_masks, validate_mask
 from .modules import RMSNorm, apply_rotary
 
 __all__ = ["Attention"]
@@ -57,22 +58,35 @@ class Attention(nn.Module):
     def __init__(
         self,
         dim: int,
-        *,
-        heads: int = 8,
         dim_head: int = 64,
-        kv_heads: int | None = None,
         dim_context: int | None = None,
+        heads: int = 8,
+        causal: bool = False,
+        flash: bool = False,
+        *,
+        kv_heads: int | None = None,
+        one_kv_head: bool = False,
         qk_norm: bool = False,
         dropout: float = 0.0,
         bias: bool = False,
         backend: str = "auto",
         num_mem_kv: int = 0,
         learned_sink: bool = False,
+        head_learned_sink: bool = False,
         softclamp_logits: bool = False,
         logit_softclamp_value: float = 50.0,
         qk_norm_eps: float | None = None,
     ):
         super().__init__()
+        if one_kv_head:  # x-transformers' spelling of kv_heads=1
+            if kv_heads not in (None, 1):
+                raise ValueError(f"one_kv_head=True means kv_heads=1, got kv_heads={kv_heads}")
+            kv_heads = 1
+        learned_sink = learned_sink or head_learned_sink  # x-transformers' spelling
+        if not isinstance(causal, bool) or not isinstance(flash, bool):
+            raise TypeError(f"causal and flash must be bools, got causal={causal!r}, flash={flash!r}")
+        self.causal = causal
+        self.flash = flash
         kv_heads = heads if kv_heads is None else kv_heads
         if isinstance(num_mem_kv, bool) or not isinstance(num_mem_kv, int) or num_mem_kv < 0:
             raise ValueError(f"num_mem_kv (attn_num_mem_kv) must be a non-negative integer, got {num_mem_kv!r}")
@@ -159,17 +173,24 @@ class Attention(nn.Module):
         self,
         x: Tensor,
         context: Tensor | None = None,
-        *,
         mask: Tensor | None = None,
-        causal: bool = False,
+        context_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        *,
+        causal: bool | None = None,
         rotary: tuple[Tensor, Tensor] | None = None,
+        rotary_pos_emb: tuple[Tensor, object] | None = None,
         bias: Tensor | None = None,
+        attn_bias: Tensor | None = None,
         kv: tuple[Tensor, Tensor] | None = None,
         past_kv: tuple[Tensor, Tensor] | None = None,
+        cache: AttnIntermediate | None = None,
+        return_intermediates: bool = False,
         return_attn: bool = False,
         layout=None,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """Attend from ``x (b, i, c)``.
+        _return_kv: bool = False,
+    ):
+        """Attend from ``x (b, i, c)``; x-transformers' call: ``attn(x)`` returns the output tensor.
 
         Args:
             x: queries' input.
@@ -178,32 +199,147 @@ class Attention(nn.Module):
                 the stack says ``x`` at dead rows and the source at masked keys are 0 already. In self-attention a
                 ``(b, j)`` (or ``(b, 1, 1, j)``) padding mask marks padding of ``x`` itself: a padded
                 position is neither a key nor a query, whatever it holds, and its output is exactly 0.
-            causal: bottom-right causal masking.
-            rotary: ``(q_angles, k_angles)`` from ``RotaryEmbedding`` for the new queries and new keys.
-            bias: additive attention bias (ALiBi).
+                With ``context_mask`` given, ``mask (b, i)`` is the padding of ``x`` (its rows exactly 0).
+            context_mask: ``(b, j)`` padding of the context (x-transformers' keyword): an all-False row
+                makes the sample's output exactly 0.
+            attn_mask: an extra mask ``(i, j)``, ``(b, i, j)`` or ``(b|1, h|1, i, j)`` (True = may attend),
+                combined with the others.
+            causal: bottom-right causal masking; default the module's ``causal``.
+            rotary: ``(q_angles, k_angles)``, each ``(b|1, 1, n, d_rot)``, for the new queries and new keys.
+            rotary_pos_emb: x-transformers' form ``(freqs (b|1, n_k, d_rot), xpos_scale)`` as returned by
+                ``RotaryEmbedding.forward`` (``xpos_scale`` must be 1: xpos is not supported); the last
+                ``i`` rows rotate the queries, the last new-key rows the new keys.
+            bias: additive attention bias (ALiBi); ``attn_bias``: x-transformers' name for it.
             kv: precomputed keys/values (cross-attention with a cache); ``context`` is then unused.
             past_kv: cached self-attention keys/values to prepend (already rotated).
-                ``kv`` and ``past_kv`` are usually what this module returned; whatever they hold at
-                masked key positions (NaN, inf) reaches no output and no gradient.
-            return_attn: also return the attention weights ``(b, h, i, M + j)`` in float32 (memory
-                keys first; the sink's weight left out): computed by the explicit path; masked keys
-                and dead rows are exactly 0 (and padded queries, in self-attention).
+                ``kv`` and ``past_kv`` come from ``return_intermediates`` (``cached_kv``); whatever they
+                hold at masked key positions (NaN, inf) reaches no output and no gradient.
+            cache: an ``AttnIntermediate`` from an earlier ``return_intermediates`` call (x-transformers'
+                decoding): its ``cached_kv`` are the past keys/values (self-attention) or the context's
+                (cross-attention, then ``context`` is not needed).
+            return_intermediates: also return an ``AttnIntermediate`` with ``cached_kv`` (the keys and
+                values used, rotated, without memory keys) and ``post_softmax_attn`` (the weights, float32,
+                computed by the explicit path; ``None`` when the module was built with ``flash=True``, as
+                in x-transformers).
+            return_attn: also return the weights ``(b, h, i, M + j)`` in float32 (memory keys first; the
+                sink's weight left out): masked keys and dead rows are exactly 0 (and padded queries, in
+                self-attention).
             layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
                 ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
                 tokens, and the output too.
+            _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights with
+                ``return_attn``).
 
         Returns:
-            ``(out (b, i, c), (k, v))``, the keys/values used, for a KV cache (the memory keys not
-            included), and the weights if ``return_attn``. Rows that may attend to no key are exactly 0
-            after the output projection, and pass zero gradient (S2).
+            ``out (b, i, c)``; ``(out, AttnIntermediate)`` with ``return_intermediates``; ``(out, weights)``
+            with ``return_attn``. Rows that may attend to no key are exactly 0 after the output projection,
+            and pass zero gradient (S2).
         """
-        inputs_finite = isinstance(mask, SelectedMask)
-        if inputs_finite:  # the stack selected its padded inputs to 0: nothing to select again here
-            mask = mask.mask
         if layout is not None:
             from .unpadded import attend_layout  # the unpadded path's layouts live there
 
-            return attend_layout(self, x, layout), None
+            out = attend_layout(self, x, layout)
+            return (out, None) if _return_kv else out
+        causal = self.causal if causal is None else causal
+        if attn_bias is not None:  # x-transformers' name
+            if bias is not None:
+                raise ValueError("pass bias or attn_bias (x-transformers' name for it), not both")
+            bias = attn_bias
+        if cache is not None:
+            kv, past_kv = self._from_cache(cache, context, kv, past_kv)
+        pad = None
+        if context_mask is not None or attn_mask is not None:
+            mask, pad = self._xt_masks(x, context, kv, mask, context_mask, attn_mask)
+        if rotary_pos_emb is not None:
+            if rotary is not None:
+                raise ValueError("pass rotary or rotary_pos_emb (x-transformers' form), not both")
+            rotary = self._rotary_from_xt(rotary_pos_emb, x, context, kv)
+        want_weights = return_attn or (return_intermediates and not self.flash)
+        res = self._forward(x, context, mask=mask, causal=causal, rotary=rotary, bias=bias, kv=kv,
+                            past_kv=past_kv, return_attn=want_weights, pad=pad)
+        if _return_kv:
+            return res if return_attn else res[:2]
+        out, kv_out = res[:2]
+        weights = res[2] if want_weights else None
+        if return_intermediates:
+            cross = context is not None or kv is not None
+            return out, AttnIntermediate(post_softmax_attn=weights, layer_type="c" if cross else "a", cached_kv=kv_out)
+        if return_attn:
+            return out, weights
+        return out
+
+    def _from_cache(self, cache, context, kv, past_kv):
+        """``(kv, past_kv)`` from an ``AttnIntermediate`` passed as ``cache`` (x-transformers' decoding)."""
+        if kv is not None or past_kv is not None:
+            raise ValueError("pass cache (an AttnIntermediate) or kv / past_kv, not both")
+        cached = getattr(cache, "cached_kv", None)
+        if cached is None:
+            raise TypeError(f"cache must be what return_intermediates=True returned (an AttnIntermediate with "
+                            f"cached_kv), got {type(cache).__name__}")
+        if cache.layer_type == "c":
+            if context is not None:
+                raise ValueError("a cross-attention cache answers for its context: pass context only on the first call")
+            return cached, None
+        return None, cached
+
+    def _xt_masks(self, x, context, kv, mask, context_mask, attn_mask):
+        """x-transformers' ``context_mask`` and ``attn_mask`` folded into the one ``mask``; returns the mask
+        and, in self-attention with a ``(b, j)`` padding mask, that padding of ``x`` (its rows exactly 0)."""
+        b, i = x.shape[:2]
+        cross = context is not None or kv is not None
+        pad = None
+        if isinstance(mask, SelectedMask):
+            raise ValueError("context_mask and attn_mask are x-transformers' keywords; the stack passes one mask")
+        if context_mask is not None:
+            if not cross:
+                raise ValueError("context_mask was given without a context; pass context=... as well")
+            j = context.shape[1] if context is not None else kv[0].shape[2]
+            validate_mask(context_mask, "context_mask", shape=(b, j), device=x.device)
+            full = context_mask[:, None, None, :]  # (b, 1, 1, j)
+            if mask is not None:  # then mask is the padding of x: its rows are dead (exactly 0)
+                validate_mask(mask, "mask", shape=(b, i), device=x.device)
+                full = full & mask[:, None, :, None]  # (b, 1, i, j)
+            mask = full
+        if attn_mask is not None:
+            validate_mask(attn_mask, "attn_mask", device=x.device)
+            if attn_mask.dim() not in (2, 3, 4):
+                raise ValueError(f"attn_mask must be (i, j), (b, i, j) or (b, h, i, j), got {tuple(attn_mask.shape)}")
+            extra = attn_mask if attn_mask.dim() == 4 else attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None]
+            if mask is not None and not cross and isinstance(mask, Tensor) and mask.dim() == 2:
+                validate_mask(mask, "mask", device=x.device)
+                if mask.shape[0] == b and mask.shape[1] >= i:
+                    pad = mask[:, mask.shape[1] - i:]  # padding of x itself: rows exactly 0
+                mask = mask[:, None, None, :]
+            mask = extra if mask is None else as_attention_mask(mask, b, self.heads, i, extra.shape[-1]) & extra
+        return mask, pad
+
+    def _rotary_from_xt(self, rotary_pos_emb, x, context, kv):
+        """x-transformers' ``(freqs, xpos_scale)`` -> safeformer's ``(q_angles, k_angles)``."""
+        if not (isinstance(rotary_pos_emb, (tuple, list)) and len(rotary_pos_emb) == 2):
+            raise ValueError("rotary_pos_emb must be (freqs, xpos_scale) as RotaryEmbedding returns it")
+        freqs, scale = rotary_pos_emb
+        if isinstance(scale, Tensor) or scale != 1:
+            raise ValueError("rotary_pos_emb with an xpos scale (use_xpos=True) is not supported; use xpos-free rotary")
+        if not isinstance(freqs, Tensor) or freqs.dim() not in (2, 3):
+            raise ValueError(f"rotary_pos_emb freqs must be (b|1, n, d_rot), got {getattr(freqs, 'shape', type(freqs))}")
+        if context is not None or kv is not None:
+            raise ValueError("rotary_pos_emb rotates self-attention only (x-transformers' context_rotary_pos_emb "
+                             "is not supported)")
+        if freqs.dim() == 2:
+            freqs = freqs[None]
+        i = x.shape[1]
+        if freqs.shape[-2] < i:
+            raise ValueError(f"rotary_pos_emb covers {freqs.shape[-2]} positions, fewer than the {i} queries")
+        ang = freqs[:, None, -i:]  # (b|1, 1, i, d_rot): the new positions (queries and new keys alike)
+        return ang, ang
+
+    def _forward(self, x, context, *, mask=None, causal=False, rotary=None, bias=None, kv=None, past_kv=None,
+                 return_attn=False, pad=None):
+        """The attention itself: ``(out, (k, v))`` (and the weights with ``return_attn``). ``pad (b, i)``:
+        padding of ``x`` in self-attention when ``mask`` no longer shows it (an ``attn_mask`` was folded in)."""
+        inputs_finite = isinstance(mask, SelectedMask)
+        if inputs_finite:  # the stack selected its padded inputs to 0: nothing to select again here
+            mask = mask.mask
         self._check_call(x, context, kv, past_kv)
         b, i = x.shape[:2]
         source = x if context is None else context
@@ -214,6 +350,8 @@ class Attention(nn.Module):
         self_pad = None  # (b, i): in self-attention, a (b, j) padding mask marks padding of x itself
         if not inputs_finite and context is None and kv is None and isinstance(mask, Tensor):
             self_pad = _self_padding(mask, b, i, j)
+        if pad is not None:
+            self_pad = pad if self_pad is None else self_pad & pad
         user_mask, j_user = mask, j
         ext = self.extra_keys
         sink_only = None  # (b|1, i): rows that see a real key; with the sink alone a row is dead (adds exactly 0)

@@ -136,12 +136,16 @@ class AttnIntermediate:
 
     Attributes:
         post_softmax_attn: ``(b, h, i, j)`` float32 weights (memory keys first); rows of padded
-            queries and dead rows, and columns of masked keys, are exactly 0.
+            queries and dead rows, and columns of masked keys, are exactly 0. ``None`` from an
+            ``Attention(flash=True)`` (as x-transformers).
         layer_type: ``"a"`` (self-attention) or ``"c"`` (cross-attention).
+        cached_kv: from ``Attention(..., return_intermediates=True)``: the keys and values ``(b, h_kv, j, d)``
+            it used (rotated, memory keys left out), which ``Attention(..., cache=this)`` continues from.
     """
 
-    post_softmax_attn: Tensor
+    post_softmax_attn: Tensor | None
     layer_type: str
+    cached_kv: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass

@@ -356,8 +356,9 @@ class AttentionLayers(Configurable, nn.Module):
         self_clean = attn_mask is None and (cache is None or cache.mask is None)
         cross_clean = not cached_cross or context_mask is None  # a new context was selected above
         self_args = dict(mask=SelectedMask(self_mask) if self_clean else self_mask, causal=causal, rotary=rotary,
-                         bias=bias, return_attn=return_hiddens)
-        cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, return_attn=return_hiddens)
+                         bias=bias, return_attn=return_hiddens, _return_kv=True)
+        cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, causal=False,
+                          return_attn=return_hiddens, _return_kv=True)
         recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled() and not return_cache \
             and cache is None and not return_hiddens
         self_kv, cross_kv, hiddens, attn_maps = [], [], [], []

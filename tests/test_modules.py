@@ -198,8 +198,10 @@ def test_attention_self_matches_float64_reference(name, backend):
         want = hp.ref_attention(attn, x, allowed=allowed, causal=causal)
         want = torch.where(key_pad[..., None], want, 0.0)  # a (b, j) mask in self-attention pads x itself
         for dtype in (torch.float64, torch.float32):
-            out, (k, v) = attn.to(dtype)(x.to(dtype), mask=key_pad, causal=causal)
+            out = attn.to(dtype)(x.to(dtype), mask=key_pad, causal=causal)
             hp.assert_close(out, want, f"{name} {backend} causal={causal} {dtype}", dtype)
+            _, inter = attn(x.to(dtype), mask=key_pad, causal=causal, return_intermediates=True)
+            k, v = inter.cached_kv
             assert k.shape == (3, attn.kv_heads, 5, DIM_HEAD) and v.shape == k.shape
         hp.assert_zero(out[2], "fully padded sample (dead rows)")
 
@@ -213,7 +215,7 @@ def test_attention_causal_left_padding_matches_reference(name, backend):
     attn = _attention(backend=backend, **ATTN_CONFIGS[name]).double()
     x = torch.randn(2, 5, DIM, dtype=torch.float64)
     key_pad = torch.tensor([[False, False, True, True, True], [False, True, True, True, True]])
-    out, _ = attn(x, mask=key_pad, causal=True)
+    out = attn(x, mask=key_pad, causal=True)
     hp.assert_zero(out[0, :2], "sample 0, queries before the first real key")
     hp.assert_zero(out[1, :1], "sample 1, query before the first real key")
     hp.assert_close(out, hp.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True), name, torch.float64)
@@ -225,7 +227,7 @@ def test_attention_cross_matches_float64_reference(name):
     x = torch.randn(3, 4, DIM, dtype=torch.float64)
     ctx = torch.randn(3, 6, CTX_DIM, dtype=torch.float64)
     cmask = torch.tensor([[True, True, False, True, False, False], [False] * 6, [True] * 6])
-    out, _ = attn.double()(x, ctx, mask=cmask)
+    out = attn.double()(x, ctx, mask=cmask)
     hp.assert_close(out, hp.ref_attention(attn, x, ctx, allowed=cmask[:, None, None, :]), name, torch.float64)
     hp.assert_zero(out[1], "all-False context")
 
@@ -256,12 +258,12 @@ def test_attention_mask_forms_agree(kv_heads):
             allowed = mask[:, None]
         else:
             allowed = mask
-        out, _ = attn(x, mask=mask)
+        out = attn(x, mask=mask)
         want = hp.ref_attention(attn, x, allowed=allowed)
         if label == "(b, j)":  # in self-attention a padding mask pads x itself: padded rows are exactly 0
             want = torch.where(mask[..., None], want, 0.0)
         hp.assert_close(out, want, f"mask {label}", torch.float64)
-    out, _ = attn(x, mask=per_head)
+    out = attn(x, mask=per_head)
     hp.assert_zero(out[1, 2], "a query dead in every head")
 
 
@@ -272,11 +274,11 @@ def test_attention_rotary_and_alibi_match_reference():
     key_pad = torch.tensor([[False, False, True, True, True], [True] * 5])
     x = torch.randn(2, 5, DIM, dtype=torch.float64)
     angles = rot(pos).double()
-    out, _ = attn(x, mask=key_pad, causal=True, rotary=(angles, angles))
+    out = attn(x, mask=key_pad, causal=True, rotary=(angles, angles))
     want = hp.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True, q_pos=pos, k_pos=pos, rot_dim=4)
     hp.assert_close(out[key_pad], want[key_pad], "rotary", torch.float32)
     bias = sf.alibi_bias(sf.alibi_slopes(4), pos, pos).double()
-    out, _ = attn(x, mask=key_pad, causal=True, bias=bias)
+    out = attn(x, mask=key_pad, causal=True, bias=bias)
     want = hp.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True, q_pos=pos, k_pos=pos, alibi=True)
     hp.assert_close(out, want, "ALiBi", torch.float64)
 
@@ -297,7 +299,7 @@ def test_attention_property_float32_vs_float64(b, n, kv, qk_norm, bias, seed):
     want = torch.where(key_pad[..., None], want, 0.0)  # padded positions of x are no queries
     for backend in hp.ALL_BACKENDS:
         hp.set_backend(attn, backend)
-        out, _ = attn(x, mask=key_pad, causal=True)
+        out = attn(x, mask=key_pad, causal=True)
         hp.assert_close(out, want, f"backend {backend}", torch.float32)
 
 
@@ -310,12 +312,14 @@ def test_attention_kv_cache_matches_full_forward():
     key_pad = torch.tensor([[False, False, True, True, True, True], [True] * n])
     pos = sf.positions_from_mask(key_pad, n, "cpu")
     ang = rot(pos).double()
-    full, _ = attn(x, mask=key_pad, causal=True, rotary=(ang, ang))
-    out, kv = attn(x[:, :2], mask=key_pad[:, :2], causal=True, rotary=(ang[:, :, :2], ang[:, :, :2]))
+    full = attn(x, mask=key_pad, causal=True, rotary=(ang, ang))
+    out, inter = attn(x[:, :2], mask=key_pad[:, :2], causal=True, rotary=(ang[:, :, :2], ang[:, :, :2]),
+                      return_intermediates=True)
     steps = [out]
     for t in range(2, n):
         a = ang[:, :, t : t + 1]
-        out, kv = attn(x[:, t : t + 1], mask=key_pad[:, : t + 1], causal=True, rotary=(a, a), past_kv=kv)
+        out, inter = attn(x[:, t : t + 1], mask=key_pad[:, : t + 1], causal=True, rotary=(a, a), cache=inter,
+                          return_intermediates=True)
         steps.append(out)
     hp.assert_close(torch.cat(steps, 1), full, "cached vs full", torch.float64)
     hp.assert_zero(full[0, :2], "left padding under causal: dead rows")
@@ -338,7 +342,7 @@ def test_attention_all_false_context_is_exactly_zero_with_zero_grads(bias, kv_he
                           ("zero-length context", dict(context=ctx[:, :0]))):
         attn.zero_grad(set_to_none=True)
         x.grad = ctx.grad = None
-        out, _ = attn(x, **kwargs)
+        out = attn(x, **kwargs)
         hp.assert_zero(out, f"{label}: output")
         (out * torch.randn_like(out)).sum().backward()
         for name in ("to_q", "to_k", "to_v", "to_out"):
@@ -356,11 +360,11 @@ def test_attention_dropout_keeps_dead_rows_zero(backend):
     x, ctx = torch.randn(2, 3, DIM), torch.randn(2, 4, CTX_DIM)
     mask = torch.tensor([[True, False, True, True], [False] * 4])
     attn.train()
-    out, _ = attn(x, ctx, mask=mask)
+    out = attn(x, ctx, mask=mask)
     hp.assert_finite(out, "output with dropout")
     hp.assert_zero(out[1], "dead rows with dropout")
     attn.eval()  # no dropout at evaluation: equals the float64 reference
-    out, _ = attn(x, ctx, mask=mask)
+    out = attn(x, ctx, mask=mask)
     hp.assert_close(out, hp.ref_attention(attn, x, ctx, allowed=mask[:, None, None, :]), "eval mode", torch.float32)
 
 
@@ -374,10 +378,10 @@ def test_attention_masked_context_garbage_changes_no_output(qk_norm):
     attn = hp.seeded_module(lambda: sf.Attention(DIM, heads=2, dim_head=DIM_HEAD, dim_context=CTX_DIM, qk_norm=qk_norm))
     x, ctx = torch.randn(2, 3, DIM), torch.randn(2, 5, CTX_DIM)
     mask = torch.tensor([[True, True, False, True, False], [False] * 5])
-    clean, _ = attn(x, ctx, mask=mask)
+    clean = attn(x, ctx, mask=mask)
     for value in (NAN, math.inf, -math.inf):
         dirty = torch.where(mask[..., None], ctx, value)
-        out, _ = attn(x, dirty, mask=mask)
+        out = attn(x, dirty, mask=mask)
         hp.assert_bitwise(out, clean, f"output with {value} in masked context")
 
 
@@ -386,7 +390,7 @@ def _masked_context_grads(qk_norm: bool):
     x = torch.randn(2, 3, DIM)
     mask = torch.tensor([[True, True, False, True, False], [False] * 5])
     ctx = torch.where(mask[..., None], torch.randn(2, 5, CTX_DIM), NAN).requires_grad_()
-    out, _ = attn(x, ctx, mask=mask)
+    out = attn(x, ctx, mask=mask)
     out.sum().backward()
     return attn, ctx, mask
 

@@ -106,7 +106,7 @@ def test_half_attention_with_rotary_at_large_positions_matches_float64(dtype, kv
     pos = torch.stack((torch.arange(8192 - n, 8192), torch.arange(4000, 4000 + 2 * n, 2)))  # (2, n)
     rot = sf.RotaryEmbedding(8)
     angles = rot(pos, dtype=dtype)
-    out, _ = attn(x, causal=True, rotary=(angles, angles))
+    out = attn(x, causal=True, rotary=(angles, angles))
     assert out.dtype == dtype
     expected = hp.ref_attention(attn, x, causal=True, q_pos=pos, k_pos=pos, rot_dim=8)
     assert_close(out, expected, f"{dtype} attention with rotary at positions near 8192", dtype, table=ATTEND_TOL)
@@ -955,8 +955,8 @@ def test_attend_dropout_zero_is_no_dropout_and_one_is_refused():
 def test_attention_module_with_dropout_zero_in_training_equals_evaluation():
     attn = hp.seeded_module(lambda: sf.Attention(16, heads=2, dim_head=8, dropout=0.0), seed=67)
     x = _randn(2, 5, 16, seed=68, dtype=torch.float32)
-    out_eval, _ = attn.eval()(x, causal=True)
-    out_train, _ = attn.train()(x, causal=True)
+    out_eval = attn.eval()(x, causal=True)
+    out_train = attn.train()(x, causal=True)
     assert_bitwise(out_train, out_eval, "attention with dropout=0 in training")
 
 
@@ -1005,7 +1005,7 @@ def test_attention_with_kv_heads_equal_to_heads_or_one_matches_float64(kv_heads)
     assert attn.to_k.out_features == kv_heads * 8
     x = _randn(2, 6, 16, seed=76, dtype=torch.float32).requires_grad_(True)
     mask = torch.tensor([[True] * 6, [False, False] + [True] * 4])
-    out, _ = attn(x, mask=mask, causal=True)
+    out = attn(x, mask=mask, causal=True)
     x64 = x.detach().double().requires_grad_(True)
     expected = hp.ref_attention(attn, x64, allowed=mask[:, None, None, :], causal=True)
     hp.assert_close(out[mask], expected[mask], f"attention with kv_heads={kv_heads}")

@@ -62,14 +62,14 @@ def test_attention_module_bias_masks_like_a_mask():
     bias[..., 3] = -INF  # key 3 masked for every query
     bias[..., 0, :] = -INF  # query 0 dead
     bias[..., 3, :] = -INF  # query 3 dead: position 3 is then neither key nor query
-    out, _ = attn(x.clone().requires_grad_(), bias=bias)
+    out = attn(x.clone().requires_grad_(), bias=bias)
     out.backward(torch.ones_like(out))
     want = {n: p.grad.clone() for n, p in attn.named_parameters()}
     attn.zero_grad()
     dirty = x.clone()
     dirty[:, 3] = NAN
     dirty.requires_grad_()
-    out2, _ = attn(dirty, bias=bias)
+    out2 = attn(dirty, bias=bias)
     hp.assert_zero(out2[:, 0], "the row dead by the bias (with projection biases)")
     hp.assert_zero(out2[:, 3], "the other row dead by the bias")
     hp.assert_bitwise(out2, out, "outputs with NaN at a position the bias masks")
@@ -94,7 +94,7 @@ def test_attention_alone_with_padding_mask_and_nan_in_padded_x(causal):
     x = torch.randn(2, 5, 16)
     x[~mask] = NAN
     x.requires_grad_()
-    out, _ = attn(x, mask=mask, causal=causal)
+    out = attn(x, mask=mask, causal=causal)
     out.backward(torch.randn(out.shape))
     hp.assert_finite(out, "output")
     hp.assert_zero(out[~mask], "padded outputs")
@@ -110,19 +110,19 @@ def test_attention_kv_and_past_kv_with_nan_at_masked_keys():
     attn = sf.Attention(16, heads=2, dim_head=8)
     ctx, cm = torch.randn(2, 4, 16), torch.tensor([[True, True, False, False], [True, False, False, False]])
     x = torch.randn(2, 3, 16)
-    ref, kv = attn(x, ctx, mask=cm)
-    k, v = kv[0].detach().clone(), kv[1].detach().clone()
+    ref = attn(x, ctx, mask=cm)
+    k, v = (t.detach().clone() for t in attn.project_kv(ctx))
     k[~cm[:, None, :, None].expand_as(k)] = NAN
     v[~cm[:, None, :, None].expand_as(v)] = INF
-    out, _ = attn(x, mask=cm, kv=(k, v))
+    out = attn(x, mask=cm, kv=(k, v))
     hp.assert_bitwise(out, ref, "cross-attention from kv with NaN at masked keys")
     past_mask = torch.tensor([[False, True, True], [True, True, True]])
     pk, pv = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
     step = torch.randn(2, 1, 16)
     full_mask = torch.cat((past_mask, torch.ones(2, 1, dtype=torch.bool)), 1)
-    ref, _ = attn(step, mask=full_mask, past_kv=(pk, pv))
+    ref = attn(step, mask=full_mask, past_kv=(pk, pv))
     pk[0, :, 0], pv[0, :, 0] = NAN, -INF
-    out, _ = attn(step, mask=full_mask, past_kv=(pk, pv))
+    out = attn(step, mask=full_mask, past_kv=(pk, pv))
     hp.assert_bitwise(out, ref, "past_kv with NaN at a masked slot")
 
 

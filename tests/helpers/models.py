@@ -124,7 +124,7 @@ def capture_attention(model: nn.Module, roles: dict[int, str]) -> Iterator[list[
         role = roles.get(id(m))
 
         def hook(mod, args, output, role=role):
-            seen.append((role, mod, output[0], args))
+            seen.append((role, mod, output[0] if isinstance(output, tuple) else output, args))
 
         handles.append(m.register_forward_hook(hook))
     try:
@@ -266,8 +266,6 @@ class AttentionSelfCase(Case):
         x = _randn(sc.generator(), sc.b, sc.n, DIM, dtype=dtype)
         return Inputs([x], dict(mask=self.mask_of(sc.seq_mask), causal=True), {"x": x})
 
-    def run(self, model, inp):
-        return model(*inp.args, **inp.kwargs)[0]
 
     def roles(self, model):
         return {id(model): "self"}
@@ -285,10 +283,11 @@ class AttentionSelfCase(Case):
 
     def decode(self, model, inp, sc, prefix):
         x, mask = inp.args[0], inp.kwargs["mask"]
-        out, kv = model(x[:, :prefix], mask=mask[:, :prefix, :prefix], causal=True)
+        out, kv = model(x[:, :prefix], mask=mask[:, :prefix, :prefix], causal=True, return_intermediates=True)
         outs = [out]
-        for t in range(prefix, sc.n):
-            out, kv = model(x[:, t : t + 1], mask=mask[:, t : t + 1, : t + 1], causal=True, past_kv=kv)
+        for t in range(prefix, sc.n):  # x-transformers' decoding: the intermediates are the cache
+            out, kv = model(x[:, t : t + 1], mask=mask[:, t : t + 1, : t + 1], causal=True, cache=kv,
+                            return_intermediates=True)
             outs.append(out)
         return torch.cat(outs, dim=1)
 
@@ -321,10 +320,11 @@ class AttentionSelfPaddingCase(AttentionSelfCase):
 
     def decode(self, model, inp, sc, prefix):
         x, mask = inp.args[0], inp.kwargs["mask"]
-        out, kv = model(x[:, :prefix], mask=mask[:, :prefix], causal=True)
+        out, inter = model(x[:, :prefix], mask=mask[:, :prefix], causal=True, return_intermediates=True)
         outs = [out]
-        for t in range(prefix, sc.n):
-            out, kv = model(x[:, t : t + 1], mask=mask[:, : t + 1], causal=True, past_kv=kv)
+        for t in range(prefix, sc.n):  # the keys/values from return_intermediates, as past_kv
+            out, inter = model(x[:, t : t + 1], mask=mask[:, : t + 1], causal=True, past_kv=inter.cached_kv,
+                               return_intermediates=True)
             outs.append(out)
         return torch.cat(outs, dim=1)
 
@@ -348,8 +348,6 @@ class AttentionPastKVCase(Case):
         pv = _randn(g, sc.b, 2, sc.j, DIM_HEAD, dtype=dtype)
         return Inputs([x], dict(mask=self._mask(sc), causal=True, past_kv=(pk, pv)), {"x": x, "past_k": pk, "past_v": pv})
 
-    def run(self, model, inp):
-        return model(*inp.args, **inp.kwargs)[0]
 
     def key_len(self, sc, role):
         return sc.j + sc.n
@@ -409,8 +407,6 @@ class AttentionCrossCase(Case):
         ctx = _randn(g, sc.b, sc.j, CTX_DIM, dtype=dtype)
         return Inputs([x, ctx], dict(mask=sc.ctx_mask), {"x": x, "context": ctx})
 
-    def run(self, model, inp):
-        return model(*inp.args, **inp.kwargs)[0]
 
     def real(self, sc):
         return torch.ones(sc.b, sc.n, dtype=torch.bool)  # the queries carry no padding here
@@ -432,10 +428,10 @@ class AttentionCrossCase(Case):
 
     def decode(self, model, inp, sc, prefix):
         x, ctx = inp.args
-        out, kv = model(x[:, :prefix], ctx, mask=sc.ctx_mask)
+        out, inter = model(x[:, :prefix], ctx, mask=sc.ctx_mask, return_intermediates=True)
         outs = [out]
-        for t in range(prefix, sc.n):
-            outs.append(model(x[:, t : t + 1], mask=sc.ctx_mask, kv=kv)[0])
+        for t in range(prefix, sc.n):  # the context's keys/values, kept by the intermediates
+            outs.append(model(x[:, t : t + 1], context_mask=sc.ctx_mask, cache=inter))
         return torch.cat(outs, dim=1)
 
     def bad_calls(self, model, inp):
