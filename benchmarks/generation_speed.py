@@ -168,13 +168,13 @@ def main() -> None:
 
                 contenders = {
                     "x-transformers": run("xt", lambda m=xt_model, r=xt_run: r(m, n_new)),
-                    "safeformer": run("sf", lambda m=sf_model, kw=sf_kw: m.generate(prompts, n_new, temperature=0.0, **kw)),
-                    "safeformer dynamic": run("dyn", lambda m=sf_model, kw=sf_kw: m.generate(
+                    "safeformer": run("sf", lambda m=sf_model, kw=sf_kw, prompts=prompts: m.generate(prompts, n_new, temperature=0.0, **kw)),
+                    "safeformer dynamic": run("dyn", lambda m=sf_model, kw=sf_kw, prompts=prompts: m.generate(
                         prompts, n_new, temperature=0.0, static_cache=False, **kw)),
                 }
                 key = f"{case}@{b}@{dim}"
                 if key in compiled:
-                    contenders["safeformer compiled"] = run("comp", lambda m=sf_model, kw=sf_kw: m.generate(
+                    contenders["safeformer compiled"] = run("comp", lambda m=sf_model, kw=sf_kw, prompts=prompts: m.generate(
                         prompts, n_new, temperature=0.0, compile=True, **kw))
                 t = interleaved(contenders, rounds=rounds, device=device, warmup=1)
                 speed = {name: 1.0 / t.ratio(name) for name in contenders if name != "x-transformers"}

@@ -388,7 +388,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         self.eval()
         try:
             engine = GuidedForward(self.net, b, conds, negatives, schedule, combine, cache_kv=cache_kv, steps=seq_len,
-                                   need_joint=self.probabilistic or guidance_rescale > 0)
+                                   need_joint=self.probabilistic or guidance_rescale > 0, static=True)
             autoregress(engine, start, mask, seq_len, pick)
         finally:
             self.train(was_training)

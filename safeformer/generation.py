@@ -631,7 +631,8 @@ def _beam_search(net, prompts, seq_len, conds: Conditions, negatives: Conditions
     try:
         step = GuidedForward(net, b, conds, negatives, schedule,
                              guided_logits_combine(schedule, guidance_rescale, guidance_space),
-                             need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len, window=window)
+                             need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len, window=window,
+                               static=True)
         logits = step(prompts, mask, None, 0)  # (b, v)
         kc = min(k, logits.shape[-1])  # candidates per beam
         rep = torch.arange(b, device=device).repeat_interleave(k)  # (b * k,): each sample's beams side by side

@@ -1,0 +1,352 @@
+"""The static KV cache and its fixed-shape decode step (``safeformer/static.py``).
+
+What must hold: the static step computes what the net's own ``forward`` with a dynamic ``KVCache``
+computes (float64: to rounding; every dtype: to its tolerance against float64), for every option it
+runs; the generation APIs give the same tokens with and without it (plain, padded context, left-padded
+prompts, CFG with two and three branches, beam search, the continuous wrapper, compiled); NaN/inf planted
+in the masked slots of the cache it is built from, or written by a kernel into dead rows, never reach an
+output; nets it cannot run fall back to the dynamic cache; errors are named.
+"""
+
+from __future__ import annotations
+
+import math
+
+import helpers as hp
+import pytest
+import torch
+
+import safeformer as sf
+from safeformer.generation import beam_search_tokens
+from safeformer.static import StaticDecoder, StaticKVCache, capacity_bucket, compile_options, static_reason
+
+V, DIM, J = 23, 32, 3
+
+
+def _net(**layer_kw):
+    wrapper_kw = {k: layer_kw.pop(k) for k in ("tie_embedding", "l2norm_embed", "num_memory_tokens") if k in layer_kw}
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=V, max_seq_len=64, attn_layers=sf.Decoder(dim=DIM, depth=2, heads=4, dim_head=8, **layer_kw),
+                                **wrapper_kw)
+    with torch.no_grad():  # off the init: non-trivial norms, biases, null condition
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return net.eval()
+
+
+def _inputs(b: int = 3, n: int = 6, *, left_pad=False, context=None, dead_context=False, condition=False,
+            prefix=False, g=None):
+    g = torch.Generator().manual_seed(1) if g is None else g
+    kw = {}
+    prompts = torch.randint(0, V, (b, n), generator=g)
+    mask = None
+    if left_pad:
+        lens = torch.tensor([n, 2, 4][:b])
+        mask = torch.arange(n)[None] >= (n - lens[:, None])
+        kw["mask"] = mask
+    if context is not None:
+        kw["context"] = torch.randn(b, context, DIM, generator=g, dtype=torch.float64)
+        if context:
+            cm = torch.rand(b, context, generator=g) > 0.3
+            cm[:, 0] = True
+            if dead_context:
+                cm[-1] = False  # a dropped condition: a dead cross-attention row in every step
+            kw["context_mask"] = cm
+    if condition:
+        kw["condition"] = torch.randn(b, 8, generator=g, dtype=torch.float64)
+        kw["condition_mask"] = torch.tensor([True, False, True][:b])
+    if prefix:
+        kw["prepend_embeds"] = torch.randn(b, 2, DIM, generator=g, dtype=torch.float64)
+        kw["prepend_mask"] = torch.tensor([[True, True], [False, True], [False, False]][:b])
+    return prompts, kw
+
+
+# (name, layer / wrapper options, input options)
+CONFIGS = [
+    ("rotary", dict(rotary_pos_emb=True), dict()),
+    ("rotary partial, left padding", dict(rotary_pos_emb=True, rotary_emb_dim=4), dict(left_pad=True)),
+    ("alibi, left padding", dict(alibi_pos_bias=True), dict(left_pad=True)),
+    ("absolute positions, memory tokens", dict(num_memory_tokens=2), dict(left_pad=True)),
+    ("cross, dropped context, bias, gqa, qk norm", dict(rotary_pos_emb=True, cross_attend=True, attn_bias=True, kv_heads=2,
+                                                       attn_qk_norm=True), dict(context=J, dead_context=True)),
+    ("cross, zero-length context", dict(rotary_pos_emb=True, cross_attend=True), dict(context=0)),
+    ("adaptive rmsnorm + layerscale", dict(rotary_pos_emb=True, use_adaptive_rmsnorm=True, use_adaptive_layerscale=True,
+                                           dim_condition=8), dict(condition=True)),
+    ("adaptive layernorm, cross, prefix", dict(rotary_pos_emb=True, use_adaptive_layernorm=True, dim_condition=8,
+                                               cross_attend=True), dict(condition=True, context=J, prefix=True)),
+    ("glu, rmsnorm, tied, l2norm embed", dict(rotary_pos_emb=True, ff_glu=True, ff_swish=True, use_rmsnorm=True,
+                                              tie_embedding=True, l2norm_embed=True), dict(left_pad=True)),
+]
+
+
+def _cast(kw: dict, dtype) -> dict:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+
+
+def _dynamic_and_static(net, prompts, kw, steps: int, dtype=torch.float64, poison=None):
+    """Teacher-forced next-token logits of ``steps`` positions: the dynamic cache's and the static step's."""
+    net = net.to(dtype)
+    kw = _cast(kw, dtype)
+    g = torch.Generator().manual_seed(5)
+    feed = torch.randint(0, V, (prompts.shape[0], steps), generator=g)
+    with torch.no_grad():
+        _, cache = net(prompts, return_cache=True, **kw)
+        dyn, c = [], cache
+        for t in range(steps):
+            lg, c = net(feed[:, t:t + 1], cache=c, return_cache=True)
+            dyn.append(lg[:, -1])
+        if poison is not None:
+            cache = poison(cache)
+        dec = StaticDecoder(net, cache, cache.length + steps)
+        stat = [dec.step(feed[:, t]) for t in range(steps)]
+    return torch.stack(dyn, 1), torch.stack(stat, 1)
+
+
+@pytest.mark.parametrize("name,layer_kw,input_kw", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_static_step_equals_dynamic_cache_float64(name, layer_kw, input_kw):
+    net = _net(**dict(layer_kw))
+    prompts, kw = _inputs(**input_kw)
+    assert static_reason(net) is None, name
+    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=5)
+    hp.assert_close(stat, dyn, f"static step logits ({name})")
+    assert float((stat - dyn).abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("dtype", hp.dtypes_for("cpu"), ids=str)
+@pytest.mark.parametrize("name,layer_kw,input_kw", [CONFIGS[1], CONFIGS[4], CONFIGS[7]], ids=[CONFIGS[i][0] for i in (1, 4, 7)])
+def test_static_step_in_every_dtype_against_float64(name, layer_kw, input_kw, dtype):
+    """In float32 / bfloat16 / float16 the static step is as accurate as the dtype allows (against the float64
+    dynamic cache on the same weights, the same fed tokens)."""
+    prompts, kw = _inputs(**input_kw)
+    ref, _ = _dynamic_and_static(_net(**dict(layer_kw)), prompts, kw, steps=4)
+    _, stat = _dynamic_and_static(_net(**dict(layer_kw)), prompts, kw, steps=4, dtype=dtype)
+    hp.assert_close(stat.double(), ref, f"static step logits in {dtype} ({name})", dtype)
+
+
+def _plant(value: float):
+    """Put ``value`` into every masked slot of a cache: prompt padding and masked context keys/values."""
+
+    def poison(cache):
+        for k, v in cache.self_kv:
+            if cache.mask is not None:
+                k.masked_fill_(~cache.mask[:, None, :, None], value)
+                v.masked_fill_(~cache.mask[:, None, :, None], value)
+        if cache.cross_kv is not None and cache.context_mask is not None:
+            for k, v in cache.cross_kv:
+                k.masked_fill_(~cache.context_mask[:, None, :, None], value)
+                v.masked_fill_(~cache.context_mask[:, None, :, None], value)
+        return cache
+
+    return poison
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_masked_cache_slots_never_reach_the_output(value):
+    """NaN/inf in the masked slots of the cache the static one is built from (left padding of the prompt,
+    masked and dropped context keys) changes no output bit."""
+    net = _net(rotary_pos_emb=True, cross_attend=True, attn_bias=True)
+    prompts, kw = _inputs(left_pad=True, context=J, dead_context=True)
+    _, clean = _dynamic_and_static(net, prompts, kw, steps=4, dtype=torch.float32)
+    _, poisoned = _dynamic_and_static(net, prompts, kw, steps=4, dtype=torch.float32, poison=_plant(value))
+    hp.assert_bitwise(poisoned, clean, "static step under planted masked slots")
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+def test_kernel_writing_nan_into_dead_rows_changes_nothing(bias):
+    """S6 on the static step: a kernel that writes NaN into the rows it is told are dead (the samples whose
+    context is dropped, in cross-attention) and into keyless rows leaves the outputs bit for bit."""
+    net = _net(rotary_pos_emb=True, cross_attend=True, attn_bias=bias)
+    prompts, kw = _inputs(left_pad=True, context=J, dead_context=True)
+    dead = ~kw["context_mask"].any(1)
+
+    def told(q, k, v, attn_mask):
+        return dead[:, None, None] if k.shape[2] == J and q.shape[0] == dead.shape[0] else None
+
+    with sf.testing.substitute_kernel(hp.faithful_kernel()):
+        _, clean = _dynamic_and_static(net, prompts, kw, steps=4, dtype=torch.float32)
+    kernel = hp.NaNKernel(told)
+    with sf.testing.substitute_kernel(kernel):
+        _, poisoned = _dynamic_and_static(net, prompts, kw, steps=4, dtype=torch.float32)
+    assert kernel.poisoned > 0, "the NaN kernel never saw a dead row: the test would prove nothing"
+    hp.assert_bitwise(poisoned, clean, "static step under the NaN kernel")
+
+
+def _count_static_steps(monkeypatch) -> list[int]:
+    calls = [0]
+    orig = StaticDecoder.step
+
+    def step(self, new):
+        calls[0] += 1
+        return orig(self, new)
+
+    monkeypatch.setattr(StaticDecoder, "step", step)
+    return calls
+
+
+GEN_CASES = [
+    ("plain", dict(rotary_pos_emb=True), dict(), {}),
+    ("padded context", dict(rotary_pos_emb=True, cross_attend=True), dict(context=J, dead_context=True), {}),
+    ("left-padded prompts", dict(rotary_pos_emb=True), dict(left_pad=True), {}),
+    ("CFG 2 branches", dict(rotary_pos_emb=True, cross_attend=True), dict(context=J), dict(cond_scale=3.0)),
+    ("CFG 3 branches", dict(rotary_pos_emb=True, cross_attend=True, use_adaptive_layernorm=True, dim_condition=8),
+     dict(context=J, condition=True, left_pad=True), dict(cond_scale={"context": 2.0, "condition": 1.5})),
+    ("CFG rescale, logprobs, eos", dict(alibi_pos_bias=True, cross_attend=True), dict(context=J, left_pad=True),
+     dict(cond_scale=2.0, guidance_rescale=0.5, guidance_space="logprobs", eos_token=3)),
+]
+
+
+@pytest.mark.parametrize("name,layer_kw,input_kw,gen_kw", GEN_CASES, ids=[c[0] for c in GEN_CASES])
+def test_generate_same_tokens_static_and_dynamic(name, layer_kw, input_kw, gen_kw, monkeypatch):
+    model = sf.AutoregressiveWrapper(_net(**dict(layer_kw)).float())
+    prompts, kw = _inputs(**input_kw)
+    kw = _cast(kw, torch.float32)
+    calls = _count_static_steps(monkeypatch)
+    static = model.generate(prompts, 12, temperature=0.0, **kw, **gen_kw)
+    assert calls[0] > 0, "the static step did not run"
+    n = calls[0]
+    dynamic = model.generate(prompts, 12, temperature=0.0, static_cache=False, **kw, **gen_kw)
+    assert calls[0] == n, "static_cache=False still ran the static step"
+    assert torch.equal(static, dynamic), name
+
+
+def test_sampling_with_filters_same_draws_static_and_dynamic():
+    model = sf.AutoregressiveWrapper(_net(rotary_pos_emb=True, cross_attend=True).float())
+    prompts, kw = _inputs(context=J)
+    kw = _cast(kw, torch.float32)
+    outs = []
+    for static in (True, False):
+        torch.manual_seed(7)
+        outs.append(model.generate(prompts, 10, temperature=0.8, filter_logits_fn="top_p", filter_kwargs={"p": 0.9},
+                                   cond_scale=2.0, static_cache=static, **kw))
+    assert torch.equal(*outs)
+
+
+def test_beam_search_same_beams_static_and_dynamic(monkeypatch):
+    net = _net(rotary_pos_emb=True, cross_attend=True).float()
+    prompts, kw = _inputs(context=J, left_pad=True)
+    kw = _cast(kw, torch.float32)
+    calls = _count_static_steps(monkeypatch)
+    tok_s, score_s = beam_search_tokens(net, prompts, 6, beams=3, cond_scale=2.0, **kw)
+    assert calls[0] > 0
+    monkeypatch.setattr("safeformer.decode.static_reason", lambda net: "off for the comparison")
+    tok_d, score_d = beam_search_tokens(net, prompts, 6, beams=3, cond_scale=2.0, **kw)
+    assert torch.equal(tok_s, tok_d)
+    hp.assert_close(score_s, score_d, "beam scores")
+
+
+def test_continuous_generation_static_equals_dynamic(monkeypatch):
+    torch.manual_seed(0)
+    net = sf.ContinuousTransformerWrapper(dim_in=5, dim_out=5, max_seq_len=32,
+                                          attn_layers=sf.Decoder(dim=DIM, depth=2, heads=4, dim_head=8, rotary_pos_emb=True,
+                                                                 cross_attend=True))
+    model = sf.ContinuousAutoregressiveWrapper(net).eval()
+    g = torch.Generator().manual_seed(2)
+    start = torch.randn(3, 4, 5, generator=g)
+    mask = torch.tensor([[True] * 4, [False, False, True, True], [False, True, True, True]])
+    ctx = torch.randn(3, J, DIM, generator=g)
+    cm = torch.tensor([[True, True, False], [False] * 3, [True, False, False]])
+    calls = _count_static_steps(monkeypatch)
+    static = model.generate(start, 6, mask=mask, context=ctx, context_mask=cm, cond_scale=2.0)
+    assert calls[0] > 0
+    monkeypatch.setattr("safeformer.decode.static_reason", lambda net: "off for the comparison")
+    dynamic = model.generate(start, 6, mask=mask, context=ctx, context_mask=cm, cond_scale=2.0)
+    hp.assert_close(static, dynamic, "continuous values, static vs dynamic")
+    assert float((static - dynamic).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(attn_softclamp_logits=True)],
+                         ids=["memory kv", "sink", "softclamp"])
+def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
+    net = _net(rotary_pos_emb=True, **option)
+    assert static_reason(net) is not None
+    calls = _count_static_steps(monkeypatch)
+    model = sf.AutoregressiveWrapper(net)
+    prompts, _ = _inputs()
+    a = model.generate(prompts, 5, temperature=0.0)
+    b = model.generate(prompts, 5, temperature=0.0, cache_kv=False)
+    assert calls[0] == 0 and torch.equal(a, b)
+
+
+def test_forward_hooks_keep_the_dynamic_path(monkeypatch):
+    """The step calls the modules' parts, not their forward: a net with hooks (FSDP2's, a user's probes)
+    decodes on the dynamic cache, so its hooks run on every step."""
+    net = _net(rotary_pos_emb=True)
+    seen = []
+    handle = net.attn_layers.layers[0].mixer.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        assert "hooks" in static_reason(net)
+        calls = _count_static_steps(monkeypatch)
+        sf.AutoregressiveWrapper(net).generate(_inputs()[0], 4, temperature=0.0)
+        assert calls[0] == 0 and len(seen) == 4  # the prompt, then one forward per new token
+    finally:
+        handle.remove()
+    assert static_reason(net) is None
+
+
+def test_nan_logits_in_guidance_raise_after_the_loop():
+    """Guided generation reads the NaN flag every ``eos_check_every`` steps and at the end (no read per step):
+    NaN logits are still a named error, never sampled tokens returned."""
+    net = _net(rotary_pos_emb=True, cross_attend=True).float()
+    with torch.no_grad():
+        net.to_logits.weight[0, 0] = math.nan
+    prompts, kw = _inputs(context=J)
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        sf.AutoregressiveWrapper(net).generate(prompts, 5, cond_scale=3.0, **_cast(kw, torch.float32))
+
+
+def test_eos_stops_at_a_check_and_pads_after():
+    model = sf.AutoregressiveWrapper(_net(rotary_pos_emb=True).float())
+    prompts, _ = _inputs()
+    free = model.generate(prompts, 20, temperature=0.0)
+    eos = int(free[0, 2])
+    for every in (1, 4, 50):
+        out = model.generate(prompts, 20, temperature=0.0, eos_token=eos, eos_check_every=every)
+        for s in range(out.shape[0]):
+            hits = (free[s] == eos).nonzero()
+            stop = int(hits[0]) + 1 if len(hits) else 20
+            assert torch.equal(out[s, :stop], free[s, :stop])
+            assert bool((out[s, stop:] == model.pad_value).all())
+
+
+@pytest.mark.parametrize("kw,err", [(dict(static_cache=1), TypeError), (dict(compile="yes"), TypeError),
+                                    (dict(eos_check_every=0), ValueError), (dict(eos_check_every=True), ValueError)])
+def test_generation_options_are_checked(kw, err):
+    model = sf.AutoregressiveWrapper(_net(rotary_pos_emb=True))
+    with pytest.raises(err, match=next(iter(kw))):
+        model.generate(_inputs()[0], 3, **kw)
+
+
+def test_static_cache_checks_its_input_and_its_room():
+    net = _net(rotary_pos_emb=True)
+    prompts, _ = _inputs()
+    with torch.no_grad():
+        _, cache = net(prompts, return_cache=True)
+        with pytest.raises(ValueError, match="capacity"):
+            StaticDecoder(net, cache, cache.length - 1)
+        with pytest.raises(ValueError, match="batch"):
+            StaticKVCache.from_cache(cache.index_select(torch.tensor([0, 1])), 10, torch.zeros(3, 0, DIM), 2, 0)
+        dec = StaticDecoder(net, cache, cache.length + 1)
+        dec.step(prompts[:, 0])
+        with pytest.raises(ValueError, match="full"):
+            dec.step(prompts[:, 0])
+    with pytest.raises(ValueError, match="static decode step cannot run"):
+        StaticDecoder(_net(attn_num_mem_kv=1), cache, 20)
+
+
+def test_compile_plan_and_capacity_buckets():
+    assert compile_options("cuda") == {"mode": "reduce-overhead"}
+    assert compile_options("cpu") == {"options": {"cpp_wrapper": True}}
+    assert compile_options("cpu", "default") == {"mode": "default"}
+    assert [capacity_bucket(n) for n in (1, 64, 65, 130)] == [64, 64, 128, 192]
+
+
+@pytest.mark.slow
+def test_compiled_step_gives_the_eager_tokens():
+    """``compile=True`` (fixed shapes, attention over every slot with the validity mask): the same greedy
+    tokens as the eager static step and the dynamic cache, guided, with left padding and a padded context."""
+    model = sf.AutoregressiveWrapper(_net(rotary_pos_emb=True, cross_attend=True).float())
+    prompts, kw = _inputs(left_pad=True, context=J, dead_context=True)
+    kw = _cast(kw, torch.float32)
+    eager = model.generate(prompts, 8, temperature=0.0, cond_scale=2.0, **kw)
+    compiled = model.generate(prompts, 8, temperature=0.0, cond_scale=2.0, compile=True, **kw)
+    assert torch.equal(eager, compiled)
