@@ -465,28 +465,33 @@ def compose_guidance(
     used = {k: _check_scale(s, f"the scale of {k!r}") for k, s in scales.items() if s != 0}
     checked = dict(tensors) if reference is None or guidance_rescale == 0 else {**tensors, "reference": reference}
     work = _work_dtype(uncond)
-    if errors is not None:  # no host read: flag it, and compute with NaN/+inf entries banned
-        bad = torch.zeros((), dtype=torch.bool, device=uncond.device)
-        for t in checked.values():
-            bad = bad | (torch.isnan(t) | (t == float("inf"))).any()
-        errors.logical_or_(bad)
-        tensors = {k: t.nan_to_num(nan=_NEG_INF, posinf=_NEG_INF) for k, t in tensors.items()}
-    else:
-        bad = torch.stack([(torch.isnan(t) | (t == float("inf"))).any() for t in checked.values()])
-        if bool(bad.any()):  # one host sync per call; every branch given, whatever its scale
-            name = list(checked)[int(bad.long().argmax())]
-            raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
-    vals = {k: tensors[k].to(work) for k in ["uncond", *used]}
-    if guidance_rescale > 0 and reference is not None:
-        vals["reference"] = reference.to(work)
+    names = ["uncond", *used]
+    given = list(checked.values())
+    # every branch given, whatever its scale, is checked in one pass over one stacked tensor
+    same = all(t.dtype == given[0].dtype for t in given)
+    stacked = torch.stack(given if same else [t.to(work) for t in given])  # (branches given, ..., v)
+    bad = (torch.isnan(stacked) | (stacked == float("inf"))).flatten(1).any(dim=1)  # (branches given,)
+    if errors is not None:  # no host read: flag it; NaN/+inf entries are computed as banned below
+        errors.logical_or_(bad.any())
+    elif bool(bad.any()):  # one host sync per call
+        name = list(checked)[int(bad.long().argmax())]
+        raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
+    index = [list(checked).index(k) for k in names]
+    vals = (stacked if len(index) == len(given) else stacked[index]).to(work)  # (uncond, used...)
     if space == "logprobs":
-        vals = {k: _log_softmax(t) for k, t in vals.items()}
-    banned = torch.zeros(uncond.shape, dtype=torch.bool, device=uncond.device)
-    for t in vals.values():
-        banned = banned | (t == _NEG_INF)
-    zero = torch.zeros((), dtype=work, device=uncond.device)
-    clean = {k: torch.where(banned, zero, t) for k, t in vals.items()}  # -inf selected away, not subtracted
-    guided = _combine(clean, used, guidance_rescale, clean.get("reference"), live=~banned, out_dtype=dtype)
+        vals = _log_softmax(vals)
+    banned = ~(vals < float("inf")) | (vals == _NEG_INF) if errors is not None else vals == _NEG_INF
+    banned = banned.any(dim=0)
+    clean = torch.where(banned, torch.zeros((), dtype=work, device=uncond.device), vals)  # -inf selected away, not subtracted
+    clean = dict(zip(names, clean.unbind(0)))
+    ref = None
+    if guidance_rescale > 0 and reference is not None:
+        r = reference.to(work)
+        r = _log_softmax(r) if space == "logprobs" else r
+        banned = banned | (r == _NEG_INF) | (~(r < float("inf")) if errors is not None else False)
+        ref = torch.where(banned, 0.0, r)
+        clean = {k: torch.where(banned, 0.0, t) for k, t in clean.items()}
+    guided = _combine(clean, used, guidance_rescale, ref, live=~banned, out_dtype=dtype)
     return guided.masked_fill(banned, _NEG_INF)
 
 
