@@ -477,6 +477,7 @@ def _select_(keep: Tensor, x: Tensor) -> Tensor:
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _FUSED_SELECT = True  # private switch (tests): False = always the generic path (select copies, then _kernel)
+_BOUNDED = True  # private switch (tests): False = the fused path always selects copies
 _CHUNKS_MAX = 16  # kernel calls per attend call, at most: transient copies are >= 1/16 of q, k, v...
 _CHUNK_MIN_SCORES = 1 << 20  # ...but no chunk with fewer attention scores (pairs * i * j) than this: a
 # chunk costs a few small ops (~40 us on a CPU core), which must stay small next to its kernel call
@@ -542,8 +543,19 @@ def _selected_inputs(q, k, v, row_ok, key_ok, mask, batch, kv_heads, g, last_mas
     return qh, qc, kc, vc, last_mask[1]
 
 
-def _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, keep_lse):
-    """(out, logsumexp or None): the CPU flash kernel on q, k, v selected per chunk; dead rows of out = 0."""
+def _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, keep_lse, bounded=False):
+    """(out, logsumexp or None): the CPU flash kernel on q, k, v selected per chunk; dead rows of out = 0.
+
+    ``bounded``: q, k, v pass ``_bounded`` (nothing they hold at dead rows or masked keys can change a
+    live row): one kernel call on q, k, v as given, no selected copies; the log-sum-exp of a dead row is
+    +inf, so that the backward gives it a weight of exactly 0 on every key.
+    """
+    if bounded:
+        o, l = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=_float_mask(mask, q.dtype), scale=scale)
+        _select_(row_ok, o)  # dead rows: exactly 0
+        if keep_lse:
+            l.masked_fill_(~row_ok[..., 0], float("inf"))
+        return o, (l if keep_lse else None)
     b, h, i, _ = q.shape
     hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hkv
@@ -567,6 +579,37 @@ def _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, kee
     return out, lse
 
 
+# the dtypes whose products ``_bounded`` bounds (the kernel computes in them)
+_BOUNDED_DTYPES = {torch.float32: torch.finfo(torch.float32).max / 16, torch.float64: torch.finfo(torch.float64).max / 16}
+
+
+def _norm(t: Tensor) -> float:
+    return float(torch.linalg.vector_norm(t))  # NaN or inf for a NaN, an inf or an overflow
+
+
+def _bounded(q: Tensor, k: Tensor, v: Tensor, scale: float) -> float | None:
+    """The norm of v when the norms of q, k, v bound every number the flash kernel forms from them far
+    below the dtype's largest (``|q_r . k_c| <= |q| |k|``; a NaN or inf fails), else ``None``.
+
+    Then a masked key's logit is finite before its ``-inf`` and its weight exactly 0, and ``0 * x`` is 0
+    for whatever finite x a masked key or a dead row holds: running the kernel on q, k, v as given
+    changes no bit of a live row, forward or backward (with a bounded incoming gradient, ``_grad_bounded``),
+    and a dead row with a log-sum-exp of +inf weighs every key 0. Reads three numbers on the host (CPU).
+    """
+    limit = _BOUNDED_DTYPES.get(q.dtype)
+    if limit is None:
+        return None
+    nv = _norm(v)
+    if not nv < limit or not _norm(q) * _norm(k) * max(abs(scale), 1.0) < limit:
+        return None
+    return nv
+
+
+def _grad_bounded(grad: Tensor, nv: float) -> bool:
+    """Whether the incoming gradient keeps the backward's products bounded (``|grad_r . v_c|``, NaN/inf fail)."""
+    return _norm(grad) * max(nv, 1.0) < _BOUNDED_DTYPES[grad.dtype]
+
+
 class _SelectedFlashAttention(torch.autograd.Function):
     """The CPU flash kernel on q, k, v selected to 0 at dead rows / masked keys, saving the originals.
 
@@ -576,13 +619,21 @@ class _SelectedFlashAttention(torch.autograd.Function):
     not selected copies. (Old-style ``forward(ctx, ...)``, as ``_SelectOrZero``.) A backward with
     ``create_graph=True`` returns instead the gradients of the reference math on the same selections
     (``_reference_vjp``), which autograd can differentiate again: the kernel's backward has no derivative.
+
+    When q, k, v are ``_bounded`` (float32/float64, no NaN, inf or overflow anywhere) the selections
+    change no bit of what the kernel computes for live rows: the forward runs the kernel once on q, k, v
+    as given, and so does the backward when the incoming gradient is bounded too (``_grad_bounded``);
+    dead rows get a log-sum-exp of +inf (weight 0 on every key, so they pass exactly 0 to k and v). The
+    gradients are selected afterwards in every case.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, row_ok, key_ok, mask, scale, is_causal):
-        out, lse = _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, keep_lse=True)
+        nv = _bounded(q, k, v, scale) if _BOUNDED else None
+        out, lse = _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, keep_lse=True,
+                                           bounded=nv is not None)
         ctx.save_for_backward(q, k, v, row_ok, key_ok, mask, out, lse)
-        ctx.scale, ctx.is_causal = scale, is_causal
+        ctx.scale, ctx.is_causal, ctx.v_norm = scale, is_causal, nv
         return out
 
     @staticmethod
@@ -592,6 +643,11 @@ class _SelectedFlashAttention(torch.autograd.Function):
             # the reference math's gradients, selected as in the forward, as a graph (a gradient penalty)
             dq, dk, dv, _ = _reference_vjp(grad, q, k, v, mask, ctx.is_causal, ctx.scale,
                                            (*ctx.needs_input_grad[:3], False), row_ok, key_ok)
+            return dq, dk, dv, None, None, None, None, None
+        if ctx.v_norm is not None and _grad_bounded(grad, ctx.v_norm):  # one call on q, k, v as given
+            dq, dk, dv = _FLASH_CPU_BACKWARD(grad, q, k, v, out, lse, 0.0, ctx.is_causal,
+                                             attn_mask=_float_mask(mask, q.dtype), scale=ctx.scale)
+            _select_(row_ok, dq), _select_(key_ok, dk), _select_(key_ok, dv)  # whatever the kernel wrote there
             return dq, dk, dv, None, None, None, None, None
         b, h, i, _ = q.shape
         hkv, j = k.shape[1], k.shape[2]
@@ -719,7 +775,17 @@ def masked_linear(x: Tensor, keep: Tensor, linear: nn.Linear) -> Tensor:
     return _MaskedLinear.apply(x, keep, weight, bias)
 
 
+_FLOATS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+
+
 def _validate(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale, dropout_p: float) -> None:
+    if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and bias is None and scale is None
+            and dropout_p == 0 and type(dropout_p) is float):  # the common call: its checks, quickly
+        qs, ks, vs = q.shape, k.shape, v.shape
+        if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and q.dtype in _FLOATS and q.dtype == k.dtype == v.dtype
+                and qs[0] == ks[0] == vs[0] and ks[:3] == vs[:3] and qs[3] == ks[3] > 0 and vs[3] > 0
+                and ks[1] > 0 and qs[1] % ks[1] == 0 and q.device == k.device == v.device):
+            return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -809,7 +875,10 @@ def attend(
             raise ValueError("a PreparedMask holds the causal part already; pass causal=False with it")
         mask = prepared.combined
     if mask is not None:
-        user = as_attention_mask(mask, b, h, i, j, name="mask")
+        if type(mask) is Tensor and mask.dtype == torch.bool and mask.dim() == 2 and mask.shape[0] == b and mask.shape[1] == j:
+            user = mask.view(b, 1, 1, j)  # (b, j) key padding: what as_attention_mask returns, quickly
+        else:
+            user = as_attention_mask(mask, b, h, i, j, name="mask")
         if user.device != q.device:
             raise ValueError(f"mask is on {user.device}, expected {q.device} (the device of q)")
     mask_kind = "none" if user is None else ("padding" if user.shape[2] == 1 else "full")
@@ -849,7 +918,13 @@ def attend(
     attn_mask: Tensor | None = None
     row_ok = None
     if combined is not None:
-        row_ok, key_ok, attn_mask = _kernel_mask(combined, prepared, bias, h, hkv, j, q.dtype)
+        row_ok = prepared.row_ok if prepared is not None else combined.any(dim=-1, keepdim=True)
+        if _optimistic_ok(plan, q, k, v, bias, dropout_p):  # a CPU forward needing no gradient
+            out = _optimistic(plan, q, k, v, combined, prepared, bias, row_ok, is_causal, scale, check=not inputs_finite)
+            if out is not None:
+                return out
+        attn_mask = _kernel_mask(combined, prepared, bias, row_ok, j, q.dtype)
+        key_ok = _key_ok(combined, prepared, h, hkv, j)
         if not inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
             # the CPU flash kernel with the selections inside: no selected copy outlives the call
             # dead rows: 0; a backward with create_graph=True runs the reference math (a gradient penalty)
@@ -873,28 +948,93 @@ def attend(
     return out
 
 
-def _kernel_mask(combined: Tensor, prepared: PreparedMask | None, bias: Tensor | None, h: int, hkv: int, j: int,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """``(row_ok (b|1, h|1, i, 1), key_ok (b|1, h_kv|1, j, 1), the mask the kernel gets)`` from the combined
-    mask. No kernel sees a dead row: a dead row is handed one (finite) key to see, the first, which costs
+_FIRST_KEY: dict = {}  # (j, device) -> bool (j,), True at key 0 only: what a dead row is handed
+
+
+def _first_key(j: int, device: torch.device) -> Tensor:
+    """bool ``(j,)``, True at the first key only; made once per (j, device) in eager mode."""
+    if torch.compiler.is_compiling():
+        return torch.arange(j, device=device) == 0
+    key = (j, device)
+    t = _FIRST_KEY.get(key)
+    if t is None:
+        if len(_FIRST_KEY) >= 64:
+            _FIRST_KEY.clear()
+        with torch.inference_mode(False):  # an ordinary tensor, whatever mode the first call ran in
+            t = torch.arange(j, device=device) == 0
+        _FIRST_KEY[key] = t
+    return t
+
+
+def _kernel_mask(combined: Tensor, prepared: PreparedMask | None, bias: Tensor | None, row_ok: Tensor, j: int,
+                 dtype: torch.dtype) -> Tensor:
+    """The mask the kernel gets, from the combined mask and ``row_ok (b|1, h|1, i, 1)`` (False on dead
+    rows). No kernel sees a dead row: a dead row is handed one (finite) key to see, the first, which costs
     a kernel no more than a fully masked row (every key at bias 0, with an additive bias)."""
-    row_ok = prepared.row_ok if prepared is not None else combined.any(dim=-1, keepdim=True)
-    if prepared is not None and prepared.key_ok is not None and prepared.key_ok.shape[1] == 1:
-        key_ok = prepared.key_ok  # (b|1, 1, j, 1)
-    else:
-        key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
-        if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
-            key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
-        key_ok = key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
     if bias is not None:
         fill = torch.where(row_ok, float("-inf"), 0.0).to(dtype)
-        return row_ok, key_ok, torch.where(combined, bias, fill)  # a dead row sees every key at bias 0
+        return torch.where(combined, bias, fill)  # a dead row sees every key at bias 0
     if prepared is not None:  # the stack's shared additive mask: one storage for every layer
-        return row_ok, key_ok, prepared.additive if prepared.additive.dtype == dtype else prepared.additive.to(dtype)
-    dead_sees = ~row_ok
-    if combined.shape[-1] == j > 1:
-        dead_sees = dead_sees & (torch.arange(j, device=combined.device) == 0)  # (b|1, h|1, i, j)
-    return row_ok, key_ok, combined | dead_sees
+        return prepared.additive if prepared.additive.dtype == dtype else prepared.additive.to(dtype)
+    if combined.shape[-1] == j > 1:  # a dead row sees the first key: (b|1, h|1, i, j)
+        return torch.where(row_ok, combined, _first_key(j, combined.device))
+    return combined | ~row_ok
+
+
+def _key_ok(combined: Tensor, prepared: PreparedMask | None, h: int, hkv: int, j: int) -> Tensor:
+    """``key_ok (b|1, h_kv|1, j, 1)``: False on masked keys (no query of the key/value head's group sees them)."""
+    if prepared is not None and prepared.key_ok is not None and prepared.key_ok.shape[1] == 1:
+        return prepared.key_ok  # (b|1, 1, j, 1)
+    key_ok = combined.any(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
+    if key_ok.shape[1] == h and hkv != h:  # a key is live for a kv head if any head of its group sees it
+        key_ok = key_ok.reshape(key_ok.shape[0], hkv, h // hkv, 1, j).any(dim=2)
+    return key_ok.transpose(-1, -2)  # (b|1, h_kv|1, j, 1)
+
+
+def _optimistic_ok(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float) -> bool:
+    """Whether ``_optimistic`` may run: a forward needing no gradient, on the CPU, in eager mode."""
+    return (_FUSED_SELECT and dropout_p == 0 and plan.path == "sdpa" and q.device.type == "cpu"
+            and (_kernel is F.scaled_dot_product_attention or _OPTIMISTIC_ANY_KERNEL)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
+
+
+_OPTIMISTIC_ANY_KERNEL = False  # private switch (tests): run ``_optimistic`` with a substituted kernel too
+
+
+def _optimistic(plan: AttentionPlan, q, k, v, combined: Tensor, prepared: PreparedMask | None, bias: Tensor | None,
+                row_ok: Tensor, is_causal: bool, scale: float, check: bool) -> Tensor | None:
+    """A forward with no gradient, on the CPU: the kernel on q, k, v as given (no selected copies), dead
+    rows then 0. With ``check``, ``None`` when the output is not finite: the caller runs the selecting
+    path instead.
+
+    A masked key reaches a live row only through a weight of exactly 0 (its logit is ``-inf``), so
+    whatever finite numbers it (or a dead row) holds change no bit of a live row. What it holds can
+    change a live row only by making something NaN or inf there: a NaN or inf in its value
+    (``0 * inf``), a NaN or overflowing logit (``inf - inf``). So a finite output is the selecting path's
+    output, and a non-finite one (this, or the caller's own NaN at a real position) is computed again by
+    the selecting path. Without ``check`` (a ``SelectedMask``: the caller vouches for those inputs) the
+    output is returned as it is. Reads one or two numbers on the host (CPU tensors: no device sync):
+    whether every row is live (then the kernel gets the mask as it is, and nothing is zeroed), and the
+    sum of the output.
+    """
+    live = bool(row_ok.all())  # the common case: no dead row, nothing to hand a key, nothing to zero
+    if live and prepared is None and bias is None:
+        attn_mask = combined
+    else:
+        attn_mask = _kernel_mask(combined, prepared, bias, row_ok, k.shape[2], q.dtype)
+    out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, 0.0)
+    if not live:
+        if _kernel is F.scaled_dot_product_attention:
+            out = _select_(row_ok, out)  # dead rows: exactly 0, in place (SDPA's output is a new tensor)
+        else:
+            out = torch.where(row_ok, out, 0.0)
+    if not check:
+        return out
+    total = out.sum(dtype=torch.float64 if out.dtype == torch.float64 else torch.float32)
+    return out if math.isfinite(total.item()) else None
 
 
 def _kernel_call(plan: AttentionPlan, q, k, v, attn_mask, is_causal: bool, scale: float, dropout_p: float) -> Tensor:
