@@ -265,10 +265,24 @@ class StaticDecoder:
         return out
 
     def select(self, index: Tensor) -> None:
-        """Keep (repeat, reorder) the samples ``index (B',)`` (beam search)."""
+        """Keep (repeat, reorder) the samples ``index (B',)`` (beam search). When the batch keeps its size,
+        keys and values are gathered into a second set of buffers allocated once (then the two swap), so
+        a reorder per step allocates nothing."""
         c = self.cache
         sel = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
-        c.keys, c.values = [sel(k) for k in c.keys], [sel(v) for v in c.values]
+        same = int(index.shape[0]) == c.valid.shape[0]
+        spare = getattr(self, "_spare", None) if same else None
+        if same and spare is None:
+            spare = ([torch.empty_like(k) for k in c.keys], [torch.empty_like(v) for v in c.values])
+        if spare is not None:
+            for src, dst in ((c.keys, spare[0]), (c.values, spare[1])):
+                for a, b in zip(src, dst):
+                    torch.index_select(a, 0, index, out=b)
+            self._spare = (c.keys, c.values)
+            c.keys, c.values = spare
+        else:
+            c.keys, c.values = [sel(k) for k in c.keys], [sel(v) for v in c.values]
+            self._spare = None
         c.valid, c.positions, c.count, c.lead = sel(c.valid), sel(c.positions), sel(c.count), sel(c.lead)
         if c.cross is not None:
             c.cross = [(sel(k), sel(v)) for k, v in c.cross]
