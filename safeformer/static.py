@@ -59,6 +59,9 @@ def static_reason(net) -> str | None:
     if not isinstance(net, (TransformerWrapper, ContinuousTransformerWrapper)):
         return f"{type(net).__name__} is not a TransformerWrapper or ContinuousTransformerWrapper"
     stack = net.attn_layers
+    if isinstance(net, TransformerWrapper) and net.to_logits is not None and net.to_logits.out_features > net.num_tokens:
+        # a sampled id may be no token: the dynamic path names it (a host read per step), the step would not
+        return "logits_dim is larger than num_tokens (a sampled id may be outside the vocabulary)"
     if not stack.causal:
         return "the stack is not causal"
     for blk in stack.layers:

@@ -24,7 +24,7 @@ V, DIM, J = 23, 32, 3
 
 
 def _net(**layer_kw):
-    wrapper_kw = {k: layer_kw.pop(k) for k in ("tie_embedding", "l2norm_embed", "num_memory_tokens") if k in layer_kw}
+    wrapper_kw = {k: layer_kw.pop(k) for k in ("tie_embedding", "l2norm_embed", "num_memory_tokens", "logits_dim") if k in layer_kw}
     torch.manual_seed(0)
     net = sf.TransformerWrapper(num_tokens=V, max_seq_len=64, attn_layers=sf.Decoder(dim=DIM, depth=2, heads=4, dim_head=8, **layer_kw),
                                 **wrapper_kw)
@@ -265,6 +265,22 @@ def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, mo
     a = model.generate(prompts, 5, temperature=0.0)
     b = model.generate(prompts, 5, temperature=0.0, cache_kv=False)
     assert calls[0] == 0 and torch.equal(a, b)
+
+
+def test_logits_wider_than_the_vocabulary_keep_the_dynamic_path():
+    """A sampled id may then be no token: the dynamic path names it (it checks the ids it embeds)."""
+    assert "logits_dim" in static_reason(_net(rotary_pos_emb=True, logits_dim=V + 4))
+    assert static_reason(_net(rotary_pos_emb=True, logits_dim=V)) is None
+
+
+def test_generation_under_autocast_same_tokens():
+    model = sf.AutoregressiveWrapper(_net(rotary_pos_emb=True, cross_attend=True).float())
+    prompts, kw = _inputs(context=J, dead_context=True, left_pad=True)
+    kw = _cast(kw, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = model.generate(prompts, 8, temperature=0.0, cond_scale=2.0, **kw)
+        b = model.generate(prompts, 8, temperature=0.0, cond_scale=2.0, static_cache=False, **kw)
+    assert torch.equal(a, b)
 
 
 def test_forward_hooks_keep_the_dynamic_path(monkeypatch):
