@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .cache import LayerIntermediates
 from .conditions import (
     Conditions,
     GuidanceSchedule,
@@ -694,6 +695,9 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             sampling sees: ``"empty"`` (the context with an all-False mask, an exact no-op) or
             ``"learned"`` (one learned null token of width ``dim_context``). A dropped prefix is an
             all-False ``prepend_mask`` row; a dropped adaptive condition is the stack's null condition.
+        mask_prob: a forgetful causal mask in ``forward`` (x-transformers' option): this share of each
+            sample's input positions (never the first) is hidden as keys from every query, drawn anew
+            each call. A query left without a key (possible with left padding) is a dead row: exactly 0.
 
     Example:
         >>> model = AutoregressiveWrapper(TransformerWrapper(num_tokens=256, max_seq_len=128,
@@ -714,10 +718,13 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         cond_drop_prob: float | dict[str, float] = 0.0,
         cond_drop_all_prob: float = 0.0,
         null_context: str = "empty",
+        mask_prob: float = 0.0,
     ):
         super().__init__()
         if not isinstance(net, TransformerWrapper):
             raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
+        if isinstance(mask_prob, bool) or not (isinstance(mask_prob, (int, float)) and 0.0 <= mask_prob < 1.0):
+            raise ValueError(f"mask_prob must be in [0, 1), got {mask_prob!r}")
         if not net.attn_layers.causal:
             raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token training and generation")
         probs = drop_probabilities(cond_drop_prob)
@@ -740,6 +747,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         self.cond_drop_prob = max(probs.values())
         self.cond_drop_all_prob = float(cond_drop_all_prob)
         self.null_context = null_context
+        self.mask_prob = float(mask_prob)
         self.max_seq_len = net.max_seq_len
         if null_context == "learned":
             self.null_token = nn.Parameter(torch.randn(1, layers.dim_context) * 0.02)  # (1, c_ctx)
@@ -758,8 +766,9 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         prepend_mask: Tensor | None = None,
         condition: Tensor | None = None,
         condition_mask: Tensor | None = None,
+        return_outputs: bool = False,
         **conditions,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, tuple[Tensor, LayerIntermediates]]:
         """Next-token cross-entropy of ``x (b, n)``.
 
         Args:
@@ -772,10 +781,16 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
             In training mode each condition given is dropped per sample (``cond_drop_prob``,
             ``cond_drop_all_prob``).
+            return_outputs: also return ``(logits (b, n - 1, v), LayerIntermediates)`` (x-transformers'
+                ``return_outputs``; the intermediates hold the attention weights, computed by the explicit
+                float32 path).
 
         Returns:
-            the scalar mean loss over counted targets.
+            the scalar mean loss over counted targets; ``(loss, (logits, intermediates))`` with
+            ``return_outputs``.
         """
+        if not isinstance(return_outputs, bool):
+            raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
         conditions = condition_kwargs("AutoregressiveWrapper.forward", conditions)
         if not isinstance(x, Tensor) or x.dim() != 2:
             raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
@@ -785,7 +800,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             if self.null_token is not None and context is not None:
                 nulls["context"] = (self.null_token[None].expand(x.shape[0], -1, -1), None)
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, nulls=nulls)
-        return next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, **conds.kwargs())
+        return next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, mask_prob=self.mask_prob,
+                               return_outputs=return_outputs, **conds.kwargs())
 
     def _negatives(self, prompts: Tensor, negatives: Conditions) -> tuple[Conditions, Tensor | None]:
         """The unconditional branch's conditions (the negative ones, else the learned null token for the

@@ -85,12 +85,17 @@ def safe_cross_entropy(
 
 def next_token_loss(
     net, tokens: Tensor, mask: Tensor | None, ignore_index: int, pad_value: int, *,
-    name: str = "x", mask_name: str = "mask", **kwargs,
-) -> Tensor:
+    name: str = "x", mask_name: str = "mask", mask_prob: float = 0.0, return_outputs: bool = False, **kwargs,
+):
     """Shifted next-token loss of a ``TransformerWrapper`` on ``tokens (b, n)``.
 
     A target counts when it and the position that predicts it are both real (not ``ignore_index``,
     not masked), so a left-padded sample scores exactly the targets it would score alone.
+
+    ``mask_prob``: a forgetful causal mask (x-transformers' ``mask_prob``): ``min(int((n - 1) * mask_prob),
+    n - 2)`` random input positions per sample, never the first, are hidden as keys from every query (they
+    still predict their own targets). ``return_outputs``: return ``(loss, (logits (b, n - 1, v),
+    LayerIntermediates))`` (the net run with ``return_intermediates=True``).
     """
     if not isinstance(tokens, Tensor) or tokens.dim() != 2:
         raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(tokens, 'shape', type(tokens))}")
@@ -112,5 +117,16 @@ def next_token_loss(
         inp_mask = None
     counted = real[:, 1:] & real[:, :-1]
     target = torch.where(counted, target, torch.full_like(target, ignore_index))
-    logits = net(inp, mask=inp_mask, **kwargs)
-    return safe_cross_entropy(logits, target, ignore_index=ignore_index)
+    n_inp = inp.shape[1]
+    if mask_prob > 0 and n_inp > 1:
+        if "prepend_embeds" in kwargs:
+            raise ValueError("mask_prob (a forgetful causal mask over the tokens) cannot be combined with prepend_embeds")
+        rand = torch.randn(inp.shape, device=inp.device)
+        rand[:, 0] = -torch.finfo(rand.dtype).max  # the first position is never hidden
+        hidden = rand.topk(min(int(n_inp * mask_prob), n_inp - 1), dim=-1).indices
+        keys = torch.ones_like(inp, dtype=torch.bool).scatter(1, hidden, False)  # (b, n - 1): keys every query may see
+        kwargs["attn_mask"] = keys[:, None, :].expand(-1, n_inp, -1)
+    out = net(inp, mask=inp_mask, return_intermediates=return_outputs, **kwargs)
+    logits, intermediates = out if return_outputs else (out, None)
+    loss = safe_cross_entropy(logits, target, ignore_index=ignore_index)
+    return (loss, (logits, intermediates)) if return_outputs else loss
