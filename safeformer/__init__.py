@@ -20,7 +20,17 @@ from .generation import (
     top_p,
 )
 from .interop import from_x_transformers
-from .layers import AttentionLayers, AttnIntermediate, CrossAttender, Decoder, Encoder, KVCache, LayerIntermediates
+from .layers import (
+    AttentionLayers,
+    AttnIntermediate,
+    CrossAttender,
+    Decoder,
+    Encoder,
+    KVCache,
+    LayerIntermediates,
+    PrefixDecoder,
+    TransformerBlock,
+)
 from .losses import masked_mean, safe_cross_entropy
 from .masks import (
     alive_keys,
@@ -35,6 +45,7 @@ from .masks import (
 )
 from .modules import (
     AbsolutePositionalEmbedding,
+    AdaptiveRMSNorm,
     FeedForward,
     RMSNorm,
     RotaryEmbedding,
@@ -46,8 +57,15 @@ from .modules import (
 from .nonautoregressive import NonAutoregressiveWrapper
 from .pretrained import Configurable, load_pretrained, save_pretrained
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
+from .xt_extras import AttentionPool, ViTransformerWrapper, eval_decorator
 
 __all__ = [
+    "eval_decorator",
+    "ViTransformerWrapper",
+    "TransformerBlock",
+    "PrefixDecoder",
+    "AttentionPool",
+    "AdaptiveRMSNorm",
     "AttnIntermediate",
     "LayerIntermediates",
     "AbsolutePositionalEmbedding",

@@ -202,8 +202,8 @@ class Attention(nn.Module):
                 With ``context_mask`` given, ``mask (b, i)`` is the padding of ``x`` (its rows exactly 0).
             context_mask: ``(b, j)`` padding of the context (x-transformers' keyword): an all-False row
                 makes the sample's output exactly 0.
-            attn_mask: an extra mask ``(i, j)``, ``(b, i, j)`` or ``(b|1, h|1, i, j)`` (True = may attend),
-                combined with the others.
+            attn_mask: an extra mask ``(i, j)``, ``(h, i, j)`` or ``(b|1, h|1, i, j)`` (True = may attend; a
+                3-d mask is per head, as in x-transformers), combined with the others.
             causal: bottom-right causal masking; default the module's ``causal``.
             rotary: ``(q_angles, k_angles)``, each ``(b|1, 1, n, d_rot)``, for the new queries and new keys.
             rotary_pos_emb: x-transformers' form ``(freqs (b|1, n_k, d_rot), xpos_scale)`` as returned by
@@ -302,9 +302,10 @@ class Attention(nn.Module):
             mask = full
         if attn_mask is not None:
             validate_mask(attn_mask, "attn_mask", device=x.device)
-            if attn_mask.dim() not in (2, 3, 4):
-                raise ValueError(f"attn_mask must be (i, j), (b, i, j) or (b, h, i, j), got {tuple(attn_mask.shape)}")
-            extra = attn_mask if attn_mask.dim() == 4 else attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None]
+            if attn_mask.dim() not in (2, 3, 4) or (attn_mask.dim() == 3 and attn_mask.shape[0] not in (1, self.heads)):
+                raise ValueError(f"attn_mask must be (i, j), (h={self.heads}, i, j) or (b|1, h|1, i, j) (x-transformers' "
+                                 f"layouts: a 3-d mask is per head), got {tuple(attn_mask.shape)}")
+            extra = attn_mask if attn_mask.dim() == 4 else attn_mask[None] if attn_mask.dim() == 3 else attn_mask[None, None]
             if mask is not None and not cross and isinstance(mask, Tensor) and mask.dim() == 2:
                 validate_mask(mask, "mask", device=x.device)
                 if mask.shape[0] == b and mask.shape[1] >= i:

@@ -39,7 +39,7 @@ from .masks import checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import ContinuousTransformerWrapper
 
-__all__ = ["ContinuousAutoregressiveWrapper"]
+__all__ = ["ContinuousAutoregressiveWrapper", "ContinuousTransformerWrapper"]
 
 _LOSSES = ("mse", "l1")
 _REDUCTIONS = ("mean", "sum", "none")

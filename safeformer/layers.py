@@ -40,7 +40,7 @@ from .pretrained import Configurable
 from .unpadded import UNPADDED_THRESHOLD, UnpaddedPlan, forward_unpadded, plan_unpadded
 
 __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender",
-           "UNPADDED_THRESHOLD"]
+           "PrefixDecoder", "TransformerBlock", "UNPADDED_THRESHOLD"]
 
 
 # x-transformers' spelling -> safeformer's name (or a function of the value giving {name: value}); None:
@@ -152,6 +152,8 @@ class AttentionLayers(Configurable, nn.Module):
         attn_softclamp_logits: softclamp the attention logits (ALiBi bias included), ``tanh(l / v) * v``
             with ``v = attn_logit_softclamp_value`` (explicit float32 attention, no fused kernel).
         attn_qk_norm_eps: the epsilon of the q/k norms of ``attn_qk_norm`` (default 1e-6).
+        pre_norm_has_final_norm: end with the final norm (x-transformers' name; ``False`` leaves the
+            stream as the last residual left it, as ``TransformerBlock`` does by default).
         checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
             or feed-forward, and gate) keeps no activations and is recomputed in the backward pass
             (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): identical gradients,
@@ -198,6 +200,7 @@ class AttentionLayers(Configurable, nn.Module):
         attn_softclamp_logits: bool = False,
         attn_logit_softclamp_value: float = 50.0,
         attn_qk_norm_eps: float | None = None,
+        pre_norm_has_final_norm: bool = True,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -260,7 +263,7 @@ class AttentionLayers(Configurable, nn.Module):
             blocks.append(block("ff", FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout)))
         self.layers = nn.ModuleList(blocks)
         self.layer_kinds = tuple(blk.kind for blk in blocks)
-        self.final_norm = norm()
+        self.final_norm = norm() if pre_norm_has_final_norm else nn.Identity()
         # the unpadded path packs tokens; Attention.packable says which options run on the padded path only
         self.packable = all(blk.mixer.packable for blk in blocks if blk.kind != "ff")
         if unpadded is True and not self.packable:
@@ -423,9 +426,8 @@ def _check_options(*, dim, depth, dim_head, causal, cross_attend, only_cross, ro
     if use_adaptive_layernorm and use_adaptive_rmsnorm:
         raise ValueError("choose one of use_adaptive_layernorm and use_adaptive_rmsnorm, not both")
     adaptive = use_adaptive_layernorm or use_adaptive_rmsnorm or use_adaptive_layerscale
-    if dim_condition is not None and not adaptive:
-        raise ValueError("dim_condition was given but nothing uses a condition; set use_adaptive_layernorm, "
-                         "use_adaptive_rmsnorm or use_adaptive_layerscale")
+    # dim_condition without an adaptive option is unused, as in x-transformers (a condition passed to forward
+    # is then refused: nothing would read it)
     if adaptive_null not in ("learned", "zeros"):
         raise ValueError(f"adaptive_null must be 'learned' or 'zeros', got {adaptive_null!r}")
     for name, p in (("layer_dropout", layer_dropout), ("cross_attn_tokens_dropout", cross_attn_tokens_dropout)):
@@ -556,7 +558,7 @@ def self_attention_inputs(stack: AttentionLayers, x: Tensor, mask, cache, attn_m
         positions = _check_positions(positions, b, n, device)
     rotary = None
     if stack.rotary is not None:
-        angles = stack.rotary(positions, dtype=x.dtype)  # (b|1, 1, n, d_rot), float32 or wider
+        angles = stack.rotary.angles(positions, dtype=x.dtype)  # (b|1, 1, n, d_rot), float32 or wider
         rotary = (angles, angles)
     bias = None
     all_positions = positions if cache is None else torch.cat(_broadcast_batch(cache.positions, positions), dim=1)
@@ -660,3 +662,62 @@ class CrossAttender(AttentionLayers):
         super().__init__(cross_attend=True, only_cross=True, **kwargs)
         for key in ("causal", "cross_attend", "only_cross"):
             self._sf_config.pop(key)
+
+
+class PrefixDecoder(AttentionLayers):
+    """A prefix-LM stack (x-transformers' ``PrefixDecoder``): causal self-attention, except that the first
+    ``prefix_attn_len`` positions of each sample see each other both ways.
+
+    ``forward(x, prefix_attn_len=None, attn_mask=None, **kwargs)``: ``prefix_attn_len`` is an int or a
+    ``(b,)`` integer tensor counting positions of ``x`` (padding included, as x-transformers counts);
+    ``attn_mask`` is combined with the prefix mask. With a ``cache`` the new positions are causal over
+    everything cached (the prefix was the first call's). Masks, padding and the cache are as
+    ``AttentionLayers.forward``: a real query always sees itself, so no row of a real position is dead.
+    """
+
+    def __init__(self, **kwargs):
+        _no_causal(kwargs, "PrefixDecoder")
+        super().__init__(causal=False, **kwargs)
+        self._sf_config.pop("causal")
+
+    def forward(self, x: Tensor, *args, attn_mask: Tensor | None = None, prefix_attn_len=None, **kwargs):
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            raise ValueError(f"x must have shape (b, n, dim={self.dim}), got {getattr(x, 'shape', type(x))}")
+        b, n, device = x.shape[0], x.shape[1], x.device
+        cache = kwargs.get("cache")
+        past = cache.length if isinstance(cache, KVCache) else 0
+        allowed = causal_mask(n, past + n, device=device).reshape(n, past + n)  # bottom-right
+        if prefix_attn_len is not None and past == 0:
+            if isinstance(prefix_attn_len, bool) or not isinstance(prefix_attn_len, (int, Tensor)):
+                raise TypeError(f"prefix_attn_len must be an int or a (b,) integer tensor, got {type(prefix_attn_len).__name__}")
+            if isinstance(prefix_attn_len, int):
+                prefix_attn_len = torch.full((b,), prefix_attn_len, device=device)
+            if prefix_attn_len.shape != (b,) or prefix_attn_len.is_floating_point() or prefix_attn_len.dtype == torch.bool:
+                raise ValueError(f"prefix_attn_len must be an int or a (b={b},) integer tensor, got "
+                                 f"{prefix_attn_len.dtype} {tuple(prefix_attn_len.shape)}")
+            if bool(((prefix_attn_len < 0) | (prefix_attn_len > n)).any()):
+                raise ValueError(f"prefix_attn_len must be in [0, n={n}], got {prefix_attn_len.tolist()}")
+            in_prefix = torch.arange(n, device=device) < prefix_attn_len.to(device)[:, None]  # (b, n) keys
+            allowed = allowed[None] | in_prefix[:, None, :]  # (b, n, n): every query sees the prefix
+        if attn_mask is not None:
+            validate_mask(attn_mask, "attn_mask", device=device)
+            allowed = allowed & attn_mask
+        if allowed.dim() == 3 and allowed.shape[0] != b:
+            allowed = allowed.expand(b, -1, -1)
+        return super().forward(x, *args, attn_mask=allowed, **kwargs)
+
+
+class TransformerBlock(AttentionLayers):
+    """x-transformers' ``TransformerBlock(dim, depth=1, pre_norm_has_final_norm=False, **options)``: an
+    ``AttentionLayers`` of one layer by default, without the final norm."""
+
+    def __init__(self, *args, **kwargs):
+        if len(args) > 1:
+            raise TypeError("TransformerBlock takes dim as its only positional argument")
+        if args:
+            if "dim" in kwargs:
+                raise TypeError("TransformerBlock got dim twice")
+            kwargs["dim"] = args[0]
+        kwargs.setdefault("depth", 1)
+        kwargs.setdefault("pre_norm_has_final_norm", False)
+        super().__init__(**kwargs)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 __all__ = [
     "RMSNorm",
     "AdaptiveNorm",
+    "AdaptiveRMSNorm",
     "AdaptiveLayerScale",
     "make_norm",
     "FeedForward",
@@ -31,17 +32,24 @@ __all__ = [
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation with a learned gain; statistics in float32 (S7)."""
+    """RMS normalisation with a learned gain; statistics in float32 (S7).
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    x-transformers' constructor: ``RMSNorm(dim, unit_offset=False)``; with ``unit_offset`` the gain is
+    stored as ``weight + 1`` (initialised at 0, so weight decay pulls it towards the identity).
+    """
+
+    def __init__(self, dim: int, unit_offset: bool = False, *, eps: float = 1e-6):
         super().__init__()
+        if isinstance(unit_offset, float) and not isinstance(unit_offset, bool):  # the old positional eps
+            raise TypeError("RMSNorm's second argument is unit_offset (x-transformers' order); pass eps=... by name")
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = bool(unit_offset)
+        self.weight = nn.Parameter(torch.full((dim,), 0.0 if unit_offset else 1.0))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.to(xf.dtype)).to(x.dtype)
+        return (out * (self.weight.to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -102,6 +110,29 @@ class AdaptiveNorm(nn.Module):
         return out.to(x.dtype)
 
 
+class AdaptiveRMSNorm(AdaptiveNorm):
+    """x-transformers' ``AdaptiveRMSNorm(dim, dim_condition=None)``: RMSNorm without a gain, scaled by
+    ``1 + W c`` (``W`` starts at zero). ``forward(x (b, n, c), condition=(b, K) or (b, n, K))``.
+
+    Statistics in float32 (S7); ``eps`` (default 1e-6) sits where x-transformers' ``F.normalize`` clamps the
+    norm at 1e-12, so the two agree to about 1e-6 relative for rows of ordinary size, and a row of zeros
+    (padding) stays exactly 0 in both.
+    """
+
+    def __init__(self, dim: int, dim_condition: int | None = None, *, eps: float | None = None):
+        super().__init__(dim, dim if dim_condition is None else dim_condition, rms=True, eps=eps)
+
+    def forward(self, x: Tensor, condition: Tensor) -> Tensor:
+        if not isinstance(condition, Tensor) or condition.dim() not in (2, 3) or condition.shape[0] != x.shape[0]:
+            raise ValueError(f"condition must have shape (b={x.shape[0]}, dim_condition) or (b, n, dim_condition), "
+                             f"got {getattr(condition, 'shape', type(condition))}")
+        if condition.dim() == 3 and x.dim() == 3:  # one condition per position
+            xf = x.to(torch.promote_types(x.dtype, torch.float32))
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed * (1 + self.to_gamma(condition).to(xf.dtype))).to(x.dtype)
+        return super().forward(x, condition)
+
+
 class AdaptiveLayerScale(nn.Module):
     """Gates a residual branch by the condition (AdaLN-zero style): ``branch * sigmoid(W c + b)``.
 
@@ -123,24 +154,39 @@ class AdaptiveLayerScale(nn.Module):
 class FeedForward(nn.Module):
     """Position-wise feed-forward: GELU MLP, or gated GEGLU / SwiGLU.
 
+    x-transformers' constructor (its order for the first arguments): ``FeedForward(dim, dim_out=None,
+    mult=4, glu=False, ...)``.
+
     Args:
-        dim: input and output width.
+        dim: input width.
+        dim_out: output width (default ``dim``).
         mult: hidden width multiplier.
         glu: gate the hidden layer (GEGLU, or SwiGLU with ``swish=True``).
         swish: use SiLU instead of GELU as the activation.
+        relu_squared: use ``relu(x) ** 2`` as the activation.
         dropout: dropout on the hidden layer.
+        no_bias: no biases in the two projections.
+        zero_init_output: the output projection starts at zero (the branch starts as an exact no-op).
     """
 
-    def __init__(self, dim: int, *, mult: float = 4, glu: bool = False, swish: bool = False, dropout: float = 0.0):
+    def __init__(self, dim: int, dim_out: int | None = None, mult: float = 4, glu: bool = False, *,
+                 swish: bool = False, relu_squared: bool = False, dropout: float = 0.0, no_bias: bool = False,
+                 zero_init_output: bool = False):
         super().__init__()
         if mult <= 0:
             raise ValueError(f"ff mult must be positive, got {mult}")
+        if swish and relu_squared:
+            raise ValueError("choose one activation: swish or relu_squared, not both")
         inner = int(dim * mult)
         self.glu = glu
-        self.act = nn.SiLU() if swish else nn.GELU()
-        self.proj_in = nn.Linear(dim, inner * (2 if glu else 1))
+        self.act = nn.SiLU() if swish else _ReluSquared() if relu_squared else nn.GELU()
+        self.proj_in = nn.Linear(dim, inner * (2 if glu else 1), bias=not no_bias)
         self.dropout = nn.Dropout(dropout)
-        self.proj_out = nn.Linear(inner, dim)
+        self.proj_out = nn.Linear(inner, dim if dim_out is None else dim_out, bias=not no_bias)
+        if zero_init_output:
+            nn.init.zeros_(self.proj_out.weight)
+            if self.proj_out.bias is not None:
+                nn.init.zeros_(self.proj_out.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.proj_in(x)
@@ -150,6 +196,11 @@ class FeedForward(nn.Module):
         else:
             h = self.act(h)
         return self.proj_out(self.dropout(h))
+
+
+class _ReluSquared(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x).square()
 
 
 def positions_from_mask(mask: Tensor | None, n: int, device, offset: Tensor | None = None) -> Tensor:
@@ -197,22 +248,64 @@ def l2norm(t: Tensor, eps: float = 1e-12) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding on the first ``dim`` features of each head (interleaved pairs)."""
+    """Rotary position embedding on the first ``dim`` features of each head (interleaved pairs).
 
-    def __init__(self, dim: int, theta: float = 10000.0):
+    x-transformers' constructor and calls: ``RotaryEmbedding(dim, use_xpos=False, scale_base=512,
+    interpolation_factor=1., base=10000, base_rescale_factor=1.)``; ``forward(t)`` takes positions ``(n,)``
+    or ``(b, n)`` and returns ``(freqs (b|1, n, dim), 1.)`` (the second item is xpos' scale: xpos is not
+    supported, ``use_xpos=True`` is refused); ``forward_from_seq_len(n)`` is ``forward(arange(n))``.
+    ``apply_rotary(t, freqs)`` rotates with them (x-transformers' ``apply_rotary_pos_emb``). Angles are
+    computed in float32 (float64 for float64 positions requested through ``angles``), never lower (S7).
+
+    ``theta`` is safeformer's name for ``base``.
+    """
+
+    def __init__(self, dim: int, use_xpos: bool = False, scale_base: float = 512, interpolation_factor: float = 1.0,
+                 base: float = 10000.0, base_rescale_factor: float = 1.0, *, theta: float | None = None):
         super().__init__()
-        if dim % 2 != 0 or dim <= 0:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim % 2 != 0 or dim <= 0:
             raise ValueError(f"rotary_emb_dim must be a positive even number, got {dim}")
-        self.dim, self.theta = dim, theta
+        if use_xpos:
+            raise ValueError("RotaryEmbedding(use_xpos=True) (x-transformers' rotary_xpos) is not supported by safeformer")
+        if not interpolation_factor >= 1.0:
+            raise ValueError(f"interpolation_factor must be at least 1, got {interpolation_factor}")
+        if theta is not None:
+            if base != 10000.0:
+                raise ValueError("pass theta or base (x-transformers' name for it), not both")
+            base = theta
+        if base_rescale_factor != 1.0:
+            if dim <= 2:
+                raise ValueError("base_rescale_factor needs a rotary dim above 2")
+            base = base * base_rescale_factor ** (dim / (dim - 2))
+        self.dim, self.theta = dim, float(base)
+        self.interpolation_factor = float(interpolation_factor)
 
-    def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """``positions (b, n)`` -> angles ``(b, 1, n, dim)`` in ``dtype`` (float32, or float64 for a
-        float64 model); never lower, whatever dtype the module's buffers were cast to."""
+        float64 model); never lower, whatever dtype the module's buffers were cast to. What the stack uses."""
         dtype = torch.promote_types(dtype, torch.float32)
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, device=positions.device, dtype=dtype) / self.dim))
         freqs = positions.to(dtype)[..., None] * inv_freq  # (b, n, dim/2)
+        if self.interpolation_factor != 1.0:
+            freqs = freqs / self.interpolation_factor
         freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # (b, n, dim)
         return freqs[:, None]
+
+    def forward(self, t: Tensor, offset: int = 0, *, dtype: torch.dtype | None = None):
+        """x-transformers' call: positions ``t (n,)`` or ``(b, n)`` -> ``(freqs (b|1, n, dim), 1.)`` in
+        float32. (``dtype=...``: the stack's older call, ``angles(t, dtype)``.)"""
+        if dtype is not None:
+            return self.angles(t, dtype)
+        if not isinstance(t, Tensor) or t.dim() not in (1, 2) or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"positions t must be an integer tensor of shape (n,) or (b, n), got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+        if offset != 0:
+            raise ValueError("offset is not applied by x-transformers' RotaryEmbedding either; add it to the positions")
+        return self.angles(t if t.dim() == 2 else t[None])[:, 0], 1.0
+
+    def forward_from_seq_len(self, seq_len: int):
+        """``forward(arange(seq_len))``: ``(freqs (1, seq_len, dim), 1.)``."""
+        return self.forward(torch.arange(seq_len))
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -221,8 +314,16 @@ def _rotate_half(x: Tensor) -> Tensor:
     return rearrange(torch.stack((-x2, x1), dim=-1), "... d r -> ... (d r)")
 
 
-def apply_rotary(t: Tensor, freqs: Tensor) -> Tensor:
-    """Rotate the first ``freqs.shape[-1]`` features of ``t (b, h, n, d)``; computed in float32 or wider."""
+def apply_rotary(t: Tensor, freqs: Tensor, scale: float = 1.0) -> Tensor:
+    """Rotate the first ``freqs.shape[-1]`` features of ``t (b, h, n, d)``; computed in float32 or wider.
+
+    ``freqs``: angles ``(b|1, 1, n, rot)`` (``RotaryEmbedding.angles``), or x-transformers' ``(b|1, n_k, rot)``
+    from ``RotaryEmbedding.forward``, whose last ``n`` positions rotate ``t`` (``apply_rotary_pos_emb``).
+    ``scale``: xpos' scale, which must be 1 (xpos is not supported)."""
+    if isinstance(scale, Tensor) or scale != 1:
+        raise ValueError("apply_rotary with an xpos scale is not supported (scale must be 1)")
+    if freqs.dim() == 3 and t.dim() == 4:  # x-transformers' (b, n_k, rot): the last n positions
+        freqs = freqs[:, None, -t.shape[-2]:]
     rot = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     tf = t_rot.to(torch.promote_types(t.dtype, torch.float32))

@@ -192,7 +192,7 @@ def stack_varlen_plan(stack, x: Tensor) -> VarlenPlan:
 
 def _self_layout(stack, plan: UnpaddedPlan, positions: Tensor, x: Tensor):
     vplan = stack_varlen_plan(stack, x)
-    rotary = None if stack.rotary is None else (lambda pos, dt: stack.rotary(pos, dtype=dt))
+    rotary = None if stack.rotary is None else (lambda pos, dt: stack.rotary.angles(pos, dtype=dt))
     if vplan.path == "varlen":
         pos_p = plan.pack(positions.expand(plan.b, plan.n)[..., None])[:, 0]  # (T,)
         return VarlenSelfLayout(varlen_layout(list(plan.counts), device=x.device), pos_p, vplan, stack.causal, rotary)

@@ -51,11 +51,11 @@ class _Wrapper(Configurable, nn.Module):
 
     attn_layers: AttentionLayers
 
-    def _init_positions(self, dim: int, max_seq_len: int, use_abs_pos_emb: bool, l2norm_embed: bool = False) -> None:
-        if max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    def _init_positions(self, dim: int, max_seq_len: int | None, use_abs_pos_emb: bool, l2norm_embed: bool = False) -> None:
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0):
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self.max_seq_len = max_seq_len
-        use_abs = use_abs_pos_emb and not self.attn_layers.has_relative_positions
+        use_abs = use_abs_pos_emb and not self.attn_layers.has_relative_positions and max_seq_len is not None
         self.pos_emb = AbsolutePositionalEmbedding(dim, max_seq_len, l2norm_embed=l2norm_embed) if use_abs else None
 
     def _init_fixed_tokens(self, dim: int, num_memory_tokens, use_cls_token: bool = False, num_cls_tokens: int = 1) -> None:
@@ -424,7 +424,9 @@ class ContinuousTransformerWrapper(_Wrapper):
     Args:
         dim_in: input feature size (``None``: inputs already have the model width).
         dim_out: output feature size (``None``: return hidden states).
-        max_seq_len: longest sequence (for the absolute position embedding).
+        max_seq_len: longest sequence (for the absolute position embedding); ``None`` (or 0, as in
+            x-transformers): no absolute position embedding (positions then come from the stack's rotary
+            or ALiBi, or there are none), and no length limit.
         attn_layers: the layer stack.
         emb_dropout, use_abs_pos_emb, check_finite: as in ``TransformerWrapper``; ``check_finite``
             checks ``x`` as well as ``context``.
@@ -435,7 +437,7 @@ class ContinuousTransformerWrapper(_Wrapper):
     def __init__(
         self,
         *,
-        max_seq_len: int,
+        max_seq_len: int | None = None,
         attn_layers: AttentionLayers,
         dim_in: int | None = None,
         dim_out: int | None = None,
@@ -458,7 +460,8 @@ class ContinuousTransformerWrapper(_Wrapper):
         self.dim_in = dim if dim_in is None else dim_in
         self.project_in = nn.Identity() if dim_in is None else nn.Linear(dim_in, dim)
         self.project_out = nn.Identity() if dim_out is None else nn.Linear(dim, dim_out)
-        self._init_positions(dim, max_seq_len, use_abs_pos_emb)
+        # x-transformers: no max_seq_len (or 0) means no absolute position embedding
+        self._init_positions(dim, None if max_seq_len == 0 else max_seq_len, use_abs_pos_emb)
         self._init_fixed_tokens(dim, num_memory_tokens)
         self.average_pool_embed = average_pool_embed
         self.emb_dropout = nn.Dropout(emb_dropout)

@@ -310,15 +310,98 @@ def _ff(g):
 
 def probe_rotary(seed: int, value: float) -> Probe:
     """``RotaryEmbedding`` + ``apply_rotary`` at large positions (angles in float32): per position, so
-    garbage at a padded position reaches no other one; positions of padding never matter."""
+    garbage at a padded position reaches no other one; positions of padding never matter. Odd seeds use
+    x-transformers' call (``freqs, scale = rot(pos)``, ``apply_rotary(x, freqs)``), even seeds ``angles``."""
     g = _gen(seed)
     b, h, n, d = 2, 2, 5, 8
     mask = _lengths_mask(g, b, n, left=True)
     pos = sf.positions_from_mask(mask, n, "cpu") + 4000
     x = _leaf(torch.randn(b, h, n, d, generator=g), ~mask[:, None, :, None], value)
-    out = sf.apply_rotary(x, sf.RotaryEmbedding(d)(pos))
+    rot = sf.RotaryEmbedding(d)
+    if seed % 2:
+        freqs, scale = rot(pos)  # (b, n, d), 1.0
+        out = sf.apply_rotary(x, freqs, scale)
+    else:
+        out = sf.apply_rotary(x, rot.angles(pos))
     return Probe(out, {"x": x}, {"x": ~mask[:, None, :, None].expand_as(x)}, compare=mask[:, None, :, None].expand_as(out),
-                 masked_grad_zero=False, bad_calls=[("odd rotary dim", lambda: sf.RotaryEmbedding(3), ValueError, "rotary_emb_dim")])
+                 masked_grad_zero=False, bad_calls=[("odd rotary dim", lambda: sf.RotaryEmbedding(3), ValueError, "rotary_emb_dim"),
+                                                    ("float positions", lambda: rot(pos.float()), ValueError, "positions"),
+                                                    ("an xpos scale", lambda: sf.apply_rotary(x, rot.angles(pos), 2.0),
+                                                     ValueError, "xpos")])
+
+
+def _ada_norm(g):
+    torch.manual_seed(0)
+    norm = sf.AdaptiveRMSNorm(6, dim_condition=4)
+    torch.nn.init.normal_(norm.to_gamma.weight)
+    cond = torch.randn(3, 4, generator=g)
+    return (lambda x: norm(x, condition=cond)), 6
+
+
+def _stack_probe(make: Callable[[], torch.nn.Module], **call):
+    """A layer stack with a padding mask (sample 0 all padding): padded positions are exact zeros at the output
+    and garbage there reaches nothing; ``call``: extra keywords of the stack's forward."""
+
+    def probe(seed: int, value: float) -> Probe:
+        g = _gen(seed)
+        torch.manual_seed(0)
+        model = make()
+        b, n, c = 3, 5, model.dim
+        mask = _lengths_mask(g, b, n, left=bool(seed % 2))
+        x = _leaf(torch.randn(b, n, c, generator=g), ~mask[..., None], value)
+        out = model(x, mask=mask, **call)
+        pad = ~mask[..., None].expand_as(out)
+        return Probe(out, {"x": x}, {"x": ~mask[..., None].expand_as(x)}, dead=pad, bad_calls=[
+            ("int mask", lambda: model(x, mask=mask.long(), **call), TypeError, "mask"),
+            ("x of wrong width", lambda: model(torch.randn(b, n, c + 1), **call), ValueError, "x"),
+        ])
+
+    return probe
+
+
+def probe_prefix_decoder(seed: int, value: float) -> Probe:
+    """``PrefixDecoder`` with a per-sample prefix length and padding; its own S9 on ``prefix_attn_len``."""
+    p = _stack_probe(lambda: sf.PrefixDecoder(dim=8, depth=1, heads=2, dim_head=4, rotary_pos_emb=True),
+                     prefix_attn_len=torch.tensor([0, 2, 5]))(seed, value)
+    model_x = torch.randn(3, 5, 8)
+    dec = sf.PrefixDecoder(dim=8, depth=1, heads=2, dim_head=4)
+    p.bad_calls += [("prefix_attn_len beyond n", lambda: dec(model_x, prefix_attn_len=6), ValueError, "prefix_attn_len"),
+                    ("float prefix_attn_len", lambda: dec(model_x, prefix_attn_len=torch.ones(3)), ValueError, "prefix_attn_len")]
+    return p
+
+
+def probe_attention_pool(seed: int, value: float) -> Probe:
+    """``AttentionPool`` over a context with a padding mask (sample 0 entirely masked: its pooled rows are
+    dead, exactly 0)."""
+    g = _gen(seed)
+    torch.manual_seed(0)
+    pool = sf.AttentionPool(8, num_pooled_tokens=2, dim_context=6, heads=2, dim_head=4)
+    b, j = 3, 5
+    mask = _lengths_mask(g, b, j)
+    ctx = _leaf(torch.randn(b, j, 6, generator=g), ~mask[..., None], value)
+    out = pool(ctx, mask=mask)
+    dead = (~mask.any(-1))[:, None, None].expand_as(out)
+    return Probe(out, {"context": ctx}, {"context": ~mask[..., None].expand_as(ctx)}, dead=dead, bad_calls=[
+        ("int mask", lambda: pool(ctx, mask=mask.long()), TypeError, "mask"),
+        ("mask of wrong shape", lambda: pool(ctx, mask=mask[:, :-1]), ValueError, "mask"),
+        ("context of wrong width", lambda: pool(torch.randn(b, j, 7)), ValueError, "context"),
+        ("queries of wrong width", lambda: pool(ctx, queries=torch.randn(b, 2, 9)), ValueError, "queries"),
+    ])
+
+
+def probe_vit(seed: int, value: float) -> Probe:
+    """``ViTransformerWrapper``: an image has no padding; finite outputs and gradients, clear errors."""
+    g = _gen(seed)
+    torch.manual_seed(0)
+    vit = sf.ViTransformerWrapper(image_size=8, patch_size=4, num_classes=3, num_register_tokens=seed % 2,
+                                  attn_layers=sf.Encoder(dim=8, depth=1, heads=2, dim_head=4))
+    img = torch.randn(2, 3, 8, 8, generator=g).mul(100.0).requires_grad_()
+    out = vit(img)
+    return Probe(out, {"img": img}, bad_calls=[
+        ("sides not a multiple of the patch", lambda: vit(torch.randn(1, 3, 6, 6)), ValueError, "patch_size"),
+        ("wrong channels", lambda: vit(torch.randn(1, 1, 8, 8)), ValueError, "channels"),
+        ("integer image", lambda: vit(torch.zeros(1, 3, 8, 8, dtype=torch.long)), ValueError, "img"),
+    ])
 
 
 def probe_alibi(seed: int, value: float) -> Probe:
@@ -670,6 +753,13 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("compose_guidance", probe=probe_compose_guidance),
     Door("generate_tokens", probe_generate_tokens),
     Door("RMSNorm", _rowwise_probe(_norm)),
+    Door("AdaptiveRMSNorm", _rowwise_probe(_ada_norm)),
+    Door("PrefixDecoder", has_dead=True, probe=probe_prefix_decoder,
+         note="x-transformers' results on the same weights: test_xt_names.py"),
+    Door("TransformerBlock", has_dead=True, probe=_stack_probe(lambda: sf.TransformerBlock(8, heads=2, dim_head=4)),
+         note="x-transformers' results on the same weights: test_xt_names.py"),
+    Door("AttentionPool", has_dead=True, probe=probe_attention_pool),
+    Door("ViTransformerWrapper", probe=probe_vit),
     Door("FeedForward", _rowwise_probe(_ff)),
     Door("RotaryEmbedding", probe_rotary),
     Door("apply_rotary", probe_rotary),
@@ -729,6 +819,7 @@ NOT_DOORS: dict[str, str] = {
     "substitute_varlen_kernel": "a testing hook that swaps the varlen kernel",
     "LayerIntermediates": "a result record of return_intermediates (its door is the wrapper)",
     "AttnIntermediate": "a result record of return_intermediates (its door is the wrapper)",
+    "eval_decorator": "a decorator: takes a method, no tensors",
 }
 
 # the public names the registry covers: the user's API (``safeformer.__all__``), the testing module's

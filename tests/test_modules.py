@@ -125,7 +125,7 @@ def test_rotary_matches_complex_rotation(rot_dim):
     rot = sf.RotaryEmbedding(rot_dim, theta=100.0)
     pos = torch.tensor([[0, 1, 5, 2, 11]])
     t = torch.randn(1, 2, 5, DIM_HEAD, dtype=torch.float64)
-    got = sf.apply_rotary(t, rot(pos).double())
+    got = sf.apply_rotary(t, rot.angles(pos).double())
     for h in range(2):
         want = hp.ref_rotate(t[0, h], pos[0], rot_dim, 100.0)
         hp.assert_close(got[0, h], want, f"rotary (rot_dim {rot_dim})", torch.float32)  # angles are float32
@@ -137,7 +137,7 @@ def test_rotary_scores_depend_only_on_relative_position():
     q, k = torch.randn(1, 1, 1, DIM_HEAD, dtype=torch.float64), torch.randn(1, 1, 1, DIM_HEAD, dtype=torch.float64)
 
     def score(pq, pk):
-        return float(sf.apply_rotary(q, rot(torch.tensor([[pq]])).double()) @ sf.apply_rotary(k, rot(torch.tensor([[pk]])).double()).transpose(-1, -2))
+        return float(sf.apply_rotary(q, rot.angles(torch.tensor([[pq]])).double()) @ sf.apply_rotary(k, rot.angles(torch.tensor([[pk]])).double()).transpose(-1, -2))
 
     assert score(7, 3) == pytest.approx(score(4, 0), abs=1e-5)
     assert score(10, 10) == pytest.approx(float(q @ k.transpose(-1, -2)), abs=1e-5)
@@ -273,7 +273,7 @@ def test_attention_rotary_and_alibi_match_reference():
     pos = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
     key_pad = torch.tensor([[False, False, True, True, True], [True] * 5])
     x = torch.randn(2, 5, DIM, dtype=torch.float64)
-    angles = rot(pos).double()
+    angles = rot.angles(pos).double()
     out = attn(x, mask=key_pad, causal=True, rotary=(angles, angles))
     want = hp.ref_attention(attn, x, allowed=key_pad[:, None, None, :], causal=True, q_pos=pos, k_pos=pos, rot_dim=4)
     hp.assert_close(out[key_pad], want[key_pad], "rotary", torch.float32)
@@ -311,7 +311,7 @@ def test_attention_kv_cache_matches_full_forward():
     x = torch.randn(2, n, DIM, dtype=torch.float64)
     key_pad = torch.tensor([[False, False, True, True, True, True], [True] * n])
     pos = sf.positions_from_mask(key_pad, n, "cpu")
-    ang = rot(pos).double()
+    ang = rot.angles(pos).double()
     full = attn(x, mask=key_pad, causal=True, rotary=(ang, ang))
     out, inter = attn(x[:, :2], mask=key_pad[:, :2], causal=True, rotary=(ang[:, :, :2], ang[:, :, :2]),
                       return_intermediates=True)

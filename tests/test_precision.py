@@ -75,7 +75,7 @@ def test_apply_rotary_at_positions_up_to_8192_matches_float64(dtype):
     pos = torch.cat((torch.arange(0, 4), torch.arange(2045, 2052), torch.arange(8192 - 21, 8193)))[None]  # (1, 33)
     pos = torch.cat((pos, pos.flip(-1)))  # (2, 33): per-sample positions
     t = _randn(2, 3, pos.shape[1], d, seed=1, scale=3.0, dtype=dtype)
-    angles = sf.RotaryEmbedding(rot_dim)(pos, dtype=dtype)
+    angles = sf.RotaryEmbedding(rot_dim).angles(pos, dtype=dtype)
     assert angles.dtype == torch.promote_types(dtype, torch.float32), f"angles computed in {angles.dtype}"
     out = sf.apply_rotary(t, angles)
     assert_rotated_close(out, t, pos, rot_dim, dtype, "apply_rotary")
@@ -105,7 +105,7 @@ def test_half_attention_with_rotary_at_large_positions_matches_float64(dtype, kv
     x = _randn(2, n, 32, seed=4, dtype=dtype)
     pos = torch.stack((torch.arange(8192 - n, 8192), torch.arange(4000, 4000 + 2 * n, 2)))  # (2, n)
     rot = sf.RotaryEmbedding(8)
-    angles = rot(pos, dtype=dtype)
+    angles = rot.angles(pos, dtype=dtype)
     out = attn(x, causal=True, rotary=(angles, angles))
     assert out.dtype == dtype
     expected = hp.ref_attention(attn, x, causal=True, q_pos=pos, k_pos=pos, rot_dim=8)

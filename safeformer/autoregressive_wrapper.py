@@ -1,0 +1,7 @@
+"""x-transformers' ``x_transformers.autoregressive_wrapper`` module names (the same objects as in
+``safeformer``; nothing is defined here)."""
+
+from .generation import AutoregressiveWrapper, min_p, top_a, top_k, top_p
+from .xt_extras import eval_decorator
+
+__all__ = ["AutoregressiveWrapper", "eval_decorator", "min_p", "top_a", "top_k", "top_p"]

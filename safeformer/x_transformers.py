@@ -1,0 +1,36 @@
+"""x-transformers' ``x_transformers.x_transformers`` module names, so ``from safeformer.x_transformers import X``
+works as ``from safeformer import X`` does (the same objects; nothing is defined here).
+
+Names of that module that safeformer does not provide (``layer_schedule``, ``default_device``, and the
+options' internal modules such as ``Attend``, ``LinearNoBias``, ``HyperConnection``) are left out on purpose:
+an ``ImportError`` names them. See docs/moving_from_x_transformers.md.
+"""
+
+from .attention import Attention
+from .cache import LayerIntermediates
+from .encoder_decoder import XTransformer
+from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, PrefixDecoder, TransformerBlock
+from .modules import AbsolutePositionalEmbedding, AdaptiveRMSNorm, FeedForward, RMSNorm, RotaryEmbedding, apply_rotary
+from .wrappers import TransformerWrapper
+from .xt_extras import AttentionPool, ViTransformerWrapper
+
+__all__ = [
+    "AbsolutePositionalEmbedding",
+    "AdaptiveRMSNorm",
+    "Attention",
+    "AttentionLayers",
+    "AttentionPool",
+    "CrossAttender",
+    "Decoder",
+    "Encoder",
+    "FeedForward",
+    "LayerIntermediates",
+    "PrefixDecoder",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "TransformerBlock",
+    "TransformerWrapper",
+    "ViTransformerWrapper",
+    "XTransformer",
+    "apply_rotary",
+]
