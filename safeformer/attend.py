@@ -628,27 +628,30 @@ class _SelectedFlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, row_ok, key_ok, mask, scale, is_causal):
+    def forward(ctx, q, k, v, row_ok, key_ok, mask, plain, scale, is_causal):
+        # mask: the kernel mask (a dead row sees the first key); plain: the same without that (dead rows all
+        # masked), for the bounded path, where a dead row's result is replaced anyway (and the kernel skips it)
         nv = _bounded(q, k, v, scale) if _BOUNDED else None
-        out, lse = _flash_selected_forward(q, k, v, row_ok, key_ok, mask, scale, is_causal, keep_lse=True,
-                                           bounded=nv is not None)
-        ctx.save_for_backward(q, k, v, row_ok, key_ok, mask, out, lse)
+        out, lse = _flash_selected_forward(q, k, v, row_ok, key_ok, plain if nv is not None else mask, scale,
+                                           is_causal, keep_lse=True, bounded=nv is not None)
+        ctx.save_for_backward(q, k, v, row_ok, key_ok, mask, plain, out, lse)
         ctx.scale, ctx.is_causal, ctx.v_norm = scale, is_causal, nv
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, row_ok, key_ok, mask, out, lse = ctx.saved_tensors
+        q, k, v, row_ok, key_ok, mask, plain, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): the kernel's backward has no derivative;
             # the reference math's gradients, selected as in the forward, as a graph (a gradient penalty)
             dq, dk, dv, _ = _reference_vjp(grad, q, k, v, mask, ctx.is_causal, ctx.scale,
                                            (*ctx.needs_input_grad[:3], False), row_ok, key_ok)
-            return dq, dk, dv, None, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None, None
         if ctx.v_norm is not None and _grad_bounded(grad, ctx.v_norm):  # one call on q, k, v as given
+            # (a dead row's log-sum-exp is +inf: weight 0 on every key, whatever the mask gives it)
             dq, dk, dv = _FLASH_CPU_BACKWARD(grad, q, k, v, out, lse, 0.0, ctx.is_causal,
-                                             attn_mask=_float_mask(mask, q.dtype), scale=ctx.scale)
+                                             attn_mask=_float_mask(plain, q.dtype), scale=ctx.scale)
             _select_(row_ok, dq), _select_(key_ok, dk), _select_(key_ok, dv)  # whatever the kernel wrote there
-            return dq, dk, dv, None, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None, None
         b, h, i, _ = q.shape
         hkv, j = k.shape[1], k.shape[2]
         g = h // hkv
@@ -665,14 +668,14 @@ class _SelectedFlashAttention(torch.autograd.Function):
             keys = _part(key_ok, batch, kv_heads)
             _select_(rows, dqc), _select_(keys, dkc), _select_(keys, dvc)  # whatever the kernel wrote there
             if len(chunks) == 1:
-                return dqc, dkc, dvc, None, None, None, None, None
+                return dqc, dkc, dvc, None, None, None, None, None, None
             if dq is None:  # in the caller's layouts: a leaf's .grad takes them without a copy
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             dq[batch, qh].copy_(dqc)
             dk[batch, kv_heads].copy_(dkc)
             dv[batch, kv_heads].copy_(dvc)
             del dqc, dkc, dvc
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _fused_select_ok(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
@@ -700,9 +703,9 @@ def _fused_select_ok(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, attn_
     return choice == SDPBackend.FLASH_ATTENTION.value
 
 
-def _flash_selected(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal) -> Tensor:
+def _flash_selected(q, k, v, row_ok, key_ok, attn_mask, plain, scale, is_causal) -> Tensor:
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _SelectedFlashAttention.apply(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal)
+        return _SelectedFlashAttention.apply(q, k, v, row_ok, key_ok, attn_mask, plain, scale, is_causal)
     return _flash_selected_forward(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal, keep_lse=False)[0]
 
 
@@ -776,6 +779,7 @@ def masked_linear(x: Tensor, keep: Tensor, linear: nn.Linear) -> Tensor:
 
 
 _FLOATS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+_WIDE = (torch.float32, torch.float64)
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale, dropout_p: float) -> None:
@@ -862,6 +866,10 @@ def attend(
     Raises:
         TypeError, ValueError: wrong dtypes, shapes, devices or backend (S9).
     """
+    if bias is None and scale is None and not dropout_p and backend == "auto" and mask is not None:
+        out = _key_padding_call(q, k, v, mask, causal)  # the common no-gradient CPU call, quickly
+        if out is not None:
+            return out
     _validate(q, k, v, bias, scale, dropout_p)
     inputs_finite = isinstance(mask, SelectedMask)
     if inputs_finite:
@@ -879,7 +887,7 @@ def attend(
             user = mask.view(b, 1, 1, j)  # (b, j) key padding: what as_attention_mask returns, quickly
         else:
             user = as_attention_mask(mask, b, h, i, j, name="mask")
-        if user.device != q.device:
+        if not (user.is_cpu and q.is_cpu) and user.device != q.device:
             raise ValueError(f"mask is on {user.device}, expected {q.device} (the device of q)")
     mask_kind = "none" if user is None else ("padding" if user.shape[2] == 1 else "full")
     plan = plan_attention(
@@ -911,7 +919,8 @@ def attend(
         reach = bias != float("-inf")  # (b|1, h|1, i|1, j|1); a NaN bias masks nothing: it is the user's NaN
         if prepared is not None:
             prepared, user = None, as_attention_mask(prepared.combined, b, h, i, j, name="mask")
-    combined = combine_masks(user, causal_tensor, reach)  # broadcast shape, never (b, h, i, j) for padding
+    # broadcast shape, never (b, h, i, j) for padding
+    combined = user if causal_tensor is None and reach is None else combine_masks(user, causal_tensor, reach)
     if combined is not None and combined.dim() < 4:
         combined = combined.reshape((1,) * (4 - combined.dim()) + tuple(combined.shape))
 
@@ -928,7 +937,8 @@ def attend(
         if not inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
             # the CPU flash kernel with the selections inside: no selected copy outlives the call
             # dead rows: 0; a backward with create_graph=True runs the reference math (a gradient penalty)
-            return _flash_selected(q, k, v, row_ok, key_ok, attn_mask, scale, is_causal)
+            plain = combined if bias is None and prepared is None else attn_mask  # dead rows not handed a key
+            return _flash_selected(q, k, v, row_ok, key_ok, attn_mask, plain, scale, is_causal)
         if not inputs_finite:
             q = _select(row_ok, q)  # the selections' backward also zeroes what a kernel sends back there
             k = _select(key_ok, k)
@@ -946,6 +956,40 @@ def attend(
     if row_ok is not None:
         out = _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned
     return out
+
+
+def _key_padding_call(q, k, v, mask, causal: bool) -> Tensor | None:
+    """``attend(q, k, v, mask=mask, causal=causal)`` for a ``(b, j)`` key padding mask (or a ``SelectedMask``
+    of one), on the CPU, in eager mode, with no gradient to compute: what the general code below does for
+    it (the same checks, plan, kernel mask, ``_optimistic``), in a few lines, since at decode shapes the
+    kernel is short and every step costs. ``None`` where it does not apply (the general code then runs:
+    anything else, an error to report, an output that is not finite)."""
+    check = True
+    if type(mask) is SelectedMask:
+        mask, check = mask.mask, False
+    if not (type(mask) is Tensor and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and _FUSED_SELECT and _kernel is F.scaled_dot_product_attention and q.is_cpu and mask.is_cpu):
+        return None
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and mask.dim() == 2 and mask.dtype == torch.bool):
+        return None
+    b, h, i, d = qs
+    j = ks[2]
+    if not (i and j and (i == 1 or not causal) and mask.shape[0] == b and mask.shape[1] == j
+            and q.dtype in _FLOATS and q.dtype == k.dtype == v.dtype and ks[0] == b and ks[:3] == vs[:3]
+            and ks[3] == d and vs[3] and ks[1] and h % ks[1] == 0 and k.is_cpu and v.is_cpu):
+        return None
+    if ((torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+        return None
+    combined = mask.view(b, 1, 1, j)
+    return _optimistic(_CPU_PADDING_PLAN, q, k, v, combined, None, None, combined.any(dim=-1, keepdim=True), False,
+                       d**-0.5, check)
+
+
+# what ``plan_attention`` returns for every call ``_key_padding_call`` takes (CPU, backend "auto", a padding
+# mask, no causal tensor, no bias, no dropout): PyTorch's dispatcher picks the kernel (tests check the equality)
+_CPU_PADDING_PLAN = AttentionPlan("sdpa", (), "flash", "broadcast", expand_kv=False)
 
 
 _FIRST_KEY: dict = {}  # (j, device) -> bool (j,), True at key 0 only: what a dead row is handed
@@ -993,11 +1037,11 @@ def _key_ok(combined: Tensor, prepared: PreparedMask | None, h: int, hkv: int, j
 
 def _optimistic_ok(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float) -> bool:
     """Whether ``_optimistic`` may run: a forward needing no gradient, on the CPU, in eager mode."""
-    return (_FUSED_SELECT and dropout_p == 0 and plan.path == "sdpa" and q.device.type == "cpu"
+    return (_FUSED_SELECT and not dropout_p and q.is_cpu and plan.path == "sdpa"
+            and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
             and (_kernel is F.scaled_dot_product_attention or _OPTIMISTIC_ANY_KERNEL)
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
-            and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
             and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
 
 
@@ -1020,12 +1064,15 @@ def _optimistic(plan: AttentionPlan, q, k, v, combined: Tensor, prepared: Prepar
     whether every row is live (then the kernel gets the mask as it is, and nothing is zeroed), and the
     sum of the output.
     """
-    live = bool(row_ok.all())  # the common case: no dead row, nothing to hand a key, nothing to zero
-    if live and prepared is None and bias is None:
-        attn_mask = combined
+    live = row_ok.all().item()  # the common case: no dead row, nothing to hand a key, nothing to zero
+    if prepared is None and bias is None and (live or _kernel is F.scaled_dot_product_attention):
+        attn_mask = combined  # PyTorch's kernel may see a dead row: its result is replaced below (and skipped)
     else:
         attn_mask = _kernel_mask(combined, prepared, bias, row_ok, k.shape[2], q.dtype)
-    out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, 0.0)
+    if plan.sdpa_backends or plan.expand_kv or k.shape[1] != q.shape[1]:
+        out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, 0.0)
+    else:  # what _run_sdpa does here, without its generality
+        out = _kernel(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale)
     if not live:
         if _kernel is F.scaled_dot_product_attention:
             out = _select_(row_ok, out)  # dead rows: exactly 0, in place (SDPA's output is a new tensor)
@@ -1033,7 +1080,7 @@ def _optimistic(plan: AttentionPlan, q, k, v, combined: Tensor, prepared: Prepar
             out = torch.where(row_ok, out, 0.0)
     if not check:
         return out
-    total = out.sum(dtype=torch.float64 if out.dtype == torch.float64 else torch.float32)
+    total = out.sum() if out.dtype in _WIDE else out.sum(dtype=torch.float32)  # float16's range is too short
     return out if math.isfinite(total.item()) else None
 
 
