@@ -10,6 +10,7 @@ Shape legend: b batch, h query heads, h_kv key/value heads, i queries, j keys, d
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -850,3 +851,197 @@ def test_prepared_mask_equals_plain_mask(backend):
         attend(*qkv, mask=prepared, causal=True)
     with pytest.raises(TypeError, match="bool"):
         sf.testing.prepare_mask(mask.float())
+
+
+# ----------------------------------------------------------------------------------------------------
+# The lean CPU paths: no selected copies where nothing needs selecting
+# ----------------------------------------------------------------------------------------------------
+
+ATTEND_MODULE = __import__("sys").modules["safeformer.attend"]  # the module (``safeformer.attend`` is the function)
+MODERATE = 1e3  # finite garbage: the lean paths keep it (a weight of exactly 0); HUGE overflows a logit
+HUGE = 1e30
+
+
+def _spy(name: str):
+    """Wrap ``safeformer.attend.<name>``; returns (calls list of results, restore function)."""
+    real = getattr(ATTEND_MODULE, name)
+    calls = []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out)
+        return out
+
+    setattr(ATTEND_MODULE, name, spy)
+    return calls, lambda: setattr(ATTEND_MODULE, name, real)
+
+
+def _lean_case(b, h, h_kv, i, j, dtype, value, *, dead_sample=True, seed=0):
+    """Left-padded keys (the last sample fully padded when ``dead_sample``: all its rows dead), ``value``
+    planted at dead rows of q, masked keys of k (negated) and v. Returns (q, k, v, mask (b, j), dead (b, h, i),
+    masked (b, h_kv, j))."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, j + 1, (b,), generator=g).tolist()
+    if dead_sample:
+        lengths[-1] = 0
+    mask = mask_from_lengths(lengths, j, left=True)
+    dead = (~mask.any(-1))[:, None, None].expand(b, h, i)
+    masked = (~mask)[:, None, :].expand(b, h_kv, j)
+    q = plant(torch.randn(b, h, i, 8, generator=g).to(dtype), dead, value)
+    k = plant(torch.randn(b, h_kv, j, 8, generator=g).to(dtype), masked, -value)
+    v = plant(torch.randn(b, h_kv, j, 8, generator=g).to(dtype), masked, value)
+    return q, k, v, mask, dead, masked
+
+
+@contextlib.contextmanager
+def _generic_path():
+    """attend with its lean paths off: select copies, then the kernel (the path they must equal)."""
+    old = ATTEND_MODULE._FUSED_SELECT
+    ATTEND_MODULE._FUSED_SELECT = False
+    try:
+        yield
+    finally:
+        ATTEND_MODULE._FUSED_SELECT = old
+
+
+@pytest.mark.parametrize("value", [MODERATE, HUGE, NAN, INF, -INF], ids=["moderate", "huge", "nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
+@pytest.mark.parametrize(("b", "h", "h_kv", "i", "j"), [(3, 4, 4, 1, 9), (4, 4, 2, 1, 64), (1, 2, 1, 1, 1), (3, 2, 2, 6, 11)])
+def test_lean_no_grad_forward_is_safe_and_exact(b, h, h_kv, i, j, dtype, value):
+    """A forward with no gradient on the CPU (a decode step at i = 1): the kernel runs on q, k, v as given;
+    with finite garbage at dead rows and masked keys the output is accepted (the lean path), bit for bit
+    the selecting path's and close to the float64 reference, dead rows exactly 0; with NaN, inf or a
+    logit that overflows, the check sees it and the selecting path runs: the same result."""
+    q, k, v, mask, dead, _ = _lean_case(b, h, h_kv, i, j, dtype, value)
+    calls, restore = _spy("_optimistic")
+    try:
+        with torch.no_grad():
+            out = attend(q, k, v, mask=mask)
+            out_causal = attend(q, k, v, mask=mask, causal=True) if i == 1 else out
+    finally:
+        restore()
+    assert calls, "the no-gradient CPU path did not run"
+    lean_taken = calls[0] is not None
+    # finite garbage (a huge one too: its logit is -inf once masked) leaves live rows finite; NaN or inf in a
+    # masked value makes them NaN (0 * inf); with no live row at all there is nothing to leak into
+    expected = value in (MODERATE, HUGE) or bool(dead.all())
+    assert lean_taken == expected, f"the lean output was {'accepted' if lean_taken else 'refused'} with {value} planted"
+    with _generic_path(), torch.no_grad():
+        generic = attend(q, k, v, mask=mask)
+    assert_bitwise(out, generic, "lean output vs the selecting path")
+    assert_bitwise(out_causal, generic, "a single query with causal=True")
+    assert_zero(out[dead], "dead rows")
+    ref = ref_attend(q, k, v, mask[:, None, None, :])
+    assert_close(out, ref, "lean output vs float64", dtype, table=ATTEND_TOL)
+
+
+@pytest.mark.parametrize("vouched", [False, True], ids=["mask", "selected-mask"])
+def test_key_padding_quick_path_is_chosen_where_expected(vouched):
+    """The quick path for a (b, j) key padding mask runs for a no-gradient CPU call (causal allowed at one
+    query), and leaves everything else to the general code; its plan is plan_attention's."""
+    q, k, v, mask, _, _ = _lean_case(3, 4, 2, 1, 16, torch.float32, 1.0)
+    wrap = ATTEND_MODULE.SelectedMask if vouched else (lambda m: m)
+    calls, restore = _spy("_key_padding_call")
+    try:
+        def taken(fn) -> bool:
+            calls.clear()
+            fn()
+            return bool(calls) and calls[-1] is not None
+
+        with torch.no_grad():
+            assert taken(lambda: attend(q, k, v, mask=wrap(mask)))
+            assert taken(lambda: attend(q, k, v, mask=wrap(mask), causal=True))
+            assert not taken(lambda: attend(q, k, v, mask=wrap(mask), backend="math"))
+            assert not taken(lambda: attend(q, k, v, mask=wrap(mask), scale=0.3))
+            assert not taken(lambda: attend(q, k, v, mask=wrap(mask[:, None, None, :])))
+            q6 = torch.randn(3, 4, 6, 8)
+            assert not taken(lambda: attend(q6, k, v, mask=wrap(mask), causal=True))
+            assert not taken(lambda: attend(q, k, v, mask=wrap(mask), bias=torch.zeros(1, 1, 1, 16)))
+            with substitute_kernel(faithful_kernel()):
+                assert not taken(lambda: attend(q, k, v, mask=wrap(mask)))
+        qg = q.clone().requires_grad_()
+        assert not taken(lambda: attend(qg, k, v, mask=wrap(mask)))
+    finally:
+        restore()
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for heads, kv_heads in ((4, 4), (4, 2)):
+            for causal, i in ((False, 1), (True, 1), (False, 7)):
+                plan = plan_attention(device_type="cpu", dtype=dtype, head_dim=8, q_len=i, k_len=16, heads=heads,
+                                      kv_heads=kv_heads, mask_kind="padding", causal=causal)
+                assert plan == ATTEND_MODULE._CPU_PADDING_PLAN, plan
+
+
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+def test_lean_no_grad_forward_kernel_not_trusted(value):
+    """S6 on the lean no-gradient path (forced onto a substituted kernel): a kernel that poisons every
+    truly dead row gives bit for bit the faithful kernel's output, dead rows exactly 0."""
+    q, k, v, mask, dead, _ = _lean_case(4, 4, 2, 1, 12, torch.float32, MODERATE)
+    old = ATTEND_MODULE._OPTIMISTIC_ANY_KERNEL
+    ATTEND_MODULE._OPTIMISTIC_ANY_KERNEL = True
+    calls, restore = _spy("_optimistic")
+    try:
+        with torch.no_grad():
+            with substitute_kernel(faithful_kernel()):
+                good = attend(q, k, v, mask=mask)
+            with substitute_kernel(NaNKernel(dead, value=value)) as _:
+                bad = attend(q, k, v, mask=mask)
+    finally:
+        restore()
+        ATTEND_MODULE._OPTIMISTIC_ANY_KERNEL = old
+    assert len(calls) == 2 and all(c is not None for c in calls), "the lean path did not run"
+    assert_bitwise(bad, good, "output under a kernel that poisons dead rows")
+    assert_zero(bad[dead], "dead rows")
+
+
+@pytest.mark.parametrize(("value", "upstream_value"), [(MODERATE, MODERATE), (MODERATE, NAN), (HUGE, MODERATE),
+                                                       (NAN, MODERATE), (-INF, MODERATE)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize(("h", "h_kv", "i", "j", "causal"), [(4, 4, 1, 9, False), (4, 2, 7, 7, False),
+                                                             (4, 1, 5, 9, True), (2, 2, 16, 16, True)])
+def test_bounded_fused_path_forward_backward(h, h_kv, i, j, causal, dtype, value, upstream_value):
+    """With a gradient on the CPU flash kernel: when the norms of q, k, v (and of the incoming gradient)
+    bound every product, the kernel runs on them as given (no selected copies), forward and backward;
+    otherwise it selects copies. Either way: bit for bit the selecting path, close to the float64
+    reference, dead rows exactly 0 with zero gradients, masked keys exactly zero gradients; garbage
+    (finite, huge, NaN, inf) at dead rows, masked keys and in the upstream gradient at dead rows."""
+    q, k, v, mask, dead, masked = _lean_case(3, h, h_kv, i, j, dtype, value, seed=i + j)
+    if causal:  # left padding + causal: the first rows of a sample see only padding (dead too)
+        allowed = mask[:, None, None, :] & torch.ones(i, j, dtype=torch.bool).tril(j - i)
+        dead = (~allowed.any(-1)).expand(3, h, i)
+        masked = (~allowed.any(-2).squeeze(1))[:, None, :].expand(3, h_kv, j)
+        q = plant(q, dead, value)
+        k, v = plant(k, masked, -value), plant(v, masked, value)
+    g = torch.Generator().manual_seed(7)
+    upstream = plant(torch.randn(3, h, i, 8, generator=g).to(dtype), dead, upstream_value)
+    bounded, restore = _spy("_bounded")
+    grad_ok, restore2 = _spy("_grad_bounded")
+    try:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves, mask=mask, causal=causal)
+        out.backward(upstream)
+    finally:
+        restore()
+        restore2()
+    assert len(bounded) == 1, "the fused CPU flash path did not run"
+    # float64 bounds a product of two huge (1e30) numbers too: no overflow, a weight of exactly 0
+    expected = value == MODERATE or (value == HUGE and dtype == torch.float64)
+    assert (bounded[0] is not None) == expected, f"bounded={bounded[0]} with {value} planted"
+    if bounded[0] is not None:
+        assert grad_ok == [upstream_value == MODERATE]  # NaN in the upstream gradient: the selecting backward
+    with _generic_path():
+        gleaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        gout = attend(*gleaves, mask=mask, causal=causal)
+        gout.backward(upstream)
+    assert_bitwise(out, gout, "output vs the selecting path")
+    for name, a, b_ in zip("qkv", leaves, gleaves):
+        assert_bitwise(a.grad, b_.grad, f"grad of {name} vs the selecting path")
+    assert_zero(out[dead], "dead rows")
+    assert_zero(leaves[0].grad[dead], "grad of q at dead rows")
+    assert_zero(leaves[1].grad[masked], "grad of k at masked keys")
+    assert_zero(leaves[2].grad[masked], "grad of v at masked keys")
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attend(*ref_leaves, mask[:, None, None, :], causal=causal)
+    ref.backward(upstream.double().nan_to_num(0.0) * ~dead[..., None])
+    assert_close(out, ref, "output vs float64", dtype, table=ATTEND_TOL)
+    for name, a, r in zip("qkv", leaves, ref_leaves):
+        assert_close(a.grad, r.grad, f"grad of {name} vs float64", dtype, table=ATTEND_TOL)

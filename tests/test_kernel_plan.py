@@ -342,3 +342,26 @@ def test_attend_large_padded_input_matches_float64_reference():
     for name, leaf in zip("qkv", leaves):
         assert bool(torch.isfinite(leaf.grad).all()), name
         assert bool((leaf.grad[1] == 0).all()), f"grad of {name} of the fully padded sample"
+
+
+def test_kernel_mask_hands_dead_rows_the_first_key():
+    """The kernel mask (a cached first-key tensor and one ``where``) is the combined mask with every dead row
+    seeing its first key only; made first under inference mode, the cached tensor still serves autograd."""
+    attend_module._FIRST_KEY.clear()
+    g = torch.Generator().manual_seed(0)
+    for shape in [(3, 1, 1, 9), (2, 1, 5, 9), (2, 4, 5, 9), (1, 1, 4, 1)]:
+        combined = torch.rand(shape, generator=g) > 0.6
+        combined[0] = False  # a sample with dead rows only
+        row_ok = combined.any(-1, keepdim=True)
+        j = 9
+        with torch.inference_mode():
+            got = attend_module._kernel_mask(combined, None, None, row_ok, j, torch.float32)
+        first = torch.arange(combined.shape[-1]) == 0 if combined.shape[-1] > 1 else torch.ones(1, dtype=torch.bool)
+        expected = combined | (~row_ok & first)
+        assert torch.equal(got, expected), shape
+        assert bool(got.any(-1).all()), "a row sees no key"
+    assert all(not t.is_inference() for t in attend_module._FIRST_KEY.values())
+    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+    out = sf.attend(q, k, v, mask=mask_from_lengths([3, 0], 5), backend="math")  # uses the cached tensor
+    out.sum().backward()
+    assert bool((q.grad[1] == 0).all())
