@@ -29,14 +29,20 @@ __all__ = ["Attention"]
 class Attention(nn.Module):
     """Multi-head attention for self- and cross-attention, with grouped-query heads and a KV cache.
 
-    ``forward(x)`` attends within ``x``; ``forward(x, context)`` attends from ``x`` to ``context``.
+    ``forward(x)`` attends within ``x``; ``forward(x, context)`` attends from ``x`` to ``context``. Both
+    return the output tensor, as x-transformers' ``Attention`` does (``return_intermediates=True`` adds an
+    ``AttnIntermediate`` whose ``cached_kv`` a later call continues from with ``cache=``).
 
-    Args:
+    Args (x-transformers' order for the first six):
         dim: model width c.
-        heads: query heads h.
         dim_head: head dim d.
-        kv_heads: key/value heads (grouped-query attention); default ``heads``.
         dim_context: width of the context for cross-attention; default ``dim``.
+        heads: query heads h.
+        causal: bottom-right causal masking by default (``forward(causal=...)`` overrides it per call).
+        flash: accepted for x-transformers (the kernel is chosen per call); with ``flash=True``
+            ``return_intermediates`` gives no attention weights, as in x-transformers.
+        kv_heads: key/value heads (grouped-query attention); default ``heads``. ``one_kv_head=True``:
+            x-transformers' spelling of ``kv_heads=1``.
         qk_norm: RMS-normalise queries and keys per head before the dot product.
         dropout: attention dropout (training only).
         bias: use biases in the projections.
@@ -44,7 +50,7 @@ class Attention(nn.Module):
         num_mem_kv: learned memory key/value pairs ``mem_k, mem_v (h_kv, num_mem_kv, d)`` prepended to
             the keys of every call (x-transformers' ``attn_num_mem_kv``): every query may always see
             them (bias 0 under ALiBi), so no row is dead; masked keys still reach nothing.
-        learned_sink: a learned per-head sink logit ``head_attn_sink (h,)`` (x-transformers'
+        learned_sink: (x-transformers' ``head_learned_sink``, accepted too) a learned per-head sink logit ``head_attn_sink (h,)`` (x-transformers'
             ``attn_head_learned_sink``): one more key with logit ``head_attn_sink[h]`` and value 0, so a
             row's weights may sum to less than 1; a row with no other key gives exactly 0, after the output
             projection's bias too (a dead row for the no-op rule: a dropped context adds nothing). Its gradient

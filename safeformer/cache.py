@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .masks import seen_in_scope, validate_mask
 
-__all__ = ["KVCache", "AttnIntermediate", "LayerIntermediates"]
+__all__ = ["KVCache", "AttnIntermediate", "LayerIntermediates", "resolve_cache"]
 
 
 @dataclass
@@ -175,3 +175,36 @@ class LayerIntermediates:
 def _dtype_differs(t: Tensor, x: Tensor) -> bool:
     """``t`` cannot meet ``x`` in one matmul: dtypes differ outside autocast (which mixes them itself)."""
     return t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)
+
+
+def resolve_cache(cache, n: int, cache_age: int, lead_slots: bool = False) -> tuple[KVCache | None, int | None]:
+    """x-transformers' cache protocol: ``cache`` may be the ``LayerIntermediates`` an earlier call returned
+    (``return_hiddens`` / ``return_intermediates``), and the input then holds the whole sequence so far or
+    only its last ``cache_age`` positions (the new ones). Returns the ``KVCache`` (the canonical form) and
+    how many trailing input positions to keep (``None``: keep all, a ``KVCache`` was passed as is).
+
+    ``n``: the input's length; ``lead_slots``: the cache's leading rows (memory, class, prefix rows of a
+    wrapper) are not input positions.
+
+    Raises:
+        TypeError: a ``LayerIntermediates`` without its cache (from a call that could not build one).
+        ValueError: ``cache_age`` out of range, or an input whose length is neither the new positions nor
+            the cached positions plus the new ones.
+    """
+    if not isinstance(cache, LayerIntermediates):
+        if cache_age != 1:
+            raise ValueError("cache_age applies to a LayerIntermediates cache (x-transformers' protocol); with a "
+                             "KVCache the input holds the new positions only")
+        return cache, None
+    if not isinstance(cache.cache, KVCache):
+        raise TypeError("cache is a LayerIntermediates without a KVCache: pass the intermediates returned by a "
+                        "forward with return_hiddens=True / return_intermediates=True")
+    if isinstance(cache_age, bool) or not isinstance(cache_age, int) or not 1 <= cache_age <= n:
+        raise ValueError(f"cache_age must be an integer in [1, n={n}] (the new positions at the end of the input), "
+                         f"got {cache_age!r}")
+    kv = cache.cache
+    cached = kv.length - (kv.lead_slots if lead_slots else 0)
+    if n not in (cache_age, cached + cache_age):
+        raise ValueError(f"with a LayerIntermediates cache of {cached} positions the input must hold the new "
+                         f"{cache_age} position(s) or the whole sequence ({cached + cache_age}), got {n}")
+    return kv, cache_age

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from .attend import SelectedMask, prepare_mask
 from .attention import Attention
 from .block import Block, apply_norm
-from .cache import AttnIntermediate, KVCache, LayerIntermediates, _dtype_differs
+from .cache import AttnIntermediate, KVCache, LayerIntermediates, _dtype_differs, resolve_cache
 from .conditions import adaptive_condition
 from .masks import causal_mask, checked_once, validate_mask
 from .modules import (
@@ -293,6 +293,7 @@ class AttentionLayers(Configurable, nn.Module):
         return_hiddens: bool = False,
         pos: Tensor | None = None,
         unpadded_plan: UnpaddedPlan | None = None,
+        cache_age: int = 1,
     ) -> Tensor | tuple:
         """Run the stack.
 
@@ -312,7 +313,11 @@ class AttentionLayers(Configurable, nn.Module):
                 null condition for every sample.
             condition_mask: ``(b,)`` bool, False = this sample's condition is dropped (the null
                 condition replaces it, whatever the row holds: NaN included).
-            cache: a ``KVCache`` from an earlier call: ``x`` holds only the new positions. The cache
+            cache: a ``KVCache`` from an earlier call: ``x`` holds only the new positions; or
+                (x-transformers' protocol) the ``LayerIntermediates`` an earlier ``return_hiddens=True`` call
+                returned: ``x`` (and ``mask``, ``positions``) then holds the whole sequence so far or only the
+                new positions, the last ``cache_age`` (default 1) being new; only those are computed and
+                returned. The ``KVCache`` stays the canonical form (the intermediates carry one). The cache
                 keeps the context (its keys/values and ``context_mask``) and the condition of the call
                 that built it; they may be passed again only as the very same tensors (else
                 ``ValueError``).
@@ -333,6 +338,10 @@ class AttentionLayers(Configurable, nn.Module):
             if positions is not None:
                 raise ValueError("pass positions or pos (x-transformers' name for it), not both")
             positions = pos
+        if isinstance(x, Tensor) and x.dim() == 3:
+            cache, keep = resolve_cache(cache, x.shape[1], cache_age)
+            if keep is not None:  # x-transformers' protocol: the new positions are the last cache_age
+                x, mask, positions = _last(x, keep), _last(mask, keep), _last(positions, keep)
         check_inputs(self, x, mask, context, context_mask, cache)
         b, n, _ = x.shape
         device = x.device
@@ -404,14 +413,23 @@ class AttentionLayers(Configurable, nn.Module):
                 attn_intermediates=[AttnIntermediate(post_softmax_attn=w, layer_type="a" if k == "self" else "c")
                                     for w, k in zip(attn_maps, kinds)],
             )
+        if intermediates is not None:  # the intermediates carry the cache (x-transformers' protocol)
+            intermediates.cache = _new_cache(cache, mask, b, n, device, self_kv, cross_kv, sa, ca, cond, condition,
+                                             condition_mask)
         if not return_cache:
             return x if intermediates is None else (x, intermediates)
-        new_cache = _new_cache(cache, mask, b, n, device, self_kv, cross_kv, sa, ca, cond, condition, condition_mask)
         if intermediates is not None:
-            intermediates.cache = new_cache
-            return x, new_cache, intermediates
+            return x, intermediates.cache, intermediates
+        new_cache = _new_cache(cache, mask, b, n, device, self_kv, cross_kv, sa, ca, cond, condition, condition_mask)
         return x, new_cache
 
+
+
+def _last(t, keep: int):
+    """The last ``keep`` positions of ``t (b|1, n, ...)`` (``None`` stays ``None``; ``(n,)`` positions too)."""
+    if t is None or not isinstance(t, Tensor):
+        return t
+    return t[-keep:] if t.dim() == 1 else t[:, -keep:]
 
 
 def _check_options(*, dim, depth, dim_head, causal, cross_attend, only_cross, rotary_pos_emb, rotary_emb_dim,

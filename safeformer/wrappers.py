@@ -12,8 +12,9 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .cache import resolve_cache
 from .conditions import Conditions, check_condition_tensor, condition_kwargs
-from .layers import AttentionLayers, KVCache, translate_aliases
+from .layers import AttentionLayers, KVCache, _last, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
 from .masks import check_lengths, checked_once, validate_mask
@@ -44,6 +45,19 @@ def _check_tokens(x, name: str) -> None:
         raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
     if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
         raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype}")
+
+
+def _token_ids(x, name: str):
+    """``x`` as integer token ids: x-transformers reads a float tensor of ids with ``.long()``; safeformer
+    takes one whose every value is a whole number (the same ids) and refuses any other (x-transformers would
+    truncate 1.7 to 1 silently)."""
+    if isinstance(x, Tensor) and x.dim() == 2 and x.dtype.is_floating_point:
+        if x.numel() and not bool((torch.isfinite(x) & (x == x.round())).all()):
+            raise TypeError(f"{name} must hold integer token ids; a float tensor is read only when every value is a "
+                            f"whole number (convert with {name}.long() after rounding as you mean it)")
+        x = x.long()
+    _check_tokens(x, name)
+    return x
 
 
 class _Wrapper(Configurable, nn.Module):
@@ -184,10 +198,11 @@ class _Wrapper(Configurable, nn.Module):
         out = out if isinstance(out, tuple) else (out,)
         h = out[0]
         new_cache = out[1] if return_cache else None
-        if new_cache is not None:  # the cache remembers the rows before the tokens
-            new_cache.lead = lead if lead.dim() == 1 else lead.expand(b)
-            new_cache.lead_slots = lead_slots if cache is None else cache.lead_slots
         intermediates = out[-1] if return_hiddens else None
+        for c in (new_cache, None if intermediates is None else intermediates.cache):
+            if c is not None:  # the cache remembers the rows before the tokens
+                c.lead = lead if lead.dim() == 1 else lead.expand(b)
+                c.lead_slots = lead_slots if cache is None else cache.lead_slots
         fixed_out = None
         if fixed:
             fixed_out, h = h[:, :fixed], h[:, fixed:]
@@ -319,6 +334,7 @@ class TransformerWrapper(_Wrapper):
         return_intermediates: bool = False,
         return_attn: bool = False,
         return_hiddens: bool = False,
+        cache_age: int = 1,
         **conditions,
     ):
         """Run the model.
@@ -332,7 +348,10 @@ class TransformerWrapper(_Wrapper):
             return_embeddings: return hidden states ``(b, n, c)`` instead of logits.
             return_pooled: return the mean of hidden states over real positions, ``(b, c)``; a fully
                 padded sample gives 0, not NaN (S8).
-            cache: a ``KVCache`` from an earlier call; ``x`` holds only the new tokens.
+            cache: a ``KVCache`` from an earlier call; ``x`` holds only the new tokens. Or (x-transformers'
+                protocol) the ``LayerIntermediates`` of an earlier ``return_intermediates=True`` call: ``x`` (and
+                ``mask``, ``pos``) then holds the whole sequence so far or only the new tokens, the last
+                ``cache_age`` (default 1) being new; only those are computed and returned.
             return_cache: also return the updated ``KVCache``.
             check_finite: override the model's ``check_finite`` for this call.
             prepend_embeds: ``(b, m, dim)`` a prefix of embeddings placed before the tokens (prefix
@@ -361,12 +380,15 @@ class TransformerWrapper(_Wrapper):
             ``return_intermediates`` / ``return_hiddens``, or the attention weights if ``return_attn``.
         """
         conditions = condition_kwargs("TransformerWrapper.forward", conditions)
-        _check_tokens(x, "x")
+        x = _token_ids(x, "x")
         b, n = x.shape
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
         if seq_start_pos is not None:
             mask = _start_mask(seq_start_pos, mask, b, n, x.device)
+        cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
+        if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
+            x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
         if mask is not None:
             x = torch.where(mask, x, torch.zeros_like(x))
         if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() and x.numel() \
@@ -491,6 +513,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         return_intermediates: bool = False,
         return_attn: bool = False,
         return_hiddens: bool = False,
+        cache_age: int = 1,
         **conditions,
     ):
         """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward``;
@@ -513,6 +536,9 @@ class ContinuousTransformerWrapper(_Wrapper):
             mask = torch.arange(n, device=x.device)[None] < lens.to(x.device)[:, None]
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
+        cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
+        if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
+            x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
         if check:
             _check_finite(x, mask, "x")
         if mask is not None:

@@ -169,7 +169,7 @@ def test_transformer_wrapper_errors():
     model = tw("abs")
     ids = torch.randint(0, VOCAB, (2, 3))
     for call, exc, match in [
-        (lambda: model(ids.float()), TypeError, r"^x must hold integer token ids"),
+        (lambda: model(ids.float() + 0.5), TypeError, r"^x must hold integer token ids"),
         (lambda: model(ids.bool()), TypeError, r"^x must hold integer token ids"),
         (lambda: model(ids[..., None]), ValueError, r"^x must be token ids of shape \(b, n\)"),
         (lambda: model(ids, mask=torch.ones(2, 3, dtype=torch.long)), TypeError, r"^mask must have dtype torch.bool"),

@@ -178,3 +178,94 @@ def test_continuous_wrapper_without_max_seq_len_like_x_transformers():
     assert sf.ContinuousTransformerWrapper(max_seq_len=0, attn_layers=sf.Encoder(dim=8, depth=1, heads=1, dim_head=8)).pos_emb is None
     with pytest.raises(ValueError, match="max_seq_len"):
         sf.ContinuousTransformerWrapper(max_seq_len=-1, attn_layers=sf.Encoder(dim=8, depth=1, heads=1, dim_head=8))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the cache protocol: the LayerIntermediates of return_hiddens / return_intermediates as cache=
+# ---------------------------------------------------------------------------------------------------
+
+def _decoder_pair():
+    """x-transformers' ``Decoder`` (rotary) and safeformer's on the same weights."""
+    torch.manual_seed(0)
+    theirs = xt.Decoder(dim=16, depth=2, heads=2, attn_dim_head=8, rotary_pos_emb=True).eval()
+    conv = sf.from_x_transformers(xt.TransformerWrapper(num_tokens=8, max_seq_len=8, attn_layers=theirs,
+                                                        use_abs_pos_emb=False))
+    return theirs.double(), conv.attn_layers.double().eval()
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["new-positions", "whole-sequence"])
+def test_stack_decodes_from_its_intermediates_like_x_transformers(whole):
+    theirs, ours = _decoder_pair()
+    seq = torch.randn(2, 9, 16, dtype=F64)
+    parallel = ours(seq)
+    out, cache = ours(seq[:, :5], return_hiddens=True)
+    _, cache_t = theirs(seq[:, :5], return_hiddens=True)
+    steps = [out[:, -1:]]
+    for t in range(5, 9):
+        inp = seq[:, : t + 1] if whole else seq[:, t : t + 1]
+        out, cache = ours(inp, cache=cache, return_hiddens=True)
+        out_t, cache_t = theirs(inp, cache=cache_t, return_hiddens=True)
+        assert out.shape == (2, 1, 16)  # only the new position is computed and returned
+        hp.assert_close(out, out_t, f"step {t} against x-transformers", torch.float32)
+        steps.append(out)
+    hp.assert_close(torch.cat(steps, 1), parallel[:, 4:], "cached = parallel", F64)
+    assert isinstance(cache.cache, sf.KVCache) and cache.cache.length == 9  # the canonical form inside
+
+
+def test_wrapper_decodes_from_its_intermediates_with_padding():
+    """``TransformerWrapper``: the whole sequence so far with the intermediates as the cache (x-transformers'
+    test_kv_cache flow), with a left-padded prompt: masked cache slots are still selected away."""
+    torch.manual_seed(0)
+    model = sf.TransformerWrapper(num_tokens=32, max_seq_len=16, num_memory_tokens=2,
+                                  attn_layers=sf.Decoder(dim=16, depth=2, heads=2, dim_head=8, cross_attend=True,
+                                                         dim_context=12)).double().eval()
+    x = torch.randint(0, 32, (2, 8))
+    mask = torch.tensor([[False, False, True, True, True, True, True, True], [True] * 8])
+    ctx = torch.randn(2, 5, 12, dtype=F64)
+    full = model(x, mask=mask, context=ctx)
+    logits, inter = model(x[:, :6], mask=mask[:, :6], context=ctx, return_intermediates=True)
+    k, v = inter.cache.self_kv[0]
+    k[0, :, 2], v[0, :, 2] = NAN, NAN  # the first two are memory rows; slots 2, 3 are the left padding
+    for t in range(6, 8):
+        logits, inter = model(x[:, : t + 1], mask=mask[:, : t + 1], context=ctx, cache=inter, return_intermediates=True)
+        assert logits.shape == (2, 1, 32)
+        hp.assert_close(logits[:, 0], full[:, t], f"step {t}", F64)
+    with pytest.raises(ValueError, match="whole sequence"):
+        model(x[:, :3], cache=inter)
+
+
+def test_continuous_wrapper_decodes_from_its_intermediates():
+    torch.manual_seed(0)
+    net = sf.ContinuousTransformerWrapper(dim_in=3, dim_out=3, attn_layers=sf.Decoder(
+        dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True)).double().eval()
+    xs = torch.randn(2, 7, 3, dtype=F64)
+    full = net(xs)
+    out, inter = net(xs[:, :4], return_intermediates=True)
+    out, inter = net(xs[:, :6], cache=inter, cache_age=2, return_intermediates=True)  # two new positions
+    hp.assert_close(out, full[:, 4:6], "two new positions", F64)
+    out, inter = net(xs[:, 6:], cache=inter, return_intermediates=True)  # the new position only
+    hp.assert_close(out, full[:, 6:], "the new position only", F64)
+
+
+def test_cache_protocol_refuses_what_it_cannot_read():
+    dec = sf.Decoder(dim=8, depth=1, heads=1, dim_head=8)
+    x = torch.randn(1, 4, 8)
+    with pytest.raises(TypeError, match="KVCache"):
+        dec(x, cache=sf.LayerIntermediates())
+    _, kv = dec(x, return_cache=True)
+    with pytest.raises(ValueError, match="cache_age"):
+        dec(x[:, :1], cache=kv, cache_age=2)
+    _, inter = dec(x, return_hiddens=True)
+    with pytest.raises(ValueError, match="cache_age"):
+        dec(x[:, :1], cache=inter, cache_age=0)
+
+
+def test_float_token_ids_are_read_when_whole_numbers():
+    """x-transformers reads float ids with ``.long()``: safeformer reads whole numbers alike and refuses the
+    others (x-transformers would truncate them silently)."""
+    torch.manual_seed(0)
+    model = sf.TransformerWrapper(num_tokens=10, max_seq_len=8, attn_layers=sf.Decoder(dim=8, depth=1, heads=1, dim_head=8))
+    ids = torch.randint(0, 10, (2, 5))
+    hp.assert_bitwise(model(ids.float()), model(ids), "whole-number float ids")
+    with pytest.raises(TypeError, match="whole number"):
+        model(ids.float() + 0.5)

@@ -651,7 +651,7 @@ class TransformerWrapperCase(_TokenCase):
             ("float mask", lambda: model(ids, mask=torch.ones(b, n)), TypeError, "mask"),
             ("mask of wrong shape", lambda: model(ids, mask=torch.ones(b, n + 1, dtype=torch.bool)), ValueError, "mask"),
             ("mask on another device", lambda: model(ids, mask=torch.ones(b, n, dtype=torch.bool, device="meta")), ValueError, "mask"),
-            ("float token ids", lambda: model(ids.float()), TypeError, "x"),
+            ("float token ids that are not whole numbers", lambda: model(ids.float() + 0.5), TypeError, "x"),
             ("context of wrong width", lambda: model(ids, context=torch.randn(b, j, CTX_DIM + 1)), ValueError, "context"),
             ("context_mask without context", lambda: model(ids, context_mask=kw["context_mask"]), ValueError, "context_mask"),
             ("int context_mask", lambda: model(ids, context=ctx, context_mask=kw["context_mask"].long()), TypeError, "context_mask"),
