@@ -14,6 +14,14 @@ How it is safe whatever the kernel does (docs/safety.md, S1-S3, S6):
 None of these steps reads a tensor's value on the host: the forward has no device sync and compiles
 with ``torch.compile(fullgraph=True)``.
 
+On the CPU in eager mode two lean paths skip the selected copies where they change nothing (a CPU
+tensor's value is read on the host there; no device sync): a forward needing no gradient runs the kernel
+on q, k, v as given and accepts the output when it is finite (``_optimistic``: a masked key weighs exactly
+0, so it can reach a live row only as a NaN or inf), else it runs the selecting path; with a gradient,
+``_SelectedFlashAttention`` does the same when the norms of q, k, v bound every product (``_bounded``).
+PyTorch's own CPU flash kernel is then handed dead rows fully masked (it skips them); their result is
+replaced all the same, and in the backward their log-sum-exp is +inf (weight 0 on every key).
+
 On the CPU flash kernel (eager, no dropout) steps 2-4 run inside one autograd function,
 ``_SelectedFlashAttention``: it saves the caller's q, k, v and the masks instead of the selected
 copies, calls the kernel's forward and backward ops itself on selected copies made per chunk of
