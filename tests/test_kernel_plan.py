@@ -237,11 +237,15 @@ def test_cross_attention_without_context_mask_keeps_flash(plans):
     assert all(as_cuda_half(kw).expected == "flash" for kw in plans)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic cache", "static cache"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_kv_cache_decode_steps(plans, padded):
+def test_kv_cache_decode_steps(plans, padded, static):
     """Decoding with the cache: a step's single query sees every cached key, so an unpadded prompt needs
     no mask at all (flash on CUDA) and a left-padded one a (b, 1, 1, p + 1) key mask; cross-attention
-    keeps its (b, 1, 1, j) mask. The generated tokens equal those of the uncached path."""
+    keeps its (b, 1, 1, j) mask. The dynamic cache plans each step with ``plan_attention``; the static
+    step hands the kernel the same forms directly (a view of its validity mask, or none; the context's
+    mask, built once), so SDPA picks flash or the memory-efficient kernel alike. The generated tokens
+    equal those of the uncached path."""
     net = model(cross=True)
     tokens, _, context, ctx_mask = inputs()
     prompt_mask = mask_from_lengths([4, 2, 3], 4, left=True) if padded else None
@@ -249,7 +253,7 @@ def test_kv_cache_decode_steps(plans, padded):
     rec = RecordingKernel()
     with substitute_kernel(rec):
         cached = sf.generate_tokens(net, prompts, 5, mask=prompt_mask, context=context, context_mask=ctx_mask,
-                                    temperature=0.0, cache_kv=True)
+                                    temperature=0.0, cache_kv=True, static_cache=static)
     steps = [c for c in rec.calls if c.q_shape[2] == 1]  # one query per step (after the prompt)
     assert len(steps) == 4 * 2 * 2  # 4 steps after the prompt, 2 layers, self then cross in each
     for t, c in enumerate(steps[0::2]):  # self-attention over the cache: p = prompt + tokens so far
@@ -260,8 +264,11 @@ def test_kv_cache_decode_steps(plans, padded):
         assert c.k_shape[2] == J and c.mask_shape == (B, 1, 1, J)
     assert_no_dense_mask(rec.calls)
     step_plans = [kw for kw in plans if kw["q_len"] == 1][0::2]
-    assert len(step_plans) == 8
-    assert all(as_cuda_half(kw).expected == ("efficient" if padded else "flash") for kw in step_plans)
+    if static:
+        assert step_plans == []  # the static step plans nothing per step: the forms above are fixed
+    else:
+        assert len(step_plans) == 8
+        assert all(as_cuda_half(kw).expected == ("efficient" if padded else "flash") for kw in step_plans)
     uncached = sf.generate_tokens(net, prompts, 5, mask=prompt_mask, context=context, context_mask=ctx_mask,
                                   temperature=0.0, cache_kv=False)
     assert torch.equal(cached, uncached)
