@@ -43,7 +43,9 @@ class Attention(nn.Module):
             ``return_intermediates`` gives no attention weights, as in x-transformers.
         kv_heads: key/value heads (grouped-query attention); default ``heads``. ``one_kv_head=True``:
             x-transformers' spelling of ``kv_heads=1``.
-        qk_norm: RMS-normalise queries and keys per head before the dot product.
+        qk_norm: RMS-normalise queries and keys per head before the dot product, with learned gains (an
+            effective logit scale of ``sqrt(dim_head)`` at init; x-transformers' ``qk_norm`` is an L2 norm with a
+            fixed scale of 10, which ``from_x_transformers`` maps onto the gains).
         dropout: attention dropout (training only).
         bias: use biases in the projections.
         backend: ``attend`` backend (``"auto"`` picks per call).

@@ -167,6 +167,11 @@ class LayerIntermediates:
     memory_tokens: Tensor | None = None
 
     @property
+    def cache_length(self) -> int:
+        """x-transformers' name: the positions the carried ``cache`` holds (0 without one)."""
+        return 0 if self.cache is None else self.cache.length
+
+    @property
     def attn_maps(self) -> list[Tensor]:
         """The ``post_softmax_attn`` of every attention block."""
         return [a.post_softmax_attn for a in self.attn_intermediates]
