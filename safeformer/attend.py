@@ -874,8 +874,9 @@ def attend(
     Raises:
         TypeError, ValueError: wrong dtypes, shapes, devices or backend (S9).
     """
-    if bias is None and scale is None and not dropout_p and backend == "auto" and mask is not None:
-        out = _key_padding_call(q, k, v, mask, causal)  # the common no-gradient CPU call, quickly
+    if bias is None and scale is None and not dropout_p and backend == "auto":
+        # the common no-gradient CPU calls, quickly
+        out = _key_padding_call(q, k, v, mask, causal) if mask is not None else _unmasked_call(q, k, v, causal)
         if out is not None:
             return out
     _validate(q, k, v, bias, scale, dropout_p)
@@ -993,6 +994,35 @@ def _key_padding_call(q, k, v, mask, causal: bool) -> Tensor | None:
     combined = mask.view(b, 1, 1, j)
     return _optimistic(_CPU_PADDING_PLAN, q, k, v, combined, None, None, combined.any(dim=-1, keepdim=True), False,
                        d**-0.5, check)
+
+
+def _unmasked_call(q, k, v, causal: bool) -> Tensor | None:
+    """``attend(q, k, v)`` with no mask (and no causal part, or one query: a decode step sees every key), on
+    the CPU, eager, with no gradient to compute: no row is dead (``j > 0``) and nothing is masked, so the
+    general code would call the kernel on q, k, v as given (``_CPU_UNMASKED_PLAN``); this does it without
+    the general code's steps. ``None`` where it does not apply."""
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and _kernel is F.scaled_dot_product_attention
+            and q.is_cpu):
+        return None
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4):
+        return None
+    b, h, i, d = qs
+    if not (i and ks[2] and (i == 1 or not causal) and q.dtype in _FLOATS and q.dtype == k.dtype == v.dtype
+            and ks[0] == b and ks[:3] == vs[:3] and ks[3] == d and vs[3] and ks[1] and h % ks[1] == 0
+            and k.is_cpu and v.is_cpu):
+        return None
+    if ((torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+        return None
+    if ks[1] != h:
+        return _kernel(q, k, v, scale=d**-0.5, enable_gqa=True)
+    return _kernel(q, k, v, scale=d**-0.5)
+
+
+# what ``plan_attention`` returns for every call ``_unmasked_call`` takes (CPU, backend "auto", no mask, no
+# causal tensor, no bias, no dropout): the kernel on q, k, v as given (tests check the equality)
+_CPU_UNMASKED_PLAN = AttentionPlan("sdpa", (), "flash", "none", expand_kv=False)
 
 
 # what ``plan_attention`` returns for every call ``_key_padding_call`` takes (CPU, backend "auto", a padding

@@ -971,6 +971,43 @@ def test_key_padding_quick_path_is_chosen_where_expected(vouched):
                 assert plan == ATTEND_MODULE._CPU_PADDING_PLAN, plan
 
 
+def test_unmasked_quick_path_is_chosen_where_expected_and_exact():
+    """The quick path for an unmasked no-gradient CPU call (causal allowed at one query): chosen there only,
+    bit for bit the general code's output (forced through it with a scale of d ** -0.5, which the quick
+    path passes too), close to float64; its plan is plan_attention's."""
+    g = torch.Generator().manual_seed(3)
+    calls, restore = _spy("_unmasked_call")
+    try:
+        def taken(fn) -> bool:
+            calls.clear()
+            fn()
+            return bool(calls) and calls[-1] is not None
+
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            for heads, kv_heads, i in ((4, 4, 1), (4, 2, 1), (4, 2, 5)):
+                q = torch.randn(2, heads, i, 8, generator=g).to(dtype)
+                k, v = (torch.randn(2, kv_heads, 9, 8, generator=g).to(dtype) for _ in range(2))
+                with torch.no_grad():
+                    assert taken(lambda q=q, k=k, v=v: attend(q, k, v))
+                    quick = attend(q, k, v)
+                    assert not taken(lambda q=q, k=k, v=v: attend(q, k, v, scale=8 ** -0.5))
+                    general = attend(q, k, v, scale=8 ** -0.5)
+                    assert taken(lambda q=q, k=k, v=v: attend(q, k, v, causal=True)) == (i == 1)
+                    assert not taken(lambda q=q, k=k, v=v: attend(q, k, v, backend="math"))
+                    with substitute_kernel(faithful_kernel()):
+                        assert not taken(lambda q=q, k=k, v=v: attend(q, k, v))
+                assert_bitwise(quick, general, f"unmasked quick path {dtype}")
+                assert_close(quick.double(), ref_attend(q.double(), k.double(), v.double()), "unmasked quick path",
+                             dtype, table=ATTEND_TOL)
+                kept = q.clone().requires_grad_()
+                assert not taken(lambda kept=kept, k=k, v=v: attend(kept, k, v))
+                plan = plan_attention(device_type="cpu", dtype=dtype, head_dim=8, q_len=i, k_len=9, heads=heads,
+                                      kv_heads=kv_heads, mask_kind="none", causal=False)
+                assert plan == ATTEND_MODULE._CPU_UNMASKED_PLAN, plan
+    finally:
+        restore()
+
+
 @pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
 def test_lean_no_grad_forward_kernel_not_trusted(value):
     """S6 on the lean no-gradient path (forced onto a substituted kernel): a kernel that poisons every
