@@ -521,7 +521,7 @@ def _combine(vals: Mapping[str, Tensor], used: Mapping[str, float], guidance_res
         guided = u
         for k, s in used.items():
             guided = guided + s * (vals[k] - u)
-        big = max((abs(s) for s in used.values()), default=1.0)
+        big = max([abs(s) for s in used.values()] or [1.0])
         if big > 1.0:  # a huge scale: keep the rows that would overflow finite and in order
             r = u / big
             for k, s in used.items():

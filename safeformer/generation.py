@@ -209,16 +209,24 @@ def sample_logits(
 
 
 def guided_logits_combine(schedule: GuidanceSchedule, guidance_rescale: float = 0.0,
-                          space: str = "logits", errors: Tensor | None = None) -> Callable[[dict[str, Tensor], int], Tensor]:
+                          space: str = "logits", errors: Tensor | None = None,
+                          compile: bool = False) -> Callable[[dict[str, Tensor], int], Tensor]:
     """The decode engine's combine function for logits: ``compose_guidance`` at step ``t``'s scales
-    (the joint branch alone, unguided, is returned as it is). ``errors``: see ``compose_guidance``."""
+    (the joint branch alone, unguided, is returned as it is). ``errors``: see ``compose_guidance``.
+    ``compile``: ``compose_guidance`` compiled (``fullgraph=True``; one graph per distinct set of scales)."""
+    compose = compose_guidance
+    if compile:
+        from .static import compile_options
+
+        compose = torch.compile(compose_guidance, fullgraph=True, dynamic=False,
+                                **compile_options(errors.device if errors is not None else "cpu"))
 
     def combine(outs: dict[str, Tensor], t: int) -> Tensor:
         if len(outs) == 1:
             return next(iter(outs.values()))
         uncond = outs.pop("uncond")
-        return compose_guidance(uncond, outs, schedule.at(t), guidance_rescale=guidance_rescale,
-                                reference=outs.get("joint"), space=space, errors=errors)
+        return compose(uncond, outs, schedule.at(t), guidance_rescale=guidance_rescale,
+                       reference=outs.get("joint"), space=space, errors=errors)
 
     return combine
 
@@ -446,7 +454,7 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
     try:
         errors = torch.zeros((), dtype=torch.bool, device=device)  # NaN/+inf logits, read at the checks only
         engine = GuidedForward(net, b, conds, negatives, schedule,
-                               guided_logits_combine(schedule, guidance_rescale, guidance_space, errors),
+                               guided_logits_combine(schedule, guidance_rescale, guidance_space, errors, compile=compile),
                                need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
                                window=window, two_pass=two_pass, static=static_cache or compile, compile=compile)
         done = torch.zeros(b, dtype=torch.bool, device=device)
