@@ -61,6 +61,11 @@ class Attention(nn.Module):
         softclamp_logits: ``tanh((logits + bias) / value) * value`` before masking and softmax
             (``logit_softclamp_value``, default 50); runs the explicit float32 path (no fused kernel).
         qk_norm_eps: the epsilon of the q/k RMS norms (default 1e-6).
+        gate_values, output_gate: gated attention (x-transformers' options of these names): the attention
+            output, before ``to_out``, times ``sigmoid(x_gate(x) + h_gate(out))`` (SiLU with ``swiglu_values``),
+            the x gate reading the queries' input, the h gate the attention output; ``*_headwise``: one
+            logit per head; ``*_rank``: a low-rank projection (``low_rank_silu_gates``: SiLU between). The
+            projections start at zero. A dead row stays exactly 0 (its output is 0 before the gate).
     """
 
     def __init__(
@@ -84,6 +89,14 @@ class Attention(nn.Module):
         softclamp_logits: bool = False,
         logit_softclamp_value: float = 50.0,
         qk_norm_eps: float | None = None,
+        gate_values: bool = False,
+        gate_values_rank: int | None = None,
+        gate_values_headwise: bool = False,
+        output_gate: bool = False,
+        output_gate_rank: int | None = None,
+        output_gate_headwise: bool = False,
+        swiglu_values: bool = False,
+        low_rank_silu_gates: bool = True,
     ):
         super().__init__()
         if one_kv_head:  # x-transformers' spelling of kv_heads=1
@@ -126,6 +139,26 @@ class Attention(nn.Module):
             self.mem_v = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))
         self.head_attn_sink = nn.Parameter(torch.zeros(heads)) if learned_sink else None  # (h,)
         self.softclamp_value = float(logit_softclamp_value) if softclamp_logits else None
+        # gated attention (x-transformers' gate_values / output_gate, HyGA): one gate logit per head or per
+        # feature, from the queries' input (x gate) and/or the attention output (h gate), summed, then
+        # sigmoid (SiLU with swiglu_values) times the attention output, before to_out
+        for name, on, rank, headwise in (("gate_values", gate_values, gate_values_rank, gate_values_headwise),
+                                         ("output_gate", output_gate, output_gate_rank, output_gate_headwise)):
+            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
+                raise ValueError(f"{name}_rank must be a positive integer, got {rank!r}")
+            if (rank is not None or headwise) and not on:
+                raise ValueError(f"{name}_rank / {name}_headwise were given but {name} is off; set {name}=True")
+            if rank is not None and headwise:
+                raise ValueError(f"{name}_rank cannot be set with {name}_headwise (the headwise gate projects to heads directly)")
+        if swiglu_values and not (gate_values or output_gate):
+            raise ValueError("swiglu_values changes the gate's activation: it needs gate_values or output_gate")
+        inner = heads * dim_head
+        act = nn.SiLU() if low_rank_silu_gates else None
+        self.to_v_gate = _gate_linear(dim, heads if gate_values_headwise else inner, gate_values_rank, act) \
+            if gate_values else None
+        self.to_output_gate = _gate_linear(inner, heads if output_gate_headwise else inner, output_gate_rank, act) \
+            if output_gate else None
+        self.gate_activation = F.silu if swiglu_values else torch.sigmoid
 
     @property
     def extra_keys(self) -> int:
@@ -163,8 +196,26 @@ class Attention(nn.Module):
         an output option such as a per-head gate reads); ``keep``: rows selected to 0 before the projection
         (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that
         are exactly 0 after it (a bias would move dead rows off 0)."""
+        if self.to_v_gate is not None or self.to_output_gate is not None:
+            out = self._gate(out, x, keep)
         out = self._linear(self.to_out, out.flatten(-2), keep)
         return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+
+    def _gate(self, out: Tensor, x: Tensor, keep: Tensor | None) -> Tensor:
+        """Gated attention: ``out (..., h, d) * act(x gate + h gate)``. The x gate reads ``x`` with the rows
+        ``keep`` drops selected to 0 first; a dead row's ``out`` is 0, so it stays 0 whatever its gate."""
+        h, d = self.heads, self.dim_head
+
+        def heads_of(g: Tensor) -> Tensor:  # (..., h) -> (..., h, 1); (..., h * d) -> (..., h, d)
+            return g[..., None] if g.shape[-1] == h and h * d != h else g.unflatten(-1, (h, d))
+
+        logits = 0.0
+        if self.to_v_gate is not None:
+            xs = x if keep is None else torch.where(keep[..., None], x, 0.0)
+            logits = logits + heads_of(self.to_v_gate(xs))
+        if self.to_output_gate is not None:
+            logits = logits + heads_of(self.to_output_gate(out.flatten(-2)))
+        return out * self.gate_activation(logits)
 
     def project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Keys and values ``(b, h_kv, j, d)`` of ``source (b, j, c_ctx)`` (normed, not yet rotated);
@@ -521,6 +572,32 @@ class Attention(nn.Module):
                 raise ValueError(f"{name} {label} are {t.dtype} on {t.device}, expected {x.dtype} on {x.device} (those of x)")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"{name} keys and values must have the same length, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+class _LowRankLinear(nn.Module):
+    """``up(act(down(x)))`` without biases, ``up`` starting at zero (x-transformers' ``LoRALinear``; the same
+    parameter names, so its weights load as they are)."""
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int, activation: nn.Module | None):
+        super().__init__()
+        self.down = nn.Linear(dim_in, rank, bias=False)
+        self.up = nn.Linear(rank, dim_out, bias=False)
+        nn.init.zeros_(self.up.weight)
+        self.activation = activation if activation is not None else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.up(self.activation(self.down(x)))
+
+
+def _gate_linear(dim_in: int, dim_out: int, rank: int | None, activation: nn.Module | None) -> nn.Module:
+    """The gate's projection: a bias-less linear starting at zero, or a low-rank one of ``rank``."""
+    if rank is None:
+        linear = nn.Linear(dim_in, dim_out, bias=False)
+        nn.init.zeros_(linear.weight)
+        return linear
+    if not (rank < dim_in or rank < dim_out):
+        raise ValueError(f"the gate's rank ({rank}) must be below its input ({dim_in}) or output ({dim_out}) width")
+    return _LowRankLinear(dim_in, dim_out, rank, activation)
 
 
 def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = False, bias: Tensor | None = None,

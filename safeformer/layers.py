@@ -152,6 +152,10 @@ class AttentionLayers(Configurable, nn.Module):
         attn_softclamp_logits: softclamp the attention logits (ALiBi bias included), ``tanh(l / v) * v``
             with ``v = attn_logit_softclamp_value`` (explicit float32 attention, no fused kernel).
         attn_qk_norm_eps: the epsilon of the q/k norms of ``attn_qk_norm`` (default 1e-6).
+        attn_gate_values, attn_gate_values_rank, attn_gate_values_headwise, attn_output_gate,
+            attn_output_gate_rank, attn_output_gate_headwise, attn_swiglu_values, attn_low_rank_silu_gates:
+            gated attention in every attention block (``Attention(gate_values=..., ...)``, x-transformers'
+            names).
         pre_norm_has_final_norm: end with the final norm (x-transformers' name; ``False`` leaves the
             stream as the last residual left it, as ``TransformerBlock`` does by default).
         checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
@@ -201,6 +205,14 @@ class AttentionLayers(Configurable, nn.Module):
         attn_logit_softclamp_value: float = 50.0,
         attn_qk_norm_eps: float | None = None,
         pre_norm_has_final_norm: bool = True,
+        attn_gate_values: bool = False,
+        attn_gate_values_rank: int | None = None,
+        attn_gate_values_headwise: bool = False,
+        attn_output_gate: bool = False,
+        attn_output_gate_rank: int | None = None,
+        attn_output_gate_headwise: bool = False,
+        attn_swiglu_values: bool = False,
+        attn_low_rank_silu_gates: bool = True,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -241,7 +253,10 @@ class AttentionLayers(Configurable, nn.Module):
                 qk_norm=attn_qk_norm, dropout=attn_dropout, bias=attn_bias, backend=backend,
                 num_mem_kv=attn_num_mem_kv, learned_sink=attn_head_learned_sink,
                 softclamp_logits=attn_softclamp_logits, logit_softclamp_value=attn_logit_softclamp_value,
-                qk_norm_eps=attn_qk_norm_eps,
+                qk_norm_eps=attn_qk_norm_eps, gate_values=attn_gate_values, gate_values_rank=attn_gate_values_rank,
+                gate_values_headwise=attn_gate_values_headwise, output_gate=attn_output_gate,
+                output_gate_rank=attn_output_gate_rank, output_gate_headwise=attn_output_gate_headwise,
+                swiglu_values=attn_swiglu_values, low_rank_silu_gates=attn_low_rank_silu_gates,
             )
 
         adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm

@@ -779,7 +779,7 @@ DOORS: dict[str, Door] = {d.name: d for d in [
                               "Attention-memkv-sink")),
     Door("AttentionLayers", cases=("Encoder", "Decoder", "CrossAttender")),
     Door("Encoder", cases=("Encoder",)),
-    Door("Decoder", cases=("Decoder", "Decoder-adaptive", "Decoder-memkv-sink", "Decoder-sink-bias")),
+    Door("Decoder", cases=("Decoder", "Decoder-adaptive", "Decoder-memkv-sink", "Decoder-sink-bias", "Decoder-gated")),
     Door("CrossAttender", cases=("CrossAttender",)),
     Door("TransformerWrapper", cases=("TransformerWrapper", "TransformerWrapper-prefix", "TransformerWrapper-memory",
                                        "TransformerWrapper-softclamp-l2norm")),

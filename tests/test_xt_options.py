@@ -393,3 +393,64 @@ def test_explicit_path_equals_attend(dtype):
     for a, e in zip(outs[1][1], outs[0][1]):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, e, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------
+# gated attention: gate_values, output_gate (per feature, per head, low rank), swiglu_values
+# ---------------------------------------------------------------------------------------------------
+
+GATE_CONFIGS = [(False, None), (False, 8), (True, None)]  # (headwise, rank), x-transformers' test grid
+
+
+@pytest.mark.parametrize("x_gate", GATE_CONFIGS, ids=["x-dim", "x-rank8", "x-head"])
+@pytest.mark.parametrize("h_gate", GATE_CONFIGS + [None], ids=["h-dim", "h-rank8", "h-head", "no-h"])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["sigmoid", "silu"])
+def test_gated_attention_matches_x_transformers(x_gate, h_gate, swiglu):
+    """``Attention(gate_values=..., output_gate=..., swiglu_values=...)`` equals x-transformers' module on the
+    same weights (its state dict loads as is); padded queries and NaN planted there change nothing."""
+    import importlib
+
+    xx = importlib.import_module("x_transformers.x_transformers")
+    kw = dict(gate_values=True, gate_values_headwise=x_gate[0], gate_values_rank=x_gate[1], swiglu_values=swiglu)
+    if h_gate is not None:
+        kw.update(output_gate=True, output_gate_headwise=h_gate[0], output_gate_rank=h_gate[1])
+    _seed(0)
+    theirs = xx.Attention(dim=32, heads=4, dim_head=8, causal=True, **kw).double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    ours = sf.Attention(32, heads=4, dim_head=8, causal=True, **kw).double()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    hp.assert_close(ours(x), theirs(x), f"gated {kw}", torch.float32)  # x-transformers softmaxes in float32
+    pad = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+    clean = ours(x, mask=pad)
+    dirty = x.clone()
+    dirty[~pad] = NAN
+    dirty.requires_grad_()
+    out = ours(dirty, mask=pad)
+    hp.assert_bitwise(out, clean, "NaN at padded positions changes nothing")
+    assert bool(out[~pad].eq(0).all())
+    out.sum().backward()
+    assert bool(torch.isfinite(dirty.grad).all()) and bool(dirty.grad[~pad].eq(0).all())
+
+
+def test_gated_attention_dropped_context_is_an_exact_no_op_and_options_are_checked():
+    _seed(0)
+    attn = sf.Attention(16, heads=2, dim_head=8, dim_context=12, gate_values=True, output_gate=True)
+    for gate in (attn.to_v_gate, attn.to_output_gate):
+        torch.nn.init.normal_(gate.weight)
+    x, ctx = torch.randn(2, 3, 16), torch.randn(2, 4, 12)
+    out = attn(x, ctx, context_mask=torch.tensor([[True] * 4, [False] * 4]))
+    assert bool(out[1].eq(0).all()) and bool(torch.isfinite(out).all())
+    with pytest.raises(ValueError, match="gate_values_rank"):
+        sf.Attention(16, gate_values=True, gate_values_rank=4, gate_values_headwise=True)
+    with pytest.raises(ValueError, match="output_gate"):
+        sf.Attention(16, output_gate_headwise=True)
+    with pytest.raises(ValueError, match="swiglu_values"):
+        sf.Attention(16, swiglu_values=True)
+    dec = sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, attn_gate_values=True, attn_output_gate=True,
+                     attn_output_gate_rank=4)
+    again = sf.Decoder.from_config(dec.get_config())
+    assert again.layers[0].mixer.to_output_gate.up.weight.shape == (16, 4)

@@ -1025,6 +1025,34 @@ class DecoderSinkBiasCase(DecoderCase):
         return _nonzero_sinks(super().make(backend))
 
 
+def _nonzero_gates(model: nn.Module) -> nn.Module:
+    """Gate projections start at zero; move them, so that the gates vary by position and head."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, sf.Attention):
+                for gate in (m.to_v_gate, m.to_output_gate):
+                    for p in ([] if gate is None else gate.parameters()):
+                        p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+class DecoderGatedCase(DecoderCase):
+    """``Decoder`` with cross-attention and gated attention (x-transformers' low-rank ``attn_gate_values`` per
+    feature and ``attn_output_gate`` per head, ``attn_swiglu_values``, projection biases): the gates read
+    the queries' input and the attention output, so padded queries must stay selected away and a dropped
+    context an exact no-op (a dead row's output is 0 before the gate)."""
+
+    name = "Decoder-gated"
+
+    def config(self):
+        return dict(super().config(), attn_gate_values=True, attn_gate_values_rank=4, attn_output_gate=True,
+                    attn_output_gate_headwise=True, attn_swiglu_values=True, attn_bias=True)
+
+    def make(self, backend="auto"):
+        return _nonzero_gates(super().make(backend))
+
+
 class MemoryTokensWrapperCase(TransformerWrapperCase):
     """``TransformerWrapper`` with memory tokens (x-transformers' ``num_memory_tokens``) before the
     sequence: the attention sees ``M + n`` rows; left-padded queries see the memory tokens (not dead);
@@ -1068,6 +1096,7 @@ CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
     AttentionMemKVCase(), DecoderMemKVCase(), DecoderSinkBiasCase(), MemoryTokensWrapperCase(), SoftclampWrapperCase(),
+    DecoderGatedCase(),
 ]
 # every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
 # run on the padded path only (the stack refuses unpadded=True with them)
