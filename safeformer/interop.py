@@ -113,7 +113,6 @@ _TYPE_OPTIONS = {
     "AttentionResidual": "attn_aggregated_residuals",
     "ReluSquared": "ff_relu_squared",
     "SoLU": "ff_solu",
-    "LoRALinear": "attn_gate_values / attn_output_gate",
     "CoPE": "attn_use_cope",
     "Lambda": "ff_softclamp_value",
     "RelativePositionBias": "rel_pos_bias",
@@ -209,9 +208,45 @@ class _AttnOptions:
     mem_kv: int = 0
     sink: bool = False
     softclamp: float | None = None
+    gates: tuple = ()  # the gated-attention options, as AttentionLayers keywords (sorted items)
 
     def key(self) -> tuple:
-        return (self.qk_norm, self.mem_kv, self.sink, self.softclamp)
+        return (self.qk_norm, self.mem_kv, self.sink, self.softclamp, self.gates)
+
+
+def _gate_options(name: str, attn, problems: _Problems) -> tuple:
+    """x-transformers' gated attention (``to_v_gate``, ``to_output_gate``) as safeformer's ``attn_*`` options
+    (sorted ``(keyword, value)`` pairs, defaults left out)."""
+    out: dict = {}
+    silu_between = set()
+    for attr, prefix, headwise in (("to_v_gate", "attn_gate_values", "gate_values_headwise"),
+                                   ("to_output_gate", "attn_output_gate", "output_gate_headwise")):
+        gate = getattr(attn, attr, None)
+        if gate is None:
+            continue
+        out[prefix] = True
+        if getattr(attn, headwise, False):
+            out[f"{prefix}_headwise"] = True
+        if isinstance(gate, nn.Linear):
+            if gate.bias is not None:
+                problems.add(f"a bias in {attr}", name)
+        elif isinstance(getattr(gate, "down", None), nn.Linear) and isinstance(getattr(gate, "up", None), nn.Linear):
+            out[f"{prefix}_rank"] = int(gate.down.out_features)
+            silu_between.add(getattr(gate, "maybe_activation", None) is F.silu)
+        else:
+            problems.add(f"{prefix} with a projection of type {type(gate).__name__}", name)
+    if not out:
+        return ()
+    if len(silu_between) > 1:
+        problems.add("low-rank attention gates with different activations", name)
+    if silu_between == {False}:
+        out["attn_low_rank_silu_gates"] = False
+    act = getattr(attn, "to_v_gate_activation", F.sigmoid)
+    if act is F.silu:
+        out["attn_swiglu_values"] = True
+    elif act not in (F.sigmoid, torch.sigmoid):
+        problems.add("an attention gate activation other than sigmoid or SiLU", name)
+    return tuple(sorted(out.items()))
 
 
 def _qk_gain(name: str, attn, problems: _Problems) -> Tensor | None:
@@ -259,12 +294,11 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
             problems.add(f"{option}", name)
     if opts.qk_norm:
         opts.qk_gain = _qk_gain(name, attn, problems)
+    opts.gates = _gate_options(name, attn, problems)
     if getattr(attn, "max_attend_past", None) is not None:
         problems.add(f"attn_max_attend_past={attn.max_attend_past}", name)
     for attr, option in (
         ("to_v_head_gate", "attn_gate_value_heads"),
-        ("to_v_gate", "attn_gate_values"),
-        ("to_output_gate", "attn_output_gate"),
         ("hybrid_module", "attn_hybrid_module"),
         ("to_rotateable_k", "attn_latent_rope_subheads"),
         ("data_dependent_alibi", "attn_data_dependent_alibi"),
@@ -386,6 +420,8 @@ def _allowed_types(xt, xt_attend) -> set[type]:
         nn.Embedding, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.ModuleList, nn.Sequential, nn.GELU,
         nn.SiLU, einops_torch.Rearrange,
     }
+    if hasattr(xt, "LoRALinear"):  # the low-rank attention gates (read by _gate_options)
+        allowed.add(xt.LoRALinear)
     try:
         from torch_einops_utils.nn import Identity
 
@@ -623,7 +659,7 @@ def _check_layers(layers, xt, xt_attend, types: tuple, dim: int, problems: _Prob
     if len(attn_shapes) > 1:
         problems.add(f"attention layers of different (heads, kv_heads, dim_head): {sorted(attn_shapes)}")
     if len(attn_keys) > 1:
-        problems.add(f"attention layers that differ in (qk_norm, num_mem_kv, head_learned_sink, logit softclamp): "
+        problems.add(f"attention layers that differ in (qk_norm, num_mem_kv, head_learned_sink, logit softclamp, gates): "
                      f"{sorted(attn_keys, key=repr)}")
     if len(cross_dims) > 1:
         problems.add(f"cross-attention layers of different context widths: {sorted(cross_dims)}")
@@ -688,6 +724,7 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(attn_head_learned_sink=True)
     if opts0.softclamp is not None:
         stack_kwargs.update(attn_softclamp_logits=True, attn_logit_softclamp_value=opts0.softclamp)
+    stack_kwargs.update(dict(opts0.gates))
     layers_cls = CrossAttender if only_cross else (Decoder if layers.causal else Encoder)
     if not only_cross:
         stack_kwargs.update(cross_attend=cross)
@@ -750,6 +787,26 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
         else:
             raise AssertionError(f"unexpected norm {type(dst).__name__}")
 
+    def copy_gates(dst, blk) -> None:
+        """Gate projections with the query heads permuted: per-feature outputs by ``rows``, per-head outputs by
+        ``perm``, and the output gate's input (the attention output) by ``rows``."""
+        for attr in ("to_v_gate", "to_output_gate"):
+            src_gate, dst_gate = getattr(blk, attr, None), getattr(dst, attr)
+            if src_gate is None:
+                continue
+            last_src = src_gate if isinstance(src_gate, nn.Linear) else src_gate.up
+            last_dst = dst_gate if isinstance(dst_gate, nn.Linear) else dst_gate.up
+            out_idx = perm if last_src.out_features == heads and last_src.out_features != heads * dim_head else rows
+            first_src = src_gate if isinstance(src_gate, nn.Linear) else src_gate.down
+            first_dst = dst_gate if isinstance(dst_gate, nn.Linear) else dst_gate.down
+            if isinstance(src_gate, nn.Linear):
+                w = take(src_gate.weight)[out_idx]
+                put(dst_gate.weight, w[:, rows] if attr == "to_output_gate" else w)
+            else:
+                w_in = take(first_src.weight)
+                put(first_dst.weight, w_in[:, rows] if attr == "to_output_gate" else w_in)
+                put(last_dst.weight, take(last_src.weight)[out_idx])
+
     heads, kv_heads, dim_head = plan.heads, plan.kv_heads, plan.dim_head
     g = heads // kv_heads
     # our query head m = kv * g + r  <->  x-transformers query head n = r * kv_heads + kv
@@ -791,6 +848,7 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     put(dst.mem_v, take(blk.mem_v))
                 if opts.sink:
                     put(dst.head_attn_sink, take(blk.attend.head_attn_sink)[perm])
+                copy_gates(dst, blk)
             else:
                 info = _parse_ff(f"attn_layers.layers.{k}", blk, xt, _Problems(), [])
                 put(dst.proj_in.weight, take(info["in"].weight))
@@ -995,7 +1053,8 @@ def from_x_transformers(
     or without biases (``ff_no_bias``); grouped-query attention (``attn_kv_heads``,
     ``attn_one_kv_head``); ``attn_qk_norm`` (see the module docstring for what maps);
     ``num_memory_tokens``, ``attn_num_mem_kv``, ``attn_head_learned_sink``, ``attn_softclamp_logits``;
-    ``attn_flash`` on or off; a tied embedding (kept tied); ``logits_dim``; ``return_only_embed``;
+    gated attention (``attn_gate_values``, ``attn_output_gate``, per feature, per head or low rank,
+    ``attn_swiglu_values``; the gates' heads permuted with the query heads); ``attn_flash`` on or off; a tied embedding (kept tied); ``logits_dim``; ``return_only_embed``;
     attention, feed-forward and embedding dropout.
 
     Args:

@@ -52,6 +52,11 @@ CONFIGS = {
     "one_head": dict(layers="Encoder", heads=1, attn_dim_head=DIM),
     "tied": dict(layers="Decoder", wrapper=dict(tie_embedding=True)),
     "logits_dim_no_abs": dict(layers="Encoder", wrapper=dict(logits_dim=5, use_abs_pos_emb=False)),
+    "gated_gqa_cross": dict(layers="Decoder", attn_kv_heads=2, cross_attend=True, attn_gate_values=True,
+                            attn_output_gate=True, attn_output_gate_headwise=True),
+    "gated_low_rank_swiglu": dict(layers="Encoder", attn_gate_values=True, attn_gate_values_rank=4,
+                                  attn_swiglu_values=True, attn_output_gate=True, attn_output_gate_rank=4,
+                                  attn_low_rank_silu_gates=False),
 }
 
 
@@ -194,7 +199,6 @@ UNSUPPORTED = [
     (dict(dynamic_pos_bias=True), "dynamic_pos_bias"),
     (dict(scale_residual=True), "scale_residual"),
     (dict(scale_residual_constant=0.5), "scale_residual_constant"),
-    (dict(attn_gate_values=True), "attn_gate_values"),
     (dict(attn_gate_value_heads=True), "attn_gate_value_heads"),
     (dict(macaron=True), "macaron"),
     (dict(shift_tokens=1), "shift_tokens"),
