@@ -564,15 +564,22 @@ def _check_stack(layers, xt, problems: _Problems, training_only: list[str], has_
 
     rotary = layers.rotary_pos_emb
     rotary_dim = None
+    rotary_opts: dict = {}
     if rotary is not None:
         rotary_dim = rotary.inv_freq.numel() * 2
         if getattr(rotary, "scale", None) is not None:
             problems.add("rotary_xpos")
-        if getattr(rotary, "interpolation_factor", 1.0) != 1.0:
-            problems.add(f"rotary_interpolation_factor={rotary.interpolation_factor}")
-        expected = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-        if not torch.allclose(rotary.inv_freq.detach().float().cpu(), expected, rtol=1e-6, atol=0):
-            problems.add("rotary_base_rescale_factor (a rotary base other than 10000)")
+        interp = float(getattr(rotary, "interpolation_factor", 1.0))
+        if interp != 1.0:
+            rotary_opts["rotary_interpolation_factor"] = interp
+        # the base (rotary_base_rescale_factor folded in) read back from the frequencies: inv_freq[1] = base^(-2/d)
+        inv = rotary.inv_freq.detach().double().cpu()
+        base = float(inv[1] ** (-rotary_dim / 2)) if rotary_dim > 2 else 10000.0
+        if not math.isclose(base, 10000.0, rel_tol=1e-6):
+            rotary_opts["rotary_theta"] = base
+        expected = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        if not torch.allclose(inv, expected, rtol=1e-6, atol=0):
+            problems.add("rotary frequencies that are not a geometric series of one base")
         if has_abs:
             problems.add("absolute and rotary positions together (disable_abs_pos_emb=False with rotary)")
     if alibi:
@@ -589,6 +596,7 @@ def _check_stack(layers, xt, problems: _Problems, training_only: list[str], has_
                          "(safeformer drops it under ALiBi); such a model trained with use_abs_pos_emb=False or "
                          "disable_abs_pos_emb=True converts")
     return dict(types=types, cross=cross, only_cross=only_cross, depth=depth, rotary=rotary, rotary_dim=rotary_dim,
+                rotary_opts=rotary_opts,
                 alibi=alibi)
 
 
@@ -711,7 +719,7 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         ff_dropout=float(ff0["dropout"]) if ff0 else 0.0,
     )
     if rotary is not None:
-        stack_kwargs.update(rotary_pos_emb=True, rotary_emb_dim=rotary_dim)
+        stack_kwargs.update(rotary_pos_emb=True, rotary_emb_dim=rotary_dim, **st["rotary_opts"])
     if alibi:
         stack_kwargs.update(alibi_pos_bias=True)
     if cross:

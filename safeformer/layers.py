@@ -125,6 +125,9 @@ class AttentionLayers(Configurable, nn.Module):
         rotary_pos_emb: rotary positions in self-attention.
         rotary_emb_dim: features per head that rotate (default ``dim_head // 2``).
         rotary_theta: rotary base.
+        rotary_interpolation_factor: positions are divided by it (x-transformers' name; at least 1).
+        rotary_base_rescale_factor: the base times ``factor ** (d_rot / (d_rot - 2))`` (NTK-aware scaling,
+            x-transformers' name).
         alibi_pos_bias: ALiBi bias in self-attention.
         attn_qk_norm: RMS-normalise queries and keys.
         attn_dropout: attention dropout.
@@ -184,6 +187,8 @@ class AttentionLayers(Configurable, nn.Module):
         rotary_pos_emb: bool = False,
         rotary_emb_dim: int | None = None,
         rotary_theta: float = 10000.0,
+        rotary_interpolation_factor: float = 1.0,
+        rotary_base_rescale_factor: float = 1.0,
         alibi_pos_bias: bool = False,
         attn_qk_norm: bool = False,
         attn_dropout: float = 0.0,
@@ -240,7 +245,8 @@ class AttentionLayers(Configurable, nn.Module):
         self.only_cross = only_cross
         self.dim_context = dim if dim_context is None else dim_context
         rotary_emb_dim = dim_head // 2 if rotary_emb_dim is None else rotary_emb_dim
-        self.rotary = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta) if rotary_pos_emb else None
+        self.rotary = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta, interpolation_factor=rotary_interpolation_factor,
+                                      base_rescale_factor=rotary_base_rescale_factor) if rotary_pos_emb else None
         if alibi_pos_bias:
             self.register_buffer("alibi_slopes", alibi_slopes(heads), persistent=False)
         else:
