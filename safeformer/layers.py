@@ -326,7 +326,9 @@ class AttentionLayers(Configurable, nn.Module):
                 blocks for the whole batch. ``j`` may be 0.
             context_mask: ``(b, j)`` padding of the context; an all-False row drops the condition
                 of that sample exactly (its cross-attention adds exactly 0).
-            attn_mask: an extra self-attention mask ``(b, n, p + n)`` or ``(n, p + n)`` (True = may attend).
+            attn_mask: an extra self-attention mask ``(b, n, p + n)``, ``(n, p + n)`` or, per head as
+                x-transformers passes it, ``(b|1, h|1, n, p + n)`` (True = may attend). A 3-d mask is per sample
+                here (x-transformers reads a 3-d mask as ``(h, i, j)``: pass 4-d masks to mean per head).
             positions: ``(b, n)``, ``(1, n)`` or ``(n,)`` integer token positions (for rotary and
                 ALiBi); by default the count of real tokens (see ``positions_from_mask``), continuing
                 from the cache.
@@ -579,9 +581,13 @@ def self_attention_inputs(stack: AttentionLayers, x: Tensor, mask, cache, attn_m
     self_mask = None if key_pad is None else key_pad[:, None, None, :]  # (b, 1, 1, p + n)
     if attn_mask is not None:
         validate_mask(attn_mask, "attn_mask", device=device)
-        if attn_mask.shape not in ((b, n, past + n), (n, past + n)):
-            raise ValueError(f"attn_mask must have shape (b, n, p + n) = ({b}, {n}, {past + n}) or (n, p + n), got {tuple(attn_mask.shape)}")
-        extra = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None]
+        heads = next((blk.mixer.heads for blk in stack.layers if blk.kind == "self"), 1)
+        four_d = attn_mask.dim() == 4 and attn_mask.shape[0] in (1, b) and attn_mask.shape[1] in (1, heads) \
+            and tuple(attn_mask.shape[2:]) == (n, past + n)  # x-transformers' (b|1, h|1, n, p + n)
+        if attn_mask.shape not in ((b, n, past + n), (n, past + n)) and not four_d:
+            raise ValueError(f"attn_mask must have shape (b, n, p + n) = ({b}, {n}, {past + n}), (n, p + n) or "
+                             f"(b|1, h|1, n, p + n) with h={heads}, got {tuple(attn_mask.shape)}")
+        extra = attn_mask if four_d else attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None]
         self_mask = extra if self_mask is None else self_mask & extra
     causal = stack.causal
     if causal and self_mask is not None and n > 1:

@@ -269,3 +269,25 @@ def test_float_token_ids_are_read_when_whole_numbers():
     hp.assert_bitwise(model(ids.float()), model(ids), "whole-number float ids")
     with pytest.raises(TypeError, match="whole number"):
         model(ids.float() + 0.5)
+
+
+def test_stack_takes_x_transformers_per_head_attn_mask():
+    """``AttentionLayers(attn_mask=(b|1, h|1, n, n))`` as x-transformers passes it (a 3-d mask stays per sample
+    in safeformer; 4-d means per head in both)."""
+    torch.manual_seed(0)
+    theirs = xt.Encoder(dim=16, depth=2, heads=2, attn_dim_head=8).eval()
+    conv = sf.from_x_transformers(xt.TransformerWrapper(num_tokens=8, max_seq_len=8, attn_layers=theirs,
+                                                        use_abs_pos_emb=False))
+    theirs, ours = theirs.double(), conv.attn_layers.double().eval()
+    x = torch.randn(3, 6, 16, dtype=F64)
+    g = torch.Generator().manual_seed(5)
+    am = torch.rand(3, 2, 6, 6, generator=g) > 0.4
+    am[..., 0] = True
+    hp.assert_close(ours(x, attn_mask=am), theirs(x, attn_mask=am), "per-head attn_mask", torch.float32)
+    hp.assert_close(ours(x, attn_mask=am[:1]), theirs(x, attn_mask=am[:1]), "(1, h, n, n)", torch.float32)
+    dead = am.clone()
+    dead[1, :, 4] = False  # a query with no key in any head: finite, and no NaN reaches the other positions
+    out = ours(x, attn_mask=dead)
+    assert bool(torch.isfinite(out).all())
+    with pytest.raises(ValueError, match="attn_mask"):
+        ours(x, attn_mask=torch.ones(3, 5, 6, 6, dtype=torch.bool))
