@@ -1,0 +1,334 @@
+"""Tests for ``safeformer.xval``: the xVal embedding and loss against float64 references in plain code,
+the safety contract (padding with fully padded samples, NaN/inf in ``x_num`` wherever it is not read,
+garbage ids at padded positions, NaN/inf at masked context slots, all-ignored batches), guided
+generation (one batched forward equals the formula over separate passes, cached equals uncached), named
+errors, and parity with x-transformers' xval module on converted weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close, assert_finite, assert_zero
+
+import safeformer as sf
+from safeformer.xval import GenerateReturn, XValAutoregressiveWrapper, XValTransformerWrapper, xval_from_x_transformers
+
+V, NUM, B, N, D = 10, 9, 4, 7, 16
+VALUES = [float("nan"), float("inf"), -float("inf"), 1e4]
+
+
+def make(seed: int = 0, dtype=torch.float32, cross: bool = False, **kw) -> XValTransformerWrapper:
+    torch.manual_seed(seed)
+    net = XValTransformerWrapper(num_tokens=V, max_seq_len=16, numerical_token_id=NUM, attn_layers=sf.Decoder(
+        dim=D, depth=2, heads=2, dim_head=8, cross_attend=cross), **kw)
+    return net.to(dtype)
+
+
+def data(seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (B, N), generator=g)
+    x[:, 1::2] = NUM  # plenty of numbers
+    x_num = torch.randn(B, N, generator=g, dtype=dtype)
+    mask = torch.arange(N)[None] < torch.tensor([0, 3, 5, N])[:, None]  # sample 0 fully padded
+    return x, x_num, mask
+
+
+def ref_loss(net, x, x_num, mask, ignore_index=-100, weight=1.0):
+    """Float64 loss by hand: each sample's real tokens alone, sum of CE + w * MSE over the counted targets."""
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for i in range(x.shape[0]):
+        n = int(mask[i].sum())
+        if n < 2:
+            continue
+        xi, ni = x[i, :n], x_num[i, :n].double()
+        emb = net.token_emb.weight.double()[xi] * torch.where(xi == NUM, ni, 1.0)[:, None]
+        h = net.net(emb[None, :-1].to(net.token_emb.weight.dtype), return_embeddings=True)
+        logits, num = net.heads(h)
+        lp = logits[0].double().log_softmax(-1)
+        for t in range(n - 1):
+            if xi[t + 1] == ignore_index:
+                continue
+            loss = -lp[t, xi[t + 1]]
+            if xi[t + 1] == NUM:
+                loss = loss + weight * (num[0, t].double() - ni[t + 1]) ** 2
+            total, count = total + loss, count + 1
+    return total / max(count, 1)
+
+
+def test_embedding_matches_float64_formula():
+    net = make(dtype=torch.float64)
+    x, x_num, mask = data(dtype=torch.float64)
+    emb = net.embed(x, x_num, mask)
+    want = net.token_emb.weight[torch.where(mask, x, 0)] * torch.where((x == NUM) & mask, x_num, 1.0)[..., None]
+    assert_close(emb, want, "embedding", torch.float64)
+
+
+def test_loss_matches_float64_reference():
+    net = make(dtype=torch.float64)
+    model = XValAutoregressiveWrapper(net, numerical_loss_weight=0.5)
+    x, x_num, mask = data(1, torch.float64)
+    got = model(x, x_num, mask=mask)
+    assert_close(got, ref_loss(net, x, x_num, mask, weight=0.5), "xval loss", torch.float64)
+    loss, parts = model(x, x_num, mask=mask, return_loss_breakdown=True)
+    counted = mask[:, 1:] & mask[:, :-1]
+    assert_zero(parts.cross_entropy_loss[~counted], "CE at uncounted targets")
+    assert_zero(parts.numerical_mse_loss[~(counted & (x[:, 1:] == NUM))], "MSE where no number is counted")
+
+
+@pytest.mark.parametrize("value", VALUES)
+def test_garbage_where_not_read_reaches_nothing(value):
+    """``value`` in ``x_num`` at non-number and padded positions, garbage ids at padded positions and
+    ``value`` at masked context slots: the same loss and gradients, all finite; outputs at real positions
+    unchanged."""
+    net = make(cross=True)
+    model = XValAutoregressiveWrapper(net)
+    x, x_num, mask = data(2)
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randn(B, 3, D, generator=g)
+    ctx_mask = torch.tensor([[True, False, True], [False] * 3, [True] * 3, [True, True, False]])
+    not_read = ~((x == NUM) & mask)
+
+    def run(x_, xn, c):
+        xn, c = xn.clone().requires_grad_(), c.clone().requires_grad_()
+        net.zero_grad()
+        loss = model(x_, xn, mask=mask, context=c, context_mask=ctx_mask)
+        loss.backward()
+        out = net(x_, xn.detach(), mask=mask, context=c.detach(), context_mask=ctx_mask)
+        return loss, xn.grad, c.grad, [p.grad.clone() for p in net.parameters()], out
+
+    clean = run(x, x_num, ctx)
+    dirty = run(torch.where(mask, x, 10**6), x_num.masked_fill(not_read, value), ctx.masked_fill(~ctx_mask[..., None], value))
+    assert_finite(dirty[0], "loss")
+    assert torch.equal(clean[0], dirty[0])
+    assert_finite(dirty[1], "x_num grad")
+    assert_zero(dirty[1][not_read], "x_num gradient where it is not read")
+    assert_zero(dirty[2][~ctx_mask], "gradient at masked context slots")
+    for a, b in zip(clean[3], dirty[3]):
+        assert_finite(b, "parameter grad")
+        assert torch.equal(a, b)
+    for a, b in zip(clean[4], dirty[4]):
+        assert_finite(b, "output")
+        assert torch.equal(a[mask], b[mask])
+
+
+def test_all_ignored_is_zero_loss_with_zero_gradients():
+    net = make()
+    model = XValAutoregressiveWrapper(net)
+    x, x_num, _ = data(4)
+    cases = {"all padding": dict(mask=torch.zeros(B, N, dtype=torch.bool)),
+             "all ignore_index": dict(x=torch.full((B, N), -100))}
+    for name, kw in cases.items():
+        xn = x_num.clone().requires_grad_()
+        net.zero_grad()
+        loss = model(kw.get("x", x), xn, mask=kw.get("mask"))
+        loss.backward()
+        assert loss.item() == 0.0, name
+        assert_zero(xn.grad, f"{name}: x_num grad")
+        for p in net.parameters():
+            assert_zero(p.grad, f"{name}: parameter grad", none_ok=True)
+
+
+def test_left_padding_changes_nothing():
+    net = make(dtype=torch.float64)
+    model = XValAutoregressiveWrapper(net)
+    x, x_num, mask = data(5, torch.float64)
+    right = model(x, x_num, mask=mask, reduction="none")
+    shift = N - mask.sum(1)
+    idx = (torch.arange(N)[None] - shift[:, None]) % N
+    lx, lnum, lmask = x.gather(1, idx), x_num.gather(1, idx), mask.gather(1, idx)
+    left = model(torch.where(lmask, lx, 10**6), lnum.masked_fill(~lmask, float("nan")), mask=lmask, reduction="none")
+    assert_close(left.sum(1), right.sum(1), "per-sample loss under left padding", torch.float64)
+
+
+def test_condition_dropping_trains():
+    net = make(cross=True)
+    model = XValAutoregressiveWrapper(net, cond_drop_prob=0.5).train()
+    x, x_num, mask = data(6)
+    ctx = torch.randn(B, 3, D)
+    loss = model(x, x_num, mask=mask, context=ctx, generator=torch.Generator().manual_seed(0))
+    loss.backward()
+    assert_finite(loss, "loss")
+
+
+# ----------------------------------------------------------------------------------------------------
+# generation
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_generate_shapes_and_finite_numbers():
+    model = XValAutoregressiveWrapper(make()).eval()
+    x, x_num, _ = data(7)
+    out = model.generate(x[:, :3], x_num[:, :3], 5)
+    assert isinstance(out, GenerateReturn)
+    assert out.sampled_token_ids.shape == out.sampled_numbers.shape == out.is_number_mask.shape == (B, 5)
+    assert_finite(out.sampled_numbers, "sampled numbers")
+    assert torch.equal(out.is_number_mask, out.sampled_token_ids == NUM)
+    assert_zero(out.sampled_numbers[~out.is_number_mask], "numbers where no number was sampled")
+    nan = model.generate(x[:, :3], x_num[:, :3], 5, non_number_value=float("nan"))
+    assert nan.sampled_numbers[~nan.is_number_mask].isnan().all()
+    assert model.training is False
+
+
+@pytest.mark.parametrize("value", VALUES)
+def test_generate_guided_cached_uncached_and_garbage(value):
+    net = make(cross=True)
+    model = XValAutoregressiveWrapper(net).eval()
+    x, x_num, _ = data(8)
+    pmask = torch.arange(4)[None] >= torch.tensor([0, 1, 3, 2])[:, None]  # left padding
+    ctx = torch.randn(B, 3, D)
+    ctx_mask = torch.tensor([[True, False, True], [False] * 3, [True] * 3, [True, True, False]])
+    kw = dict(mask=pmask, context_mask=ctx_mask, cond_scale=2.5, temperature=0.0)
+    want = model.generate(x[:, :4], x_num[:, :4], 6, context=ctx, **kw)
+    not_read = ~((x[:, :4] == NUM) & pmask)
+    for cache_kv in (True, False):
+        got = model.generate(torch.where(pmask, x[:, :4], 10**6), x_num[:, :4].masked_fill(not_read, value), 6,
+                             context=ctx.masked_fill(~ctx_mask[..., None], value), cache_kv=cache_kv, **kw)
+        assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+        assert_close(got.sampled_numbers, want.sampled_numbers, "numbers", torch.float32)
+
+
+def test_guidance_is_the_formula_over_separate_passes():
+    net = make(cross=True, dtype=torch.float64)
+    model = XValAutoregressiveWrapper(net).eval()
+    x, x_num, _ = data(9, torch.float64)
+    ctx = torch.randn(B, 3, D, dtype=torch.float64)
+    s = 3.0
+    got = model.generate(x[:, :4], x_num[:, :4], 1, context=ctx, cond_scale=s, temperature=0.0)
+    with torch.no_grad():
+        lc, nc = net(x[:, :4], x_num[:, :4], context=ctx)
+        lu, nu = net(x[:, :4], x_num[:, :4])
+    guided = lu[:, -1].log_softmax(-1) + s * (lc[:, -1].log_softmax(-1) - lu[:, -1].log_softmax(-1))
+    assert torch.equal(got.sampled_token_ids[:, 0], guided.argmax(-1))
+    num = nu[:, -1] + s * (nc[:, -1] - nu[:, -1])
+    is_num = got.is_number_mask[:, 0]
+    assert_close(got.sampled_numbers[is_num, 0], num[is_num], "guided number", torch.float64)
+
+
+def test_generate_past_max_seq_len_slides():
+    model = XValAutoregressiveWrapper(make()).eval()
+    x, x_num, _ = data(10)
+    out = model.generate(x[:, :5], x_num[:, :5], 14, temperature=0.0)
+    assert out.sampled_token_ids.shape == (B, 14)
+    assert_finite(out.sampled_numbers, "numbers")
+
+
+# ----------------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_named_errors():
+    net = make()
+    model = XValAutoregressiveWrapper(net)
+    x, x_num, mask = data()
+    with pytest.raises(ValueError, match="numerical_token_id"):
+        XValTransformerWrapper(num_tokens=V, max_seq_len=8, numerical_token_id=V, attn_layers=sf.Decoder(dim=8, depth=1))
+    with pytest.raises(ValueError, match="emb_dim"):
+        make(emb_dim=D + 1)
+    with pytest.raises(ValueError, match="max_mem_len"):
+        make(max_mem_len=4)
+    with pytest.raises(TypeError, match="attn_layers"):
+        XValTransformerWrapper(num_tokens=V, max_seq_len=8, numerical_token_id=0, attn_layers=torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="XValTransformerWrapper"):
+        XValAutoregressiveWrapper(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="causal"):
+        XValAutoregressiveWrapper(XValTransformerWrapper(num_tokens=V, max_seq_len=8, numerical_token_id=0,
+                                                         attn_layers=sf.Encoder(dim=8, depth=1)))
+    with pytest.raises(ValueError, match="x_num"):
+        net(x, x_num[:, :-1])
+    with pytest.raises(TypeError, match="x_num"):
+        net(x, x)
+    with pytest.raises(TypeError, match="x must hold integer"):
+        net(x_num, x_num)
+    with pytest.raises(ValueError, match="x holds token id"):
+        net(x + V, x_num)
+    with pytest.raises(TypeError, match="mask"):
+        model(x, x_num, mask=mask.int())
+    with pytest.raises(ValueError, match="mems"):
+        net(x, x_num, return_mems=True)
+    with pytest.raises(ValueError, match="reduction"):
+        model(x, x_num, reduction="sum")
+    with pytest.raises(ValueError, match="context"):
+        model(x, x_num, context=torch.randn(B, 3, D))  # no cross-attention
+    with pytest.raises(ValueError, match="seq_len"):
+        model.generate(x[:, :2], x_num[:, :2], -1)
+    with pytest.raises(ValueError, match="mask"):
+        model.generate(x[:, :2], x_num[:, :2], 2, mask=torch.zeros(B, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="start_numbers"):
+        model.generate(x[:, :2], x_num[:, :3], 2)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(x[:, :2], x_num[:, :2], 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="cond_scale"):
+        model.generate(x[:, :2], x_num[:, :2], 2, cond_scale={"context": 2.0})
+    with pytest.raises(TypeError, match="XValTransformerWrapper"):
+        xval_from_x_transformers(net)
+
+
+# ----------------------------------------------------------------------------------------------------
+# x-transformers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _xt(tie: bool = False, mem: int = 0, rotary: bool = False):
+    xt = pytest.importorskip("x_transformers")
+    from x_transformers.xval import XValTransformerWrapper as XV
+
+    torch.manual_seed(0)
+    m = XV(num_tokens=V, numerical_token_id=NUM, max_seq_len=16, tie_embedding=tie, num_memory_tokens=mem,
+           attn_layers=xt.Decoder(dim=D, depth=2, heads=2, attn_dim_head=8, rotary_pos_emb=rotary))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g) * (p.abs().mean() + 0.1))
+    return m.eval()
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(tie=True), dict(mem=2), dict(rotary=True)], ids=["plain", "tied", "memory", "rotary"])
+def test_parity_forward_with_x_transformers(cfg):
+    xm = _xt(**cfg)
+    sm = xval_from_x_transformers(xm)
+    x, x_num, _ = data(11)
+    mask = torch.arange(N)[None] < torch.tensor([N, 5, 2, 6])[:, None]  # right padding, no sample empty
+    for m in (None, mask):
+        xl, xn = xm(x, x_num, mask=m)
+        sl, sn = sm(x, x_num, mask=m)
+        real = torch.ones(B, N, dtype=torch.bool) if m is None else m
+        assert_close(sl[real], xl[real], "logits", torch.float32)
+        assert_close(sn[real], xn[real], "numbers", torch.float32)
+        assert (sl[real] - xl[real]).abs().max() < 1e-5 and (sn[real] - xn[real]).abs().max() < 1e-5
+
+
+def test_parity_loss_gradients_and_greedy_generation_with_x_transformers():
+    from x_transformers.autoregressive_wrapper import top_k as xt_top_k
+    from x_transformers.xval import XValAutoregressiveWrapper as XA
+
+    xm = _xt()
+    xa = XA(xm, numerical_loss_weight=0.7)
+    sa = xval_from_x_transformers(xa)
+    assert sa.numerical_loss_weight == 0.7
+    x, x_num, _ = data(12)
+    mask = torch.arange(N)[None] < torch.tensor([N, 5, 2, 6])[:, None]
+    x_num = x_num.masked_fill(x != NUM, float("nan"))  # x-transformers' convention for non-numbers
+    xl = xa(x, x_num, mask=mask)
+    sl = sa(x, x_num, mask=mask)
+    assert abs(xl.item() - sl.item()) < 1e-5
+    xl.backward()
+    sl.backward()
+    assert_close(sa.net.to_numerical_output.weight.grad, xa.net.to_numerical_output[0].weight.grad, "number head grad", torch.float32)
+    assert_close(sa.net.token_emb.weight.grad, xa.net.token_emb.emb.weight.grad, "embedding grad", torch.float32)
+    # greedy generation: the top token only, in both
+    xo = xa.generate(x[:, :3], x_num[:, :3].nan_to_num(), 4, filter_logits_fn=xt_top_k, filter_kwargs=dict(k=1))
+    so = sa.generate(x[:, :3], x_num[:, :3].nan_to_num(), 4, temperature=0.0, non_number_value=float("nan"))
+    assert torch.equal(xo.sampled_token_ids, so.sampled_token_ids)
+    assert torch.equal(xo.is_number_mask, so.is_number_mask)
+    m = so.is_number_mask
+    assert_close(so.sampled_numbers[m], xo.sampled_numbers[m], "generated numbers", torch.float32)
+
+
+def test_generate_x_transformers_filter_call():
+    """x-transformers' call: ``generate(start_tokens, start_numbers, seq_len, filter_logits_fn, filter_kwargs)``."""
+    model = XValAutoregressiveWrapper(make()).eval()
+    x, x_num, _ = data(13)
+    out = model.generate(x[:, :2], x_num[:, :2], 3, sf.top_k, {"k": 3})
+    assert out.sampled_token_ids.shape == (B, 3)
+    assert bool(((out.sampled_token_ids >= 0) & (out.sampled_token_ids < V)).all())
