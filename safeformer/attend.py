@@ -874,7 +874,7 @@ def attend(
     Raises:
         TypeError, ValueError: wrong dtypes, shapes, devices or backend (S9).
     """
-    if bias is None and scale is None and not dropout_p and backend == "auto":
+    if bias is None and scale is None and type(dropout_p) is float and dropout_p == 0.0 and backend == "auto":
         # the common no-gradient CPU calls, quickly
         out = _key_padding_call(q, k, v, mask, causal) if mask is not None else _unmasked_call(q, k, v, causal)
         if out is not None:

@@ -192,7 +192,7 @@ def _rotary_tables(stack, capacity: int, dtype: torch.dtype, device) -> tuple[Te
     """
     d = stack.layers[0].mixer.dim_head if stack.layers[0].kind != "ff" else stack.layers[1].mixer.dim_head
     positions = torch.arange(capacity + 1, device=device)[None]
-    angles = stack.rotary(positions, dtype=dtype)[0, 0]  # (L + 1, d_rot), pairs share an angle
+    angles = stack.rotary.angles(positions, dtype=dtype)[0, 0]  # (L + 1, d_rot), pairs share an angle
     rot = angles.shape[-1]
     cos = torch.ones(capacity + 1, d, dtype=angles.dtype, device=device)
     sin = torch.zeros(capacity + 1, d, dtype=angles.dtype, device=device)
