@@ -156,7 +156,7 @@ class EntropyBasedTokenizer(nn.Module):
 
     def _entropies(self, seq: Tensor, mask: Tensor | None, kwargs: dict) -> Tensor:
         b, n = seq.shape
-        if n == 0 or (mask is not None and not bool(mask.any())):  # nothing real: the decoder is not called
+        if b == 0 or n == 0 or (mask is not None and not bool(mask.any())):  # nothing real: no decoder call
             return torch.zeros(b, n, device=seq.device)
         if mask is not None:
             seq = torch.where(mask, seq, torch.zeros_like(seq))  # padded ids never reach the decoder
