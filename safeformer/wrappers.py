@@ -33,6 +33,15 @@ WRAPPER_ALIASES: dict[str, object] = {
 }
 
 
+def _conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask, conditions: dict) -> Conditions:
+    """The named condition keywords and the further kinds (``**conditions``) as one ``Conditions``; named
+    explicitly, not read from ``locals()``, so ``torch.compile(fullgraph=True)`` traces a forward (a frame
+    whose closures hold cells not yet assigned cannot be read whole)."""
+    return Conditions.from_kwargs(dict(context=context, context_mask=context_mask, prepend_embeds=prepend_embeds,
+                                       prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
+                                       **conditions))
+
+
 def _check_layers(attn_layers) -> None:
     if not isinstance(attn_layers, AttentionLayers):
         raise TypeError(
@@ -396,7 +405,8 @@ class TransformerWrapper(_Wrapper):
             bad = ((x < 0) | (x >= self.num_tokens)).nonzero()[0].tolist()  # reached only on error
             raise ValueError(f"x holds token id {int(x[tuple(bad)])} at real position {tuple(bad)}, outside the "
                              f"vocabulary [0, num_tokens={self.num_tokens}); padded positions (mask False) may hold anything")
-        conds = self._check_conditions(Conditions.from_kwargs({**locals(), **conditions}),
+        conds = self._check_conditions(_conditions(context, context_mask, prepend_embeds, prepend_mask, condition,
+                                                   condition_mask, conditions),
                                        self.check_finite if check_finite is None else check_finite)
         want_inter = return_intermediates or return_hiddens or return_attn
         emb = self.token_emb(x)
@@ -543,7 +553,8 @@ class ContinuousTransformerWrapper(_Wrapper):
             _check_finite(x, mask, "x")
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
-        conds = self._check_conditions(Conditions.from_kwargs({**locals(), **conditions}), check)
+        conds = self._check_conditions(_conditions(context, context_mask, prepend_embeds, prepend_mask, condition,
+                                                   condition_mask, conditions), check)
         want_inter = return_intermediates or return_hiddens or return_attn
         h, new_cache, full_mask, m, _, inter, _ = self._run(
             self.project_in(x), mask, conds, attn_mask, cache, return_cache,
