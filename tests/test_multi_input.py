@@ -93,6 +93,23 @@ def test_one_input_is_a_transformer_wrapper():
     hp.assert_bitwise(multi({"tok": x}, mask=mask)["tok"], single(x, mask=mask))
 
 
+def test_unpadded_path_equals_padded_path():
+    """The stack's unpadded path (real tokens only) gives the padded path's logits, exactly 0 at padding."""
+    g = _gen(10)
+    b, n = 4, 7
+    mask = _lengths_mask(g, b, n, left=True)
+    ids = _ids(g, b, n)
+    outs = []
+    for unpadded in (False, True):
+        torch.manual_seed(0)
+        layers = sf.Decoder(dim=16, depth=2, heads=2, dim_head=8, unpadded=unpadded)
+        model = MultiInputTransformerWrapper(num_tokens=VOCABS, max_seq_len=32, attn_layers=layers).eval()
+        outs.append(model(_garbage(ids, mask, NAN), mask=mask))
+    for k in VOCABS:
+        hp.assert_close(outs[1][k], outs[0][k], k)
+        hp.assert_zero(outs[1][k][~mask], f"{k} at padded positions (unpadded path)")
+
+
 @pytest.mark.parametrize("left", [False, True])
 def test_padding_does_not_matter(left):
     """S4: each sample alone equals its row in a padded batch (left or right), garbage ids in the padding."""
