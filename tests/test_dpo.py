@@ -257,3 +257,104 @@ def test_parity_gradients_with_x_transformers():
     x_emb = xd.policy_model.token_emb.emb.weight.grad
     s_emb = sd.policy_model.token_emb.weight.grad
     assert_close(s_emb, x_emb, "token embedding gradient", torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the door probe (for tests/doors.py) and the clauses run on it here
+# ----------------------------------------------------------------------------------------------------
+
+
+def probe_dpo(seed: int, value: float):
+    """``DPO`` with a cross-attending policy: right- or left-padded pairs (pair 0's unpreferred sequence
+    fully padded, so the pair does not count), garbage ids at padded positions and ``value`` at masked
+    context slots (sample 1's context entirely masked). Per-pair losses of pairs that do not count are
+    exactly 0; a batch with no counted target is a loss of 0 with zero gradients."""
+    from doors import Probe
+
+    g = torch.Generator().manual_seed(seed)
+    b, n, j, c = 4, 7, 3, 16
+    torch.manual_seed(0)
+    dpo = DPO(make_model(cross=True), beta=0.2).train()
+    perturb(dpo.policy_model, seed=1)
+    lengths = [torch.randint(3, n + 1, (b,), generator=g) for _ in range(2)]
+    lengths[1][0] = 0
+    lengths[0][-1] = lengths[1][-1] = n
+    left = bool(seed % 2)
+    masks = [sf.padding_mask(ln, n, left=left) for ln in lengths]
+    prompt_len = torch.randint(1, 3, (b,), generator=g)
+    # the prompt: each sequence's first real positions (both sequences of a pair share one prompt_mask,
+    # so under left padding it is drawn on the preferred one)
+    first = masks[0].long().cumsum(1)
+    prompt_mask = masks[0] & (first <= prompt_len[:, None])
+    seqs = [torch.randint(0, V, (b, n), generator=g) for _ in range(2)]
+    garbage = 0 if value == 0 else 10**6
+    seqs = [torch.where(m, s, torch.full_like(s, garbage)) for s, m in zip(seqs, masks)]
+    ctx_mask = torch.rand(b, j, generator=g) < 0.6
+    ctx_mask[1] = False
+    ctx_mask[-1] = True
+    ctx = torch.randn(b, j, c, generator=g)
+    ctx = ctx.masked_fill(~ctx_mask[..., None], value).requires_grad_()
+    kw = dict(prompt_mask=prompt_mask, preferred_seq_mask=masks[0], unpreferred_seq_mask=masks[1],
+              context=ctx, context_mask=ctx_mask)
+    out = dpo(*seqs, reduction="none", **kw)  # (b,)
+    counted = [~prompt_mask[:, 1:] & m[:, 1:] & m[:, :-1] for m in masks]
+    dead = ~(counted[0].any(1) & counted[1].any(1))
+
+    none = dpo(*seqs, **{**kw, "prompt_mask": torch.ones(b, n, dtype=torch.bool)})
+    grads = torch.autograd.grad(none, [ctx, *dpo.parameters()], allow_unused=True)
+    assert none.item() == 0.0 and all(gr is None or not bool(gr.any()) for gr in grads), \
+        "a batch with no counted target is not a loss of 0 with zero gradients"
+    w, l_ = seqs
+    return Probe(out, {"context": ctx}, {"context": ~ctx_mask[..., None].expand_as(ctx)}, dead=dead, bad_calls=[
+        ("sequences of different shapes", lambda: dpo(w, l_[:, :-1], prompt_mask=prompt_mask), ValueError, "unpreferred_seq"),
+        ("float ids", lambda: dpo(w.float(), l_, prompt_mask=prompt_mask), TypeError, "preferred_seq"),
+        ("int prompt_mask", lambda: dpo(w, l_, prompt_mask=prompt_mask.int()), TypeError, "prompt_mask"),
+        ("prompt_mask of wrong shape", lambda: dpo(w, l_, prompt_mask=prompt_mask[:, 1:]), ValueError, "prompt_mask"),
+        ("float sequence mask", lambda: dpo(w, l_, prompt_mask=prompt_mask, unpreferred_seq_mask=masks[1].float()),
+         TypeError, "unpreferred_seq_mask"),
+        ("unknown reduction", lambda: dpo(w, l_, prompt_mask=prompt_mask, reduction="sum"), ValueError, "reduction"),
+        ("beta of 0", lambda: DPO(make_model(), beta=0), ValueError, "beta"),
+        ("context of wrong width", lambda: dpo(w, l_, prompt_mask=prompt_mask, context=torch.randn(b, j, c + 1)),
+         ValueError, "context"),
+    ])
+
+
+def check_probe(probe_fn, has_dead: bool, seeds=(0, 1, 2, 3)) -> None:
+    """The registry's clauses (tests/test_doors.py: S1, S2, S3, S9) on one probe, for a few seeds."""
+    import doors
+    import helpers as hp
+
+    def grads(p, seed):
+        u = torch.randn(p.out.shape, generator=torch.Generator().manual_seed(seed)).to(p.out.dtype)
+        if p.compare is not None:
+            u = u * p.compare
+        names = list(p.leaves)
+        got = torch.autograd.grad((p.out * u).sum(), [p.leaves[k] for k in names], allow_unused=True)
+        assert all(gr is not None for gr in got), "a leaf received no gradient"
+        return dict(zip(names, got))
+
+    def sel(t, where):
+        return t.detach() if where is None else t.detach()[where]
+
+    for seed in seeds:
+        clean = probe_fn(seed, 0.0)
+        g_clean = grads(clean, seed)
+        if has_dead:
+            assert clean.dead is not None and bool(clean.dead.any()), "the probe drew no dead output"
+            hp.assert_zero(clean.out.detach()[clean.dead], "dead outputs")
+        for value in doors.PLANT_VALUES:
+            dirty = probe_fn(seed, value)
+            hp.assert_finite(sel(dirty.out, dirty.compare), "output")
+            hp.assert_bitwise(sel(dirty.out, dirty.compare), sel(clean.out, clean.compare), "output")
+            for k, gr in grads(dirty, seed).items():
+                masked = dirty.masked.get(k)
+                keep = None if masked is None else ~masked
+                hp.assert_finite(sel(gr, keep), f"grad of {k}")
+                hp.assert_bitwise(sel(gr, keep), sel(g_clean[k], keep), f"grad of {k}")
+                if masked is not None and dirty.masked_grad_zero:
+                    hp.assert_zero(gr[masked], f"grad of {k} at masked positions")
+    hp.assert_clear_errors(probe_fn(0, 0.0).bad_calls)
+
+
+def test_door_probe_clauses():
+    check_probe(probe_dpo, has_dead=True)

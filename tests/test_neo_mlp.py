@@ -125,3 +125,34 @@ def test_parity_with_x_transformers():
     (wx,) = torch.autograd.grad(want.sum(), x)
     assert_close(gx, wx, "input gradient", torch.float32)
     assert_close(sm(x[0]), xm(x[0]), "unbatched", torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the door probe (for tests/doors.py) and the clauses run on it here
+# ----------------------------------------------------------------------------------------------------
+
+
+def probe_neo_mlp(seed: int, value: float):
+    """``NeoMLP`` with a missing-feature mask (sample 0 with every feature missing, the last with none),
+    ``value`` planted at every missing feature."""
+    from doors import Probe
+
+    g = torch.Generator().manual_seed(seed)
+    m = make()
+    mask = torch.rand(B, I, generator=g) < 0.6
+    mask[0], mask[-1] = False, True
+    x = torch.randn(B, I, generator=g).masked_fill(~mask, value).requires_grad_()
+    out = m(x, mask=mask)
+    return Probe(out, {"x": x}, {"x": ~mask}, bad_calls=[
+        ("x of wrong width", lambda: m(torch.randn(B, I + 1)), ValueError, "x"),
+        ("integer x", lambda: m(torch.ones(B, I, dtype=torch.long)), TypeError, "x"),
+        ("int mask", lambda: m(x, mask=mask.int()), TypeError, "mask"),
+        ("mask of wrong shape", lambda: m(x, mask=mask[:, 1:]), ValueError, "mask"),
+        ("depth of 0", lambda: NeoMLP(dim_in=I, dim_hidden=H, dim_out=O, dim_model=D, depth=0), ValueError, "depth"),
+    ])
+
+
+def test_door_probe_clauses():
+    from test_dpo import check_probe
+
+    check_probe(probe_neo_mlp, has_dead=False)

@@ -332,3 +332,123 @@ def test_generate_x_transformers_filter_call():
     out = model.generate(x[:, :2], x_num[:, :2], 3, sf.top_k, {"k": 3})
     assert out.sampled_token_ids.shape == (B, 3)
     assert bool(((out.sampled_token_ids >= 0) & (out.sampled_token_ids < V)).all())
+
+
+# ----------------------------------------------------------------------------------------------------
+# the door probes (for tests/doors.py) and the clauses run on them here
+# ----------------------------------------------------------------------------------------------------
+
+
+def _probe_inputs(seed: int, value: float):
+    g = torch.Generator().manual_seed(seed)
+    b, n, j = 4, 6, 3
+    lengths = torch.randint(0, n + 1, (b,), generator=g)
+    lengths[0], lengths[-1] = 0, n
+    mask = sf.padding_mask(lengths, n, left=bool(seed % 2))
+    x = torch.randint(0, V, (b, n), generator=g)
+    x[:, ::2] = NUM
+    garbage = 0 if value == 0 else 10**6
+    x = torch.where(mask, x, torch.full_like(x, garbage))
+    read = (x == NUM) & mask
+    x_num = torch.randn(b, n, generator=g).masked_fill(~read, value).requires_grad_()
+    ctx_mask = torch.rand(b, j, generator=g) < 0.6
+    ctx_mask[1], ctx_mask[-1] = False, True
+    ctx = torch.randn(b, j, D, generator=g)
+    return b, n, j, mask, x, read, x_num, ctx, ctx_mask
+
+
+def probe_xval_wrapper(seed: int, value: float):
+    """``XValTransformerWrapper`` (cross-attending, memory tokens): padding on either side with a fully
+    padded sample, garbage ids at padded positions, ``value`` in ``x_num`` wherever it is not read and at
+    masked context slots. The output is ``cat(logits, number)`` at real positions."""
+    from doors import Probe
+
+    b, n, j, mask, x, read, x_num, ctx, ctx_mask = _probe_inputs(seed, value)
+    net = make(cross=True, num_memory_tokens=2)
+    ctx = ctx.masked_fill(~ctx_mask[..., None], value).requires_grad_()
+    logits, num = net(x, x_num, mask=mask, context=ctx, context_mask=ctx_mask)
+    out = torch.cat((logits, num[..., None]), -1)  # (b, n, v + 1)
+    return Probe(out, {"x_num": x_num, "context": ctx}, {"x_num": ~read, "context": ~ctx_mask[..., None].expand_as(ctx)},
+                 compare=mask[..., None].expand_as(out), bad_calls=[
+                     ("x_num of another shape", lambda: net(x, x_num[:, 1:]), ValueError, "x_num"),
+                     ("integer x_num", lambda: net(x, x), TypeError, "x_num"),
+                     ("float ids", lambda: net(x_num, x_num), TypeError, "x"),
+                     ("id outside the vocabulary at a real position", lambda: net(x.clamp(max=0) + V, x_num), ValueError, "x"),
+                     ("int mask", lambda: net(x, x_num, mask=mask.int()), TypeError, "mask"),
+                     ("context of wrong width", lambda: net(x, x_num, context=torch.randn(b, j, D + 1)), ValueError, "context"),
+                     ("XL mems", lambda: net(x, x_num, mems=[]), ValueError, "mems"),
+                     ("numerical_token_id outside the vocabulary", lambda: XValTransformerWrapper(
+                         num_tokens=V, max_seq_len=8, numerical_token_id=-1, attn_layers=sf.Decoder(dim=8, depth=1)),
+                      ValueError, "numerical_token_id"),
+                 ])
+
+
+def probe_xval_autoregressive(seed: int, value: float):
+    """``XValAutoregressiveWrapper`` in training mode with the context dropped per sample: the per-target
+    losses (``reduction="none"``) are exactly 0 where no target counts, garbage as in the wrapper's probe
+    and in every dropped context. Also: an all-padding batch is a loss of 0 with zero gradients, and
+    guided generation from left-padded prompts holding garbage equals that from clean ones, cached and not."""
+    from doors import Probe
+
+    b, n, j, mask, x, read, x_num, ctx, ctx_mask = _probe_inputs(seed, value)
+    net = make(cross=True)
+    model = XValAutoregressiveWrapper(net, cond_drop_prob=0.5).train()
+    replay = torch.Generator().manual_seed(seed)
+    _, dropped = sf.drop_conditions(sf.Conditions(ctx, ctx_mask, None, None, None, None), model.cond_drop_probs,
+                                    all_prob=0.0, generator=replay)
+    hidden = ~ctx_mask | dropped["context"][:, None]
+    ctx = ctx.masked_fill(hidden[..., None], value).requires_grad_()
+    kw = dict(context=ctx, context_mask=ctx_mask)
+    out = model(x, x_num, mask=mask, reduction="none", generator=torch.Generator().manual_seed(seed), **kw)  # (b, n - 1)
+    counted = mask[:, 1:] & mask[:, :-1]
+    # x_num is read as an input where it is a real number, and as a target where that target counts
+    not_read = ~read
+
+    none = model(x, x_num, mask=torch.zeros(b, n, dtype=torch.bool), generator=torch.Generator().manual_seed(seed), **kw)
+    grads = torch.autograd.grad(none, [x_num, ctx, *net.parameters()], allow_unused=True)
+    assert none.item() == 0.0 and all(gr is None or not bool(gr.any()) for gr in grads), \
+        "an all-padding batch is not a loss of 0 with zero gradients"
+
+    model.eval()
+    with torch.no_grad():
+        pm = sf.padding_mask(torch.tensor([1, 3, 2, 3]), 3, left=True)
+        px, pnum = x[:, :3].clamp(0, V - 1), torch.randn(b, 3, generator=torch.Generator().manual_seed(seed))
+        gen_kw = dict(mask=pm, context_mask=ctx_mask, cond_scale=2.0, temperature=0.0)
+        clean_ctx = torch.randn(b, j, D, generator=torch.Generator().manual_seed(seed + 1))
+        want = model.generate(px, pnum, 3, context=clean_ctx, **gen_kw)
+        pread = (px == NUM) & pm
+        for cache_kv in (True, False):
+            got = model.generate(torch.where(pm, px, 10**6 if value else 0), pnum.masked_fill(~pread, value), 3,
+                                 context=clean_ctx.masked_fill(~ctx_mask[..., None], value), cache_kv=cache_kv, **gen_kw)
+            assert torch.equal(got.sampled_token_ids, want.sampled_token_ids), "garbage changed guided generation"
+            assert torch.isfinite(got.sampled_numbers).all() and torch.allclose(got.sampled_numbers, want.sampled_numbers, atol=1e-5)
+    model.train()
+    return Probe(out, {"x_num": x_num, "context": ctx}, {"x_num": not_read, "context": hidden[..., None].expand_as(ctx)},
+                 dead=~counted, bad_calls=[
+                     ("x_num of another shape", lambda: model(x, x_num[:, 1:]), ValueError, "x_num"),
+                     ("int mask", lambda: model(x, x_num, mask=mask.int()), TypeError, "mask"),
+                     ("unknown reduction", lambda: model(x, x_num, reduction="avg"), ValueError, "reduction"),
+                     ("context of wrong width", lambda: model(x, x_num, context=torch.randn(b, j, D + 1)), ValueError, "context"),
+                     ("a non-causal net", lambda: XValAutoregressiveWrapper(XValTransformerWrapper(
+                         num_tokens=V, max_seq_len=8, numerical_token_id=0, attn_layers=sf.Encoder(dim=8, depth=1))),
+                      ValueError, "causal"),
+                     ("negative seq_len", lambda: model.generate(x[:, :2], x_num[:, :2], -1), ValueError, "seq_len"),
+                     ("an all-padding prompt", lambda: model.generate(x[:, :2], x_num[:, :2], 1,
+                                                                      mask=torch.zeros(b, 2, dtype=torch.bool)), ValueError, "mask"),
+                     ("a scale for a condition not given", lambda: model.generate(x[:, :2], x_num[:, :2], 1,
+                                                                                 cond_scale={"prepend": 2.0}), ValueError, "prepend"),
+                     ("negative temperature", lambda: model.generate(x[:, :2], x_num[:, :2], 1, temperature=-1.0),
+                      ValueError, "temperature"),
+                 ])
+
+
+def test_door_probe_clauses_wrapper():
+    from test_dpo import check_probe
+
+    check_probe(probe_xval_wrapper, has_dead=False)
+
+
+def test_door_probe_clauses_autoregressive():
+    from test_dpo import check_probe
+
+    check_probe(probe_xval_autoregressive, has_dead=True)
