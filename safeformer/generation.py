@@ -62,17 +62,26 @@ _NEG_INF = float("-inf")
 # ----------------------------------------------------------------------------------------------------
 
 
-def top_k(logits: Tensor, k: int = 50) -> Tensor:
-    """Keep the ``k`` largest logits of each row; the rest become ``-inf``.
+def top_k(logits: Tensor, k: int | None = None, *, frac_num_tokens: float = 0.1) -> Tensor:
+    """Keep the ``k`` largest logits of each row; the rest become ``-inf`` (x-transformers' ``top_k``).
 
     Args:
         logits: ``(..., v)`` scores.
         k: how many to keep (at least 1; more than ``v`` keeps all). Exactly ``k`` are kept even
-            when values tie.
+            when values tie. Default: ``ceil(frac_num_tokens * v)``.
+        frac_num_tokens: the share of the vocabulary kept when ``k`` is not given, in ``(0, 1]``
+            (x-transformers' default 0.1).
 
     Returns:
         ``(..., v)`` filtered logits.
     """
+    if k is None:
+        if isinstance(frac_num_tokens, bool) or not (isinstance(frac_num_tokens, (int, float)) and 0.0 < frac_num_tokens <= 1.0):
+            raise ValueError(f"top_k needs frac_num_tokens in (0, 1], got frac_num_tokens={frac_num_tokens!r}")
+        k = max(1, math.ceil(frac_num_tokens * logits.shape[-1]))
+    elif isinstance(k, float) and not isinstance(k, bool) and 0.0 < k < 1.0:
+        raise ValueError(f"top_k needs an integer k >= 1, got k={k!r}; x-transformers' second argument is the "
+                         f"share of the vocabulary: pass frac_num_tokens={k!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"top_k needs an integer k >= 1, got k={k!r}")
     k = min(k, logits.shape[-1])
@@ -81,7 +90,7 @@ def top_k(logits: Tensor, k: int = 50) -> Tensor:
     return logits.masked_fill(~keep, _NEG_INF)
 
 
-def top_p(logits: Tensor, p: float = 0.9) -> Tensor:
+def top_p(logits: Tensor, p: float | None = None, *, thres: float | None = None) -> Tensor:
     """Nucleus filter: keep the most probable tokens until their probability mass reaches ``p``.
 
     A token is kept when the mass of the tokens ranked above it is below ``p``; the most probable
@@ -89,11 +98,17 @@ def top_p(logits: Tensor, p: float = 0.9) -> Tensor:
 
     Args:
         logits: ``(..., v)`` scores.
-        p: the mass to keep, in ``(0, 1]`` (1 keeps every token).
+        p: the mass to keep, in ``(0, 1]`` (1 keeps every token); default 0.9.
+        thres: x-transformers' name for ``p`` (give one of the two).
 
     Returns:
         ``(..., v)`` filtered logits.
     """
+    if thres is not None:
+        if p is not None:
+            raise ValueError("top_p takes p or thres (x-transformers' name for it), not both")
+        p = thres
+    p = 0.9 if p is None else p
     if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 < p <= 1.0):
         raise ValueError(f"top_p needs p in (0, 1], got p={p!r}")
     if p >= 1.0:
