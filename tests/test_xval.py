@@ -452,3 +452,21 @@ def test_door_probe_clauses_autoregressive():
     from test_dpo import check_probe
 
     check_probe(probe_xval_autoregressive, has_dead=True)
+
+
+def test_x_transformers_readme_example():
+    """x-transformers' README example with the import changed (smaller sizes: the CPU suite)."""
+    from safeformer import Decoder
+
+    model = XValTransformerWrapper(num_tokens=4, numerical_token_id=3, max_seq_len=1024,
+                                   attn_layers=Decoder(dim=32, depth=2, heads=4))
+    model = XValAutoregressiveWrapper(model)
+    ids = torch.randint(0, 4, (1, 77))
+    nums = torch.randn(1, 77)
+    loss = model(ids, nums)
+    loss.backward()
+    start_ids = torch.randint(0, 4, (1, 1))
+    start_nums = torch.randn(1, 1)
+    ids_out, num_out, is_number_mask = model.generate(start_ids, start_nums, 17)
+    assert ids_out.shape == num_out.shape == is_number_mask.shape == (1, 17)
+    assert_finite(num_out, "numbers")
