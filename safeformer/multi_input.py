@@ -222,7 +222,9 @@ class MultiInputTransformerWrapper(_Wrapper):
         check = self.check_finite if check_finite is None else check_finite
         if check and sum_embeds is not None:
             _check_finite(sum_embeds, mask, "sum_embeds")
-        conds = self._check_conditions(Conditions.from_kwargs({**locals(), **conditions}), check)
+        conds = self._check_conditions(Conditions.from_kwargs(dict(  # named, not read from locals() (torch.compile)
+            context=context, context_mask=context_mask, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
+            condition=condition, condition_mask=condition_mask, **conditions)), check)
         emb = None
         for name, t in ids.items():
             e = self.embeds[f"{name}_embed"](t)
