@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from .losses import safe_cross_entropy
 from .masks import checked_once, validate_mask
+from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
 __all__ = ["DPO", "dpo_from_x_transformers", "dpo_xt_masks"]
@@ -43,7 +44,7 @@ def _check_ids(t, name: str) -> None:
         raise TypeError(f"{name} must hold integer token ids, got dtype {t.dtype}")
 
 
-class DPO(nn.Module):
+class DPO(Configurable, nn.Module):
     """x-transformers' ``DPO(model, beta=0.1, pad_id=None)``: the policy ``model`` and a frozen copy of it.
 
     Args:
@@ -66,6 +67,7 @@ class DPO(nn.Module):
             raise ValueError(f"beta must be a finite number > 0, got {beta!r}")
         if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, int)):
             raise TypeError(f"pad_id must be an int or None, got {pad_id!r}")
+        self._set_config_from(DPO.__init__, locals())
         self.policy_model = model
         self.ref_model = deepcopy(model)
         for p in self.ref_model.parameters():

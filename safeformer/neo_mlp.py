@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .layers import Encoder
 from .masks import checked_once, validate_mask
+from .pretrained import Configurable
 
 __all__ = ["NeoMLP", "RandomFourierEmbed", "neo_mlp_from_x_transformers"]
 
@@ -35,7 +36,7 @@ class RandomFourierEmbed(nn.Module):
         return torch.cos(2 * math.pi * self.proj(times[..., None]))
 
 
-class NeoMLP(nn.Module):
+class NeoMLP(Configurable, nn.Module):
     """x-transformers' ``NeoMLP(dim_in=, dim_hidden=, dim_out=, dim_model=, depth=, encoder_kwargs=)``.
 
     ``encoder_kwargs`` go to safeformer's ``Encoder`` (x-transformers' spellings accepted, e.g.
@@ -52,6 +53,7 @@ class NeoMLP(nn.Module):
         encoder_kwargs = dict(attn_dim_head=16, heads=4) if encoder_kwargs is None else dict(encoder_kwargs)
         if not isinstance(encoder_kwargs, dict):
             raise TypeError(f"encoder_kwargs must be a dict, got {type(encoder_kwargs).__name__}")
+        self._set_config_from(NeoMLP.__init__, locals())
         self.dim_in, self.dim_hidden, self.dim_out = dim_in, dim_hidden, dim_out
         self.input_embed = nn.Parameter(torch.randn(dim_in, dim_model) * 0.02)
         self.hidden_embed = nn.Parameter(torch.randn(dim_hidden, dim_model) * 0.02)

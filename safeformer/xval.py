@@ -42,6 +42,7 @@ from .generation import sample_logits
 from .layers import AttentionLayers
 from .losses import safe_cross_entropy
 from .masks import checked_once, validate_mask
+from .pretrained import Configurable
 from .wrappers import ContinuousTransformerWrapper
 
 __all__ = [
@@ -64,7 +65,7 @@ def _check_int(v, name: str, minimum: int) -> int:
     return v
 
 
-class XValTransformerWrapper(nn.Module):
+class XValTransformerWrapper(Configurable, nn.Module):
     """x-transformers' ``XValTransformerWrapper``: token ids and numbers in, ``(logits, numbers)`` out.
 
     Args (x-transformers' names):
@@ -112,6 +113,7 @@ class XValTransformerWrapper(nn.Module):
             raise ValueError("max_mem_len (XL memories) is not supported; leave it at 0")
         if scaled_sinu_pos_emb:
             raise ValueError("scaled_sinu_pos_emb is not supported; use the learned absolute embedding or rotary")
+        self._set_config_from(XValTransformerWrapper.__init__, locals())
         self.num_tokens = num_tokens
         self.numerical_token_id = numerical_token_id
         self.max_seq_len = max_seq_len
@@ -214,7 +216,7 @@ def _xval_kwargs_ok(kwargs: Mapping) -> None:
         raise ValueError(f"{bad} (XL recurrence) are not supported")
 
 
-class XValAutoregressiveWrapper(nn.Module):
+class XValAutoregressiveWrapper(Configurable, nn.Module):
     """x-transformers' ``XValAutoregressiveWrapper``: next-token cross-entropy plus the number's squared
     error, and generation; with safeformer's condition dropping and classifier-free guidance.
 
@@ -243,6 +245,7 @@ class XValAutoregressiveWrapper(nn.Module):
                 or not math.isfinite(numerical_loss_weight) or numerical_loss_weight < 0:
             raise ValueError(f"numerical_loss_weight must be a finite number >= 0, got {numerical_loss_weight!r}")
         check_drop_kinds(net.attn_layers, cond_drop_prob)
+        self._set_config_from(XValAutoregressiveWrapper.__init__, locals())
         if isinstance(cond_drop_all_prob, bool) or not (isinstance(cond_drop_all_prob, (int, float)) and 0.0 <= cond_drop_all_prob <= 1.0):
             raise ValueError(f"cond_drop_all_prob must be in [0, 1], got {cond_drop_all_prob!r}")
         self.net = net

@@ -358,3 +358,16 @@ def check_probe(probe_fn, has_dead: bool, seeds=(0, 1, 2, 3)) -> None:
 
 def test_door_probe_clauses():
     check_probe(probe_dpo, has_dead=True)
+
+
+def test_checkpoint_round_trip_keeps_the_reference(tmp_path):
+    dpo = DPO(make_model(), beta=0.3, pad_id=0)
+    perturb(dpo.policy_model)  # policy and reference now differ
+    dpo.save_pretrained(tmp_path)
+    back = DPO.from_pretrained(tmp_path)
+    assert back.beta == 0.3 and back.pad_id == 0
+    for a, b in zip(dpo.state_dict().values(), back.state_dict().values()):
+        assert torch.equal(a, b)
+    assert all(not p.requires_grad for p in back.ref_model.parameters())
+    w, l_, pm, _, _ = batch()
+    assert torch.equal(dpo.eval()(w, l_, prompt_mask=pm), back.eval()(w, l_, prompt_mask=pm))

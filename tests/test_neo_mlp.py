@@ -156,3 +156,11 @@ def test_door_probe_clauses():
     from test_dpo import check_probe
 
     check_probe(probe_neo_mlp, has_dead=False)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    m = make()
+    m.save_pretrained(tmp_path)
+    back = NeoMLP.from_pretrained(tmp_path).eval()
+    x = torch.randn(B, I)
+    assert torch.equal(m(x, mask=MASK), back(x, mask=MASK))

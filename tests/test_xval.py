@@ -470,3 +470,12 @@ def test_x_transformers_readme_example():
     ids_out, num_out, is_number_mask = model.generate(start_ids, start_nums, 17)
     assert ids_out.shape == num_out.shape == is_number_mask.shape == (1, 17)
     assert_finite(num_out, "numbers")
+
+
+def test_checkpoint_round_trip(tmp_path):
+    model = XValAutoregressiveWrapper(make(cross=True, num_memory_tokens=1), numerical_loss_weight=0.5, cond_drop_prob=0.2)
+    model.save_pretrained(tmp_path)
+    back = XValAutoregressiveWrapper.from_pretrained(tmp_path)
+    assert back.numerical_loss_weight == 0.5 and back.cond_drop_prob == 0.2
+    x, x_num, mask = data()
+    assert torch.equal(model.eval()(x, x_num, mask=mask), back.eval()(x, x_num, mask=mask))
