@@ -479,3 +479,17 @@ def test_checkpoint_round_trip(tmp_path):
     assert back.numerical_loss_weight == 0.5 and back.cond_drop_prob == 0.2
     x, x_num, mask = data()
     assert torch.equal(model.eval()(x, x_num, mask=mask), back.eval()(x, x_num, mask=mask))
+
+
+def test_return_options_and_positions():
+    net = make().eval()
+    x, x_num, mask = data(14)
+    h = net(x, x_num, mask=mask, return_embeddings=True)
+    assert h.shape == (B, N, D)
+    assert_zero(h[~mask], "hidden states at padded positions")
+    (logits, num), inter = net(x, x_num, mask=mask, return_intermediates=True)
+    assert logits.shape == (B, N, V) and num.shape == (B, N) and len(inter.attn_intermediates) == 2
+    (_, _), maps = net(x, x_num, return_attn=True)
+    assert len(maps) == 2 and maps[0].shape[-2:] == (N, N)
+    pos = torch.arange(N).expand(B, N)
+    assert_close(net(x, x_num, pos=pos)[0], net(x, x_num)[0], "explicit positions", torch.float32)
