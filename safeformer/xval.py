@@ -146,7 +146,8 @@ class XValTransformerWrapper(Configurable, nn.Module):
         if mask is not None:
             validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
             x = torch.where(mask, x, torch.zeros_like(x))
-        if x.numel() and not torch.compiler.is_compiling() and bool(((x < 0) | (x >= self.num_tokens)).any()):
+        if x.numel() and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() \
+                and bool(((x < 0) | (x >= self.num_tokens)).any()):  # (under vmap the embedding's own check)
             bad = tuple(((x < 0) | (x >= self.num_tokens)).nonzero()[0].tolist())
             raise ValueError(f"x holds token id {int(x[bad])} at real position {bad}, outside the vocabulary "
                              f"[0, num_tokens={self.num_tokens}); padded positions (mask False) may hold anything")
