@@ -38,7 +38,7 @@ from .conditions import (
     drop_probabilities,
 )
 from .decode import GuidedForward, autoregress
-from .generation import sample_logits
+from .generation import sample_logits, top_k
 from .layers import AttentionLayers
 from .losses import safe_cross_entropy
 from .masks import checked_once, validate_mask
@@ -328,7 +328,7 @@ class XValAutoregressiveWrapper(Configurable, nn.Module):
         start_tokens: Tensor,
         start_numbers: Tensor,
         seq_len: int,
-        filter_logits_fn: Callable | str | None = None,
+        filter_logits_fn: Callable | str | None = top_k,
         filter_kwargs: dict | None = None,
         temperature: float = 1.0,
         *,
@@ -355,7 +355,7 @@ class XValAutoregressiveWrapper(Configurable, nn.Module):
             start_tokens, start_numbers: ``(b, n0)`` the prompts (left-padded when their lengths differ).
             seq_len: new positions (>= 0).
             filter_logits_fn, filter_kwargs, temperature: as in ``sample_logits`` (0 is greedy); by
-                default no filter (x-transformers' default is its ``top_k``).
+                default ``top_k`` (x-transformers' default: ``ceil(0.1 * v)`` tokens kept); ``None``: no filter.
             mask: ``(b, n0)`` padding of the prompts (every prompt needs a real token).
             conditions and ``cond_scale``: as in ``AutoregressiveWrapper.generate``: guidance of the token
                 logits (``compose_guidance``) and of the number (``compose_values``), every branch in one

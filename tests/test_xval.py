@@ -299,6 +299,7 @@ def test_parity_forward_with_x_transformers(cfg):
 
 
 def test_parity_loss_gradients_and_greedy_generation_with_x_transformers():
+    pytest.importorskip("x_transformers")
     from x_transformers.autoregressive_wrapper import top_k as xt_top_k
     from x_transformers.xval import XValAutoregressiveWrapper as XA
 
@@ -493,3 +494,22 @@ def test_return_options_and_positions():
     assert len(maps) == 2 and maps[0].shape[-2:] == (N, N)
     pos = torch.arange(N).expand(B, N)
     assert_close(net(x, x_num, pos=pos)[0], net(x, x_num)[0], "explicit positions", torch.float32)
+
+
+def test_parity_sampled_generation_with_x_transformers_defaults():
+    """The same random draws give the same samples: x-transformers' default filter (top_k keeping
+    ceil(0.1 v)) and temperature 1, from one seed in each library."""
+    pytest.importorskip("x_transformers")
+    from x_transformers.xval import XValAutoregressiveWrapper as XA
+
+    xa = XA(_xt())
+    sa = xval_from_x_transformers(xa)
+    x, x_num, _ = data(15)
+    torch.manual_seed(123)
+    xo = xa.generate(x[:, :3], x_num[:, :3], 5)
+    torch.manual_seed(123)
+    so = sa.generate(x[:, :3], x_num[:, :3], 5, non_number_value=float("nan"))
+    assert torch.equal(xo.sampled_token_ids, so.sampled_token_ids)
+    m = so.is_number_mask
+    assert_close(so.sampled_numbers[m], xo.sampled_numbers[m], "sampled numbers", torch.float32)
+    assert torch.equal(xo.sampled_numbers.isnan(), so.sampled_numbers.isnan())
