@@ -6,7 +6,9 @@ from .attention import Attention
 from .conditions import Conditions, compose_guidance, drop_conditions
 from .continuous import ContinuousAutoregressiveWrapper
 from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
+from .dpo import DPO
 from .encoder_decoder import XTransformer
+from .entropy_tokenizer import EntropyBasedTokenizer
 from .generation import (
     FILTERS,
     AutoregressiveWrapper,
@@ -54,12 +56,21 @@ from .modules import (
     apply_rotary,
     positions_from_mask,
 )
+from .multi_input import MultiInputTransformerWrapper
+from .neo_mlp import NeoMLP
 from .nonautoregressive import NonAutoregressiveWrapper
 from .pretrained import Configurable, load_pretrained, save_pretrained
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
 from .xt_extras import AttentionPool, ViTransformerWrapper, eval_decorator
+from .xval import XValAutoregressiveWrapper, XValTransformerWrapper
 
 __all__ = [
+    "DPO",
+    "EntropyBasedTokenizer",
+    "MultiInputTransformerWrapper",
+    "NeoMLP",
+    "XValAutoregressiveWrapper",
+    "XValTransformerWrapper",
     "eval_decorator",
     "ViTransformerWrapper",
     "TransformerBlock",

@@ -1042,6 +1042,34 @@ def _raise_problems(problems: _Problems, training_only: list[str], drop_training
     problems.raise_if_any()
 
 
+# x-transformers' other wrappers: (its module, its class) -> (safeformer's module, the converter there)
+_OTHER_WRAPPERS: dict[tuple[str, str], tuple[str, str, bool]] = {
+    ("x_transformers.dpo", "DPO"): ("safeformer.dpo", "dpo_from_x_transformers", False),
+    ("x_transformers.xval", "XValTransformerWrapper"): ("safeformer.xval", "xval_from_x_transformers", False),
+    ("x_transformers.xval", "XValAutoregressiveWrapper"): ("safeformer.xval", "xval_from_x_transformers", False),
+    ("x_transformers.neo_mlp", "NeoMLP"): ("safeformer.neo_mlp", "neo_mlp_from_x_transformers", False),
+    ("x_transformers.multi_input", "MultiInputTransformerWrapper"):
+        ("safeformer.multi_input", "multi_input_from_x_transformers", True),
+    ("x_transformers.entropy_based_tokenizer", "EntropyBasedTokenizer"):
+        ("safeformer.entropy_tokenizer", "entropy_tokenizer_from_x_transformers", True),
+}
+
+
+def _convert_other_wrapper(model: nn.Module, drop_training_only: bool):
+    """The safeformer twin of one of x-transformers' other wrappers (``_OTHER_WRAPPERS``), or ``None``."""
+    import importlib
+
+    for (xt_module, xt_name), (sf_module, converter, takes_drop) in _OTHER_WRAPPERS.items():
+        try:
+            cls = getattr(importlib.import_module(xt_module), xt_name)
+        except (ImportError, AttributeError):  # an x-transformers version without it
+            continue
+        if isinstance(model, cls):
+            convert = getattr(importlib.import_module(sf_module), converter)
+            return convert(model, drop_training_only=drop_training_only) if takes_drop else convert(model)
+    return None
+
+
 def from_x_transformers(
     model: nn.Module, *, drop_training_only: bool = False
 ) -> TransformerWrapper | AutoregressiveWrapper | XTransformer:
@@ -1065,6 +1093,10 @@ def from_x_transformers(
     ``attn_swiglu_values``; the gates' heads permuted with the query heads); ``attn_flash`` on or off; a tied embedding (kept tied); ``logits_dim``; ``return_only_embed``;
     attention, feed-forward and embedding dropout.
 
+    Also x-transformers' ``DPO``, ``XValTransformerWrapper``, ``XValAutoregressiveWrapper``, ``NeoMLP``,
+    ``MultiInputTransformerWrapper`` and ``EntropyBasedTokenizer`` (their converters live beside the
+    safeformer classes: ``safeformer.dpo``, ``.xval``, ``.neo_mlp``, ``.multi_input``, ``.entropy_tokenizer``).
+
     Args:
         model: an ``x_transformers.TransformerWrapper``, ``AutoregressiveWrapper`` or ``XTransformer``.
         drop_training_only: options that change only training (``layer_dropout``,
@@ -1084,6 +1116,9 @@ def from_x_transformers(
     xt, xt_attend = _xt()
     from x_transformers.autoregressive_wrapper import AutoregressiveWrapper as XTAutoregressiveWrapper
 
+    converted = _convert_other_wrapper(model, drop_training_only)
+    if converted is not None:
+        return converted
     problems = _Problems()
     training_only: list[str] = []
     if isinstance(model, xt.XTransformer):

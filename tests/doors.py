@@ -733,6 +733,13 @@ def probe_non_autoregressive(seed: int, value: float) -> Probe:
 # the registry
 # ----------------------------------------------------------------------------------------------------
 
+def _probe(module: str, name: str, seed: int, value: float) -> Probe:
+    """A probe defined beside its wrapper's own tests (imported when called: those files import this one)."""
+    import importlib
+
+    return getattr(importlib.import_module(module), name)(seed, value)
+
+
 DOORS: dict[str, Door] = {d.name: d for d in [
     Door("attend", has_dead=True, probe=probe_attend, note="hypothesis suite per clause: test_attend.py"),
     Door("prepare_mask", has_dead=True, probe=probe_prepared_mask),
@@ -760,6 +767,21 @@ DOORS: dict[str, Door] = {d.name: d for d in [
          note="x-transformers' results on the same weights: test_xt_names.py"),
     Door("AttentionPool", has_dead=True, probe=probe_attention_pool),
     Door("ViTransformerWrapper", probe=probe_vit),
+    Door("DPO", has_dead=True, probe=lambda seed, value: _probe("test_dpo", "probe_dpo", seed, value),
+         note="named tests (float64 reference, x-transformers parity): test_dpo.py"),
+    Door("XValTransformerWrapper", probe=lambda seed, value: _probe("test_xval", "probe_xval_wrapper", seed, value),
+         note="named tests (float64 references, x-transformers parity): test_xval.py"),
+    Door("XValAutoregressiveWrapper", has_dead=True,
+         probe=lambda seed, value: _probe("test_xval", "probe_xval_autoregressive", seed, value),
+         note="named tests (losses by hand, guidance from separate passes, cached = uncached): test_xval.py"),
+    Door("NeoMLP", probe=lambda seed, value: _probe("test_neo_mlp", "probe_neo_mlp", seed, value),
+         note="named tests (missing features = removed nodes in float64, x-transformers parity): test_neo_mlp.py"),
+    Door("MultiInputTransformerWrapper", has_dead=True,
+         probe=lambda seed, value: _probe("test_multi_input", "probe_multi_input", seed, value),
+         note="float64 reference, both caches, x-transformers parity on converted weights: test_multi_input.py"),
+    Door("EntropyBasedTokenizer", has_dead=True,
+         probe=lambda seed, value: _probe("test_entropy_tokenizer", "probe_entropy_tokenizer", seed, value),
+         note="float64 references, padding never moves a boundary, x-transformers parity: test_entropy_tokenizer.py"),
     Door("FeedForward", _rowwise_probe(_ff)),
     Door("RotaryEmbedding", probe_rotary),
     Door("apply_rotary", probe_rotary),
