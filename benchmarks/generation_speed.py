@@ -19,9 +19,9 @@ Cases: ``plain`` (no cross-attention), ``padded context`` (cross-attention to a 
 lengths), ``left-padded prompts`` (safeformer: ``mask=``; x-transformers: ``prompt_lens=``, right-aligned;
 x-transformers counts padding in the positions, safeformer does not, so tokens may differ there by
 design), ``CFG 2 branches`` (padded context, ``cond_scale=3``: uncond + joint), ``CFG 3 branches``
-(compositional guidance over the context and an adaptive-norm condition: uncond, context only, condition
-only; x-transformers gets zeros for a dropped condition, which is what safeformer's null condition holds
-after import).
+(compositional guidance over the context and a prefix of 4 embeddings, ``prepend_embeds``: uncond,
+context only, prefix only; x-transformers' dropped prefix is no prefix, which is what safeformer's
+all-padding prefix equals; its cached forward is given the prefix on every call, as it needs).
 
 The number is tokens/s of a safeformer contender / tokens/s of x-transformers, the median over
 interleaved rounds of the per-round ratio (higher is better).
@@ -114,14 +114,13 @@ def case_inputs(case: str, b: int, n: int, j: int, dim: int, vocab: int, device,
         return (True, False, lambda m, k: xt_guided(m, prompts, k, branches),
                 dict(prompts=prompts, context=context, context_mask=ctx_mask, cond_scale=3.0))
     if case == "CFG 3 branches":
-        cond = torch.randn(b, dim // 4, generator=g).to(device)
-        null = torch.zeros_like(cond)
-        branches = [(0.0, dict(context=context, context_mask=none_mask, condition=null)),
-                    (2.0, dict(context=context, context_mask=ctx_mask, condition=null)),
-                    (1.5, dict(context=context, context_mask=none_mask, condition=cond))]
-        return (True, True, lambda m, k: xt_guided(m, prompts, k, branches),
-                dict(prompts=prompts, context=context, context_mask=ctx_mask, condition=cond,
-                     cond_scale={"context": 2.0, "condition": 1.5}))
+        prefix = torch.randn(b, 4, dim, generator=g).to(device)
+        branches = [(0.0, dict(context=context, context_mask=none_mask)),
+                    (2.0, dict(context=context, context_mask=ctx_mask)),
+                    (1.5, dict(context=context, context_mask=none_mask, prepend_embeds=prefix))]
+        return (True, False, lambda m, k: xt_guided(m, prompts, k, branches),
+                dict(prompts=prompts, context=context, context_mask=ctx_mask, prepend_embeds=prefix,
+                     cond_scale={"context": 2.0, "prepend": 1.5}))
     raise ValueError(case)
 
 
@@ -138,7 +137,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--compiled", nargs="*", default=None,
                    help="rows 'case@batch@dim' that also time compile=True (default: plain and CFG 2 branches at "
-                        "batch 1, the smallest dim); none with an empty list")
+                        "every batch and dim); none with an empty list")
     args = p.parse_args()
     device = setup(args)
     n_new = args.tokens or (16 if args.quick else 64)
@@ -147,7 +146,7 @@ def main() -> None:
     dims = args.dims or ([128] if args.quick else [256, 512])
     cases = args.cases or (("plain", "CFG 2 branches") if args.quick else CASES)
     compiled = set(args.compiled) if args.compiled is not None else (
-        set() if args.quick else {f"{c}@1@{min(dims)}" for c in ("plain", "CFG 2 branches")})
+        set() if args.quick else {f"{c}@{b}@{d}" for c in ("plain", "CFG 2 branches") for b in batches for d in dims})
     n, j = args.prompt_len, args.context_len
 
     rows, ratios, targets, notes = [], {}, {}, []
@@ -157,7 +156,7 @@ def main() -> None:
                 g = torch.Generator().manual_seed(0)
                 cross, adaptive, xt_run, sf_kw = case_inputs(case, b, n, j, dim, args.vocab, device, g)
                 torch.manual_seed(0)
-                xt_model, sf_model = build(dim, args.depth, args.heads, args.vocab, n + n_new, cross, device, adaptive)
+                xt_model, sf_model = build(dim, args.depth, args.heads, args.vocab, n + n_new + 8, cross, device, adaptive)
                 prompts = sf_kw.pop("prompts")
                 outs: dict[str, torch.Tensor] = {}
 
