@@ -18,6 +18,7 @@ Safety (docs/safety.md):
 - The KL term is computed in float32 (float64 for float64 models) with ``log_var`` clamped to
   ``[-LOG_VAR_LIMIT, LOG_VAR_LIMIT]``, so it is finite for any weights.
 - A dropped latent (``latents_dropout_prob`` in training) is a masked prefix row: exactly no prefix.
+- Losses are computed and returned in float32 (float64 for float64 models), whatever the model's dtype.
 
 Differences from x-transformers (on purpose): x-transformers' dropped latent only shifts the absolute
 positions of the sequence by one (the latent row stays visible); its decoder sees padding as real
@@ -237,10 +238,11 @@ class ContinuousTransformerAutoencoder(nn.Module):
         prefix = self.from_latent_to_prepend_token(latents)[:, None]  # (b, 1, d)
         recon = self.decoder(seq, mask=real, prepend_embeds=prefix, prepend_mask=kept[:, None],
                              excise_prepend_embeds=True)  # (b, n, c)
+        acc = torch.promote_types(recon.dtype, torch.float32)  # losses in float32 (float64 for float64)
         if self.loss_type == "l1":
-            err = F.l1_loss(recon, seq, reduction="none")
+            err = F.l1_loss(recon.to(acc), seq.to(acc), reduction="none")
         else:
-            err = F.mse_loss(recon, seq, reduction="none")
+            err = F.mse_loss(recon.to(acc), seq.to(acc), reduction="none")
         elem = real[..., None].expand_as(err)
         if return_unreduced_loss:
             recon_loss = masked_mean(err.flatten(1), elem.flatten(1), dim=1)  # (b,)

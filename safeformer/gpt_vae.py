@@ -215,8 +215,9 @@ class GPTVAE(nn.Module):
         kl = F.relu(0.5 * (lv.exp() + m.square() - lv - 1.0) - self.vae_kl_div_floor).sum(-1)  # (b,)
         has_real = real_lat.any(1)
         kl = torch.where(has_real, kl, torch.zeros((), dtype=acc, device=kl.device))
-        kl = (kl.sum() / has_real.sum().clamp(min=1).to(acc)).to(ar_loss.dtype)
-        total = ar_loss + kl * self.vae_kl_loss_weight
+        kl = kl.sum() / has_real.sum().clamp(min=1).to(acc)
+        ar_loss = ar_loss.to(torch.promote_types(ar_loss.dtype, acc))
+        total = ar_loss + kl * self.vae_kl_loss_weight  # float32 (float64 for float64 models)
         if not return_all_losses:
             return total
         return total, (ar_loss, kl)

@@ -313,3 +313,18 @@ def test_fully_padded_loss_term_uses_functional_l1():
     err = F.l1_loss(out, torch.where(mask[..., None], x, 0.0), reduction="none")
     want = sf.masked_mean(err.flatten(1), mask[..., None].expand_as(err).flatten(1), dim=1)
     assert_close(recon, want, "l1 reconstruction", torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_finite_and_all_padding_is_zero(dtype):
+    model = make_model(bottleneck_type="variational", dtype=dtype).train()
+    x, lens, mask = lens_batch(7)
+    x = (x * 100).to(dtype).masked_fill(~mask[..., None], float("nan"))
+    loss, (_, aux) = model(x, lens=lens, return_all_losses=True)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss) and torch.isfinite(aux)
+    model.zero_grad()
+    none = model(x, lens=torch.zeros_like(lens))
+    none.backward()
+    assert none.item() == 0.0
+    for name, p in model.named_parameters():
+        assert_zero(p.grad, f"grad of {name}")

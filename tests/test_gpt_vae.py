@@ -298,3 +298,17 @@ def probe_gpt_vae(seed: int, value: float):
 
 def test_door_probe_clauses():
     check_probe(probe_gpt_vae, has_dead=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_finite_and_all_padding_is_zero(dtype):
+    model = make_model(dtype=dtype).train()
+    seq, _, _ = batch(9)
+    loss, (ar, kl) = model(seq, return_all_losses=True)
+    assert torch.isfinite(loss) and torch.isfinite(kl)
+    model.zero_grad()
+    none = model(torch.zeros_like(seq))
+    none.backward()
+    assert none.item() == 0.0
+    for name, p in model.named_parameters():
+        assert_zero(p.grad, f"grad of {name}")
