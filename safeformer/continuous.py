@@ -34,10 +34,10 @@ from .conditions import (
     drop_conditions,
     drop_probabilities,
 )
-from .decode import GuidedForward, autoregress
+from .decode import GuidedForward, autoregress, last_real
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
-from .wrappers import ContinuousTransformerWrapper
+from .wrappers import ContinuousTransformerWrapper, capped_log_var, split_mean_log_var
 
 __all__ = ["ContinuousAutoregressiveWrapper", "ContinuousTransformerWrapper"]
 
@@ -84,6 +84,27 @@ def _check_count(v, name: str, minimum: int) -> int:
     return v
 
 
+class _RawHead:
+    """A net with x-transformers' ``probabilistic=True`` read before its Gaussian head: ``(b, n, 2 d)``, the
+    interleaved ``(mean, log-variance)`` pairs, in the decode engine's net protocol (the dynamic path: the
+    static step would read ``project_out`` too, but this keeps one layout for every path). Not a module:
+    the net's parameters stay registered once, under ``net``."""
+
+    def __init__(self, net: ContinuousTransformerWrapper):
+        self.net = net
+
+    def __call__(self, x, **kw):
+        out = self.net(x, return_embeddings=True, **kw)
+        if isinstance(out, tuple):
+            return (self.net.project_out(out[0]), *out[1:])
+        return self.net.project_out(out)
+
+
+# x-transformers' variance floors: F.gaussian_nll_loss's eps (training) and sample_from_mean_variance's
+XT_NLL_EPS = 1e-6
+XT_SAMPLE_EPS = 1e-5
+
+
 # ----------------------------------------------------------------------------------------------------
 # the wrapper
 # ----------------------------------------------------------------------------------------------------
@@ -112,6 +133,14 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
 
     A dropped context or prefix is an all-False mask row (an exact no-op); a dropped adaptive condition
     is the stack's null condition. Dropped contents are selected away, never multiplied.
+
+    x-transformers' spelling, ``ContinuousTransformerWrapper(..., probabilistic=True)`` wrapped as
+    ``ContinuousAutoregressiveWrapper(net)``, is probabilistic too, with x-transformers' conventions: the
+    net's ``dim_out = dim_in``, its head interleaves ``(mean, log-variance)`` pairs, the loss is
+    ``F.gaussian_nll_loss(mean, x, var)`` (variance floored at 1e-6; computed from the log-variance,
+    ``0.5 * (lv + (x - mean)^2 * exp(-lv))`` with ``lv = max(log-variance, log 1e-6)``, so it never
+    overflows), and sampling draws ``N(mean, (max(var, 1e-5) ** 0.5 * temperature) ** 2)``. Passing
+    ``probabilistic=True`` here as well is an error (the two layouts differ).
 
     Example:
         >>> net = ContinuousTransformerWrapper(dim_in=1, dim_out=2, max_seq_len=64,
@@ -146,8 +175,20 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         if isinstance(min_variance, bool) or not (isinstance(min_variance, (int, float)) and math.isfinite(min_variance) and min_variance > 0):
             raise ValueError(f"min_variance must be a finite number > 0, got {min_variance!r}")
         dim_in = net.dim_in
-        dim_out = net.project_out.out_features if isinstance(net.project_out, nn.Linear) else net.attn_layers.dim
-        want = 2 * dim_in if probabilistic else dim_in
+        net_probabilistic = bool(getattr(net, "probabilistic", False))
+        if net_probabilistic and probabilistic:
+            raise ValueError("probabilistic=True here and on the net: the net's probabilistic=True (x-transformers' "
+                             "spelling) already makes this wrapper probabilistic, with x-transformers' layout; "
+                             "leave probabilistic out here")
+        if net_probabilistic:
+            dim_out = net.dim_out
+            want = dim_in
+        else:
+            dim_out = net.project_out.out_features if isinstance(net.project_out, nn.Linear) else net.attn_layers.dim
+            want = 2 * dim_in if probabilistic else dim_in
+        if net_probabilistic and dim_out != want:
+            raise ValueError(f"a probabilistic net's dim_out must equal dim_in = {dim_in} (its mean is fed back as "
+                             f"input), got dim_out={dim_out}")
         if dim_out != want:
             what = "2 * dim_in (a mean and a log-variance per feature)" if probabilistic else "dim_in (it is fed back as input)"
             raise ValueError(f"the net's dim_out must be {what} = {want} with probabilistic={probabilistic}, got dim_out={dim_out}")
@@ -156,7 +197,9 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
         self._set_config_from(ContinuousAutoregressiveWrapper.__init__, locals())
         self.net = net
-        self.probabilistic = probabilistic
+        self.net_probabilistic = net_probabilistic
+        self.probabilistic = probabilistic or net_probabilistic
+        self._model = _RawHead(net) if net_probabilistic else net  # what the loss and the decode engine call
         self.loss = loss
         self.min_variance = float(min_variance)
         self.dim_in = dim_in
@@ -174,6 +217,9 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         out = out.to(torch.promote_types(out.dtype, torch.float32))
         if not self.probabilistic:
             return out, None
+        if self.net_probabilistic:  # x-transformers' layout and floor (F.gaussian_nll_loss's eps)
+            mean, log_var = split_mean_log_var(out)
+            return mean, capped_log_var(log_var).clamp(min=math.log(XT_NLL_EPS))
         mean, raw = out.split(self.dim_in, dim=-1)
         floor = torch.tensor(math.log(self.min_variance), dtype=raw.dtype, device=raw.device)
         return mean, torch.logaddexp(raw, floor)  # log(exp(raw) + min_variance), stable both ways
@@ -192,6 +238,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         condition_mask: Tensor | None = None,
         reduction: str = "mean",
         generator: torch.Generator | None = None,
+        rollout_steps: int = 1,
         **conditions,
     ) -> Tensor:
         """Next-step loss of ``x (b, n, d)``.
@@ -207,7 +254,15 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             reduction: ``"mean"`` over counted targets (0.0 with zero gradient when none counts),
                 ``"sum"``, or ``"none"``: ``(b, n - 1)`` per target (the mean over features), exactly
                 0 where a target does not count.
-            generator: the random source of condition dropping (training mode).
+            generator: the random source of condition dropping (training mode), of the rollout's cut points
+                and of a probabilistic rollout's samples.
+            rollout_steps: x-transformers' multi-step loss (``k >= 2``): for each sample with more than ``k``
+                real steps, a cut ``c`` drawn uniformly from ``[1, L - k]`` (``L`` its real steps); from the
+                first ``c`` real steps the model predicts ``k`` steps, each fed back as the next input (a
+                probabilistic model feeds back a sample, without gradient through the draw), scored against
+                the real steps ``c .. c + k - 1``. The history stays in view at every step (x-transformers
+                2.31.10 feeds back only the last prediction). Samples too short for ``k`` steps are left out;
+                ``reduction="none"`` gives ``(b, k)``, exactly 0 for them.
 
         In training mode each condition given is dropped per sample (``cond_drop_prob``,
         ``cond_drop_all_prob``). Returns the loss in float32 (float64 for float64 models).
@@ -224,17 +279,35 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
         if n < 1:
             raise ValueError("x must hold at least one position (got n = 0)")
+        rollout_steps = _check_count(rollout_steps, "rollout_steps", 1)
         conds = _conditions_of(self.net, b, x.device, {**locals(), **conditions})
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, generator=generator)
         inp, target = x[:, :-1], x[:, 1:]
         inp_mask = None if mask is None else mask[:, :-1]
         counted = torch.ones(b, n - 1, dtype=torch.bool, device=x.device) if mask is None else mask[:, 1:] & mask[:, :-1]
-        out = self.net(inp, mask=inp_mask, **conds.kwargs())  # (b, n - 1, dim_out)
+        if rollout_steps > 1:
+            return self._rollout_loss(x, mask, conds, rollout_steps, reduction, generator)
+        out = self._model(inp, mask=inp_mask, **conds.kwargs())  # (b, n - 1, dim_out)
+        per = self._per_target(out, target, counted)  # (b, n - 1); padded targets selected away first
+        acc = torch.promote_types(out.dtype, torch.float32)
+        return self._reduce(per, counted, reduction, acc)
+
+    @staticmethod
+    def _reduce(per: Tensor, counted: Tensor, reduction: str, acc) -> Tensor:
+        if reduction == "none":
+            return per
+        total = per.sum()
+        if reduction == "sum":
+            return total
+        return total / counted.sum().clamp(min=1).to(acc)
+
+    def _per_target(self, out: Tensor, target: Tensor, counted: Tensor) -> Tensor:
+        """``(b, t)`` the loss of each target (the mean over features), exactly 0 where not ``counted``."""
         sel = counted[..., None]
         acc = torch.promote_types(out.dtype, torch.float32)
-        zero = torch.zeros((), dtype=acc, device=x.device)
-        target = torch.where(sel, target.to(acc), zero)  # padded targets selected away before any arithmetic
+        zero = torch.zeros((), dtype=acc, device=out.device)
+        target = torch.where(sel, target.to(acc), zero)
         mean, log_var = self._split(torch.where(sel, out.to(acc), zero))
         if log_var is not None:
             per = 0.5 * (log_var + (target - mean).square() * torch.exp(-log_var))
@@ -242,13 +315,54 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             per = (mean - target).abs()
         else:
             per = (mean - target).square()
-        per = torch.where(counted, per.mean(dim=-1), zero)  # (b, n - 1)
-        if reduction == "none":
-            return per
-        total = per.sum()
-        if reduction == "sum":
-            return total
-        return total / counted.sum().clamp(min=1).to(acc)
+        return torch.where(counted, per.mean(dim=-1), zero)
+
+    def _draw(self, mean: Tensor, log_var: Tensor | None, temperature: float, generator) -> Tensor:
+        """A sample of the next step (the mean for a deterministic model or temperature 0)."""
+        if log_var is None or temperature <= 0:
+            return mean
+        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        if self.net_probabilistic:  # x-transformers: std = sqrt(max(var, 1e-5)) * temperature
+            std = torch.exp(0.5 * log_var.clamp(min=math.log(XT_SAMPLE_EPS)))
+            return mean + std * temperature * noise
+        std = torch.exp(0.5 * log_var.clamp(max=math.log(torch.finfo(log_var.dtype).max) / 2))  # finite
+        return mean + std * math.sqrt(temperature) * noise
+
+    def _rollout_loss(self, x: Tensor, mask: Tensor | None, conds: Conditions, steps, reduction: str, generator) -> Tensor:
+        """The ``steps``-step rollout loss (see ``forward``)."""
+        b, n, d = x.shape
+        device = x.device
+        real = torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
+        lengths = real.sum(1)  # (b,)
+        # the real steps first, in order (any padding layout): x compacted to the left
+        order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices
+        xc = torch.where(real[..., None], x, 0.0).gather(1, order[..., None].expand(-1, -1, d))
+        valid = lengths > steps  # (b,): at least one history step and ``steps`` targets
+        span = (lengths - steps).clamp(min=1)  # cuts 1 .. L - k
+        u = torch.rand(b, generator=generator, device=device)
+        cut = torch.where(valid, 1 + (u * span).floor().long().clamp(max=span - 1), torch.ones_like(lengths))
+        hist = int(cut.max()) if b else 1
+        ar = torch.arange(hist, device=device)
+        seq, seq_mask = xc[:, :hist], ar[None] < cut[:, None]  # right-padded histories
+        tidx = (cut[:, None] + torch.arange(steps, device=device)[None]).clamp(max=n - 1)  # (b, k)
+        targets = xc.gather(1, tidx[..., None].expand(-1, -1, d))
+        counted = valid[:, None].expand(b, steps)
+        preds = []
+        kw = conds.kwargs()
+        for t in range(steps):
+            out = self._model(seq, mask=seq_mask, **kw)
+            last = last_real(out, seq_mask)  # (b, dim_out)
+            preds.append(last)
+            if t + 1 < steps:
+                mean, log_var = self._split(last)
+                nxt = mean if log_var is None else self._draw(mean, log_var, 1.0, generator).detach()
+                nxt = nxt.to(x.dtype)[:, None]
+                seq = torch.cat((seq, nxt), dim=1)
+                seq_mask = torch.cat((seq_mask, torch.ones(b, 1, dtype=torch.bool, device=device)), dim=1)
+        out = torch.stack(preds, dim=1)  # (b, k, dim_out)
+        per = self._per_target(out, targets, counted)
+        acc = torch.promote_types(out.dtype, torch.float32)
+        return self._reduce(per, counted, reduction, acc)
 
     # ------------------------------------------------------------------------------------------------
     # generation
@@ -376,10 +490,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
 
         def pick(guided: tuple[Tensor, Tensor | None], t: int) -> tuple[Tensor, bool]:
             mean, log_var = guided
-            if log_var is not None and temperature > 0:
-                noise = torch.randn(mean.shape, generator=generator, device=device, dtype=mean.dtype)
-                std = torch.exp(0.5 * log_var.clamp(max=math.log(torch.finfo(log_var.dtype).max) / 2))  # finite
-                mean = mean + std * math.sqrt(temperature) * noise
+            mean = self._draw(mean, log_var, temperature, generator)
             value = mean.clamp(-big, big).to(start.dtype)
             out[:, t] = value
             return value, False
@@ -387,7 +498,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         was_training = self.training
         self.eval()
         try:
-            engine = GuidedForward(self.net, b, conds, negatives, schedule, combine, cache_kv=cache_kv, steps=seq_len,
+            engine = GuidedForward(self._model, b, conds, negatives, schedule, combine, cache_kv=cache_kv, steps=seq_len,
                                    need_joint=self.probabilistic or guidance_rescale > 0, static=True)
             autoregress(engine, start, mask, seq_len, pick)
         finally:

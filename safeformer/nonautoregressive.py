@@ -99,6 +99,24 @@ def hidden_counts(schedule: Callable[[Tensor], Tensor], steps: int, n_real: Tens
     return torch.minimum(counts, n_real[None])
 
 
+MDLM_WEIGHT_MAX = 1e6
+
+
+def mdlm_loss_weight(schedule_fn: Callable[[Tensor], Tensor], r: Tensor) -> Tensor:
+    """The continuous-time MDLM weight ``-gamma'(r) / gamma(r)`` of times ``r (b,)`` (float64), with
+    ``gamma`` the hidden fraction: the derivative by autograd, the weight clamped to ``[0, 1e6]`` (a schedule
+    that reaches 0, or rises somewhere, gives a finite, non-negative weight)."""
+    t = r.detach().double().requires_grad_(True)
+    with torch.enable_grad():
+        g = schedule_fn(t)
+        (dg,) = torch.autograd.grad(g.sum(), t, allow_unused=True)
+    if dg is None:  # a constant schedule: no change of the hidden fraction, no weight
+        return torch.zeros_like(r, dtype=torch.float64)
+    g = g.detach().clamp(min=0.0)
+    w = torch.where(g > 0, -dg / g.clamp(min=torch.finfo(torch.float64).tiny), torch.full_like(g, MDLM_WEIGHT_MAX))
+    return torch.nan_to_num(w, nan=0.0, posinf=MDLM_WEIGHT_MAX).clamp(0.0, MDLM_WEIGHT_MAX)
+
+
 class NonAutoregressiveWrapper(Configurable, nn.Module):
     """Masked-token training and iterative parallel decoding (MaskGIT) around a bidirectional
     ``TransformerWrapper``, with every kind of condition droppable and guided.
@@ -114,6 +132,12 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         cond_drop_prob: during training, the probability of dropping each sample's condition: one
             number for every kind given, or ``{"context": p_c, "prepend": p_p, "condition": p_a}``.
         cond_drop_all_prob: in addition, the probability that a sample loses every condition at once.
+        use_simple_mdlm_loss_weight: weight each sample's loss by the continuous-time MDLM weight of its
+            time ``r`` (Sahoo et al., arXiv 2406.07524): ``-gamma'(r) / gamma(r)`` (``1 / (1 - r)`` for the
+            linear schedule), ``gamma'`` by autograd in float64, clamped to ``[0, 1e6]``. x-transformers'
+            option of the same name (on by default there) computes ``gamma'(r) / (1 - gamma(r))``, which is
+            negative for every decreasing schedule (its loss falls as the cross-entropy rises); safeformer
+            keeps the paper's sign and denominator, and leaves it off by default.
 
     Example:
         >>> net = TransformerWrapper(num_tokens=18, logits_dim=17, max_seq_len=64,
@@ -133,10 +157,13 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         pad_value: int = 0,
         cond_drop_prob: float | dict[str, float] = 0.0,
         cond_drop_all_prob: float = 0.0,
+        use_simple_mdlm_loss_weight: bool = False,
     ):
         super().__init__()
         if not isinstance(net, TransformerWrapper):
             raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
+        if not isinstance(use_simple_mdlm_loss_weight, bool):
+            raise TypeError(f"use_simple_mdlm_loss_weight must be a bool, got {use_simple_mdlm_loss_weight!r}")
         if net.attn_layers.causal:
             raise ValueError("net must be bidirectional (attn_layers=Encoder(...)): a masked-token model reads both sides")
         if net.return_only_embed:
@@ -163,6 +190,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         self.steps = steps
         self.schedule = schedule
         self.schedule_fn = schedule_fn
+        self.use_simple_mdlm_loss_weight = use_simple_mdlm_loss_weight
         self.pad_value = pad_value
         self.num_tokens = v
         self.logits_dim = logits_dim
@@ -212,6 +240,10 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         Returns:
             ``(hidden_x (b, n), hidden (b, n) bool)``: the corrupted ids and which positions were hidden.
         """
+        return self._hide(x, mask, generator)[:2]
+
+    def _hide(self, x: Tensor, mask: Tensor | None, generator) -> tuple[Tensor, Tensor, Tensor]:
+        """``hide_tokens``'s result and the times ``r (b,)`` drawn (float64)."""
         if not isinstance(x, Tensor) or x.dim() != 2:
             raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
         b, n = x.shape
@@ -228,7 +260,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         scores = torch.where(real, scores, 2.0)  # padding ranks last, never chosen
         rank = scores.argsort(dim=1).argsort(dim=1)
         hidden = (rank < k[:, None]) & real
-        return torch.where(hidden, torch.full_like(x, self.mask_id), x), hidden
+        return torch.where(hidden, torch.full_like(x, self.mask_id), x), hidden, r.double()
 
     @checked_once
     def forward(
@@ -268,10 +300,17 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         conds = _conditions_of(self.net, b, x.device, {**locals(), **conditions})
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, generator=generator)
-        inp, hidden = self.hide_tokens(x, mask, generator=generator)
+        inp, hidden, r = self._hide(x, mask, generator)
         logits = self.net(inp, mask=mask, **conds.kwargs())  # (b, n, v)
         target = torch.where(hidden, x, torch.full_like(x, _IGNORE))
-        return safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction=reduction)
+        if not self.use_simple_mdlm_loss_weight:
+            return safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction=reduction)
+        per = safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction="none")  # (b, n), 0 where not hidden
+        per = per * mdlm_loss_weight(self.schedule_fn, r).to(per.dtype)[:, None]
+        if reduction == "none":
+            return per
+        total = per.sum()
+        return total if reduction == "sum" else total / hidden.sum().clamp(min=1).to(per.dtype)
 
     # ------------------------------------------------------------------------------------------------
     # generation

@@ -7,12 +7,13 @@ Masks: bool, True = real position / may attend (``masks.py``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import Tensor, nn
 
-from .cache import resolve_cache
+from .cache import LayerIntermediates, resolve_cache
 from .conditions import Conditions, check_condition_tensor, condition_kwargs
 from .layers import AttentionLayers, KVCache, _last, translate_aliases
 from .losses import masked_mean
@@ -221,11 +222,57 @@ class _Wrapper(Configurable, nn.Module):
         return h, new_cache, mask, m, fixed_out, intermediates, plan
 
 
-def _start_mask(seq_start_pos, mask: Tensor | None, b: int, n: int, device) -> Tensor:
-    """``mask`` with the positions before ``seq_start_pos (b,)`` marked as (left) padding."""
-    t = check_lengths(seq_start_pos, "seq_start_pos", b, max_len=n, device=device)
-    started = torch.arange(n, device=device)[None] >= t[:, None]  # (b, n)
+def _cached_slots(cache, n: int, cache_age: int) -> int:
+    """How many token slots before ``x``'s first position the cache holds (0 without one, or when ``x``
+    holds the whole sequence)."""
+    if cache is None:
+        return 0
+    kv = cache.cache if isinstance(cache, LayerIntermediates) else cache
+    if not isinstance(kv, KVCache):
+        return 0
+    cached = kv.length - kv.lead_slots
+    return cached if not isinstance(cache, LayerIntermediates) or n == cache_age else 0
+
+
+def _start_mask(seq_start_pos, mask: Tensor | None, b: int, n: int, device, offset: int = 0,
+                incremental: bool = False) -> Tensor:
+    """``mask`` with the positions before ``seq_start_pos (b,)`` marked as (left) padding; ``offset``: the
+    index of ``x``'s first position in the whole sequence (cached positions before it). ``incremental``: ``x``
+    is a piece of a longer sequence (``input_not_include_cache``), whose start may lie beyond it."""
+    t = check_lengths(seq_start_pos, "seq_start_pos", b, max_len=None if incremental else n + offset, device=device)
+    started = offset + torch.arange(n, device=device)[None] >= t[:, None]  # (b, n)
     return started if mask is None else mask & started
+
+
+def _flag(v, name: str) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {v!r}")
+
+
+def _check_xt_head_options(token_emb, to_logits, tie_embedding, return_only_embed, mixture_of_softmax, mos_k,
+                           recycling, recycle_steps, use_cls_token, average_pool_embed, squeeze_out_last_dim,
+                           add_continuous_pred_head, input_not_include_cache) -> None:
+    """The x-transformers wrapper options' types and the combinations safeformer refuses (S9)."""
+    for name, mod in (("token_emb", token_emb), ("to_logits", to_logits)):
+        if mod is not None and not isinstance(mod, nn.Module):
+            raise TypeError(f"{name} must be an nn.Module, got {type(mod).__name__}")
+    for v, name in ((squeeze_out_last_dim, "squeeze_out_last_dim"), (mixture_of_softmax, "mixture_of_softmax"),
+                    (add_continuous_pred_head, "add_continuous_pred_head"), (recycling, "recycling"),
+                    (input_not_include_cache, "input_not_include_cache")):
+        _flag(v, name)
+    if token_emb is not None and tie_embedding:
+        raise ValueError("tie_embedding=True ties the output to the built-in nn.Embedding: not with a custom token_emb")
+    if to_logits is not None and (tie_embedding or return_only_embed):
+        raise ValueError("to_logits (a custom output head) cannot be combined with tie_embedding or return_only_embed")
+    if mixture_of_softmax:
+        if isinstance(mos_k, bool) or not isinstance(mos_k, int) or mos_k < 1:
+            raise ValueError(f"mixture_of_softmax_k must be a positive integer, got {mos_k!r}")
+        if return_only_embed:
+            raise ValueError("mixture_of_softmax needs an output head (not return_only_embed)")
+        if use_cls_token or average_pool_embed:
+            raise ValueError("mixture_of_softmax mixes per-position softmaxes: not with use_cls_token or average_pool_embed")
+    if recycling and (isinstance(recycle_steps, bool) or not isinstance(recycle_steps, int) or recycle_steps < 1):
+        raise ValueError(f"train_max_recycle_steps must be a positive integer, got {recycle_steps!r}")
 
 
 class TransformerWrapper(_Wrapper):
@@ -279,6 +326,15 @@ class TransformerWrapper(_Wrapper):
         average_pool_embed: bool = False,
         use_cls_token: bool = False,
         num_cls_tokens: int = 1,
+        token_emb: nn.Module | None = None,
+        to_logits: nn.Module | None = None,
+        squeeze_out_last_dim: bool = False,
+        mixture_of_softmax: bool = False,
+        mixture_of_softmax_k: int = 4,
+        add_continuous_pred_head: bool = False,
+        recycling: bool = False,
+        train_max_recycle_steps: int = 4,
+        input_not_include_cache: bool = False,
         **aliases,
     ):
         if aliases:  # other spellings through the one table (unknown names get suggestions)
@@ -301,12 +357,17 @@ class TransformerWrapper(_Wrapper):
             raise ValueError(f"logits_dim must be a positive integer or None (= num_tokens), got {logits_dim!r}")
         if tie_embedding and logits_dim not in (None, num_tokens):
             raise ValueError("tie_embedding=True needs logits_dim == num_tokens")
+        _check_xt_head_options(token_emb, to_logits, tie_embedding, return_only_embed, mixture_of_softmax,
+                               mixture_of_softmax_k, recycling, train_max_recycle_steps, use_cls_token,
+                               average_pool_embed, squeeze_out_last_dim, add_continuous_pred_head,
+                               input_not_include_cache)
         dim = attn_layers.dim
         self.num_tokens = num_tokens
         self.attn_layers = attn_layers
-        self.token_emb = nn.Embedding(num_tokens, dim)
+        self.custom_token_emb = token_emb is not None
+        self.token_emb = nn.Embedding(num_tokens, dim) if token_emb is None else token_emb
         self.l2norm_embed = l2norm_embed
-        if l2norm_embed:
+        if l2norm_embed and not self.custom_token_emb:
             nn.init.normal_(self.token_emb.weight, std=1e-5)
         self._init_positions(dim, max_seq_len, use_abs_pos_emb, l2norm_embed)
         self._init_fixed_tokens(dim, num_memory_tokens, use_cls_token, num_cls_tokens)
@@ -316,8 +377,28 @@ class TransformerWrapper(_Wrapper):
         self.tie_embedding_scale = 1.0 if tie_embedding_scale is None else float(tie_embedding_scale)
         self.return_only_embed = return_only_embed
         has_head = not (tie_embedding or return_only_embed)
-        self.to_logits = nn.Linear(dim, num_tokens if logits_dim is None else logits_dim, bias=False) if has_head else None
+        self.custom_to_logits = to_logits is not None
+        if to_logits is not None:
+            self.to_logits = to_logits
+        else:
+            self.to_logits = nn.Linear(dim, num_tokens if logits_dim is None else logits_dim, bias=False) if has_head else None
         self.check_finite = check_finite
+        self.squeeze_out_last_dim = squeeze_out_last_dim
+        # mixture of softmaxes (x-transformers' mixture_of_softmax): k heads' softmaxes mixed per position; the
+        # output is then log-probabilities
+        self.output_is_log_prob = mixture_of_softmax
+        self.to_mixture = nn.Linear(dim, dim * mixture_of_softmax_k, bias=False) if mixture_of_softmax else None
+        self.combine_mixture = nn.Linear(dim, mixture_of_softmax_k, bias=False) if mixture_of_softmax else None
+        self.mixture_of_softmax_k = mixture_of_softmax_k
+        self.add_continuous_pred_head = add_continuous_pred_head
+        self.to_next_embed_pred = nn.Sequential(nn.Linear(dim, dim, bias=False), nn.SiLU(), nn.Linear(dim, dim, bias=False)) \
+            if add_continuous_pred_head else None
+        self.recycling = recycling
+        self.recycled_proj = nn.Linear(dim, dim, bias=False) if recycling else None
+        self.train_max_recycle_steps = train_max_recycle_steps
+        self.input_not_include_cache = input_not_include_cache
+        if self.custom_token_emb and hasattr(self.token_emb, "init_"):  # x-transformers calls it on construction
+            self.token_emb.init_()
 
     @checked_once
     def forward(
@@ -344,6 +425,11 @@ class TransformerWrapper(_Wrapper):
         return_attn: bool = False,
         return_hiddens: bool = False,
         cache_age: int = 1,
+        token_emb_kwargs: dict | None = None,
+        to_logits_kwargs: dict | None = None,
+        return_next_embed_pred: bool = False,
+        recycle_steps: int | None = None,
+        input_not_include_cache: bool | None = None,
         **conditions,
     ):
         """Run the model.
@@ -382,6 +468,14 @@ class TransformerWrapper(_Wrapper):
             return_attn: also return the list of attention weights ``(b, h, i, j)`` (float32; padded
                 queries, dead rows and masked keys exactly 0).
             return_hiddens: the same as ``return_intermediates``.
+            token_emb_kwargs, to_logits_kwargs: keywords for a custom ``token_emb`` / ``to_logits`` module.
+            return_next_embed_pred: with ``add_continuous_pred_head``, return ``(out, (next_embed_pred,
+                initial_embeds))``: the head's prediction of the next position's embedding ``(b, n, c)`` and
+                the embeddings entering the stack (x-transformers' ``init_embed``; padded rows 0).
+            recycle_steps: with ``recycling``, how many times the stack runs (default: a random number in
+                ``[1, train_max_recycle_steps]`` in training; needed in eval mode).
+            input_not_include_cache: with a ``LayerIntermediates`` cache, ``x`` holds only the new positions
+                (all of them new; x-transformers' option); default the model's ``input_not_include_cache``.
 
         Returns:
             logits ``(b, n, v)`` (or embeddings / pooled; ``(b, v)`` with ``average_pool_embed`` or one
@@ -391,10 +485,17 @@ class TransformerWrapper(_Wrapper):
         conditions = condition_kwargs("TransformerWrapper.forward", conditions)
         x = _token_ids(x, "x")
         b, n = x.shape
+        self._check_xt_call(token_emb_kwargs, to_logits_kwargs, return_next_embed_pred, recycle_steps, cache)
+        if input_not_include_cache is None:
+            input_not_include_cache = self.input_not_include_cache
+        _flag(input_not_include_cache, "input_not_include_cache")
+        if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1:
+            cache_age = n  # every position of x is new
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
         if seq_start_pos is not None:
-            mask = _start_mask(seq_start_pos, mask, b, n, x.device)
+            mask = _start_mask(seq_start_pos, mask, b, n, x.device, offset=_cached_slots(cache, n, cache_age),
+                               incremental=input_not_include_cache)
         cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
         if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
             x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
@@ -409,15 +510,28 @@ class TransformerWrapper(_Wrapper):
                                                    condition_mask, conditions),
                                        self.check_finite if check_finite is None else check_finite)
         want_inter = return_intermediates or return_hiddens or return_attn
-        emb = self.token_emb(x)
-        if self.l2norm_embed:
-            emb = l2norm(emb)
-        h, new_cache, full_mask, m, fixed_out, inter, plan = self._run(
-            emb, mask, conds, attn_mask, cache, return_cache,
-            pos=pos, return_hiddens=want_inter,
-        )
+        emb = self._embed(x, mask, token_emb_kwargs)
+        if self.recycling:
+            h, new_cache, full_mask, m, fixed_out, inter, plan = self._recycle(
+                emb, mask, conds, attn_mask, recycle_steps, pos, want_inter or return_next_embed_pred)
+        else:
+            h, new_cache, full_mask, m, fixed_out, inter, plan = self._run(
+                emb, mask, conds, attn_mask, cache, return_cache,
+                pos=pos, return_hiddens=want_inter or return_next_embed_pred,
+            )
 
         def result(out):
+            if self.squeeze_out_last_dim and out.shape[-1] == 1 and not (return_embeddings or self.return_only_embed
+                                                                         or return_pooled):
+                out = out[..., 0]
+            if return_next_embed_pred:
+                hid = h[:, m:] if excise_prepend_embeds and m else h
+                init = inter.hiddens[0] if inter.hiddens else None
+                if init is not None and self.num_fixed_tokens and cache is None:
+                    init = init[:, self.num_fixed_tokens:]
+                if init is not None and excise_prepend_embeds and m:
+                    init = init[:, m:]
+                out = (out, (self.to_next_embed_pred(hid), init))
             extra = ((new_cache,) if return_cache else ()) + (
                 (inter,) if return_intermediates or return_hiddens else (inter.attn_maps,) if return_attn else ())
             return (out, *extra) if extra else out
@@ -436,6 +550,10 @@ class TransformerWrapper(_Wrapper):
             full_mask = None if full_mask is None else full_mask[:, m:]
         if return_embeddings or self.return_only_embed:
             out = h
+        elif self.custom_to_logits or self.to_mixture is not None:
+            out = self._head(h, **(to_logits_kwargs or {}))
+            if full_mask is not None:  # padded rows: exactly 0 (a custom head may add a bias)
+                out = torch.where(full_mask.reshape(*full_mask.shape, *([1] * (out.dim() - 2))), out, 0.0)
         elif plan is not None and plan.n == h.shape[1]:
             # the output head on the stack's real tokens only (padded rows are exact zeros: their logits are 0)
             out = plan.unpack(self._head(plan.pack(h)))
@@ -443,11 +561,99 @@ class TransformerWrapper(_Wrapper):
             out = self._head(h)  # (b, n, v)
         return result(out)
 
-    def _head(self, h: Tensor) -> Tensor:
+    @property
+    def can_cache_kv(self) -> bool:
+        """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
+        memory, class and prefix rows; only recycling, which reruns the stack, cannot)."""
+        return not getattr(self, "recycling", False)
+
+    @property
+    def can_cache_kv_outside_max_seq_len(self) -> bool:
+        """x-transformers' flag: no absolute position embedding bounds the length."""
+        return self.pos_emb is None
+
+    def _head(self, h: Tensor, **to_logits_kwargs) -> Tensor:
         if self.tie_embedding:
             logits = h @ self.token_emb.weight.t()
             return logits if self.tie_embedding_scale == 1.0 else logits * self.tie_embedding_scale
-        return self.to_logits(h)
+        if self.to_mixture is None:
+            return self.to_logits(h, **to_logits_kwargs)
+        # mixture of softmaxes: log(sum_k pi_k softmax(W h_k)), in float32 at least; a log-probability whose
+        # every term is a softmax weight, computed as a logsumexp (never log 0 = -inf from underflow)
+        acc = torch.promote_types(h.dtype, torch.float32)
+        weights = self.combine_mixture(h).to(acc).log_softmax(dim=-1)  # (..., k)
+        parts = self.to_mixture(h).unflatten(-1, (self.mixture_of_softmax_k, h.shape[-1]))  # (..., k, c)
+        logp = self.to_logits(parts, **to_logits_kwargs).to(acc).log_softmax(dim=-1)  # (..., k, v)
+        return torch.logsumexp(logp + weights[..., None], dim=-2).to(h.dtype)
+
+    def _embed(self, x: Tensor, mask: Tensor | None, token_emb_kwargs: dict | None) -> Tensor:
+        """``(b, n, c)`` token embeddings; a custom ``token_emb``'s output is checked and its padded rows zeroed."""
+        if not self.custom_token_emb:
+            emb = self.token_emb(x)
+            return l2norm(emb) if self.l2norm_embed else emb
+        emb = self.token_emb(x, **(token_emb_kwargs or {}))
+        dim = self.attn_layers.dim
+        if not isinstance(emb, Tensor) or tuple(emb.shape) != (*x.shape, dim) or not emb.is_floating_point():
+            raise ValueError(f"token_emb must return floating-point embeddings of shape (b, n, dim) = "
+                             f"({x.shape[0]}, {x.shape[1]}, {dim}), got {getattr(emb, 'shape', type(emb))}")
+        return emb if mask is None else torch.where(mask[..., None], emb, 0.0)
+
+    def _check_xt_call(self, token_emb_kwargs, to_logits_kwargs, return_next_embed_pred, recycle_steps, cache) -> None:
+        for name, kw, custom in (("token_emb_kwargs", token_emb_kwargs, self.custom_token_emb),
+                                 ("to_logits_kwargs", to_logits_kwargs, self.custom_to_logits)):
+            if kw is not None and not isinstance(kw, dict):
+                raise TypeError(f"{name} must be a dict, got {type(kw).__name__}")
+            if kw and not custom:
+                raise ValueError(f"{name} was given but the model has no custom {name[:-7]} module to receive it")
+        _flag(return_next_embed_pred, "return_next_embed_pred")
+        if return_next_embed_pred and not self.add_continuous_pred_head:
+            raise ValueError("return_next_embed_pred=True needs add_continuous_pred_head=True")
+        if recycle_steps is not None:
+            if not self.recycling:
+                raise ValueError("recycle_steps was given but the model was built without recycling=True")
+            if isinstance(recycle_steps, bool) or not isinstance(recycle_steps, int) or recycle_steps < 1:
+                raise ValueError(f"recycle_steps must be a positive integer, got {recycle_steps!r}")
+        if self.recycling:
+            if recycle_steps is None and not self.training:
+                raise ValueError("a recycling model needs recycle_steps in eval mode (x-transformers' rule)")
+            if cache is not None:
+                raise ValueError("recycling runs the whole stack several times: no KV cache (x-transformers' rule)")
+
+    def _recycle(self, emb, mask, conds, attn_mask, steps, pos, want_inter):
+        """x-transformers' recycling: the stack runs ``steps`` times, each run's input the embeddings plus
+        ``recycled_proj`` of the previous run's (detached) output; only the last run takes gradients."""
+        if steps is None:
+            steps = int(torch.randint(1, self.train_max_recycle_steps + 1, ()).item())
+        if self.num_fixed_tokens or conds.prepend_embeds is not None:
+            raise ValueError("recycling with memory, class tokens or prepend_embeds is not supported")
+        out = None
+        for i in range(steps):
+            with torch.no_grad() if i < steps - 1 else contextlib.nullcontext():
+                inp = emb
+                if out is not None:
+                    prev = out[0].detach()  # padded rows of the stack's output are exact zeros
+                    inp = emb + self.recycled_proj(prev)
+                out = self._run(inp, mask, conds, attn_mask, None, False, pos=pos,
+                                return_hiddens=want_inter and i == steps - 1)
+        return out
+
+
+def split_mean_log_var(raw: Tensor) -> tuple[Tensor, Tensor]:
+    """x-transformers' probabilistic layout: ``raw (..., 2 d)`` read as ``(d, 2)`` pairs, ``(mean, log-variance)``."""
+    pairs = raw.unflatten(-1, (raw.shape[-1] // 2, 2))
+    return pairs[..., 0], pairs[..., 1]
+
+
+def capped_log_var(log_var: Tensor) -> Tensor:
+    """The log-variance capped so that its ``exp`` stays finite in its dtype (and its gradient with it)."""
+    return log_var.clamp(max=math.log(torch.finfo(log_var.dtype).max) - 0.05)
+
+
+def gaussian_head(raw: Tensor) -> Tensor:
+    """``stack((mean, variance))`` ``(2, ..., d)`` from the head's ``raw (..., 2 d)`` (x-transformers'
+    ``probabilistic`` output), the variance finite."""
+    mean, log_var = split_mean_log_var(raw)
+    return torch.stack((mean, capped_log_var(log_var).exp()))
 
 
 class ContinuousTransformerWrapper(_Wrapper):
@@ -464,6 +670,17 @@ class ContinuousTransformerWrapper(_Wrapper):
             checks ``x`` as well as ``context``.
         num_memory_tokens, average_pool_embed: as in ``TransformerWrapper`` (x-transformers' names);
             with ``average_pool_embed`` the output is ``(b, dim_out)``.
+        probabilistic: x-transformers' Gaussian head: ``project_out`` gives ``2 * dim_out`` features, read
+            interleaved as ``(mean, log-variance)`` pairs per feature, and the output is
+            ``stack((mean, variance))``: ``(2, b, n, dim_out)`` (``(2, b, dim_out)`` pooled). The variance is
+            ``exp(log-variance)`` with the log-variance capped just below ``log`` of the dtype's largest finite
+            value (never inf). Needs ``dim_out``; ``return_embeddings`` returns the hidden states as usual.
+            ``ContinuousAutoregressiveWrapper(net)`` trains such a net with the Gaussian NLL.
+        project_in, project_out: x-transformers' custom modules in place of ``nn.Linear(dim_in, dim)`` and
+            ``nn.Linear(dim, dim_out)``; they must act on each position alone (the KV cache and the static
+            decode step run them one position at a time). ``dim_in`` is read from an ``nn.Linear``
+            ``project_in`` and needed otherwise (safeformer checks the input width); ``dim_out`` likewise
+            from an ``nn.Linear`` ``project_out``. Padded positions are zeroed before ``project_in`` runs.
     """
 
     def __init__(
@@ -478,6 +695,9 @@ class ContinuousTransformerWrapper(_Wrapper):
         check_finite: bool = False,
         num_memory_tokens: int | None = None,
         average_pool_embed: bool = False,
+        probabilistic: bool = False,
+        project_in: nn.Module | None = None,
+        project_out: nn.Module | None = None,
         **aliases,
     ):
         if aliases:
@@ -486,18 +706,58 @@ class ContinuousTransformerWrapper(_Wrapper):
             return
         super().__init__()
         _check_layers(attn_layers)
+        if not isinstance(probabilistic, bool):
+            raise TypeError(f"probabilistic must be a bool, got {probabilistic!r}")
+        if probabilistic and dim_out is None:
+            raise ValueError("probabilistic=True needs dim_out (the head gives a mean and a variance per output feature)")
+        for name, mod in (("project_in", project_in), ("project_out", project_out)):
+            if mod is not None and not isinstance(mod, nn.Module):
+                raise TypeError(f"{name} must be an nn.Module, got {type(mod).__name__}")
+        if project_in is not None and dim_in is None:
+            if not isinstance(project_in, nn.Linear):
+                raise ValueError("project_in that is not an nn.Linear needs dim_in: the width of the inputs it reads "
+                                 "(checked on every call)")
+            dim_in = project_in.in_features
+        if project_out is not None and dim_out is None and isinstance(project_out, nn.Linear):
+            dim_out = project_out.out_features // (2 if probabilistic else 1)
+        if probabilistic and project_out is not None and isinstance(project_out, nn.Linear) \
+                and project_out.out_features != 2 * dim_out:
+            raise ValueError(f"probabilistic=True: project_out must give 2 * dim_out = {2 * dim_out} features "
+                             f"(a mean and a log-variance per feature), got {project_out.out_features}")
+        if probabilistic and dim_out is None:
+            raise ValueError("probabilistic=True needs dim_out (the head gives a mean and a variance per output feature)")
         self._set_config_from(ContinuousTransformerWrapper.__init__, locals())
         dim = attn_layers.dim
         self.attn_layers = attn_layers
         self.dim_in = dim if dim_in is None else dim_in
-        self.project_in = nn.Identity() if dim_in is None else nn.Linear(dim_in, dim)
-        self.project_out = nn.Identity() if dim_out is None else nn.Linear(dim, dim_out)
+        self.dim_out = dim_out
+        self.probabilistic = probabilistic
+        if project_in is not None:
+            self.project_in = project_in
+        else:
+            self.project_in = nn.Identity() if dim_in is None else nn.Linear(dim_in, dim)
+        if project_out is not None:
+            self.project_out = project_out
+        else:
+            out_features = None if dim_out is None else dim_out * (2 if probabilistic else 1)
+            self.project_out = nn.Identity() if dim_out is None else nn.Linear(dim, out_features)
         # x-transformers: no max_seq_len (or 0) means no absolute position embedding
         self._init_positions(dim, None if max_seq_len == 0 else max_seq_len, use_abs_pos_emb)
         self._init_fixed_tokens(dim, num_memory_tokens)
         self.average_pool_embed = average_pool_embed
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.check_finite = check_finite
+
+    @property
+    def can_cache_kv(self) -> bool:
+        """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
+        memory, class and prefix rows; only recycling, which reruns the stack, cannot)."""
+        return not getattr(self, "recycling", False)
+
+    @property
+    def can_cache_kv_outside_max_seq_len(self) -> bool:
+        """x-transformers' flag: no absolute position embedding bounds the length."""
+        return self.pos_emb is None
 
     @checked_once
     def forward(
@@ -571,6 +831,8 @@ class ContinuousTransformerWrapper(_Wrapper):
             out = h
         else:
             out = self.project_out(h)
+        if self.probabilistic and not return_embeddings and not return_pooled:
+            out = gaussian_head(out)
         extra = ((new_cache,) if return_cache else ()) + (
             (inter,) if return_intermediates or return_hiddens else (inter.attn_maps,) if return_attn else ())
         return (out, *extra) if extra else out
