@@ -5,6 +5,7 @@ from .attend import attend
 from .attention import Attention
 from .conditions import Conditions, compose_guidance, drop_conditions
 from .continuous import ContinuousAutoregressiveWrapper
+from .continuous_autoencoder import ContinuousTransformerAutoencoder
 from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
 from .dpo import DPO
 from .encoder_decoder import XTransformer
@@ -21,6 +22,7 @@ from .generation import (
     top_k,
     top_p,
 )
+from .gpt_vae import GPTVAE
 from .interop import from_x_transformers
 from .layers import (
     AttentionLayers,
@@ -65,6 +67,8 @@ from .xt_extras import AttentionPool, ViTransformerWrapper, eval_decorator
 from .xval import XValAutoregressiveWrapper, XValTransformerWrapper
 
 __all__ = [
+    "ContinuousTransformerAutoencoder",
+    "GPTVAE",
     "DPO",
     "EntropyBasedTokenizer",
     "MultiInputTransformerWrapper",

@@ -46,9 +46,11 @@ How the numbers are matched (x-transformers 2.x, read from its source):
   safeformer's RMSNorm gives ``q' = qhat * sqrt(d) * w_q`` (and ``k'`` alike) and the logit
   ``d ** -0.5 * q' . k' = sqrt(d) * sum_e qhat_e khat_e w_q,e w_k,e``. They agree when
   ``w_q,e * w_k,e = p_e = s * a_e * b_e / sqrt(d)``; the converter sets ``w_k = sqrt(|p|)`` and
-  ``w_q = sign(p) * sqrt(|p|)``. safeformer's gains are shared by every head, so per-head scales
-  convert only where ``a * b`` is the same for every head (as at initialisation); ``qk_norm_groups
-  > 1`` (normalising groups of features) does not convert. The q/k norms keep safeformer's epsilon
+  ``w_q = sign(p) * sqrt(|p|)``. With ``qk_norm_dim_scale`` safeformer's ``attn_qk_norm_dim_scale``
+  has gains per head: ``w_q = a * c`` (query heads permuted), ``w_k = b * c`` with ``c ** 2 * sqrt(d) = s``;
+  ``qk_norm_groups > 1`` (normalising groups of features) does not convert. ``attn_value_rmsnorm``'s
+  ``gamma (h, 1, d)`` is the value norm's weight (``attn_kv_heads == heads`` only), and
+  ``attn_orthog_projected_values`` keeps ``to_out`` (its columns permuted once per concatenated part). The q/k norms keep safeformer's epsilon
   (``rsqrt(mean(q^2) + 1e-6)`` against ``1 / max(||q||, 1e-12)``): a relative difference of about
   ``5e-7 / mean(q^2)`` in each normalised q and k.
 - Memory. ``num_memory_tokens`` rows ``memory_tokens (m, c)`` and per-attention memory keys/values
@@ -205,13 +207,17 @@ class _AttnOptions:
 
     qk_norm: bool = False
     qk_gain: Tensor | None = None
+    qk_head_gains: tuple | None = None  # qk_norm_dim_scale: (w_q (h, d) in x-transformers' head order, w_k (h_kv, d))
+    value_rmsnorm: bool = False
+    orthog: tuple = ()  # the orthog_projected_values options, as AttentionLayers keywords
     mem_kv: int = 0
     sink: bool = False
     softclamp: float | None = None
     gates: tuple = ()  # the gated-attention options, as AttentionLayers keywords (sorted items)
 
     def key(self) -> tuple:
-        return (self.qk_norm, self.mem_kv, self.sink, self.softclamp, self.gates)
+        return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
+                self.softclamp, self.gates)
 
 
 def _gate_options(name: str, attn, problems: _Problems) -> tuple:
@@ -249,8 +255,9 @@ def _gate_options(name: str, attn, problems: _Problems) -> tuple:
     return tuple(sorted(out.items()))
 
 
-def _qk_gain(name: str, attn, problems: _Problems) -> Tensor | None:
-    """``p (d,)`` with ``w_q * w_k = p`` (float64), or None (a problem recorded)."""
+def _qk_gain(name: str, attn, problems: _Problems) -> Tensor | tuple | None:
+    """``p (d,)`` with ``w_q * w_k = p`` (float64), or None (a problem recorded); with ``qk_norm_dim_scale``
+    the per-head gains ``(w_q (h, d), w_k (h_kv, d))`` (x-transformers' head order)."""
     groups = getattr(attn, "qk_norm_groups", 1)
     if groups != 1:
         problems.add(f"attn_qk_norm with qk_norm_groups={groups} (x-transformers l2-normalises {groups} groups of "
@@ -267,6 +274,10 @@ def _qk_gain(name: str, attn, problems: _Problems) -> Tensor | None:
         return torch.full((rows, d), float(t), dtype=torch.float64)
 
     a = per_head(attn.qk_norm_q_scale, h)  # (h, d)
+    if isinstance(attn.qk_norm_q_scale, Tensor) or isinstance(attn.qk_norm_k_scale, Tensor):
+        # qk_norm_dim_scale: safeformer's per-head gains w_q = a * c, w_k = b * c with c ** 2 * sqrt(d) = s
+        c = math.sqrt(scale) * d**-0.25
+        return a * c, per_head(attn.qk_norm_k_scale, h_kv) * c
     b = per_head(attn.qk_norm_k_scale, h_kv)[[n % h_kv for n in range(h)]]  # (h, d): x-transformers' kv head of n
     prod = scale * a * b / math.sqrt(d)  # (h, d)
     if not torch.allclose(prod, prod[:1].expand_as(prod), rtol=1e-6, atol=0.0):
@@ -282,8 +293,6 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     flags = {
         "head_scale": "attn_head_scale",
         "attn_on_attn": "attn_on_attn",
-        "orthog_projected_values": "attn_orthog_projected_values",
-        "orthog_projected_values_per_head": "attn_orthog_projected_values_per_head",
         "laser": "attn_laser",
         "qkv_receive_diff_residuals": "qkv_receive_diff_residuals",
         "use_latent_q": "attn_use_latent_q (multi-latent attention)",
@@ -293,7 +302,17 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         if getattr(attn, attr, False):
             problems.add(f"{option}", name)
     if opts.qk_norm:
-        opts.qk_gain = _qk_gain(name, attn, problems)
+        gain = _qk_gain(name, attn, problems)
+        if isinstance(gain, tuple):
+            opts.qk_head_gains = gain
+        else:
+            opts.qk_gain = gain
+    opts.orthog = tuple((f"attn_{attr}", True) for attr in ("orthog_projected_values", "orthog_projected_values_per_head")
+                        if getattr(attn, attr, False))
+    if getattr(attn, "value_rmsnorm", None) is not None:
+        opts.value_rmsnorm = True
+        if attn.kv_heads != attn.heads:
+            problems.add("attn_value_rmsnorm with grouped key/value heads (x-transformers' gains are per query head)", name)
     opts.gates = _gate_options(name, attn, problems)
     if getattr(attn, "max_attend_past", None) is not None:
         problems.add(f"attn_max_attend_past={attn.max_attend_past}", name)
@@ -305,7 +324,6 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         ("rel_proj_pos_bias", "attn_use_rel_proj_pos_bias"),
         ("q_rmsnorm", "attn_qk_rmsnorm"),
         ("k_rmsnorm", "attn_k_rmsnorm"),
-        ("value_rmsnorm", "attn_value_rmsnorm"),
     ):
         if getattr(attn, attr, None) is not None:
             problems.add(f"{option}", name)
@@ -456,6 +474,9 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
         if type(module) in allowed or any(mname.startswith(f + ".") for f in flagged):
             continue
         tname = type(module).__name__
+        if tname == "MultiheadRMSNorm" and mname.endswith(".value_rmsnorm"):  # converted (_check_attention)
+            flagged.append(mname)
+            continue
         option = _TYPE_OPTIONS.get(tname, f"a {tname} module")
         problems.add(f"{option} ({tname})", mname or None)
         flagged.append(mname)
@@ -724,8 +745,18 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(alibi_pos_bias=True)
     if cross:
         stack_kwargs.update(dim_context=next(iter(cross_dims), dim))
-    if opts0.qk_norm:  # x-transformers l2-normalises q and k (F.normalize, eps 1e-12)
-        stack_kwargs.update(attn_qk_norm=True, attn_qk_norm_eps=_RMS_EPS)
+    if opts0.qk_norm or opts0.value_rmsnorm:  # x-transformers l2-normalises (F.normalize, eps 1e-12)
+        stack_kwargs.update(attn_qk_norm_eps=_RMS_EPS)
+    if opts0.qk_norm:
+        stack_kwargs.update(attn_qk_norm=True)
+    if opts0.qk_head_gains is not None:
+        stack_kwargs.update(attn_qk_norm_dim_scale=True)
+    if opts0.value_rmsnorm:
+        stack_kwargs.update(attn_value_rmsnorm=True)
+    if opts0.orthog:
+        if cross:
+            problems.add("attn_orthog_projected_values with cross-attention (safeformer projects self-attention only)")
+        stack_kwargs.update(dict(opts0.orthog))
     if opts0.mem_kv:
         stack_kwargs.update(attn_num_mem_kv=opts0.mem_kv)
     if opts0.sink:
@@ -838,12 +869,22 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                 put(dst.to_q.weight, take(blk.to_q.weight)[rows])
                 put(dst.to_k.weight, take(blk.to_k.weight))
                 put(dst.to_v.weight, take(blk.to_v.weight))
-                if isinstance(blk.to_out, nn.Linear):
-                    put(dst.to_out.weight, take(blk.to_out.weight)[:, rows])
+                if isinstance(blk.to_out, nn.Linear):  # orthog_projected_values: one copy of rows per part
+                    parts = blk.to_out.in_features // (heads * dim_head)
+                    cols = torch.cat([rows + p * heads * dim_head for p in range(parts)])
+                    put(dst.to_out.weight, take(blk.to_out.weight)[:, cols])
                 else:
                     put(dst.to_out.weight, torch.eye(dim, dtype=ref.dtype, device=ref.device)[:, rows])
                 opts = plan.attn_opts[k]
-                if opts.qk_norm:
+                if opts.value_rmsnorm:  # gamma (h, 1, d), h == h_kv (checked): kv heads are not permuted
+                    put(dst.v_norm.weight, take(blk.value_rmsnorm.gamma).reshape(kv_heads, dim_head))
+                if opts.qk_head_gains is not None:
+                    w_q, w_k = opts.qk_head_gains
+                    put(dst.q_norm.weight, w_q[perm.cpu()].to(ref.dtype).to(ref.device))
+                    put(dst.k_norm.weight, w_k.to(ref.dtype).to(ref.device))
+                    take(blk.qk_norm_q_scale)
+                    take(blk.qk_norm_k_scale)
+                elif opts.qk_norm:
                     p = opts.qk_gain  # (d,) float64: w_q * w_k = p
                     w_k = p.abs().sqrt()
                     put(dst.k_norm.weight, w_k.to(ref.dtype).to(ref.device))
@@ -1048,6 +1089,9 @@ _OTHER_WRAPPERS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("x_transformers.xval", "XValTransformerWrapper"): ("safeformer.xval", "xval_from_x_transformers", False),
     ("x_transformers.xval", "XValAutoregressiveWrapper"): ("safeformer.xval", "xval_from_x_transformers", False),
     ("x_transformers.neo_mlp", "NeoMLP"): ("safeformer.neo_mlp", "neo_mlp_from_x_transformers", False),
+    ("x_transformers.continuous_autoencoder", "ContinuousTransformerAutoencoder"):
+        ("safeformer.continuous_autoencoder", "continuous_autoencoder_from_x_transformers", False),
+    ("x_transformers.gpt_vae", "GPTVAE"): ("safeformer.gpt_vae", "gpt_vae_from_x_transformers", False),
     ("x_transformers.multi_input", "MultiInputTransformerWrapper"):
         ("safeformer.multi_input", "multi_input_from_x_transformers", True),
     ("x_transformers.entropy_based_tokenizer", "EntropyBasedTokenizer"):
