@@ -1,0 +1,6 @@
+"""x-transformers' module name ``belief_state_wrapper``: ``from safeformer.belief_state_wrapper import
+BeliefStateWrapper`` works as ``from x_transformers.belief_state_wrapper import ...`` does."""
+
+from .belief_state import BeliefStateWrapper, belief_state_from_x_transformers, flip, reverse_real
+
+__all__ = ["BeliefStateWrapper", "belief_state_from_x_transformers", "flip", "reverse_real"]
