@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .attend import BACKENDS, PreparedMask, SelectedMask, _grad_select, attend, masked_linear
 from .cache import AttnIntermediate
 from .masks import as_attention_mask, causal_mask, checked_once, combine_masks, validate_mask
-from .modules import RMSNorm, apply_rotary
+from .modules import HeadRMSNorm, RMSNorm, apply_rotary
 
 __all__ = ["Attention"]
 
@@ -97,6 +97,10 @@ class Attention(nn.Module):
         output_gate_headwise: bool = False,
         swiglu_values: bool = False,
         low_rank_silu_gates: bool = True,
+        qk_norm_dim_scale: bool = False,
+        value_rmsnorm: bool = False,
+        orthog_projected_values: bool = False,
+        orthog_projected_values_per_head: bool = False,
     ):
         super().__init__()
         if one_kv_head:  # x-transformers' spelling of kv_heads=1
@@ -129,10 +133,24 @@ class Attention(nn.Module):
         self.to_q = nn.Linear(dim, heads * dim_head, bias=bias)
         self.to_k = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
         self.to_v = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
-        self.to_out = nn.Linear(heads * dim_head, dim, bias=bias)
         eps = 1e-6 if qk_norm_eps is None else qk_norm_eps
-        self.q_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
-        self.k_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
+        if qk_norm_dim_scale and not qk_norm:
+            raise ValueError("qk_norm_dim_scale scales the q/k norms per head and feature: it needs qk_norm=True")
+        if qk_norm_dim_scale:  # per-head gains, d ** -0.25 each at init: logits sum_e qhat_e khat_e (x-transformers)
+            self.q_norm = HeadRMSNorm(heads, dim_head, eps=eps, init=dim_head**-0.25)
+            self.k_norm = HeadRMSNorm(kv_heads, dim_head, eps=eps, init=dim_head**-0.25)
+        else:
+            self.q_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
+            self.k_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
+        # x-transformers' value_rmsnorm: RMS-normalise each value head, gain (1 + weight) per kv head
+        self.v_norm = HeadRMSNorm(kv_heads, dim_head, eps=eps, unit_offset=True) if value_rmsnorm else None
+        self.orthog_projected_values = bool(orthog_projected_values)
+        self.orthog_projected_values_per_head = bool(orthog_projected_values_per_head)
+        orthog_parts = int(self.orthog_projected_values) + int(self.orthog_projected_values_per_head)
+        if orthog_parts and value_rmsnorm:
+            raise ValueError("orthog_projected_values projects onto the values before value_rmsnorm: the two together "
+                             "are not supported")
+        self.to_out = nn.Linear(heads * dim_head * max(1, orthog_parts), dim, bias=bias)
         self.num_mem_kv = num_mem_kv
         if num_mem_kv > 0:
             self.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
@@ -168,7 +186,14 @@ class Attention(nn.Module):
     @property
     def packable(self) -> bool:
         """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
-        return self.extra_keys == 0 and self.softclamp_value is None
+        return self.extra_keys == 0 and self.softclamp_value is None and not self.orthog
+
+    @property
+    def orthog(self) -> bool:
+        """Whether the output is projected orthogonally to the values (x-transformers'
+        ``orthog_projected_values``): one projection over a sample's whole sequence, so it runs on the
+        padded path, in self-attention, without a KV cache."""
+        return self.orthog_projected_values or self.orthog_projected_values_per_head
 
     # ------------------------------------------------------------------------------------------------
     # the one projection seam and the one output seam, used by every path (padded, explicit, packed)
@@ -189,17 +214,36 @@ class Attention(nn.Module):
         """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated)."""
         k = self._linear(self.to_k, source, keep).unflatten(-1, (self.kv_heads, self.dim_head))
         v = self._linear(self.to_v, source, keep).unflatten(-1, (self.kv_heads, self.dim_head))
+        if self.v_norm is not None:  # a selected (zero) source gives v = 0 (or the bias), finite
+            v = self.v_norm(v)
         return (k if self.k_norm is None else self.k_norm(k)), v
 
-    def _output(self, out: Tensor, x: Tensor, keep: Tensor | None = None, rows_ok: Tensor | None = None) -> Tensor:
+    def _output(self, out: Tensor, x: Tensor, keep: Tensor | None = None, rows_ok: Tensor | None = None,
+                values: Tensor | None = None) -> Tensor:
         """``out (..., h, d)`` -> ``(..., c)``: the output projection. ``x (..., c)`` is the queries' input (what
         an output option such as a per-head gate reads); ``keep``: rows selected to 0 before the projection
         (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that
-        are exactly 0 after it (a bias would move dead rows off 0)."""
+        are exactly 0 after it (a bias would move dead rows off 0). ``values (b, i, h_kv, d)``: with
+        ``orthog_projected_values``, the new values (masked ones selected to 0) that ``out`` is projected off."""
         if self.to_v_gate is not None or self.to_output_gate is not None:
             out = self._gate(out, x, keep)
-        out = self._linear(self.to_out, out.flatten(-2), keep)
+        flat = out.flatten(-2) if values is None else self._orthog(out, values)
+        out = self._linear(self.to_out, flat, keep)
         return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+
+    def _orthog(self, out: Tensor, values: Tensor) -> Tensor:
+        """x-transformers' ``orthog_project``: ``out (b, i, h, d)`` minus its projection onto the values
+        ``(b, i, h_kv, d)`` (each query head paired with its key/value head), both flattened over the whole
+        sample (positions, heads and features), in float64; once per option (``_per_head`` flattens the same
+        way), concatenated: ``(b, i, parts * h * d)``. Dead rows of ``out`` and masked values are 0 here, so
+        they add nothing to the dot product or the norm."""
+        g = self.heads // self.kv_heads
+        vv = values.repeat_interleave(g, dim=-2) if g > 1 else values  # query head m uses kv head m // g
+        o, y = out.flatten(1).double(), vv.flatten(1).double()
+        unit = F.normalize(y, dim=-1)
+        proj = (o - (o * unit).sum(-1, keepdim=True) * unit).to(out.dtype).reshape(*out.shape[:2], -1)
+        parts = int(self.orthog_projected_values) + int(self.orthog_projected_values_per_head)
+        return proj if parts == 1 else torch.cat([proj] * parts, dim=-1)
 
     def _gate(self, out: Tensor, x: Tensor, keep: Tensor | None) -> Tensor:
         """Gated attention: ``out (..., h, d) * act(x gate + h gate)``. The x gate reads ``x`` with the rows
@@ -401,6 +445,10 @@ class Attention(nn.Module):
         if inputs_finite:  # the stack selected its padded inputs to 0: nothing to select again here
             mask = mask.mask
         self._check_call(x, context, kv, past_kv)
+        if self.orthog and (context is not None or kv is not None or past_kv is not None):
+            raise ValueError("orthog_projected_values projects onto the values of the sequence itself: it runs in "
+                             "self-attention without a KV cache (a cache would project the new positions alone, so "
+                             "cached and uncached results would differ); decode with cache_kv=False")
         b, i = x.shape[:2]
         source = x if context is None else context
         if kv is not None:
@@ -421,7 +469,7 @@ class Attention(nn.Module):
         if ext:  # the sink and memory keys come first; every query sees them (bottom-right causal keeps that)
             mask, bias = self._extend(mask, bias, b, i, j, x, sink_only)
             j = j + ext
-        if inputs_finite and self.to_out.bias is None and self_pad is None:
+        if inputs_finite and self.to_out.bias is None and self_pad is None and not self.orthog:
             rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
         else:
             reach = None
@@ -444,6 +492,9 @@ class Attention(nn.Module):
             k, v = self.project_kv(source, None if keys_ok is None else keys_ok[:, j - source.shape[1]:])  # new keys
             if rotary is not None:
                 k = apply_rotary(k, rotary[1])
+            if self.orthog:  # the new values (b, i, h_kv, d), masked ones selected to 0
+                v_orthog = v.transpose(1, 2) if keys_ok is None else \
+                    torch.where(keys_ok[:, j - i:, None, None], v.transpose(1, 2), 0.0)
             if past_kv is not None:
                 k = torch.cat((past_kv[0], k), dim=2)
                 v = torch.cat((past_kv[1], v), dim=2)
@@ -487,7 +538,13 @@ class Attention(nn.Module):
         # padded queries: selected before to_out; dead rows: exactly 0 after it (a bias would move them)
         zero_rows = rows_ok if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None) else None
 
-        out = self._output(out.transpose(1, 2), x, self_pad, zero_rows)  # (b, i, c)
+        values = None
+        out = out.transpose(1, 2)  # (b, i, h, d)
+        if self.orthog:  # dead rows and padded queries are 0 before the projection (it sums over the sample)
+            values = v_orthog
+            if rows_ok is not None:
+                out = torch.where(rows_ok[:, :, None, None], out, 0.0)
+        out = self._output(out, x, self_pad, zero_rows, values)  # (b, i, c)
         if return_attn:
             return out, kv_out, weights
         return out, kv_out
@@ -533,8 +590,8 @@ class Attention(nn.Module):
             parts_v.append(v.new_zeros(b, self.kv_heads, 1, v.shape[-1]))
         if self.num_mem_kv:
             mk, mv = self.mem_k.to(k.dtype), self.mem_v.to(v.dtype)
-            if self.k_norm is not None:
-                mk = self.k_norm(mk)
+            if self.k_norm is not None:  # (h_kv, M, d): the norm reads heads second to last
+                mk = self.k_norm(mk.transpose(0, 1)).transpose(0, 1)
             mk, mv = mk[None].expand(b, -1, -1, -1), mv[None].expand(b, -1, -1, -1)
             if live is not None:
                 mk, mv = _grad_select(live[:, None, None, None], mk), _grad_select(live[:, None, None, None], mv)

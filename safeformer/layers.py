@@ -159,6 +159,14 @@ class AttentionLayers(Configurable, nn.Module):
             attn_output_gate_rank, attn_output_gate_headwise, attn_swiglu_values, attn_low_rank_silu_gates:
             gated attention in every attention block (``Attention(gate_values=..., ...)``, x-transformers'
             names).
+        attn_qk_norm_dim_scale: with ``attn_qk_norm``, learned gains per head and feature on the q/k norms,
+            ``d ** -0.25`` at init (x-transformers' name: logits ``sum_e qhat_e khat_e`` at init).
+        attn_value_rmsnorm: RMS-normalise each value head, gain ``1 + w`` per key/value head (x-transformers'
+            ``MultiheadRMSNorm``; memory values are not normalised, as there).
+        attn_orthog_projected_values, attn_orthog_projected_values_per_head: self-attention's output minus its
+            projection onto the sequence's own values, over the whole sample (x-transformers' "belief
+            attention"; both: the two copies concatenated into ``to_out``). Masked positions add nothing;
+            padded path only, and no KV cache (decode with ``cache_kv=False``).
         pre_norm_has_final_norm: end with the final norm (x-transformers' name; ``False`` leaves the
             stream as the last residual left it, as ``TransformerBlock`` does by default).
         checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
@@ -218,6 +226,10 @@ class AttentionLayers(Configurable, nn.Module):
         attn_output_gate_headwise: bool = False,
         attn_swiglu_values: bool = False,
         attn_low_rank_silu_gates: bool = True,
+        attn_qk_norm_dim_scale: bool = False,
+        attn_value_rmsnorm: bool = False,
+        attn_orthog_projected_values: bool = False,
+        attn_orthog_projected_values_per_head: bool = False,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -254,6 +266,7 @@ class AttentionLayers(Configurable, nn.Module):
         self.has_relative_positions = rotary_pos_emb or alibi_pos_bias
 
         def attention(context_dim: int | None) -> Attention:
+            orthog = context_dim is None  # the projection onto the sequence's own values: self-attention only
             return Attention(
                 dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim,
                 qk_norm=attn_qk_norm, dropout=attn_dropout, bias=attn_bias, backend=backend,
@@ -263,6 +276,9 @@ class AttentionLayers(Configurable, nn.Module):
                 gate_values_headwise=attn_gate_values_headwise, output_gate=attn_output_gate,
                 output_gate_rank=attn_output_gate_rank, output_gate_headwise=attn_output_gate_headwise,
                 swiglu_values=attn_swiglu_values, low_rank_silu_gates=attn_low_rank_silu_gates,
+                qk_norm_dim_scale=attn_qk_norm_dim_scale, value_rmsnorm=attn_value_rmsnorm,
+                orthog_projected_values=attn_orthog_projected_values and orthog,
+                orthog_projected_values_per_head=attn_orthog_projected_values_per_head and orthog,
             )
 
         adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
@@ -288,8 +304,8 @@ class AttentionLayers(Configurable, nn.Module):
         # the unpadded path packs tokens; Attention.packable says which options run on the padded path only
         self.packable = all(blk.mixer.packable for blk in blocks if blk.kind != "ff")
         if unpadded is True and not self.packable:
-            raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink or "
-                             "attn_softclamp_logits (they run on the padded path); use unpadded='auto' or False")
+            raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink, attn_softclamp_logits "
+                             "or attn_orthog_projected_values (they run on the padded path); use unpadded='auto' or False")
 
     def plan_unpadded(self, mask: Tensor | None, *, cache=None, return_cache: bool = False,
                       attn_mask: Tensor | None = None, return_hiddens: bool = False) -> UnpaddedPlan | None:

@@ -52,6 +52,23 @@ class RMSNorm(nn.Module):
         return (out * (self.weight.to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
 
 
+class HeadRMSNorm(nn.Module):
+    """RMS normalisation of ``x (..., h, d)`` over ``d`` with a learned gain per head ``weight (h, d)``;
+    statistics in float32 (S7). ``init``: the gain's initial value; with ``unit_offset`` the gain is
+    ``weight + 1`` (``weight`` starting at 0, x-transformers' ``MultiheadRMSNorm``)."""
+
+    def __init__(self, heads: int, dim: int, *, eps: float = 1e-6, init: float = 1.0, unit_offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = bool(unit_offset)
+        self.weight = nn.Parameter(torch.full((heads, dim), 0.0 if unit_offset else float(init)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (self.weight.to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
+
+
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` with its statistics (and their gradients) computed in float32 (S7).
 

@@ -1053,6 +1053,46 @@ class DecoderGatedCase(DecoderCase):
         return _nonzero_gates(super().make(backend))
 
 
+def _nonzero_head_gains(model: nn.Module) -> nn.Module:
+    """Per-head q/k and value norm gains start uniform; move them, so that every head differs."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, sf.Attention):
+                for norm in (m.q_norm, m.k_norm, m.v_norm):
+                    if norm is not None:
+                        norm.weight.add_(0.3 * torch.randn(norm.weight.shape, generator=g, dtype=norm.weight.dtype))
+    return model
+
+
+class DecoderHeadNormsCase(DecoderCase):
+    """``Decoder`` with cross-attention, x-transformers' ``attn_qk_norm_dim_scale`` (per-head q/k gains),
+    ``attn_value_rmsnorm`` (per-head value norms) and projection biases: a padded or masked position's
+    value is the norm of the bias, never of what it held, and a dropped context stays an exact no-op."""
+
+    name = "Decoder-headnorms"
+
+    def config(self):
+        return dict(super().config(), attn_qk_norm=True, attn_qk_norm_dim_scale=True, attn_value_rmsnorm=True,
+                    attn_bias=True)
+
+    def make(self, backend="auto"):
+        return _nonzero_head_gains(super().make(backend))
+
+
+class EncoderOrthogCase(EncoderCase):
+    """``Encoder`` with x-transformers' ``attn_orthog_projected_values`` and ``_per_head`` (the output minus
+    its projection onto the sequence's own values, over the whole sample) and projection biases: padded
+    positions (whose value would be the bias) add nothing to the projection, so a sample alone equals it
+    padded in a batch, and NaN planted there reaches nothing. No KV cache (refused), padded path only."""
+
+    name = "Encoder-orthog"
+
+    def config(self):
+        return dict(super().config(), attn_orthog_projected_values=True, attn_orthog_projected_values_per_head=True,
+                    attn_bias=True)
+
+
 class MemoryTokensWrapperCase(TransformerWrapperCase):
     """``TransformerWrapper`` with memory tokens (x-transformers' ``num_memory_tokens``) before the
     sequence: the attention sees ``M + n`` rows; left-padded queries see the memory tokens (not dead);
@@ -1096,12 +1136,13 @@ CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
     AttentionMemKVCase(), DecoderMemKVCase(), DecoderSinkBiasCase(), MemoryTokensWrapperCase(), SoftclampWrapperCase(),
-    DecoderGatedCase(),
+    DecoderGatedCase(), DecoderHeadNormsCase(), EncoderOrthogCase(),
 ]
 # every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
 # run on the padded path only (the stack refuses unpadded=True with them)
 UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
                   if not c.name.startswith("Attention-")
-                  and c.name not in ("Decoder-memkv-sink", "Decoder-sink-bias", "TransformerWrapper-softclamp-l2norm")]
+                  and c.name not in ("Decoder-memkv-sink", "Decoder-sink-bias", "TransformerWrapper-softclamp-l2norm",
+                                     "Encoder-orthog")]
 ALL_CASES = CASES + UNPADDED_CASES
 

@@ -1,0 +1,214 @@
+"""More of x-transformers' attention options in safeformer: ``attn_qk_norm_dim_scale`` (per-head q/k norm
+gains), ``attn_value_rmsnorm`` (per-head value norms) and ``attn_orthog_projected_values`` /
+``_per_head`` ("belief attention": the output minus its projection onto the sequence's own values).
+
+Each option is checked against a float64 formula written out here, against x-transformers on the same
+weights (``from_x_transformers``), and for the contract: NaN planted at padded positions reaches nothing,
+padded rows are exact zeros, and what cannot run (a KV cache with the orthogonal projection) is refused
+with a clear error. The S1-S9 suite runs the cases ``Decoder-headnorms`` and ``Encoder-orthog``
+(``helpers.models.CASES``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import safeformer as sf
+from safeformer.static import static_reason
+
+NAN = float("nan")
+xt = pytest.importorskip("x_transformers")
+
+MASK = torch.tensor([[True, True, True, True, False, False], [False, True, True, True, True, True],
+                     [True] * 6])
+
+
+def _perturb(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def _formula(attn: sf.Attention, x: torch.Tensor, real: torch.Tensor, causal: bool) -> torch.Tensor:
+    """float64, written out: q/k RMS norms with per-head gains, value RMS norm with gains ``1 + w``,
+    softmax attention over the real keys, the output projected off the real values (over the whole
+    sample), then ``to_out``. Padded rows are 0."""
+    P = {n: p.detach().double() for n, p in attn.named_parameters()}
+    x = x.double()
+    b, n, _ = x.shape
+    h, hk, d = attn.heads, attn.kv_heads, attn.dim_head
+    eps = attn.q_norm.eps if attn.q_norm is not None else (attn.v_norm.eps if attn.v_norm is not None else 0.0)
+
+    def lin(name, t):
+        y = t @ P[f"{name}.weight"].T
+        return y + P[f"{name}.bias"] if f"{name}.bias" in P else y
+
+    def rms(t):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+    q = lin("to_q", x).view(b, n, h, d)
+    k = lin("to_k", x).view(b, n, hk, d)
+    v = lin("to_v", x).view(b, n, hk, d)
+    if attn.q_norm is not None:
+        q, k = rms(q) * P["q_norm.weight"], rms(k) * P["k_norm.weight"]
+    if attn.v_norm is not None:
+        v = rms(v) * (1 + P["v_norm.weight"])
+    g = h // hk
+    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)  # query head m uses kv head m // g
+    logits = torch.einsum("bihd,bjhd->bhij", q, k) * d**-0.5
+    allowed = real[:, None, None, :].expand(b, h, n, n)
+    if causal:
+        allowed = allowed & torch.ones(n, n, dtype=torch.bool).tril()
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    w = torch.nan_to_num(logits.softmax(-1), nan=0.0)
+    out = torch.einsum("bhij,bjhd->bihd", w, v)  # (b, n, h, d)
+    out = torch.where(real[:, :, None, None], out, 0.0)
+    if attn.orthog:
+        vr = torch.where(real[:, :, None, None], v, 0.0).reshape(b, -1)
+        o = out.reshape(b, -1)
+        unit = vr / vr.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+        o = (o - (o * unit).sum(-1, keepdim=True) * unit).reshape(b, n, h * d)
+        parts = int(attn.orthog_projected_values) + int(attn.orthog_projected_values_per_head)
+        flat = torch.cat([o] * parts, dim=-1)
+    else:
+        flat = out.reshape(b, n, h * d)
+    y = lin("to_out", flat)
+    return torch.where(real[:, :, None], y, 0.0)
+
+
+OPTIONS = [
+    dict(qk_norm=True, qk_norm_dim_scale=True),
+    dict(value_rmsnorm=True),
+    dict(qk_norm=True, qk_norm_dim_scale=True, value_rmsnorm=True),
+    dict(orthog_projected_values=True),
+    dict(orthog_projected_values_per_head=True, qk_norm=True, qk_norm_dim_scale=True),
+    dict(orthog_projected_values=True, orthog_projected_values_per_head=True),
+]
+IDS = ["qk-dim-scale", "value-rmsnorm", "both-norms", "orthog", "orthog-per-head+qk", "orthog-both"]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_options_match_float64_formula_and_ignore_padding(opts, causal, dtype):
+    """Each option equals the written-out float64 formula at real positions; padded positions are exact
+    zeros; NaN planted at padded positions changes nothing and gets zero gradient (projection biases on,
+    so a padded position's value would be the bias: it must still add nothing)."""
+    torch.manual_seed(0)
+    attn = _perturb(sf.Attention(16, heads=4, dim_head=8, kv_heads=2, bias=True, **opts))
+    x = torch.randn(3, 6, 16)
+    want = _formula(attn, x, MASK, causal)
+    attn = attn.to(dtype)
+    planted = x.clone()
+    planted[~MASK] = NAN
+    planted = planted.to(dtype).requires_grad_()
+    out = attn(planted, mask=MASK, causal=causal)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    assert bool((out[~MASK] == 0).all())
+    out.square().sum().backward()
+    assert bool(torch.isfinite(planted.grad).all()) and bool((planted.grad[~MASK] == 0).all())
+    assert all(bool(torch.isfinite(p.grad).all()) for p in attn.parameters() if p.grad is not None)
+
+
+def test_qk_norm_dim_scale_initial_logits_are_cosine_similarities():
+    """At init the gains are ``d ** -0.25``: the logit is the cosine similarity of q and k (x-transformers'
+    ``qk_norm_dim_scale`` with its ``d ** 0.25`` scales and ``d ** -0.5`` logit scale)."""
+    attn = sf.Attention(16, heads=2, dim_head=16, qk_norm=True, qk_norm_dim_scale=True, qk_norm_eps=0.0)
+    assert attn.q_norm.weight.shape == (2, 16) and attn.k_norm.weight.shape == (2, 16)
+    q = torch.randn(3, 2, 16)
+    k = torch.randn(3, 2, 16)
+    logit = (attn.q_norm(q) * attn.k_norm(k)).sum(-1) * 16**-0.5
+    torch.testing.assert_close(logit, torch.nn.functional.cosine_similarity(q, k, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+XT_CASES = [
+    dict(attn_qk_norm=True, attn_qk_norm_dim_scale=True, attn_kv_heads=2),
+    dict(attn_qk_norm=True, attn_qk_norm_dim_scale=True, attn_num_mem_kv=2),
+    dict(attn_value_rmsnorm=True),
+    dict(attn_value_rmsnorm=True, attn_qk_norm=True, attn_qk_norm_dim_scale=True),
+    dict(attn_orthog_projected_values=True, attn_kv_heads=2),
+    dict(attn_orthog_projected_values_per_head=True),
+    dict(attn_orthog_projected_values=True, attn_orthog_projected_values_per_head=True, attn_kv_heads=2),
+]
+
+
+@pytest.mark.parametrize("opts", XT_CASES, ids=[",".join(k[5:] for k in c if k != "attn_kv_heads") for c in XT_CASES])
+def test_from_x_transformers_gives_equal_outputs(opts):
+    """A converted x-transformers model gives its logits (float32, trained-looking gains and scales)."""
+    torch.manual_seed(1)
+    peer = xt.TransformerWrapper(num_tokens=50, max_seq_len=32, attn_layers=xt.Decoder(
+        dim=32, depth=2, heads=4, attn_dim_head=8, rotary_pos_emb=True, rotary_emb_dim=8, **opts)).eval()
+    with torch.no_grad():
+        for name, p in peer.named_parameters():
+            if "scale" in name or "gamma" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    ours = sf.from_x_transformers(peer).eval()
+    x = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), peer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_value_rmsnorm_with_grouped_heads_is_refused_by_the_converter():
+    peer = xt.TransformerWrapper(num_tokens=20, max_seq_len=8, attn_layers=xt.Decoder(
+        dim=16, depth=1, heads=4, attn_dim_head=8, attn_kv_heads=1, attn_value_rmsnorm=True))
+    with pytest.raises(ValueError, match="attn_value_rmsnorm with grouped"):
+        sf.from_x_transformers(peer)
+
+
+def test_orthog_refuses_a_cache_cross_attention_and_the_packed_path():
+    """The projection covers the whole sequence: a KV cache would project the new positions alone (cached
+    would differ from uncached), so continuing a cache is refused, generation says to decode without one,
+    the static step names the reason, and ``unpadded=True`` is refused. Cross-attention blocks of a
+    stack do not project (their values are the context's); ``Attention`` with a context refuses."""
+    dec = sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, cross_attend=True, attn_orthog_projected_values=True)
+    assert dec.layers[0].mixer.orthog and not dec.layers[1].mixer.orthog
+    x, ctx = torch.randn(2, 4, 16), torch.randn(2, 3, 16)
+    _, cache = dec(x, context=ctx, return_cache=True)
+    with pytest.raises(ValueError, match="cache_kv=False"):
+        dec(x[:, :1], cache=cache)
+    net = sf.TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=16, depth=1, heads=2, dim_head=8, attn_orthog_projected_values=True))
+    assert "orthog" in static_reason(net)
+    ar = sf.AutoregressiveWrapper(net)
+    prompt = torch.randint(0, 20, (2, 3))
+    with pytest.raises(ValueError, match="cache_kv=False"):
+        ar.generate(prompt, 2)
+    assert ar.generate(prompt, 2, cache_kv=False).shape == (2, 2)
+    with pytest.raises(ValueError, match="orthog"):
+        sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, attn_orthog_projected_values=True, unpadded=True)
+    attn = sf.Attention(16, heads=2, dim_head=8, orthog_projected_values=True)
+    with pytest.raises(ValueError, match="self-attention"):
+        attn(x, ctx)
+
+
+def test_bad_combinations_raise_clear_errors():
+    with pytest.raises(ValueError, match="qk_norm=True"):
+        sf.Attention(16, heads=2, dim_head=8, qk_norm_dim_scale=True)
+    with pytest.raises(ValueError, match="value_rmsnorm"):
+        sf.Attention(16, heads=2, dim_head=8, value_rmsnorm=True, orthog_projected_values=True)
+    with pytest.raises(ValueError, match="qk_norm=True"):
+        sf.Encoder(dim=16, depth=1, heads=2, dim_head=8, attn_qk_norm_dim_scale=True)
+
+
+def test_head_norms_decode_with_the_cache_as_without():
+    """Per-head q/k and value norms run on every path: cached (dynamic and static) generation equals the
+    uncached recompute."""
+    torch.manual_seed(3)
+    net = _perturb(sf.TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=16, depth=2, heads=4, dim_head=8, kv_heads=2, attn_qk_norm=True, attn_qk_norm_dim_scale=True,
+        attn_value_rmsnorm=True, attn_num_mem_kv=1))).eval()
+    ar = sf.AutoregressiveWrapper(net)
+    prompt = torch.randint(0, 20, (2, 3))
+    a = ar.generate(prompt, 5, temperature=0.0, cache_kv=True)
+    b = ar.generate(prompt, 5, temperature=0.0, cache_kv=False)
+    assert torch.equal(a, b)
+    net2 = _perturb(sf.TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=16, depth=2, heads=4, dim_head=8, attn_qk_norm=True, attn_qk_norm_dim_scale=True,
+        attn_value_rmsnorm=True))).eval()
+    assert static_reason(net2) is None
+    ar2 = sf.AutoregressiveWrapper(net2)
+    assert torch.equal(ar2.generate(prompt, 5, temperature=0.0), ar2.generate(prompt, 5, temperature=0.0, cache_kv=False))
