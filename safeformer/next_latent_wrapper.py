@@ -1,0 +1,16 @@
+"""x-transformers' module name ``next_latent_wrapper``: ``from safeformer.next_latent_wrapper import
+NextLatentWrapper`` works as ``from x_transformers.next_latent_wrapper import ...`` does."""
+
+from .next_latent import (
+    MLP,
+    Losses,
+    MSECosineSimLoss,
+    NextLatentWrapper,
+    ResidualDynamics,
+    RolloutGRU,
+    dynamic_rollout_loss_weights,
+    next_latent_from_x_transformers,
+)
+
+__all__ = ["MLP", "Losses", "MSECosineSimLoss", "NextLatentWrapper", "ResidualDynamics", "RolloutGRU",
+           "dynamic_rollout_loss_weights", "next_latent_from_x_transformers"]
