@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .masks import _shape, validate_mask
 
-__all__ = ["masked_mean", "safe_cross_entropy", "next_token_loss"]
+__all__ = ["masked_mean", "safe_cross_entropy", "next_token_loss", "next_embed_loss"]
 
 
 def masked_mean(x: Tensor, mask: Tensor | None, dim: int = 1, keepdim: bool = False) -> Tensor:
@@ -130,3 +130,25 @@ def next_token_loss(
     logits, intermediates = out if return_outputs else (out, None)
     loss = safe_cross_entropy(logits, target, ignore_index=ignore_index)
     return (loss, (logits, intermediates)) if return_outputs else loss
+
+
+def next_embed_loss(next_embed_pred: Tensor, initial_embeds: Tensor, counted: Tensor) -> Tensor:
+    """x-transformers' ``add_continuous_pred_head`` loss (its ``AutoregressiveWrapper``, weight
+    ``next_embed_loss_weight = 0.1`` there): the L1 distance of each position's prediction of the next
+    position's embedding, ``next_embed_pred[:, :-1]``, to that embedding, ``initial_embeds[:, 1:]``
+    (detached), averaged over the features and the ``counted (b, n - 1)`` targets. Values at uncounted
+    targets are selected away before any arithmetic; no counted target gives 0.0 with zero gradients.
+    Computed in float32 at least.
+    """
+    if next_embed_pred.shape != initial_embeds.shape or next_embed_pred.dim() != 3:
+        raise ValueError(f"next_embed_pred and initial_embeds must both be (b, n, c), got {_shape(next_embed_pred)} "
+                         f"and {_shape(initial_embeds)}")
+    b, n, _ = next_embed_pred.shape
+    if counted.dtype != torch.bool or tuple(counted.shape) != (b, max(n - 1, 0)):
+        raise ValueError(f"counted must be a bool tensor (b, n - 1) = ({b}, {max(n - 1, 0)}), got {_shape(counted)}")
+    acc = torch.promote_types(next_embed_pred.dtype, torch.float32)
+    sel = counted[..., None]
+    pred = torch.where(sel, next_embed_pred[:, :-1].to(acc), 0.0)
+    target = torch.where(sel, initial_embeds[:, 1:].detach().to(acc), 0.0)
+    per = (pred - target).abs().mean(dim=-1)  # (b, n - 1)
+    return per.sum() / counted.sum().clamp(min=1).to(acc)

@@ -24,6 +24,35 @@ from .pretrained import Configurable
 
 __all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
 
+# x-transformers' TransformerWrapper options whose parameters keep x-transformers' state-dict keys here
+XT_OPTION_PARAMETERS = ("to_mixture.0.weight", "combine_mixture.weight", "recycled_proj.weight",
+                        "to_next_embed_pred.0.weight", "to_next_embed_pred.2.weight")
+
+
+def xt_wrapper_option_kwargs(model) -> dict:
+    """The safeformer ``TransformerWrapper`` keywords for an x-transformers ``TransformerWrapper``'s
+    ``mixture_of_softmax``, ``recycling``, ``add_continuous_pred_head``, ``squeeze_out_last_dim`` and
+    ``input_not_include_cache`` (for ``from_x_transformers``; ``copy_xt_wrapper_option_weights`` copies
+    their parameters)."""
+    kw: dict = {}
+    if getattr(model, "to_mixture", None) is not None:
+        kw.update(mixture_of_softmax=True, mixture_of_softmax_k=model.combine_mixture.out_features)
+    if getattr(model, "recycling", False):
+        kw.update(recycling=True, train_max_recycle_steps=model.train_max_recycle_steps)
+    for name in ("add_continuous_pred_head", "squeeze_out_last_dim", "input_not_include_cache"):
+        if getattr(model, name, False):
+            kw[name] = True
+    return kw
+
+
+@torch.no_grad()
+def copy_xt_wrapper_option_weights(sf_model: nn.Module, xt_model: nn.Module) -> None:
+    """Copy the parameters of those options (same keys in both libraries) from ``xt_model`` into ``sf_model``."""
+    theirs, ours = xt_model.state_dict(), dict(sf_model.named_parameters())
+    for key in XT_OPTION_PARAMETERS:
+        if key in theirs and key in ours:
+            ours[key].copy_(theirs[key].to(ours[key].dtype))
+
 
 # x-transformers' spelling -> safeformer's name for the wrappers (see layers.LAYER_ALIASES); None: accepted
 # and ignored. Names the same in both libraries need no entry.
@@ -387,7 +416,8 @@ class TransformerWrapper(_Wrapper):
         # mixture of softmaxes (x-transformers' mixture_of_softmax): k heads' softmaxes mixed per position; the
         # output is then log-probabilities
         self.output_is_log_prob = mixture_of_softmax
-        self.to_mixture = nn.Linear(dim, dim * mixture_of_softmax_k, bias=False) if mixture_of_softmax else None
+        # (a Sequential, as in x-transformers: the same state-dict keys, to_mixture.0.weight)
+        self.to_mixture = nn.Sequential(nn.Linear(dim, dim * mixture_of_softmax_k, bias=False)) if mixture_of_softmax else None
         self.combine_mixture = nn.Linear(dim, mixture_of_softmax_k, bias=False) if mixture_of_softmax else None
         self.mixture_of_softmax_k = mixture_of_softmax_k
         self.add_continuous_pred_head = add_continuous_pred_head

@@ -436,3 +436,53 @@ def test_mdlm_weighted_loss():
         hp.assert_zero(g, k)
     with pytest.raises(TypeError, match="use_simple_mdlm_loss_weight"):
         sf.NonAutoregressiveWrapper(net, mask_id=V - 1, use_simple_mdlm_loss_weight=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# conversion helpers (for from_x_transformers) and the next-embedding loss
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_xt_option_conversion_and_mixture_parity():
+    """x-transformers' own mixture-of-softmax head (its modules, its code) on the same hidden states."""
+    xt = pytest.importorskip("x_transformers")
+    from safeformer.wrappers import copy_xt_wrapper_option_weights, xt_wrapper_option_kwargs
+
+    torch.manual_seed(0)
+    theirs = xt.TransformerWrapper(num_tokens=V, max_seq_len=32, mixture_of_softmax=True, mixture_of_softmax_k=3,
+                                   recycling=True, train_max_recycle_steps=2, add_continuous_pred_head=True,
+                                   attn_layers=xt.Decoder(dim=C, depth=1, heads=2)).double()
+    kw = xt_wrapper_option_kwargs(theirs)
+    assert kw == dict(mixture_of_softmax=True, mixture_of_softmax_k=3, recycling=True, train_max_recycle_steps=2,
+                      add_continuous_pred_head=True)
+    ours = _tok_net(**kw)
+    copy_xt_wrapper_option_weights(ours, theirs)
+    ours.to_logits.weight.data.copy_(theirs.to_logits.weight)
+    for key in ("to_mixture.0.weight", "combine_mixture.weight", "recycled_proj.weight", "to_next_embed_pred.2.weight"):
+        hp.assert_bitwise(ours.state_dict()[key], theirs.state_dict()[key], key)
+    h = torch.randn(2, 5, C, dtype=torch.float64)
+    combine = theirs.combine_mixture(h).softmax(dim=-1)
+    prob = theirs.to_logits(theirs.to_mixture(h)).softmax(dim=-1)
+    ref = torch.einsum("...kd,...k->...d", prob, combine).log()
+    hp.assert_close(ours._head(h), ref, what="mixture head")
+
+
+def test_next_embed_loss():
+    from safeformer.losses import next_embed_loss
+
+    pred = torch.randn(2, 6, C, dtype=torch.float64, requires_grad=True)
+    init = torch.randn(2, 6, C, dtype=torch.float64)
+    counted = torch.ones(2, 5, dtype=torch.bool)
+    # x-transformers: F.l1_loss(pred[:, :-1], init[:, 1:].detach(), reduction='none')[mask].mean()
+    hp.assert_close(next_embed_loss(pred, init, counted), F.l1_loss(pred[:, :-1], init[:, 1:]), what="l1")
+    counted = hp.mask_from_lengths([5, 2], 5)
+    dirty_pred = torch.where(torch.cat((counted, counted[:, :1]), 1)[..., None], pred, NAN)
+    loss = next_embed_loss(dirty_pred, torch.where(torch.cat((counted[:, :1], counted), 1)[..., None], init, NAN), counted)
+    ref = F.l1_loss(pred[:, :-1], init[:, 1:], reduction="none").mean(-1)[counted].mean()
+    hp.assert_close(loss, ref, what="masked l1")
+    loss = next_embed_loss(pred, init, torch.zeros(2, 5, dtype=torch.bool))
+    (g,) = torch.autograd.grad(loss, pred)
+    assert float(loss.detach()) == 0.0
+    hp.assert_zero(g, "gradient")
+    with pytest.raises(ValueError, match="counted"):
+        next_embed_loss(pred, init, torch.ones(2, 6, dtype=torch.bool))
