@@ -469,10 +469,10 @@ class _AddUnitDim(nn.Module):
         return x[..., None]
 
 
-def belief_state_from_x_transformers(xt_wrapper) -> BeliefStateWrapper:
+def belief_state_from_x_transformers(xt_wrapper, *, drop_training_only: bool = False) -> BeliefStateWrapper:
     """Convert an x-transformers ``BeliefStateWrapper`` with its weights: the decoders through
-    ``from_x_transformers`` (one decoder when both are the same object), the suffix token, the text head
-    and the distance heads."""
+    ``from_x_transformers`` (one decoder when both are the same object; ``drop_training_only`` passed on),
+    the suffix token, the text head and the distance heads; in the wrapper's training mode."""
     import copy
 
     from .interop import from_x_transformers
@@ -480,9 +480,9 @@ def belief_state_from_x_transformers(xt_wrapper) -> BeliefStateWrapper:
     for attr in ("forward_decoder", "backward_decoder", "suffix_token", "text_head", "loss_weights"):
         if not hasattr(xt_wrapper, attr):
             raise TypeError(f"expected an x_transformers BeliefStateWrapper, got {type(xt_wrapper).__name__} (no {attr!r})")
-    fwd = from_x_transformers(xt_wrapper.forward_decoder)
+    fwd = from_x_transformers(xt_wrapper.forward_decoder, drop_training_only=drop_training_only)
     same = xt_wrapper.backward_decoder is xt_wrapper.forward_decoder
-    bwd = fwd if same else from_x_transformers(xt_wrapper.backward_decoder)
+    bwd = fwd if same else from_x_transformers(xt_wrapper.backward_decoder, drop_training_only=drop_training_only)
     to_dist = getattr(xt_wrapper, "to_distance_logits", None)
     out = BeliefStateWrapper(
         fwd, None if same else bwd,
@@ -504,5 +504,5 @@ def belief_state_from_x_transformers(xt_wrapper) -> BeliefStateWrapper:
             dst = [m for m in out.to_distance_cond if isinstance(m, nn.Linear)]
             for s, d in zip(src, dst):
                 d.load_state_dict(s.state_dict())
-    return out.to(xt_wrapper.suffix_token.dtype)
+    return out.to(device=xt_wrapper.suffix_token.device, dtype=xt_wrapper.suffix_token.dtype).train(xt_wrapper.training)
 

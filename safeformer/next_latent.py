@@ -323,10 +323,11 @@ class NextLatentWrapper(nn.Module):
         return total, Losses(ce, next_latent, kl, sigreg)
 
 
-def next_latent_from_x_transformers(xt_wrapper) -> NextLatentWrapper:
+def next_latent_from_x_transformers(xt_wrapper, *, drop_training_only: bool = False) -> NextLatentWrapper:
     """Convert an x-transformers ``NextLatentWrapper`` with its weights: the net through
-    ``from_x_transformers``, the dynamics model (x-transformers' ``ResidualDynamics`` / ``RolloutGRU``
-    rebuilt, any other module copied) and the loss."""
+    ``from_x_transformers`` (``drop_training_only`` passed on), the dynamics model (x-transformers'
+    ``ResidualDynamics`` / ``RolloutGRU`` rebuilt, any other module copied) and the loss; in the wrapper's
+    training mode."""
     import copy
 
     from .interop import from_x_transformers
@@ -334,7 +335,7 @@ def next_latent_from_x_transformers(xt_wrapper) -> NextLatentWrapper:
     for attr in ("net", "dynamics_model", "loss_fn", "rollout_loss_weights"):
         if not hasattr(xt_wrapper, attr):
             raise TypeError(f"expected an x_transformers NextLatentWrapper, got {type(xt_wrapper).__name__} (no {attr!r})")
-    net = from_x_transformers(xt_wrapper.net)
+    net = from_x_transformers(xt_wrapper.net, drop_training_only=drop_training_only)
     dm = xt_wrapper.dynamics_model
     kind = type(dm).__name__
     dyn_kw: dict = {}
@@ -359,4 +360,5 @@ def next_latent_from_x_transformers(xt_wrapper) -> NextLatentWrapper:
         dynamic_loss_decay=xt_wrapper.dynamic_loss_decay, **dyn_kw)
     if kind == "RolloutGRU":
         out.dynamics_model.gru.load_state_dict(dm.gru.state_dict())
-    return out.to(next(xt_wrapper.net.parameters()).dtype)
+    ref = next(xt_wrapper.net.parameters())
+    return out.to(device=ref.device, dtype=ref.dtype).train(xt_wrapper.training)
