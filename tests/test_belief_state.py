@@ -447,3 +447,51 @@ def probe_belief_state(seed: int, value: float):
 
 def test_door_probe_clauses():
     check_probe(probe_belief_state, has_dead=True)
+
+
+def test_prefix_conditions_reach_both_decoders_and_an_empty_prefix_is_none():
+    """A prefix condition sits before the suffix token in the backward decoder; an all-False
+    ``prepend_mask`` row is exactly no prefix, and an adaptive condition reaches both decoders."""
+    model = make_model(torch.float64).eval()
+    seqs, lengths = _batch(15)
+    lens = torch.tensor(lengths)
+    pre = torch.randn(4, 2, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    none = torch.zeros(4, 2, dtype=torch.bool)
+    with_empty = model(seqs, lens=lens, prepend_embeds=pre.masked_fill(~none[..., None], float("nan")),
+                       prepend_mask=none, reduction="none")
+    assert torch.equal(with_empty, model(seqs, lens=lens, reduction="none"))
+    some = torch.tensor([[True, True], [False, True], [True, False], [False, False]])
+    got = model(seqs, lens=lens, prepend_embeds=pre, prepend_mask=some, reduction="none")
+    for i in (0, 2):  # each sample alone with its real prefix rows
+        alone = model(seqs[i: i + 1, :lengths[i]], prepend_embeds=pre[i: i + 1, some[i]], reduction="none")
+        assert_close(got[i], alone[0], f"sample {i} with its prefix alone", torch.float64)
+    assert not torch.equal(got[0], with_empty[0])
+
+    def ada(seed):
+        torch.manual_seed(seed)
+        return sf.TransformerWrapper(num_tokens=V, max_seq_len=24, attn_layers=sf.Decoder(
+            dim=D, depth=1, heads=2, use_adaptive_layernorm=True, dim_condition=3))
+
+    m2 = BeliefStateWrapper(ada(0), ada(1))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the adaptive norms start as the identity: move them
+        for p in m2.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    cond = torch.randn(4, 3)
+    a = m2(seqs, lens=lens, condition=cond, reduction="none")
+    b = m2(seqs, lens=lens, condition=cond, condition_mask=torch.tensor([True, True, False, True]), reduction="none")
+    assert torch.equal(a[[0, 1, 3]], b[[0, 1, 3]]) and not torch.equal(a[2], b[2])
+
+
+def test_cond_on_distance_skips_the_distance_loss_as_x_transformers_does():
+    import random
+
+    xb = _xt_model(pred_distance=True, cond_on_distance=True, cond_on_distance_prob=0.5)
+    sb = belief_state_from_x_transformers(xb)
+    seqs = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(16))
+    for seed in range(4):  # the same draws from Python's random module
+        random.seed(seed)
+        want = xb(seqs)
+        random.seed(seed)
+        got = sb(seqs)
+        assert abs(got.item() - want.item()) < 1e-5
