@@ -101,6 +101,7 @@ class Attention(nn.Module):
         value_rmsnorm: bool = False,
         orthog_projected_values: bool = False,
         orthog_projected_values_per_head: bool = False,
+        learned_value_residual_mix: bool = False,
     ):
         super().__init__()
         if one_kv_head:  # x-transformers' spelling of kv_heads=1
@@ -147,6 +148,9 @@ class Attention(nn.Module):
         self.orthog_projected_values = bool(orthog_projected_values)
         self.orthog_projected_values_per_head = bool(orthog_projected_values_per_head)
         orthog_parts = int(self.orthog_projected_values) + int(self.orthog_projected_values_per_head)
+        # x-transformers' learned_value_residual_mix: the value residual's mix per position and kv head,
+        # sigmoid(Linear(x)); without it a given value_residual is mixed in at 0.5
+        self.to_value_residual_mix = nn.Linear(dim, kv_heads) if learned_value_residual_mix else None
         if orthog_parts and value_rmsnorm:
             raise ValueError("orthog_projected_values projects onto the values before value_rmsnorm: the two together "
                              "are not supported")
@@ -291,6 +295,7 @@ class Attention(nn.Module):
         return_intermediates: bool = False,
         return_attn: bool = False,
         layout=None,
+        value_residual: Tensor | None = None,
         _return_kv: bool = False,
     ):
         """Attend from ``x (b, i, c)``; x-transformers' call: ``attn(x)`` returns the output tensor.
@@ -327,6 +332,10 @@ class Attention(nn.Module):
             return_attn: also return the weights ``(b, h, i, M + j)`` in float32 (memory keys first; the
                 sink's weight left out): masked keys and dead rows are exactly 0 (and padded queries, in
                 self-attention).
+            value_residual: ``(b, h_kv, j_new, d)`` the first attention's values of the same positions
+                (x-transformers' ``add_value_residual``): the new values become ``lerp(value_residual, v, mix)``,
+                ``mix`` learned per position and head (``learned_value_residual_mix``) or 0.5. Keys/values
+                handed in (``kv``, a cross-attention cache) are used as they are (mixed when cached).
             layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
                 ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
                 tokens, and the output too.
@@ -359,7 +368,7 @@ class Attention(nn.Module):
             rotary = self._rotary_from_xt(rotary_pos_emb, x, context, kv)
         want_weights = return_attn or (return_intermediates and not self.flash)
         res = self._forward(x, context, mask=mask, causal=causal, rotary=rotary, bias=bias, kv=kv,
-                            past_kv=past_kv, return_attn=want_weights, pad=pad)
+                            past_kv=past_kv, return_attn=want_weights, pad=pad, value_residual=value_residual)
         if _return_kv:
             return res if return_attn else res[:2]
         out, kv_out = res[:2]
@@ -438,7 +447,7 @@ class Attention(nn.Module):
         return ang, ang
 
     def _forward(self, x, context, *, mask=None, causal=False, rotary=None, bias=None, kv=None, past_kv=None,
-                 return_attn=False, pad=None):
+                 return_attn=False, pad=None, value_residual=None):
         """The attention itself: ``(out, (k, v))`` (and the weights with ``return_attn``). ``pad (b, i)``:
         padding of ``x`` in self-attention when ``mask`` no longer shows it (an ``attn_mask`` was folded in)."""
         inputs_finite = isinstance(mask, SelectedMask)
@@ -489,7 +498,10 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv
         else:
-            k, v = self.project_kv(source, None if keys_ok is None else keys_ok[:, j - source.shape[1]:])  # new keys
+            new_keep = None if keys_ok is None else keys_ok[:, j - source.shape[1]:]
+            k, v = self.project_kv(source, new_keep)  # new keys
+            if value_residual is not None:
+                v = self._mix_values(v, value_residual, source, new_keep, context is None)
             if rotary is not None:
                 k = apply_rotary(k, rotary[1])
             if self.orthog:  # the new values (b, i, h_kv, d), masked ones selected to 0
@@ -548,6 +560,19 @@ class Attention(nn.Module):
         if return_attn:
             return out, kv_out, weights
         return out, kv_out
+
+    def _mix_values(self, v: Tensor, residual: Tensor, source: Tensor, keep: Tensor | None, self_attn: bool) -> Tensor:
+        """``lerp(residual, v, mix)`` for the new values ``v (b, h_kv, j, d)`` (x-transformers' value residual);
+        ``mix (b, h_kv, j, 1)`` from the source rows (masked ones selected to 0 first), or 0.5."""
+        if not isinstance(residual, Tensor) or residual.shape != v.shape:
+            raise ValueError(f"value_residual must have the new values' shape {tuple(v.shape)}, "
+                             f"got {getattr(residual, 'shape', type(residual))}")
+        if self.to_value_residual_mix is None:
+            return residual.lerp(v, 0.5)
+        if not self_attn:
+            raise ValueError("learned_value_residual_mix reads the queries' input: self-attention only")
+        mix = torch.sigmoid(self._linear(self.to_value_residual_mix, source, keep)).transpose(1, 2)[..., None]
+        return residual.lerp(v, mix.to(v.dtype))
 
     def _extend(self, mask, bias, b: int, i: int, j: int, x: Tensor, real_rows: Tensor | None = None):
         """The mask and bias over ``[sink?, memory keys, keys]``: the extra keys visible to every query,

@@ -210,6 +210,7 @@ class _AttnOptions:
     qk_head_gains: tuple | None = None  # qk_norm_dim_scale: (w_q (h, d) in x-transformers' head order, w_k (h_kv, d))
     value_rmsnorm: bool = False
     orthog: tuple = ()  # the orthog_projected_values options, as AttentionLayers keywords
+    value_mix: bool = False  # a learned value residual mix (every self-attention but the first: not in key())
     mem_kv: int = 0
     sink: bool = False
     softclamp: float | None = None
@@ -328,7 +329,14 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         if getattr(attn, attr, None) is not None:
             problems.add(f"{option}", name)
     if isinstance(attn.to_value_residual_mix, nn.Module):
-        problems.add("learned_value_residual_mix", name)
+        mix = attn.to_value_residual_mix
+        if not (isinstance(mix, nn.Sequential) and isinstance(mix[0], nn.Linear) and mix[0].bias is not None
+                and isinstance(mix[1], nn.Sigmoid)):
+            problems.add("learned_value_residual_mix with a custom mixer", name)
+        elif attn.kv_heads != attn.heads:
+            problems.add("learned_value_residual_mix with grouped key/value heads (x-transformers mixes per query "
+                         "head)", name)
+        opts.value_mix = True
     if getattr(attn, "rotate_num_heads", attn.heads) != attn.heads:
         problems.add(f"rotate_num_heads={attn.rotate_num_heads} < heads={attn.heads}", name)
     if getattr(attn, "sublayer_dropout", None) is not None:
@@ -436,7 +444,7 @@ def _allowed_types(xt, xt_attend) -> set[type]:
         xt.Decoder, xt.CrossAttender, xt.LayerNorm, xt.RMSNorm, xt.SimpleRMSNorm, xt.ScaleNorm, xt.Attention,
         xt_attend.Attend, xt.FeedForward, xt.GLU, xt.Residual, xt.RotaryEmbedding, xt.AlibiPositionalBias,
         nn.Embedding, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.ModuleList, nn.Sequential, nn.GELU,
-        nn.SiLU, einops_torch.Rearrange,
+        nn.SiLU, einops_torch.Rearrange, nn.Sigmoid,  # Sigmoid: the value residual mix (_check_attention)
     }
     if hasattr(xt, "LoRALinear"):  # the low-rank attention gates (read by _gate_options)
         allowed.add(xt.LoRALinear)
@@ -546,7 +554,6 @@ def _check_stack(layers, xt, problems: _Problems, training_only: list[str], has_
         ("softclamp_output", "softclamp_output"),
         ("sandwich_norm", "sandwich_norm"),
         ("pre_and_post_norm", "pre_and_post_norm"),
-        ("add_value_residual", "add_value_residual"),
         ("need_condition", "adaptive norms / adaptive layerscale (a condition input)"),
         ("unet_skips", "unet_skips"),
         ("reinject_input", "reinject_input"),
@@ -753,6 +760,9 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(attn_qk_norm_dim_scale=True)
     if opts0.value_rmsnorm:
         stack_kwargs.update(attn_value_rmsnorm=True)
+    if getattr(layers, "add_value_residual", False):
+        stack_kwargs.update(add_value_residual=True,
+                            learned_value_residual_mix=any(o.value_mix for o in attn_opts.values()))
     if opts0.orthog:
         if cross:
             problems.add("attn_orthog_projected_values with cross-attention (safeformer projects self-attention only)")
@@ -876,6 +886,10 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                 else:
                     put(dst.to_out.weight, torch.eye(dim, dtype=ref.dtype, device=ref.device)[:, rows])
                 opts = plan.attn_opts[k]
+                if opts.value_mix:  # Linear(dim, heads) + sigmoid; heads == kv_heads (checked)
+                    lin = blk.to_value_residual_mix[0]
+                    put(dst.to_value_residual_mix.weight, take(lin.weight)[perm])
+                    put(dst.to_value_residual_mix.bias, take(lin.bias)[perm])
                 if opts.value_rmsnorm:  # gamma (h, 1, d), h == h_kv (checked): kv heads are not permuted
                     put(dst.v_norm.weight, take(blk.value_rmsnorm.gamma).reshape(kv_heads, dim_head))
                 if opts.qk_head_gains is not None:

@@ -163,6 +163,12 @@ class AttentionLayers(Configurable, nn.Module):
             ``d ** -0.25`` at init (x-transformers' name: logits ``sum_e qhat_e khat_e`` at init).
         attn_value_rmsnorm: RMS-normalise each value head, gain ``1 + w`` per key/value head (x-transformers'
             ``MultiheadRMSNorm``; memory values are not normalised, as there).
+        add_value_residual: every attention after the first of its kind (self or cross) mixes the first one's
+            values into its own, ``lerp(v_first, v, mix)`` (x-transformers' name, ResFormer); ``mix`` is
+            ``sigmoid(Linear(x))`` per position and head in self-attention (``learned_value_residual_mix``,
+            default True, as there), 0.5 otherwise. Padded path only, no static decode step; not with
+            ``attn_value_rmsnorm`` or ``checkpoint_layers``.
+        learned_value_residual_mix: see ``add_value_residual``.
         attn_orthog_projected_values, attn_orthog_projected_values_per_head: self-attention's output minus its
             projection onto the sequence's own values, over the whole sample (x-transformers' "belief
             attention"; both: the two copies concatenated into ``to_out``). Masked positions add nothing;
@@ -230,6 +236,8 @@ class AttentionLayers(Configurable, nn.Module):
         attn_value_rmsnorm: bool = False,
         attn_orthog_projected_values: bool = False,
         attn_orthog_projected_values_per_head: bool = False,
+        add_value_residual: bool = False,
+        learned_value_residual_mix: bool = True,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -265,8 +273,16 @@ class AttentionLayers(Configurable, nn.Module):
             self.alibi_slopes = None
         self.has_relative_positions = rotary_pos_emb or alibi_pos_bias
 
+        if add_value_residual and (attn_value_rmsnorm or checkpoint_layers):
+            raise ValueError("add_value_residual cannot be combined with attn_value_rmsnorm or checkpoint_layers")
+        self.add_value_residual = bool(add_value_residual)
+        first_self = [True]
+
         def attention(context_dim: int | None) -> Attention:
             orthog = context_dim is None  # the projection onto the sequence's own values: self-attention only
+            learned_mix = bool(add_value_residual and learned_value_residual_mix and context_dim is None
+                               and not first_self[0])  # x-transformers: every self-attention but the first
+            first_self[0] = first_self[0] and context_dim is not None
             return Attention(
                 dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim,
                 qk_norm=attn_qk_norm, dropout=attn_dropout, bias=attn_bias, backend=backend,
@@ -279,6 +295,7 @@ class AttentionLayers(Configurable, nn.Module):
                 qk_norm_dim_scale=attn_qk_norm_dim_scale, value_rmsnorm=attn_value_rmsnorm,
                 orthog_projected_values=attn_orthog_projected_values and orthog,
                 orthog_projected_values_per_head=attn_orthog_projected_values_per_head and orthog,
+                learned_value_residual_mix=learned_mix,
             )
 
         adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
@@ -302,10 +319,11 @@ class AttentionLayers(Configurable, nn.Module):
         self.layer_kinds = tuple(blk.kind for blk in blocks)
         self.final_norm = norm() if pre_norm_has_final_norm else nn.Identity()
         # the unpadded path packs tokens; Attention.packable says which options run on the padded path only
-        self.packable = all(blk.mixer.packable for blk in blocks if blk.kind != "ff")
+        self.packable = all(blk.mixer.packable for blk in blocks if blk.kind != "ff") and not self.add_value_residual
         if unpadded is True and not self.packable:
             raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink, attn_softclamp_logits "
-                             "or attn_orthog_projected_values (they run on the padded path); use unpadded='auto' or False")
+                             "attn_orthog_projected_values or add_value_residual (they run on the padded path); "
+                             "use unpadded='auto' or False")
 
     def plan_unpadded(self, mask: Tensor | None, *, cache=None, return_cache: bool = False,
                       attn_mask: Tensor | None = None, return_hiddens: bool = False) -> UnpaddedPlan | None:
@@ -413,12 +431,15 @@ class AttentionLayers(Configurable, nn.Module):
         recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled() and not return_cache \
             and cache is None and not return_hiddens
         self_kv, cross_kv, hiddens, attn_maps = [], [], [], []
+        first_values: dict = {}  # add_value_residual: the first self- and cross-attention's values (new positions)
 
         def run(block: Block, x: Tensor, cond: Tensor | None, past_kv=None, cached=None) -> tuple[Tensor, tuple]:
             if block.kind == "self":
-                return block(x, cond, past_kv=past_kv, **self_args)
+                return block(x, cond, past_kv=past_kv, value_residual=first_values.get("self"), **self_args)
             if block.kind == "cross":
-                return block(x, cond, None if cached is not None else context, kv=cached, **cross_args)
+                vr = first_values.get("cross") if cached is None else None  # a cached context is mixed already
+                return block(x, cond, None if cached is not None else context, kv=cached, value_residual=vr,
+                             **cross_args)
             return block(x, cond)
 
         for block in self.layers:
@@ -435,6 +456,8 @@ class AttentionLayers(Configurable, nn.Module):
                 out, extra = run(block, x, cond, past_kv, cached)
             if block.kind != "ff":
                 (self_kv if block.kind == "self" else cross_kv).append(extra[0])
+                if self.add_value_residual and block.kind not in first_values:  # its values of the new positions
+                    first_values[block.kind] = extra[0][1][:, :, -n:] if block.kind == "self" else extra[0][1]
             if len(extra) > 1:  # the attention weights: padded queries' rows are 0
                 attn_maps.append(extra[1] if mask is None else torch.where(mask[:, None, :, None], extra[1], 0.0))
             if self.training and self.layer_dropout > 0:  # stochastic depth: a sample skips this branch

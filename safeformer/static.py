@@ -64,6 +64,8 @@ def static_reason(net) -> str | None:
         return "logits_dim is larger than num_tokens (a sampled id may be outside the vocabulary)"
     if not stack.causal:
         return "the stack is not causal"
+    if getattr(stack, "add_value_residual", False):
+        return "add_value_residual passes the first attention's values to the others (the step does not)"
     for blk in stack.layers:
         if blk.kind != "ff" and (blk.mixer.extra_keys or blk.mixer.softclamp_value is not None):
             return "attention with memory keys, a learned sink or softclamped logits runs the explicit path"

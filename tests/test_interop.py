@@ -221,7 +221,7 @@ UNSUPPORTED = [
     (dict(attn_add_zero_kv=True), "attn_add_zero_kv"),
     (dict(attn_max_attend_past=3), "attn_max_attend_past"),
     (dict(weight_tie_layers=True), "weight_tie_layers"),
-    (dict(add_value_residual=True), "add_value_residual"),
+    (dict(add_value_residual=True, attn_kv_heads=1), "learned_value_residual_mix with grouped"),
     (dict(attn_laser=True), "attn_laser"),
     (dict(unet_skips=True, depth=4), "unet_skips"),
     (dict(custom_layers=("a", "f", "f"), depth=None), "custom layer pattern"),

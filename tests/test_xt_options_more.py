@@ -32,7 +32,8 @@ def _perturb(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _formula(attn: sf.Attention, x: torch.Tensor, real: torch.Tensor, causal: bool) -> torch.Tensor:
+def _formula(attn: sf.Attention, x: torch.Tensor, real: torch.Tensor, causal: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """float64, written out: q/k RMS norms with per-head gains, value RMS norm with gains ``1 + w``,
     softmax attention over the real keys, the output projected off the real values (over the whole
     sample), then ``to_out``. Padded rows are 0."""
@@ -54,6 +55,9 @@ def _formula(attn: sf.Attention, x: torch.Tensor, real: torch.Tensor, causal: bo
     v = lin("to_v", x).view(b, n, hk, d)
     if attn.q_norm is not None:
         q, k = rms(q) * P["q_norm.weight"], rms(k) * P["k_norm.weight"]
+    if residual is not None:  # (b, h_kv, n, d): lerp towards v by sigmoid(Linear(x)) per position and head
+        mix = torch.sigmoid(lin("to_value_residual_mix", torch.where(real[..., None], x, 0.0)))[..., None]
+        v = residual.double().transpose(1, 2) + mix * (v - residual.double().transpose(1, 2))
     if attn.v_norm is not None:
         v = rms(v) * (1 + P["v_norm.weight"])
     g = h // hk
@@ -114,6 +118,43 @@ def test_options_match_float64_formula_and_ignore_padding(opts, causal, dtype):
     assert all(bool(torch.isfinite(p.grad).all()) for p in attn.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_learned_value_residual_mix_matches_float64_formula(causal):
+    """``value_residual=`` mixes into the new values ``lerp(residual, v, sigmoid(Linear(x)))``; NaN at padded
+    positions of x changes nothing (the residual there is finite, as the stack's own values are)."""
+    torch.manual_seed(4)
+    attn = _perturb(sf.Attention(16, heads=4, dim_head=8, kv_heads=2, bias=True, learned_value_residual_mix=True))
+    x = torch.randn(3, 6, 16)
+    residual = torch.randn(3, 2, 6, 8)
+    want = _formula(attn, x, MASK, causal, residual)
+    planted = x.clone()
+    planted[~MASK] = NAN
+    planted.requires_grad_()
+    out = attn(planted, mask=MASK, causal=causal, value_residual=residual)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    out.square().sum().backward()
+    assert bool(torch.isfinite(planted.grad).all()) and bool((planted.grad[~MASK] == 0).all())
+    with pytest.raises(ValueError, match="value_residual must have"):
+        attn(x, value_residual=residual[:, :1])
+
+
+def test_value_residual_stack_decodes_with_the_cache_as_without_and_refuses_what_it_cannot_run():
+    """Every later attention mixes the first one's values; cached generation (the dynamic cache: the static
+    step names why it cannot) equals the uncached recompute, with and without a context."""
+    torch.manual_seed(5)
+    net = _perturb(sf.TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=16, depth=3, heads=2, dim_head=8, cross_attend=True, add_value_residual=True))).eval()
+    assert "add_value_residual" in static_reason(net)
+    ar = sf.AutoregressiveWrapper(net)
+    prompt, ctx = torch.randint(0, 20, (2, 3)), torch.randn(2, 4, 16)
+    a = ar.generate(prompt, 5, context=ctx, temperature=0.0)
+    b = ar.generate(prompt, 5, context=ctx, temperature=0.0, cache_kv=False)
+    assert torch.equal(a, b)
+    for bad in (dict(attn_value_rmsnorm=True), dict(checkpoint_layers=True), dict(unpadded=True)):
+        with pytest.raises(ValueError, match="add_value_residual"):
+            sf.Decoder(dim=16, depth=2, heads=2, dim_head=8, add_value_residual=True, **bad)
+
+
 def test_qk_norm_dim_scale_initial_logits_are_cosine_similarities():
     """At init the gains are ``d ** -0.25``: the logit is the cosine similarity of q and k (x-transformers'
     ``qk_norm_dim_scale`` with its ``d ** 0.25`` scales and ``d ** -0.5`` logit scale)."""
@@ -133,10 +174,14 @@ XT_CASES = [
     dict(attn_orthog_projected_values=True, attn_kv_heads=2),
     dict(attn_orthog_projected_values_per_head=True),
     dict(attn_orthog_projected_values=True, attn_orthog_projected_values_per_head=True, attn_kv_heads=2),
+    dict(add_value_residual=True),
+    dict(add_value_residual=True, learned_value_residual_mix=False, attn_kv_heads=2),
+    dict(add_value_residual=True, cross_attend=True),
 ]
 
 
-@pytest.mark.parametrize("opts", XT_CASES, ids=[",".join(k[5:] for k in c if k != "attn_kv_heads") for c in XT_CASES])
+@pytest.mark.parametrize("opts", XT_CASES, ids=[",".join(k.removeprefix("attn_") for k, v in c.items() if k != "attn_kv_heads"
+                                                        and v is True) for c in XT_CASES])
 def test_from_x_transformers_gives_equal_outputs(opts):
     """A converted x-transformers model gives its logits (float32, trained-looking gains and scales)."""
     torch.manual_seed(1)
@@ -148,8 +193,9 @@ def test_from_x_transformers_gives_equal_outputs(opts):
                 p.add_(0.3 * torch.randn_like(p))
     ours = sf.from_x_transformers(peer).eval()
     x = torch.randint(0, 50, (2, 9))
+    ctx = torch.randn(2, 5, 32) if opts.get("cross_attend") else None
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), peer(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours(x, context=ctx), peer(x, context=ctx), atol=1e-5, rtol=1e-5)
 
 
 def test_value_rmsnorm_with_grouped_heads_is_refused_by_the_converter():

@@ -1093,6 +1093,18 @@ class EncoderOrthogCase(EncoderCase):
                     attn_bias=True)
 
 
+class DecoderValueResidualCase(DecoderCase):
+    """``Decoder`` with cross-attention and x-transformers' ``add_value_residual`` (learned mix): every later
+    attention mixes the first one's values of the same positions into its own, so masked slots of the
+    first attention must stay out of every later one, cached decoding included, and a dropped context an
+    exact no-op. Padded path only."""
+
+    name = "Decoder-value-residual"
+
+    def config(self):
+        return dict(super().config(), depth=3, kv_heads=HEADS, add_value_residual=True, attn_bias=True)
+
+
 class MemoryTokensWrapperCase(TransformerWrapperCase):
     """``TransformerWrapper`` with memory tokens (x-transformers' ``num_memory_tokens``) before the
     sequence: the attention sees ``M + n`` rows; left-padded queries see the memory tokens (not dead);
@@ -1136,13 +1148,13 @@ CASES: list[Case] = [
     AttentionSelfCase(), AttentionSelfPaddingCase(), AttentionPastKVCase(), AttentionCrossCase(), EncoderCase(), DecoderCase(), CrossAttenderCase(),
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
     AttentionMemKVCase(), DecoderMemKVCase(), DecoderSinkBiasCase(), MemoryTokensWrapperCase(), SoftclampWrapperCase(),
-    DecoderGatedCase(), DecoderHeadNormsCase(), EncoderOrthogCase(),
+    DecoderGatedCase(), DecoderHeadNormsCase(), EncoderOrthogCase(), DecoderValueResidualCase(),
 ]
 # every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
 # run on the padded path only (the stack refuses unpadded=True with them)
 UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
                   if not c.name.startswith("Attention-")
                   and c.name not in ("Decoder-memkv-sink", "Decoder-sink-bias", "TransformerWrapper-softclamp-l2norm",
-                                     "Encoder-orthog")]
+                                     "Encoder-orthog", "Decoder-value-residual")]
 ALL_CASES = CASES + UNPADDED_CASES
 
