@@ -359,7 +359,8 @@ class BeliefStateWrapper(nn.Module):
         ``decode_backwards`` the tokens come in the order sampled (right to left).
         """
         conditions = condition_kwargs("BeliefStateWrapper.generate_with_suffix_cond", conditions)
-        filter_kwargs = dict(min_p=0.1) if filter_kwargs is None else filter_kwargs
+        if filter_kwargs is None:  # x-transformers' default belongs to its default filter
+            filter_kwargs = dict(min_p=0.1) if filter_logits_fn in (min_p, "min_p") else {}
         if isinstance(filter_logits_fn, str):
             if filter_logits_fn not in FILTERS:
                 raise ValueError(f"filter_logits_fn must be one of {sorted(FILTERS)} or a callable, got {filter_logits_fn!r}")
@@ -420,12 +421,11 @@ class BeliefStateWrapper(nn.Module):
                 null = null.with_pair(kind, *null_of(conds, kind))
             branches.append((null, None, None))
         other = []
+        if decode_backwards:  # x-transformers' prefix state: a random token (one draw, shared by the branches)
+            tok = torch.randint(0, self.num_tokens, (b, 1), device=device, generator=generator)
+            prefix_state = self.forward_decoder(tok, return_embeddings=True)  # (b, 1, d)
         for _, br_suffix, br_suffix_mask in branches:
-            if decode_backwards:
-                tok = torch.randint(0, self.num_tokens, (b, 1), device=device, generator=generator)
-                other.append(self.forward_decoder(tok, return_embeddings=True))  # (b, 1, d)
-            else:
-                other.append(self._suffix_embed(br_suffix, br_suffix_mask, b, device, dtype))
+            other.append(prefix_state if decode_backwards else self._suffix_embed(br_suffix, br_suffix_mask, b, device, dtype))
         caches: list = [None] * len(branches)
         for _ in range(seq_len):
             all_logits = []

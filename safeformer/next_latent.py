@@ -127,13 +127,16 @@ class NextLatentWrapper(nn.Module):
         """SIGReg of ``x (..., d)``: the distance of the empirical characteristic function of random 1-d
         projections from a standard normal's; 0 for no rows."""
         d = x.shape[-1]
-        projs = l2norm(torch.randn((num_slices, d), device=x.device, generator=generator).to(x.dtype))
-        t = torch.linspace(*domain, num_knots, device=x.device, dtype=x.dtype)
+        work = torch.promote_types(x.dtype, torch.float32)  # statistics in float32 (float64 for float64)
+        x = x.to(work)
+        projs = l2norm(torch.randn((num_slices, d), device=x.device, generator=generator).to(work))
+        t = torch.linspace(*domain, num_knots, device=x.device, dtype=work)
         exp_f = (-0.5 * t.square()).exp()
         xt = (x.reshape(-1, d) @ projs.t())[..., None] * t  # (N, m, k)
         rows = xt.shape[0]
-        ecf = (1j * xt).exp().sum(0) / max(rows, 1)
-        err = (ecf - exp_f).abs().square() * exp_f
+        # the empirical characteristic function exp(i x t) averaged over the rows, as cosines and sines
+        re, im = xt.cos().sum(0) / max(rows, 1), xt.sin().sum(0) / max(rows, 1)
+        err = ((re - exp_f).square() + im.square()) * exp_f
         out = torch.trapezoid(err, t, dim=-1).mean()
         return out if rows else out * 0.0
 
@@ -208,6 +211,8 @@ class NextLatentWrapper(nn.Module):
         if not bool(torch.isfinite(w).all() & (w >= 0).all()) or float(w.sum()) <= 0:
             raise ValueError(f"rollout_weights must be finite, >= 0 and not all 0, got {tuple(rollout_weights)!r}")
         self.register_buffer("rollout_loss_weights", w / w.sum(), persistent=False)
+        total_w = sum(float(x) for x in rollout_weights)  # the weights used, normalised in float64
+        self._rollout_weights = tuple(float(x) / total_w for x in rollout_weights)
         if dynamics_type == "residual":
             if dynamics_network is None:
                 hidden = dim if dynamics_hidden_dim is None else dynamics_hidden_dim
@@ -291,7 +296,7 @@ class NextLatentWrapper(nn.Module):
 
         dyn = self.dynamics_model(next_embeds.detach(), hidden[:, :-1])  # (r, b, n - 1, d)
         zero = hidden.new_zeros(())
-        weights = self.rollout_loss_weights.to(hidden.dtype)
+        weights = torch.tensor(self._rollout_weights, dtype=hidden.dtype, device=hidden.device)
         unreduced = self.loss_fn(dyn, targets.detach())
         unreduced = torch.where(masks[..., None], unreduced, torch.zeros_like(unreduced))
         dyn_w = 1.0
@@ -316,7 +321,7 @@ class NextLatentWrapper(nn.Module):
             kl = sum(_masked_mean(step_kl[k], masks[k]) for k in range(R))
         sigreg = zero
         if self.has_sigreg:
-            sigreg = self.sigreg_loss(hidden[:, :-1][counted], generator=generator, **self.sigreg_loss_kwargs).to(hidden.dtype)
+            sigreg = self.sigreg_loss(hidden[:, :-1][counted], generator=generator, **self.sigreg_loss_kwargs)
         total = ce + self.next_latent_loss_weight * next_latent + self.kl_loss_weight * kl + self.sigreg_loss_weight * sigreg
         if not return_loss_breakdown:
             return total

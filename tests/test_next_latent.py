@@ -55,10 +55,12 @@ def _batch(seed=0, b=4, n=8, lengths=(8, 0, 5, 2)):
 # ----------------------------------------------------------------------------------------------------
 
 
-def ref_terms(model: NextLatentWrapper, x: torch.Tensor, lengths, **cond):
-    """``(ce, next_latent, kl)`` by hand: each sample's real tokens alone, rollouts step by step."""
+def ref_terms(model: NextLatentWrapper, x: torch.Tensor, lengths, given=None, **cond):
+    """``(ce, next_latent, kl)`` by hand: each sample's real tokens alone, rollouts step by step;
+    ``given``: the rollout weights as passed (default all 1)."""
     R = model.num_rollouts
-    w = [float(v) for v in model.rollout_loss_weights]
+    ws = [1.0] * R if given is None else [float(v) for v in given]
+    w = [v / sum(ws) for v in ws]
     head = model.net._head
     ce_terms, lat = [[] for _ in range(R)], [[] for _ in range(R)]
     kls = [[] for _ in range(R)]
@@ -110,7 +112,7 @@ def test_loss_terms_match_float64_reference(opts):
     model = make_model(torch.float64, **opts).eval()
     x, lengths = _batch()
     total, parts = model(x, return_loss_breakdown=True)
-    ce, nl, kl = ref_terms(model, x, lengths)
+    ce, nl, kl = ref_terms(model, x, lengths, opts.get("rollout_weights"))
     assert_close(parts.ce, ce, "ce", torch.float64)
     assert_close(parts.next_latent, nl, "next-latent loss", torch.float64)
     assert_close(parts.kl, kl, "kl", torch.float64)
@@ -326,3 +328,23 @@ def probe_next_latent(seed: int, value: float):
 
 def test_door_probe_clauses():
     check_probe(probe_next_latent, has_dead=False)
+
+
+def test_sigreg_matches_x_transformers_and_runs_in_half_precision():
+    pytest.importorskip("x_transformers")
+    from x_transformers.next_latent_wrapper import NextLatentWrapper as XN
+
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(3)
+    want = XN.sigreg_loss(x, num_slices=16)
+    torch.manual_seed(3)
+    got = NextLatentWrapper.sigreg_loss(x, num_slices=16)
+    assert abs(got.item() - want.item()) < 1e-5
+    half = make_model(torch.float16, num_rollouts=2, sigreg_loss_weight=0.1,
+                      sigreg_loss_kwargs=dict(num_slices=8, domain=(-5, 5), num_knots=5))
+    xb, _ = _batch(8)
+    loss = half(xb)
+    loss.backward()
+    assert_finite(loss, "float16 loss")
+    for name, p in half.named_parameters():
+        assert_finite(p.grad, f"float16 gradient of {name}")
