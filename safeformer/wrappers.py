@@ -515,7 +515,8 @@ class TransformerWrapper(_Wrapper):
         conditions = condition_kwargs("TransformerWrapper.forward", conditions)
         x = _token_ids(x, "x")
         b, n = x.shape
-        self._check_xt_call(token_emb_kwargs, to_logits_kwargs, return_next_embed_pred, recycle_steps, cache)
+        self._check_xt_call(token_emb_kwargs, to_logits_kwargs, return_next_embed_pred, recycle_steps, cache,
+                            return_cache)
         if input_not_include_cache is None:
             input_not_include_cache = self.input_not_include_cache
         _flag(input_not_include_cache, "input_not_include_cache")
@@ -570,11 +571,11 @@ class TransformerWrapper(_Wrapper):
             return result(masked_mean(h, full_mask, dim=1))  # (b, c), prefix included
         if self.average_pool_embed:  # the head on the mean of the real positions (prefix included)
             pooled = masked_mean(h, full_mask, dim=1)  # (b, c): a fully padded sample pools to 0
-            return result(pooled if return_embeddings or self.return_only_embed else self._head(pooled))
+            return result(pooled if return_embeddings or self.return_only_embed else self._head(pooled, **(to_logits_kwargs or {})))
         if self.cls_token is not None and fixed_out is not None:
             cls = fixed_out[:, self.num_memory_tokens:]  # (b, C, c)
             cls = cls[:, 0] if cls.shape[1] == 1 else cls
-            return result(cls if return_embeddings or self.return_only_embed else self._head(cls))
+            return result(cls if return_embeddings or self.return_only_embed else self._head(cls, **(to_logits_kwargs or {})))
         if excise_prepend_embeds and m:
             h = h[:, m:]
             full_mask = None if full_mask is None else full_mask[:, m:]
@@ -628,7 +629,8 @@ class TransformerWrapper(_Wrapper):
                              f"({x.shape[0]}, {x.shape[1]}, {dim}), got {getattr(emb, 'shape', type(emb))}")
         return emb if mask is None else torch.where(mask[..., None], emb, 0.0)
 
-    def _check_xt_call(self, token_emb_kwargs, to_logits_kwargs, return_next_embed_pred, recycle_steps, cache) -> None:
+    def _check_xt_call(self, token_emb_kwargs, to_logits_kwargs, return_next_embed_pred, recycle_steps, cache,
+                       return_cache=False) -> None:
         for name, kw, custom in (("token_emb_kwargs", token_emb_kwargs, self.custom_token_emb),
                                  ("to_logits_kwargs", to_logits_kwargs, self.custom_to_logits)):
             if kw is not None and not isinstance(kw, dict):
@@ -646,7 +648,7 @@ class TransformerWrapper(_Wrapper):
         if self.recycling:
             if recycle_steps is None and not self.training:
                 raise ValueError("a recycling model needs recycle_steps in eval mode (x-transformers' rule)")
-            if cache is not None:
+            if cache is not None or return_cache:
                 raise ValueError("recycling runs the whole stack several times: no KV cache (x-transformers' rule)")
 
     def _recycle(self, emb, mask, conds, attn_mask, steps, pos, want_inter):
