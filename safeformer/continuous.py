@@ -130,6 +130,11 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         cond_drop_prob: during training, the probability of dropping each sample's condition: one
             number for every kind given, or ``{"context": p_c, "prepend": p_p, "condition": p_a}``.
         cond_drop_all_prob: in addition, the probability that a sample loses every condition at once.
+        use_l1_loss: x-transformers' spelling of ``loss="l1"``.
+        equal_loss_weight_batch: x-transformers' option: ``reduction="mean"`` weighs every sample the same
+            instead of every target: per sample, the loss summed over its counted targets and the features
+            divided by its counted targets (x-transformers' ``batch_masked_mean``: the features are summed),
+            then the mean over the batch (a sample with no counted target contributes 0).
 
     A dropped context or prefix is an all-False mask row (an exact no-op); a dropped adaptive condition
     is the stack's null condition. Dropped contents are selected away, never multiplied.
@@ -159,8 +164,17 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         min_variance: float = 1e-6,
         cond_drop_prob: float | dict[str, float] = 0.0,
         cond_drop_all_prob: float = 0.0,
+        use_l1_loss: bool = False,
+        equal_loss_weight_batch: bool = False,
     ):
         super().__init__()
+        for name, flag in (("use_l1_loss", use_l1_loss), ("equal_loss_weight_batch", equal_loss_weight_batch)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if use_l1_loss:  # x-transformers' spelling of loss="l1"
+            if loss not in ("mse", "l1"):
+                raise ValueError(f"use_l1_loss=True with loss={loss!r}: pass one of them")
+            loss = "l1"
         if not isinstance(net, ContinuousTransformerWrapper):
             raise TypeError(f"net must be a ContinuousTransformerWrapper, got {type(net).__name__}")
         if not net.attn_layers.causal:
@@ -206,6 +220,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         self.cond_drop_probs = probs
         self.cond_drop_prob = max(probs.values())
         self.cond_drop_all_prob = float(cond_drop_all_prob)
+        self.equal_loss_weight_batch = equal_loss_weight_batch
         self.max_seq_len = net.max_seq_len
 
     # ------------------------------------------------------------------------------------------------
@@ -293,10 +308,12 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         acc = torch.promote_types(out.dtype, torch.float32)
         return self._reduce(per, counted, reduction, acc)
 
-    @staticmethod
-    def _reduce(per: Tensor, counted: Tensor, reduction: str, acc) -> Tensor:
+    def _reduce(self, per: Tensor, counted: Tensor, reduction: str, acc) -> Tensor:
         if reduction == "none":
             return per
+        if reduction == "mean" and self.equal_loss_weight_batch:
+            per_sample = per.sum(1) * self.dim_in / counted.sum(1).clamp(min=1).to(acc)  # (b,)
+            return per_sample.sum() / max(per.shape[0], 1)
         total = per.sum()
         if reduction == "sum":
             return total

@@ -486,3 +486,20 @@ def test_next_embed_loss():
     hp.assert_zero(g, "gradient")
     with pytest.raises(ValueError, match="counted"):
         next_embed_loss(pred, init, torch.ones(2, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("l1", [False, True])
+def test_equal_loss_weight_batch_and_l1_equal_xt_wrapper(l1):
+    """x-transformers' wrapper on the same net, left padding (where both count the same targets)."""
+    xtc = _xt_continuous()
+    net = _cont_net(prob=False)
+    ours = sf.ContinuousAutoregressiveWrapper(net, use_l1_loss=l1, equal_loss_weight_batch=True)
+    theirs = xtc.ContinuousAutoregressiveWrapper(net, use_l1_loss=l1, equal_loss_weight_batch=True)
+    x = torch.randn(3, 9, D, dtype=torch.float64)
+    mask = hp.mask_from_lengths([9, 5, 1], 9, left=True)
+    hp.assert_close(ours(x, mask=mask), theirs(x, mask=mask).to(torch.float64), what="per-sample weighted loss")
+    assert ours.loss == ("l1" if l1 else "mse")
+    loss = ours(torch.where(mask[..., None], x, NAN), mask=mask)
+    hp.assert_close(loss, theirs(x, mask=mask).to(torch.float64), what="garbage at padding")
+    with pytest.raises(TypeError, match="equal_loss_weight_batch"):
+        sf.ContinuousAutoregressiveWrapper(net, equal_loss_weight_batch=1)
