@@ -317,13 +317,17 @@ class BeliefStateWrapper(nn.Module):
     # sampling
     # ------------------------------------------------------------------------------------------------
 
-    def _suffix_embed(self, suffix: Tensor | None, suffix_mask: Tensor | None, b: int, device, dtype) -> Tensor:
-        """``(b, 1, d)``: the backward decoder's state after the suffix token and the reversed suffix."""
-        prefix = self.suffix_token.to(dtype)[None, None].expand(b, 1, -1)
+    def _suffix_embed(self, suffix: Tensor | None, suffix_mask: Tensor | None, b: int, device, dtype,
+                      conds: Conditions | None = None) -> Tensor:
+        """``(b, 1, d)``: the backward decoder's state after the suffix token and the reversed suffix, with the
+        conditions it sees in training (a prefix condition before the suffix token)."""
+        conds = Conditions() if conds is None else conds
+        prefix, prefix_mask, m = self._prefix(conds, b, dtype)
+        kw = {k: v for k, v in conds.kwargs().items() if k not in ("prepend_embeds", "prepend_mask", "excise_prepend_embeds")}
         if suffix is None:
             suffix = torch.zeros(b, 0, dtype=torch.long, device=device)
         be = self.backward_decoder(reverse_real(suffix, suffix_mask), mask=suffix_mask, prepend_embeds=prefix,
-                                   return_embeddings=True)  # (b, 1 + s, d)
+                                   prepend_mask=prefix_mask, return_embeddings=True, **kw)[:, m:]  # (b, 1 + s, d)
         real = torch.ones(b, 1 + suffix.shape[1], dtype=torch.bool, device=device)
         if suffix_mask is not None:
             real[:, 1:] = suffix_mask
@@ -423,9 +427,11 @@ class BeliefStateWrapper(nn.Module):
         other = []
         if decode_backwards:  # x-transformers' prefix state: a random token (one draw, shared by the branches)
             tok = torch.randint(0, self.num_tokens, (b, 1), device=device, generator=generator)
-            prefix_state = self.forward_decoder(tok, return_embeddings=True)  # (b, 1, d)
-        for _, br_suffix, br_suffix_mask in branches:
-            other.append(prefix_state if decode_backwards else self._suffix_embed(br_suffix, br_suffix_mask, b, device, dtype))
+        for br_conds, br_suffix, br_suffix_mask in branches:  # each branch's other state, under its conditions
+            if decode_backwards:
+                other.append(self.forward_decoder(tok, return_embeddings=True, **br_conds.kwargs()))  # (b, 1, d)
+            else:
+                other.append(self._suffix_embed(br_suffix, br_suffix_mask, b, device, dtype, br_conds))
         caches: list = [None] * len(branches)
         for _ in range(seq_len):
             all_logits = []

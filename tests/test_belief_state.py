@@ -244,7 +244,7 @@ def test_generation_cached_equals_uncached_and_padding_changes_nothing():
 
 def test_guidance_equals_the_formula_on_separate_passes():
     """One guided greedy step is the argmax of ``guided_logits(cond, uncond, s)``, where the unconditional
-    pass has the empty suffix and the context dropped."""
+    pass has the empty suffix and the context dropped (in both decoders, as in training)."""
     model = make_model(cross=True).eval()
     g = torch.Generator().manual_seed(8)
     prompts = torch.randint(0, V, (2, 3), generator=g)
@@ -253,7 +253,8 @@ def test_guidance_equals_the_formula_on_separate_passes():
     with torch.no_grad():
         def step_logits(suf, context_mask):
             h = model.forward_decoder(prompts, context=ctx, context_mask=context_mask, return_embeddings=True)[:, -1:]
-            s = model._suffix_embed(suf, None, 2, prompts.device, torch.float32)
+            s = model._suffix_embed(suf, None, 2, prompts.device, torch.float32,
+                                    sf.Conditions(context=ctx, context_mask=context_mask))
             return model.text_head(torch.cat((h, s), -1)).chunk(2, -1)[0][:, -1]
         cond = step_logits(suffix, torch.ones(2, 2, dtype=torch.bool))
         uncond = step_logits(None, torch.zeros(2, 2, dtype=torch.bool))
@@ -495,3 +496,22 @@ def test_cond_on_distance_skips_the_distance_loss_as_x_transformers_does():
         random.seed(seed)
         got = sb(seqs)
         assert abs(got.item() - want.item()) < 1e-5
+
+
+def test_generation_with_a_prefix_condition():
+    """A prefix condition reaches both decoders at sampling as in training: cached equals uncached, an
+    all-False ``prepend_mask`` (NaN in its rows) is exactly no prefix, and guidance drops it."""
+    model = make_model().eval()
+    g = torch.Generator().manual_seed(17)
+    prompts = torch.randint(0, V, (3, 2), generator=g)
+    suffix = torch.randint(0, V, (3, 2), generator=g)
+    pre = torch.randn(3, 2, D, generator=g)
+    pmask = torch.tensor([[True, True], [False, False], [True, False]])
+    kw = dict(suffix=suffix, prepend_embeds=pre, prepend_mask=pmask, temperature=0.0)
+    want = model.generate_with_suffix_cond(prompts, 4, **kw)
+    assert torch.equal(model.generate_with_suffix_cond(prompts, 4, cache_kv=True, **kw), want)
+    nan_pre = pre.masked_fill(~pmask[..., None], float("nan"))
+    none = model.generate_with_suffix_cond(prompts[1:2], 4, suffix=suffix[1:2], temperature=0.0)
+    assert torch.equal(model.generate_with_suffix_cond(prompts, 4, **{**kw, "prepend_embeds": nan_pre})[1], none[0])
+    guided = model.generate_with_suffix_cond(prompts, 4, cond_scale=2.0, cache_kv=True, **{**kw, "prepend_embeds": nan_pre})
+    assert guided.shape == (3, 4)
