@@ -16,6 +16,11 @@ of the reversed sequence, never reaches the text head (its inputs are selected t
 count) and a sample with fewer than 2 real tokens contributes nothing: a loss of exactly 0 with zero
 gradients when no sample counts.
 
+Sampling (``generate_with_suffix_cond``): the prompts may be padded (``mask``) and the goal suffix too
+(``suffix_mask``); conditions reach both decoders as in training; ``cond_scale`` guides jointly on the
+suffix and the conditions (``guided_logits``: the unconditional branch has the empty suffix, which the
+pairs with ``bi = L`` train, and every condition dropped); ``cache_kv`` equals the uncached result.
+
 Differences from x-transformers (both agree with no padding, ``tests/test_belief_state.py``):
 x-transformers flips the ``n + 1`` backward outputs over ``lens`` positions, so with ``lens`` its backward
 state ``bi`` knows the tokens from ``bi + 1`` on and the pair with ``bi = L`` reads a state that has seen
