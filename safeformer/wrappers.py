@@ -45,6 +45,49 @@ def xt_wrapper_option_kwargs(model) -> dict:
     return kw
 
 
+def xt_continuous_wrapper_kwargs(model) -> dict:
+    """The safeformer ``ContinuousTransformerWrapper`` keywords (all but ``attn_layers``) of an x-transformers
+    ``ContinuousTransformerWrapper``: ``dim_in`` / ``dim_out`` from its projections (``project_in`` /
+    ``project_out`` as given when they are not ``nn.Linear`` or ``nn.Identity``), ``probabilistic``,
+    ``max_seq_len`` (``None`` when it has no absolute position embedding), memory tokens, pooling.
+    ``copy_xt_continuous_projections`` then copies the projections (x-transformers' have no bias: safeformer's
+    are zeroed). For ``from_x_transformers``, which converts the stack."""
+    pin, pout = model.project_in, model.project_out
+    kw: dict = dict(probabilistic=bool(getattr(model, "probabilistic", False)),
+                    average_pool_embed=bool(getattr(model, "average_pool_embed", False)))
+    has_abs = type(model.pos_emb).__name__ == "AbsolutePositionalEmbedding"
+    kw["max_seq_len"] = model.max_seq_len if has_abs else None
+    kw["use_abs_pos_emb"] = has_abs
+    mem = getattr(model, "memory_tokens", None)
+    kw["num_memory_tokens"] = int(mem.shape[0]) if mem is not None else None
+    if isinstance(pin, nn.Linear):
+        kw["dim_in"] = pin.in_features
+    elif not isinstance(pin, nn.Identity):
+        kw["project_in"] = pin
+    if isinstance(pout, nn.Linear):
+        kw["dim_out"] = pout.out_features // (2 if kw["probabilistic"] else 1)
+    elif not isinstance(pout, nn.Identity):
+        kw["project_out"] = pout
+    return kw
+
+
+@torch.no_grad()
+def copy_xt_continuous_projections(sf_model: nn.Module, xt_model: nn.Module) -> None:
+    """Copy an x-transformers ``ContinuousTransformerWrapper``'s ``nn.Linear`` projections (and absolute
+    position embedding and memory tokens) into ``sf_model`` built from ``xt_continuous_wrapper_kwargs``; the
+    (probabilistic) output layout is the same interleaved one in both libraries."""
+    for name in ("project_in", "project_out"):
+        theirs, ours = getattr(xt_model, name), getattr(sf_model, name)
+        if isinstance(theirs, nn.Linear) and isinstance(ours, nn.Linear) and ours is not theirs:
+            ours.weight.copy_(theirs.weight)
+            if ours.bias is not None:
+                ours.bias.copy_(theirs.bias if theirs.bias is not None else torch.zeros_like(ours.bias))
+    if sf_model.pos_emb is not None and type(xt_model.pos_emb).__name__ == "AbsolutePositionalEmbedding":
+        sf_model.pos_emb.emb.weight.copy_(xt_model.pos_emb.emb.weight)
+    if getattr(sf_model, "memory_tokens", None) is not None:
+        sf_model.memory_tokens.copy_(xt_model.memory_tokens)
+
+
 @torch.no_grad()
 def copy_xt_wrapper_option_weights(sf_model: nn.Module, xt_model: nn.Module) -> None:
     """Copy the parameters of those options (same keys in both libraries) from ``xt_model`` into ``sf_model``."""

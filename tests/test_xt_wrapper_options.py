@@ -503,3 +503,35 @@ def test_equal_loss_weight_batch_and_l1_equal_xt_wrapper(l1):
     hp.assert_close(loss, theirs(x, mask=mask).to(torch.float64), what="garbage at padding")
     with pytest.raises(TypeError, match="equal_loss_weight_batch"):
         sf.ContinuousAutoregressiveWrapper(net, equal_loss_weight_batch=1)
+
+
+@pytest.mark.parametrize("prob", [False, True])
+def test_continuous_conversion_parity(prob):
+    """x-transformers' ContinuousTransformerWrapper (probabilistic or not) and safeformer's built from
+    ``xt_continuous_wrapper_kwargs`` (the stack converted through a TransformerWrapper sharing it): equal."""
+    xt = pytest.importorskip("x_transformers")
+    xtc = _xt_continuous()
+    from safeformer.wrappers import copy_xt_continuous_projections, xt_continuous_wrapper_kwargs
+
+    torch.manual_seed(0)
+    theirs = xtc.ContinuousTransformerWrapper(dim_in=D, dim_out=D, max_seq_len=16, probabilistic=prob,
+                                              attn_layers=xt.Decoder(dim=C, depth=2, heads=2)).double().eval()
+    carrier = xt.TransformerWrapper(num_tokens=2, max_seq_len=16, attn_layers=theirs.attn_layers).double().eval()
+    layers = sf.from_x_transformers(carrier).attn_layers
+    ours = sf.ContinuousTransformerWrapper(attn_layers=layers, **xt_continuous_wrapper_kwargs(theirs)).double().eval()
+    copy_xt_continuous_projections(ours, theirs)
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    out, ref = ours(x), theirs(x)
+    assert out.shape == ref.shape
+    # float32's tolerance: the converted stack's norms differ from x-transformers' by their epsilon (interop.py)
+    hp.assert_close(out, ref, what="continuous wrapper", dtype=torch.float32)
+
+
+def test_gaussian_head_finite_in_half_precision():
+    from safeformer.wrappers import gaussian_head
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        raw = torch.tensor([[0.0, 1e4, 0.0, -1e4]], dtype=dtype)
+        out = gaussian_head(raw)
+        hp.assert_finite(out, f"{dtype} variance")
+        assert out.shape == (2, 1, 2)
