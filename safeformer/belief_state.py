@@ -19,7 +19,8 @@ gradients when no sample counts.
 Sampling (``generate_with_suffix_cond``): the prompts may be padded (``mask``) and the goal suffix too
 (``suffix_mask``); conditions reach both decoders as in training; ``cond_scale`` guides jointly on the
 suffix and the conditions (``guided_logits``: the unconditional branch has the empty suffix, which the
-pairs with ``bi = L`` train, and every condition dropped); ``cache_kv`` equals the uncached result.
+pairs with ``bi = L`` train, and every condition dropped; both branches in one batched forward sharing one
+KV cache); ``cache_kv`` equals the uncached result.
 
 Differences from x-transformers (both agree with no padding, ``tests/test_belief_state.py``):
 x-transformers flips the ``n + 1`` backward outputs over ``lens`` positions, so with ``lens`` its backward
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .conditions import Conditions, condition_kwargs, guided_logits, null_of
+from .conditions import Conditions, condition_kwargs, guided_logits, null_of, stack_conditions
 from .generation import FILTERS, min_p
 from .losses import safe_cross_entropy
 from .masks import check_lengths, checked_once, validate_mask
@@ -421,7 +422,6 @@ class BeliefStateWrapper(nn.Module):
         out = prompts if mask is None else torch.where(mask, prompts, torch.zeros_like(prompts))
         if decode_backwards:
             out = reverse_real(out, mask)
-        seq_mask = mask
 
         branches = [(conds, suffix, suffix_mask)]
         if guided:
@@ -437,29 +437,33 @@ class BeliefStateWrapper(nn.Module):
                 other.append(self.forward_decoder(tok, return_embeddings=True, **br_conds.kwargs()))  # (b, 1, d)
             else:
                 other.append(self._suffix_embed(br_suffix, br_suffix_mask, b, device, dtype, br_conds))
-        caches: list = [None] * len(branches)
+        # every branch in one batched forward (the branches one after the other), sharing one KV cache
+        r = len(branches)
+        stacked = stack_conditions([c for c, _, _ in branches]) if r > 1 else conds
+        other_all = torch.cat(other, 0)  # (r * b, 1, d)
+        out_all = out.repeat(r, 1)
+        mask_all = None if mask is None else mask.repeat(r, 1)
+        cache = None
         for _ in range(seq_len):
-            all_logits = []
-            for k, (br_conds, _, _) in enumerate(branches):
-                kw = {} if caches[k] is not None else br_conds.kwargs()
-                if decode_backwards and caches[k] is None:
-                    kw["prepend_embeds"] = self.suffix_token.to(dtype)[None, None].expand(b, 1, -1)
+            if cache is not None:
+                h, cache = main(out_all[:, -1:], cache=cache, return_cache=True, return_embeddings=True)
+                last = h[:, -1:]
+            else:
+                kw = stacked.kwargs()
+                if decode_backwards:
+                    kw["prepend_embeds"] = self.suffix_token.to(dtype)[None, None].expand(r * b, 1, -1)
                     kw["excise_prepend_embeds"] = True
-                if caches[k] is not None:
-                    h, caches[k] = main(out[:, -1:], cache=caches[k], return_cache=True, return_embeddings=True)
-                    last = h[:, -1:]
-                else:
-                    res = main(out, mask=seq_mask, return_embeddings=True, return_cache=cache_kv, **kw)
-                    h, caches[k] = res if cache_kv else (res, None)
-                    last = h[:, -1:]
-                    if seq_mask is not None:
-                        idx = (seq_mask.long() * torch.arange(seq_mask.shape[1], device=device)).amax(1)
-                        last = h.gather(1, idx[:, None, None].expand(b, 1, h.shape[-1]))
-                pair = torch.cat((other[k], last) if decode_backwards else (last, other[k]), -1)
-                fwd_logits, bwd_logits = self.text_head(pair).chunk(2, dim=-1)
-                all_logits.append((bwd_logits if decode_backwards else fwd_logits)[:, -1])
-            logits = all_logits[0] if not guided else guided_logits(all_logits[0], all_logits[1], cond_scale,
-                                                                   guidance_rescale)
+                res = main(out_all, mask=mask_all, return_embeddings=True, return_cache=cache_kv, **kw)
+                h, cache = res if cache_kv else (res, None)
+                last = h[:, -1:]
+                if mask_all is not None:  # the last real position (a padded prompt may end in padding)
+                    idx = (mask_all.long() * torch.arange(mask_all.shape[1], device=device)).amax(1)
+                    last = h.gather(1, idx[:, None, None].expand(r * b, 1, h.shape[-1]))
+            pair = torch.cat((other_all, last) if decode_backwards else (last, other_all), -1)
+            fwd_logits, bwd_logits = self.text_head(pair).chunk(2, dim=-1)
+            all_logits = (bwd_logits if decode_backwards else fwd_logits)[:, -1]  # (r * b, v)
+            logits = all_logits if not guided else guided_logits(all_logits[:b], all_logits[b:], cond_scale,
+                                                                 guidance_rescale)
             if temperature == 0.0:
                 sample = logits.argmax(-1, keepdim=True)
             else:
@@ -467,8 +471,9 @@ class BeliefStateWrapper(nn.Module):
                 probs = F.softmax(filtered / temperature, dim=-1)
                 sample = torch.multinomial(probs, 1, generator=generator)
             out = torch.cat((out, sample), -1)
-            if seq_mask is not None:
-                seq_mask = torch.cat((seq_mask, torch.ones(b, 1, dtype=torch.bool, device=device)), -1)
+            out_all = torch.cat((out_all, sample.repeat(r, 1)), -1)
+            if mask_all is not None:
+                mask_all = torch.cat((mask_all, torch.ones(r * b, 1, dtype=torch.bool, device=device)), -1)
         out = out[:, n:]
         return out[0] if one else out
 
