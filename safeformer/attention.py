@@ -102,6 +102,8 @@ class Attention(nn.Module):
         orthog_projected_values: bool = False,
         orthog_projected_values_per_head: bool = False,
         learned_value_residual_mix: bool = False,
+        data_dependent_alibi: bool = False,
+        data_dependent_alibi_kwargs: dict | None = None,
     ):
         super().__init__()
         if one_kv_head:  # x-transformers' spelling of kv_heads=1
@@ -151,6 +153,20 @@ class Attention(nn.Module):
         # x-transformers' learned_value_residual_mix: the value residual's mix per position and kv head,
         # sigmoid(Linear(x)); without it a given value_residual is mixed in at 0.5
         self.to_value_residual_mix = nn.Linear(dim, kv_heads) if learned_value_residual_mix else None
+        # x-transformers' data_dependent_alibi (forgetting transformer): log forget gates per position and head,
+        # summed between key and query as an additive bias (causal: one gate per head; else two, one per direction)
+        dd = dict(bias_init=5.0, post_log_scale=1.0)
+        unknown = set(data_dependent_alibi_kwargs or {}) - set(dd)
+        if unknown or (data_dependent_alibi_kwargs and not data_dependent_alibi):
+            raise ValueError(f"data_dependent_alibi_kwargs takes bias_init and post_log_scale with data_dependent_alibi=True, "
+                             f"got {data_dependent_alibi_kwargs!r}")
+        dd.update(data_dependent_alibi_kwargs or {})
+        self.dd_alibi_causal = causal
+        self.dd_alibi_post_log_scale = float(dd["post_log_scale"])
+        self.to_forget_gates = None
+        if data_dependent_alibi:
+            self.to_forget_gates = nn.Linear(dim, heads * (1 if causal else 2))
+            nn.init.constant_(self.to_forget_gates.bias, float(dd["bias_init"]))
         if orthog_parts and value_rmsnorm:
             raise ValueError("orthog_projected_values projects onto the values before value_rmsnorm: the two together "
                              "are not supported")
@@ -190,7 +206,7 @@ class Attention(nn.Module):
     @property
     def packable(self) -> bool:
         """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
-        return self.extra_keys == 0 and self.softclamp_value is None and not self.orthog
+        return self.extra_keys == 0 and self.softclamp_value is None and not self.orthog and self.to_forget_gates is None
 
     @property
     def orthog(self) -> bool:
@@ -458,6 +474,9 @@ class Attention(nn.Module):
             raise ValueError("orthog_projected_values projects onto the values of the sequence itself: it runs in "
                              "self-attention without a KV cache (a cache would project the new positions alone, so "
                              "cached and uncached results would differ); decode with cache_kv=False")
+        if self.to_forget_gates is not None and (context is not None or kv is not None or past_kv is not None):
+            raise ValueError("data_dependent_alibi sums forget gates over the sequence itself: it runs in self-attention "
+                             "without a KV cache; decode with cache_kv=False")
         b, i = x.shape[:2]
         source = x if context is None else context
         if kv is not None:
@@ -469,6 +488,13 @@ class Attention(nn.Module):
             self_pad = _self_padding(mask, b, i, j)
         if pad is not None:
             self_pad = pad if self_pad is None else self_pad & pad
+        if self.to_forget_gates is not None:  # the forget-gate bias over the real positions, added to any bias
+            reach = None if bias is None else bias.to(x.dtype) != float("-inf")
+            _, real = _alive(mask, causal, b, self.heads, i, j, x.device, reach)
+            if self_pad is not None:
+                real = self_pad if real is None else real & self_pad
+            dd = self._forget_bias(x, real)  # (b, h, i, i)
+            bias = dd if bias is None else bias + dd
         user_mask, j_user = mask, j
         ext = self.extra_keys
         sink_only = None  # (b|1, i): rows that see a real key; with the sink alone a row is dead (adds exactly 0)
@@ -540,8 +566,9 @@ class Attention(nn.Module):
         # A bias can mask keys too: then attend selects as well (its selections also guard the gradients).
         if out is None:
             backend = self.backend
-            if self.head_attn_sink is not None and backend in ("flash", "cudnn") and torch.is_grad_enabled():
-                backend = "math"  # the sink's gradient flows through the additive mask: flash cannot give it
+            if backend in ("flash", "cudnn") and ((self.head_attn_sink is not None and torch.is_grad_enabled())
+                                                  or self.to_forget_gates is not None):
+                backend = "math"  # the sink's gradient and the forget-gate bias flow through the additive mask
             selected = inputs_finite or (kv is None and past_kv is None and bias is None)
             out = attend(
                 q, k, v, mask=SelectedMask(mask) if selected else mask, causal=causal, bias=bias,
@@ -560,6 +587,21 @@ class Attention(nn.Module):
         if return_attn:
             return out, kv_out, weights
         return out, kv_out
+
+    def _forget_bias(self, x: Tensor, real: Tensor | None) -> Tensor:
+        """x-transformers' ``DataDependentAlibi``: ``F = cumsum(logsigmoid(Linear(x)) * post_log_scale)`` over the
+        positions (float32; masked positions add 0, their x selected to 0 first), then ``F[i] - F[j]`` (causal),
+        or that below the diagonal plus ``R[j] - R[i]`` of the second gates above it. ``(b, h, i, i)``."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        keep = None if real is None else real.expand(x.shape[0], x.shape[1])
+        g = F.logsigmoid(self._linear(self.to_forget_gates, x, keep).to(dtype)) * self.dd_alibi_post_log_scale
+        if keep is not None:
+            g = torch.where(keep[..., None], g, 0.0)
+        g = g.transpose(1, 2).cumsum(dim=-1)  # (b, h * (1|2), i)
+        if self.dd_alibi_causal:
+            return (g[..., :, None] - g[..., None, :]).to(x.dtype)
+        f, r = g.chunk(2, dim=1)
+        return ((f[..., :, None] - f[..., None, :]).tril() + (r[..., None, :] - r[..., :, None]).triu()).to(x.dtype)
 
     def _mix_values(self, v: Tensor, residual: Tensor, source: Tensor, keep: Tensor | None, self_attn: bool) -> Tensor:
         """``lerp(residual, v, mix)`` for the new values ``v (b, h_kv, j, d)`` (x-transformers' value residual);

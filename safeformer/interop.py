@@ -211,6 +211,7 @@ class _AttnOptions:
     value_rmsnorm: bool = False
     orthog: tuple = ()  # the orthog_projected_values options, as AttentionLayers keywords
     value_mix: bool = False  # a learned value residual mix (every self-attention but the first: not in key())
+    dd_alibi: tuple = ()  # data_dependent_alibi: (("attn_data_dependent_alibi", True), ("..._kwargs", {...}))
     mem_kv: int = 0
     sink: bool = False
     softclamp: float | None = None
@@ -218,7 +219,7 @@ class _AttnOptions:
 
     def key(self) -> tuple:
         return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
-                self.softclamp, self.gates)
+                self.softclamp, self.gates, repr(self.dd_alibi))
 
 
 def _gate_options(name: str, attn, problems: _Problems) -> tuple:
@@ -321,13 +322,22 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         ("to_v_head_gate", "attn_gate_value_heads"),
         ("hybrid_module", "attn_hybrid_module"),
         ("to_rotateable_k", "attn_latent_rope_subheads"),
-        ("data_dependent_alibi", "attn_data_dependent_alibi"),
         ("rel_proj_pos_bias", "attn_use_rel_proj_pos_bias"),
         ("q_rmsnorm", "attn_qk_rmsnorm"),
         ("k_rmsnorm", "attn_k_rmsnorm"),
     ):
         if getattr(attn, attr, None) is not None:
             problems.add(f"{option}", name)
+    dd = getattr(attn, "data_dependent_alibi", None)
+    if dd is not None:
+        lin = dd.to_forget_gates[0] if isinstance(getattr(dd, "to_forget_gates", None), nn.Sequential) else None
+        if type(dd).__name__ != "DataDependentAlibi" or not isinstance(lin, nn.Linear) or lin.bias is None:
+            problems.add(f"attn_data_dependent_alibi of type {type(dd).__name__} (per-row gates)", name)
+        else:
+            opts.dd_alibi = (("attn_data_dependent_alibi", True),
+                             ("attn_data_dependent_alibi_kwargs", dict(post_log_scale=float(dd.post_log_scale))))
+            if bool(dd.causal) != bool(attn.causal):
+                problems.add("attn_data_dependent_alibi whose causal differs from its attention's", name)
     if isinstance(attn.to_value_residual_mix, nn.Module):
         mix = attn.to_value_residual_mix
         if not (isinstance(mix, nn.Sequential) and isinstance(mix[0], nn.Linear) and mix[0].bias is not None
@@ -482,7 +492,8 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
         if type(module) in allowed or any(mname.startswith(f + ".") for f in flagged):
             continue
         tname = type(module).__name__
-        if tname == "MultiheadRMSNorm" and mname.endswith(".value_rmsnorm"):  # converted (_check_attention)
+        if (tname == "MultiheadRMSNorm" and mname.endswith(".value_rmsnorm")) or (
+                tname == "DataDependentAlibi" and mname.endswith(".data_dependent_alibi")):  # converted (_check_attention)
             flagged.append(mname)
             continue
         option = _TYPE_OPTIONS.get(tname, f"a {tname} module")
@@ -763,6 +774,10 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
     if getattr(layers, "add_value_residual", False):
         stack_kwargs.update(add_value_residual=True,
                             learned_value_residual_mix=any(o.value_mix for o in attn_opts.values()))
+    if opts0.dd_alibi:
+        if cross:
+            problems.add("attn_data_dependent_alibi with cross-attention (safeformer biases self-attention only)")
+        stack_kwargs.update(dict(opts0.dd_alibi))
     if opts0.orthog:
         if cross:
             problems.add("attn_orthog_projected_values with cross-attention (safeformer projects self-attention only)")
@@ -886,6 +901,11 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                 else:
                     put(dst.to_out.weight, torch.eye(dim, dtype=ref.dtype, device=ref.device)[:, rows])
                 opts = plan.attn_opts[k]
+                if opts.dd_alibi:  # Linear(dim, heads * (1|2)): the query heads permuted within each direction
+                    lin = blk.data_dependent_alibi.to_forget_gates[0]
+                    idx = torch.cat([perm + part * heads for part in range(lin.out_features // heads)])
+                    put(dst.to_forget_gates.weight, take(lin.weight)[idx])
+                    put(dst.to_forget_gates.bias, take(lin.bias)[idx])
                 if opts.value_mix:  # Linear(dim, heads) + sigmoid; heads == kv_heads (checked)
                     lin = blk.to_value_residual_mix[0]
                     put(dst.to_value_residual_mix.weight, take(lin.weight)[perm])

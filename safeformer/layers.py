@@ -169,6 +169,11 @@ class AttentionLayers(Configurable, nn.Module):
             default True, as there), 0.5 otherwise. Padded path only, no static decode step; not with
             ``attn_value_rmsnorm`` or ``checkpoint_layers``.
         learned_value_residual_mix: see ``add_value_residual``.
+        attn_data_dependent_alibi, attn_data_dependent_alibi_kwargs: x-transformers' forgetting-transformer bias in
+            self-attention: per position and head a log forget gate ``logsigmoid(Linear(x))`` (bias ``bias_init``,
+            default 5, times ``post_log_scale``), summed between key and query (two gates, one per direction,
+            without ``causal``); masked positions add nothing. Padded path only, no KV cache (decode with
+            ``cache_kv=False``); not with ``alibi_pos_bias``.
         attn_orthog_projected_values, attn_orthog_projected_values_per_head: self-attention's output minus its
             projection onto the sequence's own values, over the whole sample (x-transformers' "belief
             attention"; both: the two copies concatenated into ``to_out``). Masked positions add nothing;
@@ -238,6 +243,8 @@ class AttentionLayers(Configurable, nn.Module):
         attn_orthog_projected_values_per_head: bool = False,
         add_value_residual: bool = False,
         learned_value_residual_mix: bool = True,
+        attn_data_dependent_alibi: bool = False,
+        attn_data_dependent_alibi_kwargs: dict | None = None,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -276,6 +283,8 @@ class AttentionLayers(Configurable, nn.Module):
         if add_value_residual and (attn_value_rmsnorm or checkpoint_layers):
             raise ValueError("add_value_residual cannot be combined with attn_value_rmsnorm or checkpoint_layers")
         self.add_value_residual = bool(add_value_residual)
+        if attn_data_dependent_alibi and alibi_pos_bias:
+            raise ValueError("choose one of alibi_pos_bias and attn_data_dependent_alibi, not both")
         first_self = [True]
 
         def attention(context_dim: int | None) -> Attention:
@@ -295,7 +304,9 @@ class AttentionLayers(Configurable, nn.Module):
                 qk_norm_dim_scale=attn_qk_norm_dim_scale, value_rmsnorm=attn_value_rmsnorm,
                 orthog_projected_values=attn_orthog_projected_values and orthog,
                 orthog_projected_values_per_head=attn_orthog_projected_values_per_head and orthog,
-                learned_value_residual_mix=learned_mix,
+                learned_value_residual_mix=learned_mix, causal=causal if orthog else False,
+                data_dependent_alibi=attn_data_dependent_alibi and orthog,
+                data_dependent_alibi_kwargs=attn_data_dependent_alibi_kwargs if attn_data_dependent_alibi and orthog else None,
             )
 
         adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
@@ -322,7 +333,8 @@ class AttentionLayers(Configurable, nn.Module):
         self.packable = all(blk.mixer.packable for blk in blocks if blk.kind != "ff") and not self.add_value_residual
         if unpadded is True and not self.packable:
             raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink, attn_softclamp_logits "
-                             "attn_orthog_projected_values or add_value_residual (they run on the padded path); "
+                             "attn_orthog_projected_values, attn_data_dependent_alibi or add_value_residual (they run "
+                             "on the padded path); "
                              "use unpadded='auto' or False")
 
     def plan_unpadded(self, mask: Tensor | None, *, cache=None, return_cache: bool = False,

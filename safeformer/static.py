@@ -71,6 +71,8 @@ def static_reason(net) -> str | None:
             return "attention with memory keys, a learned sink or softclamped logits runs the explicit path"
         if blk.kind != "ff" and blk.mixer.orthog:
             return "attn_orthog_projected_values projects over the whole sequence (no KV cache)"
+        if blk.kind != "ff" and blk.mixer.to_forget_gates is not None:
+            return "attn_data_dependent_alibi sums forget gates over the whole sequence (no KV cache)"
     from torch.nn.modules import module as _module
 
     if _module._global_forward_hooks or _module._global_forward_pre_hooks or any(

@@ -155,6 +155,82 @@ def test_value_residual_stack_decodes_with_the_cache_as_without_and_refuses_what
             sf.Decoder(dim=16, depth=2, heads=2, dim_head=8, add_value_residual=True, **bad)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_data_dependent_alibi_matches_float64_formula(causal):
+    """The forget-gate bias: ``F = cumsum(logsigmoid(Linear(x)))`` over the real positions only, the bias
+    ``F[i] - F[j]`` (and ``R[j] - R[i]`` above the diagonal without ``causal``); padded rows 0, NaN there
+    reaches nothing."""
+    torch.manual_seed(6)
+    attn = _perturb(sf.Attention(16, heads=4, dim_head=8, kv_heads=2, causal=causal, data_dependent_alibi=True,
+                                 data_dependent_alibi_kwargs=dict(post_log_scale=0.7)))
+    x = torch.randn(3, 6, 16)
+    P = {n: p.detach().double() for n, p in attn.named_parameters()}
+    xd = torch.where(MASK[..., None], x.double(), 0.0)
+    g = torch.nn.functional.logsigmoid(xd @ P["to_forget_gates.weight"].T + P["to_forget_gates.bias"]) * 0.7
+    g = torch.where(MASK[..., None], g, 0.0).transpose(1, 2).cumsum(-1)
+    bias = []
+    for b in range(3):  # written out per pair: the sum of the real gates strictly after j up to i (or the reverse)
+        f = g[b]
+        rows = torch.zeros(4, 6, 6, dtype=torch.float64)
+        for qi in range(6):
+            for kj in range(6):
+                if causal or qi >= kj:
+                    rows[:, qi, kj] = f[:4, qi] - f[:4, kj]
+                else:
+                    rows[:, qi, kj] = f[4:, kj] - f[4:, qi]
+        bias.append(rows)
+    bias = torch.stack(bias)
+    want = hp_ref(attn, x, bias, causal)
+    planted = x.clone()
+    planted[~MASK] = NAN
+    planted.requires_grad_()
+    out = attn(planted, mask=MASK, causal=causal)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    assert bool((out[~MASK] == 0).all())
+    out.square().sum().backward()
+    assert bool(torch.isfinite(planted.grad).all()) and bool((planted.grad[~MASK] == 0).all())
+    assert bool(torch.isfinite(attn.to_forget_gates.weight.grad).all())
+
+
+def hp_ref(attn: sf.Attention, x: torch.Tensor, bias: torch.Tensor, causal: bool) -> torch.Tensor:
+    """float64 attention with ``attn``'s projections and an additive ``bias (b, h, i, j)`` over the real keys."""
+    P = {n: p.detach().double() for n, p in attn.named_parameters()}
+    b, n, _ = x.shape
+    h, hk, d = attn.heads, attn.kv_heads, attn.dim_head
+    x = x.double()
+    q = (x @ P["to_q.weight"].T).view(b, n, h, d)
+    k = (x @ P["to_k.weight"].T).view(b, n, hk, d).repeat_interleave(h // hk, dim=2)
+    v = (x @ P["to_v.weight"].T).view(b, n, hk, d).repeat_interleave(h // hk, dim=2)
+    logits = torch.einsum("bihd,bjhd->bhij", q, k) * d**-0.5 + bias
+    allowed = MASK[:, None, None, :].expand(b, h, n, n)
+    if causal:
+        allowed = allowed & torch.ones(n, n, dtype=torch.bool).tril()
+    w = torch.nan_to_num(logits.masked_fill(~allowed, float("-inf")).softmax(-1), nan=0.0)
+    out = torch.einsum("bhij,bjhd->bihd", w, v).reshape(b, n, h * d) @ P["to_out.weight"].T
+    return torch.where(MASK[..., None], out, 0.0)
+
+
+def test_data_dependent_alibi_refuses_a_cache_cross_attention_and_alibi():
+    dec = sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, cross_attend=True, attn_data_dependent_alibi=True)
+    assert dec.layers[0].mixer.to_forget_gates is not None and dec.layers[1].mixer.to_forget_gates is None
+    x, ctx = torch.randn(2, 4, 16), torch.randn(2, 3, 16)
+    _, cache = dec(x, context=ctx, return_cache=True)
+    with pytest.raises(ValueError, match="cache_kv=False"):
+        dec(x[:, :1], cache=cache)
+    net = sf.TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=16, depth=1, heads=2, dim_head=8, attn_data_dependent_alibi=True))
+    assert "data_dependent_alibi" in static_reason(net)
+    assert sf.AutoregressiveWrapper(net).generate(torch.randint(0, 20, (2, 3)), 2, cache_kv=False).shape == (2, 2)
+    with pytest.raises(ValueError, match="data_dependent_alibi"):
+        sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, attn_data_dependent_alibi=True, unpadded=True)
+    with pytest.raises(ValueError, match="alibi_pos_bias"):
+        sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, attn_data_dependent_alibi=True, alibi_pos_bias=True)
+    with pytest.raises(ValueError, match="data_dependent_alibi_kwargs"):
+        sf.Attention(16, heads=2, dim_head=8, data_dependent_alibi=True, data_dependent_alibi_kwargs=dict(scale=2))
+    with pytest.raises(ValueError, match="self-attention"):
+        sf.Attention(16, heads=2, dim_head=8, data_dependent_alibi=True)(x, ctx)
+
+
 def test_qk_norm_dim_scale_initial_logits_are_cosine_similarities():
     """At init the gains are ``d ** -0.25``: the logit is the cosine similarity of q and k (x-transformers'
     ``qk_norm_dim_scale`` with its ``d ** 0.25`` scales and ``d ** -0.5`` logit scale)."""
@@ -177,6 +253,9 @@ XT_CASES = [
     dict(add_value_residual=True),
     dict(add_value_residual=True, learned_value_residual_mix=False, attn_kv_heads=2),
     dict(add_value_residual=True, cross_attend=True),
+    dict(attn_data_dependent_alibi=True),
+    dict(attn_data_dependent_alibi=True, attn_num_mem_kv=1, attn_kv_heads=2),
+    dict(attn_data_dependent_alibi=True, encoder=True),
 ]
 
 
@@ -185,11 +264,13 @@ XT_CASES = [
 def test_from_x_transformers_gives_equal_outputs(opts):
     """A converted x-transformers model gives its logits (float32, trained-looking gains and scales)."""
     torch.manual_seed(1)
-    peer = xt.TransformerWrapper(num_tokens=50, max_seq_len=32, attn_layers=xt.Decoder(
+    opts = dict(opts)
+    cls = xt.Encoder if opts.pop("encoder", False) else xt.Decoder
+    peer = xt.TransformerWrapper(num_tokens=50, max_seq_len=32, attn_layers=cls(
         dim=32, depth=2, heads=4, attn_dim_head=8, rotary_pos_emb=True, rotary_emb_dim=8, **opts)).eval()
     with torch.no_grad():
         for name, p in peer.named_parameters():
-            if "scale" in name or "gamma" in name:
+            if "scale" in name or "gamma" in name or "forget" in name:
                 p.add_(0.3 * torch.randn_like(p))
     ours = sf.from_x_transformers(peer).eval()
     x = torch.randint(0, 50, (2, 9))

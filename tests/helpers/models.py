@@ -1105,6 +1105,19 @@ class DecoderValueResidualCase(DecoderCase):
         return dict(super().config(), depth=3, kv_heads=HEADS, add_value_residual=True, attn_bias=True)
 
 
+class EncoderForgetCase(EncoderCase):
+    """``Encoder`` with x-transformers' ``attn_data_dependent_alibi`` (forgetting transformer, both directions)
+    instead of ALiBi, and projection biases: the forget gates are summed over the positions between query and
+    key, so padded positions (whose gate would be the bias) must add nothing, and NaN planted there must
+    reach neither the bias nor a gradient. No KV cache (refused), padded path only."""
+
+    name = "Encoder-forget"
+
+    def config(self):
+        return dict(super().config(), alibi_pos_bias=False, attn_data_dependent_alibi=True,
+                    attn_data_dependent_alibi_kwargs=dict(bias_init=1.0), attn_bias=True)
+
+
 class MemoryTokensWrapperCase(TransformerWrapperCase):
     """``TransformerWrapper`` with memory tokens (x-transformers' ``num_memory_tokens``) before the
     sequence: the attention sees ``M + n`` rows; left-padded queries see the memory tokens (not dead);
@@ -1149,12 +1162,13 @@ CASES: list[Case] = [
     TransformerWrapperCase(), PrefixWrapperCase(), AdaptiveDecoderCase(), ContinuousWrapperCase(), XTransformerCase(),
     AttentionMemKVCase(), DecoderMemKVCase(), DecoderSinkBiasCase(), MemoryTokensWrapperCase(), SoftclampWrapperCase(),
     DecoderGatedCase(), DecoderHeadNormsCase(), EncoderOrthogCase(), DecoderValueResidualCase(),
+    EncoderForgetCase(),
 ]
 # every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
 # run on the padded path only (the stack refuses unpadded=True with them)
 UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
                   if not c.name.startswith("Attention-")
                   and c.name not in ("Decoder-memkv-sink", "Decoder-sink-bias", "TransformerWrapper-softclamp-l2norm",
-                                     "Encoder-orthog", "Decoder-value-residual")]
+                                     "Encoder-orthog", "Decoder-value-residual", "Encoder-forget")]
 ALL_CASES = CASES + UNPADDED_CASES
 
