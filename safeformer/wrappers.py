@@ -147,6 +147,16 @@ class _Wrapper(Configurable, nn.Module):
 
     attn_layers: AttentionLayers
 
+    def get_config(self) -> dict:
+        """As ``Configurable.get_config``; a model built with a custom module (x-transformers' ``token_emb``,
+        ``to_logits``, ``project_in``, ``project_out``) has no JSON config: a clear error instead."""
+        custom = [k for k in ("token_emb", "to_logits", "project_in", "project_out")
+                  if isinstance(self._sf_config.get(k), nn.Module)]
+        if custom:
+            raise ValueError(f"{type(self).__name__} built with a custom {', '.join(custom)} module has no JSON config "
+                             "(save_pretrained / get_config): save its state_dict and rebuild it with the same modules")
+        return super().get_config()
+
     def _init_positions(self, dim: int, max_seq_len: int | None, use_abs_pos_emb: bool, l2norm_embed: bool = False) -> None:
         if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0):
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")

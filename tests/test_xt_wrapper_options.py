@@ -535,3 +535,17 @@ def test_gaussian_head_finite_in_half_precision():
         out = gaussian_head(raw)
         hp.assert_finite(out, f"{dtype} variance")
         assert out.shape == (2, 1, 2)
+
+
+def test_custom_modules_have_no_config(tmp_path):
+    model = _tok_net(token_emb=nn.Embedding(V, C))
+    with pytest.raises(ValueError, match="custom token_emb"):
+        model.save_pretrained(tmp_path)
+    net = sf.ContinuousTransformerWrapper(project_in=nn.Linear(4, C), attn_layers=sf.Decoder(dim=C, depth=1))
+    with pytest.raises(ValueError, match="custom project_in"):
+        net.get_config()
+    saved = _cont_net()  # probabilistic: an ordinary option, saved and rebuilt
+    saved.save_pretrained(tmp_path / "p")
+    again = sf.ContinuousTransformerWrapper.from_pretrained(tmp_path / "p").double()
+    x = torch.randn(1, 4, D, dtype=torch.float64)
+    hp.assert_bitwise(again(x), saved(x), "reloaded probabilistic net")
