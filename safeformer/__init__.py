@@ -3,6 +3,7 @@
 from . import testing
 from .attend import attend
 from .attention import Attention
+from .belief_state import BeliefStateWrapper
 from .conditions import Conditions, compose_guidance, drop_conditions
 from .continuous import ContinuousAutoregressiveWrapper
 from .continuous_autoencoder import ContinuousTransformerAutoencoder
@@ -60,6 +61,7 @@ from .modules import (
 )
 from .multi_input import MultiInputTransformerWrapper
 from .neo_mlp import NeoMLP
+from .next_latent import MSECosineSimLoss, NextLatentWrapper, ResidualDynamics, RolloutGRU
 from .nonautoregressive import NonAutoregressiveWrapper
 from .pretrained import Configurable, load_pretrained, save_pretrained
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
@@ -67,6 +69,11 @@ from .xt_extras import AttentionPool, ViTransformerWrapper, eval_decorator
 from .xval import XValAutoregressiveWrapper, XValTransformerWrapper
 
 __all__ = [
+    "BeliefStateWrapper",
+    "NextLatentWrapper",
+    "ResidualDynamics",
+    "RolloutGRU",
+    "MSECosineSimLoss",
     "ContinuousTransformerAutoencoder",
     "GPTVAE",
     "DPO",

@@ -1126,6 +1126,10 @@ _OTHER_WRAPPERS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("x_transformers.continuous_autoencoder", "ContinuousTransformerAutoencoder"):
         ("safeformer.continuous_autoencoder", "continuous_autoencoder_from_x_transformers", False),
     ("x_transformers.gpt_vae", "GPTVAE"): ("safeformer.gpt_vae", "gpt_vae_from_x_transformers", False),
+    ("x_transformers.belief_state_wrapper", "BeliefStateWrapper"):
+        ("safeformer.belief_state", "belief_state_from_x_transformers", True),
+    ("x_transformers.next_latent_wrapper", "NextLatentWrapper"):
+        ("safeformer.next_latent", "next_latent_from_x_transformers", True),
     ("x_transformers.multi_input", "MultiInputTransformerWrapper"):
         ("safeformer.multi_input", "multi_input_from_x_transformers", True),
     ("x_transformers.entropy_based_tokenizer", "EntropyBasedTokenizer"):
