@@ -54,3 +54,15 @@ def test_entropy_tokenizer():
     assert isinstance(ours, sf.EntropyBasedTokenizer)
     seq = torch.randint(0, 9, (2, 10))
     assert torch.equal(ours(seq), ref(seq))
+
+
+def test_latent_and_belief_wrappers_dispatch():
+    torch.manual_seed(0)
+    fwd = xt.TransformerWrapper(num_tokens=9, max_seq_len=12, attn_layers=_decoder())
+    assert isinstance(sf.from_x_transformers(xt.BeliefStateWrapper(fwd)), sf.BeliefStateWrapper)
+    net = xt.TransformerWrapper(num_tokens=9, max_seq_len=12, attn_layers=_decoder())
+    assert isinstance(sf.from_x_transformers(xt.NextLatentWrapper(net, dim=16)), sf.NextLatentWrapper)
+    from x_transformers.gpt_vae import GPTVAE as XGPTVAE
+
+    vae = XGPTVAE(num_tokens=9, dim=16, depth=1, enc_depth=1, max_seq_len=12, dim_latent=4, heads=2, attn_dim_head=8)
+    assert isinstance(sf.from_x_transformers(vae), sf.GPTVAE)
