@@ -361,6 +361,7 @@ class AttentionLayers(Configurable, nn.Module):
         pos: Tensor | None = None,
         unpadded_plan: UnpaddedPlan | None = None,
         cache_age: int = 1,
+        context_pos: Tensor | None = None,
     ) -> Tensor | tuple:
         """Run the stack.
 
@@ -392,6 +393,9 @@ class AttentionLayers(Configurable, nn.Module):
                 ``ValueError``).
             return_cache: also return the updated cache.
             pos: x-transformers' name for ``positions``.
+            context_pos: ``(b, j)``, ``(1, j)`` or ``(j,)`` integer positions of the context (x-transformers'
+                keyword): cross-attention then rotates its queries by the tokens' positions and its keys by
+                these (``rotary_pos_emb`` needed). Padded path, no KV cache.
             unpadded_plan: the ``plan_unpadded`` of this call (a wrapper computes it once to run its output
                 head on the same real tokens); by default the stack plans itself.
             return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
@@ -423,9 +427,14 @@ class AttentionLayers(Configurable, nn.Module):
 
         cond = adaptive_condition(self, condition, condition_mask, cache, b, x)  # (b, K) or None
 
+        cross_rotary = None
+        if context_pos is not None:  # x-transformers' rotary cross-attention: keys at the context's positions
+            cross_rotary = _cross_rotary(self, context_pos, context if use_cross else None, cache, return_cache,
+                                         unpadded_plan, sa.rotary, x)
         if unpadded_plan is None:
-            unpadded_plan = self.plan_unpadded(mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask,
-                                               return_hiddens=return_hiddens)
+            if context_pos is None:  # the rotary cross-attention runs on the padded path
+                unpadded_plan = self.plan_unpadded(mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask,
+                                                   return_hiddens=return_hiddens)
         elif not isinstance(unpadded_plan, UnpaddedPlan) or (unpadded_plan.b, unpadded_plan.n) != (b, n) or mask is None:
             raise ValueError("unpadded_plan must be the plan_unpadded(...) of this call's mask")
         if unpadded_plan is not None:
@@ -439,7 +448,7 @@ class AttentionLayers(Configurable, nn.Module):
         self_args = dict(mask=SelectedMask(self_mask) if self_clean else self_mask, causal=causal, rotary=rotary,
                          bias=bias, return_attn=return_hiddens, _return_kv=True)
         cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, causal=False,
-                          return_attn=return_hiddens, _return_kv=True)
+                          return_attn=return_hiddens, _return_kv=True, rotary=cross_rotary)
         recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled() and not return_cache \
             and cache is None and not return_hiddens
         self_kv, cross_kv, hiddens, attn_maps = [], [], [], []
@@ -701,6 +710,21 @@ def cross_attention_inputs(stack: AttentionLayers, context, context_mask, cache,
             context = torch.where(context_mask[..., None], context, 0.0)
             cross_mask = context_mask[:, None, None, :]  # (b, 1, 1, j)
     return CrossAttentionInputs(context, context_mask, cross_mask, use_cross, cached_cross, user_context)
+
+
+def _cross_rotary(stack, context_pos, context, cache, return_cache, unpadded_plan, rotary, x):
+    """``(q_angles, k_angles)`` for cross-attention with ``context_pos`` (the checks of that keyword)."""
+    if not stack.has_cross or context is None:
+        raise ValueError("context_pos gives the context's positions: it needs cross-attention and a context")
+    if stack.rotary is None:
+        raise ValueError("context_pos rotates cross-attention keys: it needs rotary_pos_emb=True")
+    if cache is not None or return_cache:
+        raise ValueError("context_pos does not run with a KV cache (the cache keeps the context's keys as "
+                         "they were built)")
+    if unpadded_plan is not None:
+        raise ValueError("context_pos runs on the padded path: pass no unpadded_plan")
+    cpos = _check_positions(context_pos, context.shape[0], context.shape[1], x.device)
+    return rotary[0], stack.rotary.angles(cpos, dtype=x.dtype)
 
 
 def _check_positions(positions, b: int, n: int, device) -> Tensor:

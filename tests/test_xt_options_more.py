@@ -339,3 +339,39 @@ def test_head_norms_decode_with_the_cache_as_without():
     assert static_reason(net2) is None
     ar2 = sf.AutoregressiveWrapper(net2)
     assert torch.equal(ar2.generate(prompt, 5, temperature=0.0), ar2.generate(prompt, 5, temperature=0.0, cache_kv=False))
+
+
+def test_context_pos_matches_x_transformers_and_keeps_masked_context_out():
+    """``context_pos`` rotates cross-attention (queries by the tokens' positions, keys by the context's), as
+    x-transformers does on the same weights; NaN at masked context positions reaches nothing, a dropped
+    context is an exact no-op, and what it cannot run is refused."""
+    torch.manual_seed(7)
+    peer = xt.TransformerWrapper(num_tokens=50, max_seq_len=32, attn_layers=xt.Encoder(
+        dim=32, depth=2, heads=4, attn_dim_head=8, rotary_pos_emb=True, cross_attend=True,
+        cross_attn_dim_context=24)).eval()
+    ours = sf.from_x_transformers(peer).eval().attn_layers
+    x, ctx = torch.randn(2, 7, 32), torch.randn(2, 5, 24)
+    for pos, cpos in ((None, torch.arange(5)), (torch.arange(7), torch.arange(5)[None] + 3)):
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x, context=ctx, pos=pos, context_pos=cpos),
+                                       peer.attn_layers(x, context=ctx, pos=pos, context_pos=cpos), atol=1e-5, rtol=1e-5)
+    cmask = torch.tensor([[True, True, True, False, False], [False] * 5])
+    planted = ctx.clone()
+    planted[~cmask] = NAN
+    planted.requires_grad_()
+    cpos = torch.arange(5)
+    out = ours(x, context=planted, context_mask=cmask, context_pos=cpos)
+    want = ours(x, context=ctx, context_mask=cmask, context_pos=cpos)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(out[1], ours(x[1:], context=ctx[1:, :0])[0])  # dropped context: no cross branch
+    out.square().sum().backward()
+    assert bool(torch.isfinite(planted.grad).all()) and bool((planted.grad[~cmask] == 0).all())
+    with pytest.raises(ValueError, match="KV cache"):
+        ours(x, context=ctx, context_pos=cpos, return_cache=True)
+    with pytest.raises(ValueError, match="context_pos"):
+        ours(x, context_pos=cpos)
+    with pytest.raises(ValueError, match="positions"):
+        ours(x, context=ctx, context_pos=torch.arange(4))
+    with pytest.raises(ValueError, match="rotary_pos_emb"):
+        sf.Encoder(dim=16, depth=1, heads=2, dim_head=8, cross_attend=True)(
+            torch.randn(1, 3, 16), context=torch.randn(1, 2, 16), context_pos=torch.arange(2))
