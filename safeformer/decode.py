@@ -107,6 +107,8 @@ class GuidedForward:
                  combine: Callable[[dict[str, Tensor], int], Tensor], *, need_joint: bool = False,
                  nulls: dict | None = None, cache_kv: bool = True, read: str = "last", steps: int = 1,
                  window: int | None = None, two_pass: bool = False, static: bool = False, compile: bool = False):
+        # a net that cannot continue from a cache (x-transformers' can_cache_kv: recycling) re-encodes each step
+        cache_kv = cache_kv and getattr(net, "can_cache_kv", True)
         self.net, self.b, self.combine, self.cache_kv, self.read, self.window = net, b, combine, cache_kv, read, window
         self.steps = steps
         # the static cache: after the prefill, one fixed-shape step per position (static.py); the dynamic

@@ -59,7 +59,16 @@ def static_reason(net) -> str | None:
     if not isinstance(net, (TransformerWrapper, ContinuousTransformerWrapper)):
         return f"{type(net).__name__} is not a TransformerWrapper or ContinuousTransformerWrapper"
     stack = net.attn_layers
-    if isinstance(net, TransformerWrapper) and net.to_logits is not None and net.to_logits.out_features > net.num_tokens:
+    custom = [name for name, on in (("a custom token_emb", getattr(net, "custom_token_emb", False)),
+                                    ("a custom to_logits", getattr(net, "custom_to_logits", False)),
+                                    ("recycling", getattr(net, "recycling", False)),
+                                    ("a mixture of softmaxes", getattr(net, "to_mixture", None) is not None),
+                                    ("squeeze_out_last_dim", getattr(net, "squeeze_out_last_dim", False)),
+                                    ("a probabilistic head", getattr(net, "probabilistic", False))) if on]
+    if custom:  # the step embeds and reads out with the wrapper's plain parts only
+        return f"the wrapper has {', '.join(custom)} (run as the wrapper's forward runs them)"
+    width = getattr(net.to_logits, "out_features", None) if isinstance(net, TransformerWrapper) else None
+    if width is not None and width > net.num_tokens:
         # a sampled id may be no token: the dynamic path names it (a host read per step), the step would not
         return "logits_dim is larger than num_tokens (a sampled id may be outside the vocabulary)"
     if not stack.causal:

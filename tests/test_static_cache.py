@@ -405,3 +405,22 @@ def test_no_host_read_per_step(gen_kw):
 
     assert reads(4) == reads(14)
     assert reads(14, static_cache=False) > reads(4, static_cache=False)
+
+
+@pytest.mark.parametrize("option", [dict(to_logits=torch.nn.Sequential(torch.nn.Linear(DIM, V, bias=False))),
+                                    dict(token_emb=torch.nn.Embedding(V, DIM)), dict(recycling=True)],
+                         ids=["custom to_logits", "custom token_emb", "recycling"])
+def test_custom_wrapper_parts_keep_the_dynamic_path(option):
+    """The step embeds and reads out with the wrapper's plain parts: custom modules and recycling decode on
+    the dynamic path (which runs them as forward does), with the uncached tokens."""
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=V, max_seq_len=32, attn_layers=sf.Decoder(dim=DIM, depth=1, heads=4, dim_head=8,
+                                                                                      rotary_pos_emb=True), **option).eval()
+    assert static_reason(net) is not None
+    model = sf.AutoregressiveWrapper(net)
+    prompts, _ = _inputs()
+    if getattr(net, "recycling", False):  # x-transformers' rule: recycle_steps in eval mode (not a generate keyword yet)
+        with pytest.raises(ValueError, match="recycle_steps"):
+            model.generate(prompts, 4, temperature=0.0)
+        return
+    assert torch.equal(model.generate(prompts, 4, temperature=0.0), model.generate(prompts, 4, temperature=0.0, cache_kv=False))
