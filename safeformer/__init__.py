@@ -65,10 +65,11 @@ from .next_latent import MSECosineSimLoss, NextLatentWrapper, ResidualDynamics, 
 from .nonautoregressive import NonAutoregressiveWrapper
 from .pretrained import Configurable, load_pretrained, save_pretrained
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
-from .xt_extras import AttentionPool, ViTransformerWrapper, eval_decorator
+from .xt_extras import AttentionPool, LinearNoBias, ViTransformerWrapper, eval_decorator
 from .xval import XValAutoregressiveWrapper, XValTransformerWrapper
 
 __all__ = [
+    "LinearNoBias",
     "BeliefStateWrapper",
     "NextLatentWrapper",
     "ResidualDynamics",

@@ -21,7 +21,12 @@ from .masks import validate_mask
 from .modules import LayerNorm
 from .pretrained import Configurable
 
-__all__ = ["AttentionPool", "ViTransformerWrapper", "eval_decorator"]
+__all__ = ["AttentionPool", "LinearNoBias", "ViTransformerWrapper", "eval_decorator"]
+
+
+def LinearNoBias(dim_in: int, dim_out: int, **kwargs) -> nn.Linear:  # noqa: N802 (x-transformers' name)
+    """x-transformers' ``LinearNoBias``: an ``nn.Linear`` without a bias."""
+    return nn.Linear(dim_in, dim_out, bias=False, **kwargs)
 
 
 def eval_decorator(fn):

@@ -857,6 +857,7 @@ NOT_DOORS: dict[str, str] = {
     "LayerIntermediates": "a result record of return_intermediates (its door is the wrapper)",
     "AttnIntermediate": "a result record of return_intermediates (its door is the wrapper)",
     "eval_decorator": "a decorator: takes a method, no tensors",
+    "LinearNoBias": "builds a torch.nn.Linear without bias (x-transformers' alias); takes no tensor",
 }
 
 # the public names the registry covers: the user's API (``safeformer.__all__``), the testing module's
