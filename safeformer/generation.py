@@ -721,6 +721,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         mask_prob: a forgetful causal mask in ``forward`` (x-transformers' option): this share of each
             sample's input positions (never the first) is hidden as keys from every query, drawn anew
             each call. A query left without a key (possible with left padding) is a dead row: exactly 0.
+        next_embed_loss_weight: with a net built with ``add_continuous_pred_head=True``, the weight of its
+            continuous next-embedding loss in ``forward`` (x-transformers' option and default, 0.1).
 
     Example:
         >>> model = AutoregressiveWrapper(TransformerWrapper(num_tokens=256, max_seq_len=128,
@@ -742,12 +744,17 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         cond_drop_all_prob: float = 0.0,
         null_context: str = "empty",
         mask_prob: float = 0.0,
+        next_embed_loss_weight: float = 0.1,
     ):
         super().__init__()
         if not isinstance(net, TransformerWrapper):
             raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
         if isinstance(mask_prob, bool) or not (isinstance(mask_prob, (int, float)) and 0.0 <= mask_prob < 1.0):
             raise ValueError(f"mask_prob must be in [0, 1), got {mask_prob!r}")
+        if isinstance(next_embed_loss_weight, bool) or not (isinstance(next_embed_loss_weight, (int, float))
+                                                             and math.isfinite(next_embed_loss_weight)
+                                                             and next_embed_loss_weight >= 0):
+            raise ValueError(f"next_embed_loss_weight must be a finite number >= 0, got {next_embed_loss_weight!r}")
         if not net.attn_layers.causal:
             raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token training and generation")
         probs = drop_probabilities(cond_drop_prob)
@@ -771,6 +778,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         self.cond_drop_all_prob = float(cond_drop_all_prob)
         self.null_context = null_context
         self.mask_prob = float(mask_prob)
+        self.next_embed_loss_weight = float(next_embed_loss_weight)
         self.max_seq_len = net.max_seq_len
         if null_context == "learned":
             self.null_token = nn.Parameter(torch.randn(1, layers.dim_context) * 0.02)  # (1, c_ctx)
@@ -824,7 +832,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 nulls["context"] = (self.null_token[None].expand(x.shape[0], -1, -1), None)
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, nulls=nulls)
         return next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, mask_prob=self.mask_prob,
-                               return_outputs=return_outputs, **conds.kwargs())
+                               return_outputs=return_outputs, next_embed_weight=self.next_embed_loss_weight,
+                               **conds.kwargs())
 
     def _negatives(self, prompts: Tensor, negatives: Conditions) -> tuple[Conditions, Tensor | None]:
         """The unconditional branch's conditions (the negative ones, else the learned null token for the

@@ -85,17 +85,21 @@ def safe_cross_entropy(
 
 def next_token_loss(
     net, tokens: Tensor, mask: Tensor | None, ignore_index: int, pad_value: int, *,
-    name: str = "x", mask_name: str = "mask", mask_prob: float = 0.0, return_outputs: bool = False, **kwargs,
+    name: str = "x", mask_name: str = "mask", mask_prob: float = 0.0, return_outputs: bool = False,
+    next_embed_weight: float = 0.0, **kwargs,
 ):
     """Shifted next-token loss of a ``TransformerWrapper`` on ``tokens (b, n)``.
 
     A target counts when it and the position that predicts it are both real (not ``ignore_index``,
     not masked), so a left-padded sample scores exactly the targets it would score alone.
 
-    ``mask_prob``: a forgetful causal mask (x-transformers' ``mask_prob``): ``min(int((n - 1) * mask_prob),
-    n - 2)`` random input positions per sample, never the first, are hidden as keys from every query (they
-    still predict their own targets). ``return_outputs``: return ``(loss, (logits (b, n - 1, v),
-    LayerIntermediates))`` (the net run with ``return_intermediates=True``).
+    ``mask_prob``: a forgetful causal mask (x-transformers' ``mask_prob``): ``min(int(n' * mask_prob),
+    n' - 1)`` random input positions per sample (of the ``n'`` the net reads), never the first, are hidden as
+    keys from every query (they still predict their own targets). ``return_outputs``: return ``(loss,
+    (logits (b, n - 1, v), LayerIntermediates))`` (the net run with ``return_intermediates=True``).
+    ``next_embed_weight``: for a net built with ``add_continuous_pred_head``, x-transformers' continuous
+    loss (``next_embed_loss``) added with this weight; the net then reads all ``n`` positions (the last
+    one's embedding is the last target), and its logits of the first ``n - 1`` are the same (causal).
     """
     if not isinstance(tokens, Tensor) or tokens.dim() != 2:
         raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(tokens, 'shape', type(tokens))}")
@@ -117,6 +121,11 @@ def next_token_loss(
         inp_mask = None
     counted = real[:, 1:] & real[:, :-1]
     target = torch.where(counted, target, torch.full_like(target, ignore_index))
+    embed_weight = float(next_embed_weight) if getattr(net, "add_continuous_pred_head", False) else 0.0
+    if embed_weight:  # every position is read: the last one's embedding is the last continuous target
+        inp = torch.where(real, tokens, torch.full_like(tokens, pad_value))
+        inp_mask = None if inp_mask is None else real
+        kwargs["return_next_embed_pred"] = True
     n_inp = inp.shape[1]
     if mask_prob > 0 and n_inp > 1:
         if "prepend_embeds" in kwargs:
@@ -128,7 +137,12 @@ def next_token_loss(
         kwargs["attn_mask"] = keys[:, None, :].expand(-1, n_inp, -1)
     out = net(inp, mask=inp_mask, return_intermediates=return_outputs, **kwargs)
     logits, intermediates = out if return_outputs else (out, None)
+    if embed_weight:
+        logits, (embed_pred, initial) = logits
+        logits = logits[:, :-1]
     loss = safe_cross_entropy(logits, target, ignore_index=ignore_index)
+    if embed_weight:
+        loss = loss + next_embed_loss(embed_pred, initial, counted) * embed_weight
     return (loss, (logits, intermediates)) if return_outputs else loss
 
 

@@ -91,3 +91,55 @@ def test_mask_prob_with_a_prefix_is_a_named_error():
 def test_return_outputs_is_checked():
     with pytest.raises(TypeError, match="return_outputs"):
         _model()(torch.randint(0, V, (2, 6)), return_outputs=1)
+
+
+def _xt_pred_head_pair():
+    """x-transformers' TransformerWrapper(add_continuous_pred_head=True) and safeformer's on the same weights."""
+    xt = pytest.importorskip("x_transformers")
+    from safeformer.wrappers import copy_xt_wrapper_option_weights
+
+    torch.manual_seed(0)
+    xnet = xt.TransformerWrapper(num_tokens=V, max_seq_len=16, add_continuous_pred_head=True,
+                                 attn_layers=xt.Decoder(dim=16, depth=1, heads=2, attn_dim_head=8, rotary_pos_emb=True,
+                                                        rotary_emb_dim=8))
+    with torch.no_grad():
+        for p in xnet.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    plain = xt.TransformerWrapper(num_tokens=V, max_seq_len=16, attn_layers=xnet.attn_layers)
+    plain.load_state_dict(xnet.state_dict(), strict=False)
+    converted = sf.from_x_transformers(plain)
+    ours = sf.TransformerWrapper(num_tokens=V, max_seq_len=16, attn_layers=converted.attn_layers,
+                                 add_continuous_pred_head=True, use_abs_pos_emb=converted.pos_emb is not None)
+    ours.load_state_dict(converted.state_dict(), strict=False)
+    with torch.no_grad():
+        copy_xt_wrapper_option_weights(ours, xnet)
+    return xt.AutoregressiveWrapper(xnet), sf.AutoregressiveWrapper(ours)
+
+
+def test_continuous_pred_head_loss_as_x_transformers():
+    """With add_continuous_pred_head the loss adds x-transformers' continuous next-embedding term (weight 0.1):
+    the same loss on the same weights, and with next_embed_loss_weight=0 the plain cross-entropy."""
+    theirs, ours = _xt_pred_head_pair()
+    x = torch.randint(0, V, (3, 9))
+    hp.assert_close(ours(x), theirs(x).detach(), "loss with the continuous head", torch.float32)
+    plain = sf.AutoregressiveWrapper(ours.net, next_embed_loss_weight=0.0)(x)
+    assert not torch.allclose(plain, ours(x)), "the continuous term changed nothing: the test would prove nothing"
+    hp.assert_close(plain, safe_cross_entropy(ours.net(x[:, :-1]), x[:, 1:]), "loss without the continuous term")
+
+
+def test_continuous_pred_head_with_padding_and_all_ignored():
+    _, ours = _xt_pred_head_pair()
+    x = torch.randint(0, V, (3, 9))
+    mask = torch.arange(9)[None] >= torch.tensor([[0], [4], [9]])  # the last sample is all padding
+    loss = ours(x, mask=mask)
+    loss.backward()
+    hp.assert_finite(loss, "loss")
+    for name, prm in ours.named_parameters():
+        assert prm.grad is not None, name
+        hp.assert_finite(prm.grad, name)
+    ours.zero_grad()
+    nothing = ours(x, mask=torch.zeros_like(mask))
+    nothing.backward()
+    hp.assert_zero(nothing, "loss of an all-padding batch")
+    for name, prm in ours.named_parameters():
+        hp.assert_zero(prm.grad, name, none_ok=True)
