@@ -409,6 +409,11 @@ def _parse_ff(name: str, ff, xt, problems: _Problems, training_only: list[str]) 
         info["mult_bias"] = proj_in.mult_bias if isinstance(proj_in.mult_bias, Tensor) else None
     elif isinstance(proj_in, nn.Sequential):
         inner = list(proj_in)
+        if len(inner) == 3 and type(inner[1]).__name__ == "Lambda" and isinstance(getattr(inner[1], "fn", None),
+                                                                                functools.partial) \
+                and inner[1].fn.func.__name__ == "softclamp" and set(inner[1].fn.keywords) == {"value"}:
+            info["softclamp"] = float(inner[1].fn.keywords["value"])  # ff_softclamp_value
+            inner = [inner[0], inner[2]]
         if len(inner) != 2 or not isinstance(inner[0], nn.Linear):
             kinds = ", ".join(type(m).__name__ for m in inner)
             problems.add(f"a feed-forward input of [{kinds}] (ff_softclamp_value or a custom activation)", name)
@@ -493,7 +498,9 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
             continue
         tname = type(module).__name__
         if (tname == "MultiheadRMSNorm" and mname.endswith(".value_rmsnorm")) or (
-                tname == "DataDependentAlibi" and mname.endswith(".data_dependent_alibi")):  # converted (_check_attention)
+                tname == "DataDependentAlibi" and mname.endswith(".data_dependent_alibi")) or (
+                tname == "Lambda" and isinstance(getattr(module, "fn", None), functools.partial)
+                and getattr(module.fn.func, "__name__", "") == "softclamp"):  # converted (_check_attention, _parse_ff)
             flagged.append(mname)
             continue
         option = _TYPE_OPTIONS.get(tname, f"a {tname} module")
@@ -713,9 +720,10 @@ def _check_layers(layers, xt, xt_attend, types: tuple, dim: int, problems: _Prob
     if len(attn_dropouts) > 1:
         problems.add(f"attention layers of different dropout: {sorted(attn_dropouts)}")
     ff_ok = [f for f in ff_infos if f is not None]
-    ff_kinds = {(f["glu"], f["swish"], f["out"].in_features, f["dropout"]) for f in ff_ok}
+    ff_kinds = {(f["glu"], f["swish"], f["out"].in_features, f["dropout"], f.get("softclamp")) for f in ff_ok}
     if len(ff_kinds) > 1:
-        problems.add(f"feed-forward layers of different (glu, swish, hidden width, dropout): {sorted(ff_kinds)}")
+        problems.add(f"feed-forward layers of different (glu, swish, hidden width, dropout, softclamp): "
+                     f"{sorted(ff_kinds, key=repr)}")
     for f in ff_ok:
         if f["out"].out_features != dim or f["in"].in_features != dim:
             problems.add("ff_dim_out != dim")
@@ -774,6 +782,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
     if getattr(layers, "add_value_residual", False):
         stack_kwargs.update(add_value_residual=True,
                             learned_value_residual_mix=any(o.value_mix for o in attn_opts.values()))
+    if ff0 is not None and ff0.get("softclamp") is not None:
+        stack_kwargs.update(ff_softclamp_value=ff0["softclamp"])
     if opts0.dd_alibi:
         if cross:
             problems.add("attn_data_dependent_alibi with cross-attention (safeformer biases self-attention only)")

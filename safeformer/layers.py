@@ -169,6 +169,8 @@ class AttentionLayers(Configurable, nn.Module):
             default True, as there), 0.5 otherwise. Padded path only, no static decode step; not with
             ``attn_value_rmsnorm`` or ``checkpoint_layers``.
         learned_value_residual_mix: see ``add_value_residual``.
+        ff_softclamp_value: softclamp the feed-forward's hidden layer before its activation (``FeedForward``).
+        rotary_xpos: accepted at ``False`` only (x-transformers' xpos scaling is not supported).
         attn_data_dependent_alibi, attn_data_dependent_alibi_kwargs: x-transformers' forgetting-transformer bias in
             self-attention: per position and head a log forget gate ``logsigmoid(Linear(x))`` (bias ``bias_init``,
             default 5, times ``post_log_scale``), summed between key and query (two gates, one per direction,
@@ -245,6 +247,8 @@ class AttentionLayers(Configurable, nn.Module):
         learned_value_residual_mix: bool = True,
         attn_data_dependent_alibi: bool = False,
         attn_data_dependent_alibi_kwargs: dict | None = None,
+        ff_softclamp_value: float | None = None,
+        rotary_xpos: bool = False,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -283,6 +287,9 @@ class AttentionLayers(Configurable, nn.Module):
         if add_value_residual and (attn_value_rmsnorm or checkpoint_layers):
             raise ValueError("add_value_residual cannot be combined with attn_value_rmsnorm or checkpoint_layers")
         self.add_value_residual = bool(add_value_residual)
+        if rotary_xpos is not False:
+            raise ValueError("rotary_xpos (x-transformers' xpos length extrapolation) is not supported; only "
+                             "rotary_xpos=False is accepted")
         if attn_data_dependent_alibi and alibi_pos_bias:
             raise ValueError("choose one of alibi_pos_bias and attn_data_dependent_alibi, not both")
         first_self = [True]
@@ -325,7 +332,8 @@ class AttentionLayers(Configurable, nn.Module):
                 blocks.append(block("self", attention(None)))
             if self.has_cross:
                 blocks.append(block("cross", attention(self.dim_context)))
-            blocks.append(block("ff", FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout)))
+            blocks.append(block("ff", FeedForward(dim, mult=ff_mult, glu=ff_glu, swish=ff_swish, dropout=ff_dropout,
+                                                   softclamp_value=ff_softclamp_value)))
         self.layers = nn.ModuleList(blocks)
         self.layer_kinds = tuple(blk.kind for blk in blocks)
         self.final_norm = norm() if pre_norm_has_final_norm else nn.Identity()

@@ -184,12 +184,19 @@ class FeedForward(nn.Module):
         dropout: dropout on the hidden layer.
         no_bias: no biases in the two projections.
         zero_init_output: the output projection starts at zero (the branch starts as an exact no-op).
+        softclamp_value: ``tanh(h / v) * v`` on the hidden layer before the activation (x-transformers' name;
+            not with ``glu``, where x-transformers ignores it).
     """
 
     def __init__(self, dim: int, dim_out: int | None = None, mult: float = 4, glu: bool = False, *,
                  swish: bool = False, relu_squared: bool = False, dropout: float = 0.0, no_bias: bool = False,
-                 zero_init_output: bool = False):
+                 zero_init_output: bool = False, softclamp_value: float | None = None):
         super().__init__()
+        if softclamp_value is not None and (glu or isinstance(softclamp_value, bool) or not isinstance(
+                softclamp_value, (int, float)) or not math.isfinite(softclamp_value) or softclamp_value <= 0):
+            raise ValueError(f"ff softclamp_value must be a positive finite number and needs glu=False (x-transformers "
+                             f"ignores it with glu), got {softclamp_value!r} with glu={glu}")
+        self.softclamp_value = None if softclamp_value is None else float(softclamp_value)
         if mult <= 0:
             raise ValueError(f"ff mult must be positive, got {mult}")
         if swish and relu_squared:
@@ -211,6 +218,8 @@ class FeedForward(nn.Module):
             h, gate = h.chunk(2, dim=-1)
             h = h * self.act(gate)
         else:
+            if self.softclamp_value is not None:
+                h = torch.tanh(h / self.softclamp_value) * self.softclamp_value
             h = self.act(h)
         return self.proj_out(self.dropout(h))
 

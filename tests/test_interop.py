@@ -229,7 +229,7 @@ UNSUPPORTED = [
     (dict(polar_pos_emb=True), "polar_pos_emb"),
     (dict(num_residual_streams=2), "num_residual_streams"),
     (dict(reinject_input=True), "reinject_input"),
-    (dict(ff_softclamp_value=5.0), "ff_softclamp_value"),
+    (dict(ff_custom_activation=torch.nn.Sigmoid()), "feed-forward activation"),
     (dict(layer_dropout=0.1), "layer_dropout"),
     (dict(wrapper=dict(post_emb_norm=True)), "post_emb_norm"),
     (dict(wrapper=dict(num_memory_tokens=2, memory_tokens_interspersed_every=4)), "memory_tokens_interspersed_every"),

@@ -375,3 +375,30 @@ def test_context_pos_matches_x_transformers_and_keeps_masked_context_out():
     with pytest.raises(ValueError, match="rotary_pos_emb"):
         sf.Encoder(dim=16, depth=1, heads=2, dim_head=8, cross_attend=True)(
             torch.randn(1, 3, 16), context=torch.randn(1, 2, 16), context_pos=torch.arange(2))
+
+
+def test_ff_softclamp_value_matches_formula_and_x_transformers():
+    """``ff_softclamp_value``: ``act(tanh(h / v) * v)`` on the hidden layer (float64 formula), converted from
+    x-transformers with equal outputs; with ``glu`` (which x-transformers ignores) it is refused."""
+    torch.manual_seed(8)
+    ff = _perturb(sf.FeedForward(8, mult=2, softclamp_value=0.5)).double()
+    x = torch.randn(3, 8, dtype=torch.float64) * 3
+    h = x @ ff.proj_in.weight.T + ff.proj_in.bias
+    want = torch.nn.functional.gelu(torch.tanh(h / 0.5) * 0.5) @ ff.proj_out.weight.T + ff.proj_out.bias
+    torch.testing.assert_close(ff(x), want)
+    peer = xt.TransformerWrapper(num_tokens=50, max_seq_len=32, attn_layers=xt.Decoder(
+        dim=32, depth=2, heads=4, attn_dim_head=8, ff_softclamp_value=0.3)).eval()
+    ours = sf.from_x_transformers(peer).eval()
+    tokens = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), peer(tokens), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="glu"):
+        sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, ff_glu=True, ff_softclamp_value=5.0)
+    with pytest.raises(ValueError, match="softclamp_value"):
+        sf.FeedForward(8, softclamp_value=-1.0)
+
+
+def test_rotary_xpos_is_accepted_at_false_only():
+    sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True, rotary_xpos=False)
+    with pytest.raises(ValueError, match="rotary_xpos"):
+        sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True, rotary_xpos=True)
