@@ -73,6 +73,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +83,7 @@ from torch import Tensor, nn
 from .encoder_decoder import XTransformer
 from .generation import AutoregressiveWrapper
 from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, _defaults
-from .modules import RMSNorm, alibi_slopes
+from .modules import DynamicTanh, RMSNorm, alibi_slopes
 from .wrappers import TransformerWrapper
 
 __all__ = ["from_x_transformers"]
@@ -181,6 +182,8 @@ def _norm_kind(norm, xt) -> str | None:
         return "layer"
     if type(norm) in (xt.RMSNorm, xt.SimpleRMSNorm, xt.ScaleNorm):
         return "rms"
+    if type(norm).__name__ == "DynamicTanh" and type(norm).__module__ == xt.LayerNorm.__module__:
+        return "dyt"  # use_dynamic_tanh (unit offsets folded in by copy_norm)
     return None
 
 
@@ -196,6 +199,8 @@ def _norm_weights(norm, xt) -> tuple[Tensor, Tensor | None, list[str]]:
     if type(norm) is xt.SimpleRMSNorm:
         dim = round(norm.scale**2)
         return torch.ones(dim), None, []
+    if type(norm).__name__ == "DynamicTanh":  # copied by copy_norm parameter by parameter
+        return norm.gamma.detach(), None, ["pre_tanh_scale", "gamma", "beta"]
     raise AssertionError("unreachable: checked by _norm_kind")
 
 
@@ -461,6 +466,9 @@ def _allowed_types(xt, xt_attend) -> set[type]:
         nn.Embedding, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.ModuleList, nn.Sequential, nn.GELU,
         nn.SiLU, einops_torch.Rearrange, nn.Sigmoid,  # Sigmoid: the value residual mix (_check_attention)
     }
+    dyt = getattr(sys.modules.get(xt.LayerNorm.__module__), "DynamicTanh", None)
+    if dyt is not None:  # use_dynamic_tanh (read by _norm_kind)
+        allowed.add(dyt)
     if hasattr(xt, "LoRALinear"):  # the low-rank attention gates (read by _gate_options)
         allowed.add(xt.LoRALinear)
     try:
@@ -762,7 +770,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
     stack_kwargs = dict(
         dim=dim, depth=max(depth, 1), heads=heads, dim_head=dim_head, kv_heads=kv_heads if kv_heads != heads else None,
         ff_mult=ff_mult, ff_glu=bool(ff0 and ff0["glu"]), ff_swish=bool(ff0 and ff0["swish"]),
-        use_rmsnorm=rms, norm_eps=_RMS_EPS if rms else None, attn_dropout=float(next(iter(attn_dropouts), 0.0)),
+        use_rmsnorm=rms, norm_eps=_RMS_EPS if rms else None, use_dynamic_tanh=norm_kinds == {"dyt"},
+        attn_dropout=float(next(iter(attn_dropouts), 0.0)),
         ff_dropout=float(ff0["dropout"]) if ff0 else 0.0,
     )
     if rotary is not None:
@@ -852,6 +861,11 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
         weight, _, names = _norm_weights(src, xt)
         for n in names:
             used.add(id(getattr(src, n)))
+        if isinstance(dst, DynamicTanh):  # x-transformers' unit offsets (norm_add_unit_offset) folded in
+            put(dst.pre_tanh_scale, src.pre_tanh_scale.detach() + float(src.pre_tanh_scale_offset))
+            put(dst.gamma, src.gamma.detach() + float(src.gamma_offset))
+            put(dst.beta, src.beta.detach())
+            return
         put(dst.weight, weight)
         if isinstance(dst, nn.LayerNorm):
             dst.bias.zero_()

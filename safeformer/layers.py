@@ -29,6 +29,7 @@ from .masks import causal_mask, checked_once, validate_mask
 from .modules import (
     AdaptiveLayerScale,
     AdaptiveNorm,
+    DynamicTanh,
     FeedForward,
     RotaryEmbedding,
     alibi_bias,
@@ -171,6 +172,8 @@ class AttentionLayers(Configurable, nn.Module):
         learned_value_residual_mix: see ``add_value_residual``.
         ff_softclamp_value: softclamp the feed-forward's hidden layer before its activation (``FeedForward``).
         rotary_xpos: accepted at ``False`` only (x-transformers' xpos scaling is not supported).
+        use_dynamic_tanh, dynamic_tanh_init_alpha: every norm (the final one too) is ``DynamicTanh``:
+            ``tanh(a * x) * gamma + beta`` with a learned scalar ``a`` starting at ``dynamic_tanh_init_alpha``.
         attn_data_dependent_alibi, attn_data_dependent_alibi_kwargs: x-transformers' forgetting-transformer bias in
             self-attention: per position and head a log forget gate ``logsigmoid(Linear(x))`` (bias ``bias_init``,
             default 5, times ``post_log_scale``), summed between key and query (two gates, one per direction,
@@ -249,6 +252,8 @@ class AttentionLayers(Configurable, nn.Module):
         attn_data_dependent_alibi_kwargs: dict | None = None,
         ff_softclamp_value: float | None = None,
         rotary_xpos: bool = False,
+        use_dynamic_tanh: bool = False,
+        dynamic_tanh_init_alpha: float = 1.0,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -318,7 +323,12 @@ class AttentionLayers(Configurable, nn.Module):
 
         adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
 
+        if use_dynamic_tanh and (adaptive_norm or use_rmsnorm):
+            raise ValueError("use_dynamic_tanh replaces the norms: choose it or use_rmsnorm / adaptive norms, not both")
+
         def norm() -> nn.Module:
+            if use_dynamic_tanh:
+                return DynamicTanh(dim, init_alpha=dynamic_tanh_init_alpha)
             if adaptive_norm:
                 return AdaptiveNorm(dim, self.dim_condition, rms=use_adaptive_rmsnorm, eps=norm_eps)
             return make_norm(dim, use_rmsnorm, norm_eps)

@@ -69,6 +69,23 @@ class HeadRMSNorm(nn.Module):
         return (out * (self.weight.to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
 
 
+class DynamicTanh(nn.Module):
+    """x-transformers' ``DynamicTanh`` (a norm-free replacement of the norms): ``tanh(a * x) * gamma + beta``
+    with a learned scalar ``a`` (``pre_tanh_scale``, ``init_alpha`` at init), in float32 (S7); the same parameter
+    names, so x-transformers' weights load as they are. Elementwise: a zero row stays ``beta``, finite."""
+
+    def __init__(self, dim: int, init_alpha: float = 1.0):
+        super().__init__()
+        self.pre_tanh_scale = nn.Parameter(torch.tensor(float(init_alpha)))
+        self.gamma = nn.Parameter(torch.ones(dim))
+        self.beta = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        out = torch.tanh(x.to(dtype) * self.pre_tanh_scale.to(dtype)) * self.gamma.to(dtype) + self.beta.to(dtype)
+        return out.to(x.dtype)
+
+
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` with its statistics (and their gradients) computed in float32 (S7).
 

@@ -402,3 +402,25 @@ def test_rotary_xpos_is_accepted_at_false_only():
     sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True, rotary_xpos=False)
     with pytest.raises(ValueError, match="rotary_xpos"):
         sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True, rotary_xpos=True)
+
+
+def test_dynamic_tanh_matches_formula_and_x_transformers():
+    """``use_dynamic_tanh``: every norm is ``tanh(a * x) * gamma + beta`` (float64 formula); x-transformers'
+    models convert with equal outputs, their unit offsets (``norm_add_unit_offset``) folded in; padded
+    positions stay out (a sample alone equals it left-padded)."""
+    torch.manual_seed(9)
+    norm = _perturb(sf.modules.DynamicTanh(8, init_alpha=0.7)).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(norm(x), torch.tanh(norm.pre_tanh_scale * x) * norm.gamma + norm.beta)
+    for kw in (dict(), dict(norm_add_unit_offset=False, dynamic_tanh_init_alpha=0.5)):
+        peer = xt.TransformerWrapper(num_tokens=50, max_seq_len=32, attn_layers=xt.Decoder(
+            dim=32, depth=2, heads=4, attn_dim_head=8, use_dynamic_tanh=True, **kw)).eval()
+        _perturb(peer)
+        ours = sf.from_x_transformers(peer).eval()
+        tokens = torch.randint(0, 50, (2, 9))
+        with torch.no_grad():
+            torch.testing.assert_close(ours(tokens), peer(tokens), atol=1e-5, rtol=1e-5)
+            mask = torch.tensor([[False, False] + [True] * 7, [True] * 9])
+            torch.testing.assert_close(ours(tokens, mask=mask)[0, 2:], ours(tokens[:1, 2:])[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="use_dynamic_tanh"):
+        sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, use_dynamic_tanh=True, use_rmsnorm=True)
