@@ -648,8 +648,13 @@ class TransformerWrapper(_Wrapper):
     @property
     def can_cache_kv(self) -> bool:
         """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
-        memory, class and prefix rows; only recycling, which reruns the stack, cannot)."""
-        return not getattr(self, "recycling", False)
+        memory, class and prefix rows; recycling, which reruns the stack, cannot, nor attention that sums over
+        the whole sequence: ``attn_orthog_projected_values``, ``attn_data_dependent_alibi``). Generation then
+        recomputes the sequence each step."""
+        if getattr(self, "recycling", False):
+            return False
+        return not any(getattr(blk.mixer, "orthog", False) or getattr(blk.mixer, "to_forget_gates", None) is not None
+                       for blk in self.attn_layers.layers if blk.kind != "ff")
 
     @property
     def can_cache_kv_outside_max_seq_len(self) -> bool:
@@ -836,8 +841,13 @@ class ContinuousTransformerWrapper(_Wrapper):
     @property
     def can_cache_kv(self) -> bool:
         """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
-        memory, class and prefix rows; only recycling, which reruns the stack, cannot)."""
-        return not getattr(self, "recycling", False)
+        memory, class and prefix rows; recycling, which reruns the stack, cannot, nor attention that sums over
+        the whole sequence: ``attn_orthog_projected_values``, ``attn_data_dependent_alibi``). Generation then
+        recomputes the sequence each step."""
+        if getattr(self, "recycling", False):
+            return False
+        return not any(getattr(blk.mixer, "orthog", False) or getattr(blk.mixer, "to_forget_gates", None) is not None
+                       for blk in self.attn_layers.layers if blk.kind != "ff")
 
     @property
     def can_cache_kv_outside_max_seq_len(self) -> bool:

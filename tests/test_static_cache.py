@@ -424,3 +424,17 @@ def test_custom_wrapper_parts_keep_the_dynamic_path(option):
             model.generate(prompts, 4, temperature=0.0)
         return
     assert torch.equal(model.generate(prompts, 4, temperature=0.0), model.generate(prompts, 4, temperature=0.0, cache_kv=False))
+
+
+@pytest.mark.parametrize("option", [dict(attn_orthog_projected_values=True), dict(attn_data_dependent_alibi=True)],
+                         ids=["orthog projected values", "data-dependent alibi"])
+def test_attention_over_the_whole_sequence_generates_without_a_cache(option):
+    """Options that sum over the whole sequence cannot continue from a cache (``can_cache_kv`` False):
+    generation recomputes each step, with the tokens of ``cache_kv=False``."""
+    net = _net(**option)
+    assert not net.can_cache_kv and static_reason(net) is not None
+    model = sf.AutoregressiveWrapper(net)
+    prompts, _ = _inputs(left_pad=True)
+    a = model.generate(prompts, 4, temperature=0.0, mask=_inputs(left_pad=True)[1]["mask"])
+    b = model.generate(prompts, 4, temperature=0.0, mask=_inputs(left_pad=True)[1]["mask"], cache_kv=False)
+    assert torch.equal(a, b)
