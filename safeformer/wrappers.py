@@ -180,6 +180,22 @@ class _Wrapper(Configurable, nn.Module):
         self.cls_token = nn.Parameter(torch.randn(num_cls_tokens, dim) * 0.02) if use_cls_token else None
 
     @property
+    def can_cache_kv(self) -> bool:
+        """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
+        memory, class and prefix rows; recycling, which reruns the stack, cannot, nor attention that sums over
+        the whole sequence: ``attn_orthog_projected_values``, ``attn_data_dependent_alibi``). Generation then
+        recomputes the sequence each step."""
+        if getattr(self, "recycling", False):
+            return False
+        return not any(getattr(blk.mixer, "orthog", False) or getattr(blk.mixer, "to_forget_gates", None) is not None
+                       for blk in self.attn_layers.layers if blk.kind != "ff")
+
+    @property
+    def can_cache_kv_outside_max_seq_len(self) -> bool:
+        """x-transformers' flag: no absolute position embedding bounds the length."""
+        return self.pos_emb is None
+
+    @property
     def num_fixed_tokens(self) -> int:
         return getattr(self, "num_memory_tokens", 0) + getattr(self, "num_cls_tokens", 0)
 
@@ -645,22 +661,6 @@ class TransformerWrapper(_Wrapper):
             out = self._head(h)  # (b, n, v)
         return result(out)
 
-    @property
-    def can_cache_kv(self) -> bool:
-        """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
-        memory, class and prefix rows; recycling, which reruns the stack, cannot, nor attention that sums over
-        the whole sequence: ``attn_orthog_projected_values``, ``attn_data_dependent_alibi``). Generation then
-        recomputes the sequence each step."""
-        if getattr(self, "recycling", False):
-            return False
-        return not any(getattr(blk.mixer, "orthog", False) or getattr(blk.mixer, "to_forget_gates", None) is not None
-                       for blk in self.attn_layers.layers if blk.kind != "ff")
-
-    @property
-    def can_cache_kv_outside_max_seq_len(self) -> bool:
-        """x-transformers' flag: no absolute position embedding bounds the length."""
-        return self.pos_emb is None
-
     def _head(self, h: Tensor, **to_logits_kwargs) -> Tensor:
         if self.tie_embedding:
             logits = h @ self.token_emb.weight.t()
@@ -837,22 +837,6 @@ class ContinuousTransformerWrapper(_Wrapper):
         self.average_pool_embed = average_pool_embed
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.check_finite = check_finite
-
-    @property
-    def can_cache_kv(self) -> bool:
-        """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
-        memory, class and prefix rows; recycling, which reruns the stack, cannot, nor attention that sums over
-        the whole sequence: ``attn_orthog_projected_values``, ``attn_data_dependent_alibi``). Generation then
-        recomputes the sequence each step."""
-        if getattr(self, "recycling", False):
-            return False
-        return not any(getattr(blk.mixer, "orthog", False) or getattr(blk.mixer, "to_forget_gates", None) is not None
-                       for blk in self.attn_layers.layers if blk.kind != "ff")
-
-    @property
-    def can_cache_kv_outside_max_seq_len(self) -> bool:
-        """x-transformers' flag: no absolute position embedding bounds the length."""
-        return self.pos_emb is None
 
     @checked_once
     def forward(
