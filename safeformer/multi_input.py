@@ -106,8 +106,6 @@ class MultiInputTransformerWrapper(_Wrapper):
         self.to_logits = None if return_only_embed else nn.ModuleDict(
             {name: nn.Linear(dim, v, bias=False) for name, v in num_tokens.items()})
         self.check_finite = check_finite
-        self.can_cache_kv = True  # memory tokens work with the cache here (placed on the call that starts it)
-        self.can_cache_kv_outside_max_seq_len = self.pos_emb is None
 
     def _inputs(self, x, mask: Tensor | None) -> tuple[dict[str, Tensor], int, int, torch.device]:
         """The dict of ids, checked: every name of ``num_tokens`` once, one shape ``(b, n)``, integer ids in
