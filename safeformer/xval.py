@@ -43,7 +43,7 @@ from .layers import AttentionLayers
 from .losses import safe_cross_entropy
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
-from .wrappers import ContinuousTransformerWrapper
+from .wrappers import ContinuousTransformerWrapper, _check_tokens
 
 __all__ = [
     "XValTransformerWrapper",
@@ -135,16 +135,8 @@ class XValTransformerWrapper(Configurable, nn.Module):
 
     def embed(self, x: Tensor, x_num: Tensor, mask: Tensor | None) -> Tensor:
         """``(b, n, dim)``: token embeddings, the numerical token's scaled by ``x_num``; padded rows 0."""
-        if not isinstance(x, Tensor) or x.dim() != 2:
-            raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-        if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-            raise TypeError(f"x must hold integer token ids, got dtype {x.dtype}")
-        if not isinstance(x_num, Tensor) or x_num.shape != x.shape:
-            raise ValueError(f"x_num must have the shape of x {tuple(x.shape)}, got {getattr(x_num, 'shape', type(x_num))}")
-        if not x_num.is_floating_point():
-            raise TypeError(f"x_num must be a floating-point tensor, got dtype {x_num.dtype}")
+        _check_inputs(x, x_num, mask)
         if mask is not None:
-            validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
             x = torch.where(mask, x, torch.zeros_like(x))
         if x.numel() and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() \
                 and bool(((x < 0) | (x >= self.num_tokens)).any()):  # (under vmap the embedding's own check)
@@ -288,16 +280,7 @@ class XValAutoregressiveWrapper(Configurable, nn.Module):
             raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
         conditions = condition_kwargs("XValAutoregressiveWrapper.forward", conditions)
         _xval_kwargs_ok(conditions)
-        if not isinstance(x, Tensor) or x.dim() != 2:
-            raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-        if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-            raise TypeError(f"x must hold integer token ids, got dtype {x.dtype}")
-        if not isinstance(x_num, Tensor) or x_num.shape != x.shape:
-            raise ValueError(f"x_num must have the shape of x {tuple(x.shape)}, got {getattr(x_num, 'shape', type(x_num))}")
-        if not x_num.is_floating_point():
-            raise TypeError(f"x_num must be a floating-point tensor, got dtype {x_num.dtype}")
-        if mask is not None:
-            validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
+        _check_inputs(x, x_num, mask)
         b = x.shape[0]
         conds = Conditions.from_kwargs({**locals(), **conditions}).check(self.net, b, x.device)
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
@@ -511,3 +494,14 @@ def xval_from_x_transformers(model):
             out.to_logits.load_state_dict(model.to_logits.state_dict())
         out.to_numerical_output.load_state_dict(model.to_numerical_output[0].state_dict())
     return out.to(model.token_emb.emb.weight.dtype).train(model.training)
+
+
+def _check_inputs(x, x_num, mask) -> None:
+    """The token ids ``x (b, n)``, the numbers ``x_num (b, n)`` and the padding ``mask`` (S9)."""
+    _check_tokens(x, "x")
+    if not isinstance(x_num, Tensor) or x_num.shape != x.shape:
+        raise ValueError(f"x_num must have the shape of x {tuple(x.shape)}, got {getattr(x_num, 'shape', type(x_num))}")
+    if not x_num.is_floating_point():
+        raise TypeError(f"x_num must be a floating-point tensor, got dtype {x_num.dtype}")
+    if mask is not None:
+        validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
