@@ -1164,10 +1164,17 @@ CASES: list[Case] = [
     DecoderGatedCase(), DecoderHeadNormsCase(), EncoderOrthogCase(), DecoderValueResidualCase(),
     EncoderForgetCase(),
 ]
+# more x-transformers options' cases, one file per family (each subclasses the cases above)
+from .cases_attention import CASES as _ATTENTION_CASES  # noqa: E402
+from .cases_modules import CASES as _MODULE_CASES  # noqa: E402
+from .cases_residuals import CASES as _RESIDUAL_CASES  # noqa: E402
+from .cases_stack import CASES as _STACK_CASES  # noqa: E402
+
+CASES += _ATTENTION_CASES + _MODULE_CASES + _STACK_CASES + _RESIDUAL_CASES
 # every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
-# run on the padded path only (the stack refuses unpadded=True with them)
+# run on the padded path only (the stack refuses unpadded=True with them; such a case sets padded_only)
 UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
-                  if not c.name.startswith("Attention-")
+                  if not c.name.startswith("Attention-") and not getattr(c, "padded_only", False)
                   and c.name not in ("Decoder-memkv-sink", "Decoder-sink-bias", "TransformerWrapper-softclamp-l2norm",
                                      "Encoder-orthog", "Decoder-value-residual", "Encoder-forget")]
 ALL_CASES = CASES + UNPADDED_CASES
