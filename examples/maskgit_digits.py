@@ -97,7 +97,7 @@ def train(args, data) -> tuple[NonAutoregressiveWrapper, list[float], list[float
     model.train()
     for step in range(args.steps):
         idx = torch.randint(0, len(y_train), (args.batch_size,), generator=g)
-        loss = model(x_train[idx], context=class_context(y_train[idx]), generator=g)
+        loss = model(x_train[idx], context=class_context(y_train[idx]), generator=g).loss  # Losses namedtuple
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

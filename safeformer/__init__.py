@@ -2,7 +2,7 @@
 
 from . import testing
 from .attend import attend
-from .attention import Attention
+from .attention import Attention, RelativeProjPositionalBias, log_prob_from_hard_attend
 from .belief_state import BeliefStateWrapper
 from .conditions import Conditions, compose_guidance, drop_conditions
 from .continuous import ContinuousAutoregressiveWrapper
@@ -11,6 +11,7 @@ from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, 
 from .dpo import DPO
 from .encoder_decoder import XTransformer
 from .entropy_tokenizer import EntropyBasedTokenizer
+from .free_transformer import FreeTransformer
 from .generation import (
     FILTERS,
     AutoregressiveWrapper,
@@ -35,6 +36,7 @@ from .layers import (
     LayerIntermediates,
     PrefixDecoder,
     TransformerBlock,
+    layer_schedule,
 )
 from .losses import masked_mean, safe_cross_entropy
 from .masks import (
@@ -64,7 +66,10 @@ from .neo_mlp import NeoMLP
 from .next_latent import MSECosineSimLoss, NextLatentWrapper, ResidualDynamics, RolloutGRU
 from .nonautoregressive import NonAutoregressiveWrapper
 from .pretrained import Configurable, load_pretrained, save_pretrained
+from .relative_position import RelativePositionBias
+from .universal_pretrain import UniversalPretrainWrapper
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
+from .xt_attend import Attend
 from .xt_extras import AttentionPool, LinearNoBias, ViTransformerWrapper, eval_decorator
 from .xval import XValAutoregressiveWrapper, XValTransformerWrapper
 
@@ -77,6 +82,7 @@ __all__ = [
     "MSECosineSimLoss",
     "ContinuousTransformerAutoencoder",
     "GPTVAE",
+    "FreeTransformer",
     "DPO",
     "EntropyBasedTokenizer",
     "MultiInputTransformerWrapper",
@@ -86,6 +92,7 @@ __all__ = [
     "eval_decorator",
     "ViTransformerWrapper",
     "TransformerBlock",
+    "layer_schedule",
     "PrefixDecoder",
     "AttentionPool",
     "AdaptiveRMSNorm",
@@ -93,6 +100,9 @@ __all__ = [
     "LayerIntermediates",
     "AbsolutePositionalEmbedding",
     "Attention",
+    "RelativeProjPositionalBias",
+    "RelativePositionBias",
+    "log_prob_from_hard_attend",
     "AttentionLayers",
     "AutoregressiveWrapper",
     "Configurable",
@@ -108,6 +118,7 @@ __all__ = [
     "KVCache",
     "MaskReport",
     "NonAutoregressiveWrapper",
+    "UniversalPretrainWrapper",
     "NonFiniteReport",
     "NonFiniteTensor",
     "RMSNorm",
@@ -121,6 +132,7 @@ __all__ = [
     "apply_rotary",
     "as_attention_mask",
     "attend",
+    "Attend",
     "causal_mask",
     "check_finite",
     "combine_masks",

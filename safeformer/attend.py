@@ -1187,3 +1187,5 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_cau
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
     return (weights @ v.to(dtype)).to(q.dtype)  # (b, h, i, e)
+
+

@@ -20,10 +20,11 @@ from torch import Tensor, nn
 
 from .attend import BACKENDS, PreparedMask, SelectedMask, _grad_select, attend, masked_linear
 from .cache import AttnIntermediate
+from .hybrid import make_hybrid
 from .masks import as_attention_mask, causal_mask, checked_once, combine_masks, validate_mask
 from .modules import HeadRMSNorm, RMSNorm, apply_rotary
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "RelativeProjPositionalBias", "log_prob_from_hard_attend"]
 
 
 class Attention(nn.Module):
@@ -66,6 +67,39 @@ class Attention(nn.Module):
             the x gate reading the queries' input, the h gate the attention output; ``*_headwise``: one
             logit per head; ``*_rank``: a low-rank projection (``low_rank_silu_gates``: SiLU between). The
             projections start at zero. A dead row stays exactly 0 (its output is 0 before the gate).
+        zero_init_output: ``to_out`` starts at zero (x-transformers' name).
+        gate_value_heads: x-transformers' per-head gate: each head's output times ``sigmoid(Linear(x))`` (weight 0,
+            bias 10 at init), before the gates above; padded rows' ``x`` is selected to 0 first.
+        dim_out: the output width (default ``dim``).
+        l2_distance: logits ``-|q - k|^2 * d ** -0.5`` (x-transformers' l2 distance attention).
+        cog_signed: cog attention: the softmax of ``|logits|``, the weights given back the logits' signs (the sink's
+            logit too); weights may be negative.
+        sigmoid: weights ``sigmoid(logits)``, unnormalised (masked keys and dead rows 0).
+        gumbel_softmax, gumbel_softmax_temp, gumbel_softmax_hard: weights sampled by a gumbel softmax of temperature
+            ``gumbel_softmax_temp`` (hard: the one-hot of the sample with the soft weights' gradient); the noise is
+            drawn in evaluation too, as x-transformers; ``log_prob_from_hard_attend`` reads the picked keys' log
+            probabilities from the intermediates.
+        inverted_attention: (cross-attention) each key's weights are a softmax over the queries that may see it (a
+            padded query takes none), then each query's weights are L1-normalised over its keys; no KV cache, no
+            memory keys or sink.
+        laser, laser_softclamp_value: LASER attention: ``log(weights @ exp(softclamp(v)))`` (a dead row stays 0, never
+            ``log(0)``); not with ``cog_signed``.
+        use_latent_q, dim_latent_q, use_latent_kv, dim_latent_kv, latent_rope_subheads: multi-latent attention:
+            queries (keys and values) projected from a bias-less latent ``Linear(dim, dim_latent_*)`` of the input;
+            the last ``latent_rope_subheads`` key heads straight from the input, and only those heads (of the queries and
+            keys) rotated by rotary positions (decoupled rope).
+        use_cope, cope_max_pos: contextual positions (CoPE, causal attention): a key's position is the sum of
+            ``sigmoid(logit)`` over the visible keys from it on (masked keys count 0), its logit gains ``q . pos_emb``
+            at that position (interpolated). ``cope_talking_heads`` / ``cope_soft_onehot_pos`` are refused.
+        use_rel_proj_pos_bias, rel_proj_num_distance_basis, rel_proj_max_dist: self-attention bias of
+            ``RelativeProjPositionalBias`` (from the queries' input, at the positions ``forward(positions=...)``
+            gives, index positions by default).
+            The scoring options (``cog_signed`` to ``use_cope``) run the explicit float32 attention: no fused kernel,
+            padded path only; ``l2_distance`` alone runs the fused kernels (``[2q, 1] . [k, -|k|^2]``), padded path
+            only.
+        hybrid_module, hybrid_fold_axial_dim, hybrid_mask_kwarg, hybrid_learned_mix: a user's sequence module
+            (a ``GRU`` say) beside self-attention, the two outputs RMS-normalised per head and averaged before
+            ``to_out`` (x-transformers' names; see ``hybrid.HybridBranch`` for padding and the KV cache).
     """
 
     def __init__(
@@ -90,6 +124,8 @@ class Attention(nn.Module):
         logit_softclamp_value: float = 50.0,
         qk_norm_eps: float | None = None,
         gate_values: bool = False,
+        gate_value_heads: bool = False,
+        zero_init_output: bool = False,
         gate_values_rank: int | None = None,
         gate_values_headwise: bool = False,
         output_gate: bool = False,
@@ -104,6 +140,32 @@ class Attention(nn.Module):
         learned_value_residual_mix: bool = False,
         data_dependent_alibi: bool = False,
         data_dependent_alibi_kwargs: dict | None = None,
+        dim_out: int | None = None,
+        l2_distance: bool = False,
+        cog_signed: bool = False,
+        sigmoid: bool = False,
+        inverted_attention: bool = False,
+        gumbel_softmax: bool = False,
+        gumbel_softmax_temp: float = 1.0,
+        gumbel_softmax_hard: bool = True,
+        laser: bool = False,
+        laser_softclamp_value: float = 15.0,
+        use_latent_q: bool = False,
+        dim_latent_q: int | None = None,
+        use_latent_kv: bool = False,
+        dim_latent_kv: int | None = None,
+        latent_rope_subheads: int | None = None,
+        use_cope: bool = False,
+        cope_max_pos: int = 16,
+        cope_soft_onehot_pos: bool = False,
+        cope_talking_heads: bool = False,
+        use_rel_proj_pos_bias: bool = False,
+        rel_proj_num_distance_basis: int = 16,
+        rel_proj_max_dist: int = 1024,
+        hybrid_module: nn.Module | None = None,
+        hybrid_mask_kwarg: str | None = None,
+        hybrid_fold_axial_dim: int | None = None,
+        hybrid_learned_mix: bool = False,
     ):
         super().__init__()
         if one_kv_head:  # x-transformers' spelling of kv_heads=1
@@ -133,9 +195,42 @@ class Attention(nn.Module):
         self.dim_context = dim if dim_context is None else dim_context
         self.dropout = dropout
         self.backend = backend
-        self.to_q = nn.Linear(dim, heads * dim_head, bias=bias)
-        self.to_k = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
-        self.to_v = nn.Linear(self.dim_context, kv_heads * dim_head, bias=bias)
+        # multi-latent attention (x-transformers' use_latent_q / use_latent_kv, DeepSeek's MLA): queries and/or keys
+        # and values projected from a bias-less latent of the input; latent_rope_subheads: the last such key heads
+        # come straight from the input (their "decoupled rope" heads), the others from the latent
+        for name, on, width in (("dim_latent_q", use_latent_q, dim_latent_q), ("dim_latent_kv", use_latent_kv, dim_latent_kv)):
+            if on and not _positive_int(width):
+                raise ValueError(f"use_{name[4:]} needs {name}, a positive integer, got {width!r}")
+            if width is not None and not on:
+                raise ValueError(f"{name} was given but use_{name[4:]} is off; set use_{name[4:]}=True")
+        if latent_rope_subheads is not None:
+            if not use_latent_kv:
+                raise ValueError("latent_rope_subheads splits the keys of multi-latent attention: it needs use_latent_kv")
+            if not _positive_int(latent_rope_subheads) or latent_rope_subheads >= kv_heads or kv_heads != heads:
+                raise ValueError(f"latent_rope_subheads must be a positive integer below kv_heads={kv_heads}, without "
+                                 f"grouped-query attention (kv_heads == heads), got {latent_rope_subheads!r}")
+        self.rope_subheads = latent_rope_subheads or 0
+        self.to_latent_q = nn.Linear(dim, dim_latent_q, bias=False) if use_latent_q else None
+        self.to_latent_kv = nn.Linear(self.dim_context, dim_latent_kv, bias=False) if use_latent_kv else None
+        q_in = dim_latent_q if use_latent_q else dim
+        kv_in = dim_latent_kv if use_latent_kv else self.dim_context
+        self.to_q = nn.Linear(q_in, heads * dim_head, bias=bias)
+        self.to_k = nn.Linear(kv_in, (kv_heads - self.rope_subheads) * dim_head, bias=bias)
+        self.to_v = nn.Linear(kv_in, kv_heads * dim_head, bias=bias)
+        self.to_rotateable_k = nn.Linear(self.dim_context, self.rope_subheads * dim_head, bias=False) \
+            if self.rope_subheads else None
+        if inverted_attention and (num_mem_kv or learned_sink):
+            raise ValueError("inverted_attention with memory keys or a learned sink is not supported (every query, padded "
+                             "ones too, would share their softmax over the queries)")
+        self._init_scoring(heads, dim_head, causal, flash, l2_distance=l2_distance, cog_signed=cog_signed, sigmoid=sigmoid,
+                           inverted_attention=inverted_attention, gumbel_softmax=gumbel_softmax,
+                           gumbel_softmax_temp=gumbel_softmax_temp, gumbel_softmax_hard=gumbel_softmax_hard, laser=laser,
+                           laser_softclamp_value=laser_softclamp_value, use_cope=use_cope, cope_max_pos=cope_max_pos,
+                           cope_soft_onehot_pos=cope_soft_onehot_pos, cope_talking_heads=cope_talking_heads)
+        self.rel_proj_pos_bias = None
+        if use_rel_proj_pos_bias:
+            self.rel_proj_pos_bias = RelativeProjPositionalBias(dim, heads, num_distance_basis=rel_proj_num_distance_basis,
+                                                                max_dist=rel_proj_max_dist)
         eps = 1e-6 if qk_norm_eps is None else qk_norm_eps
         if qk_norm_dim_scale and not qk_norm:
             raise ValueError("qk_norm_dim_scale scales the q/k norms per head and feature: it needs qk_norm=True")
@@ -170,7 +265,14 @@ class Attention(nn.Module):
         if orthog_parts and value_rmsnorm:
             raise ValueError("orthog_projected_values projects onto the values before value_rmsnorm: the two together "
                              "are not supported")
-        self.to_out = nn.Linear(heads * dim_head * max(1, orthog_parts), dim, bias=bias)
+        if dim_out is not None and not _positive_int(dim_out):
+            raise ValueError(f"dim_out must be a positive integer, got {dim_out!r}")
+        self.dim_out = dim if dim_out is None else dim_out
+        self.to_out = nn.Linear(heads * dim_head * max(1, orthog_parts), self.dim_out, bias=bias)
+        if zero_init_output:  # x-transformers' zero_init_output: the block starts as the identity of the residual
+            nn.init.zeros_(self.to_out.weight)
+            if self.to_out.bias is not None:
+                nn.init.zeros_(self.to_out.bias)
         self.num_mem_kv = num_mem_kv
         if num_mem_kv > 0:
             self.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
@@ -194,9 +296,135 @@ class Attention(nn.Module):
         act = nn.SiLU() if low_rank_silu_gates else None
         self.to_v_gate = _gate_linear(dim, heads if gate_values_headwise else inner, gate_values_rank, act) \
             if gate_values else None
+        # x-transformers' gate_value_heads: each head's output times sigmoid(Linear(x)), open at init (bias 10)
+        self.to_v_head_gate = None
+        if gate_value_heads:
+            self.to_v_head_gate = nn.Linear(dim, heads)
+            nn.init.zeros_(self.to_v_head_gate.weight)
+            nn.init.constant_(self.to_v_head_gate.bias, 10.0)
         self.to_output_gate = _gate_linear(inner, heads if output_gate_headwise else inner, output_gate_rank, act) \
             if output_gate else None
         self.gate_activation = F.silu if swiglu_values else torch.sigmoid
+        # x-transformers' hybrid_module: a user's sequence module beside attention, mixed in before to_out (hybrid.py)
+        self.hybrid = make_hybrid(hybrid_module, dim=dim, heads=heads, dim_head=dim_head, causal=causal,
+                                  fold_axial_dim=hybrid_fold_axial_dim, mask_kwarg=hybrid_mask_kwarg,
+                                  learned_mix=hybrid_learned_mix)
+
+    def _init_scoring(self, heads: int, dim_head: int, causal: bool, flash: bool, *, l2_distance, cog_signed, sigmoid,
+                      inverted_attention, gumbel_softmax, gumbel_softmax_temp, gumbel_softmax_hard, laser,
+                      laser_softclamp_value, use_cope, cope_max_pos, cope_soft_onehot_pos, cope_talking_heads) -> None:
+        """The options that change how logits become weights (x-transformers' ``Attend`` options); each runs the
+        explicit float32 path (``_explicit_attention``), which applies them in x-transformers' order."""
+        if sum(map(bool, (l2_distance, sigmoid, gumbel_softmax))) > 1:
+            raise ValueError("choose at most one of l2_distance, sigmoid and gumbel_softmax")
+        if laser and cog_signed:
+            raise ValueError("laser takes the log of weights @ exp(values): cog_signed's negative weights can make it "
+                             "0 or negative (NaN in x-transformers); use one of them")
+        for name, value in (("gumbel_softmax_temp", gumbel_softmax_temp), ("laser_softclamp_value", laser_softclamp_value)):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if use_cope:
+            if not causal:
+                raise ValueError("use_cope (contextual positions) counts the keys up to each query: it needs causal=True")
+            if cope_talking_heads or cope_soft_onehot_pos:
+                raise ValueError("cope_talking_heads and cope_soft_onehot_pos are not supported (use_cope without them "
+                                 "is)")
+            if not _positive_int(cope_max_pos):
+                raise ValueError(f"cope_max_pos must be a positive integer, got {cope_max_pos!r}")
+        elif cope_talking_heads or cope_soft_onehot_pos:
+            raise ValueError("cope_talking_heads / cope_soft_onehot_pos were given but use_cope is off")
+        self.l2_distance = bool(l2_distance)
+        self.cog_signed = bool(cog_signed)
+        self.inverted = bool(inverted_attention)
+        self.score = "sigmoid" if sigmoid else "gumbel" if gumbel_softmax else "softmax"
+        self.gumbel_temp, self.gumbel_hard = float(gumbel_softmax_temp), bool(gumbel_softmax_hard)
+        self.laser_value = float(laser_softclamp_value) if laser else None
+        self.cope = CoPE(dim_head, cope_max_pos) if use_cope else None
+
+    @property
+    def explicit(self) -> bool:
+        """Whether every call runs the explicit float32 path (softclamped logits, cog, sigmoid, inverted, gumbel,
+        laser, CoPE: what no fused kernel does); such a module runs on the padded path only. (l2 distance alone runs
+        the fused kernels, through ``_l2_kernel_inputs``, on the padded path too.)"""
+        return (self.softclamp_value is not None or self.cog_signed or self.inverted or self.score != "softmax"
+                or self.laser_value is not None or self.cope is not None
+                or (self.l2_distance and self.head_attn_sink is not None))  # the sink's logit is no distance
+
+    def _check_scoring_call(self, context, kv, past_kv, causal: bool, rotary) -> None:
+        """The calls the scoring options cannot serve, refused by name (never computed as something else)."""
+        cross = context is not None or kv is not None
+        if self.inverted and not cross:
+            raise ValueError("inverted_attention normalises each key's weights over the queries: it is cross-attention "
+                             "only (x-transformers' cross_attn_inverted_attention)")
+        if self.inverted and kv is not None:
+            raise ValueError("inverted_attention normalises over the queries of one call: it runs without a KV cache "
+                             "(a cached context would see the new queries alone)")
+        if self.rel_proj_pos_bias is not None and cross:
+            raise ValueError("use_rel_proj_pos_bias gives relative positions within one sequence: self-attention only")
+
+    def _rotate(self, t: Tensor, angles: Tensor) -> Tensor:
+        """Rotary positions on ``t (b, h|h_kv, n, d)``; with ``latent_rope_subheads`` on its last that many heads only
+        (multi-latent attention's decoupled rope, as x-transformers' ``rotate_num_heads``)."""
+        r = self.rope_subheads
+        if not r:
+            return apply_rotary(t, angles)
+        return torch.cat((t[:, :-r], apply_rotary(t[:, -r:], angles)), dim=1)
+
+    @torch.no_grad()
+    def qk_clip_(self, pre_softmax_attn, tau: float = 100.0) -> None:
+        """MuonClip's qk-clip (Kimi K2, x-transformers' ``qk_clip_``): for each head whose largest logit in
+        ``pre_softmax_attn`` exceeds ``tau``, scale its query and key projections in place so that the logit
+        becomes ``tau`` (``gamma = tau / max``: queries by ``gamma / s``, keys by ``s``, ``s = sqrt`` of the
+        smallest ``gamma`` of the heads sharing the key head, so each head's logits scale by its own ``gamma``;
+        biases and memory keys too). Heads at or below ``tau`` are left as they are.
+
+        Args:
+            pre_softmax_attn: ``(b, h, i, j)`` logits, or the ``AttnIntermediate`` whose ``pre_softmax_attn``
+                holds them (masked keys ``-inf`` and dead rows 0 never trigger a clip, ``tau`` being positive).
+            tau: the largest logit allowed, a positive number.
+
+        Raises:
+            ValueError: no logits (a ``flash=True`` module records none), a bad ``tau``, or q/k norms whose gains the
+                heads share (``qk_norm`` without ``qk_norm_dim_scale``: the norms undo a weight scale).
+        """
+        logits = pre_softmax_attn if isinstance(pre_softmax_attn, Tensor) else \
+            getattr(pre_softmax_attn, "pre_softmax_attn", None)
+        if not isinstance(logits, Tensor) or logits.dim() != 4 or logits.shape[1] != self.heads:
+            raise ValueError(f"qk_clip_ needs the logits (b, h={self.heads}, i, j) or an AttnIntermediate holding them "
+                             f"(return_intermediates=True, flash=False), got {getattr(logits, 'shape', type(logits))}")
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+            raise ValueError(f"tau must be a positive finite number, got {tau!r}")
+        if self.q_norm is not None and not isinstance(self.q_norm, HeadRMSNorm):
+            raise ValueError("qk_clip_ cannot clip a module with qk_norm: its norms (gains shared by the heads) undo a "
+                             "weight scale; use qk_norm_dim_scale=True (per-head gains, which qk_clip_ scales)")
+        top = logits.detach().float().amax(dim=(0, 2, 3))  # (h,)
+        gamma = torch.where(top > tau, tau / top.clamp_min(tau), torch.ones_like(top))  # (h,) in (0, 1]
+        g = self.heads // self.kv_heads
+        k_scale = gamma.view(self.kv_heads, g).amin(dim=1).sqrt()  # (h_kv,)
+        q_scale = gamma / k_scale.repeat_interleave(g)  # (h,)
+        d = self.dim_head
+        if self.q_norm is not None:  # per-head gains (h, d): the norms set the size of q and k
+            self.q_norm.weight.mul_(q_scale.to(self.q_norm.weight.dtype)[:, None])
+            self.k_norm.weight.mul_(k_scale.to(self.k_norm.weight.dtype)[:, None])
+            return
+        qs = q_scale.repeat_interleave(d)
+        self.to_q.weight.mul_(qs.to(self.to_q.weight.dtype)[:, None])
+        if self.to_q.bias is not None:
+            self.to_q.bias.mul_(qs.to(self.to_q.bias.dtype))
+        ks = k_scale.repeat_interleave(d)  # (h_kv * d,): to_k's heads first, then the rotateable ones
+        n_k = self.to_k.weight.shape[0]
+        self.to_k.weight.mul_(ks[:n_k].to(self.to_k.weight.dtype)[:, None])
+        if self.to_k.bias is not None:
+            self.to_k.bias.mul_(ks[:n_k].to(self.to_k.bias.dtype))
+        if self.to_rotateable_k is not None:
+            self.to_rotateable_k.weight.mul_(ks[n_k:].to(self.to_rotateable_k.weight.dtype)[:, None])
+        if self.num_mem_kv:
+            self.mem_k.mul_(k_scale.to(self.mem_k.dtype)[:, None, None])
+
+    def muon_parameters(self) -> list[nn.Parameter]:
+        """The matrices Muon should optimise (x-transformers' ``muon_parameters``): the value and output projections'
+        weights (queries and keys are left to qk-clip and the other optimiser)."""
+        return [self.to_v.weight, self.to_out.weight]
 
     @property
     def extra_keys(self) -> int:
@@ -206,7 +434,9 @@ class Attention(nn.Module):
     @property
     def packable(self) -> bool:
         """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
-        return self.extra_keys == 0 and self.softclamp_value is None and not self.orthog and self.to_forget_gates is None
+        return (self.extra_keys == 0 and not self.explicit and not self.l2_distance and not self.orthog
+                and self.to_forget_gates is None
+                and self.rel_proj_pos_bias is None and not self.rope_subheads and self.hybrid is None)
 
     @property
     def orthog(self) -> bool:
@@ -226,14 +456,27 @@ class Attention(nn.Module):
         return linear(x) if keep is None else masked_linear(x, keep, linear)
 
     def _project_q(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
-        """Queries ``(..., h, d)`` of ``x (..., c)``, q-normed."""
-        q = self._linear(self.to_q, x, keep).unflatten(-1, (self.heads, self.dim_head))
+        """Queries ``(..., h, d)`` of ``x (..., c)``, q-normed (through the latent with ``use_latent_q``)."""
+        if self.to_latent_q is not None:  # bias-less: a selected (zero) row stays 0
+            q = self.to_q(self._linear(self.to_latent_q, x, keep))
+        else:
+            q = self._linear(self.to_q, x, keep)
+        q = q.unflatten(-1, (self.heads, self.dim_head))
         return q if self.q_norm is None else self.q_norm(q)
 
     def _project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated)."""
-        k = self._linear(self.to_k, source, keep).unflatten(-1, (self.kv_heads, self.dim_head))
-        v = self._linear(self.to_v, source, keep).unflatten(-1, (self.kv_heads, self.dim_head))
+        """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated); with
+        ``use_latent_kv`` both come from one bias-less latent of ``source`` (the last ``latent_rope_subheads`` key
+        heads from ``source`` itself)."""
+        if self.to_latent_kv is not None:
+            latent = self._linear(self.to_latent_kv, source, keep)
+            k, v = self.to_k(latent), self.to_v(latent)
+            if self.to_rotateable_k is not None:
+                k = torch.cat((k, self._linear(self.to_rotateable_k, source, keep)), dim=-1)
+        else:
+            k, v = self._linear(self.to_k, source, keep), self._linear(self.to_v, source, keep)
+        k = k.unflatten(-1, (self.kv_heads, self.dim_head))
+        v = v.unflatten(-1, (self.kv_heads, self.dim_head))
         if self.v_norm is not None:  # a selected (zero) source gives v = 0 (or the bias), finite
             v = self.v_norm(v)
         return (k if self.k_norm is None else self.k_norm(k)), v
@@ -245,6 +488,9 @@ class Attention(nn.Module):
         (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that
         are exactly 0 after it (a bias would move dead rows off 0). ``values (b, i, h_kv, d)``: with
         ``orthog_projected_values``, the new values (masked ones selected to 0) that ``out`` is projected off."""
+        if self.to_v_head_gate is not None:  # padded rows' x selected to 0 first; a dead row's out is 0 and stays 0
+            xs = x if keep is None else torch.where(keep[..., None], x, 0.0)
+            out = out * torch.sigmoid(self.to_v_head_gate(xs))[..., None].to(out.dtype)
         if self.to_v_gate is not None or self.to_output_gate is not None:
             out = self._gate(out, x, keep)
         flat = out.flatten(-2) if values is None else self._orthog(out, values)
@@ -312,6 +558,13 @@ class Attention(nn.Module):
         return_attn: bool = False,
         layout=None,
         value_residual: Tensor | None = None,
+        kv_input: tuple[Tensor, Tensor] | None = None,
+        hybrid=None,
+        additional_key_values: tuple[Tensor, Tensor] | None = None,
+        additional_key_value_mask: Tensor | None = None,
+        kv_input_residual: Tensor | None = None,
+        positions: tuple[Tensor, Tensor] | None = None,
+        prev_attn: Tensor | None = None,
         _return_kv: bool = False,
     ):
         """Attend from ``x (b, i, c)``; x-transformers' call: ``attn(x)`` returns the output tensor.
@@ -342,9 +595,9 @@ class Attention(nn.Module):
                 decoding): its ``cached_kv`` are the past keys/values (self-attention) or the context's
                 (cross-attention, then ``context`` is not needed).
             return_intermediates: also return an ``AttnIntermediate`` with ``cached_kv`` (the keys and
-                values used, rotated, without memory keys) and ``post_softmax_attn`` (the weights, float32,
+                values used, rotated, without memory keys), ``post_softmax_attn`` (the weights, float32,
                 computed by the explicit path; ``None`` when the module was built with ``flash=True``, as
-                in x-transformers).
+                in x-transformers) and ``pre_softmax_attn`` (the logits they came from, what ``qk_clip_`` reads).
             return_attn: also return the weights ``(b, h, i, M + j)`` in float32 (memory keys first; the
                 sink's weight left out): masked keys and dead rows are exactly 0 (and padded queries, in
                 self-attention).
@@ -355,7 +608,27 @@ class Attention(nn.Module):
             layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
                 ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
                 tokens, and the output too.
-            _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights with
+            kv_input: ``(k_input, v_input)``, each ``(b, i, c)`` like ``x``: self-attention projects its new keys
+                from ``k_input`` and its new values from ``v_input`` (``x`` gives the queries; x-transformers'
+                ``qkv_receive_diff_residuals``, which the stack passes). Padded layout, no ``context``.
+            additional_key_values: ``(k, v)``, each ``(b, h_a, a, d)`` (x-transformers' keyword): ``a`` more keys
+                and values every query sees (not rotated, not normed; no causal limit), e.g. another model's
+                cached ones. ``h_a`` divides ``heads``: with ``h_a != kv_heads`` query head ``m`` uses added head
+                ``n % h_a``, ``n`` being ``m``'s x-transformers index (so converted weights match x-transformers;
+                ``m // g`` when ``h_a == kv_heads``). Not with ``data_dependent_alibi``, ``orthog_projected_values``
+                or the unpadded layouts; they come after the memory keys in ``return_attn``'s weights.
+            additional_key_value_mask: ``(b, a)`` bool, True = a real added key; masked ones (whatever they
+                hold, NaN included) reach no output and no gradient.
+            kv_input_residual: ``(b|1, j|1, c_src)`` added to the keys'/values' input (``x``, or ``context``)
+                before their projections (x-transformers' keyword); rows of masked keys are selected away.
+                Not with precomputed keys/values (``kv``).
+            positions: ``(q_pos (b|1, i), k_pos (b|1, j))`` integer positions of the queries and keys, for
+                ``use_rel_proj_pos_bias`` (the stack passes the real tokens' positions); default the index
+                positions, the queries the last ``i`` keys.
+            prev_attn: ``(b, h, i, j)`` the logits of the attention before (x-transformers' residual attention,
+                ``residual_attn``): added to this one's scaled logits before the bias; runs the explicit float32
+                path. Entries this call masks are selected away (the ``-inf`` the stack's logits hold there included).
+            _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights and logits with
                 ``return_attn``).
 
         Returns:
@@ -366,6 +639,8 @@ class Attention(nn.Module):
         if layout is not None:
             from .unpadded import attend_layout  # the unpadded path's layouts live there
 
+            if additional_key_values is not None or kv_input_residual is not None:
+                raise ValueError("additional_key_values and kv_input_residual run on the padded layout only")
             out = attend_layout(self, x, layout)
             return (out, None) if _return_kv else out
         causal = self.causal if causal is None else causal
@@ -384,14 +659,23 @@ class Attention(nn.Module):
             rotary = self._rotary_from_xt(rotary_pos_emb, x, context, kv)
         want_weights = return_attn or (return_intermediates and not self.flash)
         res = self._forward(x, context, mask=mask, causal=causal, rotary=rotary, bias=bias, kv=kv,
-                            past_kv=past_kv, return_attn=want_weights, pad=pad, value_residual=value_residual)
+                            past_kv=past_kv, return_attn=want_weights, pad=pad, value_residual=value_residual,
+                            kv_input=kv_input, hybrid=hybrid,
+                            added=self._check_added(additional_key_values, additional_key_value_mask, x),
+                            kv_residual=kv_input_residual, positions=positions, prev_attn=prev_attn)
         if _return_kv:
             return res if return_attn else res[:2]
         out, kv_out = res[:2]
-        weights = res[2] if want_weights else None
+        weights, logits = (res[2], res[3]) if want_weights else (None, None)
         if return_intermediates:
             cross = context is not None or kv is not None
-            return out, AttnIntermediate(post_softmax_attn=weights, layer_type="c" if cross else "a", cached_kv=kv_out)
+            values = None
+            if kv_out is not None and value_residual is None:  # the new positions' values (x-transformers' values)
+                v_all = kv_out[1]
+                new = v_all.shape[2] if kv is not None else (context if context is not None else x).shape[1]
+                values = v_all[:, :, v_all.shape[2] - new:]
+            return out, AttnIntermediate(post_softmax_attn=weights, layer_type="c" if cross else "a", cached_kv=kv_out,
+                                         pre_softmax_attn=logits, values=values)
         if return_attn:
             return out, weights
         return out
@@ -463,13 +747,17 @@ class Attention(nn.Module):
         return ang, ang
 
     def _forward(self, x, context, *, mask=None, causal=False, rotary=None, bias=None, kv=None, past_kv=None,
-                 return_attn=False, pad=None, value_residual=None):
+                 return_attn=False, pad=None, value_residual=None, kv_input=None, hybrid=None, positions=None,
+                 added=None, kv_residual=None, prev_attn=None):
         """The attention itself: ``(out, (k, v))`` (and the weights with ``return_attn``). ``pad (b, i)``:
         padding of ``x`` in self-attention when ``mask`` no longer shows it (an ``attn_mask`` was folded in)."""
         inputs_finite = isinstance(mask, SelectedMask)
         if inputs_finite:  # the stack selected its padded inputs to 0: nothing to select again here
             mask = mask.mask
         self._check_call(x, context, kv, past_kv)
+        if self.hybrid is not None and (context is not None or kv is not None or (past_kv is not None and hybrid is None)):
+            raise ValueError("hybrid_module runs beside self-attention, and continues its state through a layer "
+                             "stack's KV cache only (not cross-attention, not Attention(cache=...))")
         if self.orthog and (context is not None or kv is not None or past_kv is not None):
             raise ValueError("orthog_projected_values projects onto the values of the sequence itself: it runs in "
                              "self-attention without a KV cache (a cache would project the new positions alone, so "
@@ -477,6 +765,13 @@ class Attention(nn.Module):
         if self.to_forget_gates is not None and (context is not None or kv is not None or past_kv is not None):
             raise ValueError("data_dependent_alibi sums forget gates over the sequence itself: it runs in self-attention "
                              "without a KV cache; decode with cache_kv=False")
+        self._check_scoring_call(context, kv, past_kv, causal, rotary)
+        if added is not None and (self.orthog or self.to_forget_gates is not None):
+            raise ValueError("additional_key_values cannot be combined with orthog_projected_values or "
+                             "data_dependent_alibi (both are defined over the sequence's own keys)")
+        if kv_residual is not None and (kv is not None or kv_input is not None):
+            raise ValueError("kv_input_residual is added to the input of the keys/values: not with precomputed keys/"
+                             "values (kv, a cross-attention cache) or kv_input")
         b, i = x.shape[:2]
         source = x if context is None else context
         if kv is not None:
@@ -488,6 +783,10 @@ class Attention(nn.Module):
             self_pad = _self_padding(mask, b, i, j)
         if pad is not None:
             self_pad = pad if self_pad is None else self_pad & pad
+        if self.rel_proj_pos_bias is not None:  # from the queries' input, padded rows selected to 0 first
+            xs = x if self_pad is None else torch.where(self_pad[..., None], x, 0.0)
+            rp = self.rel_proj_pos_bias(xs, seq_len_k=j, positions=positions).to(x.dtype)  # (b, h, i, j)
+            bias = rp if bias is None else bias + rp
         if self.to_forget_gates is not None:  # the forget-gate bias over the real positions, added to any bias
             reach = None if bias is None else bias.to(x.dtype) != float("-inf")
             _, real = _alive(mask, causal, b, self.heads, i, j, x.device, reach)
@@ -496,6 +795,9 @@ class Attention(nn.Module):
             dd = self._forget_bias(x, real)  # (b, h, i, i)
             bias = dd if bias is None else bias + dd
         user_mask, j_user = mask, j
+        if added is not None:  # the added keys come before the sequence's own (after sink and memory keys)
+            mask, bias = _prepend_keys(mask, bias, added[2], b, self.heads, i, j, added[0].shape[2], x.device)
+            j = j + added[0].shape[2]
         ext = self.extra_keys
         sink_only = None  # (b|1, i): rows that see a real key; with the sink alone a row is dead (adds exactly 0)
         if self.head_attn_sink is not None and self.num_mem_kv == 0:
@@ -504,7 +806,7 @@ class Attention(nn.Module):
         if ext:  # the sink and memory keys come first; every query sees them (bottom-right causal keeps that)
             mask, bias = self._extend(mask, bias, b, i, j, x, sink_only)
             j = j + ext
-        if inputs_finite and self.to_out.bias is None and self_pad is None and not self.orthog:
+        if inputs_finite and self.to_out.bias is None and self_pad is None and not self.orthog and self.hybrid is None:
             rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
         else:
             reach = None
@@ -525,11 +827,15 @@ class Attention(nn.Module):
             k, v = kv
         else:
             new_keep = None if keys_ok is None else keys_ok[:, j - source.shape[1]:]
-            k, v = self.project_kv(source, new_keep)  # new keys
+            if kv_input is None:  # new keys (kv_input_residual: x-transformers' residual added to their input)
+                k, v = self.project_kv(source if kv_residual is None else source + kv_residual, new_keep)
+            else:  # qkv_receive_diff_residuals: keys and values of their own inputs
+                k, v = self.project_kv(self._check_kv_input(kv_input, x, context, kv)[0], new_keep)[0], \
+                    self.project_kv(kv_input[1], new_keep)[1]
             if value_residual is not None:
                 v = self._mix_values(v, value_residual, source, new_keep, context is None)
             if rotary is not None:
-                k = apply_rotary(k, rotary[1])
+                k = self._rotate(k, rotary[1])
             if self.orthog:  # the new values (b, i, h_kv, d), masked ones selected to 0
                 v_orthog = v.transpose(1, 2) if keys_ok is None else \
                     torch.where(keys_ok[:, j - i:, None, None], v.transpose(1, 2), 0.0)
@@ -537,7 +843,7 @@ class Attention(nn.Module):
                 k = torch.cat((past_kv[0], k), dim=2)
                 v = torch.cat((past_kv[1], v), dim=2)
         if rotary is not None:
-            q = apply_rotary(q, rotary[0])
+            q = self._rotate(q, rotary[0])
         if self_pad is not None:  # keys that only padded queries see are masked keys too: guard their gradients
             seen = as_attention_mask(user_mask, b, self.heads, i, j_user) & self_pad[:, None, :, None]  # (b, 1, i, j)
             if causal:
@@ -548,15 +854,22 @@ class Attention(nn.Module):
         if ext:  # a sample whose queries are all padding sends its memory keys no gradient (the kernel's
             # backward there is not trusted)
             k, v = self._prepend_extra(k, v, None if self_pad is None else self_pad.any(dim=1))
-        if return_attn or self.softclamp_value is not None:
-            out, weights = _explicit_attention(
+        if added is not None:
+            k, v = self._insert_added(k, v, added, ext)
+        logits = None
+        if return_attn or self.explicit or prev_attn is not None:
+            out, weights, *more = _explicit_attention(
                 q, k, v, mask=mask, causal=causal, bias=bias, softclamp=self.softclamp_value,
-                dropout_p=self.dropout if self.training else 0.0, sink=self.head_attn_sink,
+                dropout_p=self.dropout if self.training else 0.0, sink=self.head_attn_sink, scoring=self,
+                return_logits=return_attn, prev_attn=prev_attn,
             )
+            logits = more[0] if more else None
             if self.head_attn_sink is not None:
                 weights = weights[..., 1:]  # the sink's weight is not a key's
+                logits = None if logits is None else logits[..., 1:]
             if self_pad is not None:
                 weights = torch.where(self_pad[:, None, :, None], weights, 0.0)
+                logits = None if logits is None else torch.where(self_pad[:, None, :, None], logits, 0.0)
         else:
             weights = None
             out = None
@@ -567,15 +880,22 @@ class Attention(nn.Module):
         if out is None:
             backend = self.backend
             if backend in ("flash", "cudnn") and ((self.head_attn_sink is not None and torch.is_grad_enabled())
-                                                  or self.to_forget_gates is not None):
-                backend = "math"  # the sink's gradient and the forget-gate bias flow through the additive mask
+                                                  or self.to_forget_gates is not None or k.shape[-1] != v.shape[-1]
+                                                  or (bias is not None and bias.requires_grad)):
+                backend = "math"  # the sink's gradient and learned biases (forget gates, T5) flow through the mask;
+                # PoPE's keys (2 d features) differ from the values' d, which those kernels refuse
             selected = inputs_finite or (kv is None and past_kv is None and bias is None)
+            e, scale = v.shape[-1], None
+            if self.l2_distance:  # -|q - k|^2 * scale through the kernel (softmax alone: explicit otherwise)
+                q, k, v = _l2_kernel_inputs(q, k, v, keys_ok)
+                scale = self.dim_head**-0.5
             out = attend(
                 q, k, v, mask=SelectedMask(mask) if selected else mask, causal=causal, bias=bias,
-                dropout_p=self.dropout if self.training else 0.0, backend=backend,
-            )  # (b, h, i, d)
+                dropout_p=self.dropout if self.training else 0.0, backend=backend, scale=scale,
+            )[..., :e]  # (b, h, i, d)
         # padded queries: selected before to_out; dead rows: exactly 0 after it (a bias would move them)
-        zero_rows = rows_ok if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None) else None
+        zero_rows = rows_ok if rows_ok is not None and (self.to_out.bias is not None or self_pad is not None
+                                                        or self.hybrid is not None) else None
 
         values = None
         out = out.transpose(1, 2)  # (b, i, h, d)
@@ -583,9 +903,11 @@ class Attention(nn.Module):
             values = v_orthog
             if rows_ok is not None:
                 out = torch.where(rows_ok[:, :, None, None], out, 0.0)
+        if self.hybrid is not None:  # the hybrid module's output mixed in (dead rows: 0 after to_out all the same)
+            out = self.hybrid(out, x, hybrid, self_pad)
         out = self._output(out, x, self_pad, zero_rows, values)  # (b, i, c)
         if return_attn:
-            return out, kv_out, weights
+            return out, kv_out, weights, logits
         return out, kv_out
 
     def _forget_bias(self, x: Tensor, real: Tensor | None) -> Tensor:
@@ -602,6 +924,15 @@ class Attention(nn.Module):
             return (g[..., :, None] - g[..., None, :]).to(x.dtype)
         f, r = g.chunk(2, dim=1)
         return ((f[..., :, None] - f[..., None, :]).tril() + (r[..., None, :] - r[..., :, None]).triu()).to(x.dtype)
+
+    @staticmethod
+    def _check_kv_input(kv_input, x: Tensor, context, kv) -> tuple[Tensor, Tensor]:
+        if context is not None or kv is not None:
+            raise ValueError("kv_input (separate key and value inputs) is for self-attention only: pass no context")
+        if not (isinstance(kv_input, (tuple, list)) and len(kv_input) == 2
+                and all(isinstance(t, Tensor) and t.shape == x.shape for t in kv_input)):
+            raise ValueError(f"kv_input must be a pair (k_input, v_input) of tensors shaped like x {tuple(x.shape)}")
+        return kv_input
 
     def _mix_values(self, v: Tensor, residual: Tensor, source: Tensor, keep: Tensor | None, self_attn: bool) -> Tensor:
         """``lerp(residual, v, mix)`` for the new values ``v (b, h_kv, j, d)`` (x-transformers' value residual);
@@ -647,6 +978,49 @@ class Attention(nn.Module):
             bias = torch.cat((front, bias), dim=-1)
         return mask, bias
 
+    def _check_added(self, added, added_mask, x: Tensor):
+        """``additional_key_values`` checked: ``(k, v, mask or None)`` with masked keys/values selected to 0
+        (so nothing a masked slot holds reaches a product, forward or backward), or ``None``."""
+        if added is None:
+            if added_mask is not None:
+                raise ValueError("additional_key_value_mask was given without additional_key_values")
+            return None
+        if not (isinstance(added, (tuple, list)) and len(added) == 2
+                and all(isinstance(t, Tensor) and t.dim() == 4 for t in added)):
+            raise ValueError(f"additional_key_values must be a pair (k, v) of tensors (b, h_a, a, d), got "
+                             f"{type(added).__name__}")
+        k, v = added
+        b = x.shape[0]
+        if k.shape[0] != b or k.shape[3] != self.dim_head or v.shape != k.shape or k.shape[1] == 0 \
+                or self.heads % k.shape[1]:
+            raise ValueError(f"additional_key_values must be (k, v), each (b={b}, h_a, a, d={self.dim_head}) with h_a "
+                             f"dividing heads={self.heads}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        mixed_ok = torch.is_autocast_enabled(x.device.type)
+        for t, label in ((k, "keys"), (v, "values")):
+            if not t.is_floating_point() or (t.dtype != x.dtype and not mixed_ok) or t.device != x.device:
+                raise ValueError(f"additional_key_values {label} are {t.dtype} on {t.device}, expected {x.dtype} on "
+                                 f"{x.device} (those of x)")
+        if added_mask is not None:
+            validate_mask(added_mask, "additional_key_value_mask", shape=(b, k.shape[2]), device=x.device)
+            keep = added_mask[:, None, :, None]  # (b, 1, a, 1)
+            k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+        return k, v, added_mask
+
+    def _insert_added(self, k: Tensor, v: Tensor, added: tuple, at: int) -> tuple[Tensor, Tensor]:
+        """``[sink?, memory, added, keys]``: the added keys/values after the first ``at`` keys. With ``h_a`` heads
+        other than ``kv_heads`` both are expanded to the query heads: ours as grouped-query attention pairs them
+        (``m // g``), the added ones as x-transformers does (its query head ``n`` uses added head ``n % h_a``)."""
+        ak, av = added[0].to(k.dtype), added[1].to(v.dtype)
+        h_a = ak.shape[1]
+        if h_a != k.shape[1]:
+            g = self.heads // self.kv_heads
+            m = torch.arange(self.heads, device=k.device)
+            idx = ((m % g) * self.kv_heads + m // g) % h_a  # our query head m is x-transformers' head n
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            ak, av = ak.index_select(1, idx), av.index_select(1, idx)
+        return (torch.cat((k[:, :, :at], ak, k[:, :, at:]), dim=2),
+                torch.cat((v[:, :, :at], av, v[:, :, at:]), dim=2))
+
     def _prepend_extra(self, k: Tensor, v: Tensor, live: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``[sink?, memory, keys]``: the sink key and value are 0 (its logit comes from the bias).
         ``live (b,)``: samples with a live query; the others' memory keys get no gradient."""
@@ -690,12 +1064,107 @@ class Attention(nn.Module):
         k, v = kv
         want = (b, self.kv_heads, None, self.dim_head)
         for t, label in ((k, "keys"), (v, "values")):
-            if any(w is not None and w != s for w, s in zip(want, t.shape)):
-                raise ValueError(f"{name} {label} must have shape (b={b}, h_kv={self.kv_heads}, j, d={self.dim_head}), got {tuple(t.shape)}")
+            # PoPE keys (the stack's polar_pos_emb, which sets polar_keys) carry 2 d features
+            d = self.dim_head * (2 if label == "keys" and getattr(self, "polar_keys", False) else 1)
+            if any(w is not None and w != s for w, s in zip(want[:3] + (d,), t.shape)):
+                raise ValueError(f"{name} {label} must have shape (b={b}, h_kv={self.kv_heads}, j, d={d}), got {tuple(t.shape)}")
             if (t.dtype != x.dtype and not mixed_ok) or not t.is_floating_point() or t.device != x.device:
                 raise ValueError(f"{name} {label} are {t.dtype} on {t.device}, expected {x.dtype} on {x.device} (those of x)")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"{name} keys and values must have the same length, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+class CoPE(nn.Module):
+    """Contextual position encoding (x-transformers' ``CoPE``, arXiv 2405.18719): a query's position of key ``j``
+    is the sum of ``sigmoid(logit)`` over the visible keys from ``j`` on (clamped to ``max_pos - 1``), and its
+    logit gains ``q . pos_emb[p]`` interpolated between the integer positions around it. Masked keys count 0
+    (selected, never multiplied)."""
+
+    def __init__(self, dim_head: int, max_pos: int):
+        super().__init__()
+        self.max_pos = max_pos
+        self.pos_emb = nn.Parameter(torch.zeros(max_pos, dim_head))  # (P, d)
+
+    def forward(self, q: Tensor, logits: Tensor, allowed: Tensor) -> Tensor:
+        """``q (b, h, i, d)``, ``logits (b, h, i, j)`` (masked ones may be ``-inf``), ``allowed`` broadcastable
+        to the logits -> the positions' logits ``(b, h, i, j)``."""
+        gates = torch.where(allowed, torch.sigmoid(torch.where(allowed, logits, 0.0)), 0.0)
+        pos = gates.flip(-1).cumsum(dim=-1).flip(-1).clamp(max=self.max_pos - 1)  # (b, h, i, j)
+        logits_int = q @ self.pos_emb.to(q.dtype).t()  # (b, h, i, P)
+        floor = pos.floor()
+        w = pos - floor
+        lo = logits_int.gather(-1, floor.long())
+        hi = logits_int.gather(-1, pos.ceil().long())
+        return hi * w + lo * (1 - w)
+
+
+class RelativeProjPositionalBias(nn.Module):
+    """x-transformers' ``RelativeProjPositionalBias`` (the Inkling model's relative positions): per query and head
+    ``num_distance_basis`` weights ``Linear(x)`` mix learned distance curves ``distance_bank (D, max_dist)``; the
+    bias of query ``i`` and key ``j`` is the mixed curve at distance ``pos_i - pos_j``, and 0 outside
+    ``[0, max_dist)`` (keys after the query, or too far back).
+
+    ``forward(x, seq_len_k=None, positions=None)``: ``x (b, i, dim)`` the queries' input -> ``(b, h, i, j)``; the
+    queries are the last ``i`` of ``j = seq_len_k`` keys (default ``i``), at index positions, unless
+    ``positions = (q_pos (b|1, i), k_pos (b|1, j))`` gives them (the stack passes the real tokens' positions, so
+    padding between tokens adds no distance).
+    """
+
+    def __init__(self, dim: int, heads: int, num_distance_basis: int = 16, max_dist: int = 1024):
+        super().__init__()
+        for name, value in (("dim", dim), ("heads", heads), ("num_distance_basis", num_distance_basis),
+                            ("max_dist", max_dist)):
+            if not _positive_int(value):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.heads, self.num_distance_basis, self.max_dist = heads, num_distance_basis, max_dist
+        self.to_distance_weights = nn.Linear(dim, heads * num_distance_basis)
+        self.distance_bank = nn.Parameter(torch.randn(num_distance_basis, max_dist) * 0.02)
+
+    def forward(self, x: Tensor, seq_len_k: int | None = None, positions: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor (b, i, dim), got {getattr(x, 'shape', type(x))}")
+        b, i, device = x.shape[0], x.shape[1], x.device
+        if positions is None:
+            j = i if seq_len_k is None else int(seq_len_k)
+            if j < i:
+                raise ValueError(f"seq_len_k ({j}) must be at least the number of queries ({i})")
+            q_pos = (torch.arange(i, device=device) + (j - i))[None]
+            k_pos = torch.arange(j, device=device)[None]
+        else:
+            ok = isinstance(positions, (tuple, list)) and len(positions) == 2 and all(
+                isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] in (1, b) and not t.is_floating_point()
+                for t in positions)
+            if not ok or positions[0].shape[1] != i or (seq_len_k is not None and positions[1].shape[1] != seq_len_k):
+                raise ValueError(f"positions must be (q_pos (b|1, i={i}), k_pos (b|1, j)) integer tensors, got "
+                                 f"{[getattr(t, 'shape', type(t)) for t in positions] if isinstance(positions, (tuple, list)) else type(positions)}")
+            q_pos, k_pos = positions
+        dist = q_pos[:, :, None] - k_pos[:, None, :]  # (b|1, i, j)
+        valid = (dist >= 0) & (dist < self.max_dist)
+        w = self.to_distance_weights(x).unflatten(-1, (self.heads, self.num_distance_basis)).transpose(1, 2)
+        curves = w @ self.distance_bank.to(w.dtype)  # (b, h, i, max_dist)
+        idx = dist.clamp(0, self.max_dist - 1)[:, None].expand(b, self.heads, i, dist.shape[-1])
+        return torch.where(valid[:, None], curves.gather(-1, idx), 0.0)  # (b, h, i, j)
+
+
+def log_prob_from_hard_attend(intermediates) -> Tensor:
+    """x-transformers' ``log_prob_from_hard_attend``: for ``Attention(gumbel_softmax=True)``'s intermediates, the log
+    probability ``(b, h, i)`` of the key each query picked (the arg-max of ``post_softmax_attn``) under the softmax
+    of ``pre_softmax_attn`` (masked keys ``-inf``: probability 0). A row that attended to nothing (all weights 0:
+    a dead row, a padded query) gives 0."""
+    pre = getattr(intermediates, "pre_softmax_attn", None)
+    post = getattr(intermediates, "post_softmax_attn", None)
+    if not isinstance(pre, Tensor) or not isinstance(post, Tensor) or pre.shape != post.shape:
+        raise ValueError("log_prob_from_hard_attend needs intermediates with pre_softmax_attn and post_softmax_attn of "
+                         "one shape (return_intermediates=True from an Attention built without flash=True)")
+    if pre.shape[-1] == 0:  # no keys: nothing was picked
+        return pre.new_zeros(pre.shape[:-1])
+    picked = post.abs().argmax(dim=-1, keepdim=True)
+    log_prob = pre.log_softmax(dim=-1).gather(-1, picked).squeeze(-1)  # (b, h, i)
+    return torch.where((post != 0).any(dim=-1), log_prob, 0.0)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 class _LowRankLinear(nn.Module):
@@ -726,19 +1195,30 @@ def _gate_linear(dim_in: int, dim_out: int, rank: int | None, activation: nn.Mod
 
 def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = False, bias: Tensor | None = None,
                         softclamp: float | None = None, dropout_p: float = 0.0,
-                        sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                        sink: Tensor | None = None, scoring: Attention | None = None,
+                        return_logits: bool = False, prev_attn: Tensor | None = None) -> tuple[Tensor, ...]:
     """Attention written out in float32 (float64 for float64 inputs), returning its weights too.
 
-    For what no fused kernel does: the weights themselves (``return_attn``) and logit softclamping
-    (``tanh(logits / s) * s``, after the bias and before the mask, as x-transformers). Safe like ``attend``:
-    q at dead rows and k, v at masked keys are selected to 0 first (no ``0 * NaN``), masked logits are
-    selected to ``-inf``, a dead row's logits to 0, and the weights of masked keys and dead rows to
+    For what no fused kernel does: the weights themselves (``return_attn``), logit softclamping
+    (``tanh(logits / s) * s``, after the bias and before the mask, as x-transformers) and the scoring options of
+    ``scoring`` (an ``Attention``: ``l2_distance``, ``cog_signed``, ``use_cope``, ``sigmoid``, ``gumbel_softmax``,
+    ``inverted_attention``, ``laser``), in x-transformers' order: logits (``-|q - k|^2 * scale`` with
+    l2 distance), bias, softclamp, cog's sign taken off, masking, CoPE, sink, then softmax / sigmoid / gumbel
+    softmax over the keys (over the queries with inverted attention, then L1-normalised over the keys), cog's sign
+    put back, weights times values (``log(weights @ exp(softclamp(v)))`` with laser).
+
+    Safe like ``attend``: q at dead rows and k, v at masked keys are selected to 0 first (no ``0 * NaN``), masked
+    logits are selected to ``-inf``, a dead row's logits to 0, and the weights of masked keys and dead rows to
     exactly 0 afterwards, so a dead row outputs 0 with zero gradient.
 
     ``sink (h,)``: key 0 is a learned sink whose logit is ``sink[h]`` (not clamped).
 
+    ``prev_attn (b|1, h, i, j)``: x-transformers' residual attention, the logits of the layer before, added to the
+    scaled logits before the bias (its masked entries selected to 0 first: a ``-inf`` there reaches nothing).
+
     Returns:
-        ``out (b, h, i, e)`` in q's dtype and ``weights (b, h, i, j)`` in float32 (or float64).
+        ``out (b, h, i, e)`` in q's dtype and ``weights (b, h, i, j)`` in float32 (or float64); with
+        ``return_logits`` also the logits the weights came from (masked keys ``-inf``, dead rows 0).
     """
     b, h, i, d = q.shape
     hkv, j = k.shape[1], k.shape[2]
@@ -760,30 +1240,137 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
         k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
     if j == 0:
         w = q.new_zeros(b, h, i, 0, dtype=dtype) + (q.sum() + k.sum() + v.sum()) * 0
-        return w.new_zeros(b, h, i, v.shape[-1]).to(q.dtype) + w.sum() * 0, w
+        out = w.new_zeros(b, h, i, v.shape[-1]).to(q.dtype) + w.sum() * 0
+        return (out, w, w) if return_logits else (out, w)
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
-    row_ok = None
+    row_ok = col_ok = None
     if combined is not None:
         row_ok = combined.any(dim=-1, keepdim=True)  # (b|1, h|1, i, 1)
         key_ok = combined.any(dim=-2, keepdim=True).transpose(-1, -2)  # (b|1, h|1, j, 1)
+        col_ok = key_ok.transpose(-1, -2)  # (b|1, h|1, 1, j)
         qf = torch.where(row_ok, qf, 0.0)
         kf, vf = torch.where(key_ok, kf, 0.0), torch.where(key_ok, vf, 0.0)
-    logits = (qf @ kf.transpose(-1, -2)) * d**-0.5  # (b, h, i, j)
+    opt = scoring
+    scale = d**-0.5
+    if opt is not None and opt.l2_distance:  # -|q - k|^2 * scale (x-transformers' l2 distance attention)
+        sq = (qf * qf).sum(-1, keepdim=True) + (kf * kf).sum(-1)[..., None, :] - 2 * (qf @ kf.transpose(-1, -2))
+        logits = -sq.clamp_min(0.0) * scale  # (b, h, i, j)
+    else:
+        logits = (qf @ kf.transpose(-1, -2)) * scale  # (b, h, i, j)
+    if prev_attn is not None:  # residual attention: the previous layer's logits (masked there or here: 0)
+        if prev_attn.dim() != 4 or tuple(prev_attn.shape[-3:]) != (h, i, j):
+            raise ValueError(f"prev_attn (residual attention) must be the logits (b, h={h}, i={i}, j={j}) of the "
+                             f"attention before, got {tuple(prev_attn.shape)}")
+        prev = prev_attn.to(dtype)
+        logits = logits + (prev if combined is None else torch.where(combined, prev, 0.0))
     if bias is not None:  # the bias first, then the clamp (x-transformers' order); -inf is masked below
         logits = logits + torch.where(reach, bias, 0.0)
     if softclamp is not None:
         logits = torch.tanh(logits / softclamp) * softclamp
-    if sink is not None:  # key 0 is the sink: its logit is the learned one, never clamped (x-transformers)
-        logits = torch.cat((sink.to(dtype)[None, :, None, None].expand(b, h, i, 1), logits[..., 1:]), dim=-1)
+    sign = None
+    if opt is not None and opt.cog_signed:  # cog attention: softmax of |logits|, weights signed back
+        sign, logits = logits.sign(), logits.abs()
     if combined is not None:
         logits = torch.where(combined, logits, float("-inf"))
-        logits = torch.where(row_ok, logits, 0.0)  # a dead row: finite logits, weights selected to 0 below
-    weights = logits.softmax(dim=-1)
-    if combined is not None:
-        weights = torch.where(combined & row_ok, weights, 0.0)
+    if opt is not None and opt.cope is not None:  # contextual positions from the gates of the visible keys
+        allowed = combined if combined is not None else torch.ones(1, 1, 1, j, dtype=torch.bool, device=q.device)
+        if sink is not None:  # the sink is no key of the sequence (x-transformers adds it after CoPE)
+            allowed = allowed & (torch.arange(j, device=q.device) > 0)
+        pos_logits = opt.cope(qf, logits, allowed)
+        logits = logits + pos_logits if combined is None else torch.where(combined, logits + pos_logits, float("-inf"))
+    if sink is not None:  # key 0 is the sink: its logit is the learned one, never clamped (x-transformers)
+        s = sink.to(dtype)[None, :, None, None].expand(b, h, i, 1)
+        if sign is not None:
+            sign = torch.cat((s.sign(), sign[..., 1:].expand(b, h, i, j - 1)), dim=-1)
+            s = s.abs()
+        logits = torch.cat((s, logits[..., 1:].expand(b, h, i, j - 1)), dim=-1)
+    inverted = opt is not None and opt.inverted
+    dim = -2 if inverted else -1
+    ok = None if combined is None else (col_ok if inverted else row_ok)  # the softmax's live lines
+    if ok is not None:
+        logits = torch.where(ok, logits, 0.0)  # a dead line: finite logits, weights selected to 0 below
+    live = None if combined is None else combined & row_ok
+    score = "softmax" if opt is None else opt.score
+    if score == "sigmoid":
+        weights = torch.sigmoid(logits)
+    elif score == "gumbel":
+        weights = _gumbel_softmax(logits, combined, dim, opt.gumbel_temp, opt.gumbel_hard)
+    else:
+        weights = logits.softmax(dim=dim)
+    if live is not None:
+        weights = torch.where(live, weights, 0.0)
+    if inverted:  # normalised over the queries first: now L1 over each query's keys (x-transformers' l1norm)
+        weights = weights / weights.abs().sum(-1, keepdim=True).clamp_min(1e-8)
+    if sign is not None:
+        weights = weights * sign
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
-    return (weights @ vf).to(q.dtype), weights
+    if opt is not None and opt.laser_value is not None:  # laser: log(weights @ exp(softclamp(v)))
+        t = opt.laser_value
+        ev = torch.exp(torch.tanh(vf / t) * t)
+        if sink is not None:  # the sink holds no value: its weight adds nothing (x-transformers drops it before @ v)
+            ev = torch.cat((torch.zeros_like(ev[..., :1, :]), ev[..., 1:, :]), dim=-2)
+        wv = weights @ ev
+        alive = torch.ones_like(wv[..., :1], dtype=torch.bool) if row_ok is None else row_ok.expand_as(wv[..., :1])
+        out = torch.where(alive, torch.log(torch.where(alive, wv, 1.0).clamp_min(torch.finfo(dtype).tiny)), 0.0)
+    else:
+        out = weights @ vf
+    if return_logits:
+        if live is not None:
+            logits = torch.where(combined, logits, float("-inf"))
+            logits = torch.where(row_ok, logits, 0.0)
+        return out.to(q.dtype), weights, logits
+    return out.to(q.dtype), weights
+
+
+def _l2_kernel_inputs(q: Tensor, k: Tensor, v: Tensor, keys_ok: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """l2-distance attention as a dot product for the fused kernels: ``[2q, 1] . [k, -|k|^2] = -|q - k|^2 + |q|^2``,
+    the row's constant ``|q|^2`` cancelling in the softmax. q, k and v are zero-padded to one head dim, a multiple of
+    8 (what the fused kernels take); the caller keeps the first ``d`` output features. ``keys_ok (b|1, j)``: masked
+    keys selected to 0 before ``|k|^2`` (else a NaN held there would reach its gradient as ``0 * NaN``)."""
+    d = q.shape[-1]
+    width = -(-(d + 1) // 8) * 8
+    if keys_ok is not None and keys_ok.shape[-1] == k.shape[2]:
+        k = torch.where(keys_ok[:, None, :, None], k, 0.0)
+    kf = k.to(torch.promote_types(k.dtype, torch.float32))
+    norm = (kf * kf).sum(-1, keepdim=True).to(k.dtype)  # (b, h_kv, j, 1), summed in float32 at least
+    q2 = F.pad(torch.cat((2 * q, torch.ones_like(q[..., :1])), dim=-1), (0, width - d - 1))
+    k2 = F.pad(torch.cat((k, -norm), dim=-1), (0, width - d - 1))
+    return q2, k2, F.pad(v, (0, width - v.shape[-1]))
+
+
+def _gumbel_softmax(logits: Tensor, allowed: Tensor | None, dim: int, temp: float, hard: bool) -> Tensor:
+    """``F.gumbel_softmax`` over ``dim`` with the noise added at allowed entries only (a masked ``-inf`` logit stays
+    ``-inf``: the noise is finite, ``-log(-log(u))`` with ``u`` kept inside (0, 1)); ``hard``: the one-hot of the
+    sample, with the soft weights' gradient (straight-through)."""
+    tiny = torch.finfo(logits.dtype).tiny
+    u = torch.rand_like(logits).clamp(tiny, 1.0 - torch.finfo(logits.dtype).eps)
+    noise = -torch.log(-torch.log(u))
+    noisy = logits + noise if allowed is None else torch.where(allowed, logits + noise, logits)
+    soft = (noisy / temp).softmax(dim=dim)
+    if not hard:
+        return soft
+    one_hot = torch.zeros_like(soft).scatter_(dim, soft.argmax(dim=dim, keepdim=True), 1.0)
+    return one_hot - soft.detach() + soft
+
+
+def _prepend_keys(mask, bias, added_mask: Tensor | None, b: int, h: int, i: int, j: int, a: int, device):
+    """The mask and bias over ``[a added keys, j keys]``: ``added_mask (b, a)`` in front (``None``: all real),
+    bias 0 there (every query sees the added keys, whatever the positions)."""
+    if isinstance(mask, PreparedMask):
+        mask = mask.combined
+    if mask is not None or added_mask is not None:
+        m = torch.ones(1, 1, 1, j, dtype=torch.bool, device=device) if mask is None else as_attention_mask(mask, b, h, i, j)
+        m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+        front = torch.ones(1, 1, 1, a, dtype=torch.bool, device=device) if added_mask is None \
+            else added_mask[:, None, None, :]
+        lead = torch.broadcast_shapes(m.shape[:-1], front.shape[:-1])
+        mask = torch.cat((front.expand(*lead, a), m.expand(*lead, j)), dim=-1)  # (b|1, h|1, i|1, a + j)
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = bias.expand(*bias.shape[:-1], j)
+        bias = torch.cat((bias.new_zeros(*bias.shape[:-1], a), bias), dim=-1)
+    return mask, bias
 
 
 def _self_padding(mask: Tensor, b: int, i: int, j: int) -> Tensor | None:

@@ -34,8 +34,13 @@ class KVCache:
         condition: ``(b, K)`` the adaptive-norm condition in use (nulls in place of dropped ones);
             ``condition_input`` / ``condition_mask``: what the user passed (references), which a later
             call may pass again (the same tensors), like ``context``.
+        hybrid: per self-attention with ``attn_hybrid_module``, the module's recurrent state after the cached
+            positions: a tuple of batch-first tensors ``(b, ...)``, or a string saying why it cannot continue.
         lead: ``(b,)`` real rows before the tokens (memory, class and prefix rows), set by the wrappers:
             the tokens' absolute positions start after them. ``lead_slots``: those rows' slots.
+        looped_prompt_kv: a ``looped`` wrapper's prompt keys/values per loop step (per step, per self-attention
+            block, ``(k, v)`` covering the first slots): at loop step i the cached prompt slots are read from
+            entry i. ``exit_indices``: ``(b, t)`` the loop step each decoded call exited at, per sample.
 
     A cache is input like any other: whatever its masked slots hold (positions where ``mask`` or
     ``context_mask`` is False) reaches no output and no gradient.
@@ -53,6 +58,9 @@ class KVCache:
     condition_mask: Tensor | None = None
     lead: Tensor | None = None
     lead_slots: int = 0
+    hybrid: list | None = None
+    looped_prompt_kv: list | None = None
+    exit_indices: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -104,6 +112,18 @@ class KVCache:
             if k.shape[0] != b or k.shape[2] != p or v.shape[:3] != k.shape[:3] or _dtype_differs(k, x):
                 raise ValueError(f"cache.self_kv holds keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)}, "
                                  f"expected (b={b}, h_kv, p={p}, d) in {x.dtype}")
+        if cache.exit_indices is not None and (not integer(cache.exit_indices) or cache.exit_indices.dim() != 2
+                                               or cache.exit_indices.shape[0] != b):
+            raise ValueError(f"cache.exit_indices must be integer loop steps of shape (b={b}, t)")
+        for step in cache.looped_prompt_kv or ():
+            if len(step) != n_self or any(k.shape[0] != b or k.shape[2] > p or v.shape[:3] != k.shape[:3]
+                                          or k.shape[1] != kk.shape[1] or k.shape[3] != kk.shape[3]
+                                          for (k, v), (kk, _) in zip(step, cache.self_kv)):
+                raise ValueError(f"cache.looped_prompt_kv must hold, per loop step, one (k, v) per self-attention "
+                                 f"block shaped like cache.self_kv (b={b}, at most p={p} slots)")
+        for state in cache.hybrid or ():
+            if isinstance(state, tuple) and any(not isinstance(t, Tensor) or t.shape[0] != b for t in state):
+                raise ValueError(f"cache.hybrid holds a state that is not batch-first for b={b}")
         if cache.cross_kv is not None:
             for k, v in cache.cross_kv:
                 if k.shape[0] != b or v.shape[:3] != k.shape[:3] or _dtype_differs(k, x):
@@ -126,7 +146,11 @@ class KVCache:
             mask=sel(self.mask), context_mask=sel(self.context_mask), count=sel(self.count),
             positions=self.positions if self.positions.shape[0] == 1 else sel(self.positions),
             context=sel(self.context), condition=sel(self.condition), condition_input=sel(self.condition_input),
-            condition_mask=sel(self.condition_mask), lead=sel(self.lead),
+            condition_mask=sel(self.condition_mask), lead=sel(self.lead), exit_indices=sel(self.exit_indices),
+            looped_prompt_kv=None if self.looped_prompt_kv is None else [[(sel(k), sel(v)) for k, v in step]
+                                                                         for step in self.looped_prompt_kv],
+            hybrid=None if self.hybrid is None else [s if isinstance(s, str) or s is None else tuple(sel(t) for t in s)
+                                                     for s in self.hybrid],
         )
 
 
@@ -141,11 +165,21 @@ class AttnIntermediate:
         layer_type: ``"a"`` (self-attention) or ``"c"`` (cross-attention).
         cached_kv: from ``Attention(..., return_intermediates=True)``: the keys and values ``(b, h_kv, j, d)``
             it used (rotated, memory keys left out), which ``Attention(..., cache=this)`` continues from.
+        pre_softmax_attn: ``(b, h, i, j)`` float32 logits the weights came from (bias, softclamp and the scoring
+            options included; x-transformers' name, what ``qk_clip_`` reads): masked keys ``-inf``, rows of padded
+            queries and dead rows 0. ``None`` where the weights are.
+        values: from ``Attention(..., return_intermediates=True)``: the values ``(b, h_kv, j_new, d)`` of the new
+            positions (a masked position's input is selected to 0 before its projection), what x-transformers' value
+            residual passes on as ``value_residual=``
+            to later blocks; ``None`` when this block mixed a ``value_residual`` in itself (x-transformers would
+            store its own values before the mix: pass the first block's values on, as its stack does).
     """
 
     post_softmax_attn: Tensor | None
     layer_type: str
     cached_kv: tuple[Tensor, Tensor] | None = None
+    pre_softmax_attn: Tensor | None = None
+    values: Tensor | None = None
 
 
 @dataclass
@@ -158,6 +192,27 @@ class LayerIntermediates:
         attn_intermediates: one ``AttnIntermediate`` per attention block that ran, in order.
         cache: the ``KVCache`` when ``return_cache`` was asked too.
         memory_tokens: the memory tokens' outputs ``(b, M, c)`` (set by the wrapper).
+        layer_hiddens: x-transformers' count: the input of every block run (attention, feed-forward), then the
+            stream before the final norm (padded positions 0).
+
+    Set by the wrappers (x-transformers' fields, ``None`` unless the option or keyword that fills them is used):
+
+    Attributes:
+        attn_pooled_tokens: ``attn_pool``'s pooled tokens ``(b, P, d_pool)``.
+        logits: an encoder with ``attn_pool`` returns its pooled tokens; its logits go here.
+        logit_entropies: ``forward(return_logit_entropies=True)``: the entropy of each position's softmax
+            ``(b, n)`` (padded positions 0).
+        attn_z_loss: ``forward(return_attn_z_loss=True)``: the scalar z-loss over the attention logits.
+        initial_embeds: the embeddings entering the stack ``(b, n, c)`` (padded rows 0).
+        last_layer_hiddens: the stack's output for the prefix and token rows ``(b, m + n, c)`` (memory and class rows
+            cut; padded rows 0), before any pooling or head.
+        exit_logits: a ``looped`` model's exit-gate logits ``(b, n, 1)``, one per loop step that computed them.
+        all_pred_logits: a ``looped`` model's logits ``(b, n, v)`` after each loop step (when asked for).
+        exit_indices: a ``looped`` model's last loop step per sample, ``(b, t)`` (one column per call, carried by
+            the cache across decoding calls).
+        looped_prompt_kv_cache: a ``looped`` model's prompt keys/values of every loop step (from a
+            ``looped_inference`` call on a prompt), in safeformer's form: per step, per self-attention block,
+            ``(k, v)`` ``(b, h_kv, p, d)``.
     """
 
     hiddens: list[Tensor] = field(default_factory=list)
@@ -165,6 +220,17 @@ class LayerIntermediates:
     attn_intermediates: list[AttnIntermediate] = field(default_factory=list)
     cache: KVCache | None = None
     memory_tokens: Tensor | None = None
+    layer_hiddens: list[Tensor] = field(default_factory=list)
+    attn_pooled_tokens: Tensor | None = None
+    logits: Tensor | None = None
+    logit_entropies: Tensor | None = None
+    attn_z_loss: Tensor | None = None
+    initial_embeds: Tensor | None = None
+    last_layer_hiddens: Tensor | None = None
+    exit_logits: list[Tensor] | None = None
+    all_pred_logits: list[Tensor] | None = None
+    exit_indices: Tensor | None = None
+    looped_prompt_kv_cache: tuple | None = None
 
     @property
     def cache_length(self) -> int:
@@ -180,6 +246,59 @@ class LayerIntermediates:
 def _dtype_differs(t: Tensor, x: Tensor) -> bool:
     """``t`` cannot meet ``x`` in one matmul: dtypes differ outside autocast (which mixes them itself)."""
     return t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)
+
+
+def attach_cached_kv(intermediates: LayerIntermediates) -> None:
+    """x-transformers' intermediates carry each attention block's keys and values (``cached_kv``): here the
+    ``KVCache``'s own tuples, so that code written for x-transformers can read them, and edit them (see
+    ``_edited_cache``)."""
+    cache = intermediates.cache
+    if not isinstance(cache, KVCache):
+        return
+    self_kv, cross_kv = iter(cache.self_kv), iter(cache.cross_kv or ())
+    for inter in intermediates.attn_intermediates:
+        inter.cached_kv = next(self_kv if inter.layer_type == "a" else cross_kv, None)
+
+
+def _edited_cache(intermediates: LayerIntermediates, kv: KVCache) -> KVCache:
+    """The ``KVCache`` of ``intermediates``, rebuilt from its blocks' ``cached_kv`` where code written for
+    x-transformers replaced them (e.g. regrouping the batch, or keeping the first ``p`` positions). Only a cache
+    with nothing per sample besides the keys and values can be rebuilt so (no padding, no context padding,
+    positions ``0..p-1``, no condition, no leading rows, no recurrent state): otherwise the edit is refused,
+    never ignored."""
+    attn = intermediates.attn_intermediates or []
+    selfs = [a.cached_kv for a in attn if a.layer_type == "a"]
+    crosses = [a.cached_kv for a in attn if a.layer_type == "c"]
+    own_cross = list(kv.cross_kv or ())
+    if len(selfs) != len(kv.self_kv) or (crosses and len(crosses) != len(own_cross)):
+        return kv  # intermediates of another shape (their cached_kv were never attached): the cache as it is
+    same = all(e is not None and e[0] is o[0] and e[1] is o[1] for e, o in zip(selfs + crosses, kv.self_kv + own_cross))
+    if same:
+        return kv
+    if any(e is None or len(e) != 2 or not all(isinstance(t, Tensor) and t.dim() == 4 for t in e)
+           for e in selfs + crosses):
+        raise ValueError("cache: every attn_intermediates[i].cached_kv must be a pair of (b, h_kv, p, d) tensors")
+    p_expected = torch.arange(kv.length, device=kv.positions.device)
+    plain = (kv.mask is None and kv.context_mask is None and kv.condition is None and kv.lead_slots == 0
+             and (kv.lead is None or not bool(kv.lead.any())) and kv.hybrid is None and kv.looped_prompt_kv is None
+             and bool((kv.positions == p_expected).all()))
+    if not plain:
+        raise ValueError("cache: its cached_kv were edited, but the cache holds padding, a padded context, a "
+                         "condition, leading rows or a recurrent state that the edit does not say how to change; "
+                         "edit the KVCache (intermediates.cache) instead")
+    b, _, p, _ = selfs[0][0].shape if selfs else crosses[0][0].shape
+    for k, v in selfs:
+        if k.shape[0] != b or v.shape[0] != b or k.shape[2] != p or v.shape[2] != p:
+            raise ValueError(f"cache: edited self-attention cached_kv disagree in batch or length ({tuple(k.shape)} "
+                             f"and {tuple(v.shape)}, expected batch {b} and length {p})")
+    for k, v in crosses:
+        if k.shape[0] != b or v.shape[0] != b or k.shape[2] != v.shape[2]:
+            raise ValueError(f"cache: edited cross-attention cached_kv must have batch {b} and one context length")
+    device = kv.count.device
+    return KVCache(self_kv=[tuple(e) for e in selfs], cross_kv=[tuple(e) for e in crosses] if crosses else kv.cross_kv,
+                   mask=None, context_mask=None, count=torch.full((b,), p, dtype=kv.count.dtype, device=device),
+                   positions=torch.arange(p, device=device)[None], context=None,
+                   lead=None if kv.lead is None else kv.lead.new_zeros(b))
 
 
 def resolve_cache(cache, n: int, cache_age: int, lead_slots: bool = False) -> tuple[KVCache | None, int | None]:
@@ -207,7 +326,7 @@ def resolve_cache(cache, n: int, cache_age: int, lead_slots: bool = False) -> tu
     if isinstance(cache_age, bool) or not isinstance(cache_age, int) or not 1 <= cache_age <= n:
         raise ValueError(f"cache_age must be an integer in [1, n={n}] (the new positions at the end of the input), "
                          f"got {cache_age!r}")
-    kv = cache.cache
+    kv = _edited_cache(cache, cache.cache)
     cached = kv.length - (kv.lead_slots if lead_slots else 0)
     if n not in (cache_age, cached + cache_age):
         raise ValueError(f"with a LayerIntermediates cache of {cached} positions the input must hold the new "

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import LayerIntermediates
@@ -35,7 +36,7 @@ from .conditions import (
     guided_logits,
 )
 from .decode import GuidedForward, autoregress
-from .losses import next_token_loss
+from .losses import next_token_loss, safe_cross_entropy
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
@@ -273,6 +274,8 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
     """Every check of a generation's arguments. Returns ``(conds, negatives, schedule, nulls, window)``."""
     if not isinstance(net, TransformerWrapper):
         raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
+    if getattr(net, "num_output_heads", 1) > 1:
+        raise ValueError("net has num_output_heads > 1 (a tuple of logits): generation samples from one head")
     if not isinstance(prompts, Tensor) or prompts.dim() != 2:
         raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
     if prompts.dtype.is_floating_point or prompts.dtype == torch.bool or prompts.is_complex():
@@ -445,7 +448,7 @@ def generate_tokens(
 def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, *, mask, temperature,
               filter_logits_fn, filter_kwargs, eos_token, cache_kv, cond_scale, guidance_rescale, pad_value,
               guidance_interval, guidance_space, restrict_to_max_seq_len, two_pass=False, static_cache=True,
-              compile=False, eos_check_every=16) -> Tensor:
+              compile=False, eos_check_every=16, call=None) -> Tensor:
     """``generate_tokens`` on conditions already gathered into ``Conditions`` (checked here, once)."""
     conds, negatives, schedule, nulls, window = _prepare(
         net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
@@ -468,7 +471,7 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
     net.eval()
     try:
         errors = torch.zeros((), dtype=torch.bool, device=device)  # NaN/+inf logits, read at the checks only
-        engine = GuidedForward(net, b, conds, negatives, schedule,
+        engine = GuidedForward(net if call is None else call, b, conds, negatives, schedule,
                                guided_logits_combine(schedule, guidance_rescale, guidance_space, errors, compile=compile),
                                need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
                                window=window, two_pass=two_pass, static=static_cache or compile, compile=compile)
@@ -500,6 +503,29 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
     finally:
         net.train(was_training)
     return out
+
+
+class _NetCall:
+    """The net with fixed forward keywords (a looped net's settings) for the decode engine, keeping the last KV cache
+    it returned (``generate(return_intermediates=True)``). Not a ``TransformerWrapper``: the engine decodes it on the
+    dynamic cache, calling the net's forward."""
+
+    def __init__(self, net: TransformerWrapper, kwargs: dict):
+        self.net, self.kwargs, self.cache = net, kwargs, None
+
+    def __call__(self, *args, **kwargs):
+        out = self.net(*args, **kwargs, **self.kwargs)
+        if kwargs.get("return_cache"):
+            self.cache = out[1]
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.net, name)
+
+    def intermediates(self) -> LayerIntermediates:
+        kv = self.cache
+        return LayerIntermediates(cache=kv, exit_indices=None if kv is None else kv.exit_indices,
+                                  looped_prompt_kv_cache=None if kv is None else kv.looped_prompt_kv)
 
 
 def _gumbel_like(t: Tensor) -> Tensor:
@@ -723,6 +749,13 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             each call. A query left without a key (possible with left padding) is a dead row: exactly 0.
         next_embed_loss_weight: with a net built with ``add_continuous_pred_head=True``, the weight of its
             continuous next-embedding loss in ``forward`` (x-transformers' option and default, 0.1).
+        looped_loss_threshold_exit, looped_loss_slope, looped_exit_loss_weight: with a ``looped`` net, x-transformers'
+            loss: each loop step's cross-entropy weighted by the probability (from the exit gate, detached) of
+            exiting at that step, plus the exit gate's binary cross-entropy toward ``sigmoid(slope * (loss change of
+            the next step + threshold))`` (exit once another step gains less than ``threshold``), times
+            ``looped_exit_loss_weight``. Counted targets only; none counted gives 0.
+        add_attn_z_loss: add the net's ``attn_z_loss`` (``TransformerWrapper.forward(return_attn_z_loss=True)``, weight
+            the net's ``attn_z_loss_weight``) to the loss (x-transformers' option); runs the explicit attention path.
 
     Example:
         >>> model = AutoregressiveWrapper(TransformerWrapper(num_tokens=256, max_seq_len=128,
@@ -745,8 +778,16 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         null_context: str = "empty",
         mask_prob: float = 0.0,
         next_embed_loss_weight: float = 0.1,
+        looped_loss_threshold_exit: float = 0.05,
+        looped_loss_slope: float = 50.0,
+        looped_exit_loss_weight: float = 1.0,
+        add_attn_z_loss: bool = False,
     ):
         super().__init__()
+        for name, v in (("looped_loss_threshold_exit", looped_loss_threshold_exit), ("looped_loss_slope", looped_loss_slope),
+                        ("looped_exit_loss_weight", looped_exit_loss_weight)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
         if not isinstance(net, TransformerWrapper):
             raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
         if isinstance(mask_prob, bool) or not (isinstance(mask_prob, (int, float)) and 0.0 <= mask_prob < 1.0):
@@ -779,6 +820,15 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         self.null_context = null_context
         self.mask_prob = float(mask_prob)
         self.next_embed_loss_weight = float(next_embed_loss_weight)
+        self.looped_loss_threshold_exit = float(looped_loss_threshold_exit)
+        self.looped_loss_slope = float(looped_loss_slope)
+        self.looped_exit_loss_weight = float(looped_exit_loss_weight)
+        if not isinstance(add_attn_z_loss, bool):
+            raise TypeError(f"add_attn_z_loss must be True or False, got {add_attn_z_loss!r}")
+        if getattr(net, "num_output_heads", 1) > 1:
+            raise ValueError("net has num_output_heads > 1 (a tuple of logits): next-token training and generation "
+                             "need one head")
+        self.add_attn_z_loss = add_attn_z_loss
         self.max_seq_len = net.max_seq_len
         if null_context == "learned":
             self.null_token = nn.Parameter(torch.randn(1, layers.dim_context) * 0.02)  # (1, c_ctx)
@@ -831,9 +881,56 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             if self.null_token is not None and context is not None:
                 nulls["context"] = (self.null_token[None].expand(x.shape[0], -1, -1), None)
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, nulls=nulls)
-        return next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, mask_prob=self.mask_prob,
-                               return_outputs=return_outputs, next_embed_weight=self.next_embed_loss_weight,
-                               **conds.kwargs())
+        kwargs = conds.kwargs()
+        if self.add_attn_z_loss:
+            kwargs["return_attn_z_loss"] = True
+        if getattr(self.net, "looped", False):
+            res = self._looped_loss(x, mask, return_outputs or self.add_attn_z_loss, kwargs)
+            loss, outs = res if isinstance(res, tuple) else (res, None)
+        else:  # the intermediates (the explicit attention path) only when asked for, or for the z-loss
+            res = next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, mask_prob=self.mask_prob,
+                                  return_outputs=return_outputs or self.add_attn_z_loss,
+                                  next_embed_weight=self.next_embed_loss_weight, **kwargs)
+            loss, outs = res if isinstance(res, tuple) else (res, None)
+        if self.add_attn_z_loss:
+            loss = loss + outs[1].attn_z_loss
+        return (loss, outs) if return_outputs else loss
+
+    def _looped_loss(self, x: Tensor, mask: Tensor | None, return_outputs: bool, kwargs: dict):
+        """x-transformers' looped loss (see ``looped_loss_threshold_exit``) over the net's ``all_pred_logits`` and
+        ``exit_logits``; uncounted targets are selected away before any arithmetic."""
+        if getattr(self.net, "add_continuous_pred_head", False):
+            raise ValueError("a looped net with add_continuous_pred_head: the looped loss does not take the continuous "
+                             "loss (train one or the other)")
+        found: dict = {}  # the runs' logits and exit logits, without the intermediates (the explicit path)
+        res = next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, mask_prob=self.mask_prob,
+                              return_outputs=return_outputs, looped_pred_all_logits=True, _loop_out=found, **kwargs)
+        logits, inter = res[1] if return_outputs else (None, None)
+        real = x != self.ignore_index
+        if mask is not None:
+            real = real & mask
+        counted = real[:, 1:] & real[:, :-1]  # (b, n - 1), as next_token_loss counts them
+        target = torch.where(counted, x[:, 1:], self.ignore_index)
+        k = counted.shape[1]
+        preds = torch.stack([t[:, :k] for t in found["all_pred_logits"]], dim=1)  # (b, L, n - 1, v)
+        exits = torch.stack([t[:, :k, 0] for t in found["exit_logits"]], dim=1).float()  # (b, L, n - 1)
+        steps = preds.shape[1]
+        targets = target[:, None].expand(-1, steps, -1)
+        losses = safe_cross_entropy(preds, targets, ignore_index=self.ignore_index, reduction="none")  # (b, L, n - 1)
+        sel = counted[:, None].expand(-1, steps, -1)
+        exits = torch.where(sel, exits, 0.0)
+        with torch.no_grad():
+            change = losses[:, 1:] - losses[:, :-1]
+            exit_target = torch.sigmoid(self.looped_loss_slope * (change + self.looped_loss_threshold_exit))
+            cont = F.logsigmoid(-exits)
+            cum_continue = torch.cat((torch.zeros_like(cont[:, :1]), cont[:, :-1]), dim=1).cumsum(dim=1)
+            step_exit = torch.cat((F.logsigmoid(exits[:, :-1]), torch.zeros_like(exits[:, :1])), dim=1)  # last: exit
+            exit_probs = (step_exit + cum_continue).exp()
+        exit_loss = F.binary_cross_entropy_with_logits(exits[:, :-1], exit_target, reduction="none")
+        exit_loss = torch.where(sel[:, 1:], exit_loss, 0.0).sum() / sel[:, 1:].sum().clamp(min=1)
+        loss = torch.where(sel, losses * exit_probs, 0.0).sum() / sel.sum().clamp(min=1)
+        loss = loss + exit_loss * self.looped_exit_loss_weight
+        return (loss, (logits, inter)) if return_outputs else loss
 
     def _negatives(self, prompts: Tensor, negatives: Conditions) -> tuple[Conditions, Tensor | None]:
         """The unconditional branch's conditions (the negative ones, else the learned null token for the
@@ -916,8 +1013,12 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         static_cache: bool = True,
         compile: bool = False,
         eos_check_every: int = 16,
+        looped_steps: int | None = None,
+        max_looped_steps: int | None = None,
+        looped_exit_prob_threshold: float = 0.9,
+        return_intermediates: bool = False,
         **conditions,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, LayerIntermediates]:
         """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
 
         Args:
@@ -958,9 +1059,16 @@ class AutoregressiveWrapper(Configurable, nn.Module):
                 to the host (default, where it applies; same tokens as ``False``, the dynamic cache).
             compile: compile that step (``torch.compile(fullgraph=True)``); see ``generate_tokens``.
             eos_check_every: with ``eos_token``, how often (in steps) the host looks whether all finished.
+            looped_steps, max_looped_steps, looped_exit_prob_threshold: a ``looped`` net decodes with
+                ``looped_inference`` (x-transformers' way): a fixed number of loop steps per token, or up to
+                ``max_looped_steps`` with early exit per sample (see ``TransformerWrapper.forward``); the dynamic KV
+                cache (no static step).
+            return_intermediates: also return a ``LayerIntermediates`` with the last KV cache (``cache``; all guidance
+                branches' rows) and, for a looped net, ``exit_indices (b, t)`` and ``looped_prompt_kv_cache``
+                (x-transformers' return). Decodes on the dynamic cache.
 
         Returns:
-            ``(b, seq_len)`` new token ids.
+            ``(b, seq_len)`` new token ids (and the intermediates with ``return_intermediates``).
 
         Raises:
             ValueError: a bad shape, mask, length or option, named; generation past ``max_seq_len``
@@ -973,19 +1081,31 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         """
         conditions = condition_kwargs("AutoregressiveWrapper.generate", conditions, negatives=True)
         kw = {**locals(), **conditions}
+        if not isinstance(return_intermediates, bool):
+            raise TypeError(f"return_intermediates must be True or False, got {return_intermediates!r}")
+        net_kwargs = {}
+        if getattr(self.net, "looped", False):
+            net_kwargs = dict(looped_inference=True, looped_steps=looped_steps, max_looped_steps=max_looped_steps,
+                              looped_exit_prob_threshold=looped_exit_prob_threshold)
+            self.net._loop_settings(looped_steps, max_looped_steps, None, True, looped_exit_prob_threshold)  # checks
+        elif looped_steps is not None or max_looped_steps is not None or looped_exit_prob_threshold != 0.9:
+            raise ValueError("looped_steps, max_looped_steps and looped_exit_prob_threshold are for a net built with "
+                             "looped=True")
+        call = _NetCall(self.net, net_kwargs) if net_kwargs or return_intermediates else None
         prompts, mask = self._batch(prompts, mask, prompt_lens)
         negatives, null = self._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
         was_training = self.training
         self.eval()
         try:
-            return _generate(
+            out = _generate(
                 self.net, prompts, seq_len, Conditions.from_kwargs(kw), negatives, null, mask=mask,
                 temperature=temperature, filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs,
                 eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
                 guidance_interval=guidance_interval, guidance_space=guidance_space, pad_value=self.pad_value,
                 restrict_to_max_seq_len=restrict_to_max_seq_len, static_cache=static_cache, compile=compile,
-                eos_check_every=eos_check_every,
+                eos_check_every=eos_check_every, call=call,
             )
+            return (out, call.intermediates()) if return_intermediates else out
         finally:
             self.train(was_training)
 

@@ -35,9 +35,10 @@ How the numbers are matched (x-transformers 2.x, read from its source):
   tokens (so left padding does not shift positions). The two agree at every real position when
   padding is on the right.
 - ALiBi. Both add ``-slope_h * |i - j|`` to the scaled logits of self-attention, with the same
-  geometric slopes (``alibi_slopes``), 0 for memory keys. Only whole-head ALiBi converts
-  (``alibi_num_heads == heads``), and not with grouped-query heads ``1 < h_kv < h`` (the permutation
-  above would move the fixed slopes to other heads). x-transformers keeps its absolute position
+  geometric slopes (``alibi_slopes``), 0 for memory keys. ``alibi_num_heads`` (ALiBi on the first heads)
+  and custom slopes (``rel_pos_kwargs``) carry over; with grouped-query heads ``1 < h_kv < h`` the slopes
+  are permuted with the query heads (given explicitly), so there only whole-head ALiBi converts (the
+  permutation would move the biased heads off the first ones). x-transformers keeps its absolute position
   embedding next to ALiBi unless told otherwise; safeformer drops it, so such a model is refused.
 - qk-norm. x-transformers' ``attn_qk_norm`` l2-normalises q and k per head, multiplies them by
   ``a`` and ``b`` (1, or the learned ``qk_norm_q_scale (h, 1, d)`` / ``qk_norm_k_scale (h_kv, 1, d)``
@@ -56,6 +57,13 @@ How the numbers are matched (x-transformers 2.x, read from its source):
 - Memory. ``num_memory_tokens`` rows ``memory_tokens (m, c)`` and per-attention memory keys/values
   ``mem_k, mem_v (h_kv, m, d)`` (``attn_num_mem_kv``) are copied as they are; a learned sink
   ``head_attn_sink (h,)`` is permuted with the query heads; ``attn_softclamp_logits`` keeps its value.
+- Routing and branch wrappers. x-transformers' per-layer residual modules (``Residual`` scales, ``GRUGating``,
+  ``MVSplitResidualUpdate``), ``DynamicLIMe``, ``ConcatCombine`` skips, post-norms and the reinjection
+  projections map parameter for parameter onto ``block.ResidualRouting`` (same layer index); the branch
+  wrappers (``Scale``, ``LayerScale``, ``ShiftTokens``, macaron's ``Scale(0.5)``) onto safeformer's block
+  options (``LayerScale`` and ``Derf`` unit offsets folded in). The layer pattern and execution order are
+  rebuilt by keywords and checked against the built stack. Per-head parameters (T5 bias, PoPE bias, ALiBi
+  slopes, the relative projection bias) are permuted with the query heads.
 - XTransformer. The encoder and the decoder's net convert as above, each on its own; the
   ``safeformer.XTransformer`` is then built from their configs: the shared layer arguments
   (``dim_head``, ``kv_heads``, ``rotary_pos_emb``, ``ff_glu``, ``use_rmsnorm``, dropouts) take the
@@ -70,11 +78,13 @@ How the numbers are matched (x-transformers 2.x, read from its source):
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import math
+import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +93,8 @@ from torch import Tensor, nn
 from .encoder_decoder import XTransformer
 from .generation import AutoregressiveWrapper
 from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, _defaults
-from .modules import DynamicTanh, RMSNorm, alibi_slopes
-from .wrappers import TransformerWrapper
+from .modules import AdaptiveNorm, Derf, DynamicTanh, RMSNorm, alibi_slopes, stack_alibi_slopes
+from .wrappers import XT_OPTION_PARAMETERS, TransformerWrapper, xt_wrapper_option_kwargs
 
 __all__ = ["from_x_transformers"]
 
@@ -95,7 +105,8 @@ __all__ = ["from_x_transformers"]
 # the saved config and survives save_pretrained / from_pretrained.
 _RMS_EPS = 1e-12
 
-# Module classes that introduce an option safeformer cannot represent, and the option's name.
+# Module classes that introduce an option, and its name: what a module of this class is refused as where the
+# converter does not read it (many of these convert where x-transformers puts them, see _check_module_types).
 _TYPE_OPTIONS = {
     "ShiftTokens": "shift_tokens",
     "Scale": "macaron, or a float scale_residual / depth_scale_residual (a scaled branch)",
@@ -132,6 +143,10 @@ _TYPE_OPTIONS = {
     "ReLU": "a custom feed-forward activation",
     "PrefixDecoder": "PrefixDecoder (use Decoder or Encoder)",
 }
+
+
+# x-transformers' residual routing modules: converted (or refused with the reason) by _check_stack / _routing_options
+_ROUTING_TYPES = ("DynamicLIMe", "ConcatCombine", "OrthogonalResidualUpdate", "MVSplitResidualUpdate", "HyperConnection")
 
 
 def _xt():
@@ -184,6 +199,12 @@ def _norm_kind(norm, xt) -> str | None:
         return "rms"
     if type(norm).__name__ == "DynamicTanh" and type(norm).__module__ == xt.LayerNorm.__module__:
         return "dyt"  # use_dynamic_tanh (unit offsets folded in by copy_norm)
+    if type(norm).__name__ == "Derf" and type(norm).__module__ == xt.LayerNorm.__module__:
+        return "derf"  # use_derf (unit offsets folded in by copy_norm)
+    if type(norm) is getattr(xt, "AdaptiveLayerNorm", None):
+        return "ada_layer"  # use_adaptive_layernorm: norm(x) * (1 + W c)
+    if type(norm) is getattr(xt, "AdaptiveRMSNorm", None):
+        return "ada_rms"  # use_adaptive_rmsnorm
     return None
 
 
@@ -201,6 +222,10 @@ def _norm_weights(norm, xt) -> tuple[Tensor, Tensor | None, list[str]]:
         return torch.ones(dim), None, []
     if type(norm).__name__ == "DynamicTanh":  # copied by copy_norm parameter by parameter
         return norm.gamma.detach(), None, ["pre_tanh_scale", "gamma", "beta"]
+    if type(norm).__name__ == "Derf":  # copied by copy_norm parameter by parameter
+        return norm.gamma.detach(), None, ["alpha", "s", "gamma", "beta"]
+    if type(norm).__name__ in ("AdaptiveLayerNorm", "AdaptiveRMSNorm"):  # copied by copy_norm
+        return norm.to_gamma.weight.detach(), None, []
     raise AssertionError("unreachable: checked by _norm_kind")
 
 
@@ -221,10 +246,14 @@ class _AttnOptions:
     sink: bool = False
     softclamp: float | None = None
     gates: tuple = ()  # the gated-attention options, as AttentionLayers keywords (sorted items)
+    hybrid: tuple = ()  # attn_hybrid_module: (fold_axial_dim, mask_kwarg, learned_mix, the module's type name)
+    scoring: tuple = ()  # the scoring options every attention of a stack shares (attn_l2_distance, ...), sorted items
+    self_scoring: tuple = ()  # self-attention only (CoPE, the relative projection bias), sorted items
+    inverted: bool = False  # cross-attention only (cross_attn_inverted_attention, per block)
 
     def key(self) -> tuple:
         return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
-                self.softclamp, self.gates, repr(self.dd_alibi))
+                self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid)
 
 
 def _gate_options(name: str, attn, problems: _Problems) -> tuple:
@@ -300,10 +329,6 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     flags = {
         "head_scale": "attn_head_scale",
         "attn_on_attn": "attn_on_attn",
-        "laser": "attn_laser",
-        "qkv_receive_diff_residuals": "qkv_receive_diff_residuals",
-        "use_latent_q": "attn_use_latent_q (multi-latent attention)",
-        "use_latent_kv": "attn_use_latent_kv (multi-latent attention)",
     }
     for attr, option in flags.items():
         if getattr(attn, attr, False):
@@ -325,14 +350,21 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         problems.add(f"attn_max_attend_past={attn.max_attend_past}", name)
     for attr, option in (
         ("to_v_head_gate", "attn_gate_value_heads"),
-        ("hybrid_module", "attn_hybrid_module"),
-        ("to_rotateable_k", "attn_latent_rope_subheads"),
-        ("rel_proj_pos_bias", "attn_use_rel_proj_pos_bias"),
         ("q_rmsnorm", "attn_qk_rmsnorm"),
         ("k_rmsnorm", "attn_k_rmsnorm"),
     ):
         if getattr(attn, attr, None) is not None:
             problems.add(f"{option}", name)
+    hybrid = getattr(attn, "hybrid_module", None)
+    if hybrid is not None:  # x-transformers builds it folded (hybrid_fold_axial_dim) with its two head norms
+        if type(hybrid).__name__ != "FoldAxially" or getattr(attn, "hybrid_norms", None) is None:
+            problems.add("attn_hybrid_module without hybrid_fold_axial_dim", name)
+        elif 1 < attn.kv_heads < attn.heads:
+            problems.add("attn_hybrid_module with grouped-query heads (1 < attn_kv_heads < heads): the module's output "
+                         "heads follow x-transformers' head order, which safeformer's grouping permutes", name)
+        else:
+            opts.hybrid = (int(hybrid.axial_dim), getattr(attn, "hybrid_mask_kwarg", None),
+                           getattr(attn, "hybrid_mix", None) is not None, type(hybrid.fn).__name__)
     dd = getattr(attn, "data_dependent_alibi", None)
     if dd is not None:
         lin = dd.to_forget_gates[0] if isinstance(getattr(dd, "to_forget_gates", None), nn.Sequential) else None
@@ -352,7 +384,8 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
             problems.add("learned_value_residual_mix with grouped key/value heads (x-transformers mixes per query "
                          "head)", name)
         opts.value_mix = True
-    if getattr(attn, "rotate_num_heads", attn.heads) != attn.heads:
+    rope_subheads = attn.to_rotateable_k is not None if hasattr(attn, "to_rotateable_k") else False
+    if getattr(attn, "rotate_num_heads", attn.heads) != attn.heads and not rope_subheads:
         problems.add(f"rotate_num_heads={attn.rotate_num_heads} < heads={attn.heads}", name)
     if getattr(attn, "sublayer_dropout", None) is not None:
         training_only.append("attn_sublayer_dropout")
@@ -369,31 +402,68 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         problems.add(f"a custom Attend class {type(att).__name__}", name)
         return opts
     fn = att.attn_fn
-    plain_softmax = isinstance(fn, functools.partial) and fn.func is F.softmax and fn.keywords.get("dim") == -1
-    if not plain_softmax:
-        problems.add("a non-softmax attention function (attn_sigmoid / attn_hard / attn_sparse_topk / "
-                     "attn_gumbel_softmax / attn_custom_attn_fn)", name)
+    attn_dim = -2 if getattr(att, "inverted_attention", False) else -1  # inverted: a softmax over the queries
+    plain_softmax = isinstance(fn, functools.partial) and fn.func is F.softmax and fn.keywords.get("dim") == attn_dim
+    sigmoid = fn is F.sigmoid or fn is torch.sigmoid
+    if not plain_softmax and not sigmoid:
+        problems.add("a non-softmax attention function (attn_hard / attn_sparse_topk / attn_gumbel_softmax / "
+                     "attn_custom_attn_fn)", name)
+    opts.scoring, opts.self_scoring = _scoring_options(name, attn, att, sigmoid, problems)
+    opts.inverted = bool(getattr(att, "inverted_attention", False))
     dim_head = attn.to_q.out_features // attn.heads
     # with qk-norm the logit scale is part of the mapped q/k gains (_qk_gain)
     if not opts.qk_norm and att.scale is not None and not math.isclose(att.scale, dim_head**-0.5, rel_tol=1e-12):
         problems.add(f"an attention scale {att.scale} != dim_head ** -0.5", name)
     for attr, option in (
         ("selective", "attn_selective"),
-        ("cog_signed", "attn_cog_signed"),
-        ("l2_distance", "attn_l2_distance"),
         ("add_zero_kv", "attn_add_zero_kv"),
-        ("inverted_attention", "inverted_attention"),
         ("flash_pack_seq", "attn_flash_pack_seq"),
     ):
         if getattr(att, attr, False):
             problems.add(f"{option}", name)
-    for attr in ("pre_softmax_talking_heads", "post_softmax_talking_heads", "pre_scale_post_talking_heads", "cope"):
+    for attr in ("pre_softmax_talking_heads", "post_softmax_talking_heads", "pre_scale_post_talking_heads"):
         if getattr(att, attr, None) is not None:
             problems.add(f"attn_{attr.replace('softmax_', '')}", name)
     opts.sink = bool(getattr(att, "head_learned_sink", False))
+    if opts.sink and getattr(attn, "laser", False):
+        problems.add("attn_laser with attn_head_learned_sink (x-transformers' sink adds nothing to weights @ exp(v); "
+                     "safeformer's sink key holds a zero value, exp(0) = 1, so its weight enters the log)", name)
     if getattr(att, "softclamp_logits", False):
         opts.softclamp = float(att.logit_softclamp_value)
     return opts
+
+
+def _scoring_options(name: str, attn, att, sigmoid: bool, problems: _Problems) -> tuple[tuple, tuple]:
+    """x-transformers' attention scoring options of ``attn`` (its ``Attend`` ``att``) as safeformer's stack keywords:
+    ``(shared by every attention, self-attention only)``, each sorted ``(keyword, value)`` pairs, defaults left out."""
+    out: dict = {}
+    for attr in ("l2_distance", "cog_signed"):
+        if getattr(att, attr, False):
+            out[f"attn_{attr}"] = True
+    if sigmoid:
+        out["attn_sigmoid"] = True
+    if getattr(attn, "laser", False):
+        out["attn_laser"] = True
+        if float(attn.laser_softclamp_value) != 15.0:
+            out["attn_laser_softclamp_value"] = float(attn.laser_softclamp_value)
+    for kind in ("q", "kv"):
+        latent = getattr(attn, f"to_latent_{kind}", None)
+        if latent is not None:
+            out.update({f"attn_use_latent_{kind}": True, f"attn_dim_latent_{kind}": int(latent.out_features)})
+    if getattr(attn, "to_rotateable_k", None) is not None:
+        out["attn_latent_rope_subheads"] = int(attn.to_rotateable_k.out_features // (attn.to_q.out_features // attn.heads))
+    own: dict = {}
+    cope = getattr(att, "cope", None)
+    if cope is not None:
+        own.update(attn_use_cope=True, attn_cope_max_pos=int(cope.max_pos))
+        if cope.soft_onehot or cope.talking_heads is not None:
+            problems.add("attn_use_cope with cope_soft_onehot_pos / cope_talking_heads", name)
+    rel = getattr(attn, "rel_proj_pos_bias", None)
+    if rel is not None:
+        basis, max_dist = rel.distance_bank.shape
+        own.update(attn_use_rel_proj_pos_bias=True, attn_rel_proj_num_distance_basis=int(basis),
+                   attn_rel_proj_max_dist=int(max_dist))
+    return tuple(sorted(out.items())), tuple(sorted(own.items()))
 
 
 def _parse_ff(name: str, ff, xt, problems: _Problems, training_only: list[str]) -> dict | None:
@@ -407,9 +477,14 @@ def _parse_ff(name: str, ff, xt, problems: _Problems, training_only: list[str]) 
     if type(proj_in) is xt.GLU:
         info["glu"] = True
         act = proj_in.act
-        if getattr(proj_in, "up_softclamp_value", None) is not None or isinstance(act, functools.partial):
-            problems.add("ff_glu_softclamp", name)
-            return None
+        if isinstance(act, functools.partial):  # ff_glu_softclamp: softclamp_gelu / softclamp_silu of the gate
+            fname = getattr(act.func, "__name__", "")
+            if fname not in ("softclamp_gelu", "softclamp_silu") or set(act.keywords) != {"value"} \
+                    or getattr(proj_in, "up_softclamp_value", None) is None:
+                problems.add(f"a feed-forward gate activation {fname or act!r}", name)
+                return None
+            info["glu_softclamp"] = (float(act.keywords["value"]), float(proj_in.up_softclamp_value))
+            act = nn.SiLU() if fname == "softclamp_silu" else nn.GELU()
         info["in"] = proj_in.proj
         info["mult_bias"] = proj_in.mult_bias if isinstance(proj_in.mult_bias, Tensor) else None
     elif isinstance(proj_in, nn.Sequential):
@@ -429,12 +504,17 @@ def _parse_ff(name: str, ff, xt, problems: _Problems, training_only: list[str]) 
     else:
         problems.add(f"a feed-forward input {type(proj_in).__name__}", name)
         return None
+    info["act"] = None
     if type(act) is nn.GELU and act.approximate == "none":
         info["swish"] = False
     elif type(act) is nn.SiLU:
         info["swish"] = True
+    elif isinstance(act, nn.Module) and type(act).__module__.startswith("torch.nn") and not list(act.parameters()) \
+            and not list(act.buffers()):
+        info["swish"], info["act"] = False, act  # ff_custom_activation: a parameter-free torch.nn activation, copied
     else:
-        problems.add(f"a feed-forward activation {act!r} (safeformer has exact GELU and SiLU)", name)
+        problems.add(f"a feed-forward activation {act!r} (safeformer takes a parameter-free torch.nn module as "
+                     f"ff_custom_activation; ff_relu_squared / ff_solu have no counterpart)", name)
         return None
     if parts and _norm_kind(parts[0], xt) is not None:
         problems.add("ff_post_act_ln", name)
@@ -465,10 +545,18 @@ def _allowed_types(xt, xt_attend) -> set[type]:
         xt_attend.Attend, xt.FeedForward, xt.GLU, xt.Residual, xt.RotaryEmbedding, xt.AlibiPositionalBias,
         nn.Embedding, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.ModuleList, nn.Sequential, nn.GELU,
         nn.SiLU, einops_torch.Rearrange, nn.Sigmoid,  # Sigmoid: the value residual mix (_check_attention)
+        nn.ModuleDict,  # embed_num_tokens (read by _check_wrapper)
+        xt.AttentionPool,  # attn_pool (read by _check_wrapper; its pooler Attention is an allowed type)
+        xt.Scale, xt.LayerScale, xt.ShiftTokens,  # branch wrappers (read by _check_layers through _unwrap)
+        xt.GRUGating, nn.GRUCell,  # gate_residual (read by _routing_options)
+        xt.AdaptiveLayerNorm, xt.AdaptiveRMSNorm, xt.AdaptiveLayerScale,  # adaptive norms and gates (_check_layers)
     }
     dyt = getattr(sys.modules.get(xt.LayerNorm.__module__), "DynamicTanh", None)
     if dyt is not None:  # use_dynamic_tanh (read by _norm_kind)
         allowed.add(dyt)
+    derf = getattr(sys.modules.get(xt.LayerNorm.__module__), "Derf", None)
+    if derf is not None:  # use_derf (read by _norm_kind)
+        allowed.add(derf)
     if hasattr(xt, "LoRALinear"):  # the low-rank attention gates (read by _gate_options)
         allowed.add(xt.LoRALinear)
     try:
@@ -505,8 +593,18 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
         if type(module) in allowed or any(mname.startswith(f + ".") for f in flagged):
             continue
         tname = type(module).__name__
+        if tname in _ROUTING_TYPES and type(module).__module__ == xt.Residual.__module__:  # read by _check_stack
+            flagged.append(mname)
+            continue
         if (tname == "MultiheadRMSNorm" and mname.endswith(".value_rmsnorm")) or (
                 tname == "DataDependentAlibi" and mname.endswith(".data_dependent_alibi")) or (
+                tname == "CoPE" and mname.endswith(".attend.cope")) or (
+                tname == "RelativePositionBias" and mname == "attn_layers.rel_pos") or (
+                tname == "FoldAxially" and mname.endswith(".hybrid_module")) or (
+                tname == "MultiheadRMSNorm" and re.search(r"\.hybrid_norms\.[01]$", mname)) or (
+                re.search(r"\.ff\.0(\.act|\.\d+)$", mname) and type(module).__module__.startswith("torch.nn")) or (
+                tname == "PolarEmbedding" and mname == "attn_layers.polar_pos_emb") or (
+                tname == "RelativeProjPositionalBias" and mname.endswith(".rel_proj_pos_bias")) or (
                 tname == "Lambda" and isinstance(getattr(module, "fn", None), functools.partial)
                 and getattr(module.fn.func, "__name__", "") == "softclamp"):  # converted (_check_attention, _parse_ff)
             flagged.append(mname)
@@ -519,38 +617,47 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
 
 def _check_wrapper(model, xt, problems: _Problems, training_only: list[str], dim: int) -> dict:
     """The wrapper's options: a problem for each one safeformer has not; returns what the plan reads."""
-    if not isinstance(model.project_emb, (nn.Identity,)) and type(model.project_emb).__name__ != "Identity":
-        problems.add("emb_dim != dim (an embedding projection)")
+    extra: dict = {}  # wrapper keywords read as they are (their parameters: the same names, see _build_wrapper)
+    if isinstance(model.project_emb, nn.Linear):  # emb_dim != dim: embeddings of another width, projected
+        extra["emb_dim"] = int(model.project_emb.in_features)
+    elif not isinstance(model.project_emb, (nn.Identity,)) and type(model.project_emb).__name__ != "Identity":
+        problems.add(f"a custom embedding projection {type(model.project_emb).__name__}")
     if not isinstance(model.token_emb, xt.TokenEmbedding):
         problems.add(f"a custom token_emb {type(model.token_emb).__name__}")
-    if model.embeds is not None:
-        problems.add("embed_num_tokens (extra embeddings)")
-    if getattr(model, "ff_deep_embed", None) is not None:
-        problems.add("ff_deep_embed")
+    if model.embeds is not None:  # embed_num_tokens: {name}_embed tables
+        if all(k.endswith("_embed") and isinstance(e, nn.Embedding) for k, e in model.embeds.items()):
+            extra["embed_num_tokens"] = {k[: -len("_embed")]: int(e.num_embeddings) for k, e in model.embeds.items()}
+        else:
+            problems.add("embed_num_tokens with custom embedding tables")
+    ff_deep = getattr(model, "ff_deep_embed", None) is not None  # the same table, copied as it is
     if type(model.post_emb_norm).__name__ != "Identity":
         problems.add("post_emb_norm")
-    if getattr(model, "recycling", False):
-        problems.add("recycling")
-    if getattr(model, "looped", False):
-        problems.add("looped")
-    if getattr(model, "attn_pool", None) is not None:
-        problems.add("attn_pool")
-    if getattr(model, "to_mixture", None) is not None:
-        problems.add("mixture_of_softmax")
+    if getattr(model, "looped", False):  # the looped LM: its exit gate is copied by _build_wrapper
+        extra.update(looped=True, max_looped_steps=int(model.train_max_looped_steps))
+    # mixture_of_softmax, recycling, add_continuous_pred_head, squeeze_out_last_dim, input_not_include_cache: the
+    # same options there, their parameters under the same names (wrappers.copy_xt_wrapper_option_weights)
+    extra.update(xt_wrapper_option_kwargs(model))
+    pool = getattr(model, "attn_pool", None)
+    pool_kwargs = None
+    if pool is not None:  # one attention over the stack's output: the same parameters (depth > 1: a CrossAttender)
+        if type(pool.pooler).__name__ != "Attention" or getattr(pool, "add_residual", False):
+            problems.add("attn_pool with attn_pool_depth > 1")
+        else:
+            pool_kwargs = dict(attn_pool=True, num_pooled_tokens=int(pool.queries.shape[0]),
+                               dim_pooled_tokens=int(pool.queries.shape[1]))
     if getattr(model, "sigsoftmax_logits", False):
-        problems.add("sigsoftmax_logits")
-    if getattr(model, "has_multiple_heads", False):
-        problems.add("num_output_heads > 1")
+        extra["sigsoftmax_logits"] = True
+    to_logits = model.to_logits
+    if getattr(model, "has_multiple_heads", False):  # a ModuleList of heads alike: checked through the first
+        extra["num_output_heads"] = len(to_logits)
+        to_logits = to_logits[0]
     num_memory_tokens = int(getattr(model, "num_memory_tokens", 0) or 0)
     if num_memory_tokens:
-        if getattr(model, "memory_tokens_interspersed_every", None) is not None:
-            problems.add(f"memory_tokens_interspersed_every={model.memory_tokens_interspersed_every}")
-    if getattr(model, "add_continuous_pred_head", False):
-        problems.add("add_continuous_pred_head (its head would not be converted)")
+        if getattr(model, "memory_tokens_interspersed_every", None) is not None:  # memory rows before every segment
+            extra["memory_tokens_interspersed_every"] = int(model.memory_tokens_interspersed_every)
     if getattr(model, "emb_frac_gradient", 1.0) != 1.0:
         training_only.append(f"emb_frac_gradient={model.emb_frac_gradient}")
     tied = False
-    to_logits = model.to_logits
     if to_logits is None:
         pass  # return_only_embed: an encoder that returns hidden states
     elif isinstance(to_logits, nn.Linear):
@@ -562,67 +669,60 @@ def _check_wrapper(model, xt, problems: _Problems, training_only: list[str], dim
         tied = True
     else:
         problems.add(f"a custom to_logits {type(to_logits).__name__}")
-    if getattr(model, "squeeze_out_last_dim", False) and isinstance(to_logits, nn.Linear) and to_logits.out_features == 1:
-        problems.add("squeeze_out_last_dim with logits_dim=1")
     has_abs = isinstance(model.pos_emb, xt.AbsolutePositionalEmbedding)
     l2norm_embed = bool(getattr(model, "l2norm_embed", False))
     if has_abs and bool(model.pos_emb.l2norm_embed) != l2norm_embed:
         problems.add("l2norm_embed on the position embedding only")
     return dict(num_memory_tokens=num_memory_tokens, tied=tied, to_logits=to_logits, has_abs=has_abs,
-                l2norm_embed=l2norm_embed)
+                l2norm_embed=l2norm_embed, ff_deep=ff_deep, pool_kwargs=pool_kwargs, extra=extra)
 
 
 def _check_stack(layers, xt, problems: _Problems, training_only: list[str], has_abs: bool) -> dict:
     """The stack's options and layer pattern, its relative positions; returns what the plan reads."""
-    for attr, option in (
-        ("residual_attn", "residual_attn"),
-        ("cross_residual_attn", "cross_residual_attn"),
-        ("softclamp_output", "softclamp_output"),
-        ("sandwich_norm", "sandwich_norm"),
-        ("pre_and_post_norm", "pre_and_post_norm"),
-        ("need_condition", "adaptive norms / adaptive layerscale (a condition input)"),
-        ("unet_skips", "unet_skips"),
-        ("reinject_input", "reinject_input"),
-    ):
+    routing = _routing_options(layers, xt, problems)
+    for attr in ("residual_attn", "cross_residual_attn"):  # no parameters: the options as they are
         if getattr(layers, attr, False):
-            problems.add(option)
-    if not getattr(layers, "pre_norm", True):
-        problems.add("post-norm (pre_norm=False)")
-    if getattr(layers, "num_residual_streams", 1) > 1:
-        problems.add(f"num_residual_streams={layers.num_residual_streams}")
-    if getattr(layers, "learned_reinject_input_gate", None) is not None:
-        problems.add("learned_reinject_input_gate")
+            routing[attr] = True
+    if getattr(layers, "softclamp_output", False):
+        routing.update(softclamp_output=True, softclamp_output_value=float(layers.softclamp_output_value))
     rel_pos = getattr(layers, "rel_pos", None)
     alibi = rel_pos is not None and type(rel_pos) is xt.AlibiPositionalBias
-    if rel_pos is not None and not alibi:
+    t5_opts: dict = {}
+    if rel_pos is not None and type(rel_pos) is getattr(xt, "RelativePositionBias", None):  # T5's bucketed bias
+        t5_opts = dict(rel_pos_bias=True, rel_pos_num_buckets=int(rel_pos.num_buckets),
+                       rel_pos_max_distance=int(rel_pos.max_distance))
+        if bool(rel_pos.causal) != bool(layers.causal):
+            problems.add("rel_pos_bias whose causal differs from its stack's")
+        if has_abs:
+            problems.add("rel_pos_bias with the absolute position embedding (disable_abs_pos_emb=False): safeformer "
+                         "drops it next to relative positions")
+    elif rel_pos is not None and not alibi:
         problems.add(_TYPE_OPTIONS.get(type(rel_pos).__name__, "a relative position bias"))
-    if getattr(layers, "polar_pos_emb", None) is not None:
-        problems.add("polar_pos_emb")
+    polar = getattr(layers, "polar_pos_emb", None)
+    if polar is not None:  # PoPE: its learned per-head key bias is copied (query heads permuted) by _build_wrapper
+        dim_head = polar.inv_freq.numel()
+        want = 1.0 / (10000.0 ** (torch.arange(0, dim_head, dtype=torch.float64) / dim_head))
+        if not torch.allclose(polar.inv_freq.detach().double().cpu(), want, rtol=1e-6, atol=0):
+            problems.add("polar_pos_emb with a base other than 10000")
+        if has_abs:
+            problems.add("polar_pos_emb with the absolute position embedding (disable_abs_pos_emb=False): safeformer "
+                         "drops it next to relative positions")
     if any(p > 0 for p in getattr(layers, "layer_dropouts", ())):
         training_only.append("layer_dropout")
     if getattr(layers, "cross_attn_tokens_dropout", 0) > 0:
         training_only.append("cross_attn_tokens_dropout")
-    if tuple(layers.layers_execute_order) != tuple(range(len(layers.layer_types))):
-        problems.add("layers_execute_order / weight_tie_layers (layers run in a custom order or repeated)")
-
     types = tuple(layers.layer_types)
     cross = "c" in types
     only_cross = cross and "a" not in types
     block = ("c", "f") if only_cross else (("a", "c", "f") if cross else ("a", "f"))
-    depth = len(types) // len(block)
-    if depth == 0 or types != block * depth:
-        problems.add(
-            f"a custom layer pattern {''.join(types)!r} (custom_layers / par_ratio / sandwich_coef / macaron / "
-            f"only_attn); safeformer runs {''.join(block)!r} per layer"
-        )
 
     rotary = layers.rotary_pos_emb
     rotary_dim = None
     rotary_opts: dict = {}
     if rotary is not None:
         rotary_dim = rotary.inv_freq.numel() * 2
-        if getattr(rotary, "scale", None) is not None:
-            problems.add("rotary_xpos")
+        if getattr(rotary, "scale", None) is not None:  # xpos: a decay of the logits with the distance
+            rotary_opts.update(rotary_xpos=True, rotary_xpos_scale_base=float(rotary.scale_base))
         interp = float(getattr(rotary, "interpolation_factor", 1.0))
         if interp != 1.0:
             rotary_opts["rotary_interpolation_factor"] = interp
@@ -636,82 +736,233 @@ def _check_stack(layers, xt, problems: _Problems, training_only: list[str], has_
             problems.add("rotary frequencies that are not a geometric series of one base")
         if has_abs:
             problems.add("absolute and rotary positions together (disable_abs_pos_emb=False with rotary)")
-    if alibi:
+    alibi_opts: dict = {}
+    if alibi:  # the first rel_pos.heads heads take the slopes, the others none (alibi_num_heads, rel_pos_kwargs)
+        slopes = rel_pos.slopes.detach().double().cpu().flatten()
         if rel_pos.heads != rel_pos.total_heads:
-            problems.add(f"alibi_num_heads={rel_pos.heads} < heads={rel_pos.total_heads} (ALiBi on some heads only; "
-                         f"safeformer's ALiBi covers every head)")
-        elif not torch.allclose(rel_pos.slopes.detach().double().cpu().flatten(),
-                                alibi_slopes(rel_pos.heads).double(), rtol=1e-6, atol=0):
-            problems.add("custom ALiBi slopes (rel_pos_kwargs slopes=...)")
+            alibi_opts["alibi_num_heads"] = int(rel_pos.heads)
+        if not torch.allclose(slopes, alibi_slopes(rel_pos.heads).double(), rtol=1e-6, atol=0):
+            alibi_opts["rel_pos_kwargs"] = {"slopes": slopes.tolist()}
         if rotary is not None:
             problems.add("rotary_pos_emb and alibi_pos_bias together (safeformer takes one relative position scheme)")
         if has_abs:
             problems.add("alibi_pos_bias with the absolute position embedding x-transformers keeps next to it "
                          "(safeformer drops it under ALiBi); such a model trained with use_abs_pos_emb=False or "
                          "disable_abs_pos_emb=True converts")
-    return dict(types=types, cross=cross, only_cross=only_cross, depth=depth, rotary=rotary, rotary_dim=rotary_dim,
+    return dict(types=types, cross=cross, only_cross=only_cross, rotary=rotary, rotary_dim=rotary_dim,
                 rotary_opts=rotary_opts,
-                alibi=alibi)
+                alibi=alibi, alibi_opts=alibi_opts, routing=routing, polar=polar is not None, t5_opts=t5_opts,
+                block=block)
 
 
-def _check_layers(layers, xt, xt_attend, types: tuple, dim: int, problems: _Problems, training_only: list[str]) -> dict:
-    """Per layer: norms, residuals, attention and feed-forward blocks, which must agree across layers."""
+def _layer_pattern(layers, types: tuple, block: tuple, macaron: bool) -> tuple[dict, int | None]:
+    """``(safeformer keywords that rebuild x-transformers' layer pattern and execution order, depth)``: the default
+    ``block`` per layer (with macaron's leading feed-forward, or without feed-forwards: ``only_attn``), else
+    ``custom_layers`` (what par_ratio / sandwich_coef built too); ``weight_tie_layers`` or ``layers_execute_order``
+    for a custom order. The built stack is checked against both (``_build_wrapper``)."""
+    order = tuple(layers.layers_execute_order)
+    out: dict = {}
+    candidates = [(("f",) + block, {"macaron": True}), (block, {}), (tuple(t for t in block if t != "f"),
+                                                                     {"only_attn": True})]
+    for base, opts in candidates:
+        if opts.get("macaron") and not macaron:
+            continue
+        if base and len(types) % len(base) == 0 and types == base * (len(types) // len(base)):
+            out, depth = dict(opts), len(types) // len(base)
+            break
+    else:
+        out, depth = {"custom_layers": types}, int(getattr(layers, "depth", 0)) or None
+    if order != tuple(range(len(types))):
+        if "custom_layers" not in out and depth == 1 and len(order) % len(types) == 0 \
+                and order == tuple(range(len(types))) * (len(order) // len(types)):
+            out["weight_tie_layers"], depth = True, len(order) // len(types)
+        else:
+            out["layers_execute_order"] = order
+            if "custom_layers" in out:
+                depth = None
+    return out, depth
+
+
+def _routing_options(layers, xt, problems: _Problems) -> dict:
+    """x-transformers' residual routing options of ``layers`` as safeformer's ``AttentionLayers`` keywords
+    (``block.ResidualRouting``; defaults left out); what has no exact counterpart is recorded in ``problems``."""
+    out: dict = {}
+    for attr in ("unet_skips", "reinject_input", "pre_and_post_norm"):
+        if getattr(layers, attr, False):
+            out[attr] = True
+    if getattr(layers, "learned_reinject_input_gate", None) is not None:
+        out["learned_reinject_input_gate"] = True
+    residuals = [layer[2] for layer in layers.layers]
+    kinds = {type(r).__name__ for r in residuals}
+    if "HyperConnection" in kinds:
+        problems.add(f"num_residual_streams={layers.num_residual_streams} (hyper-connections): x-transformers' Sinkhorn "
+                     "step normalises each stream's 1 x S row of the residual mixing matrix on its own, which makes "
+                     "its mix the all-ones matrix (every stream summed into each); safeformer mixes the streams by a "
+                     "doubly stochastic S x S matrix, so the same weights give other outputs")
+    if kinds == {"OrthogonalResidualUpdate"}:
+        out["orthog_residual"] = True
+        if any(getattr(r, "residual_scale", None) is not None for r in residuals):
+            problems.add("scale_residual with orthog_residual")
+    elif kinds and kinds <= {"Residual", "GRUGating"}:
+        if kinds == {"GRUGating"}:
+            out["gate_residual"] = True
+        elif len(kinds) > 1:
+            problems.add("gate_residual on some layers only")
+        learned = {getattr(r, "residual_scale", None) is not None for r in residuals}
+        if learned == {True}:
+            out["scale_residual"] = True  # a float branch scale (x-transformers' float scale_residual) joins it later
+        elif len(learned) > 1:
+            problems.add("scale_residual on some layers only")
+        constants = {float(getattr(r, "scale_residual_constant", 1.0)) for r in residuals}
+        if len(constants) > 1:
+            problems.add(f"different scale_residual_constant per layer: {sorted(constants)}")
+        elif constants != {1.0}:
+            out["scale_residual_constant"] = constants.pop()
+    elif kinds == {"MVSplitResidualUpdate"}:
+        out["mv_split_residual"] = True
+        learned = {bool(r.learned) for r in residuals}
+        if learned == {True}:
+            out["residual_fn_kwargs"] = {"learned": True}
+        elif len(learned) > 1:
+            problems.add("mv_split_residual with learned and static updates mixed")
+    integrators = [m for m in getattr(layers, "layer_integrators", ()) if m is not None]
+    if integrators and all(type(m).__name__ == "DynamicLIMe" for m in integrators):
+        out["integrate_layers"] = True
+        softmax = {isinstance(m.to_weights[-1], nn.Softmax) for m in integrators}
+        if softmax == {False}:
+            out["layer_integrate_use_softmax"] = False
+        elif len(softmax) > 1:
+            problems.add("integrate_layers with softmax and ReLU weights mixed")
+        if any(m.to_weights[0] is None for m in integrators):
+            problems.add("integrate_layers without its RMSNorm (DynamicLIMe(norm=False))")
+    diff_views = any(getattr(_unwrap(blk, xt).inner, "qkv_receive_diff_residuals", False) for _, blk, _ in layers.layers)
+    if diff_views and "integrate_layers" not in out and "HyperConnection" not in kinds:
+        problems.add("qkv_receive_diff_residuals")
+    return out
+
+
+@dataclass
+class _Wrapped:
+    """An x-transformers branch module without its wrappers (outermost first: ``Scale`` (a float residual scale),
+    ``LayerScale``, ``ShiftTokens``, macaron's ``Scale(0.5)``)."""
+
+    inner: nn.Module
+    scale: float = 1.0  # the product of the Scale wrappers (macaron's half step of a feed-forward included)
+    layerscale: nn.Module | None = None
+    shifts: tuple = ()
+
+
+def _unwrap(layer, xt) -> _Wrapped:
+    out = _Wrapped(layer)
+    while True:
+        m = out.inner
+        if type(m) is xt.Scale:
+            out.scale *= 1.0 if m.scale is None else float(m.scale)
+            out.inner = m.fn
+        elif type(m) in (xt.LayerScale, getattr(xt, "AdaptiveLayerScale", None)) and out.layerscale is None:
+            out.layerscale, out.inner = m, m.fn
+        elif type(m) is xt.ShiftTokens and not out.shifts:
+            out.shifts, out.inner = tuple(m.shifts), m.fn
+        else:
+            return out
+
+
+def _check_layers(layers, xt, xt_attend, types: tuple, dim: int, problems: _Problems, training_only: list[str],
+                  routing: dict) -> dict:
+    """Per layer: norms, residuals, attention and feed-forward blocks, which must agree across layers (but for
+    the per-layer feed-forward widths and dropouts, and the self-attention dropouts)."""
     norm_kinds: set[str] = set()
     attn_shapes: set[tuple] = set()
     attn_keys: set[tuple] = set()
     attn_opts: dict[int, _AttnOptions] = {}
+    mem_kv: dict[str, set[int]] = {"a": set(), "c": set()}
     cross_dims: set[int] = set()
     attn_dropouts: set[float] = set()
+    drops: dict[str, list[float]] = {"a": [], "c": []}  # per layer, self- and cross-attention dropouts
+    self_scoring: set[tuple] = set()
+    inverted: list[bool] = []  # per cross-attention block
     ff_infos: list[dict | None] = []
-    for k, ((pre, post_branch, post_main), blk, residual) in enumerate(layers.layers):
+    present: dict[str, set[bool]] = {"pre": set(), "sandwich": set(), "post": set(), "layerscale": set()}
+    scales: dict[str, set[float]] = {"attn": set(), "ff": set()}
+    shifts: list[int] = []
+    adaptive_gates: set[bool] = set()
+    cond_width = None
+    for k, ((pre, post_branch, post_main), wrapped, _) in enumerate(layers.layers):
         name = f"attn_layers.layers.{k}"
         kind = types[k] if k < len(types) else "?"
-        if pre is None:
-            problems.add("no pre-norm", name)
-        else:
-            nk = _norm_kind(pre, xt)
+        for what, norm in (("pre", pre), ("sandwich", post_branch), ("post", post_main)):
+            present[what].add(norm is not None)
+            if norm is None:
+                continue
+            nk = _norm_kind(norm, xt)
+            if nk is not None and nk.startswith("ada_"):
+                cond_width = int(norm.to_gamma.in_features)
             if nk is None:
-                problems.add(f"{_TYPE_OPTIONS.get(type(pre).__name__, type(pre).__name__)}", name)
+                problems.add(f"{_TYPE_OPTIONS.get(type(norm).__name__, type(norm).__name__)}", name)
             else:
                 norm_kinds.add(nk)
-                if nk == "layer" and pre.ln.eps != 1e-5:
-                    problems.add(f"a LayerNorm eps {pre.ln.eps} != 1e-5", name)
-        if post_branch is not None:
-            problems.add("sandwich_norm", name)
-        if post_main is not None:
-            problems.add("post-norm / pre_and_post_norm", name)
-        if type(residual) is xt.Residual:
-            if residual.residual_scale is not None:
-                problems.add("scale_residual", name)
-            if residual.scale_residual_constant != 1:
-                problems.add(f"scale_residual_constant={residual.scale_residual_constant}", name)
+                if nk in ("layer", "ada_layer") and norm.ln.eps != 1e-5:
+                    problems.add(f"a LayerNorm eps {norm.ln.eps} != 1e-5", name)
+        w = _unwrap(wrapped, xt)
+        blk = w.inner
+        scales["ff" if kind == "f" else "attn"].add(w.scale)
+        present["layerscale"].add(w.layerscale is not None)
+        if w.layerscale is not None:
+            adaptive_gates.add(type(w.layerscale) is not xt.LayerScale)
+            if hasattr(w.layerscale, "to_gamma"):
+                cond_width = int(w.layerscale.to_gamma.in_features)
+        amount = max((abs(t) for t in w.shifts), default=0)
+        if w.shifts and tuple(w.shifts) != tuple(range(0 if layers.causal else -amount, amount + 1)):
+            problems.add(f"shift_tokens with shifts {w.shifts}", name)
+        shifts.append(amount)
         if kind in ("a", "c") and type(blk) is xt.Attention:
             opts = _check_attention(name, blk, xt, xt_attend, problems, training_only)
             attn_opts[k] = opts
-            attn_keys.add(opts.key())
+            mem_kv[kind].add(opts.mem_kv)  # may differ between the kinds (x-transformers' cross_attn_num_mem_kv)
+            attn_keys.add(replace(opts, mem_kv=0).key())
+            if kind == "a":
+                self_scoring.add(opts.self_scoring)
+            else:
+                inverted.append(opts.inverted)
             dh = blk.to_q.out_features // blk.heads
             attn_shapes.add((blk.heads, blk.kv_heads, dh))
             attn_dropouts.add(blk.attend.dropout)
+            drops[kind].append(float(blk.attend.dropout))
             if blk.to_v.out_features != blk.kv_heads * dh:
                 problems.add("attn_value_dim_head != dim_head", name)
             out_features = blk.to_out.out_features if isinstance(blk.to_out, nn.Linear) else blk.heads * dh
             if out_features != dim:
                 problems.add(f"attn_dim_out={out_features} != dim", name)
             if kind == "a":
-                if blk.to_k.in_features != dim:
+                kv_in = blk.to_latent_kv if getattr(blk, "to_latent_kv", None) is not None else blk.to_k
+                if kv_in.in_features != dim:
                     problems.add("attn_dim_context on self-attention", name)
                 if blk.causal != layers.causal:
                     problems.add(f"a self-attention with causal={blk.causal} in a stack with causal={layers.causal}", name)
             else:
-                cross_dims.add(blk.to_k.in_features)
+                cross_dims.add((blk.to_latent_kv if getattr(blk, "to_latent_kv", None) is not None else blk.to_k).in_features)
                 if blk.causal:
                     problems.add("a causal cross-attention", name)
         elif kind == "f" and type(blk) is xt.FeedForward:
             ff_infos.append(_parse_ff(name, blk, xt, problems, training_only))
+    for what, option in (("pre", "pre_norm"), ("sandwich", "sandwich_norm"), ("post", "post-norms"),
+                         ("layerscale", "use_layerscale")):
+        if len(present[what]) > 1:
+            problems.add(f"{option} on some layers only")
+    # one branch scale (x-transformers' float scale_residual / depth_scale_residual) for every branch, feed-forwards
+    # possibly at half of it (macaron)
+    attn_scale = next(iter(scales["attn"]), next(iter(scales["ff"]), 1.0))
+    macaron = bool(scales["attn"]) and scales["ff"] == {attn_scale * 0.5}
+    if len(scales["attn"]) > 1 or not (scales["ff"] <= {attn_scale} or macaron):
+        problems.add(f"branches scaled differently: attention {sorted(scales['attn'])}, feed-forward {sorted(scales['ff'])}")
+    wrappers = dict(scale=attn_scale, macaron=macaron, layerscale=present["layerscale"] == {True},
+                    adaptive_layerscale=bool(adaptive_gates) and adaptive_gates == {True},
+                    sandwich_norm=present["sandwich"] == {True}, pre_norm=present["pre"] != {False},
+                    post_norms=present["post"] == {True}, shifts=shifts)
     final = layers.final_norm
     if _norm_kind(final, xt) is None:
         if type(final).__name__ == "Identity":
-            problems.add("no final norm (pre_norm_has_final_norm=False or post-norm)")
+            pass  # pre_norm_has_final_norm=False or pre_and_post_norm (post-norm is refused above)
         else:
             problems.add(_TYPE_OPTIONS.get(type(final).__name__, type(final).__name__), "attn_layers.final_norm")
     else:
@@ -723,20 +974,40 @@ def _check_layers(layers, xt, xt_attend, types: tuple, dim: int, problems: _Prob
     if len(attn_keys) > 1:
         problems.add(f"attention layers that differ in (qk_norm, num_mem_kv, head_learned_sink, logit softclamp, gates): "
                      f"{sorted(attn_keys, key=repr)}")
+    for kind, counts in mem_kv.items():
+        if len(counts) > 1:
+            problems.add(f"{'self' if kind == 'a' else 'cross'}-attention layers with different num_mem_kv: {sorted(counts)}")
+    if len(self_scoring) > 1:
+        problems.add(f"self-attention layers with different CoPE / relative projection bias options: "
+                     f"{sorted(self_scoring, key=repr)}")
     if len(cross_dims) > 1:
         problems.add(f"cross-attention layers of different context widths: {sorted(cross_dims)}")
-    if len(attn_dropouts) > 1:
-        problems.add(f"attention layers of different dropout: {sorted(attn_dropouts)}")
     ff_ok = [f for f in ff_infos if f is not None]
-    ff_kinds = {(f["glu"], f["swish"], f["out"].in_features, f["dropout"], f.get("softclamp")) for f in ff_ok}
-    if len(ff_kinds) > 1:
-        problems.add(f"feed-forward layers of different (glu, swish, hidden width, dropout, softclamp): "
+    ff_kinds = {(f["glu"], f["swish"], f.get("softclamp"), f.get("glu_softclamp"), repr(f["act"])) for f in ff_ok}
+    if len(ff_kinds) > 1:  # (widths and dropouts may differ per layer)
+        problems.add(f"feed-forward layers of different (glu, swish, softclamp, glu softclamp, activation): "
                      f"{sorted(ff_kinds, key=repr)}")
     for f in ff_ok:
         if f["out"].out_features != dim or f["in"].in_features != dim:
             problems.add("ff_dim_out != dim")
-    return dict(norm_kinds=norm_kinds, attn_shapes=attn_shapes, attn_opts=attn_opts, cross_dims=cross_dims,
-                attn_dropouts=attn_dropouts, ff_ok=ff_ok)
+    return dict(norm_kinds=norm_kinds, attn_shapes=attn_shapes, attn_opts=attn_opts, cross_dims=cross_dims, mem_kv=mem_kv,
+                attn_dropouts=attn_dropouts, drops=drops, ff_ok=ff_ok, wrappers=wrappers, cond_width=cond_width,
+                self_scoring=next(iter(self_scoring), ()), inverted=inverted)
+
+
+def _attn_dropouts(drops: dict[str, list[float]], only_cross: bool, problems: _Problems) -> tuple:
+    """``(attn_dropout, cross-attention dropout or None)``: one number, or one per layer (the self-attentions';
+    the cross-attentions' with ``only_cross``), and the cross-attentions' own value where it differs from what
+    ``attn_dropout`` gives them (a sequence gives them 0)."""
+    own, cross = (drops["c"], []) if only_cross else (drops["a"], drops["c"])
+    own = own or [0.0]
+    attn_dropout = own[0] if len(set(own)) == 1 else tuple(own)
+    if not cross:
+        return attn_dropout, None
+    if len(set(cross)) > 1:
+        problems.add(f"cross-attention layers of different dropout: {cross}")
+    given = attn_dropout if isinstance(attn_dropout, float) else 0.0
+    return attn_dropout, (cross[0] if cross[0] != given else None)
 
 
 def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list[str]) -> _Plan:
@@ -748,36 +1019,89 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
     num_memory_tokens, tied, to_logits, has_abs, l2norm_embed = (
         w["num_memory_tokens"], w["tied"], w["to_logits"], w["has_abs"], w["l2norm_embed"])
     st = _check_stack(layers, xt, problems, training_only, has_abs)
-    types, cross, only_cross, depth, rotary, rotary_dim, alibi = (
-        st["types"], st["cross"], st["only_cross"], st["depth"], st["rotary"], st["rotary_dim"], st["alibi"])
-    ly = _check_layers(layers, xt, xt_attend, types, dim, problems, training_only)
-    norm_kinds, attn_shapes, attn_opts, cross_dims, attn_dropouts, ff_ok = (
-        ly["norm_kinds"], ly["attn_shapes"], ly["attn_opts"], ly["cross_dims"], ly["attn_dropouts"], ly["ff_ok"])
+    types, cross, only_cross, rotary, rotary_dim, alibi = (
+        st["types"], st["cross"], st["only_cross"], st["rotary"], st["rotary_dim"], st["alibi"])
+    ly = _check_layers(layers, xt, xt_attend, types, dim, problems, training_only, st["routing"])
+    norm_kinds, attn_shapes, attn_opts, cross_dims, ff_ok = (
+        ly["norm_kinds"], ly["attn_shapes"], ly["attn_opts"], ly["cross_dims"], ly["ff_ok"])
 
     heads, kv_heads, dim_head = next(iter(attn_shapes)) if attn_shapes else (1, 1, dim)
-    if alibi and 1 < kv_heads < heads:
-        problems.add(f"alibi_pos_bias with grouped-query heads (attn_kv_heads={kv_heads} of heads={heads}): "
-                     f"safeformer groups query heads the other way round, and its ALiBi slopes are fixed per head index")
+    alibi_opts = dict(st["alibi_opts"])
+    if alibi and 1 < kv_heads < heads:  # the slopes follow their query heads (permuted, see _build_wrapper)
+        if alibi_opts.get("alibi_num_heads") is not None:
+            problems.add(f"alibi_num_heads={alibi_opts['alibi_num_heads']} with grouped-query heads "
+                         f"(attn_kv_heads={kv_heads} of heads={heads}): safeformer groups query heads the other way "
+                         f"round, which would move the ALiBi heads off the first ones")
+        else:
+            full = stack_alibi_slopes(heads, None, (alibi_opts.get("rel_pos_kwargs") or {}).get("slopes")).double()
+            g = heads // kv_heads
+            alibi_opts = {"rel_pos_kwargs": {"slopes": full[[(m % g) * kv_heads + m // g for m in range(heads)]].tolist()}}
     opts0 = next(iter(attn_opts.values()), _AttnOptions())
 
     # ---- the safeformer configuration
     ff0 = ff_ok[0] if ff_ok else None
-    hidden = ff0["out"].in_features if ff0 else 4 * dim
-    ff_mult = hidden / dim
-    if int(dim * ff_mult) != hidden:
-        problems.add(f"a feed-forward hidden width {hidden} that is not int(dim * mult) for any float mult")
+    mults = []
+    for hidden in [f["out"].in_features for f in ff_ok] or [4 * dim]:
+        mults.append(hidden / dim)
+        if int(dim * mults[-1]) != hidden:
+            problems.add(f"a feed-forward hidden width {hidden} that is not int(dim * mult) for any float mult")
+    ff_mult = mults[0] if len(set(mults)) == 1 else tuple(mults)  # per layer (x-transformers' ff_mult sequence)
+    ff_drops = [float(f["dropout"]) for f in ff_ok] or [0.0]
+    ff_dropout = ff_drops[0] if len(set(ff_drops)) == 1 else tuple(ff_drops)
+    attn_dropout, cross_dropout = _attn_dropouts(ly["drops"], only_cross, problems)
     rms = norm_kinds == {"rms"}
+    ada = len(norm_kinds) == 1 and next(iter(norm_kinds)).startswith("ada_")
     stack_kwargs = dict(
-        dim=dim, depth=max(depth, 1), heads=heads, dim_head=dim_head, kv_heads=kv_heads if kv_heads != heads else None,
+        dim=dim, depth=None, heads=heads, dim_head=dim_head, kv_heads=kv_heads if kv_heads != heads else None,
         ff_mult=ff_mult, ff_glu=bool(ff0 and ff0["glu"]), ff_swish=bool(ff0 and ff0["swish"]),
-        use_rmsnorm=rms, norm_eps=_RMS_EPS if rms else None, use_dynamic_tanh=norm_kinds == {"dyt"},
-        attn_dropout=float(next(iter(attn_dropouts), 0.0)),
-        ff_dropout=float(ff0["dropout"]) if ff0 else 0.0,
+        use_rmsnorm=rms, norm_eps=_RMS_EPS if rms or norm_kinds == {"ada_rms"} else None,
+        use_dynamic_tanh=norm_kinds == {"dyt"}, use_adaptive_layernorm=norm_kinds == {"ada_layer"},
+        use_adaptive_rmsnorm=norm_kinds == {"ada_rms"},
+        use_derf=norm_kinds == {"derf"},
+        attn_dropout=attn_dropout, ff_dropout=ff_dropout,
     )
+    stack_kwargs.update(st["routing"])
+    wr = ly["wrappers"]
+    pattern, stack_kwargs["depth"] = _layer_pattern(layers, types, st["block"], wr["macaron"])
+    stack_kwargs.update(pattern)
+    if wr["scale"] != 1.0:  # a float branch scale: with a learned residual scale x-transformers' float scale_residual
+        stack_kwargs["scale_residual" if st["routing"].get("scale_residual") else "depth_scale_residual"] = wr["scale"]
+    for key in ("macaron", "sandwich_norm"):
+        if wr[key]:
+            stack_kwargs[key] = True
+    if wr["layerscale"]:
+        stack_kwargs["use_adaptive_layerscale" if wr["adaptive_layerscale"] else "use_layerscale"] = True
+    if ada or wr["adaptive_layerscale"]:  # the condition's width (before x-transformers' adaptive_condition_mlp)
+        mlp = getattr(layers, "adaptive_mlp", None)
+        if isinstance(mlp, nn.Sequential):
+            first = mlp[0]
+            stack_kwargs.update(dim_condition=int(first.in_features), adaptive_condition_mlp=True,
+                                adaptive_condition_mlp_expansion=int(first.out_features // first.in_features))
+            if first.out_features % first.in_features or first.bias is not None or len(mlp) != 2 \
+                    or not isinstance(mlp[1], nn.SiLU):
+                problems.add("adaptive_condition_mlp of another shape")
+        elif ly["cond_width"] is not None:
+            stack_kwargs.update(dim_condition=ly["cond_width"])
+    if not wr["pre_norm"]:  # post-norm: the norms after each residual update (no final norm)
+        stack_kwargs["pre_norm"] = False
+        if not wr["post_norms"]:
+            problems.add("no pre-norm and no post-norm")
+    elif wr["post_norms"] and not st["routing"].get("pre_and_post_norm"):
+        problems.add("post-norms without pre_and_post_norm")
+    if any(wr["shifts"]):
+        shifts = wr["shifts"]
+        stack_kwargs["shift_tokens"] = shifts[0] if len(set(shifts)) == 1 else tuple(shifts)
+    if type(layers.final_norm).__name__ == "Identity" and wr["pre_norm"] and not st["routing"].get("pre_and_post_norm"):
+        stack_kwargs.update(pre_norm_has_final_norm=False)
+    if cross_dropout is not None:  # x-transformers' cross_attn_dropout
+        stack_kwargs.setdefault("cross_attn_kwargs", {})["dropout"] = cross_dropout
     if rotary is not None:
         stack_kwargs.update(rotary_pos_emb=True, rotary_emb_dim=rotary_dim, **st["rotary_opts"])
     if alibi:
-        stack_kwargs.update(alibi_pos_bias=True)
+        stack_kwargs.update(alibi_pos_bias=True, **alibi_opts)
+    if st["polar"]:
+        stack_kwargs.update(polar_pos_emb=True)
+    stack_kwargs.update(st["t5_opts"])
     if cross:
         stack_kwargs.update(dim_context=next(iter(cross_dims), dim))
     if opts0.qk_norm or opts0.value_rmsnorm:  # x-transformers l2-normalises (F.normalize, eps 1e-12)
@@ -793,6 +1117,11 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
                             learned_value_residual_mix=any(o.value_mix for o in attn_opts.values()))
     if ff0 is not None and ff0.get("softclamp") is not None:
         stack_kwargs.update(ff_softclamp_value=ff0["softclamp"])
+    if ff0 is not None and ff0.get("glu_softclamp") is not None:
+        gate, up = ff0["glu_softclamp"]
+        stack_kwargs.update(ff_glu_softclamp=True, ff_glu_gate_softclamp_value=gate, ff_glu_up_softclamp_value=up)
+    if ff0 is not None and ff0["act"] is not None:
+        stack_kwargs.update(ff_custom_activation=copy.deepcopy(ff0["act"]))
     if opts0.dd_alibi:
         if cross:
             problems.add("attn_data_dependent_alibi with cross-attention (safeformer biases self-attention only)")
@@ -801,13 +1130,28 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         if cross:
             problems.add("attn_orthog_projected_values with cross-attention (safeformer projects self-attention only)")
         stack_kwargs.update(dict(opts0.orthog))
-    if opts0.mem_kv:
-        stack_kwargs.update(attn_num_mem_kv=opts0.mem_kv)
+    self_mem, cross_mem = (max(ly["mem_kv"][k], default=0) for k in ("a", "c"))
+    if only_cross:
+        self_mem = cross_mem
+    if self_mem:
+        stack_kwargs.update(attn_num_mem_kv=self_mem)
+    if cross and cross_mem != self_mem:  # x-transformers' cross_attn_num_mem_kv
+        stack_kwargs.setdefault("cross_attn_kwargs", {})["num_mem_kv"] = cross_mem
     if opts0.sink:
         stack_kwargs.update(attn_head_learned_sink=True)
     if opts0.softclamp is not None:
         stack_kwargs.update(attn_softclamp_logits=True, attn_logit_softclamp_value=opts0.softclamp)
     stack_kwargs.update(dict(opts0.gates))
+    stack_kwargs.update(dict(opts0.scoring))
+    if opts0.hybrid:  # the module itself: every layer's copy gets its own weights in _build_wrapper
+        fold, mask_kwarg, learned_mix, _ = opts0.hybrid
+        first = next(_unwrap(blk, xt).inner for k, (_, blk, _) in enumerate(layers.layers) if k in attn_opts)
+        stack_kwargs.update(attn_hybrid_module=copy.deepcopy(first.hybrid_module.fn), attn_hybrid_fold_axial_dim=fold,
+                            attn_hybrid_mask_kwarg=mask_kwarg, attn_hybrid_learned_mix=learned_mix)
+    stack_kwargs.update(dict(ly["self_scoring"]))
+    if any(ly["inverted"]):
+        inv = ly["inverted"]
+        stack_kwargs.update(cross_attn_inverted_attention=True if all(inv) else tuple(inv))
     layers_cls = CrossAttender if only_cross else (Decoder if layers.causal else Encoder)
     if not only_cross:
         stack_kwargs.update(cross_attend=cross)
@@ -830,6 +1174,11 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         wrapper_kwargs.update(use_cls_token=True, num_cls_tokens=int(model.cls_token.shape[0]))
     if getattr(model, "average_pool_embed", False):
         wrapper_kwargs.update(average_pool_embed=True)
+    if w["ff_deep"]:
+        wrapper_kwargs.update(ff_deep_embed=True)
+    if w["pool_kwargs"] is not None:
+        wrapper_kwargs.update(w["pool_kwargs"])
+    wrapper_kwargs.update(w["extra"])
     return _Plan(
         model=model, problems=problems, layers_cls=layers_cls, stack_kwargs=stack_kwargs, wrapper_kwargs=wrapper_kwargs,
         types=types, heads=heads, kv_heads=kv_heads, dim_head=dim_head, tied=tied, attn_opts=attn_opts,
@@ -842,7 +1191,16 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
     model = plan.model
     layers = model.attn_layers
     dim = layers.dim
-    sf = TransformerWrapper(attn_layers=plan.layers_cls(**plan.stack_kwargs), **plan.wrapper_kwargs)
+    try:
+        sf = TransformerWrapper(attn_layers=plan.layers_cls(**plan.stack_kwargs), **plan.wrapper_kwargs)
+    except (TypeError, ValueError) as err:  # options each convertible, but not together in safeformer
+        plan.problems.add(f"no safeformer model takes this combination of options: {err}")
+        plan.problems.raise_if_any()
+    built = (tuple(sf.attn_layers.layer_types), tuple(sf.attn_layers.layers_execute_order))
+    if built != (tuple(layers.layer_types), tuple(layers.layers_execute_order)):
+        plan.problems.add(f"a layer pattern / execution order safeformer builds otherwise: {built} for "
+                          f"{(tuple(layers.layer_types), tuple(layers.layers_execute_order))}")
+        plan.problems.raise_if_any()
     ref = model.token_emb.emb.weight
     sf = sf.to(device=ref.device, dtype=ref.dtype)  # before copying: no precision is lost on the way
 
@@ -861,9 +1219,23 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
         weight, _, names = _norm_weights(src, xt)
         for n in names:
             used.add(id(getattr(src, n)))
+        if isinstance(dst, AdaptiveNorm):  # norm(x) * (1 + W c): x-transformers' has no shift (to_beta stays 0)
+            put(dst.to_gamma.weight, take(src.to_gamma.weight))
+            if dst.to_beta is not None:
+                dst.to_beta.weight.zero_()
+            if dst.rms and dst.eps != _RMS_EPS:
+                raise AssertionError(f"converted adaptive RMSNorm has eps {dst.eps}, expected {_RMS_EPS}")
+            return
         if isinstance(dst, DynamicTanh):  # x-transformers' unit offsets (norm_add_unit_offset) folded in
             put(dst.pre_tanh_scale, src.pre_tanh_scale.detach() + float(src.pre_tanh_scale_offset))
             put(dst.gamma, src.gamma.detach() + float(src.gamma_offset))
+            put(dst.beta, src.beta.detach())
+            return
+        if isinstance(dst, Derf):  # erf(alpha * x + s) * gamma + beta, x-transformers' unit offsets folded in
+            offset = float(src.scale_offset)
+            put(dst.alpha, src.alpha.detach() + offset)
+            put(dst.s, src.s.detach())
+            put(dst.gamma, src.gamma.detach() + offset)
             put(dst.beta, src.beta.detach())
             return
         put(dst.weight, weight)
@@ -895,6 +1267,43 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                 put(first_dst.weight, w_in[:, rows] if attr == "to_output_gate" else w_in)
                 put(last_dst.weight, take(last_src.weight)[out_idx])
 
+    def copy_same(dst: nn.Module, src: nn.Module) -> None:
+        """Every parameter of ``src`` into ``dst``'s parameter of the same name."""
+        mine = dict(dst.named_parameters())
+        if set(mine) != {n for n, _ in src.named_parameters()}:
+            raise AssertionError(f"parameters differ: {sorted(mine)} vs {[n for n, _ in src.named_parameters()]}")
+        for n, p in src.named_parameters():
+            put(mine[n], take(p))
+
+    def copy_routing(routing) -> None:
+        """x-transformers' residual routing parameters (LIMe, U-Net skips, input reinjection, post-norms, the
+        mean/variance split updates) into ``block.ResidualRouting``, layer by layer."""
+        for i, ((_, _, post_main), _, residual) in enumerate(layers.layers):
+            if routing.post_norms is not None:
+                copy_norm(routing.post_norms[i], post_main)
+            if routing.mv_split is not None:
+                copy_same(routing.mv_split[i], residual)
+            if getattr(routing, "residual_scales", None) is not None:  # scale_residual
+                put(routing.residual_scales[i], take(residual.residual_scale))
+            if getattr(routing, "grus", None) is not None:  # gate_residual
+                copy_same(routing.grus[i], residual.gru)
+            if routing.integrators is not None:
+                lime_norm, lime_linear = layers.layer_integrators[i].to_weights[:2]
+                weight, _, names = _norm_weights(lime_norm, xt)
+                used.update(id(getattr(lime_norm, n)) for n in names)
+                put(routing.integrators[i].norm.weight, weight)
+                copy_same(routing.integrators[i].to_weights, lime_linear)
+            src_skip = layers.skip_combines[i] if routing.skip_combines is not None else None
+            dst_skip = routing.skip_combines[str(i)] if src_skip is not None and str(i) in routing.skip_combines else None
+            if (src_skip is None) != (dst_skip is None) or (
+                    dst_skip is not None and dst_skip.prev_layer_ind != src_skip.prev_layer_ind):
+                plan.problems.add(f"unet_skips paired differently at layer {i}")
+            elif dst_skip is not None:
+                copy_same(dst_skip.combine, src_skip.combine)
+        for attr in ("reinject_input_proj", "learned_reinject_input_gate"):
+            if getattr(routing, attr) is not None:
+                copy_same(getattr(routing, attr), getattr(layers, attr))
+
     heads, kv_heads, dim_head = plan.heads, plan.kv_heads, plan.dim_head
     g = heads // kv_heads
     # our query head m = kv * g + r  <->  x-transformers query head n = r * kv_heads + kv
@@ -910,10 +1319,45 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
         if plan.wrapper_kwargs.get("use_cls_token"):
             put(sf.cls_token, take(model.cls_token))
         if not plan.tied and model.to_logits is not None:
-            put(sf.to_logits.weight, take(model.to_logits.weight))
-        for k, ((pre, _, _), blk, _) in enumerate(layers.layers):
-            norm, dst = sf.attn_layers.layers[k][:2]
-            copy_norm(norm, pre)
+            if isinstance(model.to_logits, nn.ModuleList):  # num_output_heads
+                for mine, theirs in zip(sf.to_logits, model.to_logits, strict=True):
+                    copy_same(mine, theirs)
+            else:
+                put(sf.to_logits.weight, take(model.to_logits.weight))
+        if plan.wrapper_kwargs.get("emb_dim") is not None:
+            copy_same(sf.project_emb, model.project_emb)
+        if plan.wrapper_kwargs.get("embed_num_tokens"):
+            copy_same(sf.embeds, model.embeds)
+        if plan.wrapper_kwargs.get("looped"):
+            copy_same(sf.exit_gate, model.exit_gate)
+        theirs = dict(model.named_parameters())
+        for key in XT_OPTION_PARAMETERS:  # the wrapper options' parameters, same names in both
+            if key in theirs:
+                put(sf.get_parameter(key), take(theirs[key]))
+        if plan.stack_kwargs.get("rel_pos_bias"):  # Embedding(num_buckets, h): per query head
+            put(sf.attn_layers.rel_pos.relative_attention_bias.weight,
+                take(layers.rel_pos.relative_attention_bias.weight)[:, perm])
+        if plan.stack_kwargs.get("polar_pos_emb"):  # (h, 1, d): per query head
+            put(sf.attn_layers.polar_pos_emb.learned_bias, take(layers.polar_pos_emb.learned_bias)[perm])
+        if plan.wrapper_kwargs.get("ff_deep_embed"):
+            put(sf.ff_deep_embed, take(model.ff_deep_embed))
+        if plan.wrapper_kwargs.get("attn_pool"):  # the pool's heads are its own: nothing to permute
+            src = dict(model.attn_pool.named_parameters())
+            for name, dst_p in sf.attn_pool.named_parameters():
+                put(dst_p, take(src[name]))
+        for k, ((pre, post_branch, _), wrapped, _) in enumerate(layers.layers):
+            block = sf.attn_layers.layers[k]
+            norm, dst = block[:2]
+            w = _unwrap(wrapped, xt)
+            blk = w.inner
+            if pre is not None:
+                copy_norm(norm, pre)
+            if post_branch is not None:  # sandwich_norm: the block's norm at index 3
+                copy_norm(block[3], post_branch)
+            if isinstance(w.layerscale, xt.LayerScale):  # x-transformers' unit offset folded in
+                put(block.gate.gamma, take(w.layerscale.gamma) + float(w.layerscale.unit_offset))
+            elif w.layerscale is not None:  # use_adaptive_layerscale: sigmoid(W c + b)
+                copy_same(block.gate.to_gate, w.layerscale.to_gamma)
             if plan.types[k] in ("a", "c"):
                 put(dst.to_q.weight, take(blk.to_q.weight)[rows])
                 put(dst.to_k.weight, take(blk.to_k.weight))
@@ -950,6 +1394,26 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     for t in (blk.qk_norm_q_scale, blk.qk_norm_k_scale):
                         if isinstance(t, Tensor):
                             take(t)
+                for attr in ("to_latent_q", "to_latent_kv", "to_rotateable_k"):  # multi-latent attention
+                    if getattr(blk, attr, None) is not None:  # (latent features and key heads are not permuted)
+                        put(getattr(dst, attr).weight, take(getattr(blk, attr).weight))
+                if getattr(blk.attend, "cope", None) is not None:  # one table shared by every head
+                    put(dst.cope.pos_emb, take(blk.attend.cope.pos_emb))
+                if getattr(blk, "rel_proj_pos_bias", None) is not None:  # Linear(dim, heads * basis): heads permuted
+                    src_rel, dst_rel = blk.rel_proj_pos_bias, dst.rel_proj_pos_bias
+                    lin = src_rel.to_distance_weights[0]
+                    basis = src_rel.distance_bank.shape[0]
+                    idx = (perm[:, None] * basis + torch.arange(basis, device=perm.device)[None, :]).reshape(-1)
+                    put(dst_rel.to_distance_weights.weight, take(lin.weight)[idx])
+                    put(dst_rel.to_distance_weights.bias, take(lin.bias)[idx])
+                    put(dst_rel.distance_bank, take(src_rel.distance_bank))
+                if opts.hybrid:  # the module's parameters by name; its norms and mix per query head (not permuted:
+                    src_h, dst_h = blk, dst.hybrid  # grouped-query heads are refused)
+                    copy_same(dst_h.hybrid_module, src_h.hybrid_module)
+                    for j in range(2):
+                        put(dst_h.hybrid_norms[j].weight, take(src_h.hybrid_norms[j].gamma).reshape(heads, dim_head))
+                    if dst_h.hybrid_mix is not None:
+                        put(dst_h.hybrid_mix.weight, take(src_h.hybrid_mix.weight))
                 if opts.mem_kv:  # key/value heads are not permuted
                     put(dst.mem_k, take(blk.mem_k))
                     put(dst.mem_v, take(blk.mem_v))
@@ -965,7 +1429,12 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     w_out = w_out * take(info["mult_bias"])[None, :]
                 put(dst.proj_out.weight, w_out)
                 put(dst.proj_out.bias, take(info["out"].bias) if info["out"].bias is not None else torch.zeros_like(dst.proj_out.bias))
-        copy_norm(sf.attn_layers.final_norm, layers.final_norm)
+        if type(layers.final_norm).__name__ != "Identity":
+            copy_norm(sf.attn_layers.final_norm, layers.final_norm)
+        if sf.attn_layers.routing is not None:
+            copy_routing(sf.attn_layers.routing)
+        if getattr(sf.attn_layers, "adaptive_mlp", None) is not None:  # adaptive_condition_mlp
+            copy_same(sf.attn_layers.adaptive_mlp, layers.adaptive_mlp)
 
     unused = [n for n, p in model.named_parameters() if id(p) not in used]
     if unused:
@@ -1018,8 +1487,10 @@ def _effective_config(net: TransformerWrapper) -> dict:
         lc.pop("rotary_theta", None)
     if lc.get("norm_eps") is None:
         lc["norm_eps"] = 1e-6 if lc.get("use_rmsnorm") else 1e-5
-    if "ff_mult" in lc:
-        lc["ff_mult"] = float(lc["ff_mult"])
+    for key in ("ff_mult", "attn_dropout", "ff_dropout"):  # a number, or one per layer (a list once saved)
+        if key in lc:
+            value = lc[key]
+            lc[key] = tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else float(value)
     if not lc.get("attn_softclamp_logits"):
         lc.pop("attn_logit_softclamp_value", None)
     out = {f"attn_layers.{k}": v for k, v in lc.items()}
@@ -1197,7 +1668,21 @@ def from_x_transformers(
     ``num_memory_tokens``, ``attn_num_mem_kv``, ``attn_head_learned_sink``, ``attn_softclamp_logits``;
     gated attention (``attn_gate_values``, ``attn_output_gate``, per feature, per head or low rank,
     ``attn_swiglu_values``; the gates' heads permuted with the query heads); ``attn_flash`` on or off; a tied embedding (kept tied); ``logits_dim``; ``return_only_embed``;
-    attention, feed-forward and embedding dropout.
+    attention, feed-forward and embedding dropout (one number, or one per layer). Also: the residual routing
+    options (``unet_skips``, ``reinject_input`` / ``learned_reinject_input_gate``, ``pre_and_post_norm``,
+    ``integrate_layers``, ``orthog_residual``, ``mv_split_residual``), per-layer ``ff_mult``; layer patterns
+    (``custom_layers``, ``par_ratio``, ``sandwich_coef``, ``macaron``, ``only_attn``, ``weight_tie_layers``,
+    ``layers_execute_order``), ``sandwich_norm``, ``pre_norm=False``, ``pre_norm_has_final_norm=False``,
+    ``scale_residual`` (bool or float) / ``scale_residual_constant`` / float ``depth_scale_residual``,
+    ``gate_residual``, ``use_layerscale``, ``softclamp_output``, ``shift_tokens``, ``residual_attn`` /
+    ``cross_residual_attn``; scoring (``attn_l2_distance``, ``attn_cog_signed``, ``attn_sigmoid``, ``attn_laser``,
+    multi-latent attention, ``attn_use_cope``, ``attn_use_rel_proj_pos_bias``, ``cross_attn_inverted_attention``);
+    positions (``rotary_xpos``, ``polar_pos_emb``, ``rel_pos_bias``, ``alibi_num_heads``, custom ALiBi slopes);
+    ``use_derf``, ``ff_custom_activation`` (a parameter-free ``torch.nn`` module), ``ff_glu_softclamp``,
+    ``attn_hybrid_module``; in the wrapper ``emb_dim``, ``embed_num_tokens``, ``num_output_heads``,
+    ``sigsoftmax_logits``, ``memory_tokens_interspersed_every``, ``looped``, ``mixture_of_softmax``,
+    ``recycling``, ``add_continuous_pred_head``, ``squeeze_out_last_dim``. Hyper-connections
+    (``num_residual_streams > 1``) are refused: x-transformers 2.31.10's residual mix is not safeformer's.
 
     Also x-transformers' ``DPO``, ``XValTransformerWrapper``, ``XValAutoregressiveWrapper``, ``NeoMLP``,
     ``MultiInputTransformerWrapper`` and ``EntropyBasedTokenizer`` (their converters live beside the

@@ -9,6 +9,7 @@ Masks follow safeformer's one convention (bool, True = may attend / is real); se
 from __future__ import annotations
 
 import math
+from copy import deepcopy
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "RMSNorm",
+    "Derf",
     "AdaptiveNorm",
     "AdaptiveRMSNorm",
     "AdaptiveLayerScale",
@@ -24,9 +26,12 @@ __all__ = [
     "FeedForward",
     "AbsolutePositionalEmbedding",
     "RotaryEmbedding",
+    "PolarEmbedding",
+    "apply_polar_pos_emb",
     "apply_rotary",
     "alibi_slopes",
     "alibi_bias",
+    "stack_alibi_slopes",
     "positions_from_mask",
 ]
 
@@ -83,6 +88,26 @@ class DynamicTanh(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)
         out = torch.tanh(x.to(dtype) * self.pre_tanh_scale.to(dtype)) * self.gamma.to(dtype) + self.beta.to(dtype)
+        return out.to(x.dtype)
+
+
+class Derf(nn.Module):
+    """x-transformers' ``Derf`` (https://arxiv.org/abs/2512.10938, a norm-free replacement of the norms):
+    ``erf(alpha * x + s) * gamma + beta`` with learned scalars ``alpha`` (``init_alpha``, 0.5) and ``s``
+    (``init_bias``, 0), in float32 (S7). The parameters hold the effective values (x-transformers' ``unit_offset``
+    stores ``alpha - 1`` and ``gamma - 1``: add 1 when loading such weights). Elementwise: a zero row stays
+    ``erf(s) * gamma + beta``, finite."""
+
+    def __init__(self, dim: int, init_alpha: float = 0.5, init_bias: float = 0.0):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(float(init_alpha)))
+        self.s = nn.Parameter(torch.tensor(float(init_bias)))
+        self.gamma = nn.Parameter(torch.ones(dim))
+        self.beta = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        out = torch.erf(x.to(dtype) * self.alpha.to(dtype) + self.s.to(dtype)) * self.gamma.to(dtype) + self.beta.to(dtype)
         return out.to(x.dtype)
 
 
@@ -201,26 +226,54 @@ class FeedForward(nn.Module):
         dropout: dropout on the hidden layer.
         no_bias: no biases in the two projections.
         zero_init_output: the output projection starts at zero (the branch starts as an exact no-op).
-        softclamp_value: ``tanh(h / v) * v`` on the hidden layer before the activation (x-transformers' name;
-            not with ``glu``, where x-transformers ignores it).
+        softclamp_value: ``tanh(h / v) * v`` on the hidden layer before the activation (x-transformers' name).
+            With ``glu`` x-transformers ignores it: so does this module, with a ``UserWarning`` (see ``glu_softclamp``).
+        custom_activation: a module (deep-copied) or function used as the activation instead of GELU / SiLU /
+            ReLU² (x-transformers' ``custom_activation``); it must map finite inputs to finite outputs.
+        glu_softclamp: with ``glu`` (GELU or SiLU), x-transformers' situ-GLU: ``softclamp(up, glu_up_softclamp_value)
+            * softclamp(gate, glu_gate_softclamp_value) * Phi(gate)`` (``sigmoid(gate)`` for SiLU); the values default
+            to 4 (gate) and 25 (up), as there. Given without ``glu_softclamp`` they do nothing (as in x-transformers),
+            with a ``UserWarning``.
     """
 
     def __init__(self, dim: int, dim_out: int | None = None, mult: float = 4, glu: bool = False, *,
                  swish: bool = False, relu_squared: bool = False, dropout: float = 0.0, no_bias: bool = False,
-                 zero_init_output: bool = False, softclamp_value: float | None = None):
+                 zero_init_output: bool = False, softclamp_value: float | None = None, custom_activation=None,
+                 glu_softclamp: bool = False, glu_gate_softclamp_value: float | None = None,
+                 glu_up_softclamp_value: float | None = None):
         super().__init__()
-        if softclamp_value is not None and (glu or isinstance(softclamp_value, bool) or not isinstance(
-                softclamp_value, (int, float)) or not math.isfinite(softclamp_value) or softclamp_value <= 0):
-            raise ValueError(f"ff softclamp_value must be a positive finite number and needs glu=False (x-transformers "
-                             f"ignores it with glu), got {softclamp_value!r} with glu={glu}")
+        import warnings
+
+        for name, v in (("softclamp_value", softclamp_value), ("glu_gate_softclamp_value", glu_gate_softclamp_value),
+                        ("glu_up_softclamp_value", glu_up_softclamp_value)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+                raise ValueError(f"ff {name} must be a positive finite number, got {v!r}")
+        if softclamp_value is not None and glu:
+            warnings.warn("ff softclamp_value has no effect with glu (x-transformers ignores it there too); "
+                          "ff_glu_softclamp clamps a gated feed-forward", UserWarning, stacklevel=2)
+            softclamp_value = None
         self.softclamp_value = None if softclamp_value is None else float(softclamp_value)
         if mult <= 0:
             raise ValueError(f"ff mult must be positive, got {mult}")
-        if swish and relu_squared:
-            raise ValueError("choose one activation: swish or relu_squared, not both")
+        if sum(map(bool, (swish, relu_squared, custom_activation is not None))) > 1:
+            raise ValueError("choose one activation: swish, relu_squared or custom_activation")
+        if custom_activation is not None and not callable(custom_activation):
+            raise TypeError(f"ff custom_activation must be a module or a function, got {type(custom_activation).__name__}")
+        if glu_softclamp and (not glu or relu_squared or custom_activation is not None):
+            raise ValueError("ff glu_softclamp clamps the gate of a GELU / SiLU gated feed-forward: it needs glu=True "
+                             "and no relu_squared / custom_activation")
+        if not glu_softclamp and (glu_gate_softclamp_value is not None or glu_up_softclamp_value is not None):
+            warnings.warn("ff glu_gate_softclamp_value / glu_up_softclamp_value have no effect without glu_softclamp "
+                          "(as in x-transformers)", UserWarning, stacklevel=2)
+        self.glu_softclamp = (float(4.0 if glu_gate_softclamp_value is None else glu_gate_softclamp_value),
+                              float(25.0 if glu_up_softclamp_value is None else glu_up_softclamp_value)) \
+            if glu_softclamp else None
         inner = int(dim * mult)
         self.glu = glu
-        self.act = nn.SiLU() if swish else _ReluSquared() if relu_squared else nn.GELU()
+        if custom_activation is not None:
+            self.act = deepcopy(custom_activation) if isinstance(custom_activation, nn.Module) else _Lambda(custom_activation)
+        else:
+            self.act = nn.SiLU() if swish else _ReluSquared() if relu_squared else nn.GELU()
         self.proj_in = nn.Linear(dim, inner * (2 if glu else 1), bias=not no_bias)
         self.dropout = nn.Dropout(dropout)
         self.proj_out = nn.Linear(inner, dim if dim_out is None else dim_out, bias=not no_bias)
@@ -229,16 +282,33 @@ class FeedForward(nn.Module):
             if self.proj_out.bias is not None:
                 nn.init.zeros_(self.proj_out.bias)
 
+    def muon_parameters(self) -> list[nn.Parameter]:
+        """The matrices Muon should optimise (x-transformers' ``muon_parameters``): every linear layer's weight."""
+        return [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
+
     def forward(self, x: Tensor) -> Tensor:
         h = self.proj_in(x)
         if self.glu:
             h, gate = h.chunk(2, dim=-1)
+            if self.glu_softclamp is not None:  # situ-GLU: both factors soft-clamped
+                g, u = self.glu_softclamp
+                gate_p = torch.special.ndtr(gate) if isinstance(self.act, nn.GELU) else torch.sigmoid(gate)
+                return self.proj_out(self.dropout(torch.tanh(h / u) * u * (torch.tanh(gate / g) * g * gate_p)))
             h = h * self.act(gate)
         else:
             if self.softclamp_value is not None:
                 h = torch.tanh(h / self.softclamp_value) * self.softclamp_value
             h = self.act(h)
         return self.proj_out(self.dropout(h))
+
+
+class _Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(x)
 
 
 class _ReluSquared(nn.Module):
@@ -295,10 +365,12 @@ class RotaryEmbedding(nn.Module):
 
     x-transformers' constructor and calls: ``RotaryEmbedding(dim, use_xpos=False, scale_base=512,
     interpolation_factor=1., base=10000, base_rescale_factor=1.)``; ``forward(t)`` takes positions ``(n,)``
-    or ``(b, n)`` and returns ``(freqs (b|1, n, dim), 1.)`` (the second item is xpos' scale: xpos is not
-    supported, ``use_xpos=True`` is refused); ``forward_from_seq_len(n)`` is ``forward(arange(n))``.
-    ``apply_rotary(t, freqs)`` rotates with them (x-transformers' ``apply_rotary_pos_emb``). Angles are
-    computed in float32 (float64 for float64 positions requested through ``angles``), never lower (S7).
+    or ``(b, n)`` and returns ``(freqs (b|1, n, dim), scale)``, ``scale`` being 1, or with ``use_xpos`` xpos'
+    ``(b|1, n, dim)`` scales ``s ** ((t - c) / scale_base)``, ``s = (2k + 0.4 dim) / (1.4 dim)`` per pair ``k`` and
+    ``c = (max(t) + 1) // 2``; ``forward_from_seq_len(n)`` is ``forward(arange(n))``. ``apply_rotary(t, freqs,
+    scale)`` rotates with them (x-transformers' ``apply_rotary_pos_emb``; queries take ``scale``, keys
+    ``scale ** -1``, so a logit decays as ``s ** ((t_i - t_j) / scale_base)``: the center cancels). Angles and
+    scales are computed in float32 (float64 for float64 positions requested through ``angles``), never lower (S7).
 
     ``theta`` is safeformer's name for ``base``.
     """
@@ -308,8 +380,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim % 2 != 0 or dim <= 0:
             raise ValueError(f"rotary_emb_dim must be a positive even number, got {dim}")
-        if use_xpos:
-            raise ValueError("RotaryEmbedding(use_xpos=True) (x-transformers' rotary_xpos) is not supported by safeformer")
+        if not isinstance(use_xpos, bool):
+            raise TypeError(f"use_xpos must be a bool, got {use_xpos!r}")
+        if use_xpos and (isinstance(scale_base, bool) or not isinstance(scale_base, (int, float))
+                         or not math.isfinite(scale_base) or scale_base <= 0):
+            raise ValueError(f"the xpos scale_base (rotary_xpos_scale_base) must be a positive finite number, got "
+                             f"{scale_base!r}")
+        self.use_xpos, self.scale_base = use_xpos, float(scale_base)
         if not interpolation_factor >= 1.0:
             raise ValueError(f"interpolation_factor must be at least 1, got {interpolation_factor}")
         if theta is not None:
@@ -334,9 +411,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # (b, n, dim)
         return freqs[:, None]
 
+    def xpos_scale(self, positions: Tensor, dtype: torch.dtype = torch.float32, per_sample: bool = True) -> Tensor:
+        """xpos' query scales ``(b|1, 1, n, dim)`` for ``positions (b|1, n)``: ``s ** ((t - c) / scale_base)`` with
+        ``c = (max(t) + 1) // 2`` per sample (``per_sample``; else over all of ``positions``, as x-transformers'
+        module does). Keys take the inverse."""
+        dtype = torch.promote_types(dtype, torch.float32)
+        base = (torch.arange(0, self.dim, 2, device=positions.device, dtype=dtype) + 0.4 * self.dim) / (1.4 * self.dim)
+        top = positions.amax(dim=-1, keepdim=True) if per_sample else positions.amax()
+        power = (positions - (top + 1) // 2).to(dtype) / self.scale_base  # (b, n)
+        scale = base ** power[..., None]  # (b, n, dim/2)
+        return torch.stack((scale, scale), dim=-1).flatten(-2)[:, None]
+
     def forward(self, t: Tensor, offset: int = 0, *, dtype: torch.dtype | None = None):
-        """x-transformers' call: positions ``t (n,)`` or ``(b, n)`` -> ``(freqs (b|1, n, dim), 1.)`` in
-        float32. (``dtype=...``: the stack's older call, ``angles(t, dtype)``.)"""
+        """x-transformers' call: positions ``t (n,)`` or ``(b, n)`` -> ``(freqs (b|1, n, dim), scale)`` in
+        float32 (``scale``: 1, or xpos' ``(b|1, n, dim)``). (``dtype=...``: the stack's older call,
+        ``angles(t, dtype)``.)"""
         if dtype is not None:
             return self.angles(t, dtype)
         if not isinstance(t, Tensor) or t.dim() not in (1, 2) or t.is_floating_point() or t.dtype == torch.bool:
@@ -344,11 +433,83 @@ class RotaryEmbedding(nn.Module):
                              f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
         if offset != 0:
             raise ValueError("offset is not applied by x-transformers' RotaryEmbedding either; add it to the positions")
-        return self.angles(t if t.dim() == 2 else t[None])[:, 0], 1.0
+        t2 = t if t.dim() == 2 else t[None]
+        return self.angles(t2)[:, 0], (self.xpos_scale(t2, per_sample=False)[:, 0] if self.use_xpos else 1.0)
 
     def forward_from_seq_len(self, seq_len: int):
         """``forward(arange(seq_len))``: ``(freqs (1, seq_len, dim), 1.)``."""
         return self.forward(torch.arange(seq_len))
+
+
+class PolarAngles:
+    """The stack's PoPE form for ``apply_rotary``: angles ``(b|1, h|1, n, d)`` and a gain on the result (the queries'
+    ``sqrt(2)`` keeps the logit scale at ``d ** -0.5`` although PoPE doubles the features to ``2 d``)."""
+
+    __slots__ = ("freqs", "gain")
+
+    def __init__(self, freqs: Tensor, gain: float = 1.0):
+        self.freqs, self.gain = freqs, gain
+
+
+class PolarEmbedding(nn.Module):
+    """x-transformers' ``PolarEmbedding(dim, heads, bias_uniform_init=False, base=10000)`` (PoPE,
+    https://arxiv.org/abs/2509.10534): a head's ``d`` features become ``2 d``, ``softplus(t) * cos(f)`` and
+    ``softplus(t) * sin(f)`` with ``f = position * base ** (-k / d)`` per feature ``k``; keys' angles add a learned
+    per-head ``learned_bias (h, 1, d)``, clamped to ``[-2 pi, 0]``. Values keep ``d`` features. Computed in float32
+    or wider (S7); ``softplus`` is finite for every finite input.
+
+    ``forward(t)`` (positions ``(n,)`` or ``(b, n)``) returns x-transformers' ``(freqs (b|1, n, d), bias)``;
+    ``apply_polar_pos_emb(t, freqs)`` applies them; ``pair(positions, dtype)`` is the stack's form.
+    """
+
+    def __init__(self, dim: int, heads: int, bias_uniform_init: bool = False, base: float = 10000.0):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"PolarEmbedding dim must be a positive integer, got {dim!r}")
+        self.dim, self.base = dim, float(base)
+        self.learned_bias = nn.Parameter(torch.zeros(heads, 1, dim))
+        if bias_uniform_init:
+            with torch.no_grad():
+                self.learned_bias.uniform_(-2.0 * math.pi, 0.0)
+
+    def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``positions (b, n)`` -> ``(b, n, d)`` angles in float32 or wider."""
+        dtype = torch.promote_types(dtype, torch.float32)
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, device=positions.device, dtype=dtype) / self.dim))
+        return positions.to(dtype)[..., None] * inv_freq
+
+    def bias(self) -> Tensor:
+        return self.learned_bias.clamp(-2.0 * math.pi, 0.0)
+
+    def forward(self, t: Tensor, offset: int = 0):
+        if not isinstance(t, Tensor) or t.dim() not in (1, 2) or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"positions t must be an integer tensor of shape (n,) or (b, n), got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+        if offset != 0:
+            raise ValueError("offset is not applied by x-transformers' PolarEmbedding either; add it to the positions")
+        return self.angles(t if t.dim() == 2 else t[None]), self.bias()
+
+    def pair(self, positions: Tensor, dtype: torch.dtype) -> tuple[PolarAngles, PolarAngles]:
+        """``(query, key)`` forms for ``apply_rotary`` from ``positions (b|1, n)``."""
+        f = self.angles(positions, dtype)[:, None]  # (b|1, 1, n, d)
+        return PolarAngles(f, math.sqrt(2.0)), PolarAngles(f + self.bias().to(f.dtype)[None])  # keys: (b|1, h, n, d)
+
+
+def apply_polar_pos_emb(t: Tensor, freqs: Tensor) -> Tensor:
+    """x-transformers' ``apply_polar_pos_emb``: ``t (b, h, n, d)`` -> ``(b, h, n, 2 d)``, ``cat(softplus(t) cos(f),
+    softplus(t) sin(f))`` with the last ``n`` rows of ``freqs (b|h|1, n_k, d)`` (or ``(b|1, h|1, n, d)``), in float32
+    or wider."""
+    return _polar(t, freqs)
+
+
+def _polar(t: Tensor, freqs: Tensor, gain: float = 1.0) -> Tensor:
+    if freqs.dim() == 3:
+        freqs = freqs[:, -t.shape[-2]:]
+    tf = F.softplus(t.to(torch.promote_types(t.dtype, torch.float32)))
+    if gain != 1.0:
+        tf = tf * gain
+    freqs = freqs.to(tf.dtype)
+    return torch.cat((tf * freqs.cos(), tf * freqs.sin()), dim=-1).to(t.dtype)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -357,21 +518,32 @@ def _rotate_half(x: Tensor) -> Tensor:
     return rearrange(torch.stack((-x2, x1), dim=-1), "... d r -> ... (d r)")
 
 
-def apply_rotary(t: Tensor, freqs: Tensor, scale: float = 1.0) -> Tensor:
+def apply_rotary(t: Tensor, freqs, scale=1.0) -> Tensor:
     """Rotate the first ``freqs.shape[-1]`` features of ``t (b, h, n, d)``; computed in float32 or wider.
 
     ``freqs``: angles ``(b|1, 1, n, rot)`` (``RotaryEmbedding.angles``), or x-transformers' ``(b|1, n_k, rot)``
-    from ``RotaryEmbedding.forward``, whose last ``n`` positions rotate ``t`` (``apply_rotary_pos_emb``).
-    ``scale``: xpos' scale, which must be 1 (xpos is not supported)."""
-    if isinstance(scale, Tensor) or scale != 1:
-        raise ValueError("apply_rotary with an xpos scale is not supported (scale must be 1)")
+    from ``RotaryEmbedding.forward``, whose last ``n`` positions rotate ``t`` (``apply_rotary_pos_emb``); or a pair
+    ``(angles, scale)`` (the stack's xpos form). ``scale``: 1, or xpos' scales shaped like ``freqs``, multiplying
+    the rotated features (x-transformers' ``apply_rotary_pos_emb(t, freqs, scale)``)."""
+    if isinstance(freqs, PolarAngles):  # the stack's PoPE form
+        return _polar(t, freqs.freqs, freqs.gain)
+    if isinstance(freqs, tuple):
+        if isinstance(scale, Tensor) or scale != 1:
+            raise ValueError("pass the xpos scale in the (angles, scale) pair or as scale, not both")
+        freqs, scale = freqs
     if freqs.dim() == 3 and t.dim() == 4:  # x-transformers' (b, n_k, rot): the last n positions
         freqs = freqs[:, None, -t.shape[-2]:]
+        if isinstance(scale, Tensor) and scale.dim() == 3:
+            scale = scale[:, None, -t.shape[-2]:]
     rot = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     tf = t_rot.to(torch.promote_types(t.dtype, torch.float32))
     freqs = freqs.to(tf.dtype)
     t_rot = tf * freqs.cos() + _rotate_half(tf) * freqs.sin()
+    if isinstance(scale, Tensor):
+        t_rot = t_rot * scale.to(tf.dtype)
+    elif scale != 1:
+        t_rot = t_rot * float(scale)
     return torch.cat((t_rot.to(t.dtype), t_pass), dim=-1)
 
 
@@ -389,7 +561,35 @@ def alibi_slopes(heads: int) -> Tensor:
     return torch.tensor(power_of_two(closest) + extra)
 
 
+def stack_alibi_slopes(heads: int, alibi_num_heads: int | None = None, slopes=None) -> Tensor:
+    """The ``(heads,)`` slopes of a stack's ALiBi (x-transformers' ``alibi_num_heads`` and
+    ``rel_pos_kwargs=dict(slopes=[...])``): the first ``alibi_num_heads`` heads (default all) take ``slopes``
+    (default the geometric ones), the other heads 0 (no bias).
+
+    Raises:
+        ValueError: ``alibi_num_heads`` outside ``[1, heads]``, or slopes that are not ``alibi_num_heads``
+            finite non-negative numbers (a negative slope would reward distance without bound: +inf logits).
+    """
+    n = heads if alibi_num_heads is None else alibi_num_heads
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= heads:
+        raise ValueError(f"alibi_num_heads must be an integer in [1, heads={heads}], got {alibi_num_heads!r}")
+    if slopes is None:
+        values = alibi_slopes(n)
+    else:
+        values = torch.as_tensor(slopes, dtype=torch.float32, device="cpu").flatten()  # checked here (not meta)
+        if values.numel() != n or not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+            raise ValueError(f"ALiBi slopes (rel_pos_kwargs['slopes']) must be {n} finite non-negative numbers (one per "
+                             f"ALiBi head), got {slopes!r}")
+    return torch.cat((values.float(), values.new_zeros(heads - n, dtype=torch.float32)))
+
+
 def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """``-slope * |q_pos - k_pos|``: ``(b, h, i, j)`` from positions ``(b, i)`` and ``(b, j)``."""
-    dist = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs().float()
+    """``-slope * |q_pos - k_pos|``: ``(b, h, i, j)`` from positions ``(b, i)`` and ``(b, j)``, or per head
+    ``(b, h, i)`` and ``(b, h, j)`` (x-transformers' custom ALiBi positions across heads)."""
+    if q_pos.dim() == 3 or k_pos.dim() == 3:
+        q3 = q_pos if q_pos.dim() == 3 else q_pos[:, None]
+        k3 = k_pos if k_pos.dim() == 3 else k_pos[:, None]
+        dist = (q3[..., :, None] - k3[..., None, :]).abs().float()  # (b, h|1, i, j)
+    else:
+        dist = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs().float()
     return -slopes.to(dist.device)[None, :, None, None] * dist

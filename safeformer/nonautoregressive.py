@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -50,10 +50,24 @@ from .masks import checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
-__all__ = ["NonAutoregressiveWrapper"]
+__all__ = ["NonAutoregressiveWrapper", "Losses"]
 
 _IGNORE = -100
 _NEG_INF = float("-inf")
+
+
+class Losses(NamedTuple):
+    """What ``NonAutoregressiveWrapper.forward`` returns (x-transformers' ``Losses`` namedtuple).
+
+    Attributes:
+        loss: the loss to train on (``loss.backward()``).
+        generator_loss: the masked-token loss; the same tensor as ``loss`` (safeformer has no token critic).
+        critic_loss: x-transformers' token-critic loss; always ``None`` here.
+    """
+
+    loss: Tensor
+    generator_loss: Tensor | None
+    critic_loss: Tensor | None
 
 
 def cosine_schedule(r: Tensor) -> Tensor:
@@ -143,7 +157,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         >>> net = TransformerWrapper(num_tokens=18, logits_dim=17, max_seq_len=64,
         ...     attn_layers=Encoder(dim=128, depth=4, heads=4, cross_attend=True, dim_context=10))
         >>> model = NonAutoregressiveWrapper(net, mask_id=17, cond_drop_prob=0.2)
-        >>> loss = model(images, context=label, context_mask=label_mask); loss.backward()
+        >>> model(images, context=label, context_mask=label_mask).loss.backward()
         >>> samples = model.generate(seq_len=64, context=label, cond_scale=3.0)   # (b, 64), no 17 left
     """
 
@@ -277,7 +291,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         reduction: str = "mean",
         generator: torch.Generator | None = None,
         **conditions,
-    ) -> Tensor:
+    ) -> Losses:
         """Masked-token cross-entropy of ``x (b, n)``.
 
         Args:
@@ -291,6 +305,10 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
                 hidden: an all-padding batch), ``"sum"``, or ``"none"``: ``(b, n)``, exactly 0 at
                 positions not hidden.
             generator: the random source of the hiding (``hide_tokens``) and of condition dropping.
+
+        Returns:
+            ``Losses(loss, generator_loss, critic_loss)`` (x-transformers' namedtuple): train on ``.loss``;
+            ``generator_loss`` is the same tensor and ``critic_loss`` is ``None`` (no token critic).
         """
         conditions = condition_kwargs("NonAutoregressiveWrapper.forward", conditions)
         self._check_tokens(x, mask)
@@ -304,13 +322,15 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         logits = self.net(inp, mask=mask, **conds.kwargs())  # (b, n, v)
         target = torch.where(hidden, x, torch.full_like(x, _IGNORE))
         if not self.use_simple_mdlm_loss_weight:
-            return safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction=reduction)
+            loss = safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction=reduction)
+            return Losses(loss, loss, None)
         per = safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction="none")  # (b, n), 0 where not hidden
         per = per * mdlm_loss_weight(self.schedule_fn, r).to(per.dtype)[:, None]
         if reduction == "none":
-            return per
+            return Losses(per, per, None)
         total = per.sum()
-        return total if reduction == "sum" else total / hidden.sum().clamp(min=1).to(per.dtype)
+        loss = total if reduction == "sum" else total / hidden.sum().clamp(min=1).to(per.dtype)
+        return Losses(loss, loss, None)
 
     # ------------------------------------------------------------------------------------------------
     # generation

@@ -131,8 +131,13 @@ class Configurable:
 def _encode(v: Any) -> Any:
     if isinstance(v, Configurable):
         return {"class": config_class_name(v), "config": v.get_config()}
+    if isinstance(v, nn.Module) or callable(v):  # a user's module or function (attn_hybrid_module, ...)
+        raise ValueError(f"this model was built with a {type(v).__name__} as an option (e.g. attn_hybrid_module, "
+                         f"ff_custom_activation): it has no JSON config; save its state_dict and rebuild it in code")
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _encode(x) for k, x in v.items()}
     if isinstance(v, torch.dtype):
         return {"dtype": str(v).removeprefix("torch.")}
     return v
@@ -227,6 +232,8 @@ def _check_value(value: Any, hint: Any, where: str, source: str) -> Any:
         if value is None and type(None) in args:
             return None
         options = [a for a in args if a is not type(None)]
+        if not isinstance(value, (list, tuple)):  # a scalar: only the scalar options can match (their precise error)
+            options = [a for a in options if typing.get_origin(a) not in (list, tuple)] or options
         if len(options) == 1:  # X | None: the precise error of X
             return _check_value(value, options[0], where, source)
         for option in options:

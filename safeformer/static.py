@@ -64,7 +64,16 @@ def static_reason(net) -> str | None:
                                     ("recycling", getattr(net, "recycling", False)),
                                     ("a mixture of softmaxes", getattr(net, "to_mixture", None) is not None),
                                     ("squeeze_out_last_dim", getattr(net, "squeeze_out_last_dim", False)),
-                                    ("a probabilistic head", getattr(net, "probabilistic", False))) if on]
+                                    ("a probabilistic head", getattr(net, "probabilistic", False)),
+                                    ("ff_deep_embed", getattr(net, "ff_deep_embed", None) is not None),
+                                    ("looped=True (the stack runs several times, with early exit)",
+                                     getattr(net, "looped", False)),
+                                    ("emb_dim != dim (a projection of the embeddings)",
+                                     getattr(net, "project_emb", None) is not None),
+                                    ("num_output_heads > 1", getattr(net, "num_output_heads", 1) > 1),
+                                    ("sigsoftmax_logits", getattr(net, "sigsoftmax_logits", False)),
+                                    ("memory_tokens_interspersed_every",
+                                     getattr(net, "memory_tokens_interspersed_every", None) is not None)) if on]
     if custom:  # the step embeds and reads out with the wrapper's plain parts only
         return f"the wrapper has {', '.join(custom)} (run as the wrapper's forward runs them)"
     width = getattr(net.to_logits, "out_features", None) if isinstance(net, TransformerWrapper) else None
@@ -73,11 +82,25 @@ def static_reason(net) -> str | None:
         return "logits_dim is larger than num_tokens (a sampled id may be outside the vocabulary)"
     if not stack.causal:
         return "the stack is not causal"
+    if getattr(stack, "static_step_reason", None):
+        return stack.static_step_reason
     if getattr(stack, "add_value_residual", False):
         return "add_value_residual passes the first attention's values to the others (the step does not)"
     for blk in stack.layers:
-        if blk.kind != "ff" and (blk.mixer.extra_keys or blk.mixer.softclamp_value is not None):
-            return "attention with memory keys, a learned sink or softclamped logits runs the explicit path"
+        if blk.kind != "ff" and (blk.mixer.extra_keys or blk.mixer.explicit):
+            return ("attention with memory keys, a learned sink, softclamped logits or another scoring option (cog, "
+                    "sigmoid, gumbel, laser, CoPE, inverted) runs the explicit path")
+        if blk.kind != "ff" and (blk.mixer.rel_proj_pos_bias is not None or blk.mixer.rope_subheads
+                                 or blk.mixer.l2_distance):
+            return "attn_use_rel_proj_pos_bias, attn_latent_rope_subheads and attn_l2_distance run on the dynamic path"
+        if getattr(stack, "polar_pos_emb", None) is not None:
+            return "polar_pos_emb (PoPE) runs on the dynamic path"
+        if getattr(stack, "rel_pos", None) is not None:
+            return "rel_pos_bias (T5's relative position bias) runs on the dynamic path"
+        if getattr(stack.rotary, "use_xpos", False):
+            return "rotary_xpos centers its scales on each call's positions (no KV cache)"
+        if blk.kind != "ff" and getattr(blk.mixer, "hybrid", None) is not None:
+            return "attn_hybrid_module runs a sequence module beside attention (the step calls attention's parts only)"
         if blk.kind != "ff" and blk.mixer.orthog:
             return "attn_orthog_projected_values projects over the whole sequence (no KV cache)"
         if blk.kind != "ff" and blk.mixer.to_forget_gates is not None:
@@ -390,8 +413,7 @@ class StaticDecoder:
                                     None if c.cross_live is None or mixer.to_out.bias is None else c.cross_live[:, :, 0])
             else:
                 out = mixer(h)
-            if gate is not None:
-                out = gate(out, cond)
+            out = blk.finish(out, cond)  # gate / layerscale, macaron's half step, sandwich norm
             x = x + out
         x = _norm(stack.final_norm, x, cond)
         c.count.add_(1)

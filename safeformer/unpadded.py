@@ -186,7 +186,8 @@ def stack_varlen_plan(stack, x: Tensor) -> VarlenPlan:
     attn = next(blk.mixer for blk in stack.layers if blk.kind == "self")
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     return plan_varlen(device_type=x.device.type, dtype=dtype, head_dim=attn.dim_head, heads=attn.heads,
-                       kv_heads=attn.kv_heads, causal=stack.causal, has_bias=stack.alibi_slopes is not None,
+                       kv_heads=attn.kv_heads, causal=stack.causal,
+                       has_bias=stack.alibi_slopes is not None or getattr(stack, "rel_pos", None) is not None,
                        dropout_p=attn.dropout if stack.training else 0.0, backend=attn.backend)
 
 
@@ -197,8 +198,10 @@ def _self_layout(stack, plan: UnpaddedPlan, positions: Tensor, x: Tensor):
         pos_p = plan.pack(positions.expand(plan.b, plan.n)[..., None])[:, 0]  # (T,)
         return VarlenSelfLayout(varlen_layout(list(plan.counts), device=x.device), pos_p, vplan, stack.causal, rotary)
 
-    slopes = stack.alibi_slopes
+    slopes, rel_pos = stack.alibi_slopes, getattr(stack, "rel_pos", None)
     bias = None if slopes is None else (lambda pos, dt: alibi_bias(slopes, pos, pos).to(dt))
+    if rel_pos is not None:  # T5's relative position bias
+        bias = lambda pos, dt: rel_pos.bias(pos, pos).to(dt)  # noqa: E731
     return GroupedSelfLayout(length_groups(plan, positions), stack.causal, rotary, bias)
 
 
@@ -269,8 +272,11 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
             # real tokens are compacted to the left in order: causal needs no mask tensor (a real query
             # sees no padded key), a bidirectional stack needs the key padding
             key_pad = None if layout.causal and bias is None else g.key_pad
+            backend = attn.backend  # a learned bias (T5's) trains through the mask: not on flash / cuDNN
+            if backend in ("flash", "cudnn") and bias is not None and bias.requires_grad:
+                backend = "math"
             o = attend(q, k, v, mask=SelectedMask(key_pad), causal=layout.causal, bias=bias, dropout_p=dropout_p,
-                       backend=attn.backend)
+                       backend=backend)
             o = o.transpose(1, 2).flatten(0, 1).index_select(0, g.dest)  # (T_g, h, d)
             out_all = out_all.index_copy(0, g.tok, o)
         if not layout.groups:  # no real token at all: the projections still take part (zero gradients, no

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import LayerIntermediates, resolve_cache
+from .cache import LayerIntermediates, attach_cached_kv, resolve_cache
 from .conditions import Conditions, check_condition_tensor, condition_kwargs
 from .layers import AttentionLayers, KVCache, _last, translate_aliases
 from .losses import masked_mean
@@ -21,6 +23,7 @@ from .masks import check_finite as _check_finite
 from .masks import check_lengths, checked_once, validate_mask
 from .modules import AbsolutePositionalEmbedding, l2norm, positions_from_mask
 from .pretrained import Configurable
+from .xt_extras import AttentionPool
 
 __all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
 
@@ -183,12 +186,23 @@ class _Wrapper(Configurable, nn.Module):
     def can_cache_kv(self) -> bool:
         """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
         memory, class and prefix rows; recycling, which reruns the stack, cannot, nor attention that sums over
-        the whole sequence: ``attn_orthog_projected_values``, ``attn_data_dependent_alibi``). Generation then
-        recomputes the sequence each step."""
-        if getattr(self, "recycling", False):
+        the whole sequence: ``attn_orthog_projected_values``, ``attn_data_dependent_alibi``; nor a hybrid module
+        whose state the cache cannot carry, nor ``rotary_xpos``). Generation then recomputes the sequence each step."""
+        if getattr(self, "recycling", False) or not getattr(self.attn_layers, "can_cache_kv", True) \
+                or getattr(self, "memory_tokens_interspersed_every", None) is not None:
             return False
         return not any(getattr(blk.mixer, "orthog", False) or getattr(blk.mixer, "to_forget_gates", None) is not None
+                       or not getattr(getattr(blk.mixer, "hybrid", None), "can_cache", True)
                        for blk in self.attn_layers.layers if blk.kind != "ff")
+
+    def attn_qk_clip_(self, intermediates, tau: float = 100.0) -> None:
+        """MuonClip's qk-clip of every attention block from a ``return_intermediates=True`` call's intermediates
+        (x-transformers' name): see ``AttentionLayers.attn_qk_clip_``."""
+        self.attn_layers.attn_qk_clip_(intermediates, tau=tau)
+
+    def muon_parameters(self) -> list:
+        """The stack's matrices for Muon (x-transformers' name): see ``AttentionLayers.muon_parameters``."""
+        return self.attn_layers.muon_parameters()
 
     @property
     def can_cache_kv_outside_max_seq_len(self) -> bool:
@@ -242,15 +256,23 @@ class _Wrapper(Configurable, nn.Module):
             conds.check_finite()
         return conds
 
-    def _run(self, x, mask, conds: Conditions, attn_mask, cache, return_cache, *, pos=None, return_hiddens=False):
+    def _run(self, x, mask, conds: Conditions, attn_mask, cache, return_cache, *, pos=None, return_hiddens=False,
+             causal=None, ff_deep=None, extra_kv=None, loop=None):
         """Positions, the fixed rows and the prefix, the stack. Returns ``(h (b, m + n, c), new cache or
         None, mask (b, m + n) or None, m, fixed outputs (b, F, c) or None, intermediates or None, the
-        unpadded plan or None)``."""
+        unpadded plan or None)``. ``causal``: the stack's causality overridden for this call; ``ff_deep``:
+        ``(b, n, L, c)`` the tokens' feed-forward multipliers (``ff_deep_embed``; 1 for the rows before the
+        tokens). Either runs the padded path. ``loop``: a looped stack's settings (``TransformerWrapper._loop``),
+        which it fills with what the runs produced."""
+        if getattr(self, "memory_tokens_interspersed_every", None) is not None:
+            return self._run_interspersed(x, mask, conds, attn_mask, cache, return_cache, pos=pos,
+                                          return_hiddens=return_hiddens, causal=causal, ff_deep=ff_deep,
+                                          extra_kv=extra_kv, loop=loop)
         b, n = x.shape[:2]
         m = 0
         prepend_embeds, prepend_mask = conds.prepend_embeds, conds.prepend_mask
         if cache is not None:  # the cache is input: checked before the wrapper reads its rows (lead, positions)
-            kinds = self.attn_layers.layer_kinds
+            kinds = getattr(self.attn_layers, "executed_kinds", self.attn_layers.layer_kinds)  # blocks run, repeats too
             KVCache.check(cache, x, kinds.count("self"), kinds.count("cross"))
         if pos is not None:
             if prepend_embeds is not None or (cache is None and self.num_fixed_tokens):
@@ -266,6 +288,9 @@ class _Wrapper(Configurable, nn.Module):
             if attn_mask is not None:
                 raise ValueError("prepend_embeds and attn_mask cannot be combined (attn_mask covers the tokens only)")
             dim = self.attn_layers.dim
+            if getattr(self, "project_emb", None) is not None:
+                raise ValueError(f"prepend_embeds with emb_dim={self.emb_dim} != dim={dim} is not supported (x-transformers "
+                                 f"projects a prefix of width emb_dim; safeformer's conditions take the model width)")
             check_condition_tensor(prepend_embeds, "prepend_embeds", (b, None, dim), x.device,
                                    shape_text=f"(b={b}, m, dim={dim})")
             m = prepend_embeds.shape[1]
@@ -279,8 +304,6 @@ class _Wrapper(Configurable, nn.Module):
         if fixed:
             if attn_mask is not None:
                 raise ValueError("attn_mask cannot be combined with memory or class tokens (it covers the tokens only)")
-            rows = [t for t in (getattr(self, "memory_tokens", None), getattr(self, "cls_token", None)) if t is not None]
-            x = torch.cat((torch.cat(rows).to(x.dtype)[None].expand(b, -1, -1), x), dim=1)  # (b, F + m + n, c)
             if mask is not None:
                 mask = torch.cat((torch.ones(b, fixed, dtype=torch.bool, device=x.device), mask), dim=1)
         lead_slots = fixed + m  # memory, class and prefix rows: before the tokens, no absolute position
@@ -293,20 +316,42 @@ class _Wrapper(Configurable, nn.Module):
             positions = pos
         if self.pos_emb is not None:  # tokens only, numbered from 0 (x-transformers' convention)
             abs_pos = positions if pos is not None else (positions - lead[:, None]).clamp(min=0)
-            pe = self.pos_emb(abs_pos).to(x.dtype)
-            x = x + pe if not lead_slots else torch.cat((x[:, :lead_slots], x[:, lead_slots:] + pe[:, lead_slots:]), dim=1)
+            pe = self.pos_emb(abs_pos).to(x.dtype)  # (b|1, F + m + n, C)
+            x = x + pe[:, lead_slots:] if not m else torch.cat((x[:, :m], x[:, m:] + pe[:, lead_slots:]), dim=1)
+        # x-transformers' order: dropout and the embedding projection (emb_dim) on the prefix and tokens, then the
+        # memory and class rows (model width) before them
         x = self.emb_dropout(x)
+        if getattr(self, "project_emb", None) is not None:
+            x = self.project_emb(x)  # (b, m + n, c)
+        if fixed:
+            rows = [t for t in (getattr(self, "memory_tokens", None), getattr(self, "cls_token", None)) if t is not None]
+            x = torch.cat((torch.cat(rows).to(x.dtype)[None].expand(b, -1, -1), x), dim=1)  # (b, F + m + n, c)
+        stack_kw = {}
+        if causal is not None:
+            stack_kw["causal"] = causal
+        if ff_deep is not None:
+            if lead_slots:  # memory, class and prefix rows have no token: their multipliers are 1
+                ff_deep = torch.cat((ff_deep.new_ones(b, lead_slots, *ff_deep.shape[2:]), ff_deep), dim=1)
+            stack_kw["ff_deep_embeds"] = ff_deep
         # the unpadded path decided once (one host sync): the stack runs it, the output head reuses it
-        plan = self.attn_layers.plan_unpadded(
+        if extra_kv:  # x-transformers' self_attn_additional_kv & co. (the stack checks them; padded path)
+            stack_kw.update(extra_kv)
+        padded_only = ff_deep is not None or (causal is not None and causal != self.attn_layers.causal) or bool(extra_kv)
+        plan = None if padded_only else self.attn_layers.plan_unpadded(
             mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask, return_hiddens=return_hiddens)
-        out = self.attn_layers(
-            x, mask=mask, attn_mask=attn_mask, positions=positions, cache=cache, **conds.stack_kwargs(),
-            return_cache=return_cache, return_hiddens=return_hiddens, unpadded_plan=plan,
-        )
-        out = out if isinstance(out, tuple) else (out,)
-        h = out[0]
-        new_cache = out[1] if return_cache else None
-        intermediates = out[-1] if return_hiddens else None
+        def stack(inp: Tensor, c, rc: bool):
+            out = self.attn_layers(
+                inp, mask=mask, attn_mask=attn_mask, positions=positions, cache=c, **conds.stack_kwargs(),
+                return_cache=rc, return_hiddens=return_hiddens, unpadded_plan=plan, **stack_kw,
+            )
+            out = out if isinstance(out, tuple) else (out,)
+            return out[0], out[1] if rc else None, out[-1] if return_hiddens else None
+
+        if loop is None:
+            h, new_cache, intermediates = stack(x, cache, return_cache)
+        else:
+            loop["return_hiddens"] = return_hiddens
+            h, new_cache, intermediates = self._loop(stack, x, mask, cache, return_cache, n, loop)
         for c in (new_cache, None if intermediates is None else intermediates.cache):
             if c is not None:  # the cache remembers the rows before the tokens
                 c.lead = lead if lead.dim() == 1 else lead.expand(b)
@@ -318,6 +363,153 @@ class _Wrapper(Configurable, nn.Module):
             if intermediates is not None and self.num_memory_tokens:
                 intermediates.memory_tokens = fixed_out[:, :self.num_memory_tokens]
         return h, new_cache, mask, m, fixed_out, intermediates, plan
+
+
+    def _run_interspersed(self, x, mask, conds: Conditions, attn_mask, cache, return_cache, *, pos, return_hiddens,
+                          causal, ff_deep, extra_kv, loop):
+        """``_run`` with x-transformers' ``memory_tokens_interspersed_every = E``: the memory tokens are placed before
+        every segment of ``E`` real tokens (each sample's own tokens counted, so padding never moves a segment and a
+        padded sample has the layout it has alone; a sample's unused trailing slots are padding). The tokens take
+        absolute positions 0, 1, ... (no memory row counted); rotary / ALiBi positions count every real row, memory
+        rows included (x-transformers' layout). The intermediates (hiddens, attention weights) are in that
+        interleaved layout; ``memory_tokens`` is ``(b * S, M, c)`` (S = ceil(n / E) blocks, a sample's unused blocks
+        0). No KV cache, prefix, ``pos``, ``attn_mask``, ``ff_deep_embed`` or ``looped`` (refused)."""
+        refused = [name for name, given in (("a KV cache", cache is not None or return_cache),
+                                            ("prepend_embeds", conds.prepend_embeds is not None), ("pos", pos is not None),
+                                            ("attn_mask", attn_mask is not None), ("ff_deep_embed", ff_deep is not None),
+                                            ("looped", loop is not None)) if given]
+        if refused:
+            raise ValueError(f"memory_tokens_interspersed_every cannot be combined with {', '.join(refused)} (the memory "
+                             f"rows between segments are laid out for the whole sequence at once)")
+        b, n = x.shape[:2]
+        positions = self._positions(mask, b, n, x.device, None)  # (b|1, n): the tokens' ranks (length checked)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions).to(x.dtype)
+        x = self.emb_dropout(x)
+        if getattr(self, "project_emb", None) is not None:
+            x = self.project_emb(x)
+        c = x.shape[-1]
+        M = self.num_memory_tokens
+        slot, start, blocks, N, rows = intersperse_layout(mask, b, n, self.memory_tokens_interspersed_every, M, x.device)
+        dump = torch.full_like(slot[..., None], N)  # unused memory slots write to a column cut below
+        mem_slot = torch.where(start[..., None], slot[..., None] - M + torch.arange(M, device=x.device), dump)  # (b, n, M)
+        seq = x.new_zeros(b, N + 1, c).scatter(1, slot[..., None].expand(-1, -1, c), x)
+        mem = self.memory_tokens.to(x.dtype)[None, None].expand(b, n, M, c).reshape(b, n * M, c)
+        seq = seq.scatter(1, mem_slot.reshape(b, n * M, 1).expand(-1, -1, c), mem)[:, :N]  # (b, N, c)
+        stack_mask = None if mask is None else rows
+        stack_kw = {} if causal is None else {"causal": causal}
+        stack_kw.update(extra_kv or {})
+        padded_only = (causal is not None and causal != self.attn_layers.causal) or bool(extra_kv)
+        plan = None if padded_only else self.attn_layers.plan_unpadded(
+            stack_mask, cache=None, return_cache=False, attn_mask=None, return_hiddens=return_hiddens)
+        out = self.attn_layers(seq, mask=stack_mask, positions=positions_from_mask(stack_mask, N, x.device),
+                               **conds.stack_kwargs(), return_hiddens=return_hiddens, unpadded_plan=plan, **stack_kw)
+        h, inter = (out[0], out[-1]) if return_hiddens else (out, None)
+        tokens = h.gather(1, slot[..., None].expand(-1, -1, c))  # (b, n, c): padded rows are exact zeros
+        if inter is not None:
+            S = -(-n // self.memory_tokens_interspersed_every)
+            got = h.gather(1, mem_slot.clamp(max=N - 1).reshape(b, n * M, 1).expand(-1, -1, c)).reshape(b, n, M, c)
+            block = torch.where(start, blocks - 1, S)  # (b, n): the block a segment's first token opens, else a dump
+            per_block = h.new_zeros(b, S + 1, M, c).scatter(1, block[..., None, None].expand(-1, -1, M, c),
+                                                            torch.where(start[..., None, None], got, 0.0))
+            inter.memory_tokens = per_block[:, :S].reshape(b * S, M, c)
+        return tokens, None, mask, 0, None, inter, None
+
+    def _loop(self, stack, x: Tensor, mask: Tensor | None, cache, return_cache: bool, n: int, loop: dict):
+        """x-transformers' looped stack: ``stack(inp, cache, return_cache) -> (h, new cache, intermediates)`` run up
+        to ``loop["steps"]`` times on ``x (b, N, c)``, each run on the previous run's output (padded rows are exact
+        zeros and stay padding). Every run continues from the same ``cache``, whose first slots, where it holds each
+        run's keys/values (``KVCache.looped_prompt_kv``), are those of the same run. Fills ``loop`` with ``hiddens``
+        (each run's output) and ``exit_logits`` (the gate's ``(b, N, 1)`` per run that computed it, padded rows 0).
+
+        Outside ``loop["inference"]`` the returned cache keeps every run's keys/values of every position, so
+        decoding with it equals the full forward (x-transformers keeps the last run's only). ``loop["inference"]``
+        (x-transformers' looped inference): a prompt (no cache, ``n > 1`` tokens) runs every step and keeps each
+        run's keys/values; a single new position (``n == 1``) stops early, per sample, once its cumulative exit
+        probability reaches ``loop["threshold"]`` (unless ``loop["fixed"]``: a fixed number of runs), keeping the
+        output and the cache slot of the run it stopped at (which every run of later positions reads, as in
+        x-transformers). The batch stops when every sample has (one read of a device flag per run, as
+        x-transformers' break).
+
+        Returns ``(h, new cache or None, intermediates of the last run or None)``; the cache carries ``exit_indices``
+        ``(b, t)``: the last run of each sample, appended to the cache's.
+        """
+        steps, infer = loop["steps"], loop["inference"]
+        b = x.shape[0]
+        if infer and cache is not None and n != 1:
+            raise ValueError(f"looped_inference with a cache decodes one token at a time, got {n} new positions")
+        is_prompt = infer and cache is None and n > 1
+        early = infer and not is_prompt and not loop["fixed"]
+        prompt_kv = None if cache is None else cache.looped_prompt_kv
+        if prompt_kv is not None and len(prompt_kv) < steps:
+            raise ValueError(f"the cache holds the prompt's keys/values of {len(prompt_kv)} loop steps; this call runs "
+                             f"up to {steps} (generate the prompt with at least as many)")
+        want_cache = return_cache or infer or loop["return_hiddens"]
+        record = want_cache and (is_prompt or not infer)  # every run's keys/values kept in the new cache
+        device = x.device
+        active = torch.ones(b, dtype=torch.bool, device=device)  # still running (not exited)
+        exit_index = torch.zeros(b, dtype=torch.long, device=device)
+        cum_exit = torch.zeros(b, dtype=torch.float32, device=device)
+        cum_continue = torch.zeros(b, dtype=torch.float32, device=device)
+        h_out = cache_out = last_inter = None
+        hiddens, gates, prompt_steps = [], [], []
+        for i in range(steps):
+            c = cache
+            if prompt_kv is not None:  # this run reads the prompt's keys/values of the same run (the paper's cache)
+                c = replace(cache, self_kv=[(torch.cat((pk, k[:, :, pk.shape[2]:]), 2), torch.cat((pv, v[:, :, pv.shape[2]:]), 2))
+                                            for (pk, pv), (k, v) in zip(prompt_kv[i], cache.self_kv)])
+            h, nc, inter = stack(x, c, want_cache)
+            decide = early and i < steps - 1
+            if not infer or decide:
+                gate = self.exit_gate(h)  # (b, N, 1)
+                gates.append(gate if mask is None else torch.where(mask[..., None], gate, 0.0))
+            hiddens.append(h)
+            if record:
+                prompt_steps.append(nc.self_kv)
+            if early:  # each sample keeps the output and cache slot of the run it exits at
+                h_out = h if h_out is None else torch.where(active[:, None, None], h, h_out)
+                cache_out = nc if cache_out is None else replace(nc, self_kv=_merge_kv(active, nc.self_kv, cache_out.self_kv))
+                exit_index = torch.where(active, i, exit_index)
+            else:
+                h_out, cache_out = h, nc
+                exit_index = torch.full_like(exit_index, i)
+            last_inter = inter
+            if decide:
+                logit = gates[-1][:, -1, 0].float()  # (b,): the new position's gate
+                cum_exit = cum_exit + (cum_continue + F.logsigmoid(logit)).exp()
+                cum_continue = cum_continue + F.logsigmoid(-logit)
+                active = active & (cum_exit < loop["threshold"])
+                if not bool(active.any()):
+                    break
+            x = h
+        loop["hiddens"], loop["exit_logits"] = hiddens, gates
+        if cache_out is not None:
+            prev = None if cache is None else cache.exit_indices
+            idx = exit_index[:, None]
+            cache_out = replace(cache_out, exit_indices=idx if prev is None else torch.cat((prev, idx), dim=1),
+                                looped_prompt_kv=prompt_steps if record else prompt_kv)
+        loop["exit_indices"] = exit_index[:, None] if cache_out is None else cache_out.exit_indices
+        if last_inter is not None and cache_out is not None:
+            last_inter.cache = cache_out
+            attach_cached_kv(last_inter)  # the blocks' cached_kv: the returned cache's own (merged) tensors
+        return h_out, cache_out if return_cache else None, last_inter
+
+
+def intersperse_layout(mask: Tensor | None, b: int, n: int, every: int, M: int, device):
+    """Where x-transformers' interspersed memory tokens go: ``M`` memory rows before each segment of ``every`` real
+    tokens, counted per sample. Returns ``(slot (b, n): each token's row in the interleaved sequence, start (b, n):
+    tokens that open a segment, blocks (b, n): memory blocks at or before each token, N: the interleaved length,
+    rows (b, N): which interleaved rows are real)``."""
+    real = torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
+    rank = real.long().cumsum(dim=1) - 1
+    start = real & (rank % every == 0)
+    blocks = start.long().cumsum(dim=1)
+    slot = torch.arange(n, device=device) + M * blocks  # a row inserted before each segment's first token
+    N = n + M * (-(-n // every))
+    rows = torch.zeros(b, N + 1, dtype=torch.bool, device=device).scatter(1, slot, real)
+    first = torch.where(start[..., None], slot[..., None] - M + torch.arange(M, device=device), N)  # (b, n, M)
+    rows = rows.scatter(1, first.reshape(b, n * M), start[..., None].expand(-1, -1, M).reshape(b, n * M))
+    return slot, start, blocks, N, rows[:, :N]
 
 
 def _cached_slots(cache, n: int, cache_age: int) -> int:
@@ -342,9 +534,103 @@ def _start_mask(seq_start_pos, mask: Tensor | None, b: int, n: int, device, offs
     return started if mask is None else mask & started
 
 
+def _additional_kv(net, additional, mask, detach, to_top) -> dict | None:
+    """The stack keywords of x-transformers' extra self-attention keys/values (``None`` when not given)."""
+    if additional is None and mask is None:
+        return None
+    if getattr(net, "recycling", False):
+        raise ValueError("self_attn_additional_kv is not supported with recycling")
+    return dict(self_attn_additional_kv=additional, additional_kv_mask=mask, detach_additional_kv=detach,
+                route_additional_kv_to_top=to_top)
+
+
 def _flag(v, name: str) -> None:
     if not isinstance(v, bool):
         raise TypeError(f"{name} must be a bool, got {v!r}")
+
+
+def _build_attn_pool(attn_layers: AttentionLayers, attn_pool, num_pooled_tokens, depth, dim_pooled_tokens,
+                     use_cls_token: bool, average_pool_embed: bool) -> AttentionPool | None:
+    """x-transformers' ``attn_pool``: an ``AttentionPool`` over the stack's output with the stack's heads and head
+    width, or ``None``."""
+    _flag(attn_pool, "attn_pool")
+    if not attn_pool:
+        return None
+    if use_cls_token or average_pool_embed:
+        raise ValueError("attn_pool pools the positions itself: not with use_cls_token or average_pool_embed")
+    for name, v in (("num_pooled_tokens", num_pooled_tokens), ("attn_pool_depth", depth)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if dim_pooled_tokens is not None and (isinstance(dim_pooled_tokens, bool) or not isinstance(dim_pooled_tokens, int)
+                                          or dim_pooled_tokens < 1):
+        raise ValueError(f"dim_pooled_tokens must be a positive integer or None (= dim), got {dim_pooled_tokens!r}")
+    attn = next(blk.mixer for blk in attn_layers.layers if blk.kind != "ff")
+    dim = attn_layers.dim
+    return AttentionPool(dim if dim_pooled_tokens is None else dim_pooled_tokens, num_pooled_tokens=num_pooled_tokens,
+                         dim_context=dim, depth=depth, heads=attn.heads, dim_head=attn.dim_head)
+
+
+def _positive_int(v, name: str, none_ok: bool = False) -> None:
+    if v is None and none_ok:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if none_ok else ''}, got {v!r}")
+
+
+def _check_embedding_options(attn_layers: AttentionLayers, embed_num_tokens, emb_dim, num_output_heads, sigsoftmax,
+                             z_weight, mem_every, num_memory_tokens, *, tie_embedding, recycling, to_logits,
+                             mixture_of_softmax, return_only_embed, use_cls_token) -> int:
+    """The embedding and head options of x-transformers' wrapper, checked (S9). Returns the embedding width."""
+    dim = attn_layers.dim
+    _positive_int(emb_dim, "emb_dim", none_ok=True)
+    emb_dim = dim if emb_dim is None else emb_dim
+    if emb_dim != dim and (tie_embedding or recycling):
+        raise ValueError(f"emb_dim={emb_dim} != dim={dim} (projected embeddings) cannot be combined with "
+                         f"{'tie_embedding' if tie_embedding else 'recycling'} (they need embeddings of the model width)")
+    if embed_num_tokens is not None:
+        if not isinstance(embed_num_tokens, dict) or not all(isinstance(k, str) and k for k in embed_num_tokens):
+            raise TypeError(f"embed_num_tokens must be a dict {{name: vocabulary size}}, got {embed_num_tokens!r}")
+        for name, count in embed_num_tokens.items():
+            _positive_int(count, f"embed_num_tokens[{name!r}]")
+    _positive_int(num_output_heads, "num_output_heads")
+    if num_output_heads > 1 and (tie_embedding or to_logits is not None or mixture_of_softmax or return_only_embed):
+        raise ValueError("num_output_heads > 1 builds its own heads: not with tie_embedding, to_logits, "
+                         "mixture_of_softmax or return_only_embed")
+    _flag(sigsoftmax, "sigsoftmax_logits")
+    if isinstance(z_weight, bool) or not isinstance(z_weight, (int, float)) or not math.isfinite(z_weight) or z_weight < 0:
+        raise ValueError(f"attn_z_loss_weight must be a finite number >= 0, got {z_weight!r}")
+    _positive_int(mem_every, "memory_tokens_interspersed_every", none_ok=True)
+    if mem_every is not None:
+        if not attn_layers.causal:
+            raise ValueError("memory_tokens_interspersed_every is for a Decoder (x-transformers' rule): memory tokens "
+                             "between segments summarise the tokens before them")
+        if not num_memory_tokens:
+            raise ValueError("memory_tokens_interspersed_every needs num_memory_tokens >= 1")
+        if use_cls_token:
+            raise ValueError("memory_tokens_interspersed_every cannot be combined with use_cls_token")
+    return emb_dim
+
+
+def _check_looped(attn_layers: AttentionLayers, looped, max_looped_steps, recycling) -> None:
+    _flag(looped, "looped")
+    if isinstance(max_looped_steps, bool) or not isinstance(max_looped_steps, int) or max_looped_steps < 1:
+        raise ValueError(f"max_looped_steps must be a positive integer, got {max_looped_steps!r}")
+    if not looped:
+        return
+    if recycling:
+        raise ValueError("choose one of looped and recycling, not both (x-transformers' rule)")
+    routing = getattr(attn_layers, "routing", None)
+    if routing is None or getattr(routing, "post_norms", None) is None:
+        raise ValueError("looped=True needs attn_layers built with pre_and_post_norm=True (x-transformers' rule: the "
+                         "stream is normalised after every block, so repeated runs stay in range)")
+
+
+def _merge_kv(keep_new: Tensor, new, old):
+    """Per sample (``keep_new (b,)``), the new cache's keys/values or the old one's (same shapes)."""
+    if old is None:
+        return new
+    sel = lambda a, c: torch.where(keep_new.reshape(-1, *([1] * (a.dim() - 1))), a, c)  # noqa: E731
+    return [(sel(k, ko), sel(v, vo)) for (k, v), (ko, vo) in zip(new, old)]
 
 
 def _check_xt_head_options(token_emb, to_logits, tie_embedding, return_only_embed, mixture_of_softmax, mos_k,
@@ -399,6 +685,47 @@ class TransformerWrapper(_Wrapper):
         num_cls_tokens: how many class tokens.
         check_finite: by default, check that real positions of float inputs (``context``) are finite
             and raise ``ValueError`` naming the argument otherwise (S9); costs a device sync.
+        attn_pool: x-transformers' attention pooling: ``num_pooled_tokens`` learned queries of width
+            ``dim_pooled_tokens`` (default ``dim``) attend over the real positions of the last hidden states
+            (``AttentionPool`` with the stack's heads and head width; ``attn_pool_depth > 1``: a ``CrossAttender``
+            of that depth). An encoder returns the pooled tokens ``(b, num_pooled_tokens, dim_pooled_tokens)``
+            instead of the logits (these go on the intermediates as ``logits``); a decoder returns its logits and
+            pools only when the intermediates are asked for. Either way the intermediates carry
+            ``attn_pooled_tokens``. Padded positions are never pooled; a sample with no real position pools to 0
+            (depth 1) or to its queries' stack output (depth > 1). Not with ``use_cls_token``,
+            ``average_pool_embed`` or a KV cache.
+        num_pooled_tokens, attn_pool_depth, dim_pooled_tokens: see ``attn_pool``.
+        ff_deep_embed: x-transformers' deep embeddings: a learned ``(num_tokens, L, dim)`` table (ones at init,
+            ``L`` the feed-forward blocks); each feed-forward block's output at a position is multiplied by that
+            token's row for the block. Runs the padded path; the static decode step is not used.
+        looped: x-transformers' looped LM (recurrent depth): the stack runs ``max_looped_steps`` times (``forward``'s
+            ``looped_steps`` / ``max_looped_steps`` override it), each run reading the previous run's output (the
+            embeddings enter once); an ``exit_gate`` (``nn.Linear(dim, 1)``) scores each position after each run
+            (the intermediates' ``exit_logits``), which ``AutoregressiveWrapper`` trains and which
+            ``looped_inference`` reads to stop early. Needs ``attn_layers`` built with ``pre_and_post_norm=True``
+            (x-transformers' rule); not with ``recycling``. Padded positions stay padding in every run. Runs the
+            padded path; the static decode step is not used (generation decodes on the dynamic KV cache).
+        max_looped_steps: the runs of a looped stack (training and by default).
+        embed_num_tokens: x-transformers' further embeddings ``{name: vocabulary size}`` (e.g. a BERT-style type
+            embedding): ``embeds[f"{name}_embed"]``, each added per position from ``forward(embed_ids={name: ids})``.
+        emb_dim: the width of the token (and absolute position) embeddings, when not the model width: they are summed
+            at ``emb_dim`` and projected by ``project_emb`` (``nn.Linear(emb_dim, dim)``, with a bias); memory and class
+            rows join after it. Not with ``tie_embedding``, ``recycling`` or ``prepend_embeds``; the static decode step
+            is not used.
+        num_output_heads: x-transformers' several output heads: ``to_logits`` is an ``nn.ModuleList`` of that many
+            ``nn.Linear(dim, logits_dim)`` and the logits are a tuple, one per head (padded rows 0 in each). Not with
+            ``tie_embedding``, ``to_logits``, ``mixture_of_softmax`` or ``return_only_embed``; not trained or sampled by
+            ``AutoregressiveWrapper`` (one head).
+        sigsoftmax_logits: the logits are ``z + log(sigmoid(z))`` (computed as ``logsigmoid``: finite for every finite
+            ``z``), so their softmax is the sigsoftmax (x-transformers' option); padded rows stay 0. The static decode
+            step is not used.
+        attn_z_loss_weight: the default weight of ``forward(return_attn_z_loss=True)``'s z-loss (x-transformers takes
+            this keyword but uses its forward's default 1e-4 only).
+        memory_tokens_interspersed_every: with ``num_memory_tokens``, a ``Decoder`` only: the memory tokens are placed
+            before every segment of this many real tokens instead of once before the sequence (x-transformers' option);
+            segments count each sample's real tokens, so padding never moves them (x-transformers counts slots). No KV
+            cache (generation re-encodes each step), no ``prepend_embeds``, ``pos``, ``attn_mask``, ``ff_deep_embed``,
+            ``looped`` or ``use_cls_token``; the intermediates' ``memory_tokens`` is ``(b * S, M, c)`` for ``S`` blocks.
 
     Example:
         >>> model = TransformerWrapper(num_tokens=256, max_seq_len=128,
@@ -433,6 +760,19 @@ class TransformerWrapper(_Wrapper):
         recycling: bool = False,
         train_max_recycle_steps: int = 4,
         input_not_include_cache: bool = False,
+        attn_pool: bool = False,
+        num_pooled_tokens: int = 1,
+        attn_pool_depth: int = 1,
+        dim_pooled_tokens: int | None = None,
+        ff_deep_embed: bool = False,
+        looped: bool = False,
+        max_looped_steps: int = 4,
+        embed_num_tokens: dict[str, int] | None = None,
+        emb_dim: int | None = None,
+        num_output_heads: int = 1,
+        sigsoftmax_logits: bool = False,
+        attn_z_loss_weight: float = 1e-4,
+        memory_tokens_interspersed_every: int | None = None,
         **aliases,
     ):
         if aliases:  # other spellings through the one table (unknown names get suggestions)
@@ -460,14 +800,29 @@ class TransformerWrapper(_Wrapper):
                                average_pool_embed, squeeze_out_last_dim, add_continuous_pred_head,
                                input_not_include_cache)
         dim = attn_layers.dim
+        emb_dim = _check_embedding_options(attn_layers, embed_num_tokens, emb_dim, num_output_heads, sigsoftmax_logits,
+                                           attn_z_loss_weight, memory_tokens_interspersed_every, num_memory_tokens,
+                                           tie_embedding=tie_embedding, recycling=recycling, to_logits=to_logits,
+                                           mixture_of_softmax=mixture_of_softmax, return_only_embed=return_only_embed,
+                                           use_cls_token=use_cls_token)
         self.num_tokens = num_tokens
         self.attn_layers = attn_layers
+        self.emb_dim = emb_dim
         self.custom_token_emb = token_emb is not None
-        self.token_emb = nn.Embedding(num_tokens, dim) if token_emb is None else token_emb
+        self.token_emb = nn.Embedding(num_tokens, emb_dim) if token_emb is None else token_emb
         self.l2norm_embed = l2norm_embed
         if l2norm_embed and not self.custom_token_emb:
             nn.init.normal_(self.token_emb.weight, std=1e-5)
-        self._init_positions(dim, max_seq_len, use_abs_pos_emb, l2norm_embed)
+        self._init_positions(emb_dim, max_seq_len, use_abs_pos_emb, l2norm_embed)
+        # x-transformers' emb_dim: embeddings of another width, projected to the model width (prefix rows included)
+        self.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
+        # x-transformers' embed_num_tokens: further embeddings (a BERT-style type embedding) added per position
+        self.embeds = nn.ModuleDict({f"{name}_embed": nn.Embedding(count, emb_dim)
+                                     for name, count in (embed_num_tokens or {}).items()}) if embed_num_tokens else None
+        self.num_output_heads = num_output_heads
+        self.sigsoftmax_logits = sigsoftmax_logits
+        self.attn_z_loss_weight = float(attn_z_loss_weight)
+        self.memory_tokens_interspersed_every = memory_tokens_interspersed_every
         self._init_fixed_tokens(dim, num_memory_tokens, use_cls_token, num_cls_tokens)
         self.average_pool_embed = average_pool_embed
         self.emb_dropout = nn.Dropout(emb_dropout)
@@ -479,7 +834,13 @@ class TransformerWrapper(_Wrapper):
         if to_logits is not None:
             self.to_logits = to_logits
         else:
-            self.to_logits = nn.Linear(dim, num_tokens if logits_dim is None else logits_dim, bias=False) if has_head else None
+            width = num_tokens if logits_dim is None else logits_dim
+            if not has_head:
+                self.to_logits = None
+            elif num_output_heads > 1:  # x-transformers' num_output_heads: a tuple of logits, one per head
+                self.to_logits = nn.ModuleList([nn.Linear(dim, width, bias=False) for _ in range(num_output_heads)])
+            else:
+                self.to_logits = nn.Linear(dim, width, bias=False)
         self.check_finite = check_finite
         self.squeeze_out_last_dim = squeeze_out_last_dim
         # mixture of softmaxes (x-transformers' mixture_of_softmax): k heads' softmaxes mixed per position; the
@@ -498,6 +859,18 @@ class TransformerWrapper(_Wrapper):
         self.input_not_include_cache = input_not_include_cache
         if self.custom_token_emb and hasattr(self.token_emb, "init_"):  # x-transformers calls it on construction
             self.token_emb.init_()
+        _flag(ff_deep_embed, "ff_deep_embed")
+        # x-transformers' ff_deep_embed: per token, per feed-forward block, a learned multiplier of the block's output
+        num_ff = attn_layers.layer_kinds.count("ff")
+        self.ff_deep_embed = nn.Parameter(torch.ones(num_tokens, num_ff, dim)) if ff_deep_embed else None
+        self.attn_pool = _build_attn_pool(attn_layers, attn_pool, num_pooled_tokens, attn_pool_depth,
+                                          dim_pooled_tokens, use_cls_token, average_pool_embed)
+        # x-transformers' looped LM: the whole stack runs several times, each run on the previous run's output,
+        # with an exit gate per position (trained by AutoregressiveWrapper) deciding when to stop at inference
+        _check_looped(attn_layers, looped, max_looped_steps, recycling)
+        self.looped = looped
+        self.exit_gate = nn.Linear(dim, 1, bias=False) if looped else None
+        self.train_max_looped_steps = max_looped_steps
 
     @checked_once
     def forward(
@@ -529,6 +902,24 @@ class TransformerWrapper(_Wrapper):
         return_next_embed_pred: bool = False,
         recycle_steps: int | None = None,
         input_not_include_cache: bool | None = None,
+        causal: bool | None = None,
+        self_attn_additional_kv=None,
+        additional_kv_mask: Tensor | None = None,
+        detach_additional_kv: bool = False,
+        route_additional_kv_to_top: bool = True,
+        looped_steps: int | None = None,
+        max_looped_steps: int | None = None,
+        looped_pred_all_logits: bool | None = None,
+        looped_inference: bool = False,
+        looped_exit_prob_threshold: float = 0.9,
+        return_logits_and_embeddings: bool = False,
+        return_embeddings_and_intermediates: bool = False,
+        return_logit_entropies: bool = False,
+        sum_embeds: Tensor | None = None,
+        embed_ids: dict[str, Tensor] | None = None,
+        return_attn_z_loss: bool = False,
+        attn_z_loss_weight: float | None = None,
+        _loop_out: dict | None = None,
         **conditions,
     ):
         """Run the model.
@@ -575,11 +966,48 @@ class TransformerWrapper(_Wrapper):
                 ``[1, train_max_recycle_steps]`` in training; needed in eval mode).
             input_not_include_cache: with a ``LayerIntermediates`` cache, ``x`` holds only the new positions
                 (all of them new; x-transformers' option); default the model's ``input_not_include_cache``.
+            causal: override the stack's causality for this call (x-transformers' ``forward(causal=...)``, e.g.
+                ``causal=False`` on a ``Decoder``); runs the padded path, not with a KV cache, and the intermediates
+                of such a call carry no cache.
+            self_attn_additional_kv, additional_kv_mask, detach_additional_kv, route_additional_kv_to_top:
+                x-transformers' extra keys/values for the self-attention blocks (a list of ``(k, v)`` per block, or
+                another model's ``LayerIntermediates``) and their padding mask ``(b, a)``; see
+                ``AttentionLayers.forward``. Padded path only; not with ``recycling``; the cache does not keep
+                them (pass them on every call).
+            looped_steps: a ``looped`` model's runs of the stack for this call, fixed (no early exit).
+            max_looped_steps: the most runs (default the model's ``max_looped_steps``); ``looped_steps`` wins.
+            looped_pred_all_logits: put each run's logits on the intermediates (``all_pred_logits``); default: in
+                training mode.
+            looped_inference: x-transformers' looped inference: a prompt (no cache, several tokens) runs every step and
+                its cache keeps each run's keys/values (a later position's run ``i`` reads the prompt's run ``i``); one
+                new position (with a cache, or alone) stops once its cumulative exit probability reaches
+                ``looped_exit_prob_threshold``, per sample (x-transformers: batch size 1 only). The intermediates'
+                ``exit_indices (b, t)`` say where each call stopped.
+            looped_exit_prob_threshold: see ``looped_inference``.
+            return_logits_and_embeddings: return ``(logits, embeddings)``: the logits and what ``return_embeddings``
+                returns (x-transformers' option).
+            return_embeddings_and_intermediates: return ``(embeddings, intermediates)``.
+            return_logit_entropies: put the entropy of each position's softmax on the intermediates
+                (``logit_entropies (b, n)``, float32; padded positions 0) and return the intermediates.
+            sum_embeds: ``(b, n, emb_dim)`` added to the token embeddings (x-transformers' self-conditioning input);
+                padded positions are selected away (any value there, NaN included, reaches nothing).
+            embed_ids: ``{name: (b, n) ids}`` for the further embeddings of ``embed_num_tokens`` (every name, each
+                added); ids at padded positions are never looked up.
+            return_attn_z_loss: put x-transformers' z-loss of the attention logits on the intermediates
+                (``attn_z_loss``) and return them: ``weight * mean over real query rows of sum over heads of
+                (sum over attention blocks of logsumexp over the keys)^2``. Masked keys are left out of each
+                logsumexp, and rows with no key (padded queries, dead rows) add 0. Runs the explicit attention path.
+            attn_z_loss_weight: its weight (default the model's ``attn_z_loss_weight``, 1e-4).
+            _loop_out: (internal, for ``AutoregressiveWrapper``'s looped loss) a dict a looped model fills with the
+                runs' ``exit_logits``, ``all_pred_logits`` and ``exit_indices`` without building the intermediates
+                (which run the explicit attention path).
 
         Returns:
             logits ``(b, n, v)`` (or embeddings / pooled; ``(b, v)`` with ``average_pool_embed`` or one
-            class token), then the cache if ``return_cache``, then the intermediates if
-            ``return_intermediates`` / ``return_hiddens``, or the attention weights if ``return_attn``.
+            class token; ``(b, num_pooled_tokens, dim_pooled_tokens)`` for an encoder with ``attn_pool``, whose
+            logits then go on the intermediates as ``logits``), then the cache if ``return_cache``, then the
+            intermediates if ``return_intermediates`` / ``return_hiddens``, or the attention weights if
+            ``return_attn``.
         """
         conditions = condition_kwargs("TransformerWrapper.forward", conditions)
         x = _token_ids(x, "x")
@@ -598,6 +1026,10 @@ class TransformerWrapper(_Wrapper):
                                incremental=input_not_include_cache)
         cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
         if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
+            whole = lambda t: _last(t, keep) if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == n else t  # noqa: E731
+            sum_embeds = whole(sum_embeds)
+            if isinstance(embed_ids, dict):
+                embed_ids = {k: whole(v) for k, v in embed_ids.items()}
             x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
         if mask is not None:
             x = torch.where(mask, x, torch.zeros_like(x))
@@ -609,70 +1041,266 @@ class TransformerWrapper(_Wrapper):
         conds = self._check_conditions(_conditions(context, context_mask, prepend_embeds, prepend_mask, condition,
                                                    condition_mask, conditions),
                                        self.check_finite if check_finite is None else check_finite)
-        want_inter = return_intermediates or return_hiddens or return_attn
+        for v, name in ((return_logits_and_embeddings, "return_logits_and_embeddings"),
+                        (return_embeddings_and_intermediates, "return_embeddings_and_intermediates"),
+                        (return_logit_entropies, "return_logit_entropies"), (return_attn_z_loss, "return_attn_z_loss")):
+            _flag(v, name)
+        z_weight = self.attn_z_loss_weight if attn_z_loss_weight is None else attn_z_loss_weight
+        if isinstance(z_weight, bool) or not isinstance(z_weight, (int, float)) or not math.isfinite(z_weight):
+            raise ValueError(f"attn_z_loss_weight must be a finite number, got {z_weight!r}")
+        give_inter = return_intermediates or return_hiddens or return_logit_entropies or return_attn_z_loss
+        want_inter = give_inter or return_attn or return_embeddings_and_intermediates
+        loop = self._loop_settings(looped_steps, max_looped_steps, looped_pred_all_logits, looped_inference,
+                                   looped_exit_prob_threshold)
         emb = self._embed(x, mask, token_emb_kwargs)
+        emb = self._add_embeds(emb, x, mask, sum_embeds, embed_ids)
+        # ff_deep_embed: each token's rows of multipliers, one per feed-forward block (padded ids were zeroed)
+        ff_deep = None if self.ff_deep_embed is None else self.ff_deep_embed[x].to(emb.dtype)  # (b, n, L, c)
+        extra_kv = _additional_kv(self, self_attn_additional_kv, additional_kv_mask, detach_additional_kv,
+                                  route_additional_kv_to_top)
         if self.recycling:
             h, new_cache, full_mask, m, fixed_out, inter, plan = self._recycle(
-                emb, mask, conds, attn_mask, recycle_steps, pos, want_inter or return_next_embed_pred)
+                emb, mask, conds, attn_mask, recycle_steps, pos, want_inter or return_next_embed_pred,
+                causal=causal, ff_deep=ff_deep)
         else:
             h, new_cache, full_mask, m, fixed_out, inter, plan = self._run(
                 emb, mask, conds, attn_mask, cache, return_cache,
-                pos=pos, return_hiddens=want_inter or return_next_embed_pred,
+                pos=pos, return_hiddens=want_inter or return_next_embed_pred, causal=causal, ff_deep=ff_deep,
+                extra_kv=extra_kv, loop=loop,
             )
+        if loop is not None and (inter is not None or _loop_out is not None):
+            found = self._loop_outputs(loop, fixed_out is not None, m if excise_prepend_embeds else 0, full_mask,
+                                       to_logits_kwargs)
+            if _loop_out is not None:
+                _loop_out.update(found)
+            if inter is not None:
+                for key, value in found.items():
+                    setattr(inter, key, value)
+                if inter.cache is not None:
+                    inter.looped_prompt_kv_cache = inter.cache.looped_prompt_kv
+        pooled_tokens = self._attn_pool(h, full_mask, cache, return_intermediates or return_hiddens, inter)
+        if inter is not None:
+            inter.last_layer_hiddens = h
 
-        def result(out):
-            if self.squeeze_out_last_dim and out.shape[-1] == 1 and not (return_embeddings or self.return_only_embed
-                                                                         or return_pooled):
-                out = out[..., 0]
-            if return_next_embed_pred:
-                hid = h[:, m:] if excise_prepend_embeds and m else h
-                init = inter.hiddens[0] if inter.hiddens else None
-                if init is not None and self.num_fixed_tokens and cache is None:
-                    init = init[:, self.num_fixed_tokens:]
-                if init is not None and excise_prepend_embeds and m:
-                    init = init[:, m:]
-                out = (out, (self.to_next_embed_pred(hid), init))
-            extra = ((new_cache,) if return_cache else ()) + (
-                (inter,) if return_intermediates or return_hiddens else (inter.attn_maps,) if return_attn else ())
-            return (out, *extra) if extra else out
-
+        if return_attn_z_loss:  # over every row the stack ran (memory, class and prefix rows included)
+            rows = full_mask
+            if self.memory_tokens_interspersed_every is not None and rows is not None:  # the interleaved rows
+                rows = intersperse_layout(rows, b, n, self.memory_tokens_interspersed_every, self.num_memory_tokens,
+                                          rows.device)[4]
+            elif rows is not None and fixed_out is not None:
+                rows = torch.cat((rows.new_ones(b, fixed_out.shape[1]), rows), dim=1)
+            inter.attn_z_loss = attn_z_loss(inter, rows, z_weight)
+        init = None
+        if inter is not None and inter.hiddens and self.memory_tokens_interspersed_every is None:
+            # the embeddings entering the stack, for the tokens' rows
+            init = inter.hiddens[0]
+            if self.num_fixed_tokens and cache is None:
+                init = init[:, self.num_fixed_tokens:]
+            if excise_prepend_embeds and m:
+                init = init[:, m:]
+            inter.initial_embeds = init
+        head_kw = to_logits_kwargs or {}
+        embeddings_only = return_embeddings or self.return_only_embed or return_embeddings_and_intermediates
+        if return_logits_and_embeddings and (embeddings_only or return_pooled or not self.has_head):
+            raise ValueError("return_logits_and_embeddings needs the output head: not with return_embeddings, "
+                             "return_embeddings_and_intermediates, return_pooled or return_only_embed")
+        need_logits = not embeddings_only or return_logit_entropies
+        logits = pooled_out = entropy_mask = None
         if return_pooled:
-            return result(masked_mean(h, full_mask, dim=1))  # (b, c), prefix included
-        if self.average_pool_embed:  # the head on the mean of the real positions (prefix included)
-            pooled = masked_mean(h, full_mask, dim=1)  # (b, c): a fully padded sample pools to 0
-            return result(pooled if return_embeddings or self.return_only_embed else self._head(pooled, **(to_logits_kwargs or {})))
-        if self.cls_token is not None and fixed_out is not None:
+            emb_out = masked_mean(h, full_mask, dim=1)  # (b, c), prefix included
+            need_logits = False
+        elif self.average_pool_embed:  # the head on the mean of the real positions (prefix included)
+            emb_out = masked_mean(h, full_mask, dim=1)  # (b, c): a fully padded sample pools to 0
+            logits = self._head(emb_out, **head_kw) if need_logits and self.has_head else None
+        elif self.cls_token is not None and fixed_out is not None:
             cls = fixed_out[:, self.num_memory_tokens:]  # (b, C, c)
-            cls = cls[:, 0] if cls.shape[1] == 1 else cls
-            return result(cls if return_embeddings or self.return_only_embed else self._head(cls, **(to_logits_kwargs or {})))
-        if excise_prepend_embeds and m:
-            h = h[:, m:]
-            full_mask = None if full_mask is None else full_mask[:, m:]
-        if return_embeddings or self.return_only_embed:
-            out = h
-        elif self.custom_to_logits or self.to_mixture is not None:
+            emb_out = cls[:, 0] if cls.shape[1] == 1 else cls
+            logits = self._head(emb_out, **head_kw) if need_logits and self.has_head else None
+        else:
+            if excise_prepend_embeds and m:
+                h = h[:, m:]
+                full_mask = None if full_mask is None else full_mask[:, m:]
+            emb_out = h
+            # x-transformers: an encoder with attn_pool returns its pooled tokens (the logits go on the intermediates)
+            if pooled_tokens is not None and not self.attn_layers.causal and not embeddings_only:
+                pooled_out = pooled_tokens
+                need_logits = inter is not None or return_logits_and_embeddings
+            if need_logits and self.has_head:
+                logits = self._logits(h, full_mask, plan, to_logits_kwargs)
+                entropy_mask = full_mask
+        if logits is not None:
+            logits = self._squeeze(logits)
+        if return_logit_entropies:
+            if logits is None:
+                raise ValueError("return_logit_entropies needs logits: not with return_pooled or return_only_embed")
+            inter = inter if inter is not None else LayerIntermediates()
+            ent = lambda t: logit_entropies(t, entropy_mask if t.dim() == 3 else None)  # noqa: E731
+            inter.logit_entropies = tuple(ent(t) for t in logits) if isinstance(logits, tuple) else ent(logits)
+        if return_logits_and_embeddings:
+            out = (logits, emb_out)
+        elif return_embeddings_and_intermediates:
+            out = (emb_out, inter)
+        elif embeddings_only or return_pooled:
+            out = emb_out
+        elif pooled_out is not None:
+            if inter is not None:
+                inter.logits = logits
+            out = pooled_out
+        else:
+            out = logits
+        if return_next_embed_pred:
+            hid = h[:, m:] if excise_prepend_embeds and m and emb_out is not h else h
+            out = (out, (self.to_next_embed_pred(hid), init))
+        extra = ((new_cache,) if return_cache else ()) + (
+            (inter,) if give_inter else (inter.attn_maps,) if return_attn else ())
+        return (out, *extra) if extra else out
+
+    @property
+    def has_head(self) -> bool:
+        return self.tie_embedding or self.to_logits is not None
+
+    def _squeeze(self, logits):
+        """x-transformers' ``squeeze_out_last_dim``: a last dimension of 1 dropped (per head)."""
+        if not self.squeeze_out_last_dim:
+            return logits
+        one = lambda t: t[..., 0] if t.shape[-1] == 1 else t  # noqa: E731
+        return tuple(one(t) for t in logits) if isinstance(logits, tuple) else one(logits)
+
+    def _add_embeds(self, emb: Tensor, x: Tensor, mask: Tensor | None, sum_embeds, embed_ids) -> Tensor:
+        """x-transformers' ``embed_ids`` (the ``embed_num_tokens`` embeddings) and ``sum_embeds`` added to the token
+        embeddings ``emb (b, n, emb_dim)``; padded positions are selected away (ids there never looked up)."""
+        b, n = x.shape
+        if (self.embeds is None) != (not embed_ids):
+            raise ValueError("embed_ids must be given exactly when the model was built with embed_num_tokens "
+                             f"(names {sorted(k[:-6] for k in self.embeds) if self.embeds is not None else []})")
+        if embed_ids:
+            if not isinstance(embed_ids, dict) or set(embed_ids) != {k[:-6] for k in self.embeds}:
+                raise ValueError(f"embed_ids must hold one (b, n) id tensor per name of embed_num_tokens "
+                                 f"{sorted(k[:-6] for k in self.embeds)}, got {sorted(embed_ids) if isinstance(embed_ids, dict) else embed_ids!r}")
+            for name, ids in embed_ids.items():
+                table = self.embeds[f"{name}_embed"]
+                ids = _token_ids(ids, f"embed_ids[{name!r}]")
+                if tuple(ids.shape) != (b, n) or ids.device != x.device:
+                    raise ValueError(f"embed_ids[{name!r}] must have shape (b, n) = ({b}, {n}) on {x.device}, got "
+                                     f"{tuple(ids.shape)} on {ids.device}")
+                if mask is not None:
+                    ids = torch.where(mask, ids, 0)
+                if ids.numel() and bool(((ids < 0) | (ids >= table.num_embeddings)).any()):
+                    raise ValueError(f"embed_ids[{name!r}] holds an id outside [0, {table.num_embeddings}) at a real "
+                                     f"position")
+                emb = emb + table(ids).to(emb.dtype)
+        if sum_embeds is not None:
+            if not isinstance(sum_embeds, Tensor) or tuple(sum_embeds.shape) != (b, n, self.emb_dim) \
+                    or not sum_embeds.is_floating_point() or sum_embeds.device != x.device:
+                raise ValueError(f"sum_embeds must be floating-point of shape (b, n, emb_dim) = ({b}, {n}, {self.emb_dim}) "
+                                 f"on {x.device}, got {getattr(sum_embeds, 'shape', type(sum_embeds))}")
+            emb = emb + (sum_embeds if mask is None else torch.where(mask[..., None], sum_embeds, 0.0)).to(emb.dtype)
+        if mask is not None and (embed_ids or sum_embeds is not None):
+            emb = torch.where(mask[..., None], emb, 0.0)
+        return emb
+
+    def _loop_settings(self, looped_steps, max_looped_steps, pred_all, inference, threshold) -> dict | None:
+        """The looped keywords of one call, checked (``None`` for a model that is not looped)."""
+        if not self.looped:
+            given = [name for name, v, default in (("looped_steps", looped_steps, None),
+                                                   ("max_looped_steps", max_looped_steps, None),
+                                                   ("looped_pred_all_logits", pred_all, None),
+                                                   ("looped_inference", inference, False),
+                                                   ("looped_exit_prob_threshold", threshold, 0.9)) if v != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} given to a model built without looped=True")
+            return None
+        for name, v in (("looped_steps", looped_steps), ("max_looped_steps", max_looped_steps)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if pred_all is not None:
+            _flag(pred_all, "looped_pred_all_logits")
+        _flag(inference, "looped_inference")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"looped_exit_prob_threshold must be a probability in [0, 1], got {threshold!r}")
+        steps = looped_steps or max_looped_steps or self.train_max_looped_steps
+        return dict(steps=steps, fixed=looped_steps is not None, inference=inference, threshold=float(threshold),
+                    pred_all=self.training if pred_all is None else pred_all)
+
+    def _loop_outputs(self, loop: dict, fixed: bool, excise: int, full_mask, to_logits_kwargs) -> dict:
+        """The looped runs' ``exit_logits``, ``all_pred_logits`` and ``exit_indices`` (the intermediates' fields), for
+        the rows the logits come from (memory and class rows cut; the prefix too when it is excised)."""
+        cut = self.num_fixed_tokens if fixed else 0
+        rows = lambda t: t[:, cut + excise:]  # noqa: E731
+        mask = None if full_mask is None else full_mask[:, excise:]
+        preds = [self._logits(rows(h), mask, None, to_logits_kwargs) for h in loop["hiddens"]] if loop["pred_all"] else []
+        return dict(exit_logits=[rows(g) for g in loop["exit_logits"]], all_pred_logits=preds,
+                    exit_indices=loop["exit_indices"])
+
+    def _logits(self, h: Tensor, full_mask: Tensor | None, plan, to_logits_kwargs: dict | None):
+        """``(b, n, v)`` logits of the hidden states ``h (b, n, c)`` (a tuple of them, one per head, with
+        ``num_output_heads > 1``); padded rows exactly 0."""
+        if self.num_output_heads > 1:
+            return tuple(self._logits_of(h, full_mask, plan, to_logits_kwargs, head) for head in range(self.num_output_heads))
+        return self._logits_of(h, full_mask, plan, to_logits_kwargs)
+
+    def _logits_of(self, h: Tensor, full_mask: Tensor | None, plan, to_logits_kwargs: dict | None, head=None) -> Tensor:
+        if head is not None:
+            return self._with_padding_zero(self._head_of(h, self.to_logits[head]), full_mask)
+        if self.custom_to_logits or self.to_mixture is not None or self.sigsoftmax_logits:
             out = self._head(h, **(to_logits_kwargs or {}))
             if full_mask is not None:  # padded rows: exactly 0 (a custom head may add a bias)
                 out = torch.where(full_mask.reshape(*full_mask.shape, *([1] * (out.dim() - 2))), out, 0.0)
-        elif plan is not None and plan.n == h.shape[1]:
+            return out
+        if plan is not None and plan.n == h.shape[1]:
             # the output head on the stack's real tokens only (padded rows are exact zeros: their logits are 0)
-            out = plan.unpack(self._head(plan.pack(h)))
-        else:
-            out = self._head(h)  # (b, n, v)
-        return result(out)
+            return plan.unpack(self._head(plan.pack(h)))
+        return self._head(h)  # (b, n, v)
 
-    def _head(self, h: Tensor, **to_logits_kwargs) -> Tensor:
+    def _attn_pool(self, h: Tensor, full_mask: Tensor | None, cache, want_inter: bool, inter) -> Tensor | None:
+        """x-transformers' ``attn_pool``: the learned queries attend over the real positions of ``h`` (prefix
+        included; memory and class rows are not there), ``(b, num_pooled_tokens, dim_pooled_tokens)``. Run for an
+        encoder on every call and for a decoder when the intermediates are asked for (x-transformers' rule); the
+        result also goes on the intermediates as ``attn_pooled_tokens``. Not with a KV cache: ``h`` then holds only
+        the new positions (an encoder refuses, a decoder's intermediates carry ``None``)."""
+        if self.attn_pool is None:
+            return None
+        encoder = not self.attn_layers.causal
+        if not (encoder or want_inter):
+            return None
+        if cache is not None:
+            if encoder:
+                raise ValueError("attn_pool pools the whole sequence: not with a KV cache (this call's hidden states "
+                                 "hold only the new positions)")
+            pooled = None
+        else:
+            pooled = self.attn_pool(h, mask=full_mask)  # (b, P, d_pool): a sample with no real position pools to 0
+        if inter is not None:
+            inter.attn_pooled_tokens = pooled
+        return pooled
+
+    @staticmethod
+    def _with_padding_zero(out: Tensor, full_mask: Tensor | None) -> Tensor:
+        if full_mask is None:
+            return out
+        return torch.where(full_mask.reshape(*full_mask.shape, *([1] * (out.dim() - 2))), out, 0.0)
+
+    def _head_of(self, h: Tensor, proj, **kwargs) -> Tensor:
+        """One head's logits; x-transformers' ``sigsoftmax_logits``: ``logits + log(sigmoid(logits))`` (computed as
+        ``logsigmoid``, finite for every finite logit), so the softmax is the sigsoftmax."""
+        logits = proj(h, **kwargs)
+        return logits + F.logsigmoid(logits) if self.sigsoftmax_logits else logits
+
+    def _head(self, h: Tensor, **to_logits_kwargs):
+        if self.num_output_heads > 1:
+            return tuple(self._head_of(h, proj) for proj in self.to_logits)
         if self.tie_embedding:
             logits = h @ self.token_emb.weight.t()
-            return logits if self.tie_embedding_scale == 1.0 else logits * self.tie_embedding_scale
+            logits = logits if self.tie_embedding_scale == 1.0 else logits * self.tie_embedding_scale
+            return logits + F.logsigmoid(logits) if self.sigsoftmax_logits else logits
         if self.to_mixture is None:
-            return self.to_logits(h, **to_logits_kwargs)
+            return self._head_of(h, self.to_logits, **to_logits_kwargs)
         # mixture of softmaxes: log(sum_k pi_k softmax(W h_k)), in float32 at least; a log-probability whose
         # every term is a softmax weight, computed as a logsumexp (never log 0 = -inf from underflow)
         acc = torch.promote_types(h.dtype, torch.float32)
         weights = self.combine_mixture(h).to(acc).log_softmax(dim=-1)  # (..., k)
         parts = self.to_mixture(h).unflatten(-1, (self.mixture_of_softmax_k, h.shape[-1]))  # (..., k, c)
-        logp = self.to_logits(parts, **to_logits_kwargs).to(acc).log_softmax(dim=-1)  # (..., k, v)
+        logp = self._head_of(parts, self.to_logits, **to_logits_kwargs).to(acc).log_softmax(dim=-1)  # (..., k, v)
         return torch.logsumexp(logp + weights[..., None], dim=-2).to(h.dtype)
 
     def _embed(self, x: Tensor, mask: Tensor | None, token_emb_kwargs: dict | None) -> Tensor:
@@ -681,9 +1309,9 @@ class TransformerWrapper(_Wrapper):
             emb = self.token_emb(x)
             return l2norm(emb) if self.l2norm_embed else emb
         emb = self.token_emb(x, **(token_emb_kwargs or {}))
-        dim = self.attn_layers.dim
+        dim = self.emb_dim
         if not isinstance(emb, Tensor) or tuple(emb.shape) != (*x.shape, dim) or not emb.is_floating_point():
-            raise ValueError(f"token_emb must return floating-point embeddings of shape (b, n, dim) = "
+            raise ValueError(f"token_emb must return floating-point embeddings of shape (b, n, emb_dim) = "
                              f"({x.shape[0]}, {x.shape[1]}, {dim}), got {getattr(emb, 'shape', type(emb))}")
         return emb if mask is None else torch.where(mask[..., None], emb, 0.0)
 
@@ -698,6 +1326,8 @@ class TransformerWrapper(_Wrapper):
         _flag(return_next_embed_pred, "return_next_embed_pred")
         if return_next_embed_pred and not self.add_continuous_pred_head:
             raise ValueError("return_next_embed_pred=True needs add_continuous_pred_head=True")
+        if return_next_embed_pred and self.memory_tokens_interspersed_every is not None:
+            raise ValueError("return_next_embed_pred cannot be combined with memory_tokens_interspersed_every")
         if recycle_steps is not None:
             if not self.recycling:
                 raise ValueError("recycle_steps was given but the model was built without recycling=True")
@@ -709,7 +1339,7 @@ class TransformerWrapper(_Wrapper):
             if cache is not None or return_cache:
                 raise ValueError("recycling runs the whole stack several times: no KV cache (x-transformers' rule)")
 
-    def _recycle(self, emb, mask, conds, attn_mask, steps, pos, want_inter):
+    def _recycle(self, emb, mask, conds, attn_mask, steps, pos, want_inter, causal=None, ff_deep=None):
         """x-transformers' recycling: the stack runs ``steps`` times, each run's input the embeddings plus
         ``recycled_proj`` of the previous run's (detached) output; only the last run takes gradients."""
         if steps is None:
@@ -724,8 +1354,40 @@ class TransformerWrapper(_Wrapper):
                     prev = out[0].detach()  # padded rows of the stack's output are exact zeros
                     inp = emb + self.recycled_proj(prev)
                 out = self._run(inp, mask, conds, attn_mask, None, False, pos=pos,
-                                return_hiddens=want_inter and i == steps - 1)
+                                return_hiddens=want_inter and i == steps - 1, causal=causal, ff_deep=ff_deep)
         return out
+
+
+def logit_entropies(logits: Tensor, mask: Tensor | None = None) -> Tensor:
+    """x-transformers' ``calc_entropy``: the entropy of each position's softmax, ``(...)`` from ``logits (..., v)``,
+    in float32 at least; banned logits (``-inf``) add 0 (never ``0 * log 0``); positions where ``mask (b, n)`` is False
+    give 0."""
+    acc = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logp = acc.log_softmax(dim=-1)
+    p = logp.exp()
+    ent = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
+    return ent if mask is None else torch.where(mask, ent, 0.0)
+
+
+def attn_z_loss(inter: LayerIntermediates, rows: Tensor | None, weight: float) -> Tensor:
+    """x-transformers' ``calc_z_loss`` over the ``pre_softmax_attn`` of every attention block in ``inter``:
+    ``weight * mean over real query rows of sum over heads of (sum over blocks of logsumexp over keys)^2``. Masked
+    keys (``-inf``) are left out of each logsumexp; a row with no key (a dead row: its weights are all 0) adds 0;
+    ``rows (b, N)``: which query rows are real (padded rows are left out of the mean). Finite, and so is its gradient.
+    """
+    maps = [(a.pre_softmax_attn, a.post_softmax_attn) for a in inter.attn_intermediates]
+    if not maps or any(logit is None or w is None for logit, w in maps):
+        raise ValueError("return_attn_z_loss needs every attention block's logits and weights (the explicit path): "
+                         "not with attention that returns none (Attention(flash=True))")
+    lse = 0.0
+    for logit, w in maps:  # (b, h, N, j)
+        alive = w.sum(dim=-1) > 0  # (b, h, N): a row with a key has weights summing to (about) 1
+        safe = torch.where(alive[..., None], logit, 0.0)
+        lse = lse + torch.where(alive, safe.logsumexp(dim=-1), 0.0)
+    per_row = lse.square().sum(dim=1)  # (b, N)
+    if rows is None:
+        return per_row.mean() * weight
+    return torch.where(rows, per_row, 0.0).sum() / rows.sum().clamp(min=1) * weight
 
 
 def split_mean_log_var(raw: Tensor) -> tuple[Tensor, Tensor]:
@@ -863,10 +1525,14 @@ class ContinuousTransformerWrapper(_Wrapper):
         return_attn: bool = False,
         return_hiddens: bool = False,
         cache_age: int = 1,
+        input_not_include_cache: bool = False,
+        causal: bool | None = None,
         **conditions,
     ):
-        """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward``;
-        ``lens (b,)`` (x-transformers' name) gives right-padded lengths instead of a mask.
+        """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward`` (``causal``
+        included);
+        ``lens (b,)`` (x-transformers' name) gives right-padded lengths instead of a mask;
+        ``input_not_include_cache``: with a ``LayerIntermediates`` cache every position of ``x`` is new.
 
         Values at padded positions of ``x`` (mask False) are selected away before any use: NaN or
         inf there reaches no output and no gradient.
@@ -885,6 +1551,9 @@ class ContinuousTransformerWrapper(_Wrapper):
             mask = torch.arange(n, device=x.device)[None] < lens.to(x.device)[:, None]
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
+        _flag(input_not_include_cache, "input_not_include_cache")
+        if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1:
+            cache_age = n  # every position of x is new
         cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
         if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
             x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
@@ -897,7 +1566,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         want_inter = return_intermediates or return_hiddens or return_attn
         h, new_cache, full_mask, m, _, inter, _ = self._run(
             self.project_in(x), mask, conds, attn_mask, cache, return_cache,
-            pos=pos, return_hiddens=want_inter,
+            pos=pos, return_hiddens=want_inter, causal=causal,
         )
         if excise_prepend_embeds and m and not (return_pooled or self.average_pool_embed):
             h = h[:, m:]

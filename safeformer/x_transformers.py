@@ -1,16 +1,17 @@
 """x-transformers' ``x_transformers.x_transformers`` module names, so ``from safeformer.x_transformers import X``
 works as ``from safeformer import X`` does (the same objects; nothing is defined here).
 
-Names of that module that safeformer does not provide (``layer_schedule``, ``default_device``, and the
+Names of that module that safeformer does not provide (``default_device``, and the
 options' internal modules such as ``Attend``, ``LinearNoBias``, ``HyperConnection``) are left out on purpose:
 an ``ImportError`` names them. See docs/moving_from_x_transformers.md.
 """
 
-from .attention import Attention
+from .attention import Attention, RelativeProjPositionalBias
 from .cache import LayerIntermediates
 from .encoder_decoder import XTransformer
-from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, PrefixDecoder, TransformerBlock
+from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, PrefixDecoder, TransformerBlock, layer_schedule
 from .modules import AbsolutePositionalEmbedding, AdaptiveRMSNorm, FeedForward, RMSNorm, RotaryEmbedding, apply_rotary
+from .relative_position import RelativePositionBias
 from .wrappers import TransformerWrapper
 from .xt_extras import AttentionPool, ViTransformerWrapper
 
@@ -18,6 +19,8 @@ __all__ = [
     "AbsolutePositionalEmbedding",
     "AdaptiveRMSNorm",
     "Attention",
+    "RelativeProjPositionalBias",
+    "RelativePositionBias",
     "AttentionLayers",
     "AttentionPool",
     "CrossAttender",
@@ -33,4 +36,5 @@ __all__ = [
     "ViTransformerWrapper",
     "XTransformer",
     "apply_rotary",
+    "layer_schedule",
 ]

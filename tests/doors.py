@@ -326,8 +326,8 @@ def probe_rotary(seed: int, value: float) -> Probe:
     return Probe(out, {"x": x}, {"x": ~mask[:, None, :, None].expand_as(x)}, compare=mask[:, None, :, None].expand_as(out),
                  masked_grad_zero=False, bad_calls=[("odd rotary dim", lambda: sf.RotaryEmbedding(3), ValueError, "rotary_emb_dim"),
                                                     ("float positions", lambda: rot(pos.float()), ValueError, "positions"),
-                                                    ("an xpos scale", lambda: sf.apply_rotary(x, rot.angles(pos), 2.0),
-                                                     ValueError, "xpos")])
+                                                    ("an xpos scale given twice", lambda: sf.apply_rotary(
+                                                        x, (rot.angles(pos), 2.0), 2.0), ValueError, "scale")])
 
 
 def _ada_norm(g):
@@ -683,10 +683,10 @@ def probe_non_autoregressive(seed: int, value: float) -> Probe:
     replay = torch.Generator().manual_seed(seed)  # what forward draws: the drops, then the hidden tokens
     sf.drop_conditions(sf.Conditions(ctx, ctx_mask, pre, pre_mask, cond, cond_mask), probs, all_prob=all_prob, generator=replay)
     _, hidden = model.hide_tokens(tokens, mask, generator=replay)
-    out = model(x, mask=mask, reduction="none", generator=torch.Generator().manual_seed(seed), **kw)  # (b, n)
+    out = model(x, mask=mask, reduction="none", generator=torch.Generator().manual_seed(seed), **kw).loss  # (b, n)
 
     none = torch.zeros(b, n, dtype=torch.bool)
-    loss = model(x, mask=none, generator=torch.Generator().manual_seed(seed), **kw)
+    loss = model(x, mask=none, generator=torch.Generator().manual_seed(seed), **kw).loss
     grads = torch.autograd.grad(loss, [ctx, *net.parameters()], allow_unused=True)
     assert loss.item() == 0.0 and all(gr is not None and not bool(gr.any()) for gr in grads[:2]), \
         "an all-padding batch is not a loss of 0 with zero gradients"
@@ -774,8 +774,13 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("XValAutoregressiveWrapper", has_dead=True,
          probe=lambda seed, value: _probe("test_xval", "probe_xval_autoregressive", seed, value),
          note="named tests (losses by hand, guidance from separate passes, cached = uncached): test_xval.py"),
+    Door("Attend", has_dead=True, probe=lambda seed, value: _probe("test_xt_attend", "probe_attend_module", seed, value),
+         note="x-transformers' Attend module: float64 references and x-transformers parity in test_xt_attend.py"),
     Door("NeoMLP", probe=lambda seed, value: _probe("test_neo_mlp", "probe_neo_mlp", seed, value),
          note="named tests (missing features = removed nodes in float64, x-transformers parity): test_neo_mlp.py"),
+    Door("UniversalPretrainWrapper",
+         probe=lambda seed, value: _probe("test_xt_wrappers_more", "probe_universal_pretrain", seed, value),
+         note="no masked input; buffer enrichment and loss by hand, generator parity: test_xt_wrappers_more.py"),
     Door("MultiInputTransformerWrapper", has_dead=True,
          probe=lambda seed, value: _probe("test_multi_input", "probe_multi_input", seed, value),
          note="float64 reference, both caches, x-transformers parity on converted weights: test_multi_input.py"),
@@ -784,6 +789,9 @@ DOORS: dict[str, Door] = {d.name: d for d in [
          note="named tests (float64 reference, x-transformers parity): test_continuous_autoencoder.py"),
     Door("GPTVAE", probe=lambda seed, value: _probe("test_gpt_vae", "probe_gpt_vae", seed, value),
          note="named tests (float64 reference, guidance, x-transformers parity): test_gpt_vae.py"),
+    Door("FreeTransformer", probe=lambda seed, value: _probe("test_free_transformer", "probe_free_transformer", seed, value),
+         note="x-transformers parity on converted weights (losses, gradients, sampling), float64 BinaryMapper, padded = "
+              "alone: test_free_transformer.py"),
     Door("BeliefStateWrapper", has_dead=True,
          probe=lambda seed, value: _probe("test_belief_state", "probe_belief_state", seed, value),
          note="float64 reference (each prefix and reversed suffix alone), guidance from separate passes, "
@@ -858,6 +866,12 @@ NOT_DOORS: dict[str, str] = {
     "AttnIntermediate": "a result record of return_intermediates (its door is the wrapper)",
     "eval_decorator": "a decorator: takes a method, no tensors",
     "LinearNoBias": "builds a torch.nn.Linear without bias (x-transformers' alias); takes no tensor",
+    "RelativeProjPositionalBias": "a bias whose row i reads x[i] alone and takes no mask (its door is "
+                                  "Attention(use_rel_proj_pos_bias=True), which selects padded rows first)",
+    "log_prob_from_hard_attend": "reads a result record of return_intermediates (its door is the Attention)",
+    "layer_schedule": "builds a tuple of per-layer numbers from numbers; takes no tensor",
+    "RelativePositionBias": "a bias from integer positions, no mask and no float input (its door is the stack with "
+                            "rel_pos_bias=True: test_xt_relpos.py, contract case Decoder-t5-relpos)",
 }
 
 # the public names the registry covers: the user's API (``safeformer.__all__``), the testing module's

@@ -57,8 +57,8 @@ def test_unknown_keyword_names_it_and_suggests(typo, suggested):
 def test_unknown_wrapper_keyword_suggests():
     with pytest.raises(TypeError, match="'emb_dropout'"):
         sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1), emb_dropouts=0.1)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'attn_laser'"):
-        sf.Encoder(dim=8, depth=1, attn_laser=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'attn_lazer'.*'attn_laser'"):
+        sf.Encoder(dim=8, depth=1, attn_lazer=True)
 
 
 def test_one_option_under_two_spellings_is_an_error():

@@ -88,7 +88,7 @@ def test_the_other_wrappers_on_an_all_padding_batch():
     _assert_every_grad_present_and_zero(cont, "ContinuousAutoregressiveWrapper")
     nar = sf.NonAutoregressiveWrapper(sf.TransformerWrapper(num_tokens=V, max_seq_len=8, attn_layers=sf.Encoder(
         dim=C, depth=1, heads=2, dim_head=8)), mask_id=V - 1)
-    nar(torch.randint(0, V - 1, (B, 5)), mask=torch.zeros(B, 5, dtype=torch.bool)).backward()
+    nar(torch.randint(0, V - 1, (B, 5)), mask=torch.zeros(B, 5, dtype=torch.bool)).loss.backward()
     _assert_every_grad_present_and_zero(nar, "NonAutoregressiveWrapper")
     xt = sf.XTransformer(dim=C, enc_num_tokens=V, enc_max_seq_len=8, dec_num_tokens=V, dec_max_seq_len=8,
                          enc_depth=1, dec_depth=1, enc_heads=2, dec_heads=2)

@@ -98,8 +98,8 @@ def test_named_errors():
         m(x, mask=MASK[:, :-1])
     with pytest.raises(ValueError, match="dim_model"):
         NeoMLP(dim_in=I, dim_hidden=H, dim_out=O, dim_model=0, depth=1)
-    with pytest.raises(TypeError, match="attn_laser"):
-        NeoMLP(dim_in=I, dim_hidden=H, dim_out=O, dim_model=D, depth=1, encoder_kwargs=dict(attn_laser=True))
+    with pytest.raises(TypeError, match="attn_lazer"):
+        NeoMLP(dim_in=I, dim_hidden=H, dim_out=O, dim_model=D, depth=1, encoder_kwargs=dict(attn_lazer=True))
     with pytest.raises(TypeError, match="NeoMLP"):
         neo_mlp_from_x_transformers(torch.nn.Linear(2, 2))
 

@@ -90,7 +90,9 @@ def test_loss_is_the_cross_entropy_of_the_hidden_real_tokens(left):
     model = _model()
     x, mask = _tokens(left=left)
     conds = _conds()
-    got = model(x, mask=mask, generator=torch.Generator().manual_seed(5), **conds)
+    losses = model(x, mask=mask, generator=torch.Generator().manual_seed(5), **conds)
+    got = losses.loss  # x-transformers' Losses namedtuple: no token critic here
+    assert losses.generator_loss is got and losses.critic_loss is None
     inp, hidden = model.hide_tokens(x, mask, generator=torch.Generator().manual_seed(5))  # eval: no drops drawn
     assert not bool((hidden & ~mask).any()), "a padded position was hidden"
     assert torch.equal(inp[hidden], torch.full_like(inp[hidden], MASK_ID)) and torch.equal(inp[~hidden], x[~hidden])
@@ -98,14 +100,14 @@ def test_loss_is_the_cross_entropy_of_the_hidden_real_tokens(left):
         logp = model.net(inp, mask=mask, excise_prepend_embeds=True, **conds).log_softmax(-1)
     nll = -logp.gather(-1, x.clamp(0, V - 2)[..., None])[..., 0]
     hp.assert_close(got.detach(), nll[hidden].mean(), "loss", torch.float64)
-    none = model(x, mask=mask, reduction="none", generator=torch.Generator().manual_seed(5), **conds)
+    none = model(x, mask=mask, reduction="none", generator=torch.Generator().manual_seed(5), **conds).loss
     hp.assert_zero(none[~hidden], "per-position loss where nothing was hidden")
     hp.assert_close(none[hidden].detach(), nll[hidden], "per-position loss", torch.float64)
 
 
 def _loss_and_grads(model, x, mask, seed=5, **kw):
     model.zero_grad(set_to_none=True)
-    loss = model(x, mask=mask, generator=torch.Generator().manual_seed(seed), **kw)
+    loss = model(x, mask=mask, generator=torch.Generator().manual_seed(seed), **kw).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -334,7 +336,7 @@ def test_custom_schedule_and_logits_dim_including_mask_id():
     model = sf.NonAutoregressiveWrapper(net, mask_id=MASK_ID, steps=3, schedule=lambda r: (1 - r) ** 2)
     out = model.generate(4, 10, temperature=1.0)
     assert not bool((out == MASK_ID).any())
-    loss = model(torch.randint(0, V - 1, (2, 10)))
+    loss = model(torch.randint(0, V - 1, (2, 10))).loss
     hp.assert_finite(loss, "loss")
 
 
@@ -401,8 +403,8 @@ def test_save_and_load_round_trip(tmp_path):
     model.eval()
     back.eval()
     gen = torch.Generator().manual_seed(0)
-    hp.assert_bitwise(back(x, mask=mask, generator=gen), model(x, mask=mask, generator=torch.Generator().manual_seed(0)),
-                      "loss after reloading")
+    hp.assert_bitwise(back(x, mask=mask, generator=gen).loss,
+                      model(x, mask=mask, generator=torch.Generator().manual_seed(0)).loss, "loss after reloading")
     custom = sf.NonAutoregressiveWrapper(_net(), mask_id=MASK_ID, schedule=lambda r: 1 - r)
     with pytest.raises(ValueError, match="schedule"):  # never saved as another schedule
         custom.save_pretrained(tmp_path / "custom")

@@ -135,8 +135,6 @@ def test_rotary_embedding_matches_x_transformers(kwargs):
 
 
 def test_rotary_embedding_refuses_what_it_does_not_do():
-    with pytest.raises(ValueError, match="xpos"):
-        sf.RotaryEmbedding(8, use_xpos=True)
     with pytest.raises(ValueError, match="offset"):
         sf.RotaryEmbedding(8)(torch.arange(4), offset=2)
     with pytest.raises(ValueError, match="positions"):

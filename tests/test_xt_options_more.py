@@ -378,7 +378,7 @@ def test_context_pos_matches_x_transformers_and_keeps_masked_context_out():
 
 def test_ff_softclamp_value_matches_formula_and_x_transformers():
     """``ff_softclamp_value``: ``act(tanh(h / v) * v)`` on the hidden layer (float64 formula), converted from
-    x-transformers with equal outputs; with ``glu`` (which x-transformers ignores) it is refused."""
+    x-transformers with equal outputs; with ``glu`` (which x-transformers ignores) it is built with a warning."""
     torch.manual_seed(8)
     ff = _perturb(sf.FeedForward(8, mult=2, softclamp_value=0.5)).double()
     x = torch.randn(3, 8, dtype=torch.float64) * 3
@@ -391,16 +391,16 @@ def test_ff_softclamp_value_matches_formula_and_x_transformers():
     tokens = torch.randint(0, 50, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), peer(tokens), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="glu"):
+    with pytest.warns(UserWarning, match="glu"):  # x-transformers ignores it with glu: built, with a warning
         sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, ff_glu=True, ff_softclamp_value=5.0)
     with pytest.raises(ValueError, match="softclamp_value"):
         sf.FeedForward(8, softclamp_value=-1.0)
 
 
-def test_rotary_xpos_is_accepted_at_false_only():
-    sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True, rotary_xpos=False)
+def test_rotary_xpos_needs_a_causal_stack():
+    sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True, rotary_xpos=True)
     with pytest.raises(ValueError, match="rotary_xpos"):
-        sf.Decoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True, rotary_xpos=True)
+        sf.Encoder(dim=16, depth=1, heads=2, dim_head=8, rotary_pos_emb=True, rotary_xpos=True)
 
 
 def test_dynamic_tanh_matches_formula_and_x_transformers():

@@ -423,13 +423,13 @@ def test_mdlm_weighted_loss():
     model = sf.NonAutoregressiveWrapper(net, mask_id=V - 1, schedule="linear", use_simple_mdlm_loss_weight=True)
     x = torch.randint(0, V - 1, (3, 8))
     mask = hp.mask_from_lengths([8, 5, 0], 8)
-    loss = model(x, mask=mask, generator=torch.Generator().manual_seed(2))
+    loss = model(x, mask=mask, generator=torch.Generator().manual_seed(2)).loss
     inp, hidden, r = model._hide(x, mask, torch.Generator().manual_seed(2))
     logits = net(inp, mask=mask)
     ce = F.cross_entropy(logits.transpose(1, 2), x, reduction="none") / (1 - r)[:, None]
     hp.assert_close(loss, ce[hidden].mean(), what="weighted loss")
     _zero_grads(model)
-    loss = model(x, mask=torch.zeros(3, 8, dtype=torch.bool))
+    loss = model(x, mask=torch.zeros(3, 8, dtype=torch.bool)).loss
     loss.backward()
     assert float(loss.detach()) == 0.0
     for k, g in _grads(model).items():

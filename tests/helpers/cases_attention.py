@@ -6,4 +6,73 @@ Each case subclasses a case of ``models.py`` (imported from there at the end of 
 
 from __future__ import annotations
 
-CASES: list = []
+import torch
+from torch import nn
+
+import safeformer as sf
+
+from .models import HEADS, CrossAttenderCase, DecoderCase, EncoderCase
+
+
+def _perturb_positions(model: nn.Module, seed: int = 13) -> nn.Module:
+    """CoPE's position embeddings start at zero; give them values, so that every contract test exercises them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, sf.Attention) and m.cope is not None:
+                m.cope.pos_emb.copy_(0.5 * torch.randn(m.cope.pos_emb.shape, generator=g))
+    return model
+
+
+class DecoderScoringCase(DecoderCase):
+    """``Decoder`` with cross-attention and x-transformers' scoring options together: l2-distance logits, cog
+    attention (signed weights), multi-latent queries and keys/values in every attention (one key head from the input,
+    the only head that rotary positions rotate), and in
+    self-attention CoPE (contextual positions: masked keys count 0) and the relative projection bias (at the real
+    tokens' positions), with projection biases. A padded key must count in no position, add no distance and reach
+    no weight; a dropped context stays an exact no-op; the KV cache decodes as the full forward. The explicit
+    float32 attention runs (no kernel), on the padded path only."""
+
+    name = "Decoder-scoring"
+    padded_only = True
+    explicit_attention = True
+
+    def config(self):
+        return dict(super().config(), attn_l2_distance=True, attn_cog_signed=True, attn_use_latent_q=True, attn_dim_latent_q=12,
+                    attn_use_latent_kv=True, attn_dim_latent_kv=10, attn_latent_rope_subheads=1, kv_heads=HEADS,
+                    attn_use_cope=True, attn_cope_max_pos=3,
+                    attn_use_rel_proj_pos_bias=True, attn_rel_proj_max_dist=3, attn_bias=True)
+
+    def make(self, backend="auto"):
+        return _perturb_positions(super().make(backend))
+
+
+class CrossAttenderInvertedCase(CrossAttenderCase):
+    """``CrossAttender`` with x-transformers' ``cross_attn_inverted_attention=(True, False)`` and
+    ``cross_attn_sigmoid`` and LASER values (``attn_laser``): the first block's weights are normalised over the queries
+    (padded queries take none), then L1 over each query's keys; a dropped context gives exact zeros (not
+    ``log(0)``). No KV cache (refused), padded path only."""
+
+    name = "CrossAttender-inverted"
+    padded_only = True
+    explicit_attention = True
+    decodes = False
+
+    def config(self):
+        return dict(super().config(), cross_attn_inverted_attention=(True, False), cross_attn_sigmoid=True,
+                    attn_laser=True, attn_laser_softclamp_value=4.0)
+
+
+class EncoderL2Case(EncoderCase):
+    """``Encoder`` with x-transformers' ``attn_l2_distance`` alone (and ALiBi, projection biases): the fused kernels
+    run ``[2q, 1] . [k, -|k|^2]``, so a masked key's ``|k|^2`` must be selected away before it (NaN there reaches no
+    gradient), and the kernel is not trusted at dead rows. Padded path only."""
+
+    name = "Encoder-l2"
+    padded_only = True
+
+    def config(self):
+        return dict(super().config(), attn_l2_distance=True, attn_bias=True)
+
+
+CASES: list = [DecoderScoringCase(), CrossAttenderInvertedCase(), EncoderL2Case()]

@@ -7,3 +7,102 @@ Each case subclasses a case of ``models.py`` (imported from there at the end of 
 from __future__ import annotations
 
 CASES: list = []
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from .models import DIM, DIM_HEAD, HEADS, DecoderCase, EncoderCase  # noqa: E402
+
+
+class DecoderHybridCase(DecoderCase):
+    """``Decoder`` with x-transformers' ``attn_hybrid_module`` (a GRU beside every self-attention) and
+    biases: the GRU must read each sample's real tokens only (left padding included, its state carried in the
+    KV cache), so padded positions reach no real one and NaN planted there reaches nothing. Padded path only."""
+
+    name = "Decoder-hybrid"
+    has_context = False
+    padded_only = True
+
+    def config(self):
+        return dict(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, rotary_pos_emb=True, attn_bias=True,
+                    attn_hybrid_module=nn.GRU(DIM, HEADS * DIM_HEAD, batch_first=True))
+
+
+class EncoderHybridCase(EncoderCase):
+    """``Encoder`` with a bidirectional GRU folded in two (``attn_hybrid_fold_axial_dim=2``): each direction
+    starts and stops at the sample's own real ends. Padded path only."""
+
+    name = "Encoder-hybrid"
+    padded_only = True
+
+    def config(self):
+        return dict(super().config(), attn_hybrid_fold_axial_dim=2,
+                    attn_hybrid_module=nn.GRU(DIM, HEADS * DIM_HEAD // 2, batch_first=True, bidirectional=True))
+
+
+CASES += [DecoderHybridCase(), EncoderHybridCase()]
+
+
+class DecoderPolarAlibiCase(DecoderCase):
+    """``Decoder`` with PoPE (``polar_pos_emb``, keys of ``2 d`` features in the cache) and ALiBi on one head of two
+    with a custom slope (``alibi_num_heads``, ``rel_pos_kwargs``), ``Derf`` norms and a custom feed-forward
+    activation: positions count real tokens (left padding shifts nothing), cached decoding continues them. Padded
+    path only."""
+
+    name = "Decoder-polar-alibi"
+    has_context = False
+    padded_only = True
+
+    def make(self, backend="auto"):
+        model = super().make(backend)
+        with torch.no_grad():  # q/k projections large enough that softplus is in its linear regime: logits then
+            for blk in model.layers:  # grow as the square of the q/k scale (what the half-precision test assumes)
+                if blk.kind == "self":
+                    blk.mixer.to_q.weight.mul_(6.0)
+                    blk.mixer.to_k.weight.mul_(6.0)
+        return model
+
+    def config(self):
+        return dict(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, polar_pos_emb=True, polar_bias_uniform_init=True,
+                    alibi_pos_bias=True, alibi_num_heads=1, rel_pos_kwargs=dict(slopes=[0.3]), use_derf=True,
+                    ff_custom_activation=nn.Tanh())
+
+
+class DecoderXposCase(DecoderCase):
+    """``Decoder`` with rotary xpos (queries and keys scaled in opposite directions around the middle of each
+    sample's positions) and situ-GLU: no KV cache (refused), padded path only."""
+
+    name = "Decoder-xpos"
+    has_context = False
+    decodes = False
+    padded_only = True
+
+    def config(self):
+        return dict(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, rotary_pos_emb=True, rotary_xpos=True,
+                    rotary_xpos_scale_base=8, ff_glu=True, ff_glu_softclamp=True)
+
+
+CASES += [DecoderPolarAlibiCase(), DecoderXposCase()]
+
+
+class DecoderT5RelPosCase(DecoderCase):
+    """``Decoder`` with T5's relative position bias (``rel_pos_bias``, biases moved off zero) instead of ALiBi:
+    the bias is read from the real tokens' positions, so left padding shifts nothing, cached decoding continues
+    the positions, and the unpadded rerun packs the same biases per sample."""
+
+    name = "Decoder-t5-relpos"
+
+    def make(self, backend="auto"):
+        model = super().make(backend)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            w = model.rel_pos.relative_attention_bias.weight
+            w.copy_(torch.randn(w.shape, generator=g) * 0.1)
+        return model
+
+    def config(self):
+        return dict(super().config(), alibi_pos_bias=False, rel_pos_bias=True, rel_pos_num_buckets=8,
+                    rel_pos_max_distance=16)
+
+
+CASES += [DecoderT5RelPosCase()]

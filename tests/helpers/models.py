@@ -665,7 +665,7 @@ class TransformerWrapperCase(_TokenCase):
         return calls
 
     def unknown_kwarg(self):
-        return lambda: sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ, attn_layers=sf.Encoder(dim=DIM, depth=1), emb_dim=8)
+        return lambda: sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ, attn_layers=sf.Encoder(dim=DIM, depth=1), embed_dim=8)
 
     def pooled(self, model, inp, sc):
         pooled = model(*inp.args, **inp.kwargs, return_pooled=True)
@@ -1169,8 +1169,9 @@ from .cases_attention import CASES as _ATTENTION_CASES  # noqa: E402
 from .cases_modules import CASES as _MODULE_CASES  # noqa: E402
 from .cases_residuals import CASES as _RESIDUAL_CASES  # noqa: E402
 from .cases_stack import CASES as _STACK_CASES  # noqa: E402
+from .cases_wrappers import CASES as _WRAPPER_CASES  # noqa: E402
 
-CASES += _ATTENTION_CASES + _MODULE_CASES + _STACK_CASES + _RESIDUAL_CASES
+CASES += _ATTENTION_CASES + _MODULE_CASES + _STACK_CASES + _RESIDUAL_CASES + _WRAPPER_CASES
 # every case with a layer stack, again on the unpadded path (real tokens only); memory keys and sinks
 # run on the padded path only (the stack refuses unpadded=True with them; such a case sets padded_only)
 UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
