@@ -1453,7 +1453,8 @@ def _check_autoregressive(ar, xt, xt_attend, problems: _Problems, training_only:
     if getattr(ar, "mask_prob", 0.0) > 0:
         problems.add(f"mask_prob={ar.mask_prob} (random input masking in the loss, in evaluation mode too)")
     if getattr(ar, "add_attn_z_loss", False):
-        problems.add("add_attn_z_loss")
+        problems.add("add_attn_z_loss (safeformer's z-loss counts the n - 1 positions the loss reads, x-transformers' "
+                     "all n: different loss values)")
     if not net.attn_layers.causal:
         problems.add("an AutoregressiveWrapper around a non-causal net (safeformer's needs a Decoder)")
     pad = ar.pad_value
@@ -1719,7 +1720,9 @@ def from_x_transformers(
         _raise_problems(problems, training_only, drop_training_only)
         net = _build_wrapper(plan, xt)
         problems.raise_if_any()
-        sf = AutoregressiveWrapper(net, ignore_index=model.ignore_index, pad_value=model.pad_value)
+        loss_options = {k: getattr(model, k) for k in ("next_embed_loss_weight", "looped_loss_threshold_exit",
+                                                       "looped_loss_slope", "looped_exit_loss_weight") if hasattr(model, k)}
+        sf = AutoregressiveWrapper(net, ignore_index=model.ignore_index, pad_value=model.pad_value, **loss_options)
         sf.train(model.training)
         return sf
     if not isinstance(model, xt.TransformerWrapper):

@@ -84,3 +84,12 @@ def _quiet_and_seeded():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
         yield
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (comparisons against x-transformers: same reduction order run to run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

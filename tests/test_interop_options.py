@@ -383,3 +383,21 @@ def test_where_x_transformers_reads_padding_the_conversion_equals_it_on_each_sam
         for b in range(2):
             alone = m(tokens[b : b + 1, mask[b]])
             torch.testing.assert_close(got[b, mask[b]], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_autoregressive_wrapper_loss_options_carry_over():
+    """An x-transformers AutoregressiveWrapper's looped-loss options convert with the net: the same loss (the
+    options are not dropped back to their defaults)."""
+    m = _xt_net(pre_and_post_norm=True, wrapper=dict(looped=True, max_looped_steps=3))
+    ar = xt.AutoregressiveWrapper(m, looped_loss_threshold_exit=0.2, looped_loss_slope=20, looped_exit_loss_weight=0.5)
+    s = sf.from_x_transformers(ar)
+    assert (s.looped_loss_threshold_exit, s.looped_loss_slope, s.looped_exit_loss_weight) == (0.2, 20, 0.5)
+    ar.eval(), s.eval()
+    seq = torch.randint(0, 20, (2, 8))
+    torch.testing.assert_close(s(seq), ar(seq), rtol=1e-5, atol=1e-5)
+
+
+def test_attn_z_loss_stays_refused_with_the_reason():
+    ar = xt.AutoregressiveWrapper(_xt_net(), add_attn_z_loss=True)
+    with pytest.raises(ValueError, match="z-loss counts"):
+        sf.from_x_transformers(ar)

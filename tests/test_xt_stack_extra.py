@@ -16,6 +16,7 @@ import pytest
 import torch
 import x_transformers as xt
 import x_transformers.x_transformers as xt_mod
+from helpers import check_padded_equals_alone, perturb_params
 
 import safeformer as sf
 from safeformer.static import StaticDecoder, static_reason
@@ -23,20 +24,8 @@ from safeformer.static import StaticDecoder, static_reason
 DIM, HEADS, DIM_HEAD, VOCAB = 16, 2, 8, 40
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return model
+pytestmark = pytest.mark.usefixtures("one_thread")
+_perturb = perturb_params
 
 
 def _unwrap(layer):
@@ -197,20 +186,8 @@ def _stack(opts: dict, causal: bool = True, seed: int = 2, cross: bool = False, 
 def test_padded_sample_equals_alone_and_planted_nan_reaches_nothing(opts, causal):
     """Left, inner and right padding, a fully padded sample, NaN at every padded position: each sample's real outputs
     equal the sample alone; outputs and gradients finite, padded positions exactly 0 with no gradient."""
-    model = _stack(opts, causal)
-    torch.manual_seed(3)
-    x = torch.randn(3, 7, DIM)
     mask = torch.tensor([[False, False] + [True] * 5, [True, True, False, True, True, False, False], [False] * 7])
-    x = torch.where(mask[..., None], x, float("nan")).requires_grad_()
-    out = model(x, mask=mask)
-    assert torch.isfinite(out).all() and (out[~mask] == 0).all()
-    (out * torch.randn_like(out)).sum().backward()
-    assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
-    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
-    with torch.no_grad():
-        for s in range(2):
-            alone = model(x[s: s + 1, mask[s]].detach())
-            torch.testing.assert_close(out[s, mask[s]].detach(), alone[0], atol=1e-5, rtol=1e-5)
+    check_padded_equals_alone(_stack(opts, causal), DIM, mask)
 
 
 CACHED = [c for c in SAFE_CASES if not c.get("shift_tokens")] + [dict(depth=2, layers_execute_order=(0, 1, 2, 0, 1, 2, 3, 4, 5)),
@@ -316,7 +293,9 @@ def test_what_cannot_run_is_refused_or_falls_back():
            (dict(depth=2, shift_tokens=-1), "shift_tokens"), (dict(depth=2, shift_tokens=(1, 2)), "shift_tokens"),
            (dict(depth=2, softclamp_output=True, softclamp_output_value=0.0), "softclamp_output_value"),
            (dict(depth=2, scale_residual=float("nan")), "scale_residual"),
-           (dict(custom_layers=("a", "f"), ff_mult=(2, 3)), "per-layer"), (dict(), "depth")]
+           (dict(custom_layers=("a", "f"), ff_mult=(2, 3)), "per-layer"), (dict(), "depth"),
+           (dict(depth=4, weight_tie_layers=True, unet_skips=True), "unet_skips"),
+           (dict(depth=2, weight_tie_layers=True, integrate_layers=True), "integrate_layers")]
     for opts, match in bad:
         with pytest.raises(ValueError, match=match):
             sf.Decoder(dim=DIM, heads=HEADS, **opts)

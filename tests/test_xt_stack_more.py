@@ -18,6 +18,7 @@ import pytest
 import torch
 import x_transformers as xt
 import x_transformers.x_transformers as xt_mod
+from helpers import check_padded_equals_alone, perturb_params
 
 import safeformer as sf
 from safeformer.block import ResidualRouting, sinkhorn
@@ -31,20 +32,8 @@ def _xt_sinkhorn_over_streams(t, iters=20):
     return sinkhorn(t.squeeze(-2), iters).unsqueeze(-2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return model
+pytestmark = pytest.mark.usefixtures("one_thread")
+_perturb = perturb_params
 
 
 def _copy_routing(ours: ResidualRouting, peer) -> None:
@@ -192,20 +181,8 @@ def _stack(opts: dict, causal: bool = True, cross: bool = False, seed: int = 2):
 def test_padded_sample_equals_alone_and_planted_nan_reaches_nothing(opts, causal):
     """Left and right padding, a fully padded sample, NaN at every padded position: each sample's real outputs
     equal the sample alone; outputs and gradients are finite, padded positions get exactly 0 and no gradient."""
-    model = _stack(opts, causal)
-    torch.manual_seed(3)
-    x = torch.randn(3, 7, 16)
     mask = torch.tensor([[False, False] + [True] * 5, [True] * 4 + [False] * 3, [False] * 7])
-    x = torch.where(mask[..., None], x, float("nan")).requires_grad_()
-    out = model(x, mask=mask)
-    assert torch.isfinite(out).all() and (out[~mask] == 0).all()
-    (out * torch.randn_like(out)).sum().backward()
-    assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
-    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
-    with torch.no_grad():
-        for s in range(2):
-            alone = model(x[s : s + 1, mask[s]].detach())
-            torch.testing.assert_close(out[s, mask[s]].detach(), alone[0], atol=1e-5, rtol=1e-5)
+    check_padded_equals_alone(_stack(opts, causal), 16, mask)
 
 
 @pytest.mark.parametrize("opts", PER_TOKEN, ids=lambda c: ",".join(k for k in c if k != "depth"))

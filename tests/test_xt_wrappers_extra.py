@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import x_transformers as xt
+from helpers import perturb_params
 
 import safeformer as sf
 from safeformer.static import static_reason
@@ -22,20 +23,8 @@ from safeformer.static import static_reason
 DIM, HEADS, DIM_HEAD, VOCAB = 32, 4, 8, 50
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return model
+pytestmark = pytest.mark.usefixtures("one_thread")
+_perturb = perturb_params
 
 
 def _copy_post_norms(ours, peer) -> None:

@@ -14,6 +14,7 @@ import importlib
 import helpers as hp
 import pytest
 import torch
+from helpers import perturb_params
 
 import safeformer as sf
 
@@ -26,11 +27,7 @@ NAN = float("nan")
 
 def _perturb(module: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
     """Every parameter moved off its init (ones-initialised tables and zero-initialised projections included)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype) * (p.abs().mean() + 0.1))
-    return module
+    return perturb_params(module, seed, relative=True)
 
 
 def _convert_with(theirs, base_kwargs: dict, layers, ours_kwargs: dict) -> sf.TransformerWrapper:

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "check_padded_equals_alone",
+    "perturb_params",
     "INF", "NAN", "ATTEND_TOL", "MODEL_TOL",
     "assert_finite", "assert_close", "assert_bitwise", "assert_zero",
 ]
@@ -122,3 +124,33 @@ def assert_zero(t: Tensor | None, what: str = "tensor", *, none_ok: bool = False
         f"{what} must be exactly 0 but has {int(nz.sum())} nonzero element(s), first "
         f"{float(t[nz][0])} at {tuple(nz.nonzero()[0].tolist())}"
     )
+
+
+def perturb_params(model: torch.nn.Module, seed: int = 0, scale: float = 0.3, relative: bool = False) -> torch.nn.Module:
+    """Every parameter moved off its initial value by ``scale * N(0, 1)`` (seeded; ``relative``: times the
+    parameter's mean magnitude + 0.1): weights at init (zeros, ones) would hide what a comparison means to see."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            step = scale * torch.randn(p.shape, generator=g, dtype=p.dtype)
+            p.add_(step * (p.abs().mean() + 0.1) if relative else step)
+    return model
+
+
+def check_padded_equals_alone(model: torch.nn.Module, dim: int, mask: Tensor) -> None:
+    """A stack under padding ``mask (b, n)`` (its last sample may be entirely padding), NaN at every padded position:
+    outputs and gradients finite, padded positions exactly 0 with no gradient, and each sample with a real token
+    equal to it alone."""
+    torch.manual_seed(3)
+    x = torch.randn(*mask.shape, dim)
+    x = torch.where(mask[..., None], x, float("nan")).requires_grad_()
+    out = model(x, mask=mask)
+    assert torch.isfinite(out).all() and (out[~mask] == 0).all()
+    (out * torch.randn_like(out)).sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    with torch.no_grad():
+        for s in range(mask.shape[0]):
+            if mask[s].any():
+                alone = model(x[s: s + 1, mask[s]].detach())
+                torch.testing.assert_close(out[s, mask[s]].detach(), alone[0], atol=1e-5, rtol=1e-5)
