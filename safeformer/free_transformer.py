@@ -12,6 +12,9 @@ import FreeTransformer`` does: the same keywords, forward and ``generate``. Wher
   latents reach nothing, and they count in no loss (the KL term is the mean over real positions).
   Positions count real tokens, so a padded sample equals the sample alone.
 - ``generate`` decodes with safeformer's KV cache (prompts left-padded with ``pad_id`` are accepted).
+
+``from_x_transformers`` converts an x-transformers ``FreeTransformer`` (``free_transformer_from_x_transformers``):
+equal losses, logits and samples on unpadded input, given the same random draws (``tests/test_interop_free_up.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .masks import validate_mask
 from .modules import positions_from_mask
 from .pretrained import Configurable
 
-__all__ = ["FreeTransformer", "BinaryMapper", "binary_entropy", "NAT"]
+__all__ = ["FreeTransformer", "BinaryMapper", "binary_entropy", "NAT", "free_transformer_from_x_transformers"]
 
 NAT = math.log(2)  # one bit, in nats
 
@@ -329,3 +332,117 @@ class FreeTransformer(Configurable, nn.Module):
         if latents.shape[0] not in (1, b) or latents.shape[1] != 1:
             raise ValueError(f"latents must be (C,), (b, C) or (b, 1, C) with b={b}, got {tuple(latents.shape)}")
         return self.from_latent_to_condition(latents.to(self.token_unembed.weight.dtype)).expand(b, 1, -1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# conversion from x-transformers
+# ----------------------------------------------------------------------------------------------------
+
+# the stack options FreeTransformer sets itself (from its own arguments): never carried in enc_kwargs / dec_kwargs
+_SET_BY_FREE = frozenset({"dim", "depth", "heads", "dim_head", "rotary_pos_emb", "use_rmsnorm", "pre_norm_has_final_norm",
+                          "causal", "cross_attend", "only_cross"})
+
+
+def _stack_from_xt(stack, name: str, drop_training_only: bool):
+    """A bare x-transformers stack as safeformer's (through ``from_x_transformers`` on a stand-in wrapper)."""
+    from .interop import _xt, from_x_transformers
+
+    xt, _ = _xt()
+    if not isinstance(stack, xt.AttentionLayers):
+        raise ValueError(f"{name}: expected an x_transformers AttentionLayers, got {type(stack).__name__}")
+    stand_in = xt.TransformerWrapper(num_tokens=1, max_seq_len=0, use_abs_pos_emb=False, attn_layers=stack)
+    stand_in.train(stack.training)
+    try:
+        return from_x_transformers(stand_in, drop_training_only=drop_training_only).attn_layers
+    except ValueError as err:
+        raise ValueError(f"FreeTransformer.{name}: {err}") from err
+
+
+def _stack_options(layers, dim: int) -> dict:
+    """The converted stack's options that are not at their defaults, less those FreeTransformer sets itself."""
+    from .layers import _defaults
+
+    defaults = _defaults(type(layers))
+    cfg = {k: v for k, v in layers._sf_config.items() if k not in _SET_BY_FREE}
+    if cfg.get("dim_context") == dim:
+        cfg["dim_context"] = None
+    return {k: v for k, v in cfg.items() if k not in defaults or defaults[k] != v}
+
+
+def free_transformer_from_x_transformers(model, *, drop_training_only: bool = False, max_seq_len: int = 0) -> FreeTransformer:
+    """Convert an x-transformers ``FreeTransformer`` with its weights.
+
+    Its three stacks go through ``from_x_transformers`` (their options, ``norm_eps=1e-12`` of x-transformers' RMS
+    norms included, land in ``enc_kwargs`` / ``dec_kwargs``, so the result saves and rebuilds as it is; what a stack
+    uses that safeformer cannot represent is that ``ValueError``); the embedding, the un-embedding, the latent query,
+    the bit and condition projections are copied by name; ``latent_bits``, ``kl_loss_threshold``, ``kl_loss_weight``,
+    ``latent_dropout_prob``, ``per_token_latents`` and ``pad_id`` are kept. Equal losses (given the same random bits)
+    and generations on unpadded input; padding follows safeformer's rules (see the module docstring).
+    ``max_seq_len`` is not stored by x-transformers: it is recorded as given (default 0, unused by the model).
+    """
+    from .interop import _xt
+
+    xt, _ = _xt()
+    for attr in ("token_emb", "token_unembed", "query_token_for_latents", "encoder", "to_latent_bit_logits",
+                 "binary_mapper", "from_latent_to_condition", "latent_dropout", "decoder_head", "decoder_tail",
+                 "pad_id", "kl_loss_weight", "per_token_latents"):
+        if not hasattr(model, attr):
+            raise TypeError(f"expected an x_transformers FreeTransformer, got {type(model).__name__} (no {attr!r})")
+    emb = model.token_emb
+    if type(emb) is not nn.Embedding or emb.padding_idx is not None or emb.max_norm is not None:
+        raise ValueError(f"FreeTransformer.token_emb: expected a plain nn.Embedding, got {emb!r}")
+    dim, num_tokens = emb.embedding_dim, emb.num_embeddings
+    bits = model.to_latent_bit_logits.out_features
+    mapper = model.binary_mapper
+    if type(mapper).__name__ != "BinaryMapper" or getattr(mapper, "bits", None) != bits:
+        raise ValueError(f"FreeTransformer.binary_mapper: expected x-transformers' BinaryMapper of {bits} bits, got "
+                         f"{type(mapper).__name__}")
+    if type(model.latent_dropout) is not nn.Dropout:
+        raise ValueError(f"FreeTransformer.latent_dropout: expected nn.Dropout, got {type(model.latent_dropout).__name__}")
+    for name in ("token_unembed", "to_latent_bit_logits", "from_latent_to_condition"):
+        lin = getattr(model, name)
+        if type(lin) is not nn.Linear or lin.bias is not None:
+            raise ValueError(f"FreeTransformer.{name}: expected an nn.Linear without bias, got {lin!r}")
+    enc = _stack_from_xt(model.encoder, "encoder", drop_training_only)
+    tail = _stack_from_xt(model.decoder_tail, "decoder_tail", drop_training_only)
+    head = None if model.decoder_head is None else _stack_from_xt(model.decoder_head, "decoder_head", drop_training_only)
+    if not (enc.only_cross and not enc.causal) or not tail.causal or (head is not None and not head.causal):
+        raise ValueError("FreeTransformer: expected a cross-attention-only encoder and causal decoders")
+    for name, stack, final in (("encoder", enc, True), ("decoder_tail", tail, True), ("decoder_head", head, False)):
+        if stack is not None and bool(stack._sf_config.get("pre_norm_has_final_norm", True)) != final:
+            raise ValueError(f"FreeTransformer.{name}: expected pre_norm_has_final_norm={final}")
+    heads, dim_head = tail._sf_config["heads"], tail._sf_config["dim_head"]
+    for name, stack in (("encoder", enc), ("decoder_head", head)):
+        if stack is not None and (stack._sf_config["heads"], stack._sf_config["dim_head"]) != (heads, dim_head):
+            raise ValueError(f"FreeTransformer.{name}: its heads / dim_head differ from decoder_tail's")
+    enc_kwargs = _stack_options(enc, dim)
+    dec_kwargs = _stack_options(tail, dim)
+    if head is not None and _stack_options(head, dim) != dec_kwargs:
+        diff = sorted(k for k in set(dec_kwargs) | set(_stack_options(head, dim))
+                      if dec_kwargs.get(k) != _stack_options(head, dim).get(k))
+        raise ValueError(f"FreeTransformer: decoder_head and decoder_tail differ in {diff} (safeformer's FreeTransformer "
+                         f"gives both decoders the same dec_kwargs)")
+    out = FreeTransformer(
+        num_tokens=num_tokens, dim=dim, dec_head_depth=0 if head is None else head._sf_config["depth"],
+        dec_tail_depth=tail._sf_config["depth"], max_seq_len=max_seq_len, enc_depth=enc._sf_config["depth"],
+        attn_dim_head=dim_head, heads=heads, latent_bits=bits, per_token_latents=bool(model.per_token_latents),
+        kl_loss_threshold=float(mapper.kl_loss_threshold), enc_kwargs=enc_kwargs, dec_kwargs=dec_kwargs,
+        kl_loss_weight=float(model.kl_loss_weight), latent_dropout_prob=float(model.latent_dropout.p),
+        pad_id=int(model.pad_id)).to(device=emb.weight.device, dtype=emb.weight.dtype)  # before the weights: exact copies
+    for name, mine, theirs in (("encoder", out.encoder, enc), ("decoder_tail", out.decoder_tail, tail),
+                               ("decoder_head", out.decoder_head, head)):
+        if theirs is None:
+            continue
+        want, got = theirs._sf_config, mine._sf_config
+        for key in sorted(set(want) & set(got) - {"dim_context"}):
+            if want[key] != got[key]:
+                raise ValueError(f"FreeTransformer.{name}: {key}={want[key]!r} does not carry over (got {got[key]!r})")
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(("encoder.", "decoder_head.", "decoder_tail."))}
+    for name, stack in (("encoder", enc), ("decoder_tail", tail), ("decoder_head", head)):
+        if stack is not None:
+            state.update({f"{name}.{k}": v for k, v in stack.state_dict().items()})
+    try:
+        out.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"FreeTransformer: the weights do not map onto safeformer's ({err})") from err
+    return out.train(model.training)

@@ -1630,6 +1630,10 @@ _OTHER_WRAPPERS: dict[tuple[str, str], tuple[str, str, bool]] = {
         ("safeformer.multi_input", "multi_input_from_x_transformers", True),
     ("x_transformers.entropy_based_tokenizer", "EntropyBasedTokenizer"):
         ("safeformer.entropy_tokenizer", "entropy_tokenizer_from_x_transformers", True),
+    ("x_transformers.free_transformer", "FreeTransformer"):
+        ("safeformer.free_transformer", "free_transformer_from_x_transformers", True),
+    ("x_transformers.up_wrapper", "UniversalPretrainWrapper"):
+        ("safeformer.universal_pretrain", "universal_pretrain_from_x_transformers", True),
 }
 
 
@@ -1685,9 +1689,10 @@ def from_x_transformers(
     ``recycling``, ``add_continuous_pred_head``, ``squeeze_out_last_dim``. Hyper-connections
     (``num_residual_streams > 1``) are refused: x-transformers 2.31.10's residual mix is not safeformer's.
 
-    Also x-transformers' ``DPO``, ``XValTransformerWrapper``, ``XValAutoregressiveWrapper``, ``NeoMLP``,
-    ``MultiInputTransformerWrapper`` and ``EntropyBasedTokenizer`` (their converters live beside the
-    safeformer classes: ``safeformer.dpo``, ``.xval``, ``.neo_mlp``, ``.multi_input``, ``.entropy_tokenizer``).
+    Also x-transformers' other wrappers (``_OTHER_WRAPPERS``): ``DPO``, ``XValTransformerWrapper``,
+    ``XValAutoregressiveWrapper``, ``NeoMLP``, ``ContinuousTransformerAutoencoder``, ``GPTVAE``,
+    ``BeliefStateWrapper``, ``NextLatentWrapper``, ``MultiInputTransformerWrapper``, ``EntropyBasedTokenizer``,
+    ``FreeTransformer`` and ``UniversalPretrainWrapper`` (their converters live beside the safeformer classes).
 
     Args:
         model: an ``x_transformers.TransformerWrapper``, ``AutoregressiveWrapper`` or ``XTransformer``.

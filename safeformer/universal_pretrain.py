@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .generation import AutoregressiveWrapper
 from .wrappers import TransformerWrapper
 
-__all__ = ["UniversalPretrainWrapper", "SyntheticDataGenerator", "random_sequences"]
+__all__ = ["UniversalPretrainWrapper", "SyntheticDataGenerator", "random_sequences", "universal_pretrain_from_x_transformers"]
 
 
 def _positive_int(v, name: str, minimum: int = 1) -> int:
@@ -246,3 +246,82 @@ class UniversalPretrainWrapper(nn.Module):
         self._enrich()
         data = self.get_rand_sequences_from_buffer().to(self.device)
         return self.ar_wrapped(data)
+
+
+# ----------------------------------------------------------------------------------------------------
+# conversion from x-transformers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _generator_from_xt(gen) -> nn.Module:
+    """x-transformers' ``SyntheticDataGenerator`` as safeformer's, with its weights; any other generator (a user's
+    module with ``generate``) is kept as it is (the same object)."""
+    import copy
+
+    if type(gen).__name__ != "SyntheticDataGenerator" or not type(gen).__module__.startswith("x_transformers"):
+        return gen
+    embed, net, to_logits = gen.embed, gen.net, gen.to_logits
+    hidden = getattr(net, "hidden_size", to_logits.in_features)
+    if to_logits.in_features != hidden:
+        raise ValueError(f"UniversalPretrainWrapper.data_generator: its read-out takes {to_logits.in_features} features "
+                         f"but its network gives {hidden} (x-transformers sizes it by dim, not hidden_size: it cannot run)")
+    # the network itself is copied (an LSTM, a GRU or a user's): the same module, the same weights
+    klass = lambda dim, hidden_size: copy.deepcopy(net)  # noqa: E731
+    out = SyntheticDataGenerator(dim=embed.embedding_dim, num_tokens=embed.num_embeddings, max_seq_len=gen.max_seq_len,
+                                 hidden_size=hidden, network_klass=klass)
+    p = next(gen.parameters())
+    out = out.to(device=p.device, dtype=p.dtype)  # before the weights: exact copies
+    try:
+        out.load_state_dict(gen.state_dict(), strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"UniversalPretrainWrapper.data_generator: the weights do not map onto safeformer's ({err})") from err
+    return out.train(gen.training)
+
+
+def universal_pretrain_from_x_transformers(model, *, drop_training_only: bool = False) -> UniversalPretrainWrapper:
+    """Convert an x-transformers ``UniversalPretrainWrapper`` with its weights and its state.
+
+    The language model goes through ``from_x_transformers`` (with its ``AutoregressiveWrapper``: what it cannot
+    represent is that ``ValueError``; ``drop_training_only`` is passed on); x-transformers' default
+    ``SyntheticDataGenerator`` becomes safeformer's with the same weights (a user's generator is kept, the same
+    object); the buffer (its contents, and whether it is kept on the CPU), the step count and every setting are
+    kept. The same random draws give the same training batches and losses, except that safeformer writes the
+    generated and reset sequences back into the buffer (x-transformers 2.31.10 writes them into copies, so its
+    buffer never changes). Refused: an odd ``buffer_size`` (x-transformers' buffer then holds ``buffer_size - 1``
+    rows while it draws indices up to ``buffer_size - 1``), and settings safeformer rejects (``seed_length`` not
+    below ``seq_len``, ``num_reset`` above ``buffer_size``, a ``seq_len`` past the model's absolute positions).
+    """
+    from .interop import from_x_transformers
+
+    for attr in ("model", "ar_wrapped", "data_generator", "synth_data_buffer", "step", "buffer_size", "num_reset",
+                 "batch_size", "seq_len", "seed_length", "reset_turing_machine_every"):
+        if not hasattr(model, attr):
+            raise TypeError(f"expected an x_transformers UniversalPretrainWrapper, got {type(model).__name__} (no {attr!r})")
+    if model.ar_wrapped.net is not model.model:
+        raise ValueError("UniversalPretrainWrapper: ar_wrapped does not wrap model")
+    buf = model.synth_data_buffer
+    if tuple(buf.shape) != (model.buffer_size, model.seq_len):
+        raise ValueError(f"UniversalPretrainWrapper: its buffer holds {tuple(buf.shape)} sequences, not (buffer_size, "
+                         f"seq_len) = ({model.buffer_size}, {model.seq_len}) (x-transformers keeps buffer_size // 2 * 2 "
+                         f"rows: an odd buffer_size has no exact counterpart)")
+    ar = from_x_transformers(model.ar_wrapped, drop_training_only=drop_training_only)
+    keep_on_cpu = "synth_data_buffer" not in model._buffers
+    out = UniversalPretrainWrapper(
+        ar.net, data_generator=_generator_from_xt(model.data_generator), buffer_size=int(model.buffer_size),
+        num_reset=int(model.num_reset), batch_size=int(model.batch_size), seq_len=int(model.seq_len),
+        seed_length=int(model.seed_length), reset_turing_machine_every=int(model.reset_turing_machine_every),
+        keep_buffer_on_cpu=keep_on_cpu)
+    want = {k: v for k, v in ar.get_config().items() if k != "net"}
+    got = {k: v for k, v in out.ar_wrapped.get_config().items() if k != "net"}
+    if want != got:
+        diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        raise ValueError(f"UniversalPretrainWrapper: its AutoregressiveWrapper differs from the default one in {diff}")
+    device = model.step.device
+    out = out.to(device)
+    with torch.no_grad():
+        out.step.copy_(model.step)
+        if keep_on_cpu:
+            out.synth_data_buffer = buf.clone()
+        else:
+            out.synth_data_buffer.copy_(buf)
+    return out.train(model.training)

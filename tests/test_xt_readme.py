@@ -7,7 +7,9 @@ uses only features safeformer supports: the example's code with ``from x_transfo
 changed to ``from safeformer import ...`` and x-transformers' argument values kept, except
 
 - sizes too slow for a 2-core CPU, shrunk and marked ``# README: <value>`` where they are (model width
-  512 -> 64, depth 6 / 12 -> 2; the GPT-3 block's 12288 / 96 / 96 -> 64 / 2 / 4);
+  512 -> 64, depth 6 / 12 -> 2, except where an argument needs the depth (``sandwich_coef = 6``, a
+  12-entry ``shift_tokens``); the GPT-3 block's 12288 / 96 / 96 -> 64 / 2 / 4; the XL wrapper's 4096
+  tokens -> 1024 and its 4096 generated -> 16);
 - ``.cuda()`` dropped;
 - a forward pass added where the README only builds the model (marked ``# added``), so that there is
   an output to check.
@@ -18,25 +20,28 @@ that every output is finite.
 ``test_<example>_parity``: the same example built with x-transformers (same arguments), with every
 weight moved off its initial value, converted with ``safeformer.from_x_transformers``, both in eval
 mode, float32, the same inputs for both (the README's call, on ``N_PARITY`` positions instead of its
-1024; for the encoder a right-padded batch too): the outputs agree to rtol = atol = 1e-5. A bare layer
-stack (``Encoder``, ``CrossAttender``) or a ``ContinuousTransformerWrapper`` is converted through a
-token-model shell (``_convert_layers``), its projections copied by hand. The ``XTransformer`` parity
-skips, naming the missing conversion, if ``from_x_transformers`` cannot convert it.
+1024; for an encoder a right-padded batch too, compared at the real positions): the outputs agree to
+rtol = atol = 1e-5. A bare layer stack (``Encoder``, ``CrossAttender``), a
+``ContinuousTransformerWrapper`` or a ``ViTransformerWrapper`` is converted through a token-model shell
+(``_convert_layers``), the rest copied by hand (``_convert_vit``). Deviations, each said in its test:
+``test_alibi_num_heads_parity`` builds x-transformers' model with ``use_abs_pos_emb=False`` (safeformer
+drops the absolute position embedding under ALiBi, and ``from_x_transformers`` refuses the README's
+model); ``test_transformer_xl_recurrence_parity`` feeds both models x-transformers' memories, and
+xfails (not strict) while ``from_x_transformers`` sets ``max_mem_len=0``. No twin for
+``XLAutoregressiveWrapper`` (``from_x_transformers`` takes none: "TypeError: model must be an
+x_transformers.TransformerWrapper, AutoregressiveWrapper or XTransformer, got XLAutoregressiveWrapper")
+nor for ``AutoregressiveWrapper(mask_prob=)`` (refused: the hidden keys are drawn at random, differently).
 
-(Examples that did not run at first were fixed in safeformer; none is marked xfail now.)
-yet; the reason holds the exact error. Remove the mark once it passes.
-
-README examples NOT covered (they need features safeformer does not have):
-    ViTransformerWrapper (SimpleViT, Image -> caption's encoder, PaLI's ViT), use_scalenorm,
-    post_emb_norm=True, use_simple_rmsnorm, ff_no_bias, ff_relu_squared, attn_sparse_topk(+_straight_
-    through), attn_hard, attn_pre/post_talking_heads, attn_on_attn, attn_gate_values, sandwich_coef,
-    weight_tie_layers, custom_layers + layers_execute_order, macaron, rel_pos_bias, pre_norm=False +
-    residual_attn, dec_cross_residual_attn, Transformer-XL recurrence (max_mem_len / return_mems /
-    mems, XLAutoregressiveWrapper), shift_mem_down + rotate_num_heads, gate_residual, rotary_xpos,
-    dynamic_pos_bias, alibi_num_heads, shift_tokens, sandwich_norm, resi_dual, attn_head_scale,
-    ff_post_act_ln, scale_residual, attn_qk_norm_groups, attn_qk_norm_scale, attn_qk_norm_dim_scale,
-    AutoregressiveWrapper(mask_prob=) (forgetful causal mask), XValTransformerWrapper /
-    XValAutoregressiveWrapper.
+README examples NOT covered (safeformer has no such option; each fails at construction with
+"TypeError: Decoder.__init__() got an unexpected keyword argument '<name>'", ``Encoder`` for
+``attn_on_attn``):
+    use_scalenorm; use_simple_rmsnorm; ff_no_bias; ff_relu_squared; attn_sparse_topk (+
+    attn_sparse_topk_straight_through); attn_hard; attn_pre_talking_heads / attn_post_talking_heads;
+    attn_on_attn; dynamic_pos_bias (+ dynamic_pos_bias_log_distance); resi_dual (+ resi_dual_scale);
+    attn_head_scale; ff_post_act_ln; attn_qk_norm_groups; attn_qk_norm_scale; rotate_num_heads (the
+    "shift_mem_down" XL example: ``max_mem_len`` and ``shift_mem_down`` themselves run);
+    post_emb_norm=True on a TransformerWrapper: "TypeError: TransformerWrapper: x-transformers' option
+    post_emb_norm=True is not supported by safeformer".
 """
 
 # the README's import lines are kept as written (unsorted)
@@ -113,6 +118,49 @@ def _convert_layers(xt_layers):
     ``TransformerWrapper`` shell without positions (``max_seq_len=0``), keeping its ``attn_layers``."""
     shell = xt.TransformerWrapper(num_tokens=2, max_seq_len=0, attn_layers=xt_layers)
     return _convert(shell).attn_layers
+
+
+def _convert_vit(xt_vit):
+    """An x-transformers ``ViTransformerWrapper`` by hand (``from_x_transformers`` takes token models): its
+    ``Encoder`` through ``_convert_layers`` (moved off its init there), the rest moved off its init and
+    copied; x-transformers' bias-free ``LayerNorm`` gains become safeformer's weights, biases 0."""
+    sf_layers = _convert_layers(xt_vit.attn_layers)
+    rest = [m for name, m in xt_vit.named_children() if name != "attn_layers"]
+    for m in rest:
+        _perturb(m)
+    with torch.no_grad():
+        xt_vit.pos_embedding.add_(torch.randn(xt_vit.pos_embedding.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+    xt_vit.eval()
+    image_size = int(xt_vit.pos_embedding.shape[1] ** 0.5) * xt_vit.patch_size
+    num_classes = xt_vit.mlp_head.out_features if isinstance(xt_vit.mlp_head, torch.nn.Linear) else None
+    sf_vit = safeformer.ViTransformerWrapper(
+        image_size=image_size, patch_size=xt_vit.patch_size, attn_layers=sf_layers, num_classes=num_classes
+    ).eval()
+    with torch.no_grad():
+        sf_vit.pos_embedding.copy_(xt_vit.pos_embedding)
+        for i in (0, 2):
+            sf_vit.patch_to_embedding[i].weight.copy_(xt_vit.patch_to_embedding[i].gamma)
+            sf_vit.patch_to_embedding[i].bias.zero_()
+        sf_vit.patch_to_embedding[1].load_state_dict(xt_vit.patch_to_embedding[1].state_dict())
+        if num_classes is not None:
+            sf_vit.mlp_head.load_state_dict(xt_vit.mlp_head.state_dict())
+    return sf_vit
+
+
+def _token_parity(name: str, xt_model, padded: bool = False, **convert_kwargs) -> None:
+    """A README token model (``TransformerWrapper``): converted, run on ``N_PARITY`` tokens; with
+    ``padded`` (encoders) also on a right-padded batch of two, compared at the real positions."""
+    sf_model = _convert(xt_model, **convert_kwargs)
+    num_tokens = xt_model.num_tokens
+    x = torch.randint(0, num_tokens, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity(name, xt_model(x), sf_model(x))
+        if padded:
+            x2 = torch.randint(0, num_tokens, (2, N_PARITY))
+            mask2 = torch.ones_like(x2).bool()
+            mask2[1, N_PARITY // 2:] = False
+            real = mask2[..., None].expand(-1, -1, num_tokens)
+            _assert_parity(f"{name}, right padding", xt_model(x2, mask=mask2)[real], sf_model(x2, mask=mask2)[real])
 
 
 def _assert_parity(name: str, expected, actual) -> None:
@@ -281,12 +329,54 @@ def test_encoder_only_bert_like_parity():
                        xt_model(x2, mask=mask2)[real], sf_model(x2, mask=mask2)[real])
 
 
-def test_image_to_caption_decoder_half():
-    """README "Usage": Image -> caption, its decoder. The ViTransformerWrapper encoder is not in
-    safeformer: ``encoded`` stands in for ``encoder(img, return_embeddings = True)``: (1, 64, dim) for a
-    256 x 256 image in 32 x 32 patches."""
+def test_simple_vit():
+    """README "Usage": SimpleViT (an image classifier)."""
     import torch
-    from safeformer import TransformerWrapper, Decoder
+    from safeformer import ViTransformerWrapper, Encoder
+
+    model = ViTransformerWrapper(
+        image_size = 256,
+        patch_size = 32,
+        num_classes = 1000,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+        )
+    )
+
+    img = torch.randn(1, 3, 256, 256)
+    out = model(img) # (1, 1000)
+
+    assert out.shape == (1, 1000)
+    _finite(out)
+
+
+def test_simple_vit_parity():
+    xt_model = xt.ViTransformerWrapper(
+        image_size=256, patch_size=32, num_classes=1000, attn_layers=xt.Encoder(dim=64, depth=2, heads=8)
+    )
+    sf_model = _convert_vit(xt_model)
+    img = torch.randn(2, 3, 256, 256)
+    with torch.no_grad():
+        _assert_parity("SimpleViT (logits)", xt_model(img), sf_model(img))
+        _assert_parity("SimpleViT (embeddings)", xt_model(img, return_embeddings=True), sf_model(img, return_embeddings=True))
+
+
+def test_image_to_caption():
+    """README "Usage": Image -> caption."""
+    import torch
+    from safeformer import ViTransformerWrapper, TransformerWrapper, Encoder, Decoder
+
+    encoder = ViTransformerWrapper(
+        image_size = 256,
+        patch_size = 32,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8
+        )
+    )
 
     decoder = TransformerWrapper(
         num_tokens = 20000,
@@ -299,31 +389,49 @@ def test_image_to_caption_decoder_half():
         )
     )
 
+    img = torch.randn(1, 3, 256, 256)
     caption = torch.randint(0, 20000, (1, 1024))
 
-    encoded = torch.randn(1, (256 // 32) ** 2, 64)  # stand-in for the ViT's embeddings
+    encoded = encoder(img, return_embeddings = True)
     out = decoder(caption, context = encoded) # (1, 1024, 20000)
 
+    assert encoded.shape == (1, 64, 64)
     assert out.shape == (1, 1024, 20000)
     _finite(out)
 
 
-def test_image_to_caption_decoder_half_parity():
-    xt_model = xt.TransformerWrapper(
+def test_image_to_caption_parity():
+    xt_encoder = xt.ViTransformerWrapper(image_size=256, patch_size=32, attn_layers=xt.Encoder(dim=64, depth=2, heads=8))
+    xt_decoder = xt.TransformerWrapper(
         num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, cross_attend=True)
     )
-    sf_model = _convert(xt_model)
+    sf_encoder, sf_decoder = _convert_vit(xt_encoder), _convert(xt_decoder)
+    img = torch.randn(1, 3, 256, 256)
     caption = torch.randint(0, 20000, (1, N_PARITY))
-    encoded = torch.randn(1, 64, 64)
     with torch.no_grad():
-        _assert_parity("image -> caption decoder", xt_model(caption, context=encoded), sf_model(caption, context=encoded))
+        xt_encoded = xt_encoder(img, return_embeddings=True)
+        _assert_parity("image -> caption encoder", xt_encoded, sf_encoder(img, return_embeddings=True))
+        _assert_parity("image -> caption decoder", xt_decoder(caption, context=xt_encoded), sf_decoder(caption, context=xt_encoded))
 
 
-def test_pali_xtransformer_half():
-    """README "Usage": PaLI, its XTransformer. The ViTransformerWrapper is not in safeformer:
-    ``img_embeds`` stands in for ``vit(img, return_embeddings = True)``."""
+def test_pali():
+    """README "Usage": PaLI (a ViT's embeddings prepended to an XTransformer's encoder)."""
     import torch
-    from safeformer import XTransformer
+    from safeformer import ViTransformerWrapper, XTransformer, Encoder
+
+    # PaLI composes of
+    # 1. vision transformer (ViTransformerWrapper) +
+    # 2. encoder-decoder transformer (XTransformer)
+
+    vit = ViTransformerWrapper(
+        image_size = 256,
+        patch_size = 32,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8
+        )
+    )
 
     pali = XTransformer(
         dim = 64,               # README: 512
@@ -339,13 +447,17 @@ def test_pali_xtransformer_half():
 
     # training data
 
+    img = torch.randn(1, 3, 256, 256)               # images
     prompt = torch.randint(0, 256, (1, 1024))       # prompt
     prompt_mask = torch.ones(1, 1024).bool()        # prompt text mask
     output_text = torch.randint(0, 256, (1, 1024))  # target output text
 
     # train
 
-    img_embeds = torch.randn(1, 64, 64)             # stand-in for the ViT's embeddings
+    img_embeds = vit(
+        img,
+        return_embeddings = True
+    )
 
     loss = pali(
         prompt,
@@ -359,6 +471,28 @@ def test_pali_xtransformer_half():
     assert loss.shape == ()
     _finite(loss)
     _grads_finite(pali)
+    _grads_finite(vit)
+
+
+def test_pali_parity():
+    xt_vit = xt.ViTransformerWrapper(image_size=256, patch_size=32, attn_layers=xt.Encoder(dim=64, depth=2, heads=8))
+    xt_pali = xt.XTransformer(
+        dim=64, enc_num_tokens=256, enc_depth=2, enc_heads=8, enc_max_seq_len=1024,
+        dec_num_tokens=256, dec_depth=2, dec_heads=8, dec_max_seq_len=1024,
+    )
+    sf_vit, sf_pali = _convert_vit(xt_vit), _convert(xt_pali, "an x_transformers.XTransformer")
+    img = torch.randn(1, 3, 256, 256)
+    prompt = torch.randint(0, 256, (1, N_PARITY))
+    prompt_mask = torch.ones(1, N_PARITY).bool()
+    output_text = torch.randint(0, 256, (1, N_PARITY))
+    with torch.no_grad():
+        img_embeds = xt_vit(img, return_embeddings=True)
+        _assert_parity("PaLI ViT", img_embeds, sf_vit(img, return_embeddings=True))
+        _assert_parity(
+            "PaLI loss",
+            xt_pali(prompt, output_text, mask=prompt_mask, src_prepend_embeds=img_embeds),
+            sf_pali(prompt, output_text, mask=prompt_mask, src_prepend_embeds=img_embeds),
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -703,6 +837,418 @@ def test_grouped_kv_heads_parity():
         _assert_parity("attn_kv_heads=2", xt_model(x), sf_model(x))
 
 
+def test_attn_gate_values():
+    """README "Intra-attention Gating on Values": attn_gate_values."""
+    import torch
+    from safeformer import TransformerWrapper, Encoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            attn_gate_values = True  # gate aggregated values with the input
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    mask = torch.ones_like(x).bool()        # added
+    out = model(x, mask = mask)             # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_attn_gate_values_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Encoder(dim=64, depth=2, heads=8, attn_gate_values=True)
+    )
+    _token_parity("attn_gate_values", xt_model, padded=True)
+
+
+def test_sandwich_coef():
+    """README "Improving Transformer Models by Reordering their Sublayers": sandwich_coef (depth 6 kept:
+    the coefficient must not exceed the depth)."""
+    import torch
+    from safeformer import TransformerWrapper, Encoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 6,
+            heads = 8,
+            sandwich_coef = 6  # interleave attention and feedforwards with sandwich coefficient of 6
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    mask = torch.ones_like(x).bool()        # added
+    out = model(x, mask = mask)             # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_sandwich_coef_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Encoder(dim=64, depth=6, heads=8, sandwich_coef=6)
+    )
+    _token_parity("sandwich_coef=6", xt_model, padded=True)
+
+
+def test_weight_tie_layers():
+    """README "Weight-tied Layers": weight_tie_layers."""
+    import torch
+    from safeformer import TransformerWrapper, Encoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 12
+            weight_tie_layers = True   # set this to True to weight tie all the layers
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    mask = torch.ones_like(x).bool()        # added
+    out = model(x, mask = mask)             # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_weight_tie_layers_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Encoder(dim=64, depth=2, weight_tie_layers=True)
+    )
+    _token_parity("weight_tie_layers", xt_model, padded=True)
+
+
+def test_custom_layers_execute_order():
+    """README "Weight-tied Layers": custom_layers + layers_execute_order (each attention / feedforward
+    pair run 4 times)."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            custom_layers = (
+                'a', 'f',        # 3 sets of attention and feedforward
+                'a', 'f',
+                'a', 'f'
+            ),
+            layers_execute_order = (
+                *((0, 1) * 4),   # each done 4 times before sequentially passed forward, but you can probably imagine some more interesting configurations...
+                *((2, 3) * 4),
+                *((4, 5) * 4),
+            )
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_custom_layers_execute_order_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024,
+        attn_layers=xt.Decoder(
+            dim=64, custom_layers=("a", "f", "a", "f", "a", "f"),
+            layers_execute_order=(*((0, 1) * 4), *((2, 3) * 4), *((4, 5) * 4)),
+        ),
+    )
+    _token_parity("custom_layers + layers_execute_order", xt_model)
+
+
+def test_macaron():
+    """README "Understanding and Improving Transformer From a Multi-Particle Dynamic System Point of View":
+    macaron."""
+    import torch
+    from safeformer import TransformerWrapper, Encoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            macaron = True  # use macaron configuration
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    mask = torch.ones_like(x).bool()        # added
+    out = model(x, mask = mask)             # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_macaron_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Encoder(dim=64, depth=2, heads=8, macaron=True)
+    )
+    _token_parity("macaron", xt_model, padded=True)
+
+
+def test_rel_pos_bias():
+    """README "T5's Simplified Relative Positional Encoding": rel_pos_bias."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            rel_pos_bias = True  # adds relative positional bias to all attention layers, a la T5
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_rel_pos_bias_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, rel_pos_bias=True)
+    )
+    _token_parity("rel_pos_bias", xt_model)
+
+
+def test_residual_attn_post_norm():
+    """README "Residual Attention": pre_norm=False + residual_attn."""
+    import torch
+    from safeformer import TransformerWrapper, Encoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            pre_norm = False,       # in the paper, residual attention had best results with post-layernorm
+            residual_attn = True    # add residual attention
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    mask = torch.ones_like(x).bool()        # added
+    out = model(x, mask = mask)             # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_residual_attn_post_norm_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024,
+        attn_layers=xt.Encoder(dim=64, depth=2, heads=8, pre_norm=False, residual_attn=True),
+    )
+    _token_parity("pre_norm=False + residual_attn", xt_model, padded=True)
+
+
+def test_dec_cross_residual_attn():
+    """README "Residual Attention": dec_cross_residual_attn (an XTransformer)."""
+    import torch
+    from safeformer import XTransformer
+
+    model = XTransformer(
+        dim = 64,               # README: 512
+        enc_num_tokens = 256,
+        enc_depth = 2,          # README: 6
+        enc_heads = 8,
+        enc_max_seq_len = 1024,
+        dec_num_tokens = 256,
+        dec_depth = 2,          # README: 6
+        dec_heads = 8,
+        dec_max_seq_len = 1024,
+        dec_cross_residual_attn = True     # residualize cross attention
+    )
+
+    src = torch.randint(0, 256, (1, 1024))      # added
+    src_mask = torch.ones_like(src).bool()      # added
+    tgt = torch.randint(0, 256, (1, 1024))      # added
+    loss = model(src, tgt, mask = src_mask)     # added
+    loss.backward()                             # added
+
+    assert loss.shape == ()
+    _finite(loss)
+    _grads_finite(model)
+
+
+def test_dec_cross_residual_attn_parity():
+    xt_model = xt.XTransformer(
+        dim=64, enc_num_tokens=256, enc_depth=2, enc_heads=8, enc_max_seq_len=1024,
+        dec_num_tokens=256, dec_depth=2, dec_heads=8, dec_max_seq_len=1024, dec_cross_residual_attn=True,
+    )
+    sf_model = _convert(xt_model, "an x_transformers.XTransformer")
+    src = torch.randint(0, 256, (2, N_PARITY))
+    src_mask = torch.ones_like(src).bool()
+    src_mask[1, N_PARITY // 2:] = False
+    tgt = torch.randint(0, 256, (2, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("dec_cross_residual_attn (loss)", xt_model(src, tgt, mask=src_mask), sf_model(src, tgt, mask=src_mask))
+        xt_enc = xt_model.encoder(src, mask=src_mask, return_embeddings=True)
+        _assert_parity(
+            "dec_cross_residual_attn (decoder logits)",
+            xt_model.decoder.net(tgt, context=xt_enc, context_mask=src_mask),
+            sf_model.decoder(tgt, context=xt_enc, context_mask=src_mask),
+        )
+
+
+def test_transformer_xl_recurrence():
+    """README "Transformer-XL recurrence": max_mem_len, return_mems / mems (three segments)."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model_xl = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 512,
+        max_mem_len = 2048,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            rel_pos_bias = True
+        )
+    )
+
+    seg1 = torch.randint(0, 20000, (1, 512))
+    seg2 = torch.randint(0, 20000, (1, 512))
+    seg3 = torch.randint(0, 20000, (1, 512))
+
+    logits1, mems1  = model_xl(seg1, return_mems = True)
+    logits2, mems2  = model_xl(seg2, mems = mems1, return_mems = True)
+    logits3, mems3  = model_xl(seg3, mems = mems2, return_mems = True)
+
+    for logits in (logits1, logits2, logits3):
+        assert logits.shape == (1, 512, 20000)
+    assert len(mems3) == 2  # one memory per attention layer
+    assert all(m.shape == (1, 1536, 64) for m in mems3)  # all three segments: within max_mem_len
+    _finite(logits1, logits2, logits3, *mems3)
+
+
+def test_transformer_xl_recurrence_parity():
+    """Both models read x-transformers' memories, so each segment's logits check the attention over
+    them; safeformer's own memories are compared once the conversion keeps ``max_mem_len``."""
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=512, max_mem_len=2048,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=8, rel_pos_bias=True),
+    )
+    sf_model = _convert(xt_model, "Transformer-XL memories (max_mem_len)")
+    segs = torch.randint(0, 20000, (3, 1, N_PARITY // 2))
+    mems = None
+    with torch.no_grad():
+        for i, seg in enumerate(segs):
+            xt_logits, new_mems = xt_model(seg, mems=mems, return_mems=True)
+            sf_logits, sf_mems = sf_model(seg, mems=mems, return_mems=True)
+            _assert_parity(f"Transformer-XL segment {i + 1} (logits)", xt_logits, sf_logits)
+            if sf_model.max_mem_len == xt_model.max_mem_len:
+                for xt_m, sf_m in zip(new_mems, sf_mems, strict=True):
+                    _assert_parity(f"Transformer-XL segment {i + 1} (mems)", xt_m, sf_m)
+            mems = new_mems
+    if sf_model.max_mem_len != xt_model.max_mem_len:
+        pytest.xfail(f"from_x_transformers sets max_mem_len={sf_model.max_mem_len} (x-transformers: "
+                     f"{xt_model.max_mem_len}): the converted model keeps no memories of its own")
+
+
+def test_xl_autoregressive_wrapper():
+    """README "Transformer-XL recurrence": XLAutoregressiveWrapper over the section's ``model_xl``
+    (rebuilt here; x-transformers exports the wrapper from the package and from its
+    ``xl_autoregressive_wrapper`` module: the module is imported).
+
+    No ``_parity`` twin: ``from_x_transformers`` takes no ``XLAutoregressiveWrapper``."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+    from safeformer.xl_autoregressive_wrapper import XLAutoregressiveWrapper
+
+    model_xl = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 512,
+        max_mem_len = 2048,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            rel_pos_bias = True
+        )
+    )
+
+    # pass in the above model_xl
+
+    xl_wrapper = XLAutoregressiveWrapper(model_xl)
+
+    seg = torch.randint(0, 20000, (1, 1024))  # README: (1, 4096) and .cuda(); sequence exceeding max length, automatically segmented and memory managed
+
+    loss = xl_wrapper(seg)
+    loss.backward()
+
+    assert loss.shape == ()
+    _finite(loss)
+    _grads_finite(xl_wrapper)
+
+    # then, after much training
+
+    prime = seg[:, :1024]   # if prime exceeds max length, memory will be caught up before generating
+
+    generated = xl_wrapper.generate(prime, 16)  # README: 4096; (1, 4096)
+
+    assert generated.shape == (1, 16)
+    assert ((generated >= 0) & (generated < 20000)).all()
+
+
+def test_gate_residual():
+    """README "Gated residual": gate_residual (on a TransformerWrapper with max_mem_len)."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        max_mem_len = 2048,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 16,
+            gate_residual = True
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_gate_residual_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, max_mem_len=2048,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=16, gate_residual=True),
+    )
+    _token_parity("gate_residual", xt_model)
+
+
 def test_rotary_pos_emb():
     """README "Rotary Positional Embeddings"."""
     import torch
@@ -736,6 +1282,228 @@ def test_rotary_pos_emb_parity():
         _assert_parity("rotary_pos_emb", xt_model(x), sf_model(x))
 
 
+def test_rotary_xpos():
+    """README "Rotary Positional Embeddings": rotary_xpos (length-extrapolatable rotary)."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            rotary_xpos = True   # modified rotary to extrapolate well beyond length at which it was trained
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_rotary_xpos_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, rotary_xpos=True)
+    )
+    _token_parity("rotary_xpos", xt_model)
+
+
+def test_alibi_num_heads():
+    """README "ALiBi Positional Embedding": alibi_pos_bias on 4 of the 8 heads."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            alibi_pos_bias = True, # turns on ALiBi positional embedding
+            alibi_num_heads = 4    # only use ALiBi for 4 out of the 8 heads, so other 4 heads can still attend far distances
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_alibi_num_heads_parity():
+    """With ``use_abs_pos_emb=False`` on the x-transformers side: safeformer drops the absolute position
+    embedding under ALiBi, and ``from_x_transformers`` refuses the README's model, which keeps it."""
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, use_abs_pos_emb=False,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=8, alibi_pos_bias=True, alibi_num_heads=4),
+    )
+    _token_parity("alibi_pos_bias + alibi_num_heads=4", xt_model)
+    with pytest.raises(ValueError, match="alibi_pos_bias"):
+        safeformer.from_x_transformers(xt.TransformerWrapper(
+            num_tokens=20000, max_seq_len=1024,
+            attn_layers=xt.Decoder(dim=64, depth=2, heads=8, alibi_pos_bias=True, alibi_num_heads=4),
+        ))
+
+
+def test_shift_tokens():
+    """README "Shifted Tokens": shift_tokens = 1."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            shift_tokens = 1
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_shift_tokens_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, shift_tokens=1)
+    )
+    _token_parity("shift_tokens=1", xt_model)
+
+
+def test_shift_tokens_per_layer():
+    """README "Shifted Tokens": one shift per layer (depth 6 kept: the tuple names 12 layers)."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 6,
+            heads = 8,
+            shift_tokens = (1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0) # 12 blocks, attention and feedforward alternating, with progressively less shifting
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_shift_tokens_per_layer_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024,
+        attn_layers=xt.Decoder(dim=64, depth=6, heads=8, shift_tokens=(1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0)),
+    )
+    _token_parity("shift_tokens per layer", xt_model)
+
+
+def test_sandwich_norm():
+    """README "Sandwich Norm": sandwich_norm."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            sandwich_norm = True # set this to True
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))
+    out = model(x)
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_sandwich_norm_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, sandwich_norm=True)
+    )
+    _token_parity("sandwich_norm", xt_model)
+
+
+def test_scale_residual():
+    """README "Normformer": scale_residual."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            scale_residual = True # set this to True
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))
+    out = model(x)
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_scale_residual_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, scale_residual=True)
+    )
+    _token_parity("scale_residual", xt_model)
+
+
+def test_attn_qk_norm_dim_scale():
+    """README "QK RMSNorm": attn_qk_norm + attn_qk_norm_dim_scale."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 12
+            heads = 8,
+            attn_qk_norm = True,
+            attn_qk_norm_dim_scale = True # set this to True, in addition to `attn_qk_norm = True`
+        )
+    )
+
+    x = torch.randint(0, 256, (1, 1024))
+    out = model(x)
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_attn_qk_norm_dim_scale_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=8, attn_qk_norm=True, attn_qk_norm_dim_scale=True),
+    )
+    _token_parity("attn_qk_norm + attn_qk_norm_dim_scale", xt_model)
+
+
 def test_no_abs_pos_emb():
     """README "Turning off absolute positional embedding"."""
     import torch
@@ -767,6 +1535,45 @@ def test_no_abs_pos_emb_parity():
     x = torch.randint(0, 20000, (1, N_PARITY))
     with torch.no_grad():
         _assert_parity("use_abs_pos_emb=False", xt_model(x), sf_model(x))
+
+
+
+def test_forgetful_causal_mask():
+    """README "Forgetful Causal Mask": AutoregressiveWrapper(mask_prob = 0.15).
+
+    No ``_parity`` twin: ``from_x_transformers`` refuses ``mask_prob`` (x-transformers applies it in
+    evaluation mode too), and the two libraries draw the hidden keys differently (x-transformers over all
+    n inputs, safeformer over the n - 1 that are read), so the losses differ for the same seed."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder, AutoregressiveWrapper
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 12
+            heads = 8
+        )
+    )
+
+    model = AutoregressiveWrapper(
+        model,
+        mask_prob = 0.15  # in paper, they use 15%, same as BERT
+    )                     # README: .cuda()
+
+    # mock data
+
+    x = torch.randint(0, 20000, (1, 1024))
+
+    # derive cross entropy loss, masking all taken care of
+
+    loss = model(x)
+    loss.backward()
+
+    assert loss.shape == ()
+    _finite(loss)
+    _grads_finite(model)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -918,3 +1725,75 @@ def test_continuous_autoregressive_batched_start():
     generated = _continuous_autoregressive_example(batched_start=True)
     assert generated.shape == (1, 17, 777)  # x-transformers returns the same shape for a batched start
     _finite(generated)
+
+
+def test_xval():
+    """README "xVal - Continuous and Discrete": XValTransformerWrapper + XValAutoregressiveWrapper
+    (training, then generation)."""
+    import torch
+
+    from safeformer import (
+        Decoder,
+        XValTransformerWrapper,
+        XValAutoregressiveWrapper
+    )
+
+    model = XValTransformerWrapper(
+        num_tokens = 4,
+        numerical_token_id = 3,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 12
+            heads = 8
+        )
+    )
+
+    # wrap it with the xval autoregressive wrapper
+
+    model = XValAutoregressiveWrapper(model)
+
+    # mock data
+
+    ids = torch.randint(0, 4, (1, 777))
+    nums = torch.randn(1, 777)
+
+    # train on a lot of data above
+
+    loss = model(ids, nums)
+    loss.backward()
+
+    assert loss.shape == ()
+    _finite(loss)
+    _grads_finite(model)
+
+    # then generate
+
+    start_ids = torch.randint(0, 4, (1, 1))
+    start_nums = torch.randn(1, 1)
+
+    ids_out, num_out, is_number_mask = model.generate(start_ids, start_nums, 17)
+
+    # (1, 17), (1, 17), (1, 17)
+
+    # discrete, continuous, mask for discrete / continuous
+
+    assert ids_out.shape == num_out.shape == is_number_mask.shape == (1, 17)
+    assert is_number_mask.dtype == torch.bool
+    assert torch.equal(is_number_mask, ids_out == 3)
+    _finite(num_out[is_number_mask])
+
+
+def test_xval_parity():
+    xt_model = xt.XValAutoregressiveWrapper(xt.XValTransformerWrapper(
+        num_tokens=4, numerical_token_id=3, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8)
+    ))
+    sf_model = _convert(xt_model)
+    ids = torch.randint(0, 4, (1, N_PARITY))
+    nums = torch.randn(1, N_PARITY)
+    with torch.no_grad():
+        _assert_parity("xVal loss", xt_model(ids, nums), sf_model(ids, nums))
+        xt_logits, xt_nums = xt_model.net(ids, nums)
+        sf_logits, sf_nums = sf_model.net(ids, nums)
+        _assert_parity("xVal logits", xt_logits, sf_logits)
+        _assert_parity("xVal numbers", xt_nums, sf_nums)
