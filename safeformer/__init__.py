@@ -68,12 +68,27 @@ from .nonautoregressive import NonAutoregressiveWrapper
 from .pretrained import Configurable, load_pretrained, save_pretrained
 from .relative_position import RelativePositionBias
 from .universal_pretrain import UniversalPretrainWrapper
-from .wrappers import ContinuousTransformerWrapper, TransformerWrapper
+from .wrappers import ContinuousTransformerWrapper, Mems, TransformerWrapper
+from .xl_autoregressive_wrapper import (
+    EpisodicMemories,
+    LowRankLinear,
+    TTTMetaLearningTargetKLLoss,
+    TTTModuleWrapper,
+    TTTNextLatentPredictionLoss,
+    XLAutoregressiveWrapper,
+)
 from .xt_attend import Attend
 from .xt_extras import AttentionPool, LinearNoBias, ViTransformerWrapper, eval_decorator
 from .xval import XValAutoregressiveWrapper, XValTransformerWrapper
 
 __all__ = [
+    "XLAutoregressiveWrapper",
+    "TTTModuleWrapper",
+    "TTTMetaLearningTargetKLLoss",
+    "TTTNextLatentPredictionLoss",
+    "LowRankLinear",
+    "EpisodicMemories",
+    "Mems",
     "LinearNoBias",
     "BeliefStateWrapper",
     "NextLatentWrapper",

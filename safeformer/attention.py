@@ -453,7 +453,11 @@ class Attention(nn.Module):
     def _linear(linear: nn.Linear, x: Tensor, keep: Tensor | None) -> Tensor:
         """``linear(x)``; with ``keep (...)`` the rows where it is False are selected to 0 first (saving x
         itself for the backward, not the selected copy)."""
-        return linear(x) if keep is None else masked_linear(x, keep, linear)
+        if keep is None:
+            return linear(x)
+        if not isinstance(linear, nn.Linear):  # a wrapped projection (e.g. a TTTModuleWrapper): the plain expression
+            return linear(torch.where(keep[..., None], x, 0.0))
+        return masked_linear(x, keep, linear)
 
     def _project_q(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
         """Queries ``(..., h, d)`` of ``x (..., c)``, q-normed (through the latent with ``use_latent_q``)."""

@@ -108,14 +108,15 @@ class Block(nn.ModuleList):
         half step, a float residual scale), sandwich-normed; what the stack adds to the residual stream. A
         cross-attention row that is exactly 0 (no context key) stays 0 through the sandwich norm."""
         gate = self._parts[2]
+        # a cross-attention row with no context key is exactly 0 before the gate, and must add exactly 0 (S2)
+        live = (out != 0).any(-1, keepdim=True) if self._post_norm is not None and self.kind == "cross" else None
         if gate is not None:  # adaptive layerscale (the condition gates the branch) or a learned layerscale
             out = gate(out, condition)
         if self.scale != 1.0:
             out = out * self.scale
         if self._post_norm is not None:
             normed = apply_norm(self._post_norm, out, condition)
-            # a cross-attention row with no context key adds exactly 0 (S2): the norm's shift must not revive it
-            out = torch.where((out != 0).any(-1, keepdim=True), normed, 0.0) if self.kind == "cross" else normed
+            out = normed if live is None else torch.where(live, normed, 0.0)  # the norm's shift must not revive it
         return out
 
 

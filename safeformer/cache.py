@@ -210,6 +210,8 @@ class LayerIntermediates:
         all_pred_logits: a ``looped`` model's logits ``(b, n, v)`` after each loop step (when asked for).
         exit_indices: a ``looped`` model's last loop step per sample, ``(b, t)`` (one column per call, carried by
             the cache across decoding calls).
+        mems: ``TransformerWrapper(return_mems=True)``'s new Transformer-XL memories (a ``Mems`` list, one per
+            self-attention block); mem_masks: their padding (one ``(b, m)`` bool per block) or ``None``.
         looped_prompt_kv_cache: a ``looped`` model's prompt keys/values of every loop step (from a
             ``looped_inference`` call on a prompt), in safeformer's form: per step, per self-attention block,
             ``(k, v)`` ``(b, h_kv, p, d)``.
@@ -231,6 +233,8 @@ class LayerIntermediates:
     all_pred_logits: list[Tensor] | None = None
     exit_indices: Tensor | None = None
     looped_prompt_kv_cache: tuple | None = None
+    mems: list[Tensor] | None = None
+    mem_masks: list[Tensor] | None = None
 
     @property
     def cache_length(self) -> int:

@@ -1174,6 +1174,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         wrapper_kwargs.update(use_cls_token=True, num_cls_tokens=int(model.cls_token.shape[0]))
     if getattr(model, "average_pool_embed", False):
         wrapper_kwargs.update(average_pool_embed=True)
+    if getattr(model, "max_mem_len", 0):  # Transformer-XL memories (the stack checks what runs beside them)
+        wrapper_kwargs.update(max_mem_len=int(model.max_mem_len), shift_mem_down=int(getattr(model, "shift_mem_down", 0)))
     if w["ff_deep"]:
         wrapper_kwargs.update(ff_deep_embed=True)
     if w["pool_kwargs"] is not None:

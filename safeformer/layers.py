@@ -543,6 +543,9 @@ class AttentionLayers(Configurable, nn.Module):
             custom_layers=custom_layers, par_ratio=par_ratio, sandwich_coef=sandwich_coef,
             weight_tie_layers=weight_tie_layers, layers_execute_order=layers_execute_order, unet_skips=unet_skips,
             per_layer=[v for v in (ff_mult, attn_dropout, ff_dropout) if isinstance(v, (tuple, list))])
+        if ctor_order is not None and integrate_layers:
+            raise ValueError("integrate_layers mixes one input per block: not with weight_tie_layers / "
+                             "layers_execute_order")
         first_self = [True]
         layer_at = [0]  # the layer being built (per-layer schedules)
         attn_dropouts = _per_layer("attn_dropout", attn_dropout, depth)
@@ -802,6 +805,8 @@ class AttentionLayers(Configurable, nn.Module):
         seq_pos_offset: int | None = None,
         repeat_blocks=None,
         layers_execute_order: tuple[int, ...] | None = None,
+        mems=None,
+        mem_masks=None,
     ) -> Tensor | tuple:
         """Run the stack.
 
@@ -868,6 +873,15 @@ class AttentionLayers(Configurable, nn.Module):
                 for ``start == end``) runs the layers ``start..end`` (layer = self [cross] feed-forward) ``repeats``
                 times in a row; ``layers_execute_order``: the blocks' indices in the order to run them. Padded path,
                 no KV cache (the cache holds one entry per attention block), not with ``integrate_layers``.
+            mems: Transformer-XL memories (x-transformers' keyword): one ``(b, m, c)`` tensor per self-attention
+                block (the stream that entered it in earlier segments, ``TransformerWrapper(return_mems=True)``'s
+                ``intermediates.mems``); each self-attention's keys/values then come from its block's normed memory
+                before the sequence's own (x-transformers' math: memory keys at positions ``-m .. -1``, every query
+                sees the whole memory). ``mem_masks``: ``None``, one ``(b, m)`` bool (True = a real memory slot) for
+                every block, or a list of them per block; masked slots (NaN included) reach no output and no
+                gradient. Padded path only; not with a KV cache, ``attn_mask``, ``repeat_blocks`` /
+                ``layers_execute_order``, residual routing (hyper-connections), ``shift_tokens``,
+                ``add_value_residual`` or ``rotary_xpos``; the returned intermediates carry no cache.
             return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
                 layer, the attention weights of every attention block (explicit float32 attention:
                 slower, ``(b, h, i, j)`` memory), the final hidden states, and (x-transformers'
@@ -912,6 +926,8 @@ class AttentionLayers(Configurable, nn.Module):
                                      route_additional_kv_to_top, self_attn_kv_residuals, cross_attn_kv_residuals,
                                      x, mask, context, context_mask, cache, n_given)
         padded_only = padded_only or bool(per_block)
+        mem = _check_mems(self, mems, mem_masks, x, mask, cache, return_cache, attn_mask, order, positions)
+        padded_only = padded_only or mem is not None
         if isinstance(positions, Tensor) and positions.dim() == 3:  # per-head ALiBi positions (x-transformers')
             if cache is not None or return_cache:
                 raise ValueError("positions per head (b, h, n) run without a KV cache (the cache keeps one position "
@@ -924,7 +940,19 @@ class AttentionLayers(Configurable, nn.Module):
                              "context_pos); decode with cache_kv=False")
         if mask is not None:
             x = torch.where(mask[..., None], x, 0.0)
-        sa = self_attention_inputs(self, x, mask, cache, attn_mask, positions, causal=call_causal)
+        sa = self_attention_inputs(self, x, mask, cache, attn_mask, positions, causal=call_causal,
+                                   mem_len=0 if mem is None else mem.length,
+                                   mem_mask=None if mem is None else mem.masks[0])
+        if mem is not None:  # the kernel masks of the blocks whose memory mask differs from the first's
+            mem.kernel_masks = {}
+            for t_mask in mem.masks[1:]:
+                if t_mask is not mem.masks[0] and id(t_mask) not in mem.kernel_masks:
+                    mem.kernel_masks[id(t_mask)] = self_attention_inputs(
+                        self, x, mask, cache, attn_mask, positions, causal=call_causal, mem_len=mem.length,
+                        mem_mask=t_mask).mask
+            if mem.kernel_masks and sa.bias is not None:
+                raise ValueError("mem_masks that differ per block cannot be combined with alibi_pos_bias or rel_pos_bias "
+                                 "(the bias counts the memory positions once for all blocks): pass one mem_masks tensor")
         ca = cross_attention_inputs(self, context, context_mask, cache, b)
         self_mask, causal, rotary, bias, positions = sa.mask, sa.causal, sa.rotary, sa.bias, sa.positions
         context, context_mask, cross_mask, use_cross, cached_cross = ca.context, ca.context_mask, ca.mask, ca.used, ca.cached
@@ -982,6 +1010,8 @@ class AttentionLayers(Configurable, nn.Module):
                 hy = _hybrid_call(block.mixer, mask, cache, len(self_kv))  # attn_hybrid_module's input and state
                 args = dict(self_args, return_attn=True, prev_attn=prev_logits.get("self")) if self.residual_attn \
                     else self_args
+                if mem is not None:  # Transformer-XL: this block's memory keys/values before the sequence's own
+                    past_kv, args = _mem_kv(self, mem, block, len(self_kv), cond, sa), _mem_args(mem, len(self_kv), args)
                 res = block(x, cond, past_kv=past_kv, value_residual=first_values.get("self"), **shift,
                             **({} if hy is None else {"hybrid": hy}), **args, **per_block.get(id(block), {}))
                 if self.residual_attn:
@@ -1062,7 +1092,8 @@ class AttentionLayers(Configurable, nn.Module):
                                                      pre_softmax_attn=logit_maps[t] if t < len(logit_maps) else None)
                                     for t, (w, k) in enumerate(zip(attn_maps, kinds))],
             )
-        if intermediates is not None and call_causal == self.causal and sa.all_positions.dim() == 2 and not xpos:  # the
+        if intermediates is not None and call_causal == self.causal and sa.all_positions.dim() == 2 and not xpos \
+                and mem is None:  # the
             # cache (x-transformers' protocol; not with positions per head, which a cache does not keep;
             # not after a causal override: its keys/values are not what the stack's own causality continues from)
             intermediates.cache = _new_cache(cache, mask, b, n, device, self_kv, cross_kv, sa, ca, cond, condition,
@@ -1243,6 +1274,9 @@ def _layer_types(*, depth, cross: bool, only_cross: bool, macaron: bool, only_at
     if weight_tie_layers and (chosen or layers_execute_order is not None):
         raise ValueError("weight_tie_layers repeats the default layer: not with custom_layers, par_ratio, "
                          "sandwich_coef or layers_execute_order")
+    if unet_skips and (weight_tie_layers or layers_execute_order is not None):
+        raise ValueError("unet_skips pairs the layers of the stack: not with weight_tie_layers or layers_execute_order "
+                         "(a tied stack has one layer, no skip to pair)")
     if only_attn and (layers_execute_order is not None or unet_skips):
         raise ValueError("only_attn is not compatible with layers_execute_order or unet_skips (as in x-transformers)")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth <= 0):
@@ -1495,6 +1529,104 @@ def _last(t, keep: int):
     return t[-keep:] if t.dim() == 1 else t[:, -keep:]
 
 
+@dataclass
+class _Mems:
+    """Transformer-XL memories of one call, checked: one ``(b, m, c)`` per self-attention block, their masks
+    (``(b, m)`` or ``None`` per block), ``m``, and the kernel masks of blocks whose memory mask is another tensor."""
+
+    mems: list
+    masks: list
+    length: int
+    kernel_masks: dict | None = None
+
+
+def _check_mems(stack: AttentionLayers, mems, mem_masks, x: Tensor, mask, cache, return_cache: bool, attn_mask, order,
+                positions) -> _Mems | None:
+    """The checked memories of ``forward(mems=..., mem_masks=...)`` (``None`` without memories)."""
+    if mems is None:
+        if mem_masks is not None:
+            raise ValueError("mem_masks was given without mems")
+        return None
+    n_self = sum(blk.kind == "self" for blk in stack.layers)
+    reason = mems_unsupported(stack)
+    if reason is not None:
+        raise ValueError(f"mems (Transformer-XL memories) cannot be combined with {reason}")
+    if not isinstance(mems, (list, tuple)) or len(mems) != n_self:
+        raise ValueError(f"mems must be a list of one (b, m, c) tensor per self-attention block ({n_self}), got "
+                         f"{type(mems).__name__}{'' if not isinstance(mems, (list, tuple)) else f' of {len(mems)}'}")
+    for what, bad in (("a KV cache (cache / return_cache)", cache is not None or return_cache),
+                      ("attn_mask", attn_mask is not None), ("repeat_blocks / layers_execute_order", order is not None),
+                      ("positions per head", isinstance(positions, Tensor) and positions.dim() == 3)):
+        if bad:
+            raise ValueError(f"mems (Transformer-XL memories) cannot be combined with {what}")
+    b, _, c = x.shape
+    m = None
+    for t, mem in enumerate(mems):
+        if not isinstance(mem, Tensor) or mem.dim() != 3 or mem.shape[0] != b or mem.shape[2] != c \
+                or not mem.is_floating_point() or mem.device != x.device or (m is not None and mem.shape[1] != m):
+            raise ValueError(f"mems[{t}] must be a floating-point (b, m, c) = ({b}, m, {c}) tensor on {x.device}, the "
+                             f"same m for every block, got {getattr(mem, 'shape', type(mem))}")
+        m = mem.shape[1]
+    if mem_masks is None or isinstance(mem_masks, Tensor):
+        masks = [mem_masks] * n_self
+    elif isinstance(mem_masks, (list, tuple)) and len(mem_masks) == n_self:
+        masks = list(mem_masks)
+    else:
+        raise ValueError(f"mem_masks must be None, one (b, m) bool tensor or a list of one per self-attention block "
+                         f"({n_self}), got {type(mem_masks).__name__}")
+    for t, mm in enumerate(masks):
+        if mm is not None:
+            validate_mask(mm, f"mem_masks[{t}]", shape=(b, m), device=x.device)
+    if any(mm is None for mm in masks) and not all(mm is None for mm in masks):
+        ones = torch.ones(b, m, dtype=torch.bool, device=x.device)
+        masks = [ones if mm is None else mm for mm in masks]
+    return _Mems(list(mems), masks, m)
+
+
+def mems_unsupported(stack: AttentionLayers) -> str | None:
+    """The stack option that Transformer-XL memories do not run with (``None``: they run)."""
+    for what, bad in (("residual routing (hyper-connections, residual streams)", stack.routing is not None),
+                      ("shift_tokens", any(blk.shifts for blk in stack.layers)),
+                      ("add_value_residual", stack.add_value_residual),
+                      ("rotary_xpos", stack.rotary is not None and stack.rotary.use_xpos),
+                      ("polar_pos_emb", getattr(stack, "polar_pos_emb", None) is not None),
+                      ("attn_hybrid_module", any(getattr(blk.mixer, "hybrid", None) is not None
+                                                 for blk in stack.layers if blk.kind == "self"))):
+        if bad:
+            return what
+    return None
+
+
+def _mem_kv(stack: AttentionLayers, mem: _Mems, block: Block, t: int, cond, sa: SelfAttentionInputs):
+    """Block ``t``'s memory keys and values ``(b, h_kv, m, d)``: its normed memory projected (masked slots selected
+    to 0 first, so whatever they hold reaches nothing), the keys rotated at positions ``-m .. -1``."""
+    src, keep = mem.mems[t], mem.masks[t]
+    if keep is not None:
+        src = torch.where(keep[..., None], src, 0.0)
+    k, v = block.mixer.project_kv(apply_norm(block.norm, src, cond))
+    if sa.rotary is not None and mem.length:
+        pos = _mem_positions(keep, mem.length, src.device)  # (b|1, m)
+        k = block.mixer._rotate(k, stack.rotary.angles(pos, dtype=src.dtype))
+    return k, v
+
+
+def _mem_positions(keep: Tensor | None, m: int, device) -> Tensor:
+    """Positions of ``m`` memory slots before the segment: ``-m .. -1`` (x-transformers'); with padding ``keep (b, m)``
+    the real slots are counted (the last real one at -1), as in the sample without its padding."""
+    if keep is None:
+        return torch.arange(-m, 0, device=device)[None]  # (1, m)
+    count = keep.long().cumsum(1)  # (b, m)
+    return count - count[:, -1:] - 1
+
+
+def _mem_args(mem: _Mems, t: int, args: dict) -> dict:
+    """The self-attention keywords of block ``t``: its own kernel mask when its memory mask is another tensor."""
+    km = mem.kernel_masks.get(id(mem.masks[t])) if mem.kernel_masks else None
+    if km is None:
+        return args
+    return dict(args, mask=SelectedMask(km) if isinstance(args.get("mask"), SelectedMask) else km)
+
+
 def _check_causal_override(stack: AttentionLayers, causal, cache, return_cache: bool) -> bool:
     """The causality of this call: the stack's, or ``causal`` (x-transformers' ``forward(causal=...)``)."""
     if causal is None or causal == stack.causal:
@@ -1656,14 +1788,16 @@ class SelfAttentionInputs:
 
 
 def self_attention_inputs(stack: AttentionLayers, x: Tensor, mask, cache, attn_mask, positions,
-                          causal: bool | None = None) -> SelfAttentionInputs:
+                          causal: bool | None = None, mem_len: int = 0, mem_mask: Tensor | None = None
+                          ) -> SelfAttentionInputs:
     b, n = x.shape[:2]
     device = x.device
-    past = cache.length if cache is not None else 0
+    past = cache.length if cache is not None else mem_len  # earlier keys: the cache's, or Transformer-XL memories
     # self-attention mask: built once here, passed to every block
     key_pad = None
-    if mask is not None or (cache is not None and cache.mask is not None):
-        old = cache.mask if cache is not None and cache.mask is not None else torch.ones(b, past, dtype=torch.bool, device=device)
+    if mask is not None or (cache is not None and cache.mask is not None) or mem_mask is not None:
+        old = cache.mask if cache is not None and cache.mask is not None else mem_mask if mem_mask is not None \
+            else torch.ones(b, past, dtype=torch.bool, device=device)
         new = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=device)
         key_pad = torch.cat((old, new), dim=1)  # (b, p + n)
     self_mask = None if key_pad is None else key_pad[:, None, None, :]  # (b, 1, 1, p + n)
@@ -1712,6 +1846,9 @@ def self_attention_inputs(stack: AttentionLayers, x: Tensor, mask, cache, attn_m
         rotary = stack.polar_pos_emb.pair(positions, x.dtype)
     bias = None
     all_positions = positions if cache is None else torch.cat(_broadcast_batch(cache.positions, positions), dim=1)
+    if cache is None and mem_len:  # x-transformers' memory positions: -m .. -1 before the segment's own
+        mem_pos = _mem_positions(mem_mask, mem_len, device).to(positions.dtype)  # (b|1, m)
+        all_positions = torch.cat(_broadcast_batch(mem_pos, positions), dim=1)
     if stack.alibi_slopes is not None:
         bias = alibi_bias(stack.alibi_slopes, positions, all_positions).to(x.dtype)  # (b|1, h, n, p + n)
     elif stack.rel_pos is not None:

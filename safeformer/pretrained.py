@@ -131,9 +131,6 @@ class Configurable:
 def _encode(v: Any) -> Any:
     if isinstance(v, Configurable):
         return {"class": config_class_name(v), "config": v.get_config()}
-    if isinstance(v, nn.Module) or callable(v):  # a user's module or function (attn_hybrid_module, ...)
-        raise ValueError(f"this model was built with a {type(v).__name__} as an option (e.g. attn_hybrid_module, "
-                         f"ff_custom_activation): it has no JSON config; save its state_dict and rebuild it in code")
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
     if isinstance(v, dict):
@@ -521,7 +518,12 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, state_dic
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     config = {"format": "safeformer", "version": _FORMAT_VERSION, "class": config_class_name(model),
               "dtype": str(dtype).removeprefix("torch."), "config": model.get_config()}
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+    try:
+        text = json.dumps(config, indent=2, sort_keys=True)
+    except TypeError as err:  # a user's module or function as an option (attn_hybrid_module, ff_custom_activation)
+        raise ValueError(f"this model has an option with no JSON config ({err}; e.g. attn_hybrid_module or "
+                         f"ff_custom_activation): save its state_dict and rebuild the model in code") from err
+    (path / CONFIG_NAME).write_text(text)
     if state_dict is None:
         st.save_model(model, str(path / WEIGHTS_NAME))
     else:

@@ -107,6 +107,10 @@ def static_reason(net) -> str | None:
             return "attn_data_dependent_alibi sums forget gates over the whole sequence (no KV cache)"
     from torch.nn.modules import module as _module
 
+    from .xl_autoregressive_wrapper import TTTModuleWrapper
+
+    if any(isinstance(m, TTTModuleWrapper) for m in net.modules()):
+        return "test-time-trained modules (XLAutoregressiveWrapper's TTTModuleWrapper) hold per-sample fast weights"
     if _module._global_forward_hooks or _module._global_forward_pre_hooks or any(
             m._forward_hooks or m._forward_pre_hooks for m in net.modules()):
         # the step calls the modules' parts, not their forward: hooks (FSDP2's all-gathers, a user's probes)

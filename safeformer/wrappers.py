@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .cache import LayerIntermediates, attach_cached_kv, resolve_cache
 from .conditions import Conditions, check_condition_tensor, condition_kwargs
-from .layers import AttentionLayers, KVCache, _last, translate_aliases
+from .layers import AttentionLayers, KVCache, _last, mems_unsupported, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
 from .masks import check_lengths, checked_once, validate_mask
@@ -149,6 +149,7 @@ class _Wrapper(Configurable, nn.Module):
     """Shared plumbing: positions, the optional absolute embedding, the finite-input check."""
 
     attn_layers: AttentionLayers
+    dropout_fixed_rows = True  # emb_dropout on the memory and class rows too (x-transformers' continuous wrapper)
 
     def get_config(self) -> dict:
         """As ``Configurable.get_config``; a model built with a custom module (x-transformers' ``token_emb``,
@@ -319,13 +320,14 @@ class _Wrapper(Configurable, nn.Module):
             pe = self.pos_emb(abs_pos).to(x.dtype)  # (b|1, F + m + n, C)
             x = x + pe[:, lead_slots:] if not m else torch.cat((x[:, :m], x[:, m:] + pe[:, lead_slots:]), dim=1)
         # x-transformers' order: dropout and the embedding projection (emb_dim) on the prefix and tokens, then the
-        # memory and class rows (model width) before them
+        # memory and class rows (model width) before them (dropped out too in its ContinuousTransformerWrapper)
         x = self.emb_dropout(x)
         if getattr(self, "project_emb", None) is not None:
             x = self.project_emb(x)  # (b, m + n, c)
         if fixed:
             rows = [t for t in (getattr(self, "memory_tokens", None), getattr(self, "cls_token", None)) if t is not None]
-            x = torch.cat((torch.cat(rows).to(x.dtype)[None].expand(b, -1, -1), x), dim=1)  # (b, F + m + n, c)
+            rows = torch.cat(rows).to(x.dtype)[None].expand(b, -1, -1)  # (b, F, c)
+            x = torch.cat((self.emb_dropout(rows) if self.dropout_fixed_rows else rows, x), dim=1)  # (b, F + m + n, c)
         stack_kw = {}
         if causal is not None:
             stack_kw["causal"] = causal
@@ -544,6 +546,78 @@ def _additional_kv(net, additional, mask, detach, to_top) -> dict | None:
                 route_additional_kv_to_top=to_top)
 
 
+class Mems(list):
+    """Transformer-XL memories (``TransformerWrapper(return_mems=True)``): a list of one ``(b, m, c)`` tensor per
+    self-attention block, as x-transformers returns them, with ``masks``: their padding (one ``(b, m)`` bool per
+    block, True = real) or ``None``. Passed back as ``mems=``, the masks come along (unless ``mem_masks`` is given)."""
+
+    masks: list | None = None
+
+
+def _check_mems_call(net, mems, mem_masks, return_mems, detach_mems, cache, return_cache, return_attn, prepend_embeds,
+                     conditions, pos):
+    """``forward(mems=, mem_masks=, return_mems=, detach_mems=)`` checked: the memories in the stack's order
+    (``shift_mem_down`` applied) and their masks."""
+    _flag(return_mems, "return_mems")
+    _flag(detach_mems, "detach_mems")
+    if mems is None and not return_mems:
+        if mem_masks is not None:
+            raise ValueError("mem_masks was given without mems")
+        return None, None
+    for what, bad in (("a KV cache (cache / return_cache)", cache is not None or return_cache),
+                      ("prepend_embeds", prepend_embeds is not None or conditions.get("prepend_embeds") is not None),
+                      ("memory or class tokens", net.num_fixed_tokens or net.memory_tokens_interspersed_every),
+                      ("recycling", net.recycling), ("a looped model", getattr(net, "looped", False)),
+                      ("return_attn (ask return_intermediates)", return_attn and return_mems),
+                      ("pos (custom positions; the memories sit at -m .. -1 before the counted real tokens)",
+                       pos is not None),
+                      (mems_unsupported(net.attn_layers), mems_unsupported(net.attn_layers) is not None)):
+        if bad:
+            raise ValueError(f"mems / return_mems (Transformer-XL memories) cannot be combined with {what}")
+    if mems is not None and mem_masks is None:
+        mem_masks = getattr(mems, "masks", None)
+    if mems is not None and net.shift_mem_down:
+        mems = list(mems)
+        k = net.shift_mem_down
+        mems = [*mems[k:], *mems[:k]]
+        if isinstance(mem_masks, (list, tuple)):
+            mem_masks = [*mem_masks[k:], *mem_masks[:k]]
+    return (None if mems is None else list(mems)), mem_masks
+
+
+def _new_mems(net, mems, mem_masks, hiddens, mask, detach: bool) -> Mems:
+    """x-transformers' new memories: per self-attention block the old memory then the stream that entered the block
+    (padded rows 0), the last ``max_mem_len`` positions; their masks alongside (``None`` when all is real)."""
+    keep = net.max_mem_len
+    b, n = hiddens[0].shape[:2] if hiddens else (0, 0)
+    if mems is not None:
+        masks = mem_masks if isinstance(mem_masks, (list, tuple)) else [mem_masks] * len(mems)
+        new = [torch.cat((m_, h.to(m_.dtype)), dim=1) for m_, h in zip(mems, hiddens)]
+    else:
+        masks = [None] * len(hiddens)
+        new = list(hiddens)
+    if mask is None and all(mm is None for mm in masks):
+        new_masks = None
+    else:
+        ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=hiddens[0].device)  # noqa: E731
+        cur = ones(n) if mask is None else mask
+        made: dict = {}  # one tensor per distinct old mask: blocks that shared a mask share the new one
+
+        def extend(mm, t):
+            if id(mm) not in made:
+                full = cur if mems is None else torch.cat((ones(t.shape[1] - n) if mm is None else mm, cur), dim=1)
+                made[id(mm)] = full[:, full.shape[1] - min(keep, full.shape[1]):]
+            return made[id(mm)]
+
+        new_masks = [extend(mm, t) for mm, t in zip(masks, new)]
+    new = [t[:, t.shape[1] - min(keep, t.shape[1]):] for t in new]
+    if detach:
+        new = [t.detach() for t in new]
+    out = Mems(new)
+    out.masks = new_masks
+    return out
+
+
 def _flag(v, name: str) -> None:
     if not isinstance(v, bool):
         raise TypeError(f"{name} must be a bool, got {v!r}")
@@ -726,12 +800,18 @@ class TransformerWrapper(_Wrapper):
             segments count each sample's real tokens, so padding never moves them (x-transformers counts slots). No KV
             cache (generation re-encodes each step), no ``prepend_embeds``, ``pos``, ``attn_mask``, ``ff_deep_embed``,
             ``looped`` or ``use_cls_token``; the intermediates' ``memory_tokens`` is ``(b * S, M, c)`` for ``S`` blocks.
+        max_mem_len: Transformer-XL: the most memory positions ``forward(return_mems=True)`` keeps per self-attention
+            block (x-transformers' option; 0 keeps none). See ``forward(mems=...)``.
+        shift_mem_down: x-transformers' option: the memories passed in are rotated by this many blocks first (the first
+            ``shift_mem_down`` blocks' memories go to the last blocks).
 
     Example:
         >>> model = TransformerWrapper(num_tokens=256, max_seq_len=128,
         ...     attn_layers=Decoder(dim=64, depth=2, heads=4, cross_attend=True))
         >>> logits = model(tokens, mask=mask, context=ctx, context_mask=ctx_mask)  # (b, n, 256)
     """
+
+    dropout_fixed_rows = False  # x-transformers' TransformerWrapper adds memory and class rows after emb_dropout
 
     def __init__(
         self,
@@ -773,6 +853,8 @@ class TransformerWrapper(_Wrapper):
         sigsoftmax_logits: bool = False,
         attn_z_loss_weight: float = 1e-4,
         memory_tokens_interspersed_every: int | None = None,
+        max_mem_len: int = 0,
+        shift_mem_down: int = 0,
         **aliases,
     ):
         if aliases:  # other spellings through the one table (unknown names get suggestions)
@@ -805,6 +887,11 @@ class TransformerWrapper(_Wrapper):
                                            tie_embedding=tie_embedding, recycling=recycling, to_logits=to_logits,
                                            mixture_of_softmax=mixture_of_softmax, return_only_embed=return_only_embed,
                                            use_cls_token=use_cls_token)
+        for name, v in (("max_mem_len", max_mem_len), ("shift_mem_down", shift_mem_down)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        self.max_mem_len = max_mem_len  # Transformer-XL: the most memory positions forward(return_mems=True) keeps
+        self.shift_mem_down = shift_mem_down  # the first shift_mem_down memories go to the top blocks (x-transformers)
         self.num_tokens = num_tokens
         self.attn_layers = attn_layers
         self.emb_dim = emb_dim
@@ -920,6 +1007,10 @@ class TransformerWrapper(_Wrapper):
         return_attn_z_loss: bool = False,
         attn_z_loss_weight: float | None = None,
         _loop_out: dict | None = None,
+        mems=None,
+        mem_masks=None,
+        return_mems: bool = False,
+        detach_mems: bool = True,
         **conditions,
     ):
         """Run the model.
@@ -998,6 +1089,18 @@ class TransformerWrapper(_Wrapper):
                 (sum over attention blocks of logsumexp over the keys)^2``. Masked keys are left out of each
                 logsumexp, and rows with no key (padded queries, dead rows) add 0. Runs the explicit attention path.
             attn_z_loss_weight: its weight (default the model's ``attn_z_loss_weight``, 1e-4).
+            mems: Transformer-XL memories (x-transformers' keyword): one ``(b, m, c)`` tensor per self-attention block,
+                as ``return_mems=True`` returned them for the previous segment; each self-attention also attends to its
+                block's memory (keys at positions ``-m .. -1``; the tokens' absolute positions start at 0 again).
+                ``mem_masks``: their padding (``(b, m)`` bool per block, or one for all; True = real); a ``Mems`` list
+                from ``return_mems`` carries its own (the previous segment's padding), so padded positions never
+                become memory a real query sees. ``shift_mem_down`` (constructor) rotates the list first.
+            return_mems: also return the new memories, a ``Mems`` list (one ``(b, <= max_mem_len, c)`` per self-attention
+                block: the old memory then the stream entering the block, the last ``max_mem_len`` positions; its
+                ``masks`` attribute holds their padding, or ``None``): ``(out, mems)``, or on the intermediates
+                (``mems``, ``mem_masks``) with ``return_intermediates``. ``detach_mems`` (default True): no gradient
+                flows back through them. Memories run the padded path, and not with a KV cache, prepend_embeds,
+                memory / class tokens, recycling or a looped model.
             _loop_out: (internal, for ``AutoregressiveWrapper``'s looped loss) a dict a looped model fills with the
                 runs' ``exit_logits``, ``all_pred_logits`` and ``exit_indices`` without building the intermediates
                 (which run the explicit attention path).
@@ -1050,6 +1153,9 @@ class TransformerWrapper(_Wrapper):
             raise ValueError(f"attn_z_loss_weight must be a finite number, got {z_weight!r}")
         give_inter = return_intermediates or return_hiddens or return_logit_entropies or return_attn_z_loss
         want_inter = give_inter or return_attn or return_embeddings_and_intermediates
+        mems, mem_masks = _check_mems_call(self, mems, mem_masks, return_mems, detach_mems, cache, return_cache,
+                                           return_attn, prepend_embeds, conditions, pos)
+        want_inter = want_inter or return_mems  # the memories are the hiddens
         loop = self._loop_settings(looped_steps, max_looped_steps, looped_pred_all_logits, looped_inference,
                                    looped_exit_prob_threshold)
         emb = self._embed(x, mask, token_emb_kwargs)
@@ -1058,6 +1164,8 @@ class TransformerWrapper(_Wrapper):
         ff_deep = None if self.ff_deep_embed is None else self.ff_deep_embed[x].to(emb.dtype)  # (b, n, L, c)
         extra_kv = _additional_kv(self, self_attn_additional_kv, additional_kv_mask, detach_additional_kv,
                                   route_additional_kv_to_top)
+        if mems is not None:  # Transformer-XL memories: stack keywords (padded path)
+            extra_kv = dict(extra_kv or {}, mems=mems, mem_masks=mem_masks)
         if self.recycling:
             h, new_cache, full_mask, m, fixed_out, inter, plan = self._recycle(
                 emb, mask, conds, attn_mask, recycle_steps, pos, want_inter or return_next_embed_pred,
@@ -1151,6 +1259,11 @@ class TransformerWrapper(_Wrapper):
         if return_next_embed_pred:
             hid = h[:, m:] if excise_prepend_embeds and m and emb_out is not h else h
             out = (out, (self.to_next_embed_pred(hid), init))
+        if return_mems:
+            new_mems = _new_mems(self, mems, mem_masks, inter.hiddens, mask, detach_mems)
+            if not give_inter:
+                return out, new_mems
+            inter.mems, inter.mem_masks = new_mems, new_mems.masks
         extra = ((new_cache,) if return_cache else ()) + (
             (inter,) if give_inter else (inter.attn_maps,) if return_attn else ())
         return (out, *extra) if extra else out

@@ -841,9 +841,19 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("from_x_transformers", note="conversion: tests/test_interop.py (S9 on unsupported options)"),
     Door("load_pretrained", note="hostile checkpoints (S9): tests/test_pretrained.py"),
     Door("save_pretrained", note="checkpoints: tests/test_pretrained.py"),
+    Door("XLAutoregressiveWrapper", probe=lambda seed, value: _probe("test_xl", "probe_xl", seed, value),
+         note="x-transformers parity (loss, gradients, sampling, test-time training), padded = samples alone by "
+              "hand: test_xl.py"),
+    Door("TTTModuleWrapper", note="runs the wrapped module per sample (position-wise inside attention): test_xl.py"),
+    Door("LowRankLinear", note="a position-wise linear layer (x-transformers parity of its use): test_xl.py"),
+    Door("TTTNextLatentPredictionLoss", note="position-wise, masked positions selected to 0 (parity): test_xl.py"),
+    Door("TTTMetaLearningTargetKLLoss", note="an Encoder (a door) under the given mask, position-wise heads: "
+                                            "test_xl.py"),
 ]}
 
 NOT_DOORS: dict[str, str] = {
+    "Mems": "a list of memories returned by TransformerWrapper(return_mems=True) (its door is the wrapper)",
+    "EpisodicMemories": "learned key/value slots; takes no tensor (its door is XLAutoregressiveWrapper)",
     "BACKENDS": "a tuple of backend names",
     "Conditions": "a plain record of condition tensors (its doors are drop_conditions and the wrappers)",
     "FILTERS": "a dict of the filter functions (each is a door: top_k, top_p, min_p)",

@@ -26,8 +26,8 @@ rtol = atol = 1e-5. A bare layer stack (``Encoder``, ``CrossAttender``), a
 (``_convert_layers``), the rest copied by hand (``_convert_vit``). Deviations, each said in its test:
 ``test_alibi_num_heads_parity`` builds x-transformers' model with ``use_abs_pos_emb=False`` (safeformer
 drops the absolute position embedding under ALiBi, and ``from_x_transformers`` refuses the README's
-model); ``test_transformer_xl_recurrence_parity`` feeds both models x-transformers' memories, and
-xfails (not strict) while ``from_x_transformers`` sets ``max_mem_len=0``. No twin for
+model); ``test_transformer_xl_recurrence_parity`` feeds both models x-transformers' memories and compares the
+memories each returns. No twin for
 ``XLAutoregressiveWrapper`` (``from_x_transformers`` takes none: "TypeError: model must be an
 x_transformers.TransformerWrapper, AutoregressiveWrapper or XTransformer, got XLAutoregressiveWrapper")
 nor for ``AutoregressiveWrapper(mask_prob=)`` (refused: the hidden keys are drawn at random, differently).
@@ -1150,7 +1150,7 @@ def test_transformer_xl_recurrence():
 
 def test_transformer_xl_recurrence_parity():
     """Both models read x-transformers' memories, so each segment's logits check the attention over
-    them; safeformer's own memories are compared once the conversion keeps ``max_mem_len``."""
+    them; the memories each returns are compared too (the conversion keeps ``max_mem_len``)."""
     xt_model = xt.TransformerWrapper(
         num_tokens=20000, max_seq_len=512, max_mem_len=2048,
         attn_layers=xt.Decoder(dim=64, depth=2, heads=8, rel_pos_bias=True),
@@ -1163,13 +1163,10 @@ def test_transformer_xl_recurrence_parity():
             xt_logits, new_mems = xt_model(seg, mems=mems, return_mems=True)
             sf_logits, sf_mems = sf_model(seg, mems=mems, return_mems=True)
             _assert_parity(f"Transformer-XL segment {i + 1} (logits)", xt_logits, sf_logits)
-            if sf_model.max_mem_len == xt_model.max_mem_len:
-                for xt_m, sf_m in zip(new_mems, sf_mems, strict=True):
-                    _assert_parity(f"Transformer-XL segment {i + 1} (mems)", xt_m, sf_m)
+            assert sf_model.max_mem_len == xt_model.max_mem_len
+            for xt_m, sf_m in zip(new_mems, sf_mems, strict=True):
+                _assert_parity(f"Transformer-XL segment {i + 1} (mems)", xt_m, sf_m)
             mems = new_mems
-    if sf_model.max_mem_len != xt_model.max_mem_len:
-        pytest.xfail(f"from_x_transformers sets max_mem_len={sf_model.max_mem_len} (x-transformers: "
-                     f"{xt_model.max_mem_len}): the converted model keeps no memories of its own")
 
 
 def test_xl_autoregressive_wrapper():
