@@ -1189,3 +1189,6 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_cau
     return (weights @ v.to(dtype)).to(q.dtype)  # (b, h, i, e)
 
 
+
+
+from .xt_attend import Attend  # noqa: E402, F401  (x-transformers users import it from this module)
