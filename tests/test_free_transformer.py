@@ -66,17 +66,7 @@ def test_matches_x_transformers(head, per):
     ours = _converted(theirs, head=head, per=per)
     sharpen(theirs), sharpen(ours)
     seq, lat = torch.randint(0, V, (2, 9)), torch.randint(0, V, (2, 5))
-    for seq_for_latents in (None, lat):
-        torch.manual_seed(1)
-        want, (want_ar, want_kl) = theirs(seq, seq_for_latents, return_all_losses=True)
-        torch.manual_seed(1)
-        got, (got_ar, got_kl) = ours(seq, seq_for_latents, return_all_losses=True)
-        assert want_kl.item() > 0
-        for a, b in ((want, got), (want_ar, got_ar), (want_kl, got_kl)):
-            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a.item(), b.item())
-        gw = torch.autograd.grad(want, theirs.token_emb.weight)[0]
-        gg = torch.autograd.grad(got, ours.token_emb.weight)[0]
-        assert torch.allclose(gw, gg, atol=1e-5, rtol=1e-4)
+    assert_losses_match(theirs, ours, seq, lat)
     theirs.eval(), ours.eval()
     prompt = torch.randint(0, V, (2, 3))
     for latents in (torch.tensor([1, 6]), torch.tensor(5), None):
@@ -237,3 +227,22 @@ def test_checkpoint_round_trip(tmp_path):
     want = model(seq)
     torch.manual_seed(0)
     assert torch.equal(back(seq), want)
+
+
+def assert_losses_match(theirs, ours, seq, lat, atol: float = 1e-5, each=None) -> None:
+    """x-transformers' FreeTransformer and ours, the same random draws: equal total, autoregressive and KL losses
+    (without and with a separate sequence for the latents) and equal gradients on the token embedding; ``each()``
+    runs after each pair of calls (a further check)."""
+    for seq_for_latents in (None, lat):
+        torch.manual_seed(1)
+        want, (want_ar, want_kl) = theirs(seq, seq_for_latents, return_all_losses=True)
+        torch.manual_seed(1)
+        got, (got_ar, got_kl) = ours(seq, seq_for_latents, return_all_losses=True)
+        assert want_kl.item() > 0
+        for a, b in ((want, got), (want_ar, got_ar), (want_kl, got_kl)):
+            assert torch.allclose(a, b, atol=atol, rtol=atol), (a.item(), b.item())
+        if each is not None:
+            each()
+        gw = torch.autograd.grad(want, theirs.token_emb.weight)[0]
+        gg = torch.autograd.grad(got, ours.token_emb.weight)[0]
+        assert torch.allclose(gw, gg, atol=atol, rtol=1e-4)
