@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from .block import apply_norm
 from .cache import KVCache
-from .modules import LayerNorm
+from .modules import FeedForward, LayerNorm
 
 __all__ = ["StaticKVCache", "StaticDecoder", "static_reason", "compile_options", "capacity_bucket"]
 
@@ -252,6 +252,52 @@ def _rotate(t: Tensor, rot: tuple[Tensor, Tensor, Tensor]) -> Tensor:
     return (tf * cos + tf.index_select(-1, swap) * sin).to(t.dtype)
 
 
+@dataclass(frozen=True)
+class _FusedQKV:
+    """A self-attention block's q/k/v projections as one product: the three weights (and biases) concatenated
+    once per decoder, ``F.linear(h, weight, bias)`` split in ``sizes`` (``h d``, ``h_kv d``, ``h_kv d``). Each output
+    feature is the same dot product as in ``to_q`` / ``to_k`` / ``to_v``, so this is ``Attention._project_q`` /
+    ``_project_kv`` (without a ``keep``) in one call instead of three (the tests check it bit for bit)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    sizes: tuple[int, int, int]
+    rotate_together: bool  # no q/k norm between the projection and the rotation: q and k rotate as one tensor
+
+
+def _fused_qkv(mixer) -> _FusedQKV | None:
+    """The fused projection of ``mixer`` (an ``Attention``), or ``None`` where its projections are not three plain
+    ``nn.Linear`` of the same input (latent q/kv, rotary sub-heads, wrapped projections): the step then calls
+    ``_project_q`` / ``_project_kv``."""
+    lins = (mixer.to_q, mixer.to_k, mixer.to_v)
+    if (mixer.to_latent_q is not None or mixer.to_latent_kv is not None or mixer.rope_subheads
+            or any(type(lin) is not nn.Linear for lin in lins)):
+        return None
+    biases = [lin.bias for lin in lins]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in lins])
+        bias = None if biases[0] is None else torch.cat(biases)
+    sizes = tuple(int(lin.out_features) for lin in lins)
+    return _FusedQKV(weight, bias, sizes, mixer.q_norm is None and mixer.k_norm is None)
+
+
+def _plain_output(mixer) -> bool:
+    """Whether ``mixer._output`` (no ``keep``, no ``rows_ok``, no ``values``) is only ``to_out`` of the flattened
+    heads: no head, value or output gate, a plain ``nn.Linear``."""
+    return (mixer.to_v_head_gate is None and mixer.to_v_gate is None and mixer.to_output_gate is None
+            and type(mixer.to_out) is nn.Linear)
+
+
+def _plain_ff(mixer) -> bool:
+    """Whether ``mixer`` is a ``FeedForward`` computing ``proj_out(act(proj_in(x)))`` with a GELU or SiLU (no gate,
+    no soft clamp, its dropout idle: generation runs in eval mode), so the step calls the three functions."""
+    return (type(mixer) is FeedForward and not mixer.glu and mixer.softclamp_value is None
+            and type(mixer.act) in (nn.GELU, nn.SiLU) and type(mixer.proj_in) is nn.Linear
+            and type(mixer.proj_out) is nn.Linear and (not mixer.training or mixer.dropout.p == 0))
+
+
 def _norm(norm, x: Tensor, cond: Tensor | None) -> Tensor:
     """``apply_norm``; a float32 ``LayerNorm`` straight to ``F.layer_norm`` (what its float32 promotion computes)."""
     if type(norm) is LayerNorm and x.dtype == torch.float32:
@@ -269,9 +315,13 @@ class StaticDecoder:
         capacity: slots for the prefill plus every new position.
         compile: compile the step (``torch.compile(fullgraph=True)``); every step then attends over all
             ``capacity`` slots with the validity mask (fixed shapes, one graph).
+        fast: where a block's parts are plain (``_fused_qkv``, ``_plain_output``, ``_plain_ff``), run them as
+            functions on fused weights instead of through the modules' seams: the same numbers, fewer calls
+            per step (``False``: always the seams; the tests compare the two bit for bit).
     """
 
-    def __init__(self, net, cache: KVCache, capacity: int, *, compile: bool = False, compile_mode: str | None = None):
+    def __init__(self, net, cache: KVCache, capacity: int, *, compile: bool = False, compile_mode: str | None = None,
+                 fast: bool = True):
         reason = static_reason(net)
         if reason is not None:
             raise ValueError(f"the static decode step cannot run this net: {reason}")
@@ -288,6 +338,13 @@ class StaticDecoder:
         self.rotary_tables = None
         if stack.rotary is not None:  # cos/sin of every position the generation may reach
             self.rotary_tables = _rotary_tables(stack, int(capacity), self.dtype, probe.device)
+        # per block: the fused q/k/v projection (self-attention), whether the output projection and the
+        # feed-forward are plain, and whether the branch needs ``Block.finish`` (a gate, a scale, a sandwich norm)
+        self.plan = [(_fused_qkv(blk.mixer) if blk.kind == "self" and fast else None,
+                      blk.kind != "ff" and fast and _plain_output(blk.mixer),
+                      blk.kind == "ff" and fast and _plain_ff(blk.mixer),
+                      blk._parts[2] is not None or blk.scale != 1.0 or blk._post_norm is not None)
+                     for blk in stack.layers]
         self.compiled = compile
         self._step = self._forward
         if compile:
@@ -382,15 +439,18 @@ class StaticDecoder:
             bias = bias.to(self.dtype)
             self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
         i_self = i_cross = 0
-        for blk in stack.layers:
+        for blk, (fused, plain_out, plain_ff, finish) in zip(stack.layers, self.plan):
             norm, mixer, gate = blk._parts
             h = _norm(norm, x, cond)
             if blk.kind == "self":
-                q = mixer._project_q(h).transpose(1, 2)  # (B, h, 1, d)
-                k, v = mixer._project_kv(h)
-                k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, h_kv, 1, d)
-                if rot is not None:
-                    q, k = _rotate(q, rot), _rotate(k, rot)
+                if fused is not None:
+                    q, k, v = self._project_fused(mixer, fused, h, rot)
+                else:
+                    q = mixer._project_q(h).transpose(1, 2)  # (B, h, 1, d)
+                    k, v = mixer._project_kv(h)
+                    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, h_kv, 1, d)
+                    if rot is not None:
+                        q, k = _rotate(q, rot), _rotate(k, rot)
                 kb, vb = c.keys[i_self], c.values[i_self]
                 i_self += 1
                 if full:
@@ -401,7 +461,10 @@ class StaticDecoder:
                     vb.narrow(2, slot, 1).copy_(v)
                     kb, vb = kb.narrow(2, 0, n_keys), vb.narrow(2, 0, n_keys)
                 out = kernel(q, kb, vb, attn_mask=self_mask, enable_gqa=mixer.kv_heads != mixer.heads)
-                out = mixer._output(out.transpose(1, 2), h)
+                if plain_out:
+                    out = F.linear(out.transpose(1, 2).flatten(-2), mixer.to_out.weight, mixer.to_out.bias)
+                else:
+                    out = mixer._output(out.transpose(1, 2), h)
             elif blk.kind == "cross":
                 if c.cross is None:
                     continue
@@ -415,13 +478,42 @@ class StaticDecoder:
                     out = torch.where(c.cross_live[..., None], out, 0.0)
                 out = mixer._output(out.transpose(1, 2), h, None,
                                     None if c.cross_live is None or mixer.to_out.bias is None else c.cross_live[:, :, 0])
+            elif plain_ff:
+                pi, po = mixer.proj_in, mixer.proj_out
+                out = F.linear(mixer.act(F.linear(h, pi.weight, pi.bias)), po.weight, po.bias)
             else:
                 out = mixer(h)
-            out = blk.finish(out, cond)  # gate / layerscale, macaron's half step, sandwich norm
+            if finish:
+                out = blk.finish(out, cond)  # gate / layerscale, macaron's half step, sandwich norm
             x = x + out
         x = _norm(stack.final_norm, x, cond)
         c.count.add_(1)
         return self._head(x[:, 0])
+
+    @staticmethod
+    def _project_fused(mixer, fused: _FusedQKV, h: Tensor, rot) -> tuple[Tensor, Tensor, Tensor]:
+        """``q (B, h, 1, d)``, ``k, v (B, h_kv, 1, d)`` of ``h (B, 1, c)`` through the fused projection, q/k/v-normed
+        and rotated as ``_project_q`` / ``_project_kv`` and ``_rotate`` do (q and k rotated as one tensor when no
+        norm sits between the projection and the rotation)."""
+        heads, kv_heads, d = mixer.heads, mixer.kv_heads, mixer.dim_head
+        nq, nk, _ = fused.sizes
+        qkv = F.linear(h, fused.weight, fused.bias)  # (B, 1, h d + 2 h_kv d)
+        v = qkv[..., nq + nk:].unflatten(-1, (kv_heads, d))
+        if mixer.v_norm is not None:
+            v = mixer.v_norm(v)
+        if rot is not None and fused.rotate_together:
+            qk = _rotate(qkv[..., :nq + nk].unflatten(-1, (heads + kv_heads, d)), rot)  # (B, 1, h + h_kv, d)
+            return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
+        q = qkv[..., :nq].unflatten(-1, (heads, d))
+        k = qkv[..., nq:nq + nk].unflatten(-1, (kv_heads, d))
+        if mixer.q_norm is not None:
+            q = mixer.q_norm(q)
+        if mixer.k_norm is not None:
+            k = mixer.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if rot is not None:
+            q, k = _rotate(q, rot), _rotate(k, rot)
+        return q, k, v.transpose(1, 2)
 
     def _forward_full(self, new: Tensor, slot: Tensor) -> Tensor:
         return self._forward(new, slot, full=True)

@@ -112,6 +112,51 @@ def test_static_step_equals_dynamic_cache_float64(name, layer_kw, input_kw):
     assert float((stat - dyn).abs().max()) < 1e-10
 
 
+FAST_CONFIGS = CONFIGS + [
+    ("value rmsnorm, gqa, bias", dict(rotary_pos_emb=True, attn_value_rmsnorm=True, kv_heads=2, attn_bias=True), dict()),
+    ("gated values (the output seam)", dict(rotary_pos_emb=True, attn_gate_values=True), dict(left_pad=True)),
+    ("geglu feed-forward (the module)", dict(rotary_pos_emb=True, ff_glu=True), dict()),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name,layer_kw,input_kw", FAST_CONFIGS, ids=[c[0] for c in FAST_CONFIGS])
+def test_fast_plan_equals_the_seams_bit_for_bit(name, layer_kw, input_kw, dtype):
+    """The step's fast plan (one fused q/k/v product, q and k rotated together, the plain output projection and
+    feed-forward as functions) computes what the blocks' seams (``_project_q``, ``_project_kv``, ``_output``, the
+    feed-forward module) compute, bit for bit; blocks with options the plan does not cover keep the seams."""
+    net = _net(**dict(layer_kw)).to(dtype)
+    prompts, kw = _inputs(**input_kw)
+    kw = _cast(kw, dtype)
+    feed = torch.randint(0, V, (prompts.shape[0], 5), generator=torch.Generator().manual_seed(5))
+    outs = {}
+    with torch.no_grad():
+        for fast in (True, False):
+            _, cache = net(prompts, return_cache=True, **kw)
+            dec = StaticDecoder(net, cache, cache.length + 5, fast=fast)
+            outs[fast] = torch.stack([dec.step(feed[:, t]) for t in range(5)], 1)
+            if fast:
+                plan = dec.plan
+    assert torch.isfinite(outs[True]).all()
+    assert torch.equal(outs[True], outs[False]), name
+    kinds = [blk.kind for blk in net.attn_layers.layers]
+    fused = [p[0] is not None for p, k in zip(plan, kinds) if k == "self"]
+    assert all(fused), name  # every config here has plain q/k/v projections
+    plain_out = [p[1] for p, k in zip(plan, kinds) if k == "self"]
+    assert all(plain_out) != ("gated" in name), name
+    plain_ff = [p[2] for p, k in zip(plan, kinds) if k == "ff"]
+    assert all(plain_ff) == ("glu" not in name and "relu" not in name), name
+
+
+def test_fast_plan_keeps_latent_projections_on_the_seams():
+    net = _net(rotary_pos_emb=True, attn_use_latent_q=True, attn_dim_latent_q=16)
+    prompts, kw = _inputs()
+    with torch.no_grad():
+        _, cache = net(prompts, return_cache=True, **kw)
+        dec = StaticDecoder(net, cache, cache.length + 2)
+    assert all(p[0] is None for p, blk in zip(dec.plan, net.attn_layers.layers) if blk.kind == "self")
+
+
 @pytest.mark.parametrize("dtype", hp.dtypes_for("cpu"), ids=str)
 @pytest.mark.parametrize("name,layer_kw,input_kw", [CONFIGS[1], CONFIGS[4], CONFIGS[7]], ids=[CONFIGS[i][0] for i in (1, 4, 7)])
 def test_static_step_in_every_dtype_against_float64(name, layer_kw, input_kw, dtype):
