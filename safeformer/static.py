@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -283,6 +284,23 @@ def _fused_qkv(mixer) -> _FusedQKV | None:
     return _FusedQKV(weight, bias, sizes, mixer.q_norm is None and mixer.k_norm is None)
 
 
+def _plain_q(mixer) -> bool:
+    """Whether ``mixer._project_q`` (no ``keep``) is ``to_q`` (a plain ``nn.Linear``) split in heads, then q-normed."""
+    return mixer.to_latent_q is None and type(mixer.to_q) is nn.Linear
+
+
+class _BlockPlan(NamedTuple):
+    """How the step runs one block: its fused q/k/v projection (self-attention), whether its query projection
+    (cross-attention), output projection and feed-forward are plain (called as functions), and whether the
+    branch needs ``Block.finish`` (a gate, a scale, a sandwich norm)."""
+
+    fused: _FusedQKV | None
+    plain_q: bool
+    plain_out: bool
+    plain_ff: bool
+    finish: bool
+
+
 def _plain_output(mixer) -> bool:
     """Whether ``mixer._output`` (no ``keep``, no ``rows_ok``, no ``values``) is only ``to_out`` of the flattened
     heads: no head, value or output gate, a plain ``nn.Linear``."""
@@ -338,12 +356,12 @@ class StaticDecoder:
         self.rotary_tables = None
         if stack.rotary is not None:  # cos/sin of every position the generation may reach
             self.rotary_tables = _rotary_tables(stack, int(capacity), self.dtype, probe.device)
-        # per block: the fused q/k/v projection (self-attention), whether the output projection and the
-        # feed-forward are plain, and whether the branch needs ``Block.finish`` (a gate, a scale, a sandwich norm)
-        self.plan = [(_fused_qkv(blk.mixer) if blk.kind == "self" and fast else None,
-                      blk.kind != "ff" and fast and _plain_output(blk.mixer),
-                      blk.kind == "ff" and fast and _plain_ff(blk.mixer),
-                      blk._parts[2] is not None or blk.scale != 1.0 or blk._post_norm is not None)
+        # per block: which of its parts the step calls as functions on (fused) weights (see _BlockPlan)
+        self.plan = [_BlockPlan(_fused_qkv(blk.mixer) if blk.kind == "self" and fast else None,
+                                blk.kind == "cross" and fast and _plain_q(blk.mixer),
+                                blk.kind != "ff" and fast and _plain_output(blk.mixer),
+                                blk.kind == "ff" and fast and _plain_ff(blk.mixer),
+                                blk._parts[2] is not None or blk.scale != 1.0 or blk._post_norm is not None)
                      for blk in stack.layers]
         self.compiled = compile
         self._step = self._forward
@@ -439,7 +457,7 @@ class StaticDecoder:
             bias = bias.to(self.dtype)
             self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
         i_self = i_cross = 0
-        for blk, (fused, plain_out, plain_ff, finish) in zip(stack.layers, self.plan):
+        for blk, (fused, plain_q, plain_out, plain_ff, finish) in zip(stack.layers, self.plan):
             norm, mixer, gate = blk._parts
             h = _norm(norm, x, cond)
             if blk.kind == "self":
@@ -472,12 +490,20 @@ class StaticDecoder:
                 i_cross += 1
                 if k.shape[2] == 0:  # a zero-length context: cross-attention adds exactly 0
                     continue
-                q = mixer._project_q(h).transpose(1, 2)
+                if plain_q:
+                    q = F.linear(h, mixer.to_q.weight, mixer.to_q.bias).unflatten(-1, (mixer.heads, mixer.dim_head))
+                    q = (q if mixer.q_norm is None else mixer.q_norm(q)).transpose(1, 2)
+                else:
+                    q = mixer._project_q(h).transpose(1, 2)
                 out = kernel(q, k, v, attn_mask=c.cross_mask, enable_gqa=mixer.kv_heads != mixer.heads)
                 if c.cross_live is not None:  # a sample with no context key: exactly 0 (after a bias too)
                     out = torch.where(c.cross_live[..., None], out, 0.0)
-                out = mixer._output(out.transpose(1, 2), h, None,
-                                    None if c.cross_live is None or mixer.to_out.bias is None else c.cross_live[:, :, 0])
+                rows_ok = None if c.cross_live is None or mixer.to_out.bias is None else c.cross_live[:, :, 0]
+                if plain_out:
+                    out = F.linear(out.transpose(1, 2).flatten(-2), mixer.to_out.weight, mixer.to_out.bias)
+                    out = out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+                else:
+                    out = mixer._output(out.transpose(1, 2), h, None, rows_ok)
             elif plain_ff:
                 pi, po = mixer.proj_in, mixer.proj_out
                 out = F.linear(mixer.act(F.linear(h, pi.weight, pi.bias)), po.weight, po.bias)

@@ -115,6 +115,8 @@ def test_static_step_equals_dynamic_cache_float64(name, layer_kw, input_kw):
 FAST_CONFIGS = CONFIGS + [
     ("value rmsnorm, gqa, bias", dict(rotary_pos_emb=True, attn_value_rmsnorm=True, kv_heads=2, attn_bias=True), dict()),
     ("gated values (the output seam)", dict(rotary_pos_emb=True, attn_gate_values=True), dict(left_pad=True)),
+    ("cross, gated values, bias, dropped context", dict(rotary_pos_emb=True, cross_attend=True, attn_gate_values=True,
+                                                        attn_bias=True), dict(context=J, dead_context=True)),
     ("geglu feed-forward (the module)", dict(rotary_pos_emb=True, ff_glu=True), dict()),
 ]
 
@@ -140,11 +142,12 @@ def test_fast_plan_equals_the_seams_bit_for_bit(name, layer_kw, input_kw, dtype)
     assert torch.isfinite(outs[True]).all()
     assert torch.equal(outs[True], outs[False]), name
     kinds = [blk.kind for blk in net.attn_layers.layers]
-    fused = [p[0] is not None for p, k in zip(plan, kinds) if k == "self"]
+    fused = [p.fused is not None for p, k in zip(plan, kinds) if k == "self"]
     assert all(fused), name  # every config here has plain q/k/v projections
-    plain_out = [p[1] for p, k in zip(plan, kinds) if k == "self"]
+    plain_out = [p.plain_out for p, k in zip(plan, kinds) if k != "ff"]
     assert all(plain_out) != ("gated" in name), name
-    plain_ff = [p[2] for p, k in zip(plan, kinds) if k == "ff"]
+    assert all(p.plain_q for p, k in zip(plan, kinds) if k == "cross"), name
+    plain_ff = [p.plain_ff for p, k in zip(plan, kinds) if k == "ff"]
     assert all(plain_ff) == ("glu" not in name and "relu" not in name), name
 
 
@@ -154,7 +157,7 @@ def test_fast_plan_keeps_latent_projections_on_the_seams():
     with torch.no_grad():
         _, cache = net(prompts, return_cache=True, **kw)
         dec = StaticDecoder(net, cache, cache.length + 2)
-    assert all(p[0] is None for p, blk in zip(dec.plan, net.attn_layers.layers) if blk.kind == "self")
+    assert all(p.fused is None for p, blk in zip(dec.plan, net.attn_layers.layers) if blk.kind == "self")
 
 
 @pytest.mark.parametrize("dtype", hp.dtypes_for("cpu"), ids=str)
