@@ -198,10 +198,12 @@ def test_layer_intermediates_as_additional_kv():
 
 def test_detach_and_gradients_into_added_kv():
     model = make_decoder()
-    k = torch.randn(1, HEADS, 3, DH, requires_grad=True)
-    v = torch.randn(1, HEADS, 3, DH, requires_grad=True)
-    x = torch.randn(1, 4, DIM)
-    model(x, self_attn_additional_kv=[(k, v)]).sum().backward()
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, HEADS, 3, DH, generator=g).requires_grad_()
+    v = torch.randn(1, HEADS, 3, DH, generator=g).requires_grad_()
+    x = torch.randn(1, 4, DIM, generator=g)
+    w = torch.randn(1, 4, DIM, generator=g)  # a weighted sum: a plain sum after the final norm has no gradient
+    (model(x, self_attn_additional_kv=[(k, v)]) * w).sum().backward()
     assert k.grad is not None and bool(k.grad.any())
     k.grad = None
     out = model(x, self_attn_additional_kv=[(k, v)], detach_additional_kv=True)
