@@ -3,29 +3,245 @@
 Shape legend: b batch, n new positions (queries), p cached positions, j context length,
 c model width, c_ctx context width, h heads, d head dim.
 
-Masks are built once per forward, here at the top of the stack, and passed down to every block.
+Masks are built once per forward, at the top of the stack (``stack_forward.share_inputs``), and passed
+down to every block.
 Masks follow the one convention (bool, True = real / may attend):
 - ``mask (b, n)``: padding of the sequence itself (becomes a ``(b, 1, 1, p + n)`` key mask, combined
   with the causal mask for a decoder only when there is padding: otherwise ``is_causal`` reaches the
   flash kernel).
 - ``context_mask (b, j)``: padding of the context. An all-False row (a dropped condition) or a
   zero-length context makes every cross-attention an exact no-op for that sample (S2).
+
+``AttentionLayers``' keywords (x-transformers' names; ``AttentionLayers.forward`` documents its own):
+
+Args:
+    dim: model width c.
+    depth: number of layers; each is [self-attention] [cross-attention] feed-forward (optional with
+        ``custom_layers``).
+    heads: query heads.
+    dim_head: head dim.
+    kv_heads: key/value heads for grouped-query attention (default ``heads``).
+    causal: causal self-attention (a decoder).
+    cross_attend: add a cross-attention block to every layer (takes ``context``).
+    only_cross: cross-attention without self-attention (``CrossAttender``).
+    dim_context: context width c_ctx (default ``dim``).
+    ff_mult: feed-forward hidden width multiplier.
+    ff_glu: gated feed-forward (GEGLU; SwiGLU with ``ff_swish``).
+    ff_swish: SiLU activation in the feed-forward.
+    use_rmsnorm: RMSNorm instead of LayerNorm.
+    norm_eps: the norms' epsilon (default 1e-5 for LayerNorm, 1e-6 for RMSNorm).
+    rotary_pos_emb: rotary positions in self-attention.
+    rotary_emb_dim: features per head that rotate (default ``dim_head // 2``).
+    rotary_theta: rotary base.
+    rotary_interpolation_factor: positions are divided by it (x-transformers' name; at least 1).
+    rotary_base_rescale_factor: the base times ``factor ** (d_rot / (d_rot - 2))`` (NTK-aware scaling,
+        x-transformers' name).
+    alibi_pos_bias: ALiBi bias in self-attention.
+    attn_qk_norm: RMS-normalise queries and keys.
+    attn_dropout: attention dropout.
+    ff_dropout: feed-forward dropout.
+    attn_bias: biases in the attention projections.
+    backend: ``attend`` backend for every attention.
+    use_adaptive_layernorm: every norm is an adaptive LayerNorm (DiT's AdaLN) driven by a
+        per-sample ``condition (b, dim_condition)`` passed to ``forward``.
+    use_adaptive_rmsnorm: the same with RMSNorm.
+    use_adaptive_layerscale: gate each residual branch by the condition (AdaLN-zero style).
+    dim_condition: K, the condition's width (default ``dim``).
+    adaptive_null: what a dropped condition becomes (``condition_mask`` False, or no condition):
+        ``"learned"`` (a learned null condition, trained with CFG dropping) or ``"zeros"``.
+    layer_dropout: during training, each residual branch of each sample is skipped with this
+        probability (stochastic depth); 0 at evaluation.
+    cross_attn_tokens_dropout: during training, each context token is dropped (masked) with this
+        probability, per sample; a sample may lose every token (a dead row: safe, adds exactly 0).
+    unpadded: run norms, projections, feed-forward and residuals on the real tokens only (packed),
+        attention on the padded layout: ``True``, ``False`` or ``"auto"`` (when at least
+        ``UNPADDED_THRESHOLD`` of the positions are padding, in a forward without a cache). Costs one
+        host sync (the size of the gather); results equal the padded path to the dtype's tolerance.
+    attn_num_mem_kv: learned memory key/value pairs per attention block (self and cross), seen by
+        every query (see ``Attention(num_mem_kv=...)``); with them no row is dead.
+    attn_head_learned_sink: a learned per-head attention sink (``Attention(learned_sink=True)``).
+    attn_softclamp_logits: softclamp the attention logits (ALiBi bias included), ``tanh(l / v) * v``
+        with ``v = attn_logit_softclamp_value`` (explicit float32 attention, no fused kernel).
+    attn_qk_norm_eps: the epsilon of the q/k norms of ``attn_qk_norm`` (default 1e-6).
+    attn_gate_values, attn_gate_values_rank, attn_gate_values_headwise, attn_output_gate,
+        attn_output_gate_rank, attn_output_gate_headwise, attn_swiglu_values, attn_low_rank_silu_gates:
+        gated attention in every attention block (``Attention(gate_values=..., ...)``, x-transformers'
+        names).
+    attn_qk_norm_dim_scale: with ``attn_qk_norm``, learned gains per head and feature on the q/k norms,
+        ``d ** -0.25`` at init (x-transformers' name: logits ``sum_e qhat_e khat_e`` at init).
+    attn_value_rmsnorm: RMS-normalise each value head, gain ``1 + w`` per key/value head (x-transformers'
+        ``MultiheadRMSNorm``; memory values are not normalised, as there).
+    add_value_residual: every attention after the first of its kind (self or cross) mixes the first one's
+        values into its own, ``lerp(v_first, v, mix)`` (x-transformers' name, ResFormer); ``mix`` is
+        ``sigmoid(Linear(x))`` per position and head in self-attention (``learned_value_residual_mix``,
+        default True, as there), 0.5 otherwise. Padded path only, no static decode step; not with
+        ``attn_value_rmsnorm`` or ``checkpoint_layers``.
+    learned_value_residual_mix: see ``add_value_residual``.
+    ff_softclamp_value: softclamp the feed-forward's hidden layer before its activation (``FeedForward``).
+    rotary_xpos, rotary_xpos_scale_base: xpos (x-transformers' names; turns rotary on): queries scaled by
+        ``s ** ((t - c) / scale_base)`` and keys by its inverse after the rotation, ``s = (2k + 0.4 d_rot) /
+        (1.4 d_rot)`` per pair ``k``, ``c`` the middle of each sample's positions, so logits decay as ``s ** ((t_i -
+        t_j) / scale_base)``. Causal stacks only; padded path, no KV cache (decoding re-encodes; the center moves
+        with the sequence), no static step; a sequence whose scales would overflow the dtype is refused.
+    use_dynamic_tanh, dynamic_tanh_init_alpha: every norm (the final one too) is ``DynamicTanh``:
+        ``tanh(a * x) * gamma + beta`` with a learned scalar ``a`` starting at ``dynamic_tanh_init_alpha``.
+    attn_data_dependent_alibi, attn_data_dependent_alibi_kwargs: x-transformers' forgetting-transformer bias in
+        self-attention: per position and head a log forget gate ``logsigmoid(Linear(x))`` (bias ``bias_init``,
+        default 5, times ``post_log_scale``), summed between key and query (two gates, one per direction,
+        without ``causal``); masked positions add nothing. Padded path only, no KV cache (decode with
+        ``cache_kv=False``); not with ``alibi_pos_bias``.
+    attn_orthog_projected_values, attn_orthog_projected_values_per_head: self-attention's output minus its
+        projection onto the sequence's own values, over the whole sample (x-transformers' "belief
+        attention"; both: the two copies concatenated into ``to_out``). Masked positions add nothing;
+        padded path only, and no KV cache (decode with ``cache_kv=False``).
+    cross_attn_kwargs: keywords of ``Attention`` for the cross-attention blocks only, over the shared ones
+        (x-transformers' per-kind spelling: ``cross_attn_num_mem_kv=4`` is ``cross_attn_kwargs={"num_mem_kv": 4}``;
+        every ``cross_attn_<keyword>`` with ``<keyword>`` an ``Attention`` keyword is read so).
+    use_derf: every norm (the final one too) is ``Derf``: ``erf(alpha * x + s) * gamma + beta`` (x-transformers'
+        name; learned scalars ``alpha`` from 0.5 and ``s`` from 0).
+    adaptive_condition_mlp, adaptive_condition_mlp_expansion: with adaptive norms / layerscale, the condition
+        (nulls selected in first) passes ``SiLU(Linear(K, K * expansion, bias=False))`` before every adaptive layer,
+        which then reads ``K * expansion`` features (x-transformers' names; ``adaptive_mlp``). A KV cache keeps the
+        transformed condition.
+    ff_custom_activation: the feed-forward's activation (a module, deep-copied per layer, or a function) instead
+        of GELU / SiLU (x-transformers' name); it must map finite inputs to finite outputs.
+    ff_glu_softclamp, ff_glu_gate_softclamp_value, ff_glu_up_softclamp_value: situ-GLU (x-transformers' names):
+        with ``ff_glu``, the gate is ``softclamp(gate, 4) * Phi(gate)`` (``sigmoid`` with ``ff_swish``) and the up
+        branch ``softclamp(up, 25)``, or the values given. The values without ``ff_glu_softclamp``, and
+        ``ff_softclamp_value`` with ``ff_glu``, do nothing (as in x-transformers), with a ``UserWarning``.
+    polar_pos_emb, polar_bias_uniform_init: PoPE in self-attention (x-transformers' names, ``PolarEmbedding``):
+        queries and keys become ``softplus(t) (cos f, sin f)`` (``2 d`` features, values keep ``d``; logits still
+        scaled by ``d ** -0.5``), keys' angles plus a learned per-head bias in ``[-2 pi, 0]`` shared by the layers
+        (``polar_pos_emb.learned_bias``; uniform in that range at init with ``polar_bias_uniform_init``).
+        Positions count real tokens and continue through the KV cache. Not with rotary, grouped-query heads or
+        cross-attention positions; padded path only, no static decode step.
+    alibi_num_heads: with ``alibi_pos_bias``, ALiBi on the first ``alibi_num_heads`` heads only (the others get
+        no bias; x-transformers' name).
+    rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance: T5's bucketed relative position bias in self-attention
+        (``RelativePositionBias``, x-transformers' names and scale ``dim_head ** 0.5``), from the positions of the
+        real tokens; works with the KV cache and the unpadded path; not with ALiBi.
+    rel_pos_kwargs: with ``alibi_pos_bias``, ``dict(slopes=[...])``: one finite non-negative slope per ALiBi head
+        instead of the geometric ones (x-transformers' name; its other relative-position schemes' keywords are
+        refused). ``forward(pos=...)`` may then give positions per head, ``(b, h, n)``, as x-transformers'
+        custom ALiBi positions (padded path, no KV cache).
+    attn_hybrid_module, attn_hybrid_fold_axial_dim, attn_hybrid_mask_kwarg, attn_hybrid_learned_mix: a user's
+        sequence module (e.g. ``GRU(dim, heads * dim_head, batch_first=True)``, deep-copied per layer) beside every
+        self-attention; both outputs RMS-normalised per head and averaged (or mixed by a learned gate) before
+        ``to_out`` (x-transformers' names). The module reads each sample's real tokens moved to the front (padding
+        as 0 after them): a ``torch.nn`` GRU / LSTM / RNN runs on them packed (exact per sample, bidirectional
+        too; one host sync), another module must be causal or take the mask (``attn_hybrid_mask_kwarg``). A
+        unidirectional ``torch.nn`` RNN with fold 1 carries its state in the KV cache; other modules refuse a
+        cache. Padded path only, no static decode step, not with cross-attention (see ``hybrid.py``). The module
+        reads padding only: an ``attn_mask`` does not reach it (a causal module sees every earlier real position).
+    attn_l2_distance: logits ``-|q - k|^2 * scale`` instead of ``q . k * scale`` (every attention).
+    attn_cog_signed: cog attention: softmax of ``|logits|``, the weights given back the logits' signs
+        (negative weights).
+    attn_sigmoid: weights ``sigmoid(logits)`` (unnormalised; ``cross_attn_sigmoid``: cross-attention only).
+    attn_gumbel_softmax, attn_gumbel_softmax_temp, attn_gumbel_softmax_hard: weights sampled by a gumbel softmax
+        (hard: one key per query, straight-through gradient); stochastic in evaluation too, as x-transformers.
+    attn_laser, attn_laser_softclamp_value: LASER attention, ``log(weights @ exp(softclamp(v)))``.
+    attn_use_latent_q, attn_dim_latent_q, attn_use_latent_kv, attn_dim_latent_kv, attn_latent_rope_subheads:
+        multi-latent attention (queries and/or keys and values from a bias-less latent of the input; the last
+        ``attn_latent_rope_subheads`` key heads from the input itself, the only heads ``rotary_pos_emb`` rotates).
+    attn_use_cope, attn_cope_max_pos: contextual positions (CoPE) in causal self-attention: a key's position is
+        the sum of ``sigmoid(logit)`` over the visible keys from it to the query; masked keys count 0
+        (``attn_cope_soft_onehot_pos=True`` is refused).
+    attn_use_rel_proj_pos_bias, attn_rel_proj_num_distance_basis, attn_rel_proj_max_dist: a relative position
+        bias in self-attention from learned distance curves mixed per query and head
+        (``RelativeProjPositionalBias``), at the real tokens' positions (padding adds no distance).
+    cross_attn_inverted_attention: inverted cross-attention: each context key's weights are a softmax over the
+        queries (padded queries take none), then each query's weights are L1-normalised over its keys (masked
+        keys 0; a dropped context gives exactly 0). A bool, or a tuple of one per cross-attention block. Not in a
+        causal stack, no KV cache for the context.
+        The options from ``attn_cog_signed`` to ``attn_use_cope`` and ``cross_attn_inverted_attention`` run the
+        explicit float32 attention (no fused kernel); they and ``attn_l2_distance`` (fused kernels, through
+        ``[2q, 1] . [k, -|k|^2]``) run on the padded path, without the static decode step.
+    pre_norm_has_final_norm: end with the final norm (x-transformers' name; ``False`` leaves the
+        stream as the last residual left it, as ``TransformerBlock`` does by default).
+    ff_mult, attn_dropout, ff_dropout: a number, or a sequence of ``depth`` numbers, one per layer (see
+        ``layer_schedule``); a sequence of ``attn_dropout`` sets the self-attentions (cross-attentions then
+        take 0, as in x-transformers: ``cross_attn_dropout`` sets them; with ``only_cross`` it sets them).
+    num_residual_streams: S > 1: dynamic hyper-connections, S residual streams ``x + stream_emb`` mixed per token
+        by each block (a doubly stochastic S x S Sinkhorn matrix; x-transformers 2.31.10 normalises each
+        stream's row alone, which makes its mix the all-ones matrix) and summed before the final norm
+        (``block.HyperConnection``). 1: one stream, the plain residual.
+    hyper_conn_sinkhorn_iters: Sinkhorn-Knopp rounds of the hyper-connections' mixing matrix.
+    qkv_receive_diff_residuals: self-attention reads its queries, keys and values from three different
+        mixtures of the streams (needs ``num_residual_streams > 1`` or ``integrate_layers``).
+    integrate_layers: LIMe: each block's input is a per-token softmax mixture of the inputs of every block so
+        far (``block.DynamicLIMe``; ``layer_integrate_use_softmax=False``: ReLU weights); self-attention after
+        the first takes three mixtures (queries, keys, values).
+    unet_skips: U-Net skips: the first block of each layer of the latter half replaces the stream by
+        ``Linear([stream entering its mirror layer, stream])`` (x-transformers' pairing).
+    reinject_input: every block's input gets ``Linear(x_in)`` of the stack's input added (a learned gate
+        ``sigmoid(Linear(x_in))`` with ``learned_reinject_input_gate``); not with ``num_residual_streams > 1``.
+    pre_and_post_norm: a norm of the stream after every residual update as well as the pre-norm; no final norm.
+    orthog_residual: the stream gains only the part of each branch output orthogonal to it, over each sample's
+        real positions and features (float64).
+    mv_split_residual: ``stream + (out - mean(out)) * beta + (mean(out) - mean(stream)) * alpha``, means over
+        each sample's real positions (``residual_fn_kwargs``: ``learned``, ``init_alpha``, ``init_beta``).
+        ``orthog_residual`` and ``mv_split_residual`` reduce over the whole sample, as in x-transformers (in a
+        causal stack a position's update reads later positions too): no KV cache (``can_cache_kv`` False).
+        These residual options run on the padded path and not on the static decode step; padding never
+        reaches a real position (masked positions are selected away before every reduction).
+    custom_layers: the blocks in order, a tuple of ``'a'`` (self-attention), ``'c'`` (cross-attention, needs
+        ``cross_attend``) and ``'f'`` (feed-forward), instead of ``depth`` layers (``depth`` optional then; a
+        number per layer, as ``ff_mult=(...)``, is refused).
+    par_ratio: x-transformers' sandwich-free PAR layout (https://arxiv.org/abs/2009.04534): the attention
+        blocks of ``depth`` layers gathered at the bottom, each followed by feed-forwards, the rest feed-forwards.
+    sandwich_coef: the sandwich layout (https://arxiv.org/abs/1911.03864): ``sandwich_coef`` attention blocks
+        first, ``depth - sandwich_coef`` ordinary layers, ``sandwich_coef`` feed-forwards last.
+    macaron: every layer is ``ff, attention(s), ff``, each feed-forward a half step (its output times 0.5; with
+        ``custom_layers`` / ``par_ratio`` / ``sandwich_coef`` every feed-forward is a half step, as x-transformers).
+    only_attn: no feed-forward blocks (not with ``layers_execute_order``, ``unet_skips`` or an ``'f'`` in
+        ``custom_layers``).
+    weight_tie_layers: one layer's blocks run ``depth`` times (x-transformers' ``layers_execute_order``
+        ``tuple(range(len_block)) * depth``); ``layers_execute_order``: the blocks' indices in the order every
+        forward runs them. Both run on the padded path, off the static decode step; the KV cache holds one entry
+        per attention block run.
+    pre_norm: ``False``: post-norm, a norm of the stream after every residual update and no pre-norm or
+        final norm (not with ``sandwich_norm``).
+    sandwich_norm: a norm of each branch output too, before it joins the stream.
+    scale_residual, scale_residual_constant: the stream is scaled before a branch is added, per feature by a
+        learned scale from 1 (``scale_residual=True``) and by the constant; a float ``scale_residual`` also
+        scales every branch output by it, as x-transformers.
+    depth_scale_residual: ``True``: each branch's output projection initialised with std ``(2 fan_in
+        layer) ** -0.5`` (layer counted from 1); a float: every branch output times it.
+    gate_residual: a ``GRUCell`` per block updates the stream (input: the branch output, state: the stream).
+    use_layerscale, layerscale_init_value: every branch output times a learned per-feature gain starting at
+        the value (``block.LayerScale``; not with ``use_adaptive_layerscale``).
+    zero_init_branch_output: every attention's and feed-forward's output projection starts at zero.
+    softclamp_output, softclamp_output_value: ``tanh(x / v) * v`` of the stream before the final norm.
+    shift_tokens: token shifting (https://github.com/BlinkDL/RWKV-LM): an int ``k`` (or one per block), the
+        normed input's features split in segments shifted ``0..k`` positions later (``-k..k`` without
+        ``causal``), over each sample's real tokens (padding skipped, as in the sample alone; x-transformers
+        reads 0 from padding between real tokens). No KV cache, padded path only, no static step.
+        The options from ``custom_layers`` to ``only_attn``, ``sandwich_norm``, ``use_layerscale``, the float
+        scales and the inits also run on the unpadded path and the static decode step;
+        ``pre_norm=False``, ``scale_residual``, ``scale_residual_constant``, ``gate_residual`` and
+        ``softclamp_output`` run in the residual routing (padded path, no static step).
+    residual_attn, cross_residual_attn: residual attention (RealFormer, https://arxiv.org/abs/2012.11747): each
+        self- (cross-) attention adds the logits of the one before to its own scaled logits, before the bias
+        (x-transformers' order: the carried logits hold the bias and the clamp of the layers before). Masked
+        keys and dead rows carry nothing (selected to 0). Explicit float32 attention (no fused kernel); decodes
+        with the KV cache; padded path only, no static step, not with ``checkpoint_layers``.
+    checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
+        or feed-forward, and gate) keeps no activations and is recomputed in the backward pass
+        (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): identical gradients,
+        lower peak memory, about one more forward of compute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from .attend import SelectedMask, prepare_mask
 from .attention import Attention
-from .block import Block, LayerScale, ResidualRouting, apply_norm
-from .cache import AttnIntermediate, KVCache, LayerIntermediates, _dtype_differs, attach_cached_kv, resolve_cache
-from .conditions import adaptive_condition
-from .hybrid import HybridCall
+from .block import Block, LayerScale, ResidualRouting
+from .cache import AttnIntermediate, KVCache, LayerIntermediates
 from .masks import causal_mask, checked_once, validate_mask
 from .modules import (
     AdaptiveLayerScale,
@@ -35,13 +251,25 @@ from .modules import (
     FeedForward,
     PolarEmbedding,
     RotaryEmbedding,
-    alibi_bias,
     make_norm,
-    positions_from_mask,
     stack_alibi_slopes,
 )
 from .pretrained import Configurable
 from .relative_position import RelativePositionBias
+from .stack_forward import (  # noqa: F401 (the forward's inputs and helpers other modules import from here)
+    CrossAttentionInputs,
+    SelfAttentionInputs,
+    StackCall,
+    _last,
+    check_inputs,
+    cross_attention_inputs,
+    finish_call,
+    mems_unsupported,
+    resolve_call,
+    run_blocks,
+    self_attention_inputs,
+    share_inputs,
+)
 from .unpadded import UNPADDED_THRESHOLD, UnpaddedPlan, forward_unpadded, plan_unpadded
 
 __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender",
@@ -111,361 +339,87 @@ def translate_aliases(owner: str, given: dict, aliases: dict, table: dict) -> di
 
 
 class AttentionLayers(Configurable, nn.Module):
-    """A pre-norm stack of attention and feed-forward blocks.
+    """A pre-norm stack of attention and feed-forward blocks (x-transformers' ``AttentionLayers``).
 
-    Args:
-        dim: model width c.
-        depth: number of layers; each is [self-attention] [cross-attention] feed-forward (optional with
-            ``custom_layers``).
-        heads: query heads.
-        dim_head: head dim.
-        kv_heads: key/value heads for grouped-query attention (default ``heads``).
-        causal: causal self-attention (a decoder).
-        cross_attend: add a cross-attention block to every layer (takes ``context``).
-        only_cross: cross-attention without self-attention (``CrossAttender``).
-        dim_context: context width c_ctx (default ``dim``).
-        ff_mult: feed-forward hidden width multiplier.
-        ff_glu: gated feed-forward (GEGLU; SwiGLU with ``ff_swish``).
-        ff_swish: SiLU activation in the feed-forward.
-        use_rmsnorm: RMSNorm instead of LayerNorm.
-        norm_eps: the norms' epsilon (default 1e-5 for LayerNorm, 1e-6 for RMSNorm).
-        rotary_pos_emb: rotary positions in self-attention.
-        rotary_emb_dim: features per head that rotate (default ``dim_head // 2``).
-        rotary_theta: rotary base.
-        rotary_interpolation_factor: positions are divided by it (x-transformers' name; at least 1).
-        rotary_base_rescale_factor: the base times ``factor ** (d_rot / (d_rot - 2))`` (NTK-aware scaling,
-            x-transformers' name).
-        alibi_pos_bias: ALiBi bias in self-attention.
-        attn_qk_norm: RMS-normalise queries and keys.
-        attn_dropout: attention dropout.
-        ff_dropout: feed-forward dropout.
-        attn_bias: biases in the attention projections.
-        backend: ``attend`` backend for every attention.
-        use_adaptive_layernorm: every norm is an adaptive LayerNorm (DiT's AdaLN) driven by a
-            per-sample ``condition (b, dim_condition)`` passed to ``forward``.
-        use_adaptive_rmsnorm: the same with RMSNorm.
-        use_adaptive_layerscale: gate each residual branch by the condition (AdaLN-zero style).
-        dim_condition: K, the condition's width (default ``dim``).
-        adaptive_null: what a dropped condition becomes (``condition_mask`` False, or no condition):
-            ``"learned"`` (a learned null condition, trained with CFG dropping) or ``"zeros"``.
-        layer_dropout: during training, each residual branch of each sample is skipped with this
-            probability (stochastic depth); 0 at evaluation.
-        cross_attn_tokens_dropout: during training, each context token is dropped (masked) with this
-            probability, per sample; a sample may lose every token (a dead row: safe, adds exactly 0).
-        unpadded: run norms, projections, feed-forward and residuals on the real tokens only (packed),
-            attention on the padded layout: ``True``, ``False`` or ``"auto"`` (when at least
-            ``UNPADDED_THRESHOLD`` of the positions are padding, in a forward without a cache). Costs one
-            host sync (the size of the gather); results equal the padded path to the dtype's tolerance.
-        attn_num_mem_kv: learned memory key/value pairs per attention block (self and cross), seen by
-            every query (see ``Attention(num_mem_kv=...)``); with them no row is dead.
-        attn_head_learned_sink: a learned per-head attention sink (``Attention(learned_sink=True)``).
-        attn_softclamp_logits: softclamp the attention logits (ALiBi bias included), ``tanh(l / v) * v``
-            with ``v = attn_logit_softclamp_value`` (explicit float32 attention, no fused kernel).
-        attn_qk_norm_eps: the epsilon of the q/k norms of ``attn_qk_norm`` (default 1e-6).
-        attn_gate_values, attn_gate_values_rank, attn_gate_values_headwise, attn_output_gate,
-            attn_output_gate_rank, attn_output_gate_headwise, attn_swiglu_values, attn_low_rank_silu_gates:
-            gated attention in every attention block (``Attention(gate_values=..., ...)``, x-transformers'
-            names).
-        attn_qk_norm_dim_scale: with ``attn_qk_norm``, learned gains per head and feature on the q/k norms,
-            ``d ** -0.25`` at init (x-transformers' name: logits ``sum_e qhat_e khat_e`` at init).
-        attn_value_rmsnorm: RMS-normalise each value head, gain ``1 + w`` per key/value head (x-transformers'
-            ``MultiheadRMSNorm``; memory values are not normalised, as there).
-        add_value_residual: every attention after the first of its kind (self or cross) mixes the first one's
-            values into its own, ``lerp(v_first, v, mix)`` (x-transformers' name, ResFormer); ``mix`` is
-            ``sigmoid(Linear(x))`` per position and head in self-attention (``learned_value_residual_mix``,
-            default True, as there), 0.5 otherwise. Padded path only, no static decode step; not with
-            ``attn_value_rmsnorm`` or ``checkpoint_layers``.
-        learned_value_residual_mix: see ``add_value_residual``.
-        ff_softclamp_value: softclamp the feed-forward's hidden layer before its activation (``FeedForward``).
-        rotary_xpos, rotary_xpos_scale_base: xpos (x-transformers' names; turns rotary on): queries scaled by
-            ``s ** ((t - c) / scale_base)`` and keys by its inverse after the rotation, ``s = (2k + 0.4 d_rot) /
-            (1.4 d_rot)`` per pair ``k``, ``c`` the middle of each sample's positions, so logits decay as ``s ** ((t_i -
-            t_j) / scale_base)``. Causal stacks only; padded path, no KV cache (decoding re-encodes; the center moves
-            with the sequence), no static step; a sequence whose scales would overflow the dtype is refused.
-        use_dynamic_tanh, dynamic_tanh_init_alpha: every norm (the final one too) is ``DynamicTanh``:
-            ``tanh(a * x) * gamma + beta`` with a learned scalar ``a`` starting at ``dynamic_tanh_init_alpha``.
-        attn_data_dependent_alibi, attn_data_dependent_alibi_kwargs: x-transformers' forgetting-transformer bias in
-            self-attention: per position and head a log forget gate ``logsigmoid(Linear(x))`` (bias ``bias_init``,
-            default 5, times ``post_log_scale``), summed between key and query (two gates, one per direction,
-            without ``causal``); masked positions add nothing. Padded path only, no KV cache (decode with
-            ``cache_kv=False``); not with ``alibi_pos_bias``.
-        attn_orthog_projected_values, attn_orthog_projected_values_per_head: self-attention's output minus its
-            projection onto the sequence's own values, over the whole sample (x-transformers' "belief
-            attention"; both: the two copies concatenated into ``to_out``). Masked positions add nothing;
-            padded path only, and no KV cache (decode with ``cache_kv=False``).
-        cross_attn_kwargs: keywords of ``Attention`` for the cross-attention blocks only, over the shared ones
-            (x-transformers' per-kind spelling: ``cross_attn_num_mem_kv=4`` is ``cross_attn_kwargs={"num_mem_kv": 4}``;
-            every ``cross_attn_<keyword>`` with ``<keyword>`` an ``Attention`` keyword is read so).
-        use_derf: every norm (the final one too) is ``Derf``: ``erf(alpha * x + s) * gamma + beta`` (x-transformers'
-            name; learned scalars ``alpha`` from 0.5 and ``s`` from 0).
-        adaptive_condition_mlp, adaptive_condition_mlp_expansion: with adaptive norms / layerscale, the condition
-            (nulls selected in first) passes ``SiLU(Linear(K, K * expansion, bias=False))`` before every adaptive layer,
-            which then reads ``K * expansion`` features (x-transformers' names; ``adaptive_mlp``). A KV cache keeps the
-            transformed condition.
-        ff_custom_activation: the feed-forward's activation (a module, deep-copied per layer, or a function) instead
-            of GELU / SiLU (x-transformers' name); it must map finite inputs to finite outputs.
-        ff_glu_softclamp, ff_glu_gate_softclamp_value, ff_glu_up_softclamp_value: situ-GLU (x-transformers' names):
-            with ``ff_glu``, the gate is ``softclamp(gate, 4) * Phi(gate)`` (``sigmoid`` with ``ff_swish``) and the up
-            branch ``softclamp(up, 25)``, or the values given. The values without ``ff_glu_softclamp``, and
-            ``ff_softclamp_value`` with ``ff_glu``, do nothing (as in x-transformers), with a ``UserWarning``.
-        polar_pos_emb, polar_bias_uniform_init: PoPE in self-attention (x-transformers' names, ``PolarEmbedding``):
-            queries and keys become ``softplus(t) (cos f, sin f)`` (``2 d`` features, values keep ``d``; logits still
-            scaled by ``d ** -0.5``), keys' angles plus a learned per-head bias in ``[-2 pi, 0]`` shared by the layers
-            (``polar_pos_emb.learned_bias``; uniform in that range at init with ``polar_bias_uniform_init``).
-            Positions count real tokens and continue through the KV cache. Not with rotary, grouped-query heads or
-            cross-attention positions; padded path only, no static decode step.
-        alibi_num_heads: with ``alibi_pos_bias``, ALiBi on the first ``alibi_num_heads`` heads only (the others get
-            no bias; x-transformers' name).
-        rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance: T5's bucketed relative position bias in self-attention
-            (``RelativePositionBias``, x-transformers' names and scale ``dim_head ** 0.5``), from the positions of the
-            real tokens; works with the KV cache and the unpadded path; not with ALiBi.
-        rel_pos_kwargs: with ``alibi_pos_bias``, ``dict(slopes=[...])``: one finite non-negative slope per ALiBi head
-            instead of the geometric ones (x-transformers' name; its other relative-position schemes' keywords are
-            refused). ``forward(pos=...)`` may then give positions per head, ``(b, h, n)``, as x-transformers'
-            custom ALiBi positions (padded path, no KV cache).
-        attn_hybrid_module, attn_hybrid_fold_axial_dim, attn_hybrid_mask_kwarg, attn_hybrid_learned_mix: a user's
-            sequence module (e.g. ``GRU(dim, heads * dim_head, batch_first=True)``, deep-copied per layer) beside every
-            self-attention; both outputs RMS-normalised per head and averaged (or mixed by a learned gate) before
-            ``to_out`` (x-transformers' names). The module reads each sample's real tokens moved to the front (padding
-            as 0 after them): a ``torch.nn`` GRU / LSTM / RNN runs on them packed (exact per sample, bidirectional
-            too; one host sync), another module must be causal or take the mask (``attn_hybrid_mask_kwarg``). A
-            unidirectional ``torch.nn`` RNN with fold 1 carries its state in the KV cache; other modules refuse a
-            cache. Padded path only, no static decode step, not with cross-attention (see ``hybrid.py``). The module
-            reads padding only: an ``attn_mask`` does not reach it (a causal module sees every earlier real position).
-        attn_l2_distance: logits ``-|q - k|^2 * scale`` instead of ``q . k * scale`` (every attention).
-        attn_cog_signed: cog attention: softmax of ``|logits|``, the weights given back the logits' signs
-            (negative weights).
-        attn_sigmoid: weights ``sigmoid(logits)`` (unnormalised; ``cross_attn_sigmoid``: cross-attention only).
-        attn_gumbel_softmax, attn_gumbel_softmax_temp, attn_gumbel_softmax_hard: weights sampled by a gumbel softmax
-            (hard: one key per query, straight-through gradient); stochastic in evaluation too, as x-transformers.
-        attn_laser, attn_laser_softclamp_value: LASER attention, ``log(weights @ exp(softclamp(v)))``.
-        attn_use_latent_q, attn_dim_latent_q, attn_use_latent_kv, attn_dim_latent_kv, attn_latent_rope_subheads:
-            multi-latent attention (queries and/or keys and values from a bias-less latent of the input; the last
-            ``attn_latent_rope_subheads`` key heads from the input itself, the only heads ``rotary_pos_emb`` rotates).
-        attn_use_cope, attn_cope_max_pos: contextual positions (CoPE) in causal self-attention: a key's position is
-            the sum of ``sigmoid(logit)`` over the visible keys from it to the query; masked keys count 0
-            (``attn_cope_soft_onehot_pos=True`` is refused).
-        attn_use_rel_proj_pos_bias, attn_rel_proj_num_distance_basis, attn_rel_proj_max_dist: a relative position
-            bias in self-attention from learned distance curves mixed per query and head
-            (``RelativeProjPositionalBias``), at the real tokens' positions (padding adds no distance).
-        cross_attn_inverted_attention: inverted cross-attention: each context key's weights are a softmax over the
-            queries (padded queries take none), then each query's weights are L1-normalised over its keys (masked
-            keys 0; a dropped context gives exactly 0). A bool, or a tuple of one per cross-attention block. Not in a
-            causal stack, no KV cache for the context.
-            The options from ``attn_cog_signed`` to ``attn_use_cope`` and ``cross_attn_inverted_attention`` run the
-            explicit float32 attention (no fused kernel); they and ``attn_l2_distance`` (fused kernels, through
-            ``[2q, 1] . [k, -|k|^2]``) run on the padded path, without the static decode step.
-        pre_norm_has_final_norm: end with the final norm (x-transformers' name; ``False`` leaves the
-            stream as the last residual left it, as ``TransformerBlock`` does by default).
-        ff_mult, attn_dropout, ff_dropout: a number, or a sequence of ``depth`` numbers, one per layer (see
-            ``layer_schedule``); a sequence of ``attn_dropout`` sets the self-attentions (cross-attentions then
-            take 0, as in x-transformers: ``cross_attn_dropout`` sets them; with ``only_cross`` it sets them).
-        num_residual_streams: S > 1: dynamic hyper-connections, S residual streams ``x + stream_emb`` mixed per token
-            by each block (a doubly stochastic S x S Sinkhorn matrix; x-transformers 2.31.10 normalises each
-            stream's row alone, which makes its mix the all-ones matrix) and summed before the final norm
-            (``block.HyperConnection``). 1: one stream, the plain residual.
-        hyper_conn_sinkhorn_iters: Sinkhorn-Knopp rounds of the hyper-connections' mixing matrix.
-        qkv_receive_diff_residuals: self-attention reads its queries, keys and values from three different
-            mixtures of the streams (needs ``num_residual_streams > 1`` or ``integrate_layers``).
-        integrate_layers: LIMe: each block's input is a per-token softmax mixture of the inputs of every block so
-            far (``block.DynamicLIMe``; ``layer_integrate_use_softmax=False``: ReLU weights); self-attention after
-            the first takes three mixtures (queries, keys, values).
-        unet_skips: U-Net skips: the first block of each layer of the latter half replaces the stream by
-            ``Linear([stream entering its mirror layer, stream])`` (x-transformers' pairing).
-        reinject_input: every block's input gets ``Linear(x_in)`` of the stack's input added (a learned gate
-            ``sigmoid(Linear(x_in))`` with ``learned_reinject_input_gate``); not with ``num_residual_streams > 1``.
-        pre_and_post_norm: a norm of the stream after every residual update as well as the pre-norm; no final norm.
-        orthog_residual: the stream gains only the part of each branch output orthogonal to it, over each sample's
-            real positions and features (float64).
-        mv_split_residual: ``stream + (out - mean(out)) * beta + (mean(out) - mean(stream)) * alpha``, means over
-            each sample's real positions (``residual_fn_kwargs``: ``learned``, ``init_alpha``, ``init_beta``).
-            ``orthog_residual`` and ``mv_split_residual`` reduce over the whole sample, as in x-transformers (in a
-            causal stack a position's update reads later positions too): no KV cache (``can_cache_kv`` False).
-            These residual options run on the padded path and not on the static decode step; padding never
-            reaches a real position (masked positions are selected away before every reduction).
-        custom_layers: the blocks in order, a tuple of ``'a'`` (self-attention), ``'c'`` (cross-attention, needs
-            ``cross_attend``) and ``'f'`` (feed-forward), instead of ``depth`` layers (``depth`` optional then; a
-            number per layer, as ``ff_mult=(...)``, is refused).
-        par_ratio: x-transformers' sandwich-free PAR layout (https://arxiv.org/abs/2009.04534): the attention
-            blocks of ``depth`` layers gathered at the bottom, each followed by feed-forwards, the rest feed-forwards.
-        sandwich_coef: the sandwich layout (https://arxiv.org/abs/1911.03864): ``sandwich_coef`` attention blocks
-            first, ``depth - sandwich_coef`` ordinary layers, ``sandwich_coef`` feed-forwards last.
-        macaron: every layer is ``ff, attention(s), ff``, each feed-forward a half step (its output times 0.5; with
-            ``custom_layers`` / ``par_ratio`` / ``sandwich_coef`` every feed-forward is a half step, as x-transformers).
-        only_attn: no feed-forward blocks (not with ``layers_execute_order``, ``unet_skips`` or an ``'f'`` in
-            ``custom_layers``).
-        weight_tie_layers: one layer's blocks run ``depth`` times (x-transformers' ``layers_execute_order``
-            ``tuple(range(len_block)) * depth``); ``layers_execute_order``: the blocks' indices in the order every
-            forward runs them. Both run on the padded path, off the static decode step; the KV cache holds one entry
-            per attention block run.
-        pre_norm: ``False``: post-norm, a norm of the stream after every residual update and no pre-norm or
-            final norm (not with ``sandwich_norm``).
-        sandwich_norm: a norm of each branch output too, before it joins the stream.
-        scale_residual, scale_residual_constant: the stream is scaled before a branch is added, per feature by a
-            learned scale from 1 (``scale_residual=True``) and by the constant; a float ``scale_residual`` also
-            scales every branch output by it, as x-transformers.
-        depth_scale_residual: ``True``: each branch's output projection initialised with std ``(2 fan_in
-            layer) ** -0.5`` (layer counted from 1); a float: every branch output times it.
-        gate_residual: a ``GRUCell`` per block updates the stream (input: the branch output, state: the stream).
-        use_layerscale, layerscale_init_value: every branch output times a learned per-feature gain starting at
-            the value (``block.LayerScale``; not with ``use_adaptive_layerscale``).
-        zero_init_branch_output: every attention's and feed-forward's output projection starts at zero.
-        softclamp_output, softclamp_output_value: ``tanh(x / v) * v`` of the stream before the final norm.
-        shift_tokens: token shifting (https://github.com/BlinkDL/RWKV-LM): an int ``k`` (or one per block), the
-            normed input's features split in segments shifted ``0..k`` positions later (``-k..k`` without
-            ``causal``), over each sample's real tokens (padding skipped, as in the sample alone; x-transformers
-            reads 0 from padding between real tokens). No KV cache, padded path only, no static step.
-            The options from ``custom_layers`` to ``only_attn``, ``sandwich_norm``, ``use_layerscale``, the float
-            scales and the inits also run on the unpadded path and the static decode step;
-            ``pre_norm=False``, ``scale_residual``, ``scale_residual_constant``, ``gate_residual`` and
-            ``softclamp_output`` run in the residual routing (padded path, no static step).
-        residual_attn, cross_residual_attn: residual attention (RealFormer, https://arxiv.org/abs/2012.11747): each
-            self- (cross-) attention adds the logits of the one before to its own scaled logits, before the bias
-            (x-transformers' order: the carried logits hold the bias and the clamp of the layers before). Masked
-            keys and dead rows carry nothing (selected to 0). Explicit float32 attention (no fused kernel); decodes
-            with the KV cache; padded path only, no static step, not with ``checkpoint_layers``.
-        checkpoint_layers: activation checkpointing: during training, each block (its norm, attention
-            or feed-forward, and gate) keeps no activations and is recomputed in the backward pass
-            (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): identical gradients,
-            lower peak memory, about one more forward of compute.
+    Every keyword is documented in this module's docstring (``help(safeformer.layers)``), x-transformers' names
+    included; ``forward`` documents its own. The constructor builds the stack by option family, each family
+    checking its own keywords and building its own modules, in this order: ``_basics`` (width, causality,
+    cross-attention, the adaptive condition), ``_positions`` (rotary, xpos, PoPE, ALiBi, T5's bias),
+    ``_check_attention_options``, ``_layout`` (the blocks' kinds and order), ``_attention_factory`` and ``_norms``
+    (what each block holds), ``_blocks`` (the blocks) and ``_routing_and_paths`` (the residual routing, the final
+    norm, and which paths and caches the options run on).
     """
 
     def __init__(
         self,
         *,
-        dim: int,
-        depth: int | None = None,
-        heads: int = 8,
-        dim_head: int = 64,
-        kv_heads: int | None = None,
-        causal: bool = False,
-        cross_attend: bool = False,
-        only_cross: bool = False,
-        dim_context: int | None = None,
-        ff_mult: float | tuple[float, ...] = 4,
-        ff_glu: bool = False,
-        ff_swish: bool = False,
-        use_rmsnorm: bool = False,
-        norm_eps: float | None = None,
-        rotary_pos_emb: bool = False,
-        rotary_emb_dim: int | None = None,
-        rotary_theta: float = 10000.0,
-        rotary_interpolation_factor: float = 1.0,
-        rotary_base_rescale_factor: float = 1.0,
+        dim: int, depth: int | None = None, heads: int = 8, dim_head: int = 64, kv_heads: int | None = None,
+        causal: bool = False, cross_attend: bool = False, only_cross: bool = False, dim_context: int | None = None,
+        ff_mult: float | tuple[float, ...] = 4, ff_glu: bool = False, ff_swish: bool = False,
+        use_rmsnorm: bool = False, norm_eps: float | None = None,
+        rotary_pos_emb: bool = False, rotary_emb_dim: int | None = None, rotary_theta: float = 10000.0,
+        rotary_interpolation_factor: float = 1.0, rotary_base_rescale_factor: float = 1.0,
         alibi_pos_bias: bool = False,
-        attn_qk_norm: bool = False,
-        attn_dropout: float | tuple[float, ...] = 0.0,
+        attn_qk_norm: bool = False, attn_dropout: float | tuple[float, ...] = 0.0,
         ff_dropout: float | tuple[float, ...] = 0.0,
-        attn_bias: bool = False,
-        backend: str = "auto",
-        use_adaptive_layernorm: bool = False,
-        use_adaptive_rmsnorm: bool = False,
-        use_adaptive_layerscale: bool = False,
-        dim_condition: int | None = None,
-        adaptive_null: str = "learned",
-        layer_dropout: float = 0.0,
-        cross_attn_tokens_dropout: float = 0.0,
-        checkpoint_layers: bool = False,
-        unpadded: bool | str = "auto",
-        attn_num_mem_kv: int = 0,
-        attn_head_learned_sink: bool = False,
-        attn_softclamp_logits: bool = False,
-        attn_logit_softclamp_value: float = 50.0,
-        attn_qk_norm_eps: float | None = None,
+        attn_bias: bool = False, backend: str = "auto",
+        use_adaptive_layernorm: bool = False, use_adaptive_rmsnorm: bool = False,
+        use_adaptive_layerscale: bool = False, dim_condition: int | None = None, adaptive_null: str = "learned",
+        layer_dropout: float = 0.0, cross_attn_tokens_dropout: float = 0.0,
+        checkpoint_layers: bool = False, unpadded: bool | str = "auto",
+        attn_num_mem_kv: int = 0, attn_head_learned_sink: bool = False, attn_softclamp_logits: bool = False,
+        attn_logit_softclamp_value: float = 50.0, attn_qk_norm_eps: float | None = None,
         pre_norm_has_final_norm: bool = True,
-        attn_gate_values: bool = False,
-        attn_gate_values_rank: int | None = None,
+        attn_gate_values: bool = False, attn_gate_values_rank: int | None = None,
         attn_gate_values_headwise: bool = False,
-        attn_output_gate: bool = False,
-        attn_output_gate_rank: int | None = None,
+        attn_output_gate: bool = False, attn_output_gate_rank: int | None = None,
         attn_output_gate_headwise: bool = False,
-        attn_swiglu_values: bool = False,
-        attn_low_rank_silu_gates: bool = True,
-        attn_qk_norm_dim_scale: bool = False,
-        attn_value_rmsnorm: bool = False,
-        attn_orthog_projected_values: bool = False,
-        attn_orthog_projected_values_per_head: bool = False,
-        add_value_residual: bool = False,
-        learned_value_residual_mix: bool = True,
-        attn_data_dependent_alibi: bool = False,
-        attn_data_dependent_alibi_kwargs: dict | None = None,
+        attn_swiglu_values: bool = False, attn_low_rank_silu_gates: bool = True,
+        attn_qk_norm_dim_scale: bool = False, attn_value_rmsnorm: bool = False,
+        attn_orthog_projected_values: bool = False, attn_orthog_projected_values_per_head: bool = False,
+        add_value_residual: bool = False, learned_value_residual_mix: bool = True,
+        attn_data_dependent_alibi: bool = False, attn_data_dependent_alibi_kwargs: dict | None = None,
         ff_softclamp_value: float | None = None,
-        rotary_xpos: bool = False,
-        rotary_xpos_scale_base: float = 512,
-        use_dynamic_tanh: bool = False,
-        dynamic_tanh_init_alpha: float = 1.0,
-        alibi_num_heads: int | None = None,
-        rel_pos_kwargs: dict | None = None,
-        rel_pos_bias: bool = False,
-        rel_pos_num_buckets: int = 32,
-        rel_pos_max_distance: int = 128,
-        polar_pos_emb: bool = False,
-        polar_bias_uniform_init: bool = False,
+        rotary_xpos: bool = False, rotary_xpos_scale_base: float = 512,
+        use_dynamic_tanh: bool = False, dynamic_tanh_init_alpha: float = 1.0,
+        alibi_num_heads: int | None = None, rel_pos_kwargs: dict | None = None,
+        rel_pos_bias: bool = False, rel_pos_num_buckets: int = 32, rel_pos_max_distance: int = 128,
+        polar_pos_emb: bool = False, polar_bias_uniform_init: bool = False,
         use_derf: bool = False,
-        adaptive_condition_mlp: bool = False,
-        adaptive_condition_mlp_expansion: int = 4,
+        adaptive_condition_mlp: bool = False, adaptive_condition_mlp_expansion: int = 4,
         ff_custom_activation=None,
-        ff_glu_softclamp: bool = False,
-        ff_glu_gate_softclamp_value: float | None = None,
+        ff_glu_softclamp: bool = False, ff_glu_gate_softclamp_value: float | None = None,
         ff_glu_up_softclamp_value: float | None = None,
-        attn_hybrid_module: nn.Module | None = None,
-        attn_hybrid_fold_axial_dim: int | None = None,
-        attn_hybrid_mask_kwarg: str | None = None,
-        attn_hybrid_learned_mix: bool = False,
+        attn_hybrid_module: nn.Module | None = None, attn_hybrid_fold_axial_dim: int | None = None,
+        attn_hybrid_mask_kwarg: str | None = None, attn_hybrid_learned_mix: bool = False,
         cross_attn_kwargs: dict | None = None,
-        attn_l2_distance: bool = False,
-        attn_cog_signed: bool = False,
-        attn_sigmoid: bool = False,
-        attn_gumbel_softmax: bool = False,
-        attn_gumbel_softmax_temp: float = 1.0,
+        attn_l2_distance: bool = False, attn_cog_signed: bool = False, attn_sigmoid: bool = False,
+        attn_gumbel_softmax: bool = False, attn_gumbel_softmax_temp: float = 1.0,
         attn_gumbel_softmax_hard: bool = True,
-        attn_laser: bool = False,
-        attn_laser_softclamp_value: float = 15.0,
-        attn_use_latent_q: bool = False,
-        attn_dim_latent_q: int | None = None,
-        attn_use_latent_kv: bool = False,
-        attn_dim_latent_kv: int | None = None,
-        attn_latent_rope_subheads: int | None = None,
-        attn_use_cope: bool = False,
-        attn_cope_max_pos: int = 16,
-        attn_cope_soft_onehot_pos: bool = False,
-        attn_use_rel_proj_pos_bias: bool = False,
-        attn_rel_proj_num_distance_basis: int = 16,
+        attn_laser: bool = False, attn_laser_softclamp_value: float = 15.0,
+        attn_use_latent_q: bool = False, attn_dim_latent_q: int | None = None, attn_use_latent_kv: bool = False,
+        attn_dim_latent_kv: int | None = None, attn_latent_rope_subheads: int | None = None,
+        attn_use_cope: bool = False, attn_cope_max_pos: int = 16, attn_cope_soft_onehot_pos: bool = False,
+        attn_use_rel_proj_pos_bias: bool = False, attn_rel_proj_num_distance_basis: int = 16,
         attn_rel_proj_max_dist: int = 1024,
         cross_attn_inverted_attention: bool | tuple = False,
-        num_residual_streams: int = 1,
-        qkv_receive_diff_residuals: bool = False,
-        integrate_layers: bool = False,
-        layer_integrate_use_softmax: bool = True,
-        hyper_conn_sinkhorn_iters: int = 5,
+        num_residual_streams: int = 1, qkv_receive_diff_residuals: bool = False,
+        integrate_layers: bool = False, layer_integrate_use_softmax: bool = True, hyper_conn_sinkhorn_iters: int = 5,
         unet_skips: bool = False,
-        reinject_input: bool = False,
-        learned_reinject_input_gate: bool = False,
-        pre_and_post_norm: bool = False,
-        orthog_residual: bool = False,
-        mv_split_residual: bool = False,
+        reinject_input: bool = False, learned_reinject_input_gate: bool = False,
+        pre_and_post_norm: bool = False, orthog_residual: bool = False, mv_split_residual: bool = False,
         residual_fn_kwargs: dict | None = None,
-        custom_layers: tuple[str, ...] | None = None,
-        par_ratio: int | None = None,
-        sandwich_coef: int | None = None,
-        macaron: bool = False,
-        only_attn: bool = False,
-        weight_tie_layers: bool = False,
-        layers_execute_order: tuple[int, ...] | None = None,
-        pre_norm: bool = True,
-        sandwich_norm: bool = False,
-        scale_residual: bool | float = False,
-        scale_residual_constant: float = 1.0,
-        depth_scale_residual: bool | float = False,
-        gate_residual: bool = False,
-        use_layerscale: bool = False,
-        layerscale_init_value: float = 0.0,
+        custom_layers: tuple[str, ...] | None = None, par_ratio: int | None = None, sandwich_coef: int | None = None,
+        macaron: bool = False, only_attn: bool = False,
+        weight_tie_layers: bool = False, layers_execute_order: tuple[int, ...] | None = None,
+        pre_norm: bool = True, sandwich_norm: bool = False,
+        scale_residual: bool | float = False, scale_residual_constant: float = 1.0,
+        depth_scale_residual: bool | float = False, gate_residual: bool = False,
+        use_layerscale: bool = False, layerscale_init_value: float = 0.0,
         zero_init_branch_output: bool = False,
-        softclamp_output: bool = False,
-        softclamp_output_value: float = 30.0,
+        softclamp_output: bool = False, softclamp_output_value: float = 30.0,
         shift_tokens: int | tuple[int, ...] = 0,
-        residual_attn: bool = False,
-        cross_residual_attn: bool = False,
+        residual_attn: bool = False, cross_residual_attn: bool = False,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -477,253 +431,16 @@ class AttentionLayers(Configurable, nn.Module):
             return
         super().__init__()
         self._set_config_from(AttentionLayers.__init__, locals())
-        _check_options(**self._sf_config)
-        self.unpadded = unpadded
-        self.checkpoint_layers = checkpoint_layers
-        self.adaptive = use_adaptive_layernorm or use_adaptive_rmsnorm or use_adaptive_layerscale
-        self.layer_dropout = float(layer_dropout)
-        self.cross_attn_tokens_dropout = float(cross_attn_tokens_dropout)
-        self.dim_condition = (dim if dim_condition is None else dim_condition) if self.adaptive else None
-        if self.adaptive and adaptive_null == "learned":
-            self.null_condition = nn.Parameter(torch.zeros(self.dim_condition))  # (K,)
-        elif self.adaptive:
-            self.register_buffer("null_condition", torch.zeros(self.dim_condition), persistent=False)
-        else:
-            self.null_condition = None
-        self.dim = dim
-        self.causal = causal
-        self.has_cross = cross_attend or only_cross
-        self.only_cross = only_cross
-        self.dim_context = dim if dim_context is None else dim_context
-        rotary_emb_dim = dim_head // 2 if rotary_emb_dim is None else rotary_emb_dim
-        self.rotary = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta, interpolation_factor=rotary_interpolation_factor,
-                                      base_rescale_factor=rotary_base_rescale_factor, use_xpos=rotary_xpos,
-                                      scale_base=rotary_xpos_scale_base) if rotary_pos_emb or rotary_xpos else None
-        if polar_bias_uniform_init and not polar_pos_emb:
-            raise ValueError("polar_bias_uniform_init initialises PoPE's bias: it needs polar_pos_emb=True")
-        if polar_pos_emb and (self.rotary is not None or (kv_heads is not None and kv_heads != heads)
-                              or attn_num_mem_kv):
-            raise ValueError("polar_pos_emb (PoPE) replaces rotary positions and has one key bias per query head: not "
-                             "with rotary_pos_emb / rotary_xpos, grouped-query heads (kv_heads < heads) or "
-                             "attn_num_mem_kv (memory keys have d features, PoPE's keys 2 d)")
-        self.polar_pos_emb = PolarEmbedding(dim_head, heads, polar_bias_uniform_init) if polar_pos_emb else None
-        if (alibi_num_heads is not None or rel_pos_kwargs) and not alibi_pos_bias:
-            raise ValueError("alibi_num_heads / rel_pos_kwargs configure ALiBi (the one relative-position bias here): "
-                             "they need alibi_pos_bias=True")
-        if rel_pos_kwargs and set(rel_pos_kwargs) - {"slopes"}:
-            raise ValueError(f"rel_pos_kwargs takes ALiBi's slopes only, got {sorted(rel_pos_kwargs)}")
-        if alibi_pos_bias:
-            self.register_buffer("alibi_slopes", stack_alibi_slopes(heads, alibi_num_heads, (rel_pos_kwargs or {}).get(
-                "slopes")), persistent=False)
-        else:
-            self.alibi_slopes = None
-        if rel_pos_bias and (alibi_pos_bias or attn_data_dependent_alibi):
-            raise ValueError("choose one relative position bias: rel_pos_bias (T5), alibi_pos_bias or "
-                             "attn_data_dependent_alibi")
-        # T5's bucketed relative position bias in self-attention (x-transformers' scale: dim_head ** 0.5)
-        self.rel_pos = RelativePositionBias(scale=dim_head**0.5, causal=causal, num_buckets=rel_pos_num_buckets,
-                                            max_distance=rel_pos_max_distance, heads=heads) if rel_pos_bias else None
-        self.has_relative_positions = rotary_pos_emb or alibi_pos_bias or rotary_xpos or polar_pos_emb or rel_pos_bias
-
-        if add_value_residual and (attn_value_rmsnorm or checkpoint_layers):
-            raise ValueError("add_value_residual cannot be combined with attn_value_rmsnorm or checkpoint_layers")
-        self.add_value_residual = bool(add_value_residual)
-        if not isinstance(rotary_xpos, bool):
-            raise TypeError(f"rotary_xpos must be a bool, got {rotary_xpos!r}")
-        if rotary_xpos and (not causal or alibi_pos_bias):
-            raise ValueError("rotary_xpos decays logits with the distance to past keys: it needs a causal stack "
-                             "(Decoder) and no alibi_pos_bias")
-        if attn_hybrid_module is not None and (cross_attend or only_cross):
-            raise ValueError("attn_hybrid_module runs beside self-attention only (x-transformers would put a copy in "
-                             "each cross-attention block too); not with cross_attend / only_cross")
-        if attn_data_dependent_alibi and alibi_pos_bias:
-            raise ValueError("choose one of alibi_pos_bias and attn_data_dependent_alibi, not both")
-        types, len_block, ctor_order, depth = _layer_types(
-            depth=depth, cross=self.has_cross, only_cross=only_cross, macaron=macaron, only_attn=only_attn,
-            custom_layers=custom_layers, par_ratio=par_ratio, sandwich_coef=sandwich_coef,
-            weight_tie_layers=weight_tie_layers, layers_execute_order=layers_execute_order, unet_skips=unet_skips,
-            per_layer=[v for v in (ff_mult, attn_dropout, ff_dropout) if isinstance(v, (tuple, list))])
-        if ctor_order is not None and integrate_layers:
-            raise ValueError("integrate_layers mixes one input per block: not with weight_tie_layers / "
-                             "layers_execute_order")
-        first_self = [True]
-        layer_at = [0]  # the layer being built (per-layer schedules)
-        attn_dropouts = _per_layer("attn_dropout", attn_dropout, depth)
-        ff_mults, ff_dropouts = _per_layer("ff_mult", ff_mult, depth), _per_layer("ff_dropout", ff_dropout, depth)
-
-        scoring = dict(l2_distance=attn_l2_distance, cog_signed=attn_cog_signed, sigmoid=attn_sigmoid,
-                       gumbel_softmax=attn_gumbel_softmax, gumbel_softmax_temp=attn_gumbel_softmax_temp,
-                       gumbel_softmax_hard=attn_gumbel_softmax_hard, laser=attn_laser,
-                       laser_softclamp_value=attn_laser_softclamp_value, use_latent_q=attn_use_latent_q,
-                       dim_latent_q=attn_dim_latent_q, use_latent_kv=attn_use_latent_kv, dim_latent_kv=attn_dim_latent_kv,
-                       latent_rope_subheads=attn_latent_rope_subheads)
-        self_only = dict(use_cope=attn_use_cope, cope_max_pos=attn_cope_max_pos, cope_soft_onehot_pos=attn_cope_soft_onehot_pos,
-                         use_rel_proj_pos_bias=attn_use_rel_proj_pos_bias,
-                         rel_proj_num_distance_basis=attn_rel_proj_num_distance_basis,
-                         rel_proj_max_dist=attn_rel_proj_max_dist)
-        inverted = _inverted_per_layer(cross_attn_inverted_attention, types.count("c"), causal)
-
-        def scoring_options(self_attn: bool) -> dict:
-            """The scoring options of the next attention block (CoPE and the relative projection bias: self only)."""
-            if self_attn:
-                return {**scoring, **self_only}
-            return {**scoring, "inverted_attention": inverted.pop(0)}
-
-        def attention(context_dim: int | None) -> Attention:
-            orthog = context_dim is None  # the projection onto the sequence's own values: self-attention only
-            learned_mix = bool(add_value_residual and learned_value_residual_mix and context_dim is None
-                               and not first_self[0])  # x-transformers: every self-attention but the first
-            first_self[0] = first_self[0] and context_dim is not None
-            return _overridden(Attention, cross_attn_kwargs if context_dim is not None else None)(
-                dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim,
-                qk_norm=attn_qk_norm, dropout=_layer_value(attn_dropouts, layer_at[0], context_dim is None or only_cross),
-                bias=attn_bias, backend=backend,
-                num_mem_kv=attn_num_mem_kv, learned_sink=attn_head_learned_sink,
-                softclamp_logits=attn_softclamp_logits, logit_softclamp_value=attn_logit_softclamp_value,
-                qk_norm_eps=attn_qk_norm_eps, gate_values=attn_gate_values, gate_values_rank=attn_gate_values_rank,
-                gate_values_headwise=attn_gate_values_headwise, output_gate=attn_output_gate,
-                output_gate_rank=attn_output_gate_rank, output_gate_headwise=attn_output_gate_headwise,
-                swiglu_values=attn_swiglu_values, low_rank_silu_gates=attn_low_rank_silu_gates,
-                qk_norm_dim_scale=attn_qk_norm_dim_scale, value_rmsnorm=attn_value_rmsnorm,
-                orthog_projected_values=attn_orthog_projected_values and orthog,
-                orthog_projected_values_per_head=attn_orthog_projected_values_per_head and orthog,
-                learned_value_residual_mix=learned_mix, causal=causal if orthog else False,
-                data_dependent_alibi=attn_data_dependent_alibi and orthog,
-                hybrid_module=attn_hybrid_module if orthog else None,
-                hybrid_fold_axial_dim=attn_hybrid_fold_axial_dim if orthog else None,
-                hybrid_mask_kwarg=attn_hybrid_mask_kwarg if orthog else None,
-                hybrid_learned_mix=attn_hybrid_learned_mix and orthog,
-                data_dependent_alibi_kwargs=attn_data_dependent_alibi_kwargs if attn_data_dependent_alibi and orthog else None,
-                **scoring_options(orthog),
-            )
-
-        adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
-
-        if use_dynamic_tanh and (adaptive_norm or use_rmsnorm):
-            raise ValueError("use_dynamic_tanh replaces the norms: choose it or use_rmsnorm / adaptive norms, not both")
-        if use_derf and (adaptive_norm or use_rmsnorm or use_dynamic_tanh):
-            raise ValueError("use_derf replaces the norms: choose it or use_rmsnorm / use_dynamic_tanh / adaptive norms")
-        if adaptive_condition_mlp and not self.adaptive:
-            raise ValueError("adaptive_condition_mlp transforms the condition of adaptive layers: it needs "
-                             "use_adaptive_layernorm / use_adaptive_rmsnorm / use_adaptive_layerscale")
-        if isinstance(adaptive_condition_mlp_expansion, bool) or not isinstance(adaptive_condition_mlp_expansion, int) \
-                or adaptive_condition_mlp_expansion < 1:
-            raise ValueError(f"adaptive_condition_mlp_expansion must be a positive integer, got "
-                             f"{adaptive_condition_mlp_expansion!r}")
-        cond_width = None if not self.adaptive else self.dim_condition * (
-            adaptive_condition_mlp_expansion if adaptive_condition_mlp else 1)
-        self.adaptive_mlp = nn.Sequential(nn.Linear(self.dim_condition, cond_width, bias=False), nn.SiLU()) \
-            if adaptive_condition_mlp else None
-
-        def norm() -> nn.Module:
-            if use_dynamic_tanh:
-                return DynamicTanh(dim, init_alpha=dynamic_tanh_init_alpha)
-            if use_derf:
-                return Derf(dim)
-            if adaptive_norm:
-                return AdaptiveNorm(dim, cond_width, rms=use_adaptive_rmsnorm, eps=norm_eps)
-            return make_norm(dim, use_rmsnorm, norm_eps)
-
-        branch_scale = _branch_scale(scale_residual, depth_scale_residual, scale_residual_constant, softclamp_output_value)
-        if use_layerscale and use_adaptive_layerscale:
-            raise ValueError("choose one of use_layerscale and use_adaptive_layerscale, not both")
-        if sandwich_norm and not pre_norm:
-            raise ValueError("sandwich_norm normalises the branch output of a pre-norm stack: not with pre_norm=False")
-        shifts = _token_shifts(shift_tokens, len(types), causal)
-
-        def block(kind: str, module: nn.Module, ind: int) -> Block:
-            out_proj = module.to_out if kind != "ff" else module.proj_out
-            if zero_init_branch_output and isinstance(out_proj, nn.Linear):  # x-transformers' zero_init_output
-                nn.init.zeros_(out_proj.weight)
-                if out_proj.bias is not None:
-                    nn.init.zeros_(out_proj.bias)
-            elif depth_scale_residual is True and isinstance(out_proj, nn.Linear):  # OLMo's depth-scaled init
-                nn.init.normal_(out_proj.weight, std=(2 * out_proj.in_features * (ind // len_block + 1)) ** -0.5)
-            gate = AdaptiveLayerScale(dim, cond_width) if use_adaptive_layerscale else \
-                LayerScale(dim, layerscale_init_value) if use_layerscale else None
-            scale = branch_scale * (0.5 if macaron and kind == "ff" else 1.0)
-            return Block(kind, norm() if pre_norm else nn.Identity(), module, gate,
-                         post_norm=norm() if sandwich_norm else None, scale=scale, shifts=shifts[ind])
-
-        blocks = []
-        for ind, kind in enumerate(types):
-            layer = ind // len_block
-            layer_at[0] = layer
-            if kind == "a":
-                blocks.append(block("self", attention(None), ind))
-            elif kind == "c":
-                blocks.append(block("cross", attention(self.dim_context), ind))
-            else:
-                blocks.append(block("ff", FeedForward(
-                    dim, mult=_layer_value(ff_mults, layer), glu=ff_glu, swish=ff_swish,
-                    dropout=_layer_value(ff_dropouts, layer), softclamp_value=ff_softclamp_value,
-                    custom_activation=ff_custom_activation, glu_softclamp=ff_glu_softclamp,
-                    glu_gate_softclamp_value=ff_glu_gate_softclamp_value,
-                    glu_up_softclamp_value=ff_glu_up_softclamp_value), ind))
-        self.layers = nn.ModuleList(blocks)
-        self.layer_types = types  # x-transformers' 'a' / 'c' / 'f'
-        self.has_custom_layer_types = any(v is not None for v in (custom_layers, par_ratio, sandwich_coef))
-        self.layers_execute_order = tuple(range(len(types))) if ctor_order is None else ctor_order
-        self.default_order = ctor_order  # None: every block once, in order
-        self.layer_kinds = tuple(blk.kind for blk in blocks)
-        for blk in blocks:  # PoPE keys carry 2 d features (what a cache's self-attention keys are checked against)
-            if blk.kind == "self" and polar_pos_emb:
-                blk.mixer.polar_keys = True
-        self.len_default_block = len_block
-        self.routing = _residual_routing(self, dim, depth, norm, num_residual_streams=num_residual_streams,
-                                         qkv_receive_diff_residuals=qkv_receive_diff_residuals,
-                                         integrate_layers=integrate_layers,
-                                         layer_integrate_use_softmax=layer_integrate_use_softmax,
-                                         hyper_conn_sinkhorn_iters=hyper_conn_sinkhorn_iters, unet_skips=unet_skips,
-                                         reinject_input=reinject_input,
-                                         learned_reinject_input_gate=learned_reinject_input_gate,
-                                         pre_and_post_norm=pre_and_post_norm, orthog_residual=orthog_residual,
-                                         mv_split_residual=mv_split_residual, residual_fn_kwargs=residual_fn_kwargs,
-                                         adaptive_norm=adaptive_norm, post_norm=not pre_norm,
-                                         scale_residual=scale_residual is not False and bool(scale_residual),
-                                         scale_residual_constant=scale_residual_constant, gate_residual=gate_residual,
-                                         softclamp_output_value=softclamp_output_value if softclamp_output else None)
-        if self.routing is not None and unpadded is True:
-            raise ValueError("unpadded=True cannot run the residual routing options (num_residual_streams, "
-                             "integrate_layers, unet_skips, reinject_input, pre_and_post_norm, orthog_residual, "
-                             "mv_split_residual, pre_norm=False, scale_residual, scale_residual_constant, gate_residual, "
-                             "softclamp_output): they run on the padded path; use unpadded='auto' or False")
-        self.static_step_reason = None if self.routing is None else \
-            "a residual routing option (num_residual_streams, integrate_layers, unet_skips, reinject_input, " \
-            "pre_and_post_norm, orthog_residual, mv_split_residual, pre_norm=False, scale_residual, " \
-            "scale_residual_constant, gate_residual or softclamp_output) runs in the stack's forward only"
-        # what runs without a KV cache, on the padded path, off the static step (besides the routing)
-        self.cache_refusal = None if not any(shifts) else (
-            "shift_tokens reads earlier positions' normed inputs, which a KV cache does not keep: it runs without a "
-            "KV cache; decode with cache_kv=False")
-        padded_reason = self.cache_refusal or (None if ctor_order is None else (
-            "weight_tie_layers / layers_execute_order run blocks again (the stack's forward, one cache entry per "
-            "attention block run)"))
-        if padded_reason is not None and unpadded is True:
-            raise ValueError("unpadded=True cannot run weight_tie_layers, layers_execute_order or shift_tokens (they "
-                             "run on the padded path); use unpadded='auto' or False")
-        self.static_step_reason = self.static_step_reason or padded_reason
-        self.residual_attn, self.cross_residual_attn = bool(residual_attn), bool(cross_residual_attn)
-        if cross_residual_attn and not self.has_cross:
-            raise ValueError("cross_residual_attn carries cross-attention logits: it needs cross_attend=True")
-        if (residual_attn or cross_residual_attn) and (checkpoint_layers or unpadded is True):
-            raise ValueError("residual_attn / cross_residual_attn carry each attention's logits to the next: not with "
-                             "checkpoint_layers or unpadded=True (they run on the padded path)")
-        if residual_attn or cross_residual_attn:
-            self.static_step_reason = self.static_step_reason or \
-                "residual_attn / cross_residual_attn carry logits between layers (the explicit attention path)"
-        self.final_norm = norm() if pre_norm_has_final_norm and not pre_and_post_norm and pre_norm else nn.Identity()
-        # the unpadded path packs tokens; Attention.packable says which options run on the padded path only
-        self.packable = all(blk.mixer.packable for blk in blocks if blk.kind != "ff") and not self.add_value_residual \
-            and self.routing is None and not rotary_xpos and not polar_pos_emb and padded_reason is None \
-            and not (residual_attn or cross_residual_attn)
-        if unpadded is True and not self.packable:
-            raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink, attn_softclamp_logits "
-                             "attn_orthog_projected_values, attn_data_dependent_alibi, add_value_residual, rotary_xpos, "
-                             "attn_hybrid_module, the scoring options (attn_l2_distance, attn_cog_signed, attn_sigmoid, "
-                             "attn_gumbel_softmax, attn_laser, attn_use_cope, cross_attn_inverted_attention), "
-                             "attn_use_rel_proj_pos_bias or attn_latent_rope_subheads (they run on the padded path); "
-                             "use unpadded='auto' or False")
+        options = self._sf_config  # every keyword, by its own name (each family reads its own)
+        _check_options(**options)
+        _basics(self, **options)
+        _positions(self, **options)
+        _check_attention_options(self, **options)
+        layout = _layout(self, **options)
+        attention = _attention_factory(layout, **options)
+        norm, cond_width = _norms(self, **options)
+        shifts = _blocks(self, layout, attention, norm, cond_width, **options)
+        _routing_and_paths(self, layout, norm, shifts, **options)
 
     def attn_qk_clip_(self, intermediates: LayerIntermediates, tau: float = 100.0) -> None:
         """MuonClip's qk-clip for every attention block (x-transformers' ``attn_qk_clip_``): pairs the
@@ -776,37 +493,17 @@ class AttentionLayers(Configurable, nn.Module):
 
     @checked_once
     def forward(
-        self,
-        x: Tensor,
-        *,
-        mask: Tensor | None = None,
-        context: Tensor | None = None,
-        context_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        positions: Tensor | None = None,
-        condition: Tensor | None = None,
-        condition_mask: Tensor | None = None,
-        cache: KVCache | None = None,
-        return_cache: bool = False,
-        return_hiddens: bool = False,
-        pos: Tensor | None = None,
-        unpadded_plan: UnpaddedPlan | None = None,
-        cache_age: int = 1,
-        context_pos: Tensor | None = None,
-        causal: bool | None = None,
-        ff_deep_embeds: Tensor | None = None,
-        deep_embeds_and_ids: tuple[Tensor, Tensor] | None = None,
-        self_attn_additional_kv=None,
-        additional_kv_mask: Tensor | None = None,
-        detach_additional_kv: bool = False,
-        route_additional_kv_to_top: bool = True,
-        self_attn_kv_residuals: Tensor | None = None,
-        cross_attn_kv_residuals: Tensor | None = None,
-        seq_pos_offset: int | None = None,
-        repeat_blocks=None,
-        layers_execute_order: tuple[int, ...] | None = None,
-        mems=None,
-        mem_masks=None,
+        self, x: Tensor, *, mask: Tensor | None = None, context: Tensor | None = None,
+        context_mask: Tensor | None = None, attn_mask: Tensor | None = None, positions: Tensor | None = None,
+        condition: Tensor | None = None, condition_mask: Tensor | None = None, cache: KVCache | None = None,
+        return_cache: bool = False, return_hiddens: bool = False, pos: Tensor | None = None,
+        unpadded_plan: UnpaddedPlan | None = None, cache_age: int = 1, context_pos: Tensor | None = None,
+        causal: bool | None = None, ff_deep_embeds: Tensor | None = None,
+        deep_embeds_and_ids: tuple[Tensor, Tensor] | None = None, self_attn_additional_kv=None,
+        additional_kv_mask: Tensor | None = None, detach_additional_kv: bool = False,
+        route_additional_kv_to_top: bool = True, self_attn_kv_residuals: Tensor | None = None,
+        cross_attn_kv_residuals: Tensor | None = None, seq_pos_offset: int | None = None, repeat_blocks=None,
+        layers_execute_order: tuple[int, ...] | None = None, mems=None, mem_masks=None,
     ) -> Tensor | tuple:
         """Run the stack.
 
@@ -892,221 +589,369 @@ class AttentionLayers(Configurable, nn.Module):
             ``(b, n, c)`` hidden states after the final norm, then the cache if ``return_cache``, then
             the ``LayerIntermediates`` if ``return_hiddens``.
         """
-        if pos is not None:  # x-transformers' name for positions
-            if positions is not None:
-                raise ValueError("pass positions or pos (x-transformers' name for it), not both")
-            positions = pos
-        if deep_embeds_and_ids is not None:  # x-transformers' form: the rows of the ids
-            if ff_deep_embeds is not None:
-                raise ValueError("pass ff_deep_embeds or deep_embeds_and_ids (x-transformers' form of it), not both")
-            if not isinstance(deep_embeds_and_ids, (tuple, list)) or len(deep_embeds_and_ids) != 2:
-                raise TypeError("deep_embeds_and_ids must be a pair (embeds (V, L, c), ids (b, n))")
-            ff_deep_embeds = deep_embeds_and_ids[0][deep_embeds_and_ids[1]]  # (b, n, L, c)
-        if seq_pos_offset is not None:  # x-transformers' seq_pos_offset: x's first token is at this position
-            positions = _offset_positions(positions, seq_pos_offset, x, mask)
-        n_given = x.shape[1] if isinstance(x, Tensor) and x.dim() == 3 else None
-        if isinstance(x, Tensor) and x.dim() == 3:
-            cache, keep = resolve_cache(cache, x.shape[1], cache_age)
-            if keep is not None:  # x-transformers' protocol: the new positions are the last cache_age
-                x, mask, positions = _last(x, keep), _last(mask, keep), _last(positions, keep)
-                ff_deep_embeds = _last(ff_deep_embeds, keep)
-        check_inputs(self, x, mask, context, context_mask, cache)
-        b, n, _ = x.shape
-        device = x.device
-        call_causal = _check_causal_override(self, causal, cache, return_cache)
-        ff_deep_embeds = _check_ff_deep_embeds(self, ff_deep_embeds, x, mask)
-        padded_only = ff_deep_embeds is not None or call_causal != self.causal  # the unpadded path runs neither
-        order = _execution_order(self, repeat_blocks, layers_execute_order, cache, return_cache, unpadded_plan)
-        padded_only = padded_only or order is not None
-        if ff_deep_embeds is not None and order is not None:
-            raise ValueError("ff_deep_embeds holds one row per feed-forward block: not with weight_tie_layers, "
-                             "layers_execute_order or repeat_blocks (they run blocks again)")
-        # x-transformers' extra keys/values and key/value residuals: keywords per attention block (padded path)
-        per_block = _extra_kv_kwargs(self, self_attn_additional_kv, additional_kv_mask, detach_additional_kv,
-                                     route_additional_kv_to_top, self_attn_kv_residuals, cross_attn_kv_residuals,
-                                     x, mask, context, context_mask, cache, n_given)
-        padded_only = padded_only or bool(per_block)
-        mem = _check_mems(self, mems, mem_masks, x, mask, cache, return_cache, attn_mask, order, positions)
-        padded_only = padded_only or mem is not None
-        if isinstance(positions, Tensor) and positions.dim() == 3:  # per-head ALiBi positions (x-transformers')
-            if cache is not None or return_cache:
-                raise ValueError("positions per head (b, h, n) run without a KV cache (the cache keeps one position "
-                                 "per token); pass (b, n) positions to decode with a cache")
-            padded_only = True
-        xpos = self.rotary is not None and self.rotary.use_xpos
-        if xpos and (cache is not None or return_cache or context_pos is not None):
-            raise ValueError("rotary_xpos runs without a KV cache (its scales are centered on the positions of each "
-                             "call: cached keys would keep an old center) and rotates self-attention only (no "
-                             "context_pos); decode with cache_kv=False")
-        if mask is not None:
-            x = torch.where(mask[..., None], x, 0.0)
-        sa = self_attention_inputs(self, x, mask, cache, attn_mask, positions, causal=call_causal,
-                                   mem_len=0 if mem is None else mem.length,
-                                   mem_mask=None if mem is None else mem.masks[0])
-        if mem is not None:  # the kernel masks of the blocks whose memory mask differs from the first's
-            mem.kernel_masks = {}
-            for t_mask in mem.masks[1:]:
-                if t_mask is not mem.masks[0] and id(t_mask) not in mem.kernel_masks:
-                    mem.kernel_masks[id(t_mask)] = self_attention_inputs(
-                        self, x, mask, cache, attn_mask, positions, causal=call_causal, mem_len=mem.length,
-                        mem_mask=t_mask).mask
-            if mem.kernel_masks and sa.bias is not None:
-                raise ValueError("mem_masks that differ per block cannot be combined with alibi_pos_bias or rel_pos_bias "
-                                 "(the bias counts the memory positions once for all blocks): pass one mem_masks tensor")
-        ca = cross_attention_inputs(self, context, context_mask, cache, b)
-        self_mask, causal, rotary, bias, positions = sa.mask, sa.causal, sa.rotary, sa.bias, sa.positions
-        context, context_mask, cross_mask, use_cross, cached_cross = ca.context, ca.context_mask, ca.mask, ca.used, ca.cached
+        call = StackCall(x=x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
+                         positions=positions, condition=condition, condition_mask=condition_mask, cache=cache,
+                         return_cache=return_cache, return_hiddens=return_hiddens, pos=pos,
+                         unpadded_plan=unpadded_plan, cache_age=cache_age, context_pos=context_pos, causal=causal,
+                         ff_deep_embeds=ff_deep_embeds, deep_embeds_and_ids=deep_embeds_and_ids,
+                         self_attn_additional_kv=self_attn_additional_kv, additional_kv_mask=additional_kv_mask,
+                         detach_additional_kv=detach_additional_kv,
+                         route_additional_kv_to_top=route_additional_kv_to_top,
+                         self_attn_kv_residuals=self_attn_kv_residuals,
+                         cross_attn_kv_residuals=cross_attn_kv_residuals, seq_pos_offset=seq_pos_offset,
+                         repeat_blocks=repeat_blocks, layers_execute_order=layers_execute_order, mems=mems,
+                         mem_masks=mem_masks)
+        resolve_call(self, call)  # x-transformers' spellings resolved, every input checked
+        plan = share_inputs(self, call)  # the masks, positions, context and condition every block shares
+        if plan is not None:  # the real tokens only (unpadded.py)
+            return forward_unpadded(self, call.x, plan, call.positions, call.context if call.ca.used else None,
+                                    call.context_mask, call.cond)
+        return finish_call(self, call, run_blocks(self, call))
 
-        cond = adaptive_condition(self, condition, condition_mask, cache, b, x)  # (b, K) or None
-        if cond is not None and self.adaptive_mlp is not None and (cache is None or cache.condition is None):
-            cond = self.adaptive_mlp(cond)  # (b, K * expansion); a cache keeps it transformed
 
-        cross_rotary = None
-        if context_pos is not None:  # x-transformers' rotary cross-attention: keys at the context's positions
-            cross_rotary = _cross_rotary(self, context_pos, context if use_cross else None, cache, return_cache,
-                                         unpadded_plan, sa.rotary, x)
-        if unpadded_plan is None:
-            if context_pos is None and not padded_only:  # the rotary cross-attention runs on the padded path
-                unpadded_plan = self.plan_unpadded(mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask,
-                                                   return_hiddens=return_hiddens)
-        elif not isinstance(unpadded_plan, UnpaddedPlan) or (unpadded_plan.b, unpadded_plan.n) != (b, n) or mask is None:
-            raise ValueError("unpadded_plan must be the plan_unpadded(...) of this call's mask")
-        elif padded_only:
-            raise ValueError("a causal override, ff_deep_embeds, additional keys/values and key/value residuals run "
-                             "on the padded path: pass no unpadded_plan")
-        if unpadded_plan is not None:
-            return forward_unpadded(self, x, unpadded_plan, positions, context if use_cross else None, context_mask, cond)
+def _basics(stack: AttentionLayers, *, dim, causal, cross_attend, only_cross, dim_context, unpadded, checkpoint_layers,
+            use_adaptive_layernorm, use_adaptive_rmsnorm, use_adaptive_layerscale, dim_condition, adaptive_null,
+            layer_dropout, cross_attn_tokens_dropout, **_) -> None:
+    """The stack's width, causality and cross-attention, the path options and the adaptive condition (its null
+    condition, a learned ``(K,)`` parameter or a zero buffer), set on ``stack`` (checked by ``_check_options``)."""
+    stack.unpadded = unpadded
+    stack.checkpoint_layers = checkpoint_layers
+    stack.adaptive = use_adaptive_layernorm or use_adaptive_rmsnorm or use_adaptive_layerscale
+    stack.layer_dropout = float(layer_dropout)
+    stack.cross_attn_tokens_dropout = float(cross_attn_tokens_dropout)
+    stack.dim_condition = (dim if dim_condition is None else dim_condition) if stack.adaptive else None
+    if stack.adaptive and adaptive_null == "learned":
+        stack.null_condition = nn.Parameter(torch.zeros(stack.dim_condition))  # (K,)
+    elif stack.adaptive:
+        stack.register_buffer("null_condition", torch.zeros(stack.dim_condition), persistent=False)
+    else:
+        stack.null_condition = None
+    stack.dim = dim
+    stack.causal = causal
+    stack.has_cross = cross_attend or only_cross
+    stack.only_cross = only_cross
+    stack.dim_context = dim if dim_context is None else dim_context
 
-        # a cache is input too: only a cache with padding has masked slots, and what they hold (its own
-        # finite projections, or whatever a user put there) is selected away by attend, not trusted
-        # (masked keys and dead rows are padding, selected to 0 at the input unless attn_mask hides real positions)
-        self_clean = attn_mask is None and (cache is None or cache.mask is None)
-        cross_clean = not cached_cross or context_mask is None  # a new context was selected above
-        self_args = dict(mask=SelectedMask(self_mask) if self_clean else self_mask, causal=causal, rotary=rotary,
-                         bias=bias, return_attn=return_hiddens, _return_kv=True)
-        cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, causal=False,
-                          return_attn=return_hiddens, _return_kv=True, rotary=cross_rotary)
-        if any(getattr(blk.mixer, "rel_proj_pos_bias", None) is not None for blk in self.layers if blk.kind == "self"):
-            self_args["positions"] = (positions, sa.all_positions)  # the real tokens' positions (rel_proj_pos_bias)
-        inverted_args = cross_args
-        if mask is not None and use_cross and any(getattr(blk.mixer, "inverted", False) for blk in self.layers):
-            # inverted cross-attention normalises over the queries: padded ones take none
-            q_pad = mask[:, None, :, None]  # (b, 1, n, 1)
-            j_ctx = context.shape[1] if context is not None else 0
-            full = q_pad.expand(b, 1, n, j_ctx) if cross_mask is None else q_pad & cross_mask
-            inverted_args = dict(cross_args, mask=full)
-        recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled() and not return_cache \
-            and cache is None and not return_hiddens
-        self_kv, cross_kv, hiddens, attn_maps, logit_maps = [], [], [], [], []
-        hybrid_states: list = []  # attn_hybrid_module: each self-attention's recurrent state after this call
-        ff_seen = 0  # feed-forward blocks run so far (ff_deep_embeds' index)
-        first_values: dict = {}  # add_value_residual: the first self- and cross-attention's values (new positions)
 
-        prev_logits: dict = {}  # residual_attn / cross_residual_attn: the last self- / cross-attention's logits
+def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rotary_pos_emb, rotary_emb_dim,
+               rotary_theta, rotary_interpolation_factor, rotary_base_rescale_factor, rotary_xpos,
+               rotary_xpos_scale_base, polar_pos_emb, polar_bias_uniform_init, attn_num_mem_kv, alibi_pos_bias,
+               alibi_num_heads, rel_pos_kwargs, rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance,
+               attn_data_dependent_alibi, **_) -> None:
+    """The position schemes of self-attention, checked and set on ``stack``: ``rotary`` (``RotaryEmbedding``, xpos
+    included), ``polar_pos_emb`` (PoPE), the ``alibi_slopes`` buffer ``(h,)``, ``rel_pos`` (T5's bucketed bias)
+    and ``has_relative_positions``."""
+    rotary_emb_dim = dim_head // 2 if rotary_emb_dim is None else rotary_emb_dim
+    stack.rotary = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta, interpolation_factor=rotary_interpolation_factor,
+                                   base_rescale_factor=rotary_base_rescale_factor, use_xpos=rotary_xpos,
+                                   scale_base=rotary_xpos_scale_base) if rotary_pos_emb or rotary_xpos else None
+    if polar_bias_uniform_init and not polar_pos_emb:
+        raise ValueError("polar_bias_uniform_init initialises PoPE's bias: it needs polar_pos_emb=True")
+    if polar_pos_emb and (stack.rotary is not None or (kv_heads is not None and kv_heads != heads)
+                          or attn_num_mem_kv):
+        raise ValueError("polar_pos_emb (PoPE) replaces rotary positions and has one key bias per query head: not "
+                         "with rotary_pos_emb / rotary_xpos, grouped-query heads (kv_heads < heads) or "
+                         "attn_num_mem_kv (memory keys have d features, PoPE's keys 2 d)")
+    stack.polar_pos_emb = PolarEmbedding(dim_head, heads, polar_bias_uniform_init) if polar_pos_emb else None
+    if (alibi_num_heads is not None or rel_pos_kwargs) and not alibi_pos_bias:
+        raise ValueError("alibi_num_heads / rel_pos_kwargs configure ALiBi (the one relative-position bias here): "
+                         "they need alibi_pos_bias=True")
+    if rel_pos_kwargs and set(rel_pos_kwargs) - {"slopes"}:
+        raise ValueError(f"rel_pos_kwargs takes ALiBi's slopes only, got {sorted(rel_pos_kwargs)}")
+    if alibi_pos_bias:
+        stack.register_buffer("alibi_slopes", stack_alibi_slopes(heads, alibi_num_heads, (rel_pos_kwargs or {}).get(
+            "slopes")), persistent=False)
+    else:
+        stack.alibi_slopes = None
+    if rel_pos_bias and (alibi_pos_bias or attn_data_dependent_alibi):
+        raise ValueError("choose one relative position bias: rel_pos_bias (T5), alibi_pos_bias or "
+                         "attn_data_dependent_alibi")
+    # T5's bucketed relative position bias in self-attention (x-transformers' scale: dim_head ** 0.5)
+    stack.rel_pos = RelativePositionBias(scale=dim_head**0.5, causal=causal, num_buckets=rel_pos_num_buckets,
+                                         max_distance=rel_pos_max_distance, heads=heads) if rel_pos_bias else None
+    stack.has_relative_positions = rotary_pos_emb or alibi_pos_bias or rotary_xpos or polar_pos_emb or rel_pos_bias
 
-        def run(block: Block, x: Tensor, cond: Tensor | None, past_kv=None, cached=None) -> tuple[Tensor, tuple]:
-            shift = {"shift_mask": mask} if block.shifts else {}  # shift_tokens: padded positions read as 0
-            if block.kind == "self":
-                hy = _hybrid_call(block.mixer, mask, cache, len(self_kv))  # attn_hybrid_module's input and state
-                args = dict(self_args, return_attn=True, prev_attn=prev_logits.get("self")) if self.residual_attn \
-                    else self_args
-                if mem is not None:  # Transformer-XL: this block's memory keys/values before the sequence's own
-                    past_kv, args = _mem_kv(self, mem, block, len(self_kv), cond, sa), _mem_args(mem, len(self_kv), args)
-                res = block(x, cond, past_kv=past_kv, value_residual=first_values.get("self"), **shift,
-                            **({} if hy is None else {"hybrid": hy}), **args, **per_block.get(id(block), {}))
-                if self.residual_attn:
-                    prev_logits["self"] = res[1][2]
-                if hy is not None:
-                    hybrid_states.append(hy.state_out)
-                return res
-            if block.kind == "cross":
-                vr = first_values.get("cross") if cached is None else None  # a cached context is mixed already
-                args = inverted_args if getattr(block.mixer, "inverted", False) else cross_args
-                if self.cross_residual_attn:
-                    args = dict(args, return_attn=True, prev_attn=prev_logits.get("cross"))
-                res = block(x, cond, None if cached is not None else context, kv=cached, value_residual=vr,
-                            **per_block.get(id(block), {}), **shift, **args)
-                if self.cross_residual_attn:
-                    prev_logits["cross"] = res[1][2]
-                return res
-            return block(x, cond, **shift)
 
-        hidden_kind = "self" if "self" in self.layer_kinds else self.layer_kinds[0]  # return_hiddens' hiddens
-        route, layer_hiddens = None, []  # the residual routing's state (x-transformers' residual options)
-        if self.routing is not None:
-            x, route = self.routing.begin(x, mask, cond)
-        for idx in range(len(self.layers)) if order is None else order:
-            block = self.layers[idx]
-            if return_hiddens and block.kind == hidden_kind:  # the stream entering each self-attention (x-transformers)
-                h = x if route is None else self.routing.view(x)
-                hiddens.append(h if mask is None else torch.where(mask[..., None], h, 0.0))
-            inp = x  # the block's input
-            if route is not None:
-                x, inp = self.routing.enter(route, idx, x)
-            elif return_hiddens:
-                layer_hiddens.append(x)
-            if block.kind == "cross" and not use_cross:
-                if route is not None:  # the routing runs on, the branch adding nothing (as for a dropped context)
-                    x = self.routing.leave(route, idx, None)
-                continue
-            if recompute:  # keeps no activations; recomputed (same RNG draws) in the backward pass
-                out = checkpoint(lambda t, c, blk=block: run(blk, t, c)[0], inp, cond, use_reentrant=False)
-                extra = (None,)
-            else:
-                past_kv = cache.self_kv[len(self_kv)] if cache is not None and block.kind == "self" else None
-                cached = cache.cross_kv[len(cross_kv)] if cached_cross and block.kind == "cross" else None
-                out, extra = run(block, inp, cond, past_kv, cached)
-            if block.kind == "ff" and ff_deep_embeds is not None:  # ff_deep_embed: per-token scale of the branch
-                out = out * ff_deep_embeds[:, :, ff_seen].to(out.dtype)
-                ff_seen += 1
-            if block.kind != "ff":
-                (self_kv if block.kind == "self" else cross_kv).append(extra[0])
-                if self.add_value_residual and block.kind not in first_values:  # its values of the new positions
-                    first_values[block.kind] = extra[0][1][:, :, -n:] if block.kind == "self" else extra[0][1]
-            if return_hiddens and len(extra) > 1:  # the attention weights: padded queries' rows are 0
-                attn_maps.append(extra[1] if mask is None else torch.where(mask[:, None, :, None], extra[1], 0.0))
-                if len(extra) > 2:  # the logits (pre_softmax_attn): padded queries' rows 0 too
-                    logit_maps.append(extra[2] if mask is None else torch.where(mask[:, None, :, None], extra[2], 0.0))
-            if self.training and self.layer_dropout > 0:  # stochastic depth: a sample skips this branch
-                keep = torch.rand(b, 1, 1, device=device) >= self.layer_dropout
-                out = torch.where(keep, out / (1.0 - self.layer_dropout), 0.0)
-            x = x + out if route is None else self.routing.leave(route, idx, out)
-        if route is not None:
-            x = self.routing.finish(x)  # the streams summed
-            layer_hiddens = route.layer_hiddens
-        if return_hiddens:  # x-transformers' layer_hiddens: every block's input, then the stream before the final norm
-            layer_hiddens = [*layer_hiddens, x]
-            if mask is not None:
-                layer_hiddens = [torch.where(mask[..., None] if h.dim() == 3 else mask[:, :, None, None], h, 0.0)
-                                 for h in layer_hiddens]
-        x = apply_norm(self.final_norm, x, cond)
-        if mask is not None:  # padded positions leave as exact zeros (and pass back no gradient)
-            x = torch.where(mask[..., None], x, 0.0)
-        intermediates = None
-        if return_hiddens:
-            ran = self.layer_kinds if order is None else [self.layer_kinds[i] for i in order]
-            kinds = [k for k in ran if k != "ff" and (k == "self" or use_cross)]
-            intermediates = LayerIntermediates(
-                hiddens=hiddens, last_hidden=x, layer_hiddens=layer_hiddens,
-                attn_intermediates=[AttnIntermediate(post_softmax_attn=w, layer_type="a" if k == "self" else "c",
-                                                     pre_softmax_attn=logit_maps[t] if t < len(logit_maps) else None)
-                                    for t, (w, k) in enumerate(zip(attn_maps, kinds))],
-            )
-        if intermediates is not None and call_causal == self.causal and sa.all_positions.dim() == 2 and not xpos \
-                and mem is None:  # the
-            # cache (x-transformers' protocol; not with positions per head, which a cache does not keep;
-            # not after a causal override: its keys/values are not what the stack's own causality continues from)
-            intermediates.cache = _new_cache(cache, mask, b, n, device, self_kv, cross_kv, sa, ca, cond, condition,
-                                             condition_mask, hybrid_states)
-            attach_cached_kv(intermediates)  # x-transformers' per-block cached_kv (the cache's own tuples)
-        if not return_cache:
-            return x if intermediates is None else (x, intermediates)
-        if intermediates is not None:
-            return x, intermediates.cache, intermediates
-        new_cache = _new_cache(cache, mask, b, n, device, self_kv, cross_kv, sa, ca, cond, condition, condition_mask,
-                               hybrid_states)
-        return x, new_cache
+def _check_attention_options(stack: AttentionLayers, *, add_value_residual, attn_value_rmsnorm, checkpoint_layers,
+                             rotary_xpos, causal, alibi_pos_bias, attn_hybrid_module, cross_attend, only_cross,
+                             attn_data_dependent_alibi, **_) -> None:
+    """The attention options that must agree with the positions and the stack (sets ``add_value_residual``)."""
+    if add_value_residual and (attn_value_rmsnorm or checkpoint_layers):
+        raise ValueError("add_value_residual cannot be combined with attn_value_rmsnorm or checkpoint_layers")
+    stack.add_value_residual = bool(add_value_residual)
+    if not isinstance(rotary_xpos, bool):
+        raise TypeError(f"rotary_xpos must be a bool, got {rotary_xpos!r}")
+    if rotary_xpos and (not causal or alibi_pos_bias):
+        raise ValueError("rotary_xpos decays logits with the distance to past keys: it needs a causal stack "
+                         "(Decoder) and no alibi_pos_bias")
+    if attn_hybrid_module is not None and (cross_attend or only_cross):
+        raise ValueError("attn_hybrid_module runs beside self-attention only (x-transformers would put a copy in "
+                         "each cross-attention block too); not with cross_attend / only_cross")
+    if attn_data_dependent_alibi and alibi_pos_bias:
+        raise ValueError("choose one of alibi_pos_bias and attn_data_dependent_alibi, not both")
 
+
+@dataclass(frozen=True)
+class _Layout:
+    """The stack's blocks: their kinds (x-transformers' ``'a'`` / ``'c'`` / ``'f'``), the blocks per default layer,
+    the constructor's execution order (``None``: each block once, in order), the number of layers, and the
+    per-layer options (a number, or a tuple of one per layer)."""
+
+    types: tuple[str, ...]
+    len_block: int
+    order: tuple[int, ...] | None
+    depth: int
+    attn_dropouts: float | tuple[float, ...]
+    ff_mults: float | tuple[float, ...]
+    ff_dropouts: float | tuple[float, ...]
+
+
+def _layout(stack: AttentionLayers, *, depth, only_cross, macaron, only_attn, custom_layers, par_ratio, sandwich_coef,
+            weight_tie_layers, layers_execute_order, unet_skips, integrate_layers, ff_mult, attn_dropout, ff_dropout,
+            **_) -> _Layout:
+    """The layout options checked (``_layer_types``) and the per-layer schedules read: the ``_Layout``."""
+    types, len_block, ctor_order, depth = _layer_types(
+        depth=depth, cross=stack.has_cross, only_cross=only_cross, macaron=macaron, only_attn=only_attn,
+        custom_layers=custom_layers, par_ratio=par_ratio, sandwich_coef=sandwich_coef,
+        weight_tie_layers=weight_tie_layers, layers_execute_order=layers_execute_order, unet_skips=unet_skips,
+        per_layer=[v for v in (ff_mult, attn_dropout, ff_dropout) if isinstance(v, (tuple, list))])
+    if ctor_order is not None and integrate_layers:
+        raise ValueError("integrate_layers mixes one input per block: not with weight_tie_layers / "
+                         "layers_execute_order")
+    attn_dropouts = _per_layer("attn_dropout", attn_dropout, depth)
+    ff_mults, ff_dropouts = _per_layer("ff_mult", ff_mult, depth), _per_layer("ff_dropout", ff_dropout, depth)
+    return _Layout(types, len_block, ctor_order, depth, attn_dropouts, ff_mults, ff_dropouts)
+
+
+def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causal, only_cross, attn_qk_norm, attn_bias,
+                       backend, attn_num_mem_kv, attn_head_learned_sink, attn_softclamp_logits,
+                       attn_logit_softclamp_value, attn_qk_norm_eps, attn_gate_values, attn_gate_values_rank,
+                       attn_gate_values_headwise, attn_output_gate, attn_output_gate_rank, attn_output_gate_headwise,
+                       attn_swiglu_values, attn_low_rank_silu_gates, attn_qk_norm_dim_scale, attn_value_rmsnorm,
+                       attn_orthog_projected_values, attn_orthog_projected_values_per_head, add_value_residual,
+                       learned_value_residual_mix, attn_data_dependent_alibi, attn_data_dependent_alibi_kwargs,
+                       attn_hybrid_module, attn_hybrid_fold_axial_dim, attn_hybrid_mask_kwarg, attn_hybrid_learned_mix,
+                       cross_attn_kwargs, attn_l2_distance, attn_cog_signed, attn_sigmoid, attn_gumbel_softmax,
+                       attn_gumbel_softmax_temp, attn_gumbel_softmax_hard, attn_laser, attn_laser_softclamp_value,
+                       attn_use_latent_q, attn_dim_latent_q, attn_use_latent_kv, attn_dim_latent_kv,
+                       attn_latent_rope_subheads, attn_use_cope, attn_cope_max_pos, attn_cope_soft_onehot_pos,
+                       attn_use_rel_proj_pos_bias, attn_rel_proj_num_distance_basis, attn_rel_proj_max_dist,
+                       cross_attn_inverted_attention, **_) -> Callable[[int | None, int], Attention]:
+    """The stack's ``attention(context_dim, layer)`` factory: the next attention block's ``Attention``, self-attention
+    (``context_dim`` None) or cross-attention (over ``context_dim`` features), of layer ``layer``, with the stack's
+    attention options (``cross_attn_kwargs`` over them for cross-attention). Blocks are built in order: the
+    factory counts the self-attentions (``add_value_residual``) and the cross-attentions
+    (``cross_attn_inverted_attention``, checked here)."""
+    first_self = [True]
+    scoring = dict(l2_distance=attn_l2_distance, cog_signed=attn_cog_signed, sigmoid=attn_sigmoid,
+                   gumbel_softmax=attn_gumbel_softmax, gumbel_softmax_temp=attn_gumbel_softmax_temp,
+                   gumbel_softmax_hard=attn_gumbel_softmax_hard, laser=attn_laser,
+                   laser_softclamp_value=attn_laser_softclamp_value, use_latent_q=attn_use_latent_q,
+                   dim_latent_q=attn_dim_latent_q, use_latent_kv=attn_use_latent_kv, dim_latent_kv=attn_dim_latent_kv,
+                   latent_rope_subheads=attn_latent_rope_subheads)
+    self_only = dict(use_cope=attn_use_cope, cope_max_pos=attn_cope_max_pos, cope_soft_onehot_pos=attn_cope_soft_onehot_pos,
+                     use_rel_proj_pos_bias=attn_use_rel_proj_pos_bias,
+                     rel_proj_num_distance_basis=attn_rel_proj_num_distance_basis,
+                     rel_proj_max_dist=attn_rel_proj_max_dist)
+    inverted = _inverted_per_layer(cross_attn_inverted_attention, layout.types.count("c"), causal)
+
+    def scoring_options(self_attn: bool) -> dict:
+        """The scoring options of the next attention block (CoPE and the relative projection bias: self only)."""
+        if self_attn:
+            return {**scoring, **self_only}
+        return {**scoring, "inverted_attention": inverted.pop(0)}
+
+    def attention(context_dim: int | None, layer: int) -> Attention:
+        orthog = context_dim is None  # the projection onto the sequence's own values: self-attention only
+        learned_mix = bool(add_value_residual and learned_value_residual_mix and context_dim is None
+                           and not first_self[0])  # x-transformers: every self-attention but the first
+        first_self[0] = first_self[0] and context_dim is not None
+        return _overridden(Attention, cross_attn_kwargs if context_dim is not None else None)(
+            dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim,
+            qk_norm=attn_qk_norm, dropout=_layer_value(layout.attn_dropouts, layer, context_dim is None or only_cross),
+            bias=attn_bias, backend=backend,
+            num_mem_kv=attn_num_mem_kv, learned_sink=attn_head_learned_sink,
+            softclamp_logits=attn_softclamp_logits, logit_softclamp_value=attn_logit_softclamp_value,
+            qk_norm_eps=attn_qk_norm_eps, gate_values=attn_gate_values, gate_values_rank=attn_gate_values_rank,
+            gate_values_headwise=attn_gate_values_headwise, output_gate=attn_output_gate,
+            output_gate_rank=attn_output_gate_rank, output_gate_headwise=attn_output_gate_headwise,
+            swiglu_values=attn_swiglu_values, low_rank_silu_gates=attn_low_rank_silu_gates,
+            qk_norm_dim_scale=attn_qk_norm_dim_scale, value_rmsnorm=attn_value_rmsnorm,
+            orthog_projected_values=attn_orthog_projected_values and orthog,
+            orthog_projected_values_per_head=attn_orthog_projected_values_per_head and orthog,
+            learned_value_residual_mix=learned_mix, causal=causal if orthog else False,
+            data_dependent_alibi=attn_data_dependent_alibi and orthog,
+            hybrid_module=attn_hybrid_module if orthog else None,
+            hybrid_fold_axial_dim=attn_hybrid_fold_axial_dim if orthog else None,
+            hybrid_mask_kwarg=attn_hybrid_mask_kwarg if orthog else None,
+            hybrid_learned_mix=attn_hybrid_learned_mix and orthog,
+            data_dependent_alibi_kwargs=attn_data_dependent_alibi_kwargs if attn_data_dependent_alibi and orthog else None,
+            **scoring_options(orthog),
+        )
+
+    return attention
+
+
+def _norms(stack: AttentionLayers, *, dim, use_rmsnorm, norm_eps, use_adaptive_layernorm, use_adaptive_rmsnorm,
+           use_dynamic_tanh, dynamic_tanh_init_alpha, use_derf, adaptive_condition_mlp, adaptive_condition_mlp_expansion,
+           **_) -> tuple[Callable[[], nn.Module], int | None]:
+    """The norm options checked, the condition's MLP set on ``stack`` (``adaptive_mlp``), and ``(norm, cond_width)``:
+    the factory of the stack's norms and the condition width the adaptive layers read (``None`` without them)."""
+    adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
+
+    if use_dynamic_tanh and (adaptive_norm or use_rmsnorm):
+        raise ValueError("use_dynamic_tanh replaces the norms: choose it or use_rmsnorm / adaptive norms, not both")
+    if use_derf and (adaptive_norm or use_rmsnorm or use_dynamic_tanh):
+        raise ValueError("use_derf replaces the norms: choose it or use_rmsnorm / use_dynamic_tanh / adaptive norms")
+    if adaptive_condition_mlp and not stack.adaptive:
+        raise ValueError("adaptive_condition_mlp transforms the condition of adaptive layers: it needs "
+                         "use_adaptive_layernorm / use_adaptive_rmsnorm / use_adaptive_layerscale")
+    if isinstance(adaptive_condition_mlp_expansion, bool) or not isinstance(adaptive_condition_mlp_expansion, int) \
+            or adaptive_condition_mlp_expansion < 1:
+        raise ValueError(f"adaptive_condition_mlp_expansion must be a positive integer, got "
+                         f"{adaptive_condition_mlp_expansion!r}")
+    cond_width = None if not stack.adaptive else stack.dim_condition * (
+        adaptive_condition_mlp_expansion if adaptive_condition_mlp else 1)
+    stack.adaptive_mlp = nn.Sequential(nn.Linear(stack.dim_condition, cond_width, bias=False), nn.SiLU()) \
+        if adaptive_condition_mlp else None
+
+    def norm() -> nn.Module:
+        if use_dynamic_tanh:
+            return DynamicTanh(dim, init_alpha=dynamic_tanh_init_alpha)
+        if use_derf:
+            return Derf(dim)
+        if adaptive_norm:
+            return AdaptiveNorm(dim, cond_width, rms=use_adaptive_rmsnorm, eps=norm_eps)
+        return make_norm(dim, use_rmsnorm, norm_eps)
+
+    return norm, cond_width
+
+
+def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width: int | None, *, dim, causal, macaron,
+            pre_norm, sandwich_norm, scale_residual, depth_scale_residual, scale_residual_constant,
+            softclamp_output_value, use_layerscale, use_adaptive_layerscale, layerscale_init_value,
+            zero_init_branch_output, shift_tokens, ff_glu, ff_swish, ff_softclamp_value, ff_custom_activation,
+            ff_glu_softclamp, ff_glu_gate_softclamp_value, ff_glu_up_softclamp_value, custom_layers, par_ratio,
+            sandwich_coef, polar_pos_emb, **_) -> list[tuple[int, ...]]:
+    """The branch options checked and the blocks built in order (``Block``: [norm, attention or feed-forward, gate]),
+    set on ``stack`` with their layout (``layers``, ``layer_types``, ``layer_kinds``, the execution order). Returns
+    each block's token shifts (``shift_tokens``)."""
+    types, len_block = layout.types, layout.len_block
+    branch_scale = _branch_scale(scale_residual, depth_scale_residual, scale_residual_constant, softclamp_output_value)
+    if use_layerscale and use_adaptive_layerscale:
+        raise ValueError("choose one of use_layerscale and use_adaptive_layerscale, not both")
+    if sandwich_norm and not pre_norm:
+        raise ValueError("sandwich_norm normalises the branch output of a pre-norm stack: not with pre_norm=False")
+    shifts = _token_shifts(shift_tokens, len(types), causal)
+
+    def block(kind: str, module: nn.Module, ind: int) -> Block:
+        out_proj = module.to_out if kind != "ff" else module.proj_out
+        if zero_init_branch_output and isinstance(out_proj, nn.Linear):  # x-transformers' zero_init_output
+            nn.init.zeros_(out_proj.weight)
+            if out_proj.bias is not None:
+                nn.init.zeros_(out_proj.bias)
+        elif depth_scale_residual is True and isinstance(out_proj, nn.Linear):  # OLMo's depth-scaled init
+            nn.init.normal_(out_proj.weight, std=(2 * out_proj.in_features * (ind // len_block + 1)) ** -0.5)
+        gate = AdaptiveLayerScale(dim, cond_width) if use_adaptive_layerscale else \
+            LayerScale(dim, layerscale_init_value) if use_layerscale else None
+        scale = branch_scale * (0.5 if macaron and kind == "ff" else 1.0)
+        return Block(kind, norm() if pre_norm else nn.Identity(), module, gate,
+                     post_norm=norm() if sandwich_norm else None, scale=scale, shifts=shifts[ind])
+
+    blocks = []
+    for ind, kind in enumerate(types):
+        layer = ind // len_block
+        if kind == "a":
+            blocks.append(block("self", attention(None, layer), ind))
+        elif kind == "c":
+            blocks.append(block("cross", attention(stack.dim_context, layer), ind))
+        else:
+            blocks.append(block("ff", FeedForward(
+                dim, mult=_layer_value(layout.ff_mults, layer), glu=ff_glu, swish=ff_swish,
+                dropout=_layer_value(layout.ff_dropouts, layer), softclamp_value=ff_softclamp_value,
+                custom_activation=ff_custom_activation, glu_softclamp=ff_glu_softclamp,
+                glu_gate_softclamp_value=ff_glu_gate_softclamp_value,
+                glu_up_softclamp_value=ff_glu_up_softclamp_value), ind))
+    stack.layers = nn.ModuleList(blocks)
+    stack.layer_types = types  # x-transformers' 'a' / 'c' / 'f'
+    stack.has_custom_layer_types = any(v is not None for v in (custom_layers, par_ratio, sandwich_coef))
+    stack.layers_execute_order = tuple(range(len(types))) if layout.order is None else layout.order
+    stack.default_order = layout.order  # None: every block once, in order
+    stack.layer_kinds = tuple(blk.kind for blk in blocks)
+    for blk in blocks:  # PoPE keys carry 2 d features (what a cache's self-attention keys are checked against)
+        if blk.kind == "self" and polar_pos_emb:
+            blk.mixer.polar_keys = True
+    stack.len_default_block = len_block
+    return shifts
+
+
+def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: list, *, dim, num_residual_streams,
+                       qkv_receive_diff_residuals, integrate_layers, layer_integrate_use_softmax,
+                       hyper_conn_sinkhorn_iters, unet_skips, reinject_input, learned_reinject_input_gate,
+                       pre_and_post_norm, orthog_residual, mv_split_residual, residual_fn_kwargs,
+                       use_adaptive_layernorm, use_adaptive_rmsnorm, pre_norm, scale_residual, scale_residual_constant,
+                       gate_residual, softclamp_output, softclamp_output_value, unpadded, residual_attn,
+                       cross_residual_attn, checkpoint_layers, pre_norm_has_final_norm, rotary_xpos, polar_pos_emb,
+                       **_) -> None:
+    """The residual routing (``routing``, x-transformers' residual options; ``None``: the plain residual), the
+    final norm, residual attention, and which paths the options run on (``packable``: the unpadded path;
+    ``static_step_reason``: off the static decode step; ``cache_refusal``: no KV cache), set on ``stack`` after
+    checking them against ``unpadded`` and ``checkpoint_layers``."""
+    stack.routing = _residual_routing(stack, dim, layout.depth, norm, num_residual_streams=num_residual_streams,
+                                      qkv_receive_diff_residuals=qkv_receive_diff_residuals,
+                                      integrate_layers=integrate_layers,
+                                      layer_integrate_use_softmax=layer_integrate_use_softmax,
+                                      hyper_conn_sinkhorn_iters=hyper_conn_sinkhorn_iters, unet_skips=unet_skips,
+                                      reinject_input=reinject_input,
+                                      learned_reinject_input_gate=learned_reinject_input_gate,
+                                      pre_and_post_norm=pre_and_post_norm, orthog_residual=orthog_residual,
+                                      mv_split_residual=mv_split_residual, residual_fn_kwargs=residual_fn_kwargs,
+                                      adaptive_norm=use_adaptive_layernorm or use_adaptive_rmsnorm,
+                                      post_norm=not pre_norm,
+                                      scale_residual=scale_residual is not False and bool(scale_residual),
+                                      scale_residual_constant=scale_residual_constant, gate_residual=gate_residual,
+                                      softclamp_output_value=softclamp_output_value if softclamp_output else None)
+    if stack.routing is not None and unpadded is True:
+        raise ValueError("unpadded=True cannot run the residual routing options (num_residual_streams, "
+                         "integrate_layers, unet_skips, reinject_input, pre_and_post_norm, orthog_residual, "
+                         "mv_split_residual, pre_norm=False, scale_residual, scale_residual_constant, gate_residual, "
+                         "softclamp_output): they run on the padded path; use unpadded='auto' or False")
+    stack.static_step_reason = None if stack.routing is None else \
+        "a residual routing option (num_residual_streams, integrate_layers, unet_skips, reinject_input, " \
+        "pre_and_post_norm, orthog_residual, mv_split_residual, pre_norm=False, scale_residual, " \
+        "scale_residual_constant, gate_residual or softclamp_output) runs in the stack's forward only"
+    # what runs without a KV cache, on the padded path, off the static step (besides the routing)
+    stack.cache_refusal = None if not any(shifts) else (
+        "shift_tokens reads earlier positions' normed inputs, which a KV cache does not keep: it runs without a "
+        "KV cache; decode with cache_kv=False")
+    padded_reason = stack.cache_refusal or (None if layout.order is None else (
+        "weight_tie_layers / layers_execute_order run blocks again (the stack's forward, one cache entry per "
+        "attention block run)"))
+    if padded_reason is not None and unpadded is True:
+        raise ValueError("unpadded=True cannot run weight_tie_layers, layers_execute_order or shift_tokens (they "
+                         "run on the padded path); use unpadded='auto' or False")
+    stack.static_step_reason = stack.static_step_reason or padded_reason
+    stack.residual_attn, stack.cross_residual_attn = bool(residual_attn), bool(cross_residual_attn)
+    if cross_residual_attn and not stack.has_cross:
+        raise ValueError("cross_residual_attn carries cross-attention logits: it needs cross_attend=True")
+    if (residual_attn or cross_residual_attn) and (checkpoint_layers or unpadded is True):
+        raise ValueError("residual_attn / cross_residual_attn carry each attention's logits to the next: not with "
+                         "checkpoint_layers or unpadded=True (they run on the padded path)")
+    if residual_attn or cross_residual_attn:
+        stack.static_step_reason = stack.static_step_reason or \
+            "residual_attn / cross_residual_attn carry logits between layers (the explicit attention path)"
+    stack.final_norm = norm() if pre_norm_has_final_norm and not pre_and_post_norm and pre_norm else nn.Identity()
+    # the unpadded path packs tokens; Attention.packable says which options run on the padded path only
+    stack.packable = all(blk.mixer.packable for blk in stack.layers if blk.kind != "ff") \
+        and not stack.add_value_residual and stack.routing is None and not rotary_xpos and not polar_pos_emb \
+        and padded_reason is None and not (residual_attn or cross_residual_attn)
+    if unpadded is True and not stack.packable:
+        raise ValueError("unpadded=True cannot run attn_num_mem_kv, attn_head_learned_sink, attn_softclamp_logits "
+                         "attn_orthog_projected_values, attn_data_dependent_alibi, add_value_residual, rotary_xpos, "
+                         "attn_hybrid_module, the scoring options (attn_l2_distance, attn_cog_signed, attn_sigmoid, "
+                         "attn_gumbel_softmax, attn_laser, attn_use_cope, cross_attn_inverted_attention), "
+                         "attn_use_rel_proj_pos_bias or attn_latent_rope_subheads (they run on the padded path); "
+                         "use unpadded='auto' or False")
 
 
 def _cross_attn_spellings(aliases: dict) -> tuple[dict, dict]:
@@ -1149,74 +994,6 @@ def _inverted_per_layer(value, n_cross: int, causal: bool) -> list[bool]:
                          "would see later positions through it (x-transformers warns); use it without causal")
     return per
 
-
-def _execution_order(stack: AttentionLayers, repeat_blocks, layers_execute_order, cache, return_cache: bool,
-                     unpadded_plan) -> tuple[int, ...] | None:
-    """The blocks' indices in the order this call runs them (``None``: each once, in order), after the checks
-    of ``repeat_blocks`` / ``layers_execute_order`` and of the residual routing against the cache and plan."""
-    routing = stack.routing
-    if stack.cache_refusal is not None and (cache is not None or return_cache):
-        raise ValueError(stack.cache_refusal)
-    if routing is not None and routing.sequence_wide and (cache is not None or return_cache):
-        raise ValueError("orthog_residual and mv_split_residual reduce over the whole sample: they run without a KV "
-                         "cache (a cache would reduce over the new positions alone); decode with cache_kv=False")
-    if routing is not None and unpadded_plan is not None:
-        raise ValueError("the residual routing options run on the padded path: pass no unpadded_plan")
-    if repeat_blocks is None and layers_execute_order is None:
-        return stack.default_order  # the constructor's (weight_tie_layers, layers_execute_order), or None
-    if repeat_blocks is not None and layers_execute_order is not None:
-        raise ValueError("pass repeat_blocks or layers_execute_order, not both")
-    if repeat_blocks is not None and stack.has_custom_layer_types:
-        raise ValueError("repeat_blocks repeats layers of the default layout: not with custom_layers, par_ratio or "
-                         "sandwich_coef (pass layers_execute_order)")
-    num = len(stack.layers)
-    if repeat_blocks is not None:
-        order = _resolve_repeat_blocks(repeat_blocks, num // stack.len_default_block, stack.len_default_block)
-    else:
-        if not isinstance(layers_execute_order, (tuple, list)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num for i in layers_execute_order):
-            raise ValueError(f"layers_execute_order must be a sequence of block indices in [0, {num}), got "
-                             f"{layers_execute_order!r}")
-        order = tuple(layers_execute_order)
-    if cache is not None or return_cache:
-        raise ValueError("repeat_blocks / layers_execute_order run without a KV cache (the cache holds one entry per "
-                         "attention block)")
-    if unpadded_plan is not None:
-        raise ValueError("repeat_blocks / layers_execute_order run on the padded path: pass no unpadded_plan")
-    if routing is not None and routing.integrators is not None:
-        raise ValueError("integrate_layers mixes one input per block: not with repeat_blocks / layers_execute_order")
-    return order
-
-
-def _resolve_repeat_blocks(repeat_blocks, num_layers: int, len_layer: int) -> tuple[int, ...]:
-    """x-transformers' ``resolve_repeat_blocks_to_layer_execute_order``: ``((start, end), repeats)`` specs (layers,
-    ``end`` included) -> the blocks' indices."""
-    if isinstance(repeat_blocks, (tuple, list)) and len(repeat_blocks) == 2 and isinstance(repeat_blocks[1], int) \
-            and not isinstance(repeat_blocks[1], bool):
-        repeat_blocks = (repeat_blocks,)
-    spans: dict[int, tuple[int, int]] = {}
-    for spec in repeat_blocks if isinstance(repeat_blocks, (tuple, list)) else ():
-        ok = isinstance(spec, (tuple, list)) and len(spec) == 2
-        span, repeats = spec if ok else (None, None)
-        start, end = (span, span) if isinstance(span, int) else tuple(span) if isinstance(span, (tuple, list)) \
-            and len(span) == 2 else (None, None)
-        if not (ok and all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, repeats))
-                and 0 <= start <= end < num_layers and repeats >= 1):
-            raise ValueError(f"repeat_blocks must be ((start, end), repeats) specs with 0 <= start <= end < {num_layers} "
-                             f"layers and repeats >= 1 (or a tuple of them), got {repeat_blocks!r}")
-        spans[start] = (end, repeats)
-    if not spans:
-        raise ValueError(f"repeat_blocks must be ((start, end), repeats) or a tuple of them, got {repeat_blocks!r}")
-    layers, cur = [], 0
-    while cur < num_layers:
-        if cur not in spans:
-            layers.append(cur)
-            cur += 1
-            continue
-        end, repeats = spans[cur]
-        layers.extend(list(range(cur, end + 1)) * repeats)
-        cur = end + 1
-    return tuple(i for layer in layers for i in range(layer * len_layer, (layer + 1) * len_layer))
 
 
 def layer_schedule(start: float, end: float, depth: int, schedule="cosine") -> tuple[float, ...]:
@@ -1424,240 +1201,6 @@ def _residual_routing(stack, dim: int, depth: int, norm, *, num_residual_streams
         softclamp_output_value=softclamp_output_value, **kwargs)
 
 
-def _offset_positions(positions, offset, x, mask) -> Tensor:
-    """x-transformers' ``seq_pos_offset``: the positions of ``x``'s tokens, real ones counted from ``offset``."""
-    if positions is not None:
-        raise ValueError("pass positions (pos) or seq_pos_offset, not both")
-    if isinstance(offset, Tensor) and offset.numel() == 1 and not offset.is_floating_point():
-        offset = int(offset)
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"seq_pos_offset must be a non-negative integer, got {offset!r}")
-    if not isinstance(x, Tensor) or x.dim() != 3:
-        raise ValueError(f"x must have shape (b, n, dim), got {getattr(x, 'shape', type(x))}")
-    if mask is not None:
-        validate_mask(mask, "mask", shape=tuple(x.shape[:2]), device=x.device)
-    return positions_from_mask(mask, x.shape[1], x.device) + offset
-
-
-def _extra_kv_kwargs(stack, additional, add_mask, detach: bool, to_top: bool, self_res, cross_res, x: Tensor, mask,
-                     context, context_mask, cache, n_given) -> dict:
-    """x-transformers' ``self_attn_additional_kv`` and ``*_kv_residuals`` checked and split per attention block:
-    ``{id(block): Attention keywords}``. Residuals are selected to 0 at padded rows (of ``x``, or the context)
-    here, once; the added keys' mask is applied by the attention itself."""
-    per: dict = {}
-    if additional is None and add_mask is None and self_res is None and cross_res is None:
-        return per
-    for name, flag in (("detach_additional_kv", detach), ("route_additional_kv_to_top", to_top)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    selfs = [blk for blk in stack.layers if blk.kind == "self"]
-    crosses = [blk for blk in stack.layers if blk.kind == "cross"]
-    b, n = x.shape[:2]
-    keep = n if n_given is not None and n_given != n else None  # x-transformers' cache protocol kept the last n
-    if additional is None:
-        if add_mask is not None:
-            raise ValueError("additional_kv_mask was given without self_attn_additional_kv")
-    else:
-        if isinstance(additional, LayerIntermediates):  # another model's keys/values, as its cache holds them
-            kv = additional.cache
-            if not isinstance(kv, KVCache):
-                raise TypeError("self_attn_additional_kv is a LayerIntermediates without a cache: pass the "
-                                "intermediates of a return_intermediates / return_hiddens call")
-            if kv.mask is not None:  # its padding: those slots are no keys
-                if add_mask is not None:
-                    validate_mask(add_mask, "additional_kv_mask", shape=tuple(kv.mask.shape), device=x.device)
-                add_mask = kv.mask if add_mask is None else kv.mask & add_mask
-            additional = list(kv.self_kv)
-        if not isinstance(additional, (list, tuple)):
-            raise TypeError(f"self_attn_additional_kv must be a list of (k, v) pairs (or None) per self-attention "
-                            f"block, or a LayerIntermediates; got {type(additional).__name__}")
-        if not selfs:
-            raise ValueError("self_attn_additional_kv needs self-attention blocks (this stack has none)")
-        additional = list(additional)
-        if to_top:  # x-transformers: the last pairs go to the top blocks
-            additional = [None] * (len(selfs) - len(additional)) + additional[max(0, len(additional) - len(selfs)):]
-        else:
-            additional = (additional + [None] * len(selfs))[: len(selfs)]
-        for blk, pair in zip(selfs, additional):
-            if pair is None:
-                continue
-            if detach and isinstance(pair, (tuple, list)):
-                pair = tuple(t.detach() if isinstance(t, Tensor) else t for t in pair)
-            per[id(blk)] = dict(additional_key_values=pair, additional_key_value_mask=add_mask)
-    for name, res, blocks, rows in (("self_attn_kv_residuals", self_res, selfs, mask),
-                                    ("cross_attn_kv_residuals", cross_res, crosses, context_mask)):
-        if res is None:
-            continue
-        cross = name.startswith("cross")
-        if not isinstance(res, Tensor) or not res.is_floating_point() or res.dim() not in (3, 4):
-            raise ValueError(f"{name} must be a float tensor (b, n, c) or (layers, b, n, c), got "
-                             f"{getattr(res, 'shape', type(res))}")
-        if res.dim() == 3:  # x-transformers: a 3-d residual goes to the first block only
-            res = res[None]
-        if not blocks:
-            raise ValueError(f"{name} needs {'cross' if cross else 'self'}-attention blocks (this stack has none)")
-        if res.shape[0] > len(blocks):
-            raise ValueError(f"{name} holds {res.shape[0]} residuals, the stack has {len(blocks)} such blocks")
-        if (res.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)) or res.device != x.device:
-            raise ValueError(f"{name} is {res.dtype} on {res.device}, expected {x.dtype} on {x.device}")
-        if cross:
-            if cache is not None and cache.cross_kv is not None:
-                raise ValueError("cross_attn_kv_residuals with a cached context: the cache holds the context's keys/"
-                                 "values as the first call computed them (pass the residuals on that call)")
-            if context is None:
-                raise ValueError("cross_attn_kv_residuals are added to the context: pass context=... as well")
-            if res.shape[-1] != stack.dim_context or res.shape[1] not in (1, b) or res.shape[2] not in (1, context.shape[1]):
-                raise ValueError(f"{name} must have shape (layers, b|1, j|1, dim_context) with (b, j, dim_context) = "
-                                 f"({b}, {context.shape[1]}, {stack.dim_context}), got {tuple(res.shape)}")
-        else:
-            if keep is not None and res.shape[2] == n_given:  # x-transformers' cache protocol: the new positions
-                res = res[:, :, -keep:]
-            if res.shape[-1] != stack.dim or res.shape[1] not in (1, b) or res.shape[2] not in (1, n):
-                raise ValueError(f"{name} must have shape (layers, b|1, n|1, dim) with (b, n, dim) = ({b}, {n}, "
-                                 f"{stack.dim}), got {tuple(res.shape)}")
-        if rows is not None:  # padded rows hold nothing that reaches a key or value
-            res = torch.where(rows[None, :, :, None], res, 0.0)
-        for blk, r in zip(blocks, res):
-            per.setdefault(id(blk), {})["kv_input_residual"] = r
-    return per
-
-
-def _last(t, keep: int):
-    """The last ``keep`` positions of ``t (b|1, n, ...)`` (``None`` stays ``None``; ``(n,)`` positions too)."""
-    if t is None or not isinstance(t, Tensor):
-        return t
-    return t[-keep:] if t.dim() == 1 else t[:, -keep:]
-
-
-@dataclass
-class _Mems:
-    """Transformer-XL memories of one call, checked: one ``(b, m, c)`` per self-attention block, their masks
-    (``(b, m)`` or ``None`` per block), ``m``, and the kernel masks of blocks whose memory mask is another tensor."""
-
-    mems: list
-    masks: list
-    length: int
-    kernel_masks: dict | None = None
-
-
-def _check_mems(stack: AttentionLayers, mems, mem_masks, x: Tensor, mask, cache, return_cache: bool, attn_mask, order,
-                positions) -> _Mems | None:
-    """The checked memories of ``forward(mems=..., mem_masks=...)`` (``None`` without memories)."""
-    if mems is None:
-        if mem_masks is not None:
-            raise ValueError("mem_masks was given without mems")
-        return None
-    n_self = sum(blk.kind == "self" for blk in stack.layers)
-    reason = mems_unsupported(stack)
-    if reason is not None:
-        raise ValueError(f"mems (Transformer-XL memories) cannot be combined with {reason}")
-    if not isinstance(mems, (list, tuple)) or len(mems) != n_self:
-        raise ValueError(f"mems must be a list of one (b, m, c) tensor per self-attention block ({n_self}), got "
-                         f"{type(mems).__name__}{'' if not isinstance(mems, (list, tuple)) else f' of {len(mems)}'}")
-    for what, bad in (("a KV cache (cache / return_cache)", cache is not None or return_cache),
-                      ("attn_mask", attn_mask is not None), ("repeat_blocks / layers_execute_order", order is not None),
-                      ("positions per head", isinstance(positions, Tensor) and positions.dim() == 3)):
-        if bad:
-            raise ValueError(f"mems (Transformer-XL memories) cannot be combined with {what}")
-    b, _, c = x.shape
-    m = None
-    for t, mem in enumerate(mems):
-        if not isinstance(mem, Tensor) or mem.dim() != 3 or mem.shape[0] != b or mem.shape[2] != c \
-                or not mem.is_floating_point() or mem.device != x.device or (m is not None and mem.shape[1] != m):
-            raise ValueError(f"mems[{t}] must be a floating-point (b, m, c) = ({b}, m, {c}) tensor on {x.device}, the "
-                             f"same m for every block, got {getattr(mem, 'shape', type(mem))}")
-        m = mem.shape[1]
-    if mem_masks is None or isinstance(mem_masks, Tensor):
-        masks = [mem_masks] * n_self
-    elif isinstance(mem_masks, (list, tuple)) and len(mem_masks) == n_self:
-        masks = list(mem_masks)
-    else:
-        raise ValueError(f"mem_masks must be None, one (b, m) bool tensor or a list of one per self-attention block "
-                         f"({n_self}), got {type(mem_masks).__name__}")
-    for t, mm in enumerate(masks):
-        if mm is not None:
-            validate_mask(mm, f"mem_masks[{t}]", shape=(b, m), device=x.device)
-    if any(mm is None for mm in masks) and not all(mm is None for mm in masks):
-        ones = torch.ones(b, m, dtype=torch.bool, device=x.device)
-        masks = [ones if mm is None else mm for mm in masks]
-    return _Mems(list(mems), masks, m)
-
-
-def mems_unsupported(stack: AttentionLayers) -> str | None:
-    """The stack option that Transformer-XL memories do not run with (``None``: they run)."""
-    for what, bad in (("residual routing (hyper-connections, residual streams)", stack.routing is not None),
-                      ("shift_tokens", any(blk.shifts for blk in stack.layers)),
-                      ("add_value_residual", stack.add_value_residual),
-                      ("rotary_xpos", stack.rotary is not None and stack.rotary.use_xpos),
-                      ("polar_pos_emb", getattr(stack, "polar_pos_emb", None) is not None),
-                      ("attn_hybrid_module", any(getattr(blk.mixer, "hybrid", None) is not None
-                                                 for blk in stack.layers if blk.kind == "self"))):
-        if bad:
-            return what
-    return None
-
-
-def _mem_kv(stack: AttentionLayers, mem: _Mems, block: Block, t: int, cond, sa: SelfAttentionInputs):
-    """Block ``t``'s memory keys and values ``(b, h_kv, m, d)``: its normed memory projected (masked slots selected
-    to 0 first, so whatever they hold reaches nothing), the keys rotated at positions ``-m .. -1``."""
-    src, keep = mem.mems[t], mem.masks[t]
-    if keep is not None:
-        src = torch.where(keep[..., None], src, 0.0)
-    k, v = block.mixer.project_kv(apply_norm(block.norm, src, cond))
-    if sa.rotary is not None and mem.length:
-        pos = _mem_positions(keep, mem.length, src.device)  # (b|1, m)
-        k = block.mixer._rotate(k, stack.rotary.angles(pos, dtype=src.dtype))
-    return k, v
-
-
-def _mem_positions(keep: Tensor | None, m: int, device) -> Tensor:
-    """Positions of ``m`` memory slots before the segment: ``-m .. -1`` (x-transformers'); with padding ``keep (b, m)``
-    the real slots are counted (the last real one at -1), as in the sample without its padding."""
-    if keep is None:
-        return torch.arange(-m, 0, device=device)[None]  # (1, m)
-    count = keep.long().cumsum(1)  # (b, m)
-    return count - count[:, -1:] - 1
-
-
-def _mem_args(mem: _Mems, t: int, args: dict) -> dict:
-    """The self-attention keywords of block ``t``: its own kernel mask when its memory mask is another tensor."""
-    km = mem.kernel_masks.get(id(mem.masks[t])) if mem.kernel_masks else None
-    if km is None:
-        return args
-    return dict(args, mask=SelectedMask(km) if isinstance(args.get("mask"), SelectedMask) else km)
-
-
-def _check_causal_override(stack: AttentionLayers, causal, cache, return_cache: bool) -> bool:
-    """The causality of this call: the stack's, or ``causal`` (x-transformers' ``forward(causal=...)``)."""
-    if causal is None or causal == stack.causal:
-        if causal is not None and not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool or None, got {causal!r}")
-        return stack.causal
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool or None, got {causal!r}")
-    if cache is not None or return_cache:
-        raise ValueError(f"causal={causal} overrides a stack built with causal={stack.causal}: not with a KV cache "
-                         "(the cached positions were computed with the stack's own causality)")
-    if any(blk.kind == "self" and getattr(blk.mixer, "to_forget_gates", None) is not None for blk in stack.layers):
-        raise ValueError(f"causal={causal} cannot override the causality of attn_data_dependent_alibi (its forget "
-                         "gates are built for one direction or two)")
-    return causal
-
-
-def _check_ff_deep_embeds(stack: AttentionLayers, deep, x: Tensor, mask) -> Tensor | None:
-    """``ff_deep_embeds`` checked: ``(b, n, L, c)`` floating point on ``x``'s device; padded rows read as 1."""
-    if deep is None:
-        return None
-    b, n = x.shape[:2]
-    num_ff = stack.layer_kinds.count("ff")
-    if not isinstance(deep, Tensor) or not deep.is_floating_point() or tuple(deep.shape) != (b, n, num_ff, stack.dim):
-        raise ValueError(f"ff_deep_embeds must be a float tensor of shape (b, n, feed-forward blocks, dim) = "
-                         f"({b}, {n}, {num_ff}, {stack.dim}), got {getattr(deep, 'shape', type(deep))}")
-    if deep.device != x.device:
-        raise ValueError(f"ff_deep_embeds is on {deep.device}, expected {x.device}")
-    return deep if mask is None else torch.where(mask[:, :, None, None], deep, 1.0)
-
-
 def _check_options(*, dim, depth, dim_head, causal, cross_attend, only_cross, rotary_pos_emb, rotary_emb_dim,
                    alibi_pos_bias, use_adaptive_layernorm, use_adaptive_rmsnorm, use_adaptive_layerscale,
                    dim_condition, adaptive_null, layer_dropout, cross_attn_tokens_dropout, checkpoint_layers,
@@ -1692,257 +1235,6 @@ def _check_options(*, dim, depth, dim_head, causal, cross_attend, only_cross, ro
     if rotary_pos_emb and not (0 < rot <= dim_head):
         raise ValueError(f"rotary_emb_dim must be in (0, dim_head={dim_head}], got {rot}")
 
-
-def _new_cache(cache, mask, b: int, n: int, device, self_kv, cross_kv, sa, ca, cond, condition,
-               condition_mask, hybrid_states=None) -> KVCache:
-    """The cache after a forward: the old one's positions and conditions, the new keys/values."""
-    count = torch.full((b,), n, device=device, dtype=torch.long) if mask is None else mask.sum(1)
-    if cache is not None:
-        count = cache.count + count
-    return KVCache(
-        self_kv=self_kv, cross_kv=cross_kv if ca.used else None, mask=sa.key_pad,
-        context_mask=ca.context_mask if ca.used else None, count=count, positions=sa.all_positions,
-        context=ca.user_context if ca.used else None,
-        condition=cond, condition_input=condition if cache is None else cache.condition_input,
-        condition_mask=condition_mask if cache is None else cache.condition_mask,
-        hybrid=hybrid_states or None,
-    )
-
-
-def _hybrid_call(mixer, mask, cache, index: int):
-    """The ``HybridCall`` of a self-attention with ``attn_hybrid_module`` (``None`` without one): the padding of
-    the new positions and the recurrent state the cache holds for it."""
-    if getattr(mixer, "hybrid", None) is None:
-        return None
-    state = None
-    if cache is not None and cache.length > 0:
-        states = cache.hybrid
-        if states is None or index >= len(states) or states[index] is None:
-            raise ValueError("this cache holds no state of the hybrid module (attn_hybrid_module): it must come from "
-                             "this stack's own forward")
-        state = states[index]
-    return HybridCall(real=mask, state=state)
-
-
-def check_inputs(stack: AttentionLayers, x, mask, context, context_mask, cache) -> None:
-    """The stack's door: shapes, dtypes, devices and masks of everything ``forward`` takes (S9), once."""
-    if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != stack.dim:
-        raise ValueError(f"x must have shape (b, n, dim={stack.dim}), got {getattr(x, 'shape', type(x))}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-    b, n = x.shape[:2]
-    if mask is not None:
-        validate_mask(mask, "mask", shape=(b, n), device=x.device)
-    if cache is not None:
-        KVCache.check(cache, x, stack.executed_kinds.count("self"), stack.executed_kinds.count("cross"))
-        if context is not None and cache.cross_kv is None and stack.has_cross:
-            raise ValueError(
-                "context was passed with a cache built without one: the cached positions never saw it. "
-                "Pass the context on the first call (the one that builds the cache)"
-            )
-        if context is not None and cache.cross_kv is not None:
-            same = context is cache.context and (context_mask is cache.context_mask or (
-                context_mask is None and cache.context_mask is None))
-            if not same:
-                raise ValueError(
-                    "context was passed with a cache that already holds a context's keys/values: the cache "
-                    "answers for the context (and context_mask) of the call that built it. Pass context only "
-                    "on that first call (or the very same context and context_mask tensors again); to change "
-                    "the condition, start without a cache"
-                )
-    if context is None:
-        if context_mask is not None:
-            raise ValueError("context_mask was given without a context; pass context=... as well")
-        if stack.only_cross and (cache is None or cache.cross_kv is None):
-            raise ValueError("a CrossAttender (only_cross=True) needs a context")
-        return
-    if not stack.has_cross:
-        raise ValueError("context was given but this stack has no cross-attention; build it with cross_attend=True")
-    if not isinstance(context, Tensor) or context.dim() != 3:
-        raise ValueError(f"context must be a tensor of shape (b, j, dim_context), got {getattr(context, 'shape', type(context))}")
-    if context.shape[0] != b or context.shape[-1] != stack.dim_context:
-        raise ValueError(
-            f"context must have shape (b={b}, j, dim_context={stack.dim_context}), got {tuple(context.shape)}"
-        )
-    if context.device != x.device:
-        raise ValueError(f"context is on {context.device}, expected {x.device}")
-    if _dtype_differs(context, x):
-        raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of the model's hidden "
-                        f"states); convert it with context.to({x.dtype})")
-    if context_mask is not None:
-        validate_mask(context_mask, "context_mask", shape=(b, context.shape[1]), device=x.device)
-
-@dataclass(frozen=True)
-class SelfAttentionInputs:
-    """What every self-attention block of one forward shares, built once: the combined mask (a
-    ``PreparedMask`` when it varies per query), whether the kernel applies causal itself, rotary angles,
-    the ALiBi bias, the key padding ``(b, p + n)`` and the positions (new, and cached + new)."""
-
-    mask: object
-    causal: bool
-    rotary: tuple[Tensor, Tensor] | None
-    bias: Tensor | None
-    key_pad: Tensor | None
-    positions: Tensor
-    all_positions: Tensor
-
-
-def self_attention_inputs(stack: AttentionLayers, x: Tensor, mask, cache, attn_mask, positions,
-                          causal: bool | None = None, mem_len: int = 0, mem_mask: Tensor | None = None
-                          ) -> SelfAttentionInputs:
-    b, n = x.shape[:2]
-    device = x.device
-    past = cache.length if cache is not None else mem_len  # earlier keys: the cache's, or Transformer-XL memories
-    # self-attention mask: built once here, passed to every block
-    key_pad = None
-    if mask is not None or (cache is not None and cache.mask is not None) or mem_mask is not None:
-        old = cache.mask if cache is not None and cache.mask is not None else mem_mask if mem_mask is not None \
-            else torch.ones(b, past, dtype=torch.bool, device=device)
-        new = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=device)
-        key_pad = torch.cat((old, new), dim=1)  # (b, p + n)
-    self_mask = None if key_pad is None else key_pad[:, None, None, :]  # (b, 1, 1, p + n)
-    if attn_mask is not None:
-        validate_mask(attn_mask, "attn_mask", device=device)
-        heads = next((blk.mixer.heads for blk in stack.layers if blk.kind == "self"), 1)
-        four_d = attn_mask.dim() == 4 and attn_mask.shape[0] in (1, b) and attn_mask.shape[1] in (1, heads) \
-            and tuple(attn_mask.shape[2:]) == (n, past + n)  # x-transformers' (b|1, h|1, n, p + n)
-        if attn_mask.shape not in ((b, n, past + n), (n, past + n)) and not four_d:
-            raise ValueError(f"attn_mask must have shape (b, n, p + n) = ({b}, {n}, {past + n}), (n, p + n) or "
-                             f"(b|1, h|1, n, p + n) with h={heads}, got {tuple(attn_mask.shape)}")
-        extra = attn_mask if four_d else attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask[None, None]
-        self_mask = extra if self_mask is None else self_mask & extra
-    causal = stack.causal if causal is None else causal
-    if causal and self_mask is not None and n > 1:
-        self_mask = self_mask & causal_mask(n, past + n, device=device)  # (b, 1, n, p + n)
-        causal = False
-    elif causal and past > 0 and n > 1:
-        self_mask = causal_mask(n, past + n, device=device)  # (1, 1, n, p + n)
-        causal = False
-
-    given = positions is not None
-    if positions is None:
-        positions = positions_from_mask(mask, n, device, offset=None if cache is None else cache.count)
-    elif isinstance(positions, Tensor) and positions.dim() == 3:  # x-transformers' custom ALiBi positions per head
-        heads = stack.alibi_slopes.shape[0] if stack.alibi_slopes is not None else None
-        if heads is None or stack.rotary is not None:
-            raise ValueError("positions per head (b, h, n) are ALiBi's (x-transformers' custom ALiBi positions): they "
-                             "need alibi_pos_bias=True and no rotary_pos_emb")
-        if positions.shape[0] not in (1, b) or positions.shape[1] not in (1, heads) or positions.shape[2] != n:
-            raise ValueError(f"positions per head must have shape (b|1, h|1, n) = ({b}, {heads}, {n}), got "
-                             f"{tuple(positions.shape)}")
-        positions = _check_positions(positions.flatten(0, 1), positions.shape[0] * positions.shape[1], n,
-                                     device).reshape(positions.shape)
-    else:
-        positions = _check_positions(positions, b, n, device)
-    rotary = None
-    if stack.rotary is not None:
-        angles = stack.rotary.angles(positions, dtype=x.dtype)  # (b|1, 1, n, d_rot), float32 or wider
-        rotary = (angles, angles)
-        if stack.rotary.use_xpos:  # xpos: queries times the scale, keys times its inverse (the stack's pair form)
-            _check_xpos_span(stack, positions, given, n, x.dtype)
-            scale = stack.rotary.xpos_scale(positions, dtype=x.dtype)  # (b|1, 1, n, d_rot)
-            rotary = ((angles, scale), (angles, scale ** -1.0))
-    elif stack.polar_pos_emb is not None:  # PoPE: the (query, key) forms apply_rotary takes
-        rotary = stack.polar_pos_emb.pair(positions, x.dtype)
-    bias = None
-    all_positions = positions if cache is None else torch.cat(_broadcast_batch(cache.positions, positions), dim=1)
-    if cache is None and mem_len:  # x-transformers' memory positions: -m .. -1 before the segment's own
-        mem_pos = _mem_positions(mem_mask, mem_len, device).to(positions.dtype)  # (b|1, m)
-        all_positions = torch.cat(_broadcast_batch(mem_pos, positions), dim=1)
-    if stack.alibi_slopes is not None:
-        bias = alibi_bias(stack.alibi_slopes, positions, all_positions).to(x.dtype)  # (b|1, h, n, p + n)
-    elif stack.rel_pos is not None:
-        bias = stack.rel_pos.bias(positions, all_positions).to(x.dtype)  # (b|1, h, n, p + n)
-    if self_mask is not None and self_mask.shape[2] > 1 and bias is None:
-        # a mask that varies per query (padding + causal): prepared once, one kernel mask for all layers
-        self_mask = prepare_mask(self_mask, dtype=x.dtype)
-    return SelfAttentionInputs(self_mask, causal, rotary, bias, key_pad, positions, all_positions)
-
-
-@dataclass(frozen=True)
-class CrossAttentionInputs:
-    """The context every cross-attention block of one forward shares: the context (masked rows selected
-    to 0) or the cache's, its mask ``(b, j)`` and kernel mask ``(b, 1, 1, j)``, whether cross-attention
-    runs at all (``used``) and whether the cache holds its keys/values (``cached``); ``user_context``
-    is what the cache keeps a reference to."""
-
-    context: Tensor | None
-    context_mask: Tensor | None
-    mask: Tensor | None
-    used: bool
-    cached: bool
-    user_context: Tensor | None
-
-
-def cross_attention_inputs(stack: AttentionLayers, context, context_mask, cache, b: int) -> CrossAttentionInputs:
-    # cross-attention: context padded positions are selected away before any projection
-    use_cross = stack.has_cross and (context is not None or (cache is not None and cache.cross_kv is not None))
-    cached_cross = cache is not None and cache.cross_kv is not None
-    user_context = context  # the cache keeps a reference to what the user passed (not a copy)
-    if cached_cross:  # the cache answers for the context (checked: the same tensors, or none passed)
-        context, context_mask = cache.context, cache.context_mask
-        user_context = context
-    cross_mask = None
-    if cached_cross:
-        cross_mask = None if context_mask is None else context_mask[:, None, None, :]
-    elif context is not None:
-        if stack.training and stack.cross_attn_tokens_dropout > 0 and context.shape[1] > 0:
-            # each context token dropped per sample; a sample may lose them all (a dead row, safe)
-            keep = torch.rand(b, context.shape[1], device=context.device) >= stack.cross_attn_tokens_dropout
-            context_mask = keep if context_mask is None else context_mask & keep
-        if context_mask is not None:
-            context = torch.where(context_mask[..., None], context, 0.0)
-            cross_mask = context_mask[:, None, None, :]  # (b, 1, 1, j)
-    return CrossAttentionInputs(context, context_mask, cross_mask, use_cross, cached_cross, user_context)
-
-
-def _cross_rotary(stack, context_pos, context, cache, return_cache, unpadded_plan, rotary, x):
-    """``(q_angles, k_angles)`` for cross-attention with ``context_pos`` (the checks of that keyword)."""
-    if not stack.has_cross or context is None:
-        raise ValueError("context_pos gives the context's positions: it needs cross-attention and a context")
-    if stack.rotary is None:
-        raise ValueError("context_pos rotates cross-attention keys: it needs rotary_pos_emb=True")
-    if cache is not None or return_cache:
-        raise ValueError("context_pos does not run with a KV cache (the cache keeps the context's keys as "
-                         "they were built)")
-    if unpadded_plan is not None:
-        raise ValueError("context_pos runs on the padded path: pass no unpadded_plan")
-    cpos = _check_positions(context_pos, context.shape[0], context.shape[1], x.device)
-    return rotary[0], stack.rotary.angles(cpos, dtype=x.dtype)
-
-
-def _check_xpos_span(stack, positions: Tensor, given: bool, n: int, dtype) -> None:
-    """Refuse positions whose xpos scales ``s ** (+-span / scale_base)`` would leave the dtype's range (sqrt of
-    its largest value, leaving room for the features they multiply). One host read for positions given."""
-    import math
-
-    span = n if not given else int((positions.amax() - positions.amin()).item()) + 1
-    if span * math.log(3.5) / stack.rotary.scale_base > 0.5 * math.log(torch.finfo(dtype).max):
-        raise ValueError(f"rotary_xpos over {span} positions would scale queries/keys by 3.5 ** (+-{span} / "
-                         f"rotary_xpos_scale_base={stack.rotary.scale_base:g}), beyond what {dtype} holds; use a "
-                         f"larger rotary_xpos_scale_base, a wider dtype or shorter sequences")
-
-
-def _check_positions(positions, b: int, n: int, device) -> Tensor:
-    """``positions`` as ``(b|1, n)``: accepts ``(b, n)``, ``(1, n)`` and ``(n,)`` (shared by every sample)."""
-    if not isinstance(positions, Tensor):
-        raise TypeError(f"positions must be a tensor of integer positions, got {type(positions).__name__}")
-    if positions.dtype == torch.bool or positions.is_complex() or positions.is_floating_point():
-        raise TypeError(f"positions must hold integer positions, got dtype {positions.dtype}")
-    if positions.dim() == 1 and positions.shape[0] == n:
-        positions = positions[None]
-    if positions.dim() != 2 or positions.shape[1] != n or positions.shape[0] not in (1, b):
-        raise ValueError(f"positions must have shape (b, n) = ({b}, {n}), (1, n) or (n,), got {tuple(positions.shape)}")
-    if positions.device != torch.device(device) and not (positions.device.type == torch.device(device).type):
-        raise ValueError(f"positions is on {positions.device}, expected {device}")
-    return positions
-
-
-def _broadcast_batch(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    if a.shape[0] == b.shape[0]:
-        return a, b
-    size = max(a.shape[0], b.shape[0])
-    return a.expand(size, -1), b.expand(size, -1)
 
 
 def _no_causal(kwargs: dict, name: str) -> None:
