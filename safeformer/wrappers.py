@@ -3,6 +3,177 @@
 
 Shape legend: b batch, n positions, j context length, c model width, v vocabulary size.
 Masks: bool, True = real position / may attend (``masks.py``).
+
+``TransformerWrapper``'s keywords (x-transformers' names; ``wrapper_options.py`` builds the model by option
+family and ``wrapper_forward.py`` runs ``forward`` in phases):
+
+Args:
+    num_tokens: vocabulary size v.
+    max_seq_len: longest sequence (for the absolute position embedding).
+    attn_layers: an ``Encoder``, ``Decoder``, ``CrossAttender`` or ``AttentionLayers``.
+    emb_dropout: dropout on the embeddings.
+    use_abs_pos_emb: learned absolute positions (skipped when the layers use rotary or ALiBi).
+    tie_embedding: the output projection shares the token embedding's weights.
+    return_only_embed: no output projection: the model returns hidden states (an encoder).
+    logits_dim: output size (default ``num_tokens``).
+    tie_embedding_scale: with ``tie_embedding``, logits are ``h @ E.T * tie_embedding_scale``
+        (default 1; x-transformers' default is ``dim ** -0.5``, which ``from_x_transformers`` keeps).
+    num_memory_tokens: learned memory (register) tokens placed before the sequence on the call that
+        starts it: every position may attend to them; they take no absolute position and are cut
+        from the output (``LayerIntermediates.memory_tokens`` holds theirs).
+    l2norm_embed: L2-normalise the token (and absolute position) embeddings, initialised with std
+        1e-5 (x-transformers' ``l2norm_embed``).
+    average_pool_embed: the output is the masked mean over real positions, projected by the head:
+        ``(b, logits_dim)`` (a fully padded sample pools to 0, never NaN).
+    use_cls_token: learned class token(s) before the sequence (after the memory tokens); the output
+        is theirs: ``(b, logits_dim)`` for one, ``(b, num_cls_tokens, logits_dim)`` for several.
+    num_cls_tokens: how many class tokens.
+    check_finite: by default, check that real positions of float inputs (``context``) are finite
+        and raise ``ValueError`` naming the argument otherwise (S9); costs a device sync.
+    attn_pool: x-transformers' attention pooling: ``num_pooled_tokens`` learned queries of width
+        ``dim_pooled_tokens`` (default ``dim``) attend over the real positions of the last hidden states
+        (``AttentionPool`` with the stack's heads and head width; ``attn_pool_depth > 1``: a ``CrossAttender``
+        of that depth). An encoder returns the pooled tokens ``(b, num_pooled_tokens, dim_pooled_tokens)``
+        instead of the logits (these go on the intermediates as ``logits``); a decoder returns its logits and
+        pools only when the intermediates are asked for. Either way the intermediates carry
+        ``attn_pooled_tokens``. Padded positions are never pooled; a sample with no real position pools to 0
+        (depth 1) or to its queries' stack output (depth > 1). Not with ``use_cls_token``,
+        ``average_pool_embed`` or a KV cache.
+    num_pooled_tokens, attn_pool_depth, dim_pooled_tokens: see ``attn_pool``.
+    ff_deep_embed: x-transformers' deep embeddings: a learned ``(num_tokens, L, dim)`` table (ones at init,
+        ``L`` the feed-forward blocks); each feed-forward block's output at a position is multiplied by that
+        token's row for the block. Runs the padded path; the static decode step is not used.
+    looped: x-transformers' looped LM (recurrent depth): the stack runs ``max_looped_steps`` times (``forward``'s
+        ``looped_steps`` / ``max_looped_steps`` override it), each run reading the previous run's output (the
+        embeddings enter once); an ``exit_gate`` (``nn.Linear(dim, 1)``) scores each position after each run
+        (the intermediates' ``exit_logits``), which ``AutoregressiveWrapper`` trains and which
+        ``looped_inference`` reads to stop early. Needs ``attn_layers`` built with ``pre_and_post_norm=True``
+        (x-transformers' rule); not with ``recycling``. Padded positions stay padding in every run. Runs the
+        padded path; the static decode step is not used (generation decodes on the dynamic KV cache).
+    max_looped_steps: the runs of a looped stack (training and by default).
+    embed_num_tokens: x-transformers' further embeddings ``{name: vocabulary size}`` (e.g. a BERT-style type
+        embedding): ``embeds[f"{name}_embed"]``, each added per position from ``forward(embed_ids={name: ids})``.
+    emb_dim: the width of the token (and absolute position) embeddings, when not the model width: they are summed
+        at ``emb_dim`` and projected by ``project_emb`` (``nn.Linear(emb_dim, dim)``, with a bias); memory and class
+        rows join after it. Not with ``tie_embedding``, ``recycling`` or ``prepend_embeds``; the static decode step
+        is not used.
+    num_output_heads: x-transformers' several output heads: ``to_logits`` is an ``nn.ModuleList`` of that many
+        ``nn.Linear(dim, logits_dim)`` and the logits are a tuple, one per head (padded rows 0 in each). Not with
+        ``tie_embedding``, ``to_logits``, ``mixture_of_softmax`` or ``return_only_embed``; not trained or sampled by
+        ``AutoregressiveWrapper`` (one head).
+    sigsoftmax_logits: the logits are ``z + log(sigmoid(z))`` (computed as ``logsigmoid``: finite for every finite
+        ``z``), so their softmax is the sigsoftmax (x-transformers' option); padded rows stay 0. The static decode
+        step is not used.
+    attn_z_loss_weight: the default weight of ``forward(return_attn_z_loss=True)``'s z-loss (x-transformers takes
+        this keyword but uses its forward's default 1e-4 only).
+    memory_tokens_interspersed_every: with ``num_memory_tokens``, a ``Decoder`` only: the memory tokens are placed
+        before every segment of this many real tokens instead of once before the sequence (x-transformers' option);
+        segments count each sample's real tokens, so padding never moves them (x-transformers counts slots). No KV
+        cache (generation re-encodes each step), no ``prepend_embeds``, ``pos``, ``attn_mask``, ``ff_deep_embed``,
+        ``looped`` or ``use_cls_token``; the intermediates' ``memory_tokens`` is ``(b * S, M, c)`` for ``S`` blocks.
+    max_mem_len: Transformer-XL: the most memory positions ``forward(return_mems=True)`` keeps per self-attention
+        block (x-transformers' option; 0 keeps none). See ``forward(mems=...)``.
+    shift_mem_down: x-transformers' option: the memories passed in are rotated by this many blocks first (the first
+        ``shift_mem_down`` blocks' memories go to the last blocks).
+
+``TransformerWrapper.forward``'s keywords:
+
+Args:
+    x: ``(b, n)`` token ids. Ids at padded positions are never looked up (any value is fine).
+    mask: ``(b, n)`` bool padding mask, True = real token.
+    context: ``(b, j, c_ctx)`` for cross-attention (``j`` may be 0), or ``None``.
+    context_mask: ``(b, j)`` bool; an all-False row drops that sample's condition exactly.
+    attn_mask: extra self-attention mask ``(b, n, n)`` / ``(n, n)`` (True = may attend).
+    return_embeddings: return hidden states ``(b, n, c)`` instead of logits.
+    return_pooled: return the mean of hidden states over real positions, ``(b, c)``; a fully
+        padded sample gives 0, not NaN (S8).
+    cache: a ``KVCache`` from an earlier call; ``x`` holds only the new tokens. Or (x-transformers'
+        protocol) the ``LayerIntermediates`` of an earlier ``return_intermediates=True`` call: ``x`` (and
+        ``mask``, ``pos``) then holds the whole sequence so far or only the new tokens, the last
+        ``cache_age`` (default 1) being new; only those are computed and returned.
+    return_cache: also return the updated ``KVCache``.
+    check_finite: override the model's ``check_finite`` for this call.
+    prepend_embeds: ``(b, m, dim)`` a prefix of embeddings placed before the tokens (prefix
+        conditioning, as in x-transformers). Only on a call without a cache.
+    prepend_mask: ``(b, m)`` bool, True = real prefix row. Masked rows are padding: selected
+        away, not counted in positions, so an all-False row is exactly no prefix and a padded
+        prefix equals the shorter prefix alone.
+    excise_prepend_embeds: return outputs for the tokens only, ``(b, n, ...)``; by default
+        the prefix positions come first, ``(b, m + n, ...)`` (padded prefix rows are 0).
+    condition, condition_mask: the adaptive-norm condition ``(b, K)`` and which samples keep
+        it ``(b,)`` (see ``AttentionLayers.forward``).
+    pos: ``(n,)`` or ``(b, n)`` integer positions of the tokens, for the absolute embedding and
+        for rotary / ALiBi (x-transformers' ``pos``); by default real tokens are counted.
+    seq_start_pos: ``(b,)`` where each sample starts (x-transformers' ``seq_start_pos``): the
+        positions before it are left padding (combined with ``mask``), whatever they hold.
+    return_intermediates: also return a ``LayerIntermediates`` (hidden states entering each
+        layer, attention weights of every attention block, memory tokens' outputs). Runs the
+        explicit attention path (float32 weights, ``(b, h, i, j)`` memory).
+    return_attn: also return the list of attention weights ``(b, h, i, j)`` (float32; padded
+        queries, dead rows and masked keys exactly 0).
+    return_hiddens: the same as ``return_intermediates``.
+    token_emb_kwargs, to_logits_kwargs: keywords for a custom ``token_emb`` / ``to_logits`` module.
+    return_next_embed_pred: with ``add_continuous_pred_head``, return ``(out, (next_embed_pred,
+        initial_embeds))``: the head's prediction of the next position's embedding ``(b, n, c)`` and
+        the embeddings entering the stack (x-transformers' ``init_embed``; padded rows 0).
+    recycle_steps: with ``recycling``, how many times the stack runs (default: a random number in
+        ``[1, train_max_recycle_steps]`` in training; needed in eval mode).
+    input_not_include_cache: with a ``LayerIntermediates`` cache, ``x`` holds only the new positions
+        (all of them new; x-transformers' option); default the model's ``input_not_include_cache``.
+    causal: override the stack's causality for this call (x-transformers' ``forward(causal=...)``, e.g.
+        ``causal=False`` on a ``Decoder``); runs the padded path, not with a KV cache, and the intermediates
+        of such a call carry no cache.
+    self_attn_additional_kv, additional_kv_mask, detach_additional_kv, route_additional_kv_to_top:
+        x-transformers' extra keys/values for the self-attention blocks (a list of ``(k, v)`` per block, or
+        another model's ``LayerIntermediates``) and their padding mask ``(b, a)``; see
+        ``AttentionLayers.forward``. Padded path only; not with ``recycling``; the cache does not keep
+        them (pass them on every call).
+    looped_steps: a ``looped`` model's runs of the stack for this call, fixed (no early exit).
+    max_looped_steps: the most runs (default the model's ``max_looped_steps``); ``looped_steps`` wins.
+    looped_pred_all_logits: put each run's logits on the intermediates (``all_pred_logits``); default: in
+        training mode.
+    looped_inference: x-transformers' looped inference: a prompt (no cache, several tokens) runs every step and
+        its cache keeps each run's keys/values (a later position's run ``i`` reads the prompt's run ``i``); one
+        new position (with a cache, or alone) stops once its cumulative exit probability reaches
+        ``looped_exit_prob_threshold``, per sample (x-transformers: batch size 1 only). The intermediates'
+        ``exit_indices (b, t)`` say where each call stopped.
+    looped_exit_prob_threshold: see ``looped_inference``.
+    return_logits_and_embeddings: return ``(logits, embeddings)``: the logits and what ``return_embeddings``
+        returns (x-transformers' option).
+    return_embeddings_and_intermediates: return ``(embeddings, intermediates)``.
+    return_logit_entropies: put the entropy of each position's softmax on the intermediates
+        (``logit_entropies (b, n)``, float32; padded positions 0) and return the intermediates.
+    sum_embeds: ``(b, n, emb_dim)`` added to the token embeddings (x-transformers' self-conditioning input);
+        padded positions are selected away (any value there, NaN included, reaches nothing).
+    embed_ids: ``{name: (b, n) ids}`` for the further embeddings of ``embed_num_tokens`` (every name, each
+        added); ids at padded positions are never looked up.
+    return_attn_z_loss: put x-transformers' z-loss of the attention logits on the intermediates
+        (``attn_z_loss``) and return them: ``weight * mean over real query rows of sum over heads of
+        (sum over attention blocks of logsumexp over the keys)^2``. Masked keys are left out of each
+        logsumexp, and rows with no key (padded queries, dead rows) add 0. Runs the explicit attention path.
+    attn_z_loss_weight: its weight (default the model's ``attn_z_loss_weight``, 1e-4).
+    mems: Transformer-XL memories (x-transformers' keyword): one ``(b, m, c)`` tensor per self-attention block,
+        as ``return_mems=True`` returned them for the previous segment; each self-attention also attends to its
+        block's memory (keys at positions ``-m .. -1``; the tokens' absolute positions start at 0 again).
+        ``mem_masks``: their padding (``(b, m)`` bool per block, or one for all; True = real); a ``Mems`` list
+        from ``return_mems`` carries its own (the previous segment's padding), so padded positions never
+        become memory a real query sees. ``shift_mem_down`` (constructor) rotates the list first.
+    return_mems: also return the new memories, a ``Mems`` list (one ``(b, <= max_mem_len, c)`` per self-attention
+        block: the old memory then the stream entering the block, the last ``max_mem_len`` positions; its
+        ``masks`` attribute holds their padding, or ``None``): ``(out, mems)``, or on the intermediates
+        (``mems``, ``mem_masks``) with ``return_intermediates``. ``detach_mems`` (default True): no gradient
+        flows back through them. Memories run the padded path, and not with a KV cache, prepend_embeds,
+        memory / class tokens, recycling or a looped model.
+    _loop_out: (internal, for ``AutoregressiveWrapper``'s looped loss) a dict a looped model fills with the
+        runs' ``exit_logits``, ``all_pred_logits`` and ``exit_indices`` without building the intermediates
+        (which run the explicit attention path).
+
+Returns:
+    logits ``(b, n, v)`` (or embeddings / pooled; ``(b, v)`` with ``average_pool_embed`` or one
+    class token; ``(b, num_pooled_tokens, dim_pooled_tokens)`` for an encoder with ``attn_pool``, whose
+    logits then go on the intermediates as ``logits``), then the cache if ``return_cache``, then the
+    intermediates if ``return_intermediates`` / ``return_hiddens``, or the attention weights if
+    ``return_attn``.
 """
 
 from __future__ import annotations
@@ -17,13 +188,29 @@ from torch import Tensor, nn
 
 from .cache import LayerIntermediates, attach_cached_kv, resolve_cache
 from .conditions import Conditions, check_condition_tensor, condition_kwargs
-from .layers import AttentionLayers, KVCache, _last, mems_unsupported, translate_aliases
+from .layers import AttentionLayers, KVCache, _last, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
 from .masks import check_lengths, checked_once, validate_mask
 from .modules import AbsolutePositionalEmbedding, l2norm, positions_from_mask
 from .pretrained import Configurable
-from .xt_extras import AttentionPool
+from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and tests import them from here)
+    Mems,
+    WrapperCall,
+    _check_tokens,
+    _conditions,
+    _start_mask,
+    _token_ids,
+    attn_z_loss,
+    embed_call,
+    finish_call,
+    head_call,
+    intersperse_layout,
+    logit_entropies,
+    resolve_call,
+    run_call,
+)
+from .wrapper_options import _flag, build_embeddings, build_fixed_rows, build_heads, build_recurrence, check_options
 
 __all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
 
@@ -109,40 +296,11 @@ WRAPPER_ALIASES: dict[str, object] = {
 }
 
 
-def _conditions(context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask, conditions: dict) -> Conditions:
-    """The named condition keywords and the further kinds (``**conditions``) as one ``Conditions``; named
-    explicitly, not read from ``locals()``, so ``torch.compile(fullgraph=True)`` traces a forward (a frame
-    whose closures hold cells not yet assigned cannot be read whole)."""
-    return Conditions.from_kwargs(dict(context=context, context_mask=context_mask, prepend_embeds=prepend_embeds,
-                                       prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask,
-                                       **conditions))
-
-
 def _check_layers(attn_layers) -> None:
     if not isinstance(attn_layers, AttentionLayers):
         raise TypeError(
             f"attn_layers must be an Encoder, Decoder, CrossAttender or AttentionLayers, got {type(attn_layers).__name__}"
         )
-
-
-def _check_tokens(x, name: str) -> None:
-    if not isinstance(x, Tensor) or x.dim() != 2:
-        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-    if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-        raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype}")
-
-
-def _token_ids(x, name: str):
-    """``x`` as integer token ids: x-transformers reads a float tensor of ids with ``.long()``; safeformer
-    takes one whose every value is a whole number (the same ids) and refuses any other (x-transformers would
-    truncate 1.7 to 1 silently)."""
-    if isinstance(x, Tensor) and x.dim() == 2 and x.dtype.is_floating_point:
-        if x.numel() and not bool((torch.isfinite(x) & (x == x.round())).all()):
-            raise TypeError(f"{name} must hold integer token ids; a float tensor is read only when every value is a "
-                            f"whole number (convert with {name}.long() after rounding as you mean it)")
-        x = x.long()
-    _check_tokens(x, name)
-    return x
 
 
 class _Wrapper(Configurable, nn.Module):
@@ -497,208 +655,6 @@ class _Wrapper(Configurable, nn.Module):
         return h_out, cache_out if return_cache else None, last_inter
 
 
-def intersperse_layout(mask: Tensor | None, b: int, n: int, every: int, M: int, device):
-    """Where x-transformers' interspersed memory tokens go: ``M`` memory rows before each segment of ``every`` real
-    tokens, counted per sample. Returns ``(slot (b, n): each token's row in the interleaved sequence, start (b, n):
-    tokens that open a segment, blocks (b, n): memory blocks at or before each token, N: the interleaved length,
-    rows (b, N): which interleaved rows are real)``."""
-    real = torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
-    rank = real.long().cumsum(dim=1) - 1
-    start = real & (rank % every == 0)
-    blocks = start.long().cumsum(dim=1)
-    slot = torch.arange(n, device=device) + M * blocks  # a row inserted before each segment's first token
-    N = n + M * (-(-n // every))
-    rows = torch.zeros(b, N + 1, dtype=torch.bool, device=device).scatter(1, slot, real)
-    first = torch.where(start[..., None], slot[..., None] - M + torch.arange(M, device=device), N)  # (b, n, M)
-    rows = rows.scatter(1, first.reshape(b, n * M), start[..., None].expand(-1, -1, M).reshape(b, n * M))
-    return slot, start, blocks, N, rows[:, :N]
-
-
-def _cached_slots(cache, n: int, cache_age: int) -> int:
-    """How many token slots before ``x``'s first position the cache holds (0 without one, or when ``x``
-    holds the whole sequence)."""
-    if cache is None:
-        return 0
-    kv = cache.cache if isinstance(cache, LayerIntermediates) else cache
-    if not isinstance(kv, KVCache):
-        return 0
-    cached = kv.length - kv.lead_slots
-    return cached if not isinstance(cache, LayerIntermediates) or n == cache_age else 0
-
-
-def _start_mask(seq_start_pos, mask: Tensor | None, b: int, n: int, device, offset: int = 0,
-                incremental: bool = False) -> Tensor:
-    """``mask`` with the positions before ``seq_start_pos (b,)`` marked as (left) padding; ``offset``: the
-    index of ``x``'s first position in the whole sequence (cached positions before it). ``incremental``: ``x``
-    is a piece of a longer sequence (``input_not_include_cache``), whose start may lie beyond it."""
-    t = check_lengths(seq_start_pos, "seq_start_pos", b, max_len=None if incremental else n + offset, device=device)
-    started = offset + torch.arange(n, device=device)[None] >= t[:, None]  # (b, n)
-    return started if mask is None else mask & started
-
-
-def _additional_kv(net, additional, mask, detach, to_top) -> dict | None:
-    """The stack keywords of x-transformers' extra self-attention keys/values (``None`` when not given)."""
-    if additional is None and mask is None:
-        return None
-    if getattr(net, "recycling", False):
-        raise ValueError("self_attn_additional_kv is not supported with recycling")
-    return dict(self_attn_additional_kv=additional, additional_kv_mask=mask, detach_additional_kv=detach,
-                route_additional_kv_to_top=to_top)
-
-
-class Mems(list):
-    """Transformer-XL memories (``TransformerWrapper(return_mems=True)``): a list of one ``(b, m, c)`` tensor per
-    self-attention block, as x-transformers returns them, with ``masks``: their padding (one ``(b, m)`` bool per
-    block, True = real) or ``None``. Passed back as ``mems=``, the masks come along (unless ``mem_masks`` is given)."""
-
-    masks: list | None = None
-
-
-def _check_mems_call(net, mems, mem_masks, return_mems, detach_mems, cache, return_cache, return_attn, prepend_embeds,
-                     conditions, pos):
-    """``forward(mems=, mem_masks=, return_mems=, detach_mems=)`` checked: the memories in the stack's order
-    (``shift_mem_down`` applied) and their masks."""
-    _flag(return_mems, "return_mems")
-    _flag(detach_mems, "detach_mems")
-    if mems is None and not return_mems:
-        if mem_masks is not None:
-            raise ValueError("mem_masks was given without mems")
-        return None, None
-    for what, bad in (("a KV cache (cache / return_cache)", cache is not None or return_cache),
-                      ("prepend_embeds", prepend_embeds is not None or conditions.get("prepend_embeds") is not None),
-                      ("memory or class tokens", net.num_fixed_tokens or net.memory_tokens_interspersed_every),
-                      ("recycling", net.recycling), ("a looped model", getattr(net, "looped", False)),
-                      ("return_attn (ask return_intermediates)", return_attn and return_mems),
-                      ("pos (custom positions; the memories sit at -m .. -1 before the counted real tokens)",
-                       pos is not None),
-                      (mems_unsupported(net.attn_layers), mems_unsupported(net.attn_layers) is not None)):
-        if bad:
-            raise ValueError(f"mems / return_mems (Transformer-XL memories) cannot be combined with {what}")
-    if mems is not None and mem_masks is None:
-        mem_masks = getattr(mems, "masks", None)
-    if mems is not None and net.shift_mem_down:
-        mems = list(mems)
-        k = net.shift_mem_down
-        mems = [*mems[k:], *mems[:k]]
-        if isinstance(mem_masks, (list, tuple)):
-            mem_masks = [*mem_masks[k:], *mem_masks[:k]]
-    return (None if mems is None else list(mems)), mem_masks
-
-
-def _new_mems(net, mems, mem_masks, hiddens, mask, detach: bool) -> Mems:
-    """x-transformers' new memories: per self-attention block the old memory then the stream that entered the block
-    (padded rows 0), the last ``max_mem_len`` positions; their masks alongside (``None`` when all is real)."""
-    keep = net.max_mem_len
-    b, n = hiddens[0].shape[:2] if hiddens else (0, 0)
-    if mems is not None:
-        masks = mem_masks if isinstance(mem_masks, (list, tuple)) else [mem_masks] * len(mems)
-        new = [torch.cat((m_, h.to(m_.dtype)), dim=1) for m_, h in zip(mems, hiddens)]
-    else:
-        masks = [None] * len(hiddens)
-        new = list(hiddens)
-    if mask is None and all(mm is None for mm in masks):
-        new_masks = None
-    else:
-        ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=hiddens[0].device)  # noqa: E731
-        cur = ones(n) if mask is None else mask
-        made: dict = {}  # one tensor per distinct old mask: blocks that shared a mask share the new one
-
-        def extend(mm, t):
-            if id(mm) not in made:
-                full = cur if mems is None else torch.cat((ones(t.shape[1] - n) if mm is None else mm, cur), dim=1)
-                made[id(mm)] = full[:, full.shape[1] - min(keep, full.shape[1]):]
-            return made[id(mm)]
-
-        new_masks = [extend(mm, t) for mm, t in zip(masks, new)]
-    new = [t[:, t.shape[1] - min(keep, t.shape[1]):] for t in new]
-    if detach:
-        new = [t.detach() for t in new]
-    out = Mems(new)
-    out.masks = new_masks
-    return out
-
-
-def _flag(v, name: str) -> None:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {v!r}")
-
-
-def _build_attn_pool(attn_layers: AttentionLayers, attn_pool, num_pooled_tokens, depth, dim_pooled_tokens,
-                     use_cls_token: bool, average_pool_embed: bool) -> AttentionPool | None:
-    """x-transformers' ``attn_pool``: an ``AttentionPool`` over the stack's output with the stack's heads and head
-    width, or ``None``."""
-    _flag(attn_pool, "attn_pool")
-    if not attn_pool:
-        return None
-    if use_cls_token or average_pool_embed:
-        raise ValueError("attn_pool pools the positions itself: not with use_cls_token or average_pool_embed")
-    for name, v in (("num_pooled_tokens", num_pooled_tokens), ("attn_pool_depth", depth)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if dim_pooled_tokens is not None and (isinstance(dim_pooled_tokens, bool) or not isinstance(dim_pooled_tokens, int)
-                                          or dim_pooled_tokens < 1):
-        raise ValueError(f"dim_pooled_tokens must be a positive integer or None (= dim), got {dim_pooled_tokens!r}")
-    attn = next(blk.mixer for blk in attn_layers.layers if blk.kind != "ff")
-    dim = attn_layers.dim
-    return AttentionPool(dim if dim_pooled_tokens is None else dim_pooled_tokens, num_pooled_tokens=num_pooled_tokens,
-                         dim_context=dim, depth=depth, heads=attn.heads, dim_head=attn.dim_head)
-
-
-def _positive_int(v, name: str, none_ok: bool = False) -> None:
-    if v is None and none_ok:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive integer{' or None' if none_ok else ''}, got {v!r}")
-
-
-def _check_embedding_options(attn_layers: AttentionLayers, embed_num_tokens, emb_dim, num_output_heads, sigsoftmax,
-                             z_weight, mem_every, num_memory_tokens, *, tie_embedding, recycling, to_logits,
-                             mixture_of_softmax, return_only_embed, use_cls_token) -> int:
-    """The embedding and head options of x-transformers' wrapper, checked (S9). Returns the embedding width."""
-    dim = attn_layers.dim
-    _positive_int(emb_dim, "emb_dim", none_ok=True)
-    emb_dim = dim if emb_dim is None else emb_dim
-    if emb_dim != dim and (tie_embedding or recycling):
-        raise ValueError(f"emb_dim={emb_dim} != dim={dim} (projected embeddings) cannot be combined with "
-                         f"{'tie_embedding' if tie_embedding else 'recycling'} (they need embeddings of the model width)")
-    if embed_num_tokens is not None:
-        if not isinstance(embed_num_tokens, dict) or not all(isinstance(k, str) and k for k in embed_num_tokens):
-            raise TypeError(f"embed_num_tokens must be a dict {{name: vocabulary size}}, got {embed_num_tokens!r}")
-        for name, count in embed_num_tokens.items():
-            _positive_int(count, f"embed_num_tokens[{name!r}]")
-    _positive_int(num_output_heads, "num_output_heads")
-    if num_output_heads > 1 and (tie_embedding or to_logits is not None or mixture_of_softmax or return_only_embed):
-        raise ValueError("num_output_heads > 1 builds its own heads: not with tie_embedding, to_logits, "
-                         "mixture_of_softmax or return_only_embed")
-    _flag(sigsoftmax, "sigsoftmax_logits")
-    if isinstance(z_weight, bool) or not isinstance(z_weight, (int, float)) or not math.isfinite(z_weight) or z_weight < 0:
-        raise ValueError(f"attn_z_loss_weight must be a finite number >= 0, got {z_weight!r}")
-    _positive_int(mem_every, "memory_tokens_interspersed_every", none_ok=True)
-    if mem_every is not None:
-        if not attn_layers.causal:
-            raise ValueError("memory_tokens_interspersed_every is for a Decoder (x-transformers' rule): memory tokens "
-                             "between segments summarise the tokens before them")
-        if not num_memory_tokens:
-            raise ValueError("memory_tokens_interspersed_every needs num_memory_tokens >= 1")
-        if use_cls_token:
-            raise ValueError("memory_tokens_interspersed_every cannot be combined with use_cls_token")
-    return emb_dim
-
-
-def _check_looped(attn_layers: AttentionLayers, looped, max_looped_steps, recycling) -> None:
-    _flag(looped, "looped")
-    if isinstance(max_looped_steps, bool) or not isinstance(max_looped_steps, int) or max_looped_steps < 1:
-        raise ValueError(f"max_looped_steps must be a positive integer, got {max_looped_steps!r}")
-    if not looped:
-        return
-    if recycling:
-        raise ValueError("choose one of looped and recycling, not both (x-transformers' rule)")
-    routing = getattr(attn_layers, "routing", None)
-    if routing is None or getattr(routing, "post_norms", None) is None:
-        raise ValueError("looped=True needs attn_layers built with pre_and_post_norm=True (x-transformers' rule: the "
-                         "stream is normalised after every block, so repeated runs stay in range)")
-
-
 def _merge_kv(keep_new: Tensor, new, old):
     """Per sample (``keep_new (b,)``), the new cache's keys/values or the old one's (same shapes)."""
     if old is None:
@@ -707,103 +663,9 @@ def _merge_kv(keep_new: Tensor, new, old):
     return [(sel(k, ko), sel(v, vo)) for (k, v), (ko, vo) in zip(new, old)]
 
 
-def _check_xt_head_options(token_emb, to_logits, tie_embedding, return_only_embed, mixture_of_softmax, mos_k,
-                           recycling, recycle_steps, use_cls_token, average_pool_embed, squeeze_out_last_dim,
-                           add_continuous_pred_head, input_not_include_cache) -> None:
-    """The x-transformers wrapper options' types and the combinations safeformer refuses (S9)."""
-    for name, mod in (("token_emb", token_emb), ("to_logits", to_logits)):
-        if mod is not None and not isinstance(mod, nn.Module):
-            raise TypeError(f"{name} must be an nn.Module, got {type(mod).__name__}")
-    for v, name in ((squeeze_out_last_dim, "squeeze_out_last_dim"), (mixture_of_softmax, "mixture_of_softmax"),
-                    (add_continuous_pred_head, "add_continuous_pred_head"), (recycling, "recycling"),
-                    (input_not_include_cache, "input_not_include_cache")):
-        _flag(v, name)
-    if token_emb is not None and tie_embedding:
-        raise ValueError("tie_embedding=True ties the output to the built-in nn.Embedding: not with a custom token_emb")
-    if to_logits is not None and (tie_embedding or return_only_embed):
-        raise ValueError("to_logits (a custom output head) cannot be combined with tie_embedding or return_only_embed")
-    if mixture_of_softmax:
-        if isinstance(mos_k, bool) or not isinstance(mos_k, int) or mos_k < 1:
-            raise ValueError(f"mixture_of_softmax_k must be a positive integer, got {mos_k!r}")
-        if return_only_embed:
-            raise ValueError("mixture_of_softmax needs an output head (not return_only_embed)")
-        if use_cls_token or average_pool_embed:
-            raise ValueError("mixture_of_softmax mixes per-position softmaxes: not with use_cls_token or average_pool_embed")
-    if recycling and (isinstance(recycle_steps, bool) or not isinstance(recycle_steps, int) or recycle_steps < 1):
-        raise ValueError(f"train_max_recycle_steps must be a positive integer, got {recycle_steps!r}")
-
-
 class TransformerWrapper(_Wrapper):
-    """Token ids in, logits out.
-
-    Args:
-        num_tokens: vocabulary size v.
-        max_seq_len: longest sequence (for the absolute position embedding).
-        attn_layers: an ``Encoder``, ``Decoder``, ``CrossAttender`` or ``AttentionLayers``.
-        emb_dropout: dropout on the embeddings.
-        use_abs_pos_emb: learned absolute positions (skipped when the layers use rotary or ALiBi).
-        tie_embedding: the output projection shares the token embedding's weights.
-        return_only_embed: no output projection: the model returns hidden states (an encoder).
-        logits_dim: output size (default ``num_tokens``).
-        tie_embedding_scale: with ``tie_embedding``, logits are ``h @ E.T * tie_embedding_scale``
-            (default 1; x-transformers' default is ``dim ** -0.5``, which ``from_x_transformers`` keeps).
-        num_memory_tokens: learned memory (register) tokens placed before the sequence on the call that
-            starts it: every position may attend to them; they take no absolute position and are cut
-            from the output (``LayerIntermediates.memory_tokens`` holds theirs).
-        l2norm_embed: L2-normalise the token (and absolute position) embeddings, initialised with std
-            1e-5 (x-transformers' ``l2norm_embed``).
-        average_pool_embed: the output is the masked mean over real positions, projected by the head:
-            ``(b, logits_dim)`` (a fully padded sample pools to 0, never NaN).
-        use_cls_token: learned class token(s) before the sequence (after the memory tokens); the output
-            is theirs: ``(b, logits_dim)`` for one, ``(b, num_cls_tokens, logits_dim)`` for several.
-        num_cls_tokens: how many class tokens.
-        check_finite: by default, check that real positions of float inputs (``context``) are finite
-            and raise ``ValueError`` naming the argument otherwise (S9); costs a device sync.
-        attn_pool: x-transformers' attention pooling: ``num_pooled_tokens`` learned queries of width
-            ``dim_pooled_tokens`` (default ``dim``) attend over the real positions of the last hidden states
-            (``AttentionPool`` with the stack's heads and head width; ``attn_pool_depth > 1``: a ``CrossAttender``
-            of that depth). An encoder returns the pooled tokens ``(b, num_pooled_tokens, dim_pooled_tokens)``
-            instead of the logits (these go on the intermediates as ``logits``); a decoder returns its logits and
-            pools only when the intermediates are asked for. Either way the intermediates carry
-            ``attn_pooled_tokens``. Padded positions are never pooled; a sample with no real position pools to 0
-            (depth 1) or to its queries' stack output (depth > 1). Not with ``use_cls_token``,
-            ``average_pool_embed`` or a KV cache.
-        num_pooled_tokens, attn_pool_depth, dim_pooled_tokens: see ``attn_pool``.
-        ff_deep_embed: x-transformers' deep embeddings: a learned ``(num_tokens, L, dim)`` table (ones at init,
-            ``L`` the feed-forward blocks); each feed-forward block's output at a position is multiplied by that
-            token's row for the block. Runs the padded path; the static decode step is not used.
-        looped: x-transformers' looped LM (recurrent depth): the stack runs ``max_looped_steps`` times (``forward``'s
-            ``looped_steps`` / ``max_looped_steps`` override it), each run reading the previous run's output (the
-            embeddings enter once); an ``exit_gate`` (``nn.Linear(dim, 1)``) scores each position after each run
-            (the intermediates' ``exit_logits``), which ``AutoregressiveWrapper`` trains and which
-            ``looped_inference`` reads to stop early. Needs ``attn_layers`` built with ``pre_and_post_norm=True``
-            (x-transformers' rule); not with ``recycling``. Padded positions stay padding in every run. Runs the
-            padded path; the static decode step is not used (generation decodes on the dynamic KV cache).
-        max_looped_steps: the runs of a looped stack (training and by default).
-        embed_num_tokens: x-transformers' further embeddings ``{name: vocabulary size}`` (e.g. a BERT-style type
-            embedding): ``embeds[f"{name}_embed"]``, each added per position from ``forward(embed_ids={name: ids})``.
-        emb_dim: the width of the token (and absolute position) embeddings, when not the model width: they are summed
-            at ``emb_dim`` and projected by ``project_emb`` (``nn.Linear(emb_dim, dim)``, with a bias); memory and class
-            rows join after it. Not with ``tie_embedding``, ``recycling`` or ``prepend_embeds``; the static decode step
-            is not used.
-        num_output_heads: x-transformers' several output heads: ``to_logits`` is an ``nn.ModuleList`` of that many
-            ``nn.Linear(dim, logits_dim)`` and the logits are a tuple, one per head (padded rows 0 in each). Not with
-            ``tie_embedding``, ``to_logits``, ``mixture_of_softmax`` or ``return_only_embed``; not trained or sampled by
-            ``AutoregressiveWrapper`` (one head).
-        sigsoftmax_logits: the logits are ``z + log(sigmoid(z))`` (computed as ``logsigmoid``: finite for every finite
-            ``z``), so their softmax is the sigsoftmax (x-transformers' option); padded rows stay 0. The static decode
-            step is not used.
-        attn_z_loss_weight: the default weight of ``forward(return_attn_z_loss=True)``'s z-loss (x-transformers takes
-            this keyword but uses its forward's default 1e-4 only).
-        memory_tokens_interspersed_every: with ``num_memory_tokens``, a ``Decoder`` only: the memory tokens are placed
-            before every segment of this many real tokens instead of once before the sequence (x-transformers' option);
-            segments count each sample's real tokens, so padding never moves them (x-transformers counts slots). No KV
-            cache (generation re-encodes each step), no ``prepend_embeds``, ``pos``, ``attn_mask``, ``ff_deep_embed``,
-            ``looped`` or ``use_cls_token``; the intermediates' ``memory_tokens`` is ``(b * S, M, c)`` for ``S`` blocks.
-        max_mem_len: Transformer-XL: the most memory positions ``forward(return_mems=True)`` keeps per self-attention
-            block (x-transformers' option; 0 keeps none). See ``forward(mems=...)``.
-        shift_mem_down: x-transformers' option: the memories passed in are rotated by this many blocks first (the first
-            ``shift_mem_down`` blocks' memories go to the last blocks).
+    """Token ids in, logits out. The keywords of the constructor and of ``forward`` are documented in this
+    module's docstring (``help(safeformer.wrappers)``).
 
     Example:
         >>> model = TransformerWrapper(num_tokens=256, max_seq_len=128,
@@ -864,100 +726,38 @@ class TransformerWrapper(_Wrapper):
         super().__init__()
         _check_layers(attn_layers)
         self._set_config_from(TransformerWrapper.__init__, locals())
-        if tie_embedding_scale is not None and not tie_embedding:
-            raise ValueError("tie_embedding_scale was given without tie_embedding=True")
-        if tie_embedding_scale is not None and (isinstance(tie_embedding_scale, bool) or not isinstance(
-                tie_embedding_scale, (int, float)) or not math.isfinite(tie_embedding_scale)):
-            raise ValueError(f"tie_embedding_scale must be a finite number, got {tie_embedding_scale!r}")
-        if average_pool_embed and use_cls_token:
-            raise ValueError("choose one of average_pool_embed and use_cls_token, not both")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
-            raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
-        if logits_dim is not None and (isinstance(logits_dim, bool) or not isinstance(logits_dim, int) or logits_dim <= 0):
-            raise ValueError(f"logits_dim must be a positive integer or None (= num_tokens), got {logits_dim!r}")
-        if tie_embedding and logits_dim not in (None, num_tokens):
-            raise ValueError("tie_embedding=True needs logits_dim == num_tokens")
-        _check_xt_head_options(token_emb, to_logits, tie_embedding, return_only_embed, mixture_of_softmax,
-                               mixture_of_softmax_k, recycling, train_max_recycle_steps, use_cls_token,
-                               average_pool_embed, squeeze_out_last_dim, add_continuous_pred_head,
-                               input_not_include_cache)
+        emb_dim = check_options(
+            attn_layers, num_tokens=num_tokens, logits_dim=logits_dim, tie_embedding=tie_embedding,
+            tie_embedding_scale=tie_embedding_scale, average_pool_embed=average_pool_embed, use_cls_token=use_cls_token,
+            token_emb=token_emb, to_logits=to_logits, return_only_embed=return_only_embed,
+            mixture_of_softmax=mixture_of_softmax, mixture_of_softmax_k=mixture_of_softmax_k, recycling=recycling,
+            train_max_recycle_steps=train_max_recycle_steps, squeeze_out_last_dim=squeeze_out_last_dim,
+            add_continuous_pred_head=add_continuous_pred_head, input_not_include_cache=input_not_include_cache,
+            embed_num_tokens=embed_num_tokens, emb_dim=emb_dim, num_output_heads=num_output_heads,
+            sigsoftmax_logits=sigsoftmax_logits, attn_z_loss_weight=attn_z_loss_weight,
+            memory_tokens_interspersed_every=memory_tokens_interspersed_every, num_memory_tokens=num_memory_tokens,
+            max_mem_len=max_mem_len, shift_mem_down=shift_mem_down)
         dim = attn_layers.dim
-        emb_dim = _check_embedding_options(attn_layers, embed_num_tokens, emb_dim, num_output_heads, sigsoftmax_logits,
-                                           attn_z_loss_weight, memory_tokens_interspersed_every, num_memory_tokens,
-                                           tie_embedding=tie_embedding, recycling=recycling, to_logits=to_logits,
-                                           mixture_of_softmax=mixture_of_softmax, return_only_embed=return_only_embed,
-                                           use_cls_token=use_cls_token)
-        for name, v in (("max_mem_len", max_mem_len), ("shift_mem_down", shift_mem_down)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        self.max_mem_len = max_mem_len  # Transformer-XL: the most memory positions forward(return_mems=True) keeps
-        self.shift_mem_down = shift_mem_down  # the first shift_mem_down memories go to the top blocks (x-transformers)
-        self.num_tokens = num_tokens
-        self.attn_layers = attn_layers
-        self.emb_dim = emb_dim
-        self.custom_token_emb = token_emb is not None
-        self.token_emb = nn.Embedding(num_tokens, emb_dim) if token_emb is None else token_emb
-        self.l2norm_embed = l2norm_embed
-        if l2norm_embed and not self.custom_token_emb:
-            nn.init.normal_(self.token_emb.weight, std=1e-5)
-        self._init_positions(emb_dim, max_seq_len, use_abs_pos_emb, l2norm_embed)
-        # x-transformers' emb_dim: embeddings of another width, projected to the model width (prefix rows included)
-        self.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
-        # x-transformers' embed_num_tokens: further embeddings (a BERT-style type embedding) added per position
-        self.embeds = nn.ModuleDict({f"{name}_embed": nn.Embedding(count, emb_dim)
-                                     for name, count in (embed_num_tokens or {}).items()}) if embed_num_tokens else None
-        self.num_output_heads = num_output_heads
-        self.sigsoftmax_logits = sigsoftmax_logits
-        self.attn_z_loss_weight = float(attn_z_loss_weight)
-        self.memory_tokens_interspersed_every = memory_tokens_interspersed_every
-        self._init_fixed_tokens(dim, num_memory_tokens, use_cls_token, num_cls_tokens)
-        self.average_pool_embed = average_pool_embed
-        self.emb_dropout = nn.Dropout(emb_dropout)
-        self.tie_embedding = tie_embedding
-        self.tie_embedding_scale = 1.0 if tie_embedding_scale is None else float(tie_embedding_scale)
-        self.return_only_embed = return_only_embed
-        has_head = not (tie_embedding or return_only_embed)
-        self.custom_to_logits = to_logits is not None
-        if to_logits is not None:
-            self.to_logits = to_logits
-        else:
-            width = num_tokens if logits_dim is None else logits_dim
-            if not has_head:
-                self.to_logits = None
-            elif num_output_heads > 1:  # x-transformers' num_output_heads: a tuple of logits, one per head
-                self.to_logits = nn.ModuleList([nn.Linear(dim, width, bias=False) for _ in range(num_output_heads)])
-            else:
-                self.to_logits = nn.Linear(dim, width, bias=False)
-        self.check_finite = check_finite
-        self.squeeze_out_last_dim = squeeze_out_last_dim
-        # mixture of softmaxes (x-transformers' mixture_of_softmax): k heads' softmaxes mixed per position; the
-        # output is then log-probabilities
-        self.output_is_log_prob = mixture_of_softmax
-        # (a Sequential, as in x-transformers: the same state-dict keys, to_mixture.0.weight)
-        self.to_mixture = nn.Sequential(nn.Linear(dim, dim * mixture_of_softmax_k, bias=False)) if mixture_of_softmax else None
-        self.combine_mixture = nn.Linear(dim, mixture_of_softmax_k, bias=False) if mixture_of_softmax else None
-        self.mixture_of_softmax_k = mixture_of_softmax_k
-        self.add_continuous_pred_head = add_continuous_pred_head
-        self.to_next_embed_pred = nn.Sequential(nn.Linear(dim, dim, bias=False), nn.SiLU(), nn.Linear(dim, dim, bias=False)) \
-            if add_continuous_pred_head else None
-        self.recycling = recycling
-        self.recycled_proj = nn.Linear(dim, dim, bias=False) if recycling else None
-        self.train_max_recycle_steps = train_max_recycle_steps
-        self.input_not_include_cache = input_not_include_cache
-        if self.custom_token_emb and hasattr(self.token_emb, "init_"):  # x-transformers calls it on construction
-            self.token_emb.init_()
-        _flag(ff_deep_embed, "ff_deep_embed")
-        # x-transformers' ff_deep_embed: per token, per feed-forward block, a learned multiplier of the block's output
-        num_ff = attn_layers.layer_kinds.count("ff")
-        self.ff_deep_embed = nn.Parameter(torch.ones(num_tokens, num_ff, dim)) if ff_deep_embed else None
-        self.attn_pool = _build_attn_pool(attn_layers, attn_pool, num_pooled_tokens, attn_pool_depth,
-                                          dim_pooled_tokens, use_cls_token, average_pool_embed)
-        # x-transformers' looped LM: the whole stack runs several times, each run on the previous run's output,
-        # with an exit gate per position (trained by AutoregressiveWrapper) deciding when to stop at inference
-        _check_looped(attn_layers, looped, max_looped_steps, recycling)
-        self.looped = looped
-        self.exit_gate = nn.Linear(dim, 1, bias=False) if looped else None
-        self.train_max_looped_steps = max_looped_steps
+        # built by option family, in this order: the order modules register (state-dict keys) and draw their weights
+        build_embeddings(self, attn_layers, num_tokens=num_tokens, emb_dim=emb_dim, token_emb=token_emb,
+                         l2norm_embed=l2norm_embed, max_seq_len=max_seq_len, use_abs_pos_emb=use_abs_pos_emb,
+                         embed_num_tokens=embed_num_tokens)
+        build_fixed_rows(self, dim, memory_tokens_interspersed_every=memory_tokens_interspersed_every,
+                         num_memory_tokens=num_memory_tokens, use_cls_token=use_cls_token,
+                         num_cls_tokens=num_cls_tokens, max_mem_len=max_mem_len, shift_mem_down=shift_mem_down,
+                         average_pool_embed=average_pool_embed, emb_dropout=emb_dropout)
+        build_heads(self, dim, num_tokens=num_tokens, logits_dim=logits_dim, tie_embedding=tie_embedding,
+                    tie_embedding_scale=tie_embedding_scale, return_only_embed=return_only_embed, to_logits=to_logits,
+                    num_output_heads=num_output_heads, sigsoftmax_logits=sigsoftmax_logits,
+                    attn_z_loss_weight=attn_z_loss_weight, check_finite=check_finite,
+                    squeeze_out_last_dim=squeeze_out_last_dim, mixture_of_softmax=mixture_of_softmax,
+                    mixture_of_softmax_k=mixture_of_softmax_k, add_continuous_pred_head=add_continuous_pred_head)
+        build_recurrence(self, attn_layers, num_tokens=num_tokens, recycling=recycling,
+                         train_max_recycle_steps=train_max_recycle_steps,
+                         input_not_include_cache=input_not_include_cache, ff_deep_embed=ff_deep_embed,
+                         attn_pool=attn_pool, num_pooled_tokens=num_pooled_tokens, attn_pool_depth=attn_pool_depth,
+                         dim_pooled_tokens=dim_pooled_tokens, use_cls_token=use_cls_token,
+                         average_pool_embed=average_pool_embed, looped=looped, max_looped_steps=max_looped_steps)
 
     @checked_once
     def forward(
@@ -1013,97 +813,8 @@ class TransformerWrapper(_Wrapper):
         detach_mems: bool = True,
         **conditions,
     ):
-        """Run the model.
-
-        Args:
-            x: ``(b, n)`` token ids. Ids at padded positions are never looked up (any value is fine).
-            mask: ``(b, n)`` bool padding mask, True = real token.
-            context: ``(b, j, c_ctx)`` for cross-attention (``j`` may be 0), or ``None``.
-            context_mask: ``(b, j)`` bool; an all-False row drops that sample's condition exactly.
-            attn_mask: extra self-attention mask ``(b, n, n)`` / ``(n, n)`` (True = may attend).
-            return_embeddings: return hidden states ``(b, n, c)`` instead of logits.
-            return_pooled: return the mean of hidden states over real positions, ``(b, c)``; a fully
-                padded sample gives 0, not NaN (S8).
-            cache: a ``KVCache`` from an earlier call; ``x`` holds only the new tokens. Or (x-transformers'
-                protocol) the ``LayerIntermediates`` of an earlier ``return_intermediates=True`` call: ``x`` (and
-                ``mask``, ``pos``) then holds the whole sequence so far or only the new tokens, the last
-                ``cache_age`` (default 1) being new; only those are computed and returned.
-            return_cache: also return the updated ``KVCache``.
-            check_finite: override the model's ``check_finite`` for this call.
-            prepend_embeds: ``(b, m, dim)`` a prefix of embeddings placed before the tokens (prefix
-                conditioning, as in x-transformers). Only on a call without a cache.
-            prepend_mask: ``(b, m)`` bool, True = real prefix row. Masked rows are padding: selected
-                away, not counted in positions, so an all-False row is exactly no prefix and a padded
-                prefix equals the shorter prefix alone.
-            excise_prepend_embeds: return outputs for the tokens only, ``(b, n, ...)``; by default
-                the prefix positions come first, ``(b, m + n, ...)`` (padded prefix rows are 0).
-            condition, condition_mask: the adaptive-norm condition ``(b, K)`` and which samples keep
-                it ``(b,)`` (see ``AttentionLayers.forward``).
-            pos: ``(n,)`` or ``(b, n)`` integer positions of the tokens, for the absolute embedding and
-                for rotary / ALiBi (x-transformers' ``pos``); by default real tokens are counted.
-            seq_start_pos: ``(b,)`` where each sample starts (x-transformers' ``seq_start_pos``): the
-                positions before it are left padding (combined with ``mask``), whatever they hold.
-            return_intermediates: also return a ``LayerIntermediates`` (hidden states entering each
-                layer, attention weights of every attention block, memory tokens' outputs). Runs the
-                explicit attention path (float32 weights, ``(b, h, i, j)`` memory).
-            return_attn: also return the list of attention weights ``(b, h, i, j)`` (float32; padded
-                queries, dead rows and masked keys exactly 0).
-            return_hiddens: the same as ``return_intermediates``.
-            token_emb_kwargs, to_logits_kwargs: keywords for a custom ``token_emb`` / ``to_logits`` module.
-            return_next_embed_pred: with ``add_continuous_pred_head``, return ``(out, (next_embed_pred,
-                initial_embeds))``: the head's prediction of the next position's embedding ``(b, n, c)`` and
-                the embeddings entering the stack (x-transformers' ``init_embed``; padded rows 0).
-            recycle_steps: with ``recycling``, how many times the stack runs (default: a random number in
-                ``[1, train_max_recycle_steps]`` in training; needed in eval mode).
-            input_not_include_cache: with a ``LayerIntermediates`` cache, ``x`` holds only the new positions
-                (all of them new; x-transformers' option); default the model's ``input_not_include_cache``.
-            causal: override the stack's causality for this call (x-transformers' ``forward(causal=...)``, e.g.
-                ``causal=False`` on a ``Decoder``); runs the padded path, not with a KV cache, and the intermediates
-                of such a call carry no cache.
-            self_attn_additional_kv, additional_kv_mask, detach_additional_kv, route_additional_kv_to_top:
-                x-transformers' extra keys/values for the self-attention blocks (a list of ``(k, v)`` per block, or
-                another model's ``LayerIntermediates``) and their padding mask ``(b, a)``; see
-                ``AttentionLayers.forward``. Padded path only; not with ``recycling``; the cache does not keep
-                them (pass them on every call).
-            looped_steps: a ``looped`` model's runs of the stack for this call, fixed (no early exit).
-            max_looped_steps: the most runs (default the model's ``max_looped_steps``); ``looped_steps`` wins.
-            looped_pred_all_logits: put each run's logits on the intermediates (``all_pred_logits``); default: in
-                training mode.
-            looped_inference: x-transformers' looped inference: a prompt (no cache, several tokens) runs every step and
-                its cache keeps each run's keys/values (a later position's run ``i`` reads the prompt's run ``i``); one
-                new position (with a cache, or alone) stops once its cumulative exit probability reaches
-                ``looped_exit_prob_threshold``, per sample (x-transformers: batch size 1 only). The intermediates'
-                ``exit_indices (b, t)`` say where each call stopped.
-            looped_exit_prob_threshold: see ``looped_inference``.
-            return_logits_and_embeddings: return ``(logits, embeddings)``: the logits and what ``return_embeddings``
-                returns (x-transformers' option).
-            return_embeddings_and_intermediates: return ``(embeddings, intermediates)``.
-            return_logit_entropies: put the entropy of each position's softmax on the intermediates
-                (``logit_entropies (b, n)``, float32; padded positions 0) and return the intermediates.
-            sum_embeds: ``(b, n, emb_dim)`` added to the token embeddings (x-transformers' self-conditioning input);
-                padded positions are selected away (any value there, NaN included, reaches nothing).
-            embed_ids: ``{name: (b, n) ids}`` for the further embeddings of ``embed_num_tokens`` (every name, each
-                added); ids at padded positions are never looked up.
-            return_attn_z_loss: put x-transformers' z-loss of the attention logits on the intermediates
-                (``attn_z_loss``) and return them: ``weight * mean over real query rows of sum over heads of
-                (sum over attention blocks of logsumexp over the keys)^2``. Masked keys are left out of each
-                logsumexp, and rows with no key (padded queries, dead rows) add 0. Runs the explicit attention path.
-            attn_z_loss_weight: its weight (default the model's ``attn_z_loss_weight``, 1e-4).
-            mems: Transformer-XL memories (x-transformers' keyword): one ``(b, m, c)`` tensor per self-attention block,
-                as ``return_mems=True`` returned them for the previous segment; each self-attention also attends to its
-                block's memory (keys at positions ``-m .. -1``; the tokens' absolute positions start at 0 again).
-                ``mem_masks``: their padding (``(b, m)`` bool per block, or one for all; True = real); a ``Mems`` list
-                from ``return_mems`` carries its own (the previous segment's padding), so padded positions never
-                become memory a real query sees. ``shift_mem_down`` (constructor) rotates the list first.
-            return_mems: also return the new memories, a ``Mems`` list (one ``(b, <= max_mem_len, c)`` per self-attention
-                block: the old memory then the stream entering the block, the last ``max_mem_len`` positions; its
-                ``masks`` attribute holds their padding, or ``None``): ``(out, mems)``, or on the intermediates
-                (``mems``, ``mem_masks``) with ``return_intermediates``. ``detach_mems`` (default True): no gradient
-                flows back through them. Memories run the padded path, and not with a KV cache, prepend_embeds,
-                memory / class tokens, recycling or a looped model.
-            _loop_out: (internal, for ``AutoregressiveWrapper``'s looped loss) a dict a looped model fills with the
-                runs' ``exit_logits``, ``all_pred_logits`` and ``exit_indices`` without building the intermediates
-                (which run the explicit attention path).
+        """Run the model on the token ids ``x (b, n)``. The keywords and the return forms are documented in this
+        module's docstring (``help(safeformer.wrappers)``); the phases run in ``wrapper_forward.py``.
 
         Returns:
             logits ``(b, n, v)`` (or embeddings / pooled; ``(b, v)`` with ``average_pool_embed`` or one
@@ -1112,161 +823,30 @@ class TransformerWrapper(_Wrapper):
             intermediates if ``return_intermediates`` / ``return_hiddens``, or the attention weights if
             ``return_attn``.
         """
-        conditions = condition_kwargs("TransformerWrapper.forward", conditions)
-        x = _token_ids(x, "x")
-        b, n = x.shape
-        self._check_xt_call(token_emb_kwargs, to_logits_kwargs, return_next_embed_pred, recycle_steps, cache,
-                            return_cache)
-        if input_not_include_cache is None:
-            input_not_include_cache = self.input_not_include_cache
-        _flag(input_not_include_cache, "input_not_include_cache")
-        if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1:
-            cache_age = n  # every position of x is new
-        if mask is not None:
-            validate_mask(mask, "mask", shape=(b, n), device=x.device)
-        if seq_start_pos is not None:
-            mask = _start_mask(seq_start_pos, mask, b, n, x.device, offset=_cached_slots(cache, n, cache_age),
-                               incremental=input_not_include_cache)
-        cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
-        if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
-            whole = lambda t: _last(t, keep) if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == n else t  # noqa: E731
-            sum_embeds = whole(sum_embeds)
-            if isinstance(embed_ids, dict):
-                embed_ids = {k: whole(v) for k, v in embed_ids.items()}
-            x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
-        if mask is not None:
-            x = torch.where(mask, x, torch.zeros_like(x))
-        if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() and x.numel() \
-                and bool(((x < 0) | (x >= self.num_tokens)).any()):  # (under vmap the embedding's own check)
-            bad = ((x < 0) | (x >= self.num_tokens)).nonzero()[0].tolist()  # reached only on error
-            raise ValueError(f"x holds token id {int(x[tuple(bad)])} at real position {tuple(bad)}, outside the "
-                             f"vocabulary [0, num_tokens={self.num_tokens}); padded positions (mask False) may hold anything")
-        conds = self._check_conditions(_conditions(context, context_mask, prepend_embeds, prepend_mask, condition,
-                                                   condition_mask, conditions),
-                                       self.check_finite if check_finite is None else check_finite)
-        for v, name in ((return_logits_and_embeddings, "return_logits_and_embeddings"),
-                        (return_embeddings_and_intermediates, "return_embeddings_and_intermediates"),
-                        (return_logit_entropies, "return_logit_entropies"), (return_attn_z_loss, "return_attn_z_loss")):
-            _flag(v, name)
-        z_weight = self.attn_z_loss_weight if attn_z_loss_weight is None else attn_z_loss_weight
-        if isinstance(z_weight, bool) or not isinstance(z_weight, (int, float)) or not math.isfinite(z_weight):
-            raise ValueError(f"attn_z_loss_weight must be a finite number, got {z_weight!r}")
-        give_inter = return_intermediates or return_hiddens or return_logit_entropies or return_attn_z_loss
-        want_inter = give_inter or return_attn or return_embeddings_and_intermediates
-        mems, mem_masks = _check_mems_call(self, mems, mem_masks, return_mems, detach_mems, cache, return_cache,
-                                           return_attn, prepend_embeds, conditions, pos)
-        want_inter = want_inter or return_mems  # the memories are the hiddens
-        loop = self._loop_settings(looped_steps, max_looped_steps, looped_pred_all_logits, looped_inference,
-                                   looped_exit_prob_threshold)
-        emb = self._embed(x, mask, token_emb_kwargs)
-        emb = self._add_embeds(emb, x, mask, sum_embeds, embed_ids)
-        # ff_deep_embed: each token's rows of multipliers, one per feed-forward block (padded ids were zeroed)
-        ff_deep = None if self.ff_deep_embed is None else self.ff_deep_embed[x].to(emb.dtype)  # (b, n, L, c)
-        extra_kv = _additional_kv(self, self_attn_additional_kv, additional_kv_mask, detach_additional_kv,
-                                  route_additional_kv_to_top)
-        if mems is not None:  # Transformer-XL memories: stack keywords (padded path)
-            extra_kv = dict(extra_kv or {}, mems=mems, mem_masks=mem_masks)
-        if self.recycling:
-            h, new_cache, full_mask, m, fixed_out, inter, plan = self._recycle(
-                emb, mask, conds, attn_mask, recycle_steps, pos, want_inter or return_next_embed_pred,
-                causal=causal, ff_deep=ff_deep)
-        else:
-            h, new_cache, full_mask, m, fixed_out, inter, plan = self._run(
-                emb, mask, conds, attn_mask, cache, return_cache,
-                pos=pos, return_hiddens=want_inter or return_next_embed_pred, causal=causal, ff_deep=ff_deep,
-                extra_kv=extra_kv, loop=loop,
-            )
-        if loop is not None and (inter is not None or _loop_out is not None):
-            found = self._loop_outputs(loop, fixed_out is not None, m if excise_prepend_embeds else 0, full_mask,
-                                       to_logits_kwargs)
-            if _loop_out is not None:
-                _loop_out.update(found)
-            if inter is not None:
-                for key, value in found.items():
-                    setattr(inter, key, value)
-                if inter.cache is not None:
-                    inter.looped_prompt_kv_cache = inter.cache.looped_prompt_kv
-        pooled_tokens = self._attn_pool(h, full_mask, cache, return_intermediates or return_hiddens, inter)
-        if inter is not None:
-            inter.last_layer_hiddens = h
-
-        if return_attn_z_loss:  # over every row the stack ran (memory, class and prefix rows included)
-            rows = full_mask
-            if self.memory_tokens_interspersed_every is not None and rows is not None:  # the interleaved rows
-                rows = intersperse_layout(rows, b, n, self.memory_tokens_interspersed_every, self.num_memory_tokens,
-                                          rows.device)[4]
-            elif rows is not None and fixed_out is not None:
-                rows = torch.cat((rows.new_ones(b, fixed_out.shape[1]), rows), dim=1)
-            inter.attn_z_loss = attn_z_loss(inter, rows, z_weight)
-        init = None
-        if inter is not None and inter.hiddens and self.memory_tokens_interspersed_every is None:
-            # the embeddings entering the stack, for the tokens' rows
-            init = inter.hiddens[0]
-            if self.num_fixed_tokens and cache is None:
-                init = init[:, self.num_fixed_tokens:]
-            if excise_prepend_embeds and m:
-                init = init[:, m:]
-            inter.initial_embeds = init
-        head_kw = to_logits_kwargs or {}
-        embeddings_only = return_embeddings or self.return_only_embed or return_embeddings_and_intermediates
-        if return_logits_and_embeddings and (embeddings_only or return_pooled or not self.has_head):
-            raise ValueError("return_logits_and_embeddings needs the output head: not with return_embeddings, "
-                             "return_embeddings_and_intermediates, return_pooled or return_only_embed")
-        need_logits = not embeddings_only or return_logit_entropies
-        logits = pooled_out = entropy_mask = None
-        if return_pooled:
-            emb_out = masked_mean(h, full_mask, dim=1)  # (b, c), prefix included
-            need_logits = False
-        elif self.average_pool_embed:  # the head on the mean of the real positions (prefix included)
-            emb_out = masked_mean(h, full_mask, dim=1)  # (b, c): a fully padded sample pools to 0
-            logits = self._head(emb_out, **head_kw) if need_logits and self.has_head else None
-        elif self.cls_token is not None and fixed_out is not None:
-            cls = fixed_out[:, self.num_memory_tokens:]  # (b, C, c)
-            emb_out = cls[:, 0] if cls.shape[1] == 1 else cls
-            logits = self._head(emb_out, **head_kw) if need_logits and self.has_head else None
-        else:
-            if excise_prepend_embeds and m:
-                h = h[:, m:]
-                full_mask = None if full_mask is None else full_mask[:, m:]
-            emb_out = h
-            # x-transformers: an encoder with attn_pool returns its pooled tokens (the logits go on the intermediates)
-            if pooled_tokens is not None and not self.attn_layers.causal and not embeddings_only:
-                pooled_out = pooled_tokens
-                need_logits = inter is not None or return_logits_and_embeddings
-            if need_logits and self.has_head:
-                logits = self._logits(h, full_mask, plan, to_logits_kwargs)
-                entropy_mask = full_mask
-        if logits is not None:
-            logits = self._squeeze(logits)
-        if return_logit_entropies:
-            if logits is None:
-                raise ValueError("return_logit_entropies needs logits: not with return_pooled or return_only_embed")
-            inter = inter if inter is not None else LayerIntermediates()
-            ent = lambda t: logit_entropies(t, entropy_mask if t.dim() == 3 else None)  # noqa: E731
-            inter.logit_entropies = tuple(ent(t) for t in logits) if isinstance(logits, tuple) else ent(logits)
-        if return_logits_and_embeddings:
-            out = (logits, emb_out)
-        elif return_embeddings_and_intermediates:
-            out = (emb_out, inter)
-        elif embeddings_only or return_pooled:
-            out = emb_out
-        elif pooled_out is not None:
-            if inter is not None:
-                inter.logits = logits
-            out = pooled_out
-        else:
-            out = logits
-        if return_next_embed_pred:
-            hid = h[:, m:] if excise_prepend_embeds and m and emb_out is not h else h
-            out = (out, (self.to_next_embed_pred(hid), init))
-        if return_mems:
-            new_mems = _new_mems(self, mems, mem_masks, inter.hiddens, mask, detach_mems)
-            if not give_inter:
-                return out, new_mems
-            inter.mems, inter.mem_masks = new_mems, new_mems.masks
-        extra = ((new_cache,) if return_cache else ()) + (
-            (inter,) if give_inter else (inter.attn_maps,) if return_attn else ())
-        return (out, *extra) if extra else out
+        call = WrapperCall(
+            x=x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
+            return_embeddings=return_embeddings, return_pooled=return_pooled, cache=cache, return_cache=return_cache,
+            check_finite=check_finite, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
+            excise_prepend_embeds=excise_prepend_embeds, condition=condition, condition_mask=condition_mask, pos=pos,
+            seq_start_pos=seq_start_pos, return_intermediates=return_intermediates, return_attn=return_attn,
+            return_hiddens=return_hiddens, cache_age=cache_age, token_emb_kwargs=token_emb_kwargs,
+            to_logits_kwargs=to_logits_kwargs, return_next_embed_pred=return_next_embed_pred,
+            recycle_steps=recycle_steps, input_not_include_cache=input_not_include_cache, causal=causal,
+            self_attn_additional_kv=self_attn_additional_kv, additional_kv_mask=additional_kv_mask,
+            detach_additional_kv=detach_additional_kv, route_additional_kv_to_top=route_additional_kv_to_top,
+            looped_steps=looped_steps, max_looped_steps=max_looped_steps, looped_pred_all_logits=looped_pred_all_logits,
+            looped_inference=looped_inference, looped_exit_prob_threshold=looped_exit_prob_threshold,
+            return_logits_and_embeddings=return_logits_and_embeddings,
+            return_embeddings_and_intermediates=return_embeddings_and_intermediates,
+            return_logit_entropies=return_logit_entropies, sum_embeds=sum_embeds, embed_ids=embed_ids,
+            return_attn_z_loss=return_attn_z_loss, attn_z_loss_weight=attn_z_loss_weight, loop_out=_loop_out,
+            mems=mems, mem_masks=mem_masks, return_mems=return_mems, detach_mems=detach_mems, conditions=conditions,
+        )
+        resolve_call(self, call)
+        embed_call(self, call)
+        run_call(self, call)
+        head_call(self, call)
+        return finish_call(self, call)
 
     @property
     def has_head(self) -> bool:
@@ -1278,39 +858,6 @@ class TransformerWrapper(_Wrapper):
             return logits
         one = lambda t: t[..., 0] if t.shape[-1] == 1 else t  # noqa: E731
         return tuple(one(t) for t in logits) if isinstance(logits, tuple) else one(logits)
-
-    def _add_embeds(self, emb: Tensor, x: Tensor, mask: Tensor | None, sum_embeds, embed_ids) -> Tensor:
-        """x-transformers' ``embed_ids`` (the ``embed_num_tokens`` embeddings) and ``sum_embeds`` added to the token
-        embeddings ``emb (b, n, emb_dim)``; padded positions are selected away (ids there never looked up)."""
-        b, n = x.shape
-        if (self.embeds is None) != (not embed_ids):
-            raise ValueError("embed_ids must be given exactly when the model was built with embed_num_tokens "
-                             f"(names {sorted(k[:-6] for k in self.embeds) if self.embeds is not None else []})")
-        if embed_ids:
-            if not isinstance(embed_ids, dict) or set(embed_ids) != {k[:-6] for k in self.embeds}:
-                raise ValueError(f"embed_ids must hold one (b, n) id tensor per name of embed_num_tokens "
-                                 f"{sorted(k[:-6] for k in self.embeds)}, got {sorted(embed_ids) if isinstance(embed_ids, dict) else embed_ids!r}")
-            for name, ids in embed_ids.items():
-                table = self.embeds[f"{name}_embed"]
-                ids = _token_ids(ids, f"embed_ids[{name!r}]")
-                if tuple(ids.shape) != (b, n) or ids.device != x.device:
-                    raise ValueError(f"embed_ids[{name!r}] must have shape (b, n) = ({b}, {n}) on {x.device}, got "
-                                     f"{tuple(ids.shape)} on {ids.device}")
-                if mask is not None:
-                    ids = torch.where(mask, ids, 0)
-                if ids.numel() and bool(((ids < 0) | (ids >= table.num_embeddings)).any()):
-                    raise ValueError(f"embed_ids[{name!r}] holds an id outside [0, {table.num_embeddings}) at a real "
-                                     f"position")
-                emb = emb + table(ids).to(emb.dtype)
-        if sum_embeds is not None:
-            if not isinstance(sum_embeds, Tensor) or tuple(sum_embeds.shape) != (b, n, self.emb_dim) \
-                    or not sum_embeds.is_floating_point() or sum_embeds.device != x.device:
-                raise ValueError(f"sum_embeds must be floating-point of shape (b, n, emb_dim) = ({b}, {n}, {self.emb_dim}) "
-                                 f"on {x.device}, got {getattr(sum_embeds, 'shape', type(sum_embeds))}")
-            emb = emb + (sum_embeds if mask is None else torch.where(mask[..., None], sum_embeds, 0.0)).to(emb.dtype)
-        if mask is not None and (embed_ids or sum_embeds is not None):
-            emb = torch.where(mask[..., None], emb, 0.0)
-        return emb
 
     def _loop_settings(self, looped_steps, max_looped_steps, pred_all, inference, threshold) -> dict | None:
         """The looped keywords of one call, checked (``None`` for a model that is not looped)."""
@@ -1365,28 +912,6 @@ class TransformerWrapper(_Wrapper):
             return plan.unpack(self._head(plan.pack(h)))
         return self._head(h)  # (b, n, v)
 
-    def _attn_pool(self, h: Tensor, full_mask: Tensor | None, cache, want_inter: bool, inter) -> Tensor | None:
-        """x-transformers' ``attn_pool``: the learned queries attend over the real positions of ``h`` (prefix
-        included; memory and class rows are not there), ``(b, num_pooled_tokens, dim_pooled_tokens)``. Run for an
-        encoder on every call and for a decoder when the intermediates are asked for (x-transformers' rule); the
-        result also goes on the intermediates as ``attn_pooled_tokens``. Not with a KV cache: ``h`` then holds only
-        the new positions (an encoder refuses, a decoder's intermediates carry ``None``)."""
-        if self.attn_pool is None:
-            return None
-        encoder = not self.attn_layers.causal
-        if not (encoder or want_inter):
-            return None
-        if cache is not None:
-            if encoder:
-                raise ValueError("attn_pool pools the whole sequence: not with a KV cache (this call's hidden states "
-                                 "hold only the new positions)")
-            pooled = None
-        else:
-            pooled = self.attn_pool(h, mask=full_mask)  # (b, P, d_pool): a sample with no real position pools to 0
-        if inter is not None:
-            inter.attn_pooled_tokens = pooled
-        return pooled
-
     @staticmethod
     def _with_padding_zero(out: Tensor, full_mask: Tensor | None) -> Tensor:
         if full_mask is None:
@@ -1428,30 +953,6 @@ class TransformerWrapper(_Wrapper):
                              f"({x.shape[0]}, {x.shape[1]}, {dim}), got {getattr(emb, 'shape', type(emb))}")
         return emb if mask is None else torch.where(mask[..., None], emb, 0.0)
 
-    def _check_xt_call(self, token_emb_kwargs, to_logits_kwargs, return_next_embed_pred, recycle_steps, cache,
-                       return_cache=False) -> None:
-        for name, kw, custom in (("token_emb_kwargs", token_emb_kwargs, self.custom_token_emb),
-                                 ("to_logits_kwargs", to_logits_kwargs, self.custom_to_logits)):
-            if kw is not None and not isinstance(kw, dict):
-                raise TypeError(f"{name} must be a dict, got {type(kw).__name__}")
-            if kw and not custom:
-                raise ValueError(f"{name} was given but the model has no custom {name[:-7]} module to receive it")
-        _flag(return_next_embed_pred, "return_next_embed_pred")
-        if return_next_embed_pred and not self.add_continuous_pred_head:
-            raise ValueError("return_next_embed_pred=True needs add_continuous_pred_head=True")
-        if return_next_embed_pred and self.memory_tokens_interspersed_every is not None:
-            raise ValueError("return_next_embed_pred cannot be combined with memory_tokens_interspersed_every")
-        if recycle_steps is not None:
-            if not self.recycling:
-                raise ValueError("recycle_steps was given but the model was built without recycling=True")
-            if isinstance(recycle_steps, bool) or not isinstance(recycle_steps, int) or recycle_steps < 1:
-                raise ValueError(f"recycle_steps must be a positive integer, got {recycle_steps!r}")
-        if self.recycling:
-            if recycle_steps is None and not self.training:
-                raise ValueError("a recycling model needs recycle_steps in eval mode (x-transformers' rule)")
-            if cache is not None or return_cache:
-                raise ValueError("recycling runs the whole stack several times: no KV cache (x-transformers' rule)")
-
     def _recycle(self, emb, mask, conds, attn_mask, steps, pos, want_inter, causal=None, ff_deep=None):
         """x-transformers' recycling: the stack runs ``steps`` times, each run's input the embeddings plus
         ``recycled_proj`` of the previous run's (detached) output; only the last run takes gradients."""
@@ -1469,38 +970,6 @@ class TransformerWrapper(_Wrapper):
                 out = self._run(inp, mask, conds, attn_mask, None, False, pos=pos,
                                 return_hiddens=want_inter and i == steps - 1, causal=causal, ff_deep=ff_deep)
         return out
-
-
-def logit_entropies(logits: Tensor, mask: Tensor | None = None) -> Tensor:
-    """x-transformers' ``calc_entropy``: the entropy of each position's softmax, ``(...)`` from ``logits (..., v)``,
-    in float32 at least; banned logits (``-inf``) add 0 (never ``0 * log 0``); positions where ``mask (b, n)`` is False
-    give 0."""
-    acc = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    logp = acc.log_softmax(dim=-1)
-    p = logp.exp()
-    ent = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
-    return ent if mask is None else torch.where(mask, ent, 0.0)
-
-
-def attn_z_loss(inter: LayerIntermediates, rows: Tensor | None, weight: float) -> Tensor:
-    """x-transformers' ``calc_z_loss`` over the ``pre_softmax_attn`` of every attention block in ``inter``:
-    ``weight * mean over real query rows of sum over heads of (sum over blocks of logsumexp over keys)^2``. Masked
-    keys (``-inf``) are left out of each logsumexp; a row with no key (a dead row: its weights are all 0) adds 0;
-    ``rows (b, N)``: which query rows are real (padded rows are left out of the mean). Finite, and so is its gradient.
-    """
-    maps = [(a.pre_softmax_attn, a.post_softmax_attn) for a in inter.attn_intermediates]
-    if not maps or any(logit is None or w is None for logit, w in maps):
-        raise ValueError("return_attn_z_loss needs every attention block's logits and weights (the explicit path): "
-                         "not with attention that returns none (Attention(flash=True))")
-    lse = 0.0
-    for logit, w in maps:  # (b, h, N, j)
-        alive = w.sum(dim=-1) > 0  # (b, h, N): a row with a key has weights summing to (about) 1
-        safe = torch.where(alive[..., None], logit, 0.0)
-        lse = lse + torch.where(alive, safe.logsumexp(dim=-1), 0.0)
-    per_row = lse.square().sum(dim=1)  # (b, N)
-    if rows is None:
-        return per_row.mean() * weight
-    return torch.where(rows, per_row, 0.0).sum() / rows.sum().clamp(min=1) * weight
 
 
 def split_mean_log_var(raw: Tensor) -> tuple[Tensor, Tensor]:
