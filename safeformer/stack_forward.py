@@ -98,6 +98,7 @@ class StackCall:
     cross_kv: list | None = None
     hiddens: list | None = None
     layer_hiddens: list | None = None
+    last_stream: Tensor | None = None  # the residual routing's stream(s) before softclamp_output and the sum
     attn_maps: list | None = None
     logit_maps: list | None = None
     hybrid_states: list | None = None
@@ -324,11 +325,30 @@ def run_blocks(stack: AttentionLayers, call: StackCall) -> Tensor:
             out = torch.where(keep, out / (1.0 - stack.layer_dropout), 0.0)
         x = x + out if route is None else stack.routing.leave(route, idx, out)
     if route is not None:
+        call.last_stream = x
         x = stack.routing.finish(x)  # the streams summed
         layer_hiddens = route.layer_hiddens
     call.self_kv, call.cross_kv, call.hiddens, call.layer_hiddens = self_kv, cross_kv, hiddens, layer_hiddens
     call.attn_maps, call.logit_maps, call.hybrid_states = attn_maps, logit_maps, hybrid_states
     return x
+
+
+def _last_hidden(x: Tensor, stream: Tensor | None) -> Tensor:
+    """``layer_hiddens``' last entry as x-transformers gives it: the stream before ``softclamp_output`` (the routing's
+    ``stream``, when it ran) and, with several residual streams ``(b, n, S, c)``, the streams apart as ``(b S, n, c)``."""
+    if stream is None:
+        return x
+    return stream.movedim(-2, 1).flatten(0, 1) if stream.dim() == 4 else stream
+
+
+def _mask_hidden(h: Tensor, mask: Tensor) -> Tensor:
+    """A ``layer_hiddens`` entry with padded positions exactly 0: ``(b, n, c)``, ``(V, b, n, c)`` (the views of
+    hyper-connections' separate q/k/v inputs) or ``(b S, n, c)`` (the residual streams apart)."""
+    if h.dim() == 4:
+        return torch.where(mask[None, :, :, None], h, 0.0)
+    if h.shape[0] != mask.shape[0]:
+        mask = mask.repeat_interleave(h.shape[0] // mask.shape[0], dim=0)
+    return torch.where(mask[..., None], h, 0.0)
 
 
 def finish_call(stack: AttentionLayers, call: StackCall, x: Tensor) -> Tensor | tuple:
@@ -337,10 +357,9 @@ def finish_call(stack: AttentionLayers, call: StackCall, x: Tensor) -> Tensor | 
     mask, cache, cond, b, n = call.mask, call.cache, call.cond, call.b, call.n
     layer_hiddens = call.layer_hiddens
     if call.return_hiddens:  # x-transformers' layer_hiddens: every block's input, then the stream before the final norm
-        layer_hiddens = [*layer_hiddens, x]
+        layer_hiddens = [*layer_hiddens, _last_hidden(x, call.last_stream)]
         if mask is not None:
-            layer_hiddens = [torch.where(mask[..., None] if h.dim() == 3 else mask[:, :, None, None], h, 0.0)
-                             for h in layer_hiddens]
+            layer_hiddens = [_mask_hidden(h, mask) for h in layer_hiddens]
     x = apply_norm(stack.final_norm, x, cond)
     if mask is not None:  # padded positions leave as exact zeros (and pass back no gradient)
         x = torch.where(mask[..., None], x, 0.0)

@@ -119,6 +119,40 @@ def test_matches_x_transformers_on_copied_weights(opts, monkeypatch):
             torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
 
 
+def _keep(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``mask (b, n)`` in the layout of a ``layer_hiddens`` entry ``h``."""
+    if h.dim() == 4:  # (3, b, n, c)
+        return mask[None, :, :, None]
+    return mask.repeat_interleave(h.shape[0] // mask.shape[0], dim=0)[..., None]  # (b, n, c) or (b S, n, c)
+
+
+@pytest.mark.parametrize("opts", [*XT_CASES[:4], dict(softclamp_output=True, softclamp_output_value=0.5)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_layer_hiddens_match_x_transformers_with_a_mask(opts, monkeypatch):
+    """``return_intermediates`` with a padding mask: x-transformers' ``layer_hiddens`` at the real positions, in
+    its layouts (every block's input: ``(b, n, c)``, or ``(3, b, n, c)`` for hyper-connections' separate q/k/v
+    views; last, the stream before ``softclamp_output``: ``(b S, n, c)`` with several residual streams); padded
+    positions exact zeros, also with NaN planted in the padded positions' embeddings."""
+    monkeypatch.setattr(xt_mod, "sinkhorn", _xt_sinkhorn_over_streams)
+    ours, peer = _pair(dict(opts))
+    tokens = torch.randint(0, VOCAB - 3, (2, 9))
+    tokens[1, 6:] = torch.arange(VOCAB - 3, VOCAB)  # the padded positions' ids appear nowhere else
+    mask = torch.tensor([[True] * 9, [True] * 6 + [False] * 3])
+    with torch.no_grad():
+        _, got = ours(tokens, mask=mask, return_intermediates=True)
+        _, want = peer(tokens, mask=mask, return_intermediates=True)
+        assert len(got.layer_hiddens) == len(want.layer_hiddens)
+        for g, w in zip(got.layer_hiddens, want.layer_hiddens):
+            assert g.shape == w.shape
+            keep = _keep(g, mask)
+            torch.testing.assert_close(torch.where(keep, g, 0.0), torch.where(keep, w, 0.0), atol=1e-5, rtol=1e-5)
+            assert torch.equal(torch.where(keep, 0.0, g), torch.zeros_like(g))  # padded positions: exact zeros
+        ours.token_emb.weight[VOCAB - 3:] = float("nan")  # NaN in the padded positions' embeddings only
+        _, planted = ours(tokens, mask=mask, return_intermediates=True)
+        for g, h in zip(got.layer_hiddens, planted.layer_hiddens):
+            assert torch.equal(g, h)
+
+
 def test_sinkhorn_mix_is_doubly_stochastic():
     """Hyper-connections mix the streams by a doubly stochastic ``S x S`` matrix (rows and columns sum to 1),
     so the streams keep their scale; x-transformers 2.31.10's own mix sums every stream into each (its
