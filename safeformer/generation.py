@@ -497,7 +497,8 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
             raise ValueError("the model's logits held NaN or +inf during guided generation: only -inf (a banned "
                              "token) is allowed besides finite values")
 
-        autoregress(engine, prompts, mask, seq_len, pick)
+        # a returned KV cache (generate(return_intermediates=True)) must be made of ordinary tensors
+        autoregress(engine, prompts, mask, seq_len, pick, inference=call is None or not call.keep_cache)
         if bool(errors):
             raise_guidance_error()
     finally:
@@ -510,8 +511,8 @@ class _NetCall:
     it returned (``generate(return_intermediates=True)``). Not a ``TransformerWrapper``: the engine decodes it on the
     dynamic cache, calling the net's forward."""
 
-    def __init__(self, net: TransformerWrapper, kwargs: dict):
-        self.net, self.kwargs, self.cache = net, kwargs, None
+    def __init__(self, net: TransformerWrapper, kwargs: dict, keep_cache: bool = True):
+        self.net, self.kwargs, self.cache, self.keep_cache = net, kwargs, None, keep_cache
 
     def __call__(self, *args, **kwargs):
         out = self.net(*args, **kwargs, **self.kwargs)
@@ -1091,7 +1092,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         elif looped_steps is not None or max_looped_steps is not None or looped_exit_prob_threshold != 0.9:
             raise ValueError("looped_steps, max_looped_steps and looped_exit_prob_threshold are for a net built with "
                              "looped=True")
-        call = _NetCall(self.net, net_kwargs) if net_kwargs or return_intermediates else None
+        call = _NetCall(self.net, net_kwargs, return_intermediates) if net_kwargs or return_intermediates else None
         prompts, mask = self._batch(prompts, mask, prompt_lens)
         negatives, null = self._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
         was_training = self.training

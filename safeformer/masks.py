@@ -118,7 +118,8 @@ def validate_mask(
         ValueError: wrong number of dimensions, wrong size, or wrong device.
     """
     seen = None if torch.compiler.is_compiling() else _VALIDATED.get()
-    if seen is not None and isinstance(mask, Tensor):
+    # an inference tensor (made in torch.inference_mode) has no version counter: checked each time
+    if seen is not None and isinstance(mask, Tensor) and not mask.is_inference():
         key = (id(mask), mask._version, shape, None if device is None else str(torch.device(device)))
         if key in seen:
             return mask

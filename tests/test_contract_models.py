@@ -515,3 +515,35 @@ def test_s9_bad_input_errors(case: Case):
         case.unknown_kwarg()()
     # the same calls with good arguments run: the errors above come from the argument under test
     hp.assert_finite(case.run(model, inp).detach(), "output with good arguments")
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.inference_mode: the usual way to serve a model
+# ----------------------------------------------------------------------------------------------------
+
+
+def _inference_copy(x):
+    """``x`` with every tensor copied; called inside ``torch.inference_mode``, the copies are inference tensors
+    (no version counter, no autograd)."""
+    if isinstance(x, Tensor):
+        return x.detach().clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_inference_copy(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _inference_copy(v) for k, v in x.items()}
+    return x
+
+
+@pytest.mark.parametrize("case", hp.ALL_CASES, ids=ALL_IDS)
+def test_inference_mode_equals_no_grad(case: Case):
+    """Under ``torch.inference_mode``, with every input an inference tensor (masks and contexts included: a
+    mask's validation cannot key on a version counter there), the output equals the ``no_grad`` output bit
+    for bit."""
+    model = model_of(case)
+    inp = case.inputs(hp.fixed_scenario())
+    with torch.no_grad():
+        want = case.run(model, inp)
+    with torch.inference_mode():
+        got = case.run(model, Inputs(_inference_copy(inp.args), _inference_copy(inp.kwargs)))
+    assert got.is_inference()
+    hp.assert_bitwise(got, want, f"{case.name} under inference_mode: output")

@@ -609,3 +609,40 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="cond_drop_prob"):
         XTransformer(dim=16, enc_num_tokens=5, enc_max_seq_len=4, dec_num_tokens=5, dec_max_seq_len=4,
                      cond_drop_prob=-0.1)
+
+
+def _tensors(x):
+    """Every tensor inside ``x`` (tensors, lists, tuples, dicts, dataclasses such as a ``KVCache``)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif hasattr(x, "__dataclass_fields__"):
+        for name in x.__dataclass_fields__:
+            yield from _tensors(getattr(x, name))
+
+
+@pytest.mark.parametrize("static_cache", [True, False])
+def test_generate_returns_ordinary_tensors(static_cache):
+    """The decode loop runs in ``torch.inference_mode`` for speed; what ``generate`` hands back (the tokens, and
+    with ``return_intermediates`` the KV cache) are ordinary tensors: a training step on the generated tokens
+    works (an embedding saves its indices for the backward, which an inference tensor refuses), and so does a
+    forward continuing from the returned cache with gradients."""
+    net = make_net(cross=False)
+    wrapper = AutoregressiveWrapper(net)
+    prompts = torch.randint(0, V, (2, 4))
+    mask = torch.tensor([[False, True, True, True], [True] * 4])
+    out = wrapper.generate(prompts, 5, mask=mask, temperature=0.0, static_cache=static_cache)
+    assert not out.is_inference()
+    logits = net(torch.cat((prompts, out), 1), mask=torch.cat((mask, torch.ones(2, 5, dtype=torch.bool)), 1))
+    logits.float().logsumexp(-1).mean().backward()
+    assert net.token_emb.weight.grad is not None and bool(torch.isfinite(net.token_emb.weight.grad).all())
+    out2, inter = wrapper.generate(prompts, 5, mask=mask, temperature=0.0, static_cache=static_cache,
+                                   return_intermediates=True)
+    assert torch.equal(out, out2)
+    found = list(_tensors(inter.cache))
+    assert found and not any(t.is_inference() for t in found)
