@@ -646,3 +646,5 @@ def test_generate_returns_ordinary_tensors(static_cache):
     assert torch.equal(out, out2)
     found = list(_tensors(inter.cache))
     assert found and not any(t.is_inference() for t in found)
+    beams, scores = wrapper.beam_search(prompts, 3, beams=2, mask=mask, return_beams_and_scores=True)
+    assert not beams.is_inference() and not scores.is_inference()
