@@ -183,24 +183,70 @@ def sample_logits(
 ) -> Tensor:
     """Draw one token per row of ``logits (b, v)``.
 
-    The logits are divided by ``temperature``, then filtered (``top_k`` / ``top_p`` / ``min_p`` or
-    any callable ``fn(logits, **filter_kwargs)``), then sampled from their softmax.
+    The logits are divided by ``temperature``, then filtered (``top_k`` / ``top_p`` / ``min_p`` / ``top_a``
+    or any callable ``fn(logits, **filter_kwargs)``), then sampled from their softmax.
 
     Args:
-        logits: ``(b, v)`` scores.
-        temperature: ``0.0`` is greedy (argmax; the filter then changes nothing and is skipped).
+        logits: ``(b, v)`` scores, ``v >= 1``; ``-inf`` bans a token, NaN and ``+inf`` are errors.
+        temperature: ``0.0`` is greedy (argmax). The built-in filters keep each row's largest logit, so under
+            greedy they change nothing and are skipped; a callable filter is applied before the argmax.
         filter_logits_fn: a callable, or the name of one of ``FILTERS``.
         filter_kwargs: keyword arguments for the filter (``{"k": 10}``, ``{"p": 0.9}``, ...).
 
     Returns:
         ``(b,)`` token ids (long).
+
+    Raises:
+        TypeError, ValueError: ``logits`` is not a ``(b, v)`` float tensor; a bad temperature, filter or
+            ``filter_kwargs``; a row with nothing to draw (every logit ``-inf`` after the filter) or holding
+            NaN / ``+inf``.
     """
-    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
+    fn = check_sampling(temperature, filter_logits_fn, filter_kwargs)
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a float tensor (b, v), got {getattr(logits, 'dtype', type(logits).__name__)}")
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits must have shape (b, v) with v >= 1, got {tuple(logits.shape)}")
+    nothing = torch.zeros((), dtype=torch.bool, device=logits.device)
+    out = draw(logits, temperature, fn, filter_kwargs, nothing)
+    if bool(nothing):
+        raise ValueError(NOTHING_TO_DRAW)
+    return out
+
+
+NOTHING_TO_DRAW = ("logits: a row had no token to draw (every logit -inf after the filter), or held NaN or +inf: "
+                   "a filter (or a logit bias) must leave each row at least one finite logit")
+
+_KEEP_MAX = frozenset(FILTERS.values())  # filters that keep every row's largest logit: greedy needs none of them
+
+
+def check_sampling(temperature, filter_logits_fn, filter_kwargs) -> Callable[..., Tensor] | None:
+    """The checks of ``sample_logits``' arguments besides the logits; returns the filter function. A built-in
+    filter's keywords are tried on a small row, so a bad one is reported before any step, greedy or not."""
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature >= 0.0
+                                             and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     fn = _resolve_filter(filter_logits_fn)
     if filter_kwargs is not None and fn is None:
         raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
+    if filter_kwargs is not None and not isinstance(filter_kwargs, dict):
+        raise TypeError(f"filter_kwargs must be a dict, got {type(filter_kwargs).__name__}")
+    if fn in _KEEP_MAX:
+        fn(torch.zeros(1, 4), **(filter_kwargs or {}))
+    return fn
+
+
+def draw(logits: Tensor, temperature: float, fn, filter_kwargs, nothing: Tensor | None = None) -> Tensor:
+    """``sample_logits`` on checked arguments (``fn`` resolved), for the decode loops: no host read.
+
+    ``nothing``: a 0-d bool flag, set (on the device) where a row has nothing to draw: every logit ``-inf``
+    after the filter, or NaN / ``+inf`` there. Such a row draws from a uniform row instead of failing inside
+    ``torch.multinomial``; the caller raises ``NOTHING_TO_DRAW`` when it reads the flag. Under greedy the
+    flag is only computed when given."""
     if temperature == 0.0:
+        if fn is not None and fn not in _KEEP_MAX:  # a callable filter may remove the argmax: apply it
+            logits = fn(logits, **(filter_kwargs or {}))
+        if nothing is not None:
+            nothing.logical_or_(~torch.isfinite(logits.amax(dim=-1)).all())
         return logits.argmax(dim=-1)
     # subtract the row's max before dividing: a tiny temperature then sends the others to -inf instead of
     # overflowing to +inf (and a temperature below float32's range does not give 0/0 at the max)
@@ -210,6 +256,10 @@ def sample_logits(
         logits = torch.where(diff == 0, 0.0, diff / temperature)
     if fn is not None:
         logits = fn(logits, **(filter_kwargs or {}))
+    if nothing is not None:
+        ok = torch.isfinite(logits.amax(dim=-1, keepdim=True))  # (b, 1): a finite largest logit
+        nothing.logical_or_(~ok.all())
+        logits = torch.where(ok, logits, 0.0)  # a failed row draws uniformly (the caller raises)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1).squeeze(-1)
 
@@ -294,9 +344,7 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
             raise ValueError(
                 f"every prompt needs at least one real token; mask rows {empty.nonzero().flatten().tolist()} are all False"
             )
-    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature >= 0.0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    _resolve_filter(filter_logits_fn)
+    check_sampling(temperature, filter_logits_fn, filter_kwargs)
     if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
         raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
     if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
@@ -310,8 +358,6 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
     negatives = negatives.expand_batch(b).check(net, b, device, prefix="negative_")
     if null_context is not None:
         check_condition_args(Conditions(context=null_context), b, device, layers, prefix="null_")
-    if filter_kwargs is not None and filter_logits_fn is None:
-        raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
     m = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
     needed = m + n + seq_len - 1  # positions the last step's forward sees
     # a prefix takes no absolute position (x-transformers' convention): only the tokens count against the embedding
@@ -476,31 +522,38 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
                                need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
                                window=window, two_pass=two_pass, static=static_cache or compile, compile=compile)
         done = torch.zeros(b, dtype=torch.bool, device=device)
+        # a row left with no token to draw (a callable filter, or sampling from -inf / NaN logits): flagged on the
+        # device, read at the checks; greedy decoding with the model's logits alone cannot come to that
+        nothing = None
+        if temperature > 0 or (filter_fn is not None and filter_fn not in _KEEP_MAX):
+            nothing = torch.zeros((), dtype=torch.bool, device=device)
 
         def pick(logits: Tensor, t: int) -> tuple[Tensor, bool]:
             """The sampled token is fed back (a finished sample's output shows ``pad_value`` instead, which
             may be no token id at all, e.g. -1: it is never embedded)."""
             nonlocal done
-            sampled = sample_logits(logits, temperature, filter_fn, filter_kwargs)
+            sampled = draw(logits, temperature, filter_fn, filter_kwargs, nothing)
             tok = torch.where(done, pad_value, sampled)
             out[:, t] = tok
             # the host reads the device's flags every eos_check_every steps only: no step waits for another
             check = (t + 1) % eos_check_every == 0
-            if check and bool(errors):
-                raise_guidance_error()
+            if check:
+                raise_on_flags()
             if eos_token is None:
                 return sampled, False
             done = done | (tok == eos_token)
             return sampled, check and bool(done.all())
 
-        def raise_guidance_error():
-            raise ValueError("the model's logits held NaN or +inf during guided generation: only -inf (a banned "
-                             "token) is allowed besides finite values")
+        def raise_on_flags():
+            if bool(errors):
+                raise ValueError("the model's logits held NaN or +inf during guided generation: only -inf (a banned "
+                                 "token) is allowed besides finite values")
+            if nothing is not None and bool(nothing):
+                raise ValueError(NOTHING_TO_DRAW)
 
         # a returned KV cache (generate(return_intermediates=True)) must be made of ordinary tensors
         autoregress(engine, prompts, mask, seq_len, pick, inference=call is None or not call.keep_cache)
-        if bool(errors):
-            raise_guidance_error()
+        raise_on_flags()
     finally:
         net.train(was_training)
     return out

@@ -38,7 +38,7 @@ from .conditions import (
     drop_probabilities,
 )
 from .decode import GuidedForward, autoregress
-from .generation import sample_logits, top_k
+from .generation import NOTHING_TO_DRAW, check_sampling, draw, top_k
 from .layers import AttentionLayers
 from .losses import safe_cross_entropy
 from .masks import checked_once, validate_mask
@@ -363,8 +363,7 @@ class XValAutoregressiveWrapper(Configurable, nn.Module):
             raise TypeError(f"start_numbers must be a floating-point tensor, got dtype {start_numbers.dtype}")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
             raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        filter_fn = check_sampling(temperature, filter_logits_fn, filter_kwargs)
         b, n0 = start_tokens.shape
         device = start_tokens.device
         if n0 == 0:
@@ -398,9 +397,11 @@ class XValAutoregressiveWrapper(Configurable, nn.Module):
             num = compose_values(uncond[:, -1:], {k: o[:, -1:] for k, o in outs.items()}, scales)[:, 0]
             return logits, num
 
+        nothing = torch.zeros((), dtype=torch.bool, device=device)  # a row with no token to draw: raised at the end
+
         def pick(guided: tuple[Tensor, Tensor], t: int) -> tuple[Tensor, bool]:
             logits, num = guided
-            token = sample_logits(logits, temperature, filter_logits_fn, filter_kwargs)  # (b,)
+            token = draw(logits, temperature, filter_fn, filter_kwargs, nothing)  # (b,)
             num = num.to(dtype).clamp(-_VALUE_LIMIT, _VALUE_LIMIT)
             tokens[:, t] = token
             numbers[:, t] = num
@@ -416,6 +417,8 @@ class XValAutoregressiveWrapper(Configurable, nn.Module):
             autoregress(engine, seq, mask, seq_len, pick)
         finally:
             self.train(was_training)
+        if bool(nothing):
+            raise ValueError(NOTHING_TO_DRAW)
         is_number = tokens == self.net.numerical_token_id
         numbers = torch.where(is_number, numbers, torch.full((), non_number_value, dtype=dtype, device=device))
         return GenerateReturn(tokens, numbers, is_number)

@@ -257,6 +257,16 @@ def probe_sampling(seed: int, value: float) -> Probe:
         ("a 2-D prompt in a list", lambda: sf.left_pad([torch.zeros(2, 2, dtype=torch.long)]), ValueError, "prompts[0]"),
         ("an empty prompt list", lambda: sf.left_pad([]), ValueError, "empty list"),
         ("unknown filter", lambda: sf.sample_logits(logits, 1.0, "top_q"), ValueError, "filter_logits_fn"),
+        ("3-D logits", lambda: sf.sample_logits(logits[None]), ValueError, "logits"),
+        ("no token at all", lambda: sf.sample_logits(logits[:, :0]), ValueError, "logits"),
+        ("integer logits", lambda: sf.sample_logits(logits.long()), TypeError, "logits"),
+        ("a row all -inf", lambda: sf.sample_logits(torch.where(torch.arange(b)[:, None] == 3, -INF, logits)),
+         ValueError, "logits"),
+        ("a NaN, greedy", lambda: sf.sample_logits(torch.where(torch.arange(v) == 7, NAN, logits), 0.0),
+         ValueError, "logits"),
+        ("a filter banning all", lambda: sf.sample_logits(logits, 1.0, lambda t: torch.full_like(t, -INF)),
+         ValueError, "logits"),
+        ("bad top_k, greedy", lambda: sf.sample_logits(logits, 0.0, "top_k", {"k": 0}), ValueError, "k"),
     ])
 
 

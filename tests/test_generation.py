@@ -648,3 +648,35 @@ def test_generate_returns_ordinary_tensors(static_cache):
     assert found and not any(t.is_inference() for t in found)
     beams, scores = wrapper.beam_search(prompts, 3, beams=2, mask=mask, return_beams_and_scores=True)
     assert not beams.is_inference() and not scores.is_inference()
+
+
+@pytest.mark.parametrize("static_cache", [True, False])
+def test_a_callable_filter_applies_under_greedy_decoding(static_cache):
+    """Greedy decoding applies a callable filter before the argmax (it may remove the model's best token); the
+    built-in filters keep each row's best token, so greedy tokens are the same with or without them."""
+    net = make_net(cross=False)
+    wrapper = AutoregressiveWrapper(net)
+    prompts = torch.randint(0, V, (2, 3))
+
+    def only_three(logits):
+        return torch.where(torch.arange(logits.shape[-1]) == 3, logits, float("-inf"))
+
+    out = wrapper.generate(prompts, 4, temperature=0.0, filter_logits_fn=only_three, static_cache=static_cache)
+    assert torch.equal(out, torch.full_like(out, 3))
+    plain = wrapper.generate(prompts, 4, temperature=0.0, static_cache=static_cache)
+    for name, kw in (("top_k", {"k": 1}), ("top_p", {"p": 0.1}), ("min_p", {"min_p": 1.0}), ("top_a", {})):
+        assert torch.equal(wrapper.generate(prompts, 4, temperature=0.0, filter_logits_fn=name, filter_kwargs=kw,
+                                            static_cache=static_cache), plain)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_token_left_to_draw_is_a_clear_error(temperature):
+    """A callable filter that bans every token (or sampling from a row with nothing finite) raises a ValueError
+    naming the logits at the next check, not a RuntimeError from inside ``torch.multinomial``; a built-in
+    filter's bad keyword is refused before the first step, greedy or not."""
+    wrapper = AutoregressiveWrapper(make_net(cross=False))
+    prompts = torch.randint(0, V, (2, 3))
+    with pytest.raises(ValueError, match="no token to draw"):
+        wrapper.generate(prompts, 3, temperature=temperature, filter_logits_fn=lambda t: torch.full_like(t, float("-inf")))
+    with pytest.raises(ValueError, match="k >= 1"):
+        wrapper.generate(prompts, 3, temperature=temperature, filter_logits_fn="top_k", filter_kwargs={"k": 0})
