@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .attend import SelectedMask
-from .cache import AttnIntermediate
+from .cache import AttnIntermediate, check_weight_dtype
 from .masks import as_attention_mask, validate_mask
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ def check_call(attn: Attention, x, context, kv, past_kv) -> None:
     ``TypeError`` naming the argument."""
     if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
+    check_weight_dtype(x, attn)
     b = x.shape[0]
     if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != b):
         raise ValueError(f"context must have shape (b={b}, j, dim_context), got {getattr(context, 'shape', type(context))}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .masks import seen_in_scope, validate_mask
 
@@ -250,6 +250,28 @@ class LayerIntermediates:
 def _dtype_differs(t: Tensor, x: Tensor) -> bool:
     """``t`` cannot meet ``x`` in one matmul: dtypes differ outside autocast (which mixes them itself)."""
     return t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)
+
+
+def first_linear(module: nn.Module) -> nn.Linear | None:
+    """The first ``nn.Linear`` inside ``module`` (itself included): the first matmul its input meets. Found once
+    per module and kept as a plain attribute (a tuple, so not a submodule: the state dict is unchanged)."""
+    found = module.__dict__.get("_sf_first_linear")
+    if found is None:
+        found = (next((m for m in module.modules() if isinstance(m, nn.Linear)), None),)
+        module.__dict__["_sf_first_linear"] = found
+    return found[0]
+
+
+def check_weight_dtype(x: Tensor, module: nn.Module | None, name: str = "x") -> None:
+    """``x`` (named ``name``) meets ``module``'s first linear weight in a matmul: outside autocast their dtypes
+    must agree. A ``TypeError`` naming the argument, instead of the matmul's error from deep inside."""
+    lin = None if module is None else first_linear(module)
+    if lin is None or not isinstance(lin.weight, Tensor):
+        return
+    w = lin.weight.dtype
+    if x.dtype != w and w.is_floating_point and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{name} has dtype {x.dtype}, but the model's weights are {w}: convert it with {name}.to({w}) "
+                        f"(or the model with .to({x.dtype}), or run under torch.autocast)")
 
 
 def attach_cached_kv(intermediates: LayerIntermediates) -> None:

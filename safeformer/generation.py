@@ -347,6 +347,8 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
     check_sampling(temperature, filter_logits_fn, filter_kwargs)
     if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
         raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
+    if eos_token is not None and not 0 <= eos_token < net.num_tokens:  # it could never be drawn: no sample would stop
+        raise ValueError(f"eos_token must be a token id in [0, num_tokens={net.num_tokens}), got {eos_token}")
     if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
     if guidance_space not in ("logits", "logprobs"):

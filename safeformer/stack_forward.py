@@ -23,7 +23,15 @@ from torch.utils.checkpoint import checkpoint
 
 from .attend import SelectedMask, prepare_mask
 from .block import Block, apply_norm
-from .cache import AttnIntermediate, KVCache, LayerIntermediates, _dtype_differs, attach_cached_kv, resolve_cache
+from .cache import (
+    AttnIntermediate,
+    KVCache,
+    LayerIntermediates,
+    _dtype_differs,
+    attach_cached_kv,
+    check_weight_dtype,
+    resolve_cache,
+)
 from .conditions import adaptive_condition
 from .hybrid import HybridCall
 from .masks import causal_mask, validate_mask
@@ -179,8 +187,11 @@ def share_inputs(stack: AttentionLayers, call: StackCall) -> UnpaddedPlan | None
                                mem_mask=None if mem is None else mem.masks[0])
     if mem is not None:  # the kernel masks of the blocks whose memory mask differs from the first's
         mem.kernel_masks = {}
+        first = mem.masks[0]
         for t_mask in mem.masks[1:]:
-            if t_mask is not mem.masks[0] and id(t_mask) not in mem.kernel_masks:
+            same = t_mask is first or (isinstance(t_mask, Tensor) and isinstance(first, Tensor)
+                                       and t_mask.shape == first.shape and torch.equal(t_mask, first))
+            if not same and id(t_mask) not in mem.kernel_masks:
                 mem.kernel_masks[id(t_mask)] = self_attention_inputs(
                     stack, x, mask, cache, attn_mask, positions, causal=call_causal, mem_len=mem.length,
                     mem_mask=t_mask).mask
@@ -599,6 +610,9 @@ def _check_mems(stack: AttentionLayers, mems, mem_masks, x: Tensor, mask, cache,
                 or not mem.is_floating_point() or mem.device != x.device or (m is not None and mem.shape[1] != m):
             raise ValueError(f"mems[{t}] must be a floating-point (b, m, c) = ({b}, m, {c}) tensor on {x.device}, the "
                              f"same m for every block, got {getattr(mem, 'shape', type(mem))}")
+        if _dtype_differs(mem, x):
+            raise TypeError(f"mems[{t}] has dtype {mem.dtype}, expected {x.dtype} (the dtype of the model's hidden "
+                            f"states); convert it with .to({x.dtype})")
         m = mem.shape[1]
     if mem_masks is None or isinstance(mem_masks, Tensor):
         masks = [mem_masks] * n_self
@@ -728,6 +742,8 @@ def check_inputs(stack: AttentionLayers, x, mask, context, context_mask, cache) 
         raise ValueError(f"x must have shape (b, n, dim={stack.dim}), got {getattr(x, 'shape', type(x))}")
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if len(stack.layers):
+        check_weight_dtype(x, stack.layers[0]._parts[1])  # the first block's mixer: the first matmul x meets
     b, n = x.shape[:2]
     if mask is not None:
         validate_mask(mask, "mask", shape=(b, n), device=x.device)

@@ -63,6 +63,8 @@ def _token_ids(x, name: str):
                             f"whole number (convert with {name}.long() after rounding as you mean it)")
         x = x.long()
     _check_tokens(x, name)
+    if x.dtype not in (torch.int64, torch.int32):  # uint8 / int8 / int16 ids: the same ids as the embedding reads them
+        x = x.long()
     return x
 
 

@@ -186,7 +186,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import LayerIntermediates, attach_cached_kv, resolve_cache
+from .cache import LayerIntermediates, attach_cached_kv, check_weight_dtype, resolve_cache
 from .conditions import Conditions, check_condition_tensor, condition_kwargs
 from .layers import AttentionLayers, KVCache, _last, translate_aliases
 from .losses import masked_mean
@@ -1124,6 +1124,7 @@ class ContinuousTransformerWrapper(_Wrapper):
             raise ValueError(f"x must have shape (b, n, dim_in={self.dim_in}), got {getattr(x, 'shape', type(x))}")
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        check_weight_dtype(x, self.project_in)
         b, n, _ = x.shape
         check = self.check_finite if check_finite is None else check_finite
         if lens is not None:

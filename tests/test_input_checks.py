@@ -257,3 +257,44 @@ def test_garbage_in_a_dropped_condition_changes_nothing_at_every_door(door, samp
     assert torch.equal(torch.nan_to_num(outs[0].float(), 7.0), torch.nan_to_num(outs[1].float(), 7.0)) \
         and not torch.isnan(outs[0].float()).any(), f"{door}: planted {value} in a dropped {kind} changed the result"
 
+
+
+def test_an_input_in_another_float_dtype_than_the_weights_is_a_type_error_naming_it():
+    """A float64 input to a float32 model (or float32 to a float16 one) is a ``TypeError`` naming the argument
+    at every door that takes floats first (stack, ``Attention``, the continuous wrapper, memories), not the
+    matmul's error from inside; under autocast the dtypes mix on purpose and run."""
+    torch.manual_seed(0)
+    stack = sf.Decoder(dim=C, depth=1, heads=2, dim_head=4)
+    attn = sf.Attention(dim=C, heads=2, dim_head=4)
+    cont = sf.ContinuousTransformerWrapper(dim_in=3, dim_out=3, max_seq_len=16,
+                                           attn_layers=sf.Decoder(dim=C, depth=1, heads=2, dim_head=4)).half()
+    x64 = torch.randn(B, N, C, dtype=torch.float64)
+    for call, name in ((lambda: stack(x64), "x"), (lambda: attn(x64), "x"), (lambda: cont(torch.randn(B, N, 3)), "x"),
+                       (lambda: stack(x64.float(), mems=[x64[:, :2]]), r"mems\[0\]")):
+        with pytest.raises(TypeError, match=rf"^{name} has dtype"):
+            call()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(stack(x64.bfloat16()).float()).all()
+    assert stack.double()(x64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_token_ids_of_any_integer_dtype_are_the_same_ids(dtype):
+    """Token ids stored as uint8 / int8 / int16 / int32 are read as the same ids as int64: the forward, the
+    autoregressive loss and generation give the same results (the embedding itself takes int32 and int64 only)."""
+    net = _net(cross=False, adaptive=False)
+    wrapper = sf.AutoregressiveWrapper(net)
+    x = torch.randint(0, V, (B, N))
+    with torch.no_grad():
+        assert torch.equal(net(x.to(dtype)), net(x))
+        assert torch.equal(wrapper(x.to(dtype)), wrapper(x))
+    assert torch.equal(wrapper.generate(x.to(dtype), 3, temperature=0.0), wrapper.generate(x, 3, temperature=0.0))
+
+
+def test_an_eos_token_outside_the_vocabulary_is_refused():
+    """An ``eos_token`` that no step can draw (negative, or ``>= num_tokens``) would never stop a sample: a
+    ``ValueError`` naming it."""
+    wrapper = sf.AutoregressiveWrapper(_net(cross=False, adaptive=False))
+    for eos in (-1, V):
+        with pytest.raises(ValueError, match="eos_token"):
+            wrapper.generate(torch.randint(0, V, (B, N)), 3, eos_token=eos)

@@ -330,3 +330,20 @@ def probe_xl(seed: int, value: float):
 
 def test_door_probe_clauses():
     check_probe(probe_xl, has_dead=False, seeds=(0, 1))
+
+
+def test_per_block_memory_masks_equal_in_value_are_one_mask():
+    """``mem_masks`` given per block as equal but distinct tensors are the same masks as one tensor given for every
+    block: with a relative position bias (which refuses masks that really differ per block) they run, with the
+    same output."""
+    net = make_net(mem=4, seq=8, rel_pos_bias=True)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, V, (2, 5), generator=g)
+    keep = torch.rand(2, 4, generator=g) < 0.5
+    mems = [torch.randn(2, 4, D, generator=g) for _ in range(2)]
+    with torch.no_grad():
+        assert torch.equal(net(x, mems=mems, mem_masks=[keep, keep.clone()]), net(x, mems=mems, mem_masks=keep))
+        other = keep.clone()
+        other[0, 0] = ~other[0, 0]
+        with pytest.raises(ValueError, match="differ per block"):
+            net(x, mems=mems, mem_masks=[keep, other])
