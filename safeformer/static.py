@@ -226,16 +226,23 @@ def capacity_bucket(needed: int, bucket: int = 64) -> int:
     return -(-needed // bucket) * bucket
 
 
-def _rotary_tables(stack, capacity: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor, Tensor]:
-    """``(cos, sin, swap)``: rotary folded into two tables over positions ``[0, capacity]`` and a pair swap.
+def _rotary_tables(stack, capacity: int, dtype: torch.dtype, device, compiled: bool = False):
+    """Rotary at every position ``[0, capacity]``, one angle per pair of features (features past the rotary
+    width: angle 0, passed through).
 
-    For a head ``t (..., d)``: ``t * cos[p] + t[..., swap] * sin[p]`` is ``apply_rotary`` at position p:
-    pairs ``(x1, x2)`` become ``(x1 cos - x2 sin, x2 cos + x1 sin)``; features past the rotary width get
-    cos 1 and sin 0 (passed through). Tables in float32 (float64 for a float64 model), ``(capacity + 1, d)``.
-    """
+    Eager: ``cis (capacity + 1, d / 2)``, unit complex numbers ``cos + i sin`` (complex64; complex128 for a
+    float64 model): ``_rotate`` multiplies the pairs by them, one op. ``compiled``: ``(cos, sin, swap)`` real
+    tables ``(capacity + 1, d)`` and a pair swap, ``t * cos + t[..., swap] * sin`` (inductor fuses it; it
+    generates no complex code). Both give ``apply_rotary``'s bits (tested)."""
     d = stack.layers[0].mixer.dim_head if stack.layers[0].kind != "ff" else stack.layers[1].mixer.dim_head
     positions = torch.arange(capacity + 1, device=device)[None]
     angles = stack.rotary.angles(positions, dtype=dtype)[0, 0]  # (L + 1, d_rot), pairs share an angle
+    if not compiled:
+        half = angles[:, 0::2]  # (L + 1, d_rot / 2)
+        cis = torch.ones(capacity + 1, d // 2, device=device,
+                         dtype=torch.complex128 if half.dtype == torch.float64 else torch.complex64)
+        cis[:, : half.shape[1]] = torch.complex(half.cos(), half.sin())
+        return cis
     rot = angles.shape[-1]
     cos = torch.ones(capacity + 1, d, dtype=angles.dtype, device=device)
     sin = torch.zeros(capacity + 1, d, dtype=angles.dtype, device=device)
@@ -246,11 +253,19 @@ def _rotary_tables(stack, capacity: int, dtype: torch.dtype, device) -> tuple[Te
     return cos, sin, swap
 
 
-def _rotate(t: Tensor, rot: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-    """``apply_rotary`` through the folded tables of ``_rotary_tables`` (``cos``, ``sin`` at each sample's position)."""
-    cos, sin, swap = rot
-    tf = t.to(cos.dtype)
-    return (tf * cos + tf.index_select(-1, swap) * sin).to(t.dtype)
+def _rotate(t: Tensor, rot) -> Tensor:
+    """``apply_rotary`` at each sample's position, through ``_rotary_tables`` taken at the positions: the pairs
+    ``(x1, x2)`` of ``t (..., d)`` become ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each a product then a sum as
+    ``apply_rotary`` computes them. ``rot``: ``cis (B, 1, 1, d / 2)`` (the pairs as complex numbers times it), or
+    ``(cos, sin, swap)`` (the compiled step). Computed in the tables' real dtype, then cast back."""
+    if isinstance(rot, tuple):
+        cos, sin, swap = rot
+        tf = t.to(cos.dtype)
+        return (tf * cos + tf.index_select(-1, swap) * sin).to(t.dtype)
+    tf = t.to(torch.float64 if rot.dtype == torch.complex128 else torch.float32).unflatten(-1, (-1, 2))
+    if tf.stride(-1) != 1 or tf.storage_offset() % 2 or any(st % 2 for st in tf.stride()[:-1]):
+        tf = tf.contiguous()  # a complex view needs whole pairs in memory
+    return torch.view_as_real(torch.view_as_complex(tf) * rot).flatten(-2).to(t.dtype)
 
 
 @dataclass(frozen=True)
@@ -355,7 +370,7 @@ class StaticDecoder:
         self.dtype = ref.dtype
         self.rotary_tables = None
         if stack.rotary is not None:  # cos/sin of every position the generation may reach
-            self.rotary_tables = _rotary_tables(stack, int(capacity), self.dtype, probe.device)
+            self.rotary_tables = _rotary_tables(stack, int(capacity), self.dtype, probe.device, compiled=compile)
         # per block: which of its parts the step calls as functions on (fused) weights (see _BlockPlan)
         self.plan = [_BlockPlan(_fused_qkv(blk.mixer) if blk.kind == "self" and fast else None,
                                 blk.kind == "cross" and fast and _plain_q(blk.mixer),
@@ -443,9 +458,11 @@ class StaticDecoder:
             n_keys = slot + 1
             self_mask = c.valid[:, None, None, :n_keys] if c.padded else None
         rot = None
-        if self.rotary_tables is not None:
+        if isinstance(self.rotary_tables, tuple):  # the compiled step's real tables at each sample's position
             cos, sin, swap = self.rotary_tables
             rot = (cos.index_select(0, c.count)[:, None, None, :], sin.index_select(0, c.count)[:, None, None, :], swap)
+        elif self.rotary_tables is not None:  # cis (B, 1, 1, d / 2)
+            rot = self.rotary_tables.index_select(0, c.count)[:, None, None, :]
         if stack.alibi_slopes is not None:
             if full:
                 c.positions.index_copy_(1, slot[None], c.count[:, None])

@@ -486,3 +486,30 @@ def test_attention_over_the_whole_sequence_generates_without_a_cache(option):
     a = model.generate(prompts, 4, temperature=0.0, mask=_inputs(left_pad=True)[1]["mask"])
     b = model.generate(prompts, 4, temperature=0.0, mask=_inputs(left_pad=True)[1]["mask"], cache_kv=False)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim_head,rot_dim", [(16, 16), (32, 16), (64, 32)])
+def test_rotary_tables_give_apply_rotarys_values(dtype, dim_head, rot_dim):
+    """The static step's rotary (complex pairs times ``cis`` eagerly, the real tables in the compiled step) gives
+    ``apply_rotary``'s values exactly, at per-sample positions, partial rotary widths and a strided input (q and k
+    sliced out of one fused projection)."""
+    from safeformer.modules import apply_rotary
+    from safeformer.static import _rotary_tables, _rotate
+
+    stack = sf.Decoder(dim=4 * dim_head, depth=1, heads=4, dim_head=dim_head, rotary_pos_emb=True,
+                       rotary_emb_dim=rot_dim)
+    cap = 40
+    positions = torch.tensor([0, 7, 39])
+    cis = _rotary_tables(stack, cap, dtype, "cpu")
+    cos, sin, swap = _rotary_tables(stack, cap, dtype, "cpu", compiled=True)
+    g = torch.Generator().manual_seed(0)
+    fused = (torch.randn(3, 1, 3 * 4 * dim_head, generator=g, dtype=torch.float64) * 8).to(dtype)
+    t = fused[..., : 2 * 4 * dim_head].unflatten(-1, (8, dim_head))  # (B, 1, heads, d), strided
+    eager = _rotate(t, cis.index_select(0, positions)[:, None, None, :])
+    tables = _rotate(t, (cos.index_select(0, positions)[:, None, None, :],
+                         sin.index_select(0, positions)[:, None, None, :], swap))
+    angles = stack.rotary.angles(positions[:, None], dtype=dtype)  # (B, 1, 1, rot)
+    want = apply_rotary(t.transpose(1, 2), angles).transpose(1, 2)  # (B, heads, 1, d) as the stack rotates
+    assert eager.dtype == dtype and torch.equal(eager, want)
+    assert torch.equal(tables, want)
