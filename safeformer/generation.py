@@ -702,10 +702,17 @@ def beam_search_tokens(
                         guidance_space=guidance_space)
 
 
-@torch.no_grad()
-def _beam_search(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, *, beams, mask,
-                 eos_token, temperature, stochastic, filter_logits_fn, filter_kwargs, cache_kv, restrict_to_max_seq_len,
-                 pad_value, cond_scale, guidance_rescale, guidance_interval, guidance_space) -> tuple[Tensor, Tensor]:
+def _beam_search(*args, **kwargs) -> tuple[Tensor, Tensor]:
+    """``_search`` in ``torch.inference_mode`` (no autograd bookkeeping per op), its tokens and scores copied out as
+    ordinary tensors."""
+    tokens, scores = _search(*args, **kwargs)
+    return tokens.clone(), scores.clone()
+
+
+@torch.inference_mode()
+def _search(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, *, beams, mask,
+            eos_token, temperature, stochastic, filter_logits_fn, filter_kwargs, cache_kv, restrict_to_max_seq_len,
+            pad_value, cond_scale, guidance_rescale, guidance_interval, guidance_space) -> tuple[Tensor, Tensor]:
     """``beam_search_tokens`` on conditions already gathered into ``Conditions`` (checked here, once)."""
     if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
         raise ValueError(f"beams must be an integer >= 1, got {beams!r}")
@@ -735,47 +742,45 @@ def _beam_search(net, prompts, seq_len, conds: Conditions, negatives: Conditions
     was_training = net.training
     net.eval()
     try:
-        with torch.inference_mode():  # the search (no autograd bookkeeping per op); results copied out below
-            step = GuidedForward(net, b, conds, negatives, schedule,
-                                 guided_logits_combine(schedule, guidance_rescale, guidance_space),
-                                 need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
-                                 window=window, static=True)
-            logits = step(prompts, mask, None, 0)  # (b, v)
-            kc = min(k, logits.shape[-1])  # candidates per beam
-            rep = torch.arange(b, device=device).repeat_interleave(k)  # (b * k,): each sample's beams side by side
-            step.select(rep)
-            logits, seq = logits.index_select(0, rep), prompts.index_select(0, rep)
-            seq_mask = None if mask is None else mask.index_select(0, rep)
-            done = torch.zeros(b * k, dtype=torch.bool, device=device)
-            tok = torch.full((b * k,), pad_value, dtype=torch.long, device=device)
-            base = (torch.arange(b, device=device) * k)[:, None]  # (b, 1)
-            for t in range(seq_len):
-                if t > 0:
-                    logits = step(seq, seq_mask, tok[:, None], t)  # (b * k, v)
-                cand, delta = _beam_candidates(logits, kc, done, pad_value, stochastic, temperature, filter_fn,
-                                               filter_kwargs)
-                total = (scores.view(b * k, 1) + delta).view(b, k * kc)  # -inf + finite is -inf, never NaN
-                scores, idx = total.topk(k, dim=-1)  # (b, k), best first
-                parent = (base + idx // kc).view(-1)  # (b * k,)
-                tok = cand.view(b, k * kc).gather(1, idx).view(-1)
-                out = out.index_select(0, parent)
-                out[:, t] = tok
-                done = done.index_select(0, parent) | ~torch.isfinite(scores.view(-1))
-                if eos_token is not None:
-                    done = done | (tok == eos_token)
-                if t == seq_len - 1 or bool(done.all()):
-                    break
-                step.select(parent)
-                tok = torch.where(done, 0, tok)  # a finished beam's pad_value (maybe -1) is never fed back
-                if step.needs_sequence:
-                    seq = torch.cat((seq.index_select(0, parent), tok[:, None]), dim=1)
-                    if seq_mask is not None:
-                        seq_mask = torch.cat((seq_mask.index_select(0, parent),
-                                              torch.ones_like(tok[:, None], dtype=torch.bool)), 1)
+        step = GuidedForward(net, b, conds, negatives, schedule,
+                             guided_logits_combine(schedule, guidance_rescale, guidance_space),
+                             need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
+                             window=window, static=True)
+        logits = step(prompts, mask, None, 0)  # (b, v)
+        kc = min(k, logits.shape[-1])  # candidates per beam
+        rep = torch.arange(b, device=device).repeat_interleave(k)  # (b * k,): each sample's beams side by side
+        step.select(rep)
+        logits, seq = logits.index_select(0, rep), prompts.index_select(0, rep)
+        seq_mask = None if mask is None else mask.index_select(0, rep)
+        done = torch.zeros(b * k, dtype=torch.bool, device=device)
+        tok = torch.full((b * k,), pad_value, dtype=torch.long, device=device)
+        base = (torch.arange(b, device=device) * k)[:, None]  # (b, 1)
+        for t in range(seq_len):
+            if t > 0:
+                logits = step(seq, seq_mask, tok[:, None], t)  # (b * k, v)
+            cand, delta = _beam_candidates(logits, kc, done, pad_value, stochastic, temperature, filter_fn,
+                                           filter_kwargs)
+            total = (scores.view(b * k, 1) + delta).view(b, k * kc)  # -inf + finite is -inf, never NaN
+            scores, idx = total.topk(k, dim=-1)  # (b, k), best first
+            parent = (base + idx // kc).view(-1)  # (b * k,)
+            tok = cand.view(b, k * kc).gather(1, idx).view(-1)
+            out = out.index_select(0, parent)
+            out[:, t] = tok
+            done = done.index_select(0, parent) | ~torch.isfinite(scores.view(-1))
+            if eos_token is not None:
+                done = done | (tok == eos_token)
+            if t == seq_len - 1 or bool(done.all()):
+                break
+            step.select(parent)
+            tok = torch.where(done, 0, tok)  # a finished beam's pad_value (maybe -1) is never fed back
+            if step.needs_sequence:
+                seq = torch.cat((seq.index_select(0, parent), tok[:, None]), dim=1)
+                if seq_mask is not None:
+                    seq_mask = torch.cat((seq_mask.index_select(0, parent),
+                                          torch.ones_like(tok[:, None], dtype=torch.bool)), 1)
     finally:
         net.train(was_training)
-    # the search made them in inference mode: ordinary tensors for the caller (one copy each)
-    return out.clone().view(b, k, seq_len), scores.clone()
+    return out.view(b, k, seq_len), scores
 
 
 # ----------------------------------------------------------------------------------------------------
