@@ -274,7 +274,7 @@ def _check_conditions_shape(conds: Conditions, b: int, prefix: str) -> None:
 
 def drop_conditions(
     conds: Conditions,
-    probs: Mapping[str, float],
+    probs: float | Mapping[str, float],
     *,
     all_prob: float = 0.0,
     nulls: Mapping[str, tuple[Tensor, Tensor | None]] | None = None,
@@ -284,7 +284,7 @@ def drop_conditions(
 
     Args:
         conds: the batch's conditions.
-        probs: ``{kind: p}`` for the kinds to drop (absent kinds are never dropped).
+        probs: one probability for every kind given, or ``{kind: p}`` (absent kinds are never dropped).
         all_prob: in addition, each sample loses every condition at once with this probability (so
             the unconditional model is trained even when the kinds are rarely dropped together).
         nulls: ``{kind: (null (b, ...), mask)}`` to use for a dropped kind instead of the all-False mask
@@ -462,7 +462,8 @@ def compose_guidance(
     dtype = torch.promote_types(uncond.dtype, torch.float32)
     for t in tensors.values():
         dtype = torch.promote_types(dtype, t.dtype)
-    used = {k: _check_scale(s, f"the scale of {k!r}") for k, s in scales.items() if s != 0}
+    # branches are combined in the order of their names, so neither mapping's order can change the result
+    used = {k: _check_scale(scales[k], f"the scale of {k!r}") for k in sorted(scales) if scales[k] != 0}
     checked = dict(tensors) if reference is None or guidance_rescale == 0 else {**tensors, "reference": reference}
     work = _work_dtype(uncond)
     names = ["uncond", *used]
@@ -476,8 +477,8 @@ def compose_guidance(
     elif bool(bad.any()):  # one host sync per call
         name = list(checked)[int(bad.long().argmax())]
         raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
-    index = [list(checked).index(k) for k in names]
-    vals = (stacked if len(index) == len(given) else stacked[index]).to(work)  # (uncond, used...)
+    index = [list(checked).index(k) for k in names]  # each used branch's row of ``stacked``, by name
+    vals = (stacked if index == list(range(len(given))) else stacked[index]).to(work)  # (uncond, used...)
     if space == "logprobs":
         vals = _log_softmax(vals)
     banned = ~(vals < float("inf")) | (vals == _NEG_INF) if errors is not None else vals == _NEG_INF
@@ -555,7 +556,7 @@ def compose_values(uncond: Tensor, conds: Mapping[str, Tensor], scales: Mapping[
     what its arithmetic takes."""
     dtype = torch.promote_types(uncond.dtype, torch.float32)
     work = _work_dtype(uncond)
-    used = {k: float(s) for k, s in scales.items() if s != 0}
+    used = {k: float(scales[k]) for k in sorted(scales) if scales[k] != 0}
     vals = {k: t.to(work) for k, t in {"uncond": uncond, **conds}.items() if k == "uncond" or k in used}
     return _combine(vals, used, guidance_rescale, None if reference is None else reference.to(work), out_dtype=dtype,
                     limit=VALUE_LIMIT)
