@@ -437,7 +437,8 @@ def compose_guidance(
     Args:
         uncond: ``(..., v)`` the branch with every condition dropped.
         conds: ``{name: (..., v)}`` the conditional branches.
-        scales: ``{name: s}`` one scale per branch in ``conds`` (missing names count 0).
+        scales: ``{name: s}`` one scale per branch in ``conds`` (missing names count 0; a name at 0 need not
+            be in ``conds``).
         guidance_rescale: phi in ``[0, 1]``: pull the result's standard deviation (over the tokens
             that are not banned) toward that of ``reference`` (arXiv 2305.08891).
         reference: the branch whose standard deviation the rescale aims at (the joint branch).
@@ -450,7 +451,7 @@ def compose_guidance(
         raise ValueError(f"guidance space must be 'logits' or 'logprobs', got {space!r}")
     if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
-    unknown = set(scales) - set(conds)
+    unknown = {k for k, s in scales.items() if k not in conds and s != 0}  # a branch at scale 0 need not be run
     if unknown:
         raise ValueError(f"scales name branches that were not computed: {sorted(unknown)}")
     tensors = {"uncond": uncond, **conds}

@@ -291,8 +291,7 @@ def guided_logits_combine(schedule: GuidanceSchedule, guidance_rescale: float = 
         if len(outs) == 1:
             return next(iter(outs.values()))
         uncond = outs.pop("uncond")
-        scales = {k: s for k, s in schedule.at(t).items() if s != 0 or k in outs}  # a branch at 0 is not run
-        return compose(uncond, outs, scales, guidance_rescale=guidance_rescale,
+        return compose(uncond, outs, schedule.at(t), guidance_rescale=guidance_rescale,
                        reference=outs.get("joint"), space=space, errors=errors)
 
     return combine

@@ -247,3 +247,25 @@ def test_continuous_generate_every_order():
         uncond = step(False, False)
     hp.assert_close(outs[0][:, 0], by_name(uncond, branches, scales).float(), "first step vs separate passes",
                     torch.float32)
+
+
+def test_xval_generate_every_order_and_a_zero_scale():
+    """The xVal wrapper combines the logits and the number by the same names; a scale of 0 is not a branch."""
+    from safeformer.xval import XValAutoregressiveWrapper, XValTransformerWrapper
+
+    torch.manual_seed(0)
+    net = XValTransformerWrapper(num_tokens=10, max_seq_len=16, numerical_token_id=9,
+                                 attn_layers=sf.Decoder(dim=DIM, depth=1, heads=2, dim_head=8, cross_attend=True))
+    model = XValAutoregressiveWrapper(net).eval()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(0, 10, (2, 4), generator=g)
+    x_num = torch.randn(2, 4, generator=g)
+    ctx = torch.randn(2, 3, DIM, generator=g)
+    for scales in ({"joint": -0.5, "context": 2.0}, {"joint": 0.0, "context": 2.0}):
+        outs = []
+        for sc in orders(scales):
+            with torch.no_grad():
+                res = model.generate(x, x_num, 3, context=ctx, cond_scale=sc, temperature=0.0)
+            outs.append((res.sampled_token_ids, res.sampled_numbers))
+        for toks, nums in outs[1:]:
+            assert torch.equal(toks, outs[0][0]) and torch.equal(nums, outs[0][1]), f"{scales}: order changed the output"

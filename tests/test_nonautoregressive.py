@@ -238,7 +238,10 @@ def _branch_logits(net, seq, mask, conds, keep, negative=None):
 SCALES = {
     "joint": (3.0, "logits"),
     "per-kind": ({"joint": 0.5, "context": 2.0, "prepend": -0.5, "condition": 1.5}, "logits"),
+    "per-kind-reordered": ({"condition": 1.5, "prepend": -0.5, "context": 2.0, "joint": 0.5}, "logits"),
+    "a-zero-scale": ({"condition": 0.0, "prepend": -1.0, "context": 2.0}, "logits"),
     "logprobs": ({"context": 2.5, "condition": 1.5}, "logprobs"),
+    "logprobs-reordered": ({"condition": 1.5, "context": 2.5}, "logprobs"),
     "schedule": (lambda s: [1.0, {"context": 3.0}, 0.0][s], "logits"),
 }
 
