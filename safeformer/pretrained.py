@@ -7,6 +7,10 @@ Layout of a checkpoint folder:
     config.json        {"format": "safeformer", "version": 1, "class": <name>, "dtype": "float32", "config": {...}}
     model.safetensors  the state dict (shared/tied tensors stored once)
 
+The folder is written whole into a temporary sibling and renamed into place (``atomic_folder``, which
+``save_training_state`` uses too): a failed or interrupted save leaves the old checkpoint as it was, or
+no folder at all, never config.json without its weights.
+
 A checkpoint is hostile input: ``load_pretrained`` checks it in this order and builds nothing real
 until every check has passed.
 
@@ -27,10 +31,13 @@ file and the field (a dotted path such as ``config.attn_layers.config.depth``) o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
 import os
+import secrets
+import shutil
 import struct
 import types
 import typing
@@ -502,9 +509,16 @@ def config_class_name(model) -> str:
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, state_dict: dict | None = None) -> Path:
     """Write ``model``'s ``config.json`` and ``model.safetensors`` into ``directory``; return the folder.
 
+    The folder is written whole and atomically (see ``atomic_folder``): the files go into a temporary
+    folder beside it, which is then renamed into place. A reader sees the old checkpoint or the new one,
+    never a mix; when anything fails (or the process is interrupted) while writing, an existing checkpoint
+    is left exactly as it was and a new one does not appear.
+
     Args:
         model: a ``Configurable`` safeformer model.
-        directory: the folder (created if needed).
+        directory: the folder (created if needed; its parents too). An existing folder is replaced, so
+            it may hold only ``config.json`` and ``model.safetensors``: one holding anything else is
+            refused (``ValueError`` naming the entries), never emptied.
         state_dict: the weights to write instead of ``model``'s own (e.g. a full state gathered from a
             sharded model); plain tensors, keyed as ``model.state_dict()``.
 
@@ -512,23 +526,134 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, state_dic
     """
     if not isinstance(model, Configurable):
         raise TypeError(f"{type(model).__name__} is not a safeformer model with a config")
-    st = _safetensors()
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
+    text = _config_text(model)
+    with atomic_folder(directory, _not_pretrained_files) as tmp:
+        _write_pretrained(model, tmp, text, state_dict)
+    return Path(directory)
+
+
+def _config_text(model: nn.Module) -> str:
+    """``config.json``'s text for ``model`` (a ``ValueError`` for an option that has no JSON config)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     config = {"format": "safeformer", "version": _FORMAT_VERSION, "class": config_class_name(model),
               "dtype": str(dtype).removeprefix("torch."), "config": model.get_config()}
     try:
-        text = json.dumps(config, indent=2, sort_keys=True)
+        return json.dumps(config, indent=2, sort_keys=True)
     except TypeError as err:  # a user's module or function as an option (attn_hybrid_module, ff_custom_activation)
         raise ValueError(f"this model has an option with no JSON config ({err}; e.g. attn_hybrid_module or "
                          f"ff_custom_activation): save its state_dict and rebuild the model in code") from err
+
+
+def _write_pretrained(model: nn.Module, path: Path, text: str | None = None, state_dict: dict | None = None) -> None:
+    """Write the checkpoint files into ``path`` (created if needed) in place: only for a folder that is
+    itself still temporary (``save_pretrained`` and ``save_training_state`` write inside ``atomic_folder``)."""
+    st = _safetensors()
+    text = _config_text(model) if text is None else text
+    path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_NAME).write_text(text)
     if state_dict is None:
         st.save_model(model, str(path / WEIGHTS_NAME))
     else:
         st.save_file(_unshared(state_dict), str(path / WEIGHTS_NAME))
-    return path
+
+
+def _not_pretrained_files(path: Path) -> list[str]:
+    """The entries of an existing folder that ``save_pretrained`` did not write (it would delete them)."""
+    return sorted(e.name for e in path.iterdir() if e.name not in (CONFIG_NAME, WEIGHTS_NAME) or not e.is_file())
+
+
+@contextlib.contextmanager
+def atomic_folder(directory: str | os.PathLike, foreign: Callable[[Path], list[str]]) -> Iterator[Path]:
+    """Write a folder whole: yield a new empty temporary folder beside ``directory`` to fill; when the
+    block ends without an error, swap it into place.
+
+    The temporary folder is a hidden sibling (``.<name>.tmp-<random>``, same parent, so the renames stay
+    on one file system). A new ``directory`` is the temporary folder renamed; an existing one is renamed
+    aside (``.<name>.old-<random>``), the new folder renamed into place, then the old one removed (a
+    failed second rename puts the old one back). So a reader sees the old folder or the new one, never a
+    mix (between the two renames the path is briefly absent). Every file is flushed to disk before the
+    swap. On any error, ``KeyboardInterrupt`` included, the temporary folder is removed and an existing
+    ``directory`` is left as it was. A process killed between the two renames leaves the old folder as
+    ``.<name>.old-<random>`` beside the path.
+
+    ``foreign(path)`` lists the entries of an existing ``directory`` that its writer did not write:
+    when there are any, nothing is written and it is a ``ValueError`` naming them (replacing the folder
+    would delete them). A ``directory`` that exists and is not a folder is a ``FileExistsError``.
+    A symbolic link is followed: the folder it points to is replaced.
+    """
+    target = Path(directory).resolve()
+    if not target.name:
+        raise ValueError(f"directory {str(directory)!r} names no folder that can be replaced")
+    if target.exists():
+        if not target.is_dir():
+            raise FileExistsError(f"directory {directory} exists and is not a folder")
+        others = foreign(target)
+        if others:
+            shown = ", ".join(repr(n) for n in others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            raise ValueError(f"directory {directory} holds {shown}, which this writer did not write: the folder is "
+                             "replaced whole when saving, so it would be deleted; save into a new or empty folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _fresh_sibling(target, "tmp", create=True)
+    try:
+        yield tmp
+        _flush_tree(tmp)
+        if not target.exists():
+            os.rename(tmp, target)
+        else:
+            shutil.copymode(target, tmp)  # the folder keeps its permissions
+            old = _fresh_sibling(target, "old", create=False)
+            os.rename(target, old)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        _flush_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fresh_sibling(target: Path, tag: str, *, create: bool) -> Path:
+    """An unused hidden name beside ``target`` (created as a folder, with the usual permissions, if asked)."""
+    for _ in range(100):
+        candidate = target.with_name(f".{target.name}.{tag}-{secrets.token_hex(6)}")
+        if create:
+            try:
+                candidate.mkdir()
+            except FileExistsError:
+                continue
+            return candidate
+        if not os.path.lexists(candidate):
+            return candidate
+    raise FileExistsError(f"no unused temporary name beside {target}")  # pragma: no cover - 2**48 names
+
+
+def _flush_tree(path: Path) -> None:
+    """fsync every file under ``path`` (so that a crash after the rename cannot leave empty files)."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _flush_dir(Path(root))
+
+
+def _flush_dir(path: Path) -> None:
+    """fsync a folder's entries where the platform allows it (not on Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows cannot open a folder
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some file systems refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
 
 
 def _unshared(state_dict: dict) -> dict:

@@ -60,7 +60,6 @@ import math
 import os
 import random
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .pretrained import WEIGHTS_NAME, Configurable, _unshared, save_pretrained
+from .pretrained import CONFIG_NAME, WEIGHTS_NAME, Configurable, _unshared, _write_pretrained, atomic_folder
 
 __all__ = ["save_training_state", "load_training_state", "STATE_NAME"]
 
@@ -85,6 +84,7 @@ _MT_N = 624  # words of a Mersenne Twister state
 _NONNEGATIVE_STATE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf",
                                 "variance", "row_var", "col_var", "step_size"})
 _PROBE_DIMS = (2, 3, 5, 7, 11, 13)  # distinct sizes: each dimension of a probe's state maps back to one
+_STATE_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, _OPTIMIZER_NAME, _RNG_NAME, STATE_NAME})
 
 
 def _st():
@@ -154,6 +154,15 @@ def _record_digest(record: dict) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
+def _not_state_files(path: Path) -> list[str]:
+    """The entries of an existing folder that ``save_training_state`` did not write (it would delete them):
+    none in a training-state folder (it is replaced whole, ``pretrained`` sub-folders included), else
+    anything but the files a training state holds."""
+    if (path / STATE_NAME).is_file():
+        return []
+    return sorted(e.name for e in path.iterdir() if e.name not in _STATE_FILES or not e.is_file())
+
+
 def save_training_state(
     directory: str | os.PathLike,
     model: nn.Module,
@@ -167,15 +176,18 @@ def save_training_state(
     """Write everything a run needs to continue exactly: model, optimizer, scheduler, RNG, step.
 
     Args:
-        directory: the folder to (re)write; replaced atomically.
+        directory: the folder to (re)write, replaced whole and atomically (``pretrained.atomic_folder``:
+            a reader sees the old state or the new one; when anything fails while writing, the old one is
+            left as it was and no temporary folder remains). An existing folder must be a training state
+            (or hold nothing but its files): one holding anything else is refused, never emptied.
         model: the model (plain, or the module inside DDP, or sharded with FSDP2's ``fully_shard``).
         optimizer: any ``torch.optim`` optimizer over ``model``'s parameters.
         scheduler: anything with ``state_dict()`` / ``load_state_dict()`` whose state is JSON
             (every ``torch.optim.lr_scheduler`` scheduler: learning-rate lambdas are code, not state).
         step: the number of optimizer steps done.
         extra: any JSON-able record of the caller's (history, config, ...).
-        pretrained: ``{folder name: submodule of model}``: also written as ``from_pretrained`` folders
-            (safeformer models), e.g. the decoder of a larger job.
+        pretrained: ``{folder name: submodule of model}`` (``model`` itself included): also written as
+            ``from_pretrained`` folders (safeformer models), e.g. the decoder of a larger job.
 
     Returns:
         the folder's path. Under ``torch.distributed`` every rank must call it; rank 0 writes.
@@ -191,58 +203,56 @@ def save_training_state(
     if _dist_rank() != 0:
         _barrier()
         return path
-    st = _st()
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if isinstance(model, Configurable):
-        save_pretrained(model, tmp, state_dict=weights)
-    else:
-        st.save_file(_unshared(weights), str(tmp / WEIGHTS_NAME))
     names = {id(m): n for n, m in model.named_modules()}
+    subs = {}
     for folder, sub in (pretrained or {}).items():
         prefix = names.get(id(sub))
-        if prefix is None or not isinstance(sub, Configurable) or not folder or "/" in folder or folder.startswith("."):
+        if prefix is None or not isinstance(sub, Configurable) or not isinstance(folder, str) or not folder \
+                or "/" in folder or "\\" in folder or folder.startswith(".") or folder in _STATE_FILES:
             raise ValueError(f"pretrained[{folder!r}] must be a safeformer submodule of model, in a plain folder name")
-        sub_sd = {k[len(prefix) + 1:]: v for k, v in weights.items() if k.startswith(prefix + ".")}
-        save_pretrained(sub, tmp / folder, state_dict=sub_sd)
-    record: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "step": step,
-                              "extra": _jsonable(extra or {}, "extra")}
-    if optim is not None:
-        tensors, scalars = {}, {}
-        for name, entry in optim["state"].items():
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
-                else:
-                    scalars[f"{name}::{key}"] = _jsonable(value, f"optimizer state {name}::{key}")
-        st.save_file(tensors, str(tmp / _OPTIMIZER_NAME))
-        record["optimizer"] = {"param_groups": _jsonable(optim["param_groups"], "optimizer param_groups"),
-                               "scalars": scalars}
-    if scheduler is not None:
-        record["scheduler"] = _jsonable(scheduler.state_dict(), "scheduler state")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            rng[f"cuda.{i}"] = s
-    st.save_file(rng, str(tmp / _RNG_NAME))
-    record["python_random"] = _jsonable(random.getstate(), "python random state")
-    try:
-        import numpy as np
+        # the model itself has the empty name: all of its weights
+        subs[folder] = (sub, {k[len(prefix) + 1:]: v for k, v in weights.items() if k.startswith(prefix + ".")}
+                        if prefix else weights)
+    st = _st()
+    with atomic_folder(path, _not_state_files) as tmp:
+        if isinstance(model, Configurable):
+            _write_pretrained(model, tmp, state_dict=weights)
+        else:
+            st.save_file(_unshared(weights), str(tmp / WEIGHTS_NAME))
+        for folder, (sub, sub_sd) in subs.items():
+            _write_pretrained(sub, tmp / folder, state_dict=sub_sd)
+        record: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "step": step,
+                                  "extra": _jsonable(extra or {}, "extra")}
+        if optim is not None:
+            tensors, scalars = {}, {}
+            for name, entry in optim["state"].items():
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
+                    else:
+                        scalars[f"{name}::{key}"] = _jsonable(value, f"optimizer state {name}::{key}")
+            st.save_file(tensors, str(tmp / _OPTIMIZER_NAME))
+            record["optimizer"] = {"param_groups": _jsonable(optim["param_groups"], "optimizer param_groups"),
+                                   "scalars": scalars}
+        if scheduler is not None:
+            record["scheduler"] = _jsonable(scheduler.state_dict(), "scheduler state")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                rng[f"cuda.{i}"] = s
+        st.save_file(rng, str(tmp / _RNG_NAME))
+        record["python_random"] = _jsonable(random.getstate(), "python random state")
+        try:
+            import numpy as np
 
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        record["numpy_random"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    except ImportError:  # pragma: no cover - numpy is optional
-        pass
-    record[_DIGESTS] = {name: _sha256(tmp / name) for name in (WEIGHTS_NAME, _OPTIMIZER_NAME, _RNG_NAME)
-                        if (tmp / name).is_file()}
-    record[_DIGESTS][STATE_NAME] = _record_digest(json.loads(json.dumps(record)))  # the record as read back
-    (tmp / STATE_NAME).write_text(json.dumps(record))
-    if path.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+            kind, keys, pos, has_gauss, gauss = np.random.get_state()
+            record["numpy_random"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+        except ImportError:  # pragma: no cover - numpy is optional
+            pass
+        record[_DIGESTS] = {name: _sha256(tmp / name) for name in (WEIGHTS_NAME, _OPTIMIZER_NAME, _RNG_NAME)
+                            if (tmp / name).is_file()}
+        record[_DIGESTS][STATE_NAME] = _record_digest(json.loads(json.dumps(record)))  # the record as read back
+        (tmp / STATE_NAME).write_text(json.dumps(record))
     _barrier()
     return path
 
