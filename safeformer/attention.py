@@ -26,7 +26,14 @@ from torch import Tensor, nn
 
 from .attend import BACKENDS, SelectedMask, masked_linear
 from .attention_bias import RelativeProjPositionalBias, init_forget_gates, option_bias
-from .attention_calls import check_call, check_option_call, fold_xt_call, intermediates, unpadded_call
+from .attention_calls import (
+    check_call,
+    check_kv_residual,
+    check_option_call,
+    fold_xt_call,
+    intermediates,
+    unpadded_call,
+)
 from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, query_padding
 from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
 from .attention_output import gate, init_gates, init_out, orthog_project, output_phase
@@ -367,6 +374,8 @@ class Attention(nn.Module):
         check_option_call(self, context, kv, past_kv, hybrid, added, kv_input, kv_residual)
         b, i = x.shape[:2]
         source = x if context is None else context
+        if kv_residual is not None:
+            check_kv_residual(kv_residual, x, source)
         j = kv[0].shape[2] if kv is not None else source.shape[1] + (0 if past_kv is None else past_kv[0].shape[2])
         self_pad = query_padding(mask, pad, not inputs_finite and context is None and kv is None, b, i, j)  # (b, i)
         if self.rel_proj_pos_bias is not None or self.to_forget_gates is not None:

@@ -110,6 +110,24 @@ def check_option_call(attn: Attention, context, kv, past_kv, hybrid, added, kv_i
                          "values (kv, a cross-attention cache) or kv_input")
 
 
+def check_kv_residual(kv_residual, x: Tensor, source: Tensor) -> None:
+    """``kv_input_residual`` checked against the keys'/values' input ``source (b, j, c_src)`` (``x`` or the context):
+    a ``(b|1, j|1, c_src)`` float tensor in ``source``'s dtype (any float under autocast), on its device."""
+    b, j, c = source.shape
+    if not isinstance(kv_residual, Tensor):
+        raise TypeError(f"kv_input_residual must be a tensor (b|1, j|1, c_src), got {type(kv_residual).__name__}")
+    if not kv_residual.is_floating_point() or (kv_residual.dtype != source.dtype
+                                               and not torch.is_autocast_enabled(x.device.type)):
+        raise TypeError(f"kv_input_residual has dtype {kv_residual.dtype}, expected {source.dtype} (the dtype of the "
+                        f"keys'/values' input)")
+    shape = tuple(kv_residual.shape)
+    if len(shape) != 3 or shape[0] not in (1, b) or shape[1] not in (1, j) or shape[2] != c:
+        raise ValueError(f"kv_input_residual must have shape (b|1, j|1, c_src) = ({b}|1, {j}|1, {c}) (the keys'/values' "
+                         f"input), got {shape}")
+    if kv_residual.device != source.device:
+        raise ValueError(f"kv_input_residual is on {kv_residual.device}, expected {source.device}")
+
+
 def unpadded_call(attn: Attention, x: Tensor, layout, additional_key_values, kv_input_residual, return_kv: bool):
     """``attn`` on the unpadded path (``forward(layout=...)``): ``x (T, c)`` the packed real tokens -> ``(T, c)``
     (``(out, None)`` with ``return_kv``), through ``unpadded.attend_layout``; the keywords it cannot take refused."""

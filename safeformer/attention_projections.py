@@ -141,10 +141,20 @@ def project_qkv(attn: Attention, x: Tensor, source: Tensor, context, kv, past_kv
 def mix_values(attn: Attention, v: Tensor, residual: Tensor, source: Tensor, keep: Tensor | None,
                self_attn: bool) -> Tensor:
     """``lerp(residual, v, mix)`` for the new values ``v (b, h_kv, j, d)`` (x-transformers' value residual);
-    ``mix (b, h_kv, j, 1)`` from the source rows (masked ones selected to 0 first), or 0.5."""
-    if not isinstance(residual, Tensor) or residual.shape != v.shape:
-        raise ValueError(f"value_residual must have the new values' shape {tuple(v.shape)}, "
-                         f"got {getattr(residual, 'shape', type(residual))}")
+    ``mix (b, h_kv, j, 1)`` from the source rows (masked ones selected to 0 first), or 0.5. ``keep (b|1, j)``: the
+    residual's masked slots are selected to 0 before the mix, so nothing held there reaches a product."""
+    if not isinstance(residual, Tensor):
+        raise TypeError(f"value_residual must be a tensor {tuple(v.shape)} (b, h_kv, j, d), got {type(residual).__name__}")
+    if not residual.is_floating_point() or (residual.dtype != v.dtype and not torch.is_autocast_enabled(v.device.type)):
+        raise TypeError(f"value_residual has dtype {residual.dtype}, expected {v.dtype} (the dtype of the values)")
+    if residual.shape != v.shape:
+        raise ValueError(f"value_residual must have the new values' shape {tuple(v.shape)} (b, h_kv, j, d), "
+                         f"got {tuple(residual.shape)}")
+    if residual.device != v.device:
+        raise ValueError(f"value_residual is on {residual.device}, expected {v.device} (the device of the values)")
+    residual = residual.to(v.dtype)  # autocast: the values' dtype
+    if keep is not None:
+        residual = torch.where(keep[:, None, :, None], residual, 0.0)
     if attn.to_value_residual_mix is None:
         return residual.lerp(v, 0.5)
     if not self_attn:

@@ -124,7 +124,12 @@ def explicit_call(attn: Attention, q: Tensor, k: Tensor, v: Tensor, mask, causal
     """``attn``'s attention on the explicit path: ``q (b, h, i, d)``, ``k, v (b, h_kv, j, d)`` (the sink's key first,
     if any) -> ``(out (b, h, i, e), weights (b, h, i, j'), logits or None)``, the sink's column left out of the
     weights and logits (``j' = j - 1`` with a sink), and padded queries' rows (``self_pad (b, i)`` False) 0 in both;
-    the logits only with ``return_attn``."""
+    the logits only with ``return_attn``. ``prev_attn`` at padded queries' rows is selected to 0 first (their rows
+    see keys in the kernel, but reach nothing)."""
+    if self_pad is not None and isinstance(prev_attn, Tensor) and prev_attn.is_floating_point() \
+            and prev_attn.dim() == 4 and prev_attn.shape[0] in (1, q.shape[0]) and prev_attn.shape[2] == q.shape[2] \
+            and prev_attn.device == q.device:  # (the checks themselves are _explicit_logits')
+        prev_attn = torch.where(self_pad[:, None, :, None], prev_attn, 0.0)
     out, weights, *more = _explicit_attention(
         q, k, v, mask=mask, causal=causal, bias=bias, softclamp=attn.softclamp_value,
         dropout_p=attn.dropout if attn.training else 0.0, sink=attn.head_attn_sink, scoring=attn,
@@ -274,9 +279,14 @@ def _explicit_logits(qf: Tensor, kf: Tensor, combined: Tensor | None, reach: Ten
     else:
         logits = (qf @ kf.transpose(-1, -2)) * scale  # (b, h, i, j)
     if prev_attn is not None:  # residual attention: the previous layer's logits (masked there or here: 0)
-        if prev_attn.dim() != 4 or tuple(prev_attn.shape[-3:]) != (h, i, j):
-            raise ValueError(f"prev_attn (residual attention) must be the logits (b, h={h}, i={i}, j={j}) of the "
+        if not isinstance(prev_attn, Tensor) or not prev_attn.is_floating_point():
+            raise TypeError(f"prev_attn (residual attention) must be float logits, got "
+                            f"{getattr(prev_attn, 'dtype', type(prev_attn))}")
+        if prev_attn.dim() != 4 or tuple(prev_attn.shape[-3:]) != (h, i, j) or prev_attn.shape[0] not in (1, b):
+            raise ValueError(f"prev_attn (residual attention) must be the logits (b={b}|1, h={h}, i={i}, j={j}) of the "
                              f"attention before, got {tuple(prev_attn.shape)}")
+        if prev_attn.device != qf.device:
+            raise ValueError(f"prev_attn is on {prev_attn.device}, expected {qf.device} (the device of the queries)")
         prev = prev_attn.to(dtype)
         logits = logits + (prev if combined is None else torch.where(combined, prev, 0.0))
     if bias is not None:  # the bias first, then the clamp (x-transformers' order); -inf is masked below

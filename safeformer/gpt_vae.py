@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cache import check_weight_dtype
 from .generation import AutoregressiveWrapper
 from .layers import Decoder, Encoder
 from .masks import checked_once, validate_mask
@@ -164,6 +165,7 @@ class GPTVAE(nn.Module):
                              f"got {tuple(latents.shape)}")
         if not latents.is_floating_point():
             raise TypeError(f"latents must be floating point, got dtype {latents.dtype}")
+        check_weight_dtype(latents, self.from_latent_to_prepend_token, "latents")
         return self.from_latent_to_prepend_token(latents.expand(b, -1))[:, None]  # (b, 1, d)
 
     @torch.no_grad()
@@ -185,6 +187,9 @@ class GPTVAE(nn.Module):
                 raise ValueError("pass latents or seq_for_latents, not both")
             _check_ids(seq_for_latents, "seq_for_latents")
             latents = self._latents(seq_for_latents, self._real(seq_for_latents, mask_for_latents, "mask_for_latents"), None)[0]
+        elif mask_for_latents is not None:
+            raise ValueError("mask_for_latents was given without seq_for_latents (it marks the real positions of "
+                             "seq_for_latents); pass seq_for_latents too, or latents")
         if latents is not None:
             generate_kwargs["prepend_embeds"] = self._prefix(latents, b)
         return self.ar_wrapped_decoder.generate(prompts, seq_len, **generate_kwargs)

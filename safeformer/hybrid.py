@@ -23,6 +23,7 @@ from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -168,6 +169,9 @@ class HybridBranch(nn.Module):
             out, h = rnn(fold.fold(xs), hx)
             return fold.unfold(out, n), h
         xf, rf = fold.fold(xs), fold.fold(real)  # (b * a, m, c), (b * a, m)
+        if torch._C._are_functorch_transforms_active():  # packing reads the lengths on the host: step instead
+            out, h = _run_rnn_stepwise(rnn, xf, rf, hx)
+            return fold.unfold(out, n), h
         lengths = rf.sum(dim=1)  # (b * a,)
         packed = pack_padded_sequence(xf, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
         out, h = rnn(packed, hx)
@@ -239,6 +243,56 @@ class HybridBranch(nn.Module):
         xs = x if real is None else torch.where(real[..., None], x, 0.0)
         mix = torch.sigmoid(self.hybrid_mix(xs))[..., None]  # (b, n, h, 1)
         return torch.lerp(a, hy, mix.to(a.dtype))
+
+
+def _cell(mode: str, x: Tensor, state: tuple, w_ih: Tensor, w_hh: Tensor, b_ih, b_hh) -> tuple:
+    """One step of a ``torch.nn`` RNN cell (``mode`` as ``nn.RNNBase`` names it) written out, so that every
+    ``torch.func`` transform has its rules: ``state`` ``(h,)`` or ``(h, c)`` -> the new one."""
+    gi, gh = F.linear(x, w_ih, b_ih), F.linear(state[0], w_hh, b_hh)
+    if mode == "GRU":
+        (ir, iz, i_n), (hr, hz, hn) = gi.chunk(3, dim=-1), gh.chunk(3, dim=-1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        n = torch.tanh(i_n + r * hn)
+        return ((1 - z) * n + z * state[0],)
+    if mode == "LSTM":
+        i, f, g, o = (gi + gh).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    return (torch.tanh(gi + gh) if mode == "RNN_TANH" else torch.relu(gi + gh),)
+
+
+def _run_rnn_stepwise(rnn: nn.RNNBase, x: Tensor, real: Tensor, hx):
+    """``rnn`` on ``x (B, m, c)`` one step at a time from its own weights, as on packed sequences: ``real (B, m)`` a
+    prefix of True per row; a step at a padded position moves no state (each direction starts at its row's own
+    end). No host read, so it runs under ``torch.func``. Returns ``(out (B, m, D * H), hx)`` like the module."""
+    batch, m = real.shape
+    dirs = 2 if rnn.bidirectional else 1
+    lstm = rnn.mode == "LSTM"
+    if hx is None:
+        zero = x.new_zeros(rnn.num_layers * dirs, batch, rnn.hidden_size)
+        hx = (zero, zero) if lstm else zero
+    h0 = hx if lstm else (hx,)
+    inp, finals = x, []
+    for layer in range(rnn.num_layers):
+        outs = []
+        for d in range(dirs):
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            w = [getattr(rnn, f"weight_ih{sfx}"), getattr(rnn, f"weight_hh{sfx}")]
+            w += [getattr(rnn, f"bias_ih{sfx}"), getattr(rnn, f"bias_hh{sfx}")] if rnn.bias else [None, None]
+            state = tuple(s[layer * dirs + d] for s in h0)
+            steps = [None] * m
+            for t in (range(m - 1, -1, -1) if d else range(m)):
+                live = real[:, t, None]  # (B, 1)
+                new = _cell(rnn.mode, inp[:, t], state, *w)
+                state = tuple(torch.where(live, a, s) for a, s in zip(new, state))
+                steps[t] = torch.where(live, state[0], 0.0)
+            outs.append(torch.stack(steps, dim=1) if m else inp.new_zeros(batch, 0, rnn.hidden_size))
+            finals.append(state)
+        inp = torch.cat(outs, dim=-1)
+        if rnn.dropout and rnn.training and layer < rnn.num_layers - 1:
+            inp = F.dropout(inp, rnn.dropout, training=True)
+    hs = tuple(torch.stack([f[k] for f in finals]) for k in range(len(h0)))
+    return inp, (hs if lstm else hs[0])
 
 
 def make_hybrid(module, *, dim: int, heads: int, dim_head: int, causal: bool, fold_axial_dim=None, mask_kwarg=None,

@@ -17,6 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .cache import check_weight_dtype
 from .layers import Encoder
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
@@ -75,6 +76,7 @@ class NeoMLP(Configurable, nn.Module):
         """
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+        check_weight_dtype(x, self.random_fourier, "x")
         no_batch = x.dim() == 1
         if no_batch:
             x = x[None]

@@ -282,6 +282,9 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
         if not layout.groups:  # no real token at all: the projections still take part (zero gradients, no
             # missing ones: a data-parallel reduction expects every parameter on every rank)
             out_all = out_all + (q_all.sum() + k_all.sum() + v_all.sum()) * 0  # empty sums: exactly 0
+            if layout.bias is not None:  # a learned bias (T5's) too: zero gradients, not missing ones
+                none = torch.zeros(1, 0, dtype=torch.long, device=h.device)
+                out_all = out_all + layout.bias(none, out_all.dtype).sum() * 0
         return attn._output(out_all, h)
     if not isinstance(layout, PackedCrossLayout):
         raise TypeError(f"layout must be an unpadded layout, got {type(layout).__name__}")
