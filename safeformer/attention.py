@@ -306,7 +306,8 @@ class Attention(nn.Module):
                 self-attention).
             value_residual: ``(b, h_kv, j_new, d)`` the first attention's values of the same positions
                 (x-transformers' ``add_value_residual``): the new values become ``lerp(value_residual, v, mix)``,
-                ``mix`` learned per position and head (``learned_value_residual_mix``) or 0.5. Keys/values
+                ``mix`` learned per position and head (``learned_value_residual_mix``) or 0.5; in the values' dtype.
+                Its slots at masked keys (NaN included) reach no output and no gradient. Keys/values
                 handed in (``kv``, a cross-attention cache) are used as they are (mixed when cached).
             layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
                 ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
@@ -323,14 +324,15 @@ class Attention(nn.Module):
             additional_key_value_mask: ``(b, a)`` bool, True = a real added key; masked ones (whatever they
                 hold, NaN included) reach no output and no gradient.
             kv_input_residual: ``(b|1, j|1, c_src)`` added to the keys'/values' input (``x``, or ``context``)
-                before their projections (x-transformers' keyword); rows of masked keys are selected away.
+                before their projections (x-transformers' keyword), in its dtype; rows of masked keys are selected away.
                 Not with precomputed keys/values (``kv``).
             positions: ``(q_pos (b|1, i), k_pos (b|1, j))`` integer positions of the queries and keys, for
                 ``use_rel_proj_pos_bias`` (the stack passes the real tokens' positions); default the index
                 positions, the queries the last ``i`` keys.
             prev_attn: ``(b, h, i, j)`` the logits of the attention before (x-transformers' residual attention,
                 ``residual_attn``): added to this one's scaled logits before the bias; runs the explicit float32
-                path. Entries this call masks are selected away (the ``-inf`` the stack's logits hold there included).
+                path. Entries this call masks, and padded queries' rows, are selected away (the ``-inf`` the stack's
+                logits hold there included): they reach no output and no gradient.
             _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights and logits with
                 ``return_attn``).
 

@@ -173,7 +173,8 @@ class GPTVAE(nn.Module):
     def generate(self, prompts: Tensor, seq_len: int, latents=None, seq_for_latents: Tensor | None = None, *,
                  mask_for_latents: Tensor | None = None, **generate_kwargs) -> Tensor:
         """Generate ``seq_len`` tokens after ``prompts`` ``(b, n)`` (or one ``(n,)`` prompt), conditioned on
-        ``latents`` (``(l,)`` for every sample, or ``(b, l)``) or on the latents of ``seq_for_latents``.
+        ``latents`` (``(l,)`` for every sample, or ``(b, l)``, in the model's dtype) or on the latents of
+        ``seq_for_latents`` (its real positions ``mask_for_latents``, which needs ``seq_for_latents``).
 
         ``generate_kwargs`` are ``AutoregressiveWrapper.generate``'s (``temperature``, ``mask``,
         ``cond_scale``: guidance against no latent at all, the dropped prefix, ...).

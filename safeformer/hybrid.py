@@ -11,8 +11,9 @@ Padding (mask False) never reaches a real position: the module's input at padded
 each sample's real tokens are moved to the front, in order, before the module runs (so a left-padded sample reads
 as the sample alone). A ``torch.nn`` ``GRU`` / ``LSTM`` / ``RNN`` then runs on the packed real tokens only
 (``pack_padded_sequence``: each direction of a bidirectional one starts and stops at the sample's own ends; one
-host sync for the lengths); another module sees the real tokens followed by zeros, so it must be causal (a
-decoder's is taken to be) or take the mask through ``hybrid_mask_kwarg``. Its output at padded positions is 0.
+host sync for the lengths; under a ``torch.func`` transform, which cannot read them, its cells step through the
+sequence instead, a padded step moving no state: the same results). Another module sees the real tokens followed
+by zeros, so it must be causal (a decoder's is taken to be) or take the mask through ``hybrid_mask_kwarg``. Its output at padded positions is 0.
 The module reads the padding mask only: an ``attn_mask`` (document masks, prefix masks) does not reach it.
 """
 

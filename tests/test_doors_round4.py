@@ -118,6 +118,33 @@ def test_prev_attn_dead_rows_of_an_empty_context_reach_no_gradient():
     assert torch.isfinite(x.grad).all() and prev.grad[0].eq(0).all() and prev.grad[1, :, :, 2].eq(0).all()
 
 
+def test_value_residual_at_masked_context_keys_reaches_nothing():
+    """Cross-attention (grouped-query) with an all-False and a partial ``context_mask``: NaN in the value residual at
+    masked context keys reaches no output and no gradient, exactly 0 there."""
+    torch.manual_seed(0)
+    attn = sf.Attention(dim=16, heads=2, dim_head=8, kv_heads=1)
+    x, ctx = _randn(2, 3, 16, seed=1).requires_grad_(), _randn(2, 5, 16, seed=2)
+    cm = torch.tensor([[True, False, True, True, False], [False] * 5])
+    vr = _randn(2, 1, 5, 8, seed=3)
+    vr[~cm[:, None, :]] = NAN
+    vr.requires_grad_()
+    out = attn(x, context=ctx, context_mask=cm, value_residual=vr)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and out[1].eq(0).all() and torch.isfinite(x.grad).all()
+    assert vr.grad[~cm[:, None, :]].eq(0).all()
+    assert all(torch.isfinite(p.grad).all() for p in attn.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(("prev", "error"), [(torch.zeros(2, 2, 4, 4, dtype=torch.long), TypeError),
+                                             (torch.zeros(2, 2, 4, 4, dtype=torch.bool), TypeError),
+                                             (torch.zeros(5, 2, 4, 4), ValueError), (torch.zeros(2, 4, 4), ValueError)],
+                         ids=["long", "bool", "batch", "3d"])
+def test_prev_attn_of_another_dtype_or_shape_is_refused_by_name(prev, error):
+    attn = sf.Attention(dim=16, heads=2, dim_head=8)
+    with pytest.raises(error, match="prev_attn"):
+        attn(_randn(2, 4, 16), mask=torch.ones(2, 4, dtype=torch.bool), prev_attn=prev)
+
+
 # ----------------------------------------------------------------------------------------------------
 # 3. value_residual / kv_input_residual: bad dtypes and shapes get errors naming the argument
 # ----------------------------------------------------------------------------------------------------
@@ -233,6 +260,32 @@ def test_hybrid_bidirectional_rnn_under_torch_func_grad_equals_autograd(fold):
                      attn_hybrid_module=torch.nn.GRU(16, 8, num_layers=2, bidirectional=True, batch_first=True))
     mask = torch.tensor([[True] * 3 + [False] * 2, [False, True, False, True, True], [True] * 5])
     _func_grad_equals_autograd(enc, _randn(3, 5, 16), mask)
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_hybrid_rnn_steps_equal_the_packed_sequence(kind, bidirectional):
+    """What runs under a transform (the module's cells step by step, padded steps moving no state) equals the
+    packed sequence's outputs at real positions and its final states, with an initial state and an empty row."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    from safeformer.hybrid import _run_rnn_stepwise
+
+    torch.manual_seed(0)
+    rnn = getattr(torch.nn, kind)(6, 5, num_layers=2, bidirectional=bidirectional, batch_first=True)
+    x, lens = _randn(4, 7, 6), torch.tensor([7, 3, 0, 5])
+    real = torch.arange(7)[None] < lens[:, None]
+    h0 = _randn(2 * (2 if bidirectional else 1), 4, 5, seed=1)
+    hx = (h0, _randn(*h0.shape, seed=2)) if kind == "LSTM" else h0
+    packed = pack_padded_sequence(x, lens.clamp(min=1), batch_first=True, enforce_sorted=False)
+    want, h_want = rnn(packed, hx)
+    want = pad_packed_sequence(want, batch_first=True, total_length=7)[0]
+    got, h_got = _run_rnn_stepwise(rnn, x, real, hx)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-6)
+    assert got[~real].eq(0).all()
+    pairs = zip(*(t if isinstance(t, tuple) else (t,) for t in (h_want, h_got, hx)))
+    for w, g, init in pairs:  # an empty row keeps its initial state
+        torch.testing.assert_close(g, torch.where((lens == 0)[None, :, None], init, w), rtol=1e-5, atol=1e-6)
 
 
 def test_hybrid_rnn_under_vmap_equals_the_batch():
