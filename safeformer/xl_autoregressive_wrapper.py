@@ -24,10 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from .generation import top_k
+from .generation import NOTHING_TO_DRAW, check_pad_value, check_sampling, draw, top_k
 from .layers import Encoder
 from .losses import masked_mean, safe_cross_entropy
+from .masks import validate_mask
 from .modules import FeedForward
+from .stack_forward import mems_unsupported
+from .wrapper_forward import Mems, _new_mems
 from .xt_extras import eval_decorator
 
 __all__ = [
@@ -248,6 +251,25 @@ class TTTNextLatentPredictionLoss(nn.Module):
 # ------------------------------------------------------------------------------------------------------
 
 
+def _check_stack_takes_mems(stack) -> None:
+    """The wrapper runs every segment with Transformer-XL memories (``mems`` / ``return_mems``): a stack option they
+    cannot serve is refused when it is built, naming ``mems`` and the option, instead of at the second segment."""
+    if stack is None or not hasattr(stack, "layers"):
+        return
+    mixers = [blk.mixer for blk in stack.layers if getattr(blk, "kind", None) == "self"]
+    for option, used in (("attn_orthog_projected_values", any(getattr(a, "orthog", False) for a in mixers)),
+                         ("attn_data_dependent_alibi",
+                          any(getattr(a, "to_forget_gates", None) is not None for a in mixers))):
+        if used:
+            raise ValueError(f"XLAutoregressiveWrapper runs every segment with Transformer-XL memories (mems / "
+                             f"return_mems), which cannot serve {option}: it is defined over the whole sequence, so no "
+                             "memory can continue it")
+    reason = mems_unsupported(stack)
+    if reason is not None:
+        raise ValueError(f"XLAutoregressiveWrapper runs every segment with Transformer-XL memories (mems / "
+                         f"return_mems), which cannot be combined with {reason}")
+
+
 class XLAutoregressiveWrapper(nn.Module):
     """Next-token loss and sampling over segments of ``net.max_seq_len`` tokens with Transformer-XL memories,
     optionally with test-time training (x-transformers' ``XLAutoregressiveWrapper``).
@@ -297,6 +319,10 @@ class XLAutoregressiveWrapper(nn.Module):
             raise ValueError(f"episodic_mem_len must be a non-negative integer, got {episodic_mem_len!r}")
         if not hasattr(net, "max_seq_len"):
             raise ValueError("XLAutoregressiveWrapper needs a network with max_seq_len (a TransformerWrapper)")
+        check_pad_value(pad_value)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        _check_stack_takes_mems(getattr(net, "attn_layers", None))
         self.pad_value = pad_value
         self.ignore_index = ignore_index
         self.tbptt_steps = tbptt_steps
@@ -379,6 +405,7 @@ class XLAutoregressiveWrapper(nn.Module):
         if not self.has_ttt:
             return
         mask = chunk_labels != self.ignore_index
+        stepped = mask.any(dim=-1)  # (b,): a sample without a counted label keeps its fast weights (no decay)
         if self.ttt_custom_loss_module is not None:
             if intermediates is None:
                 raise ValueError("update_ttt needs the intermediates with ttt_custom_loss_module")
@@ -410,17 +437,44 @@ class XLAutoregressiveWrapper(nn.Module):
                                      f"{target}.{t_name} {tuple(t_p.shape)} must have the same shape")
                 if g is not None:
                     lr = self.ttt_muon_lr if is_muon else self.ttt_lr
-                    t_p = t_p - lr * g - lr * self.ttt_wd * t_p
+                    t_p = torch.where(stepped.view(-1, *[1] * (t_p.dim() - 1)), t_p - lr * g - lr * self.ttt_wd * t_p,
+                                      t_p)
                 if not create_graph:
                     t_p = t_p.detach().requires_grad_()
                 new[t_name] = t_p
             tgt.batch_params = new
 
     def _segment(self, net, tokens: Tensor, mems, mask: Tensor | None, **kwargs):
-        """``net`` on one segment with its memories: ``(logits, intermediates)``."""
+        """``net`` on one segment with its memories (their padded slots moved first, see ``_compact_mems``):
+        ``(logits, intermediates)``."""
         if mask is not None:
             kwargs["mask"] = mask
-        return net(tokens, mems=mems, return_mems=True, return_intermediates=True, **kwargs)
+        return net(tokens, mems=_compact_mems(mems), return_mems=True, return_intermediates=True, **kwargs)
+
+    @property
+    def _wrapper(self) -> nn.Module:
+        """The ``TransformerWrapper`` (inside the episodic-memory wrapper, if any)."""
+        return self.net.net if self.has_episodic_mem else self.net
+
+    def _check_generate(self, start_tokens, seq_len, eos_token, temperature, filter_logits_fn, filter_kwargs):
+        """``generate``'s arguments checked (``AutoregressiveWrapper.generate``'s checks, with this method's names):
+        returns the filter function."""
+        if not isinstance(start_tokens, Tensor) or start_tokens.dim() not in (1, 2):
+            raise ValueError(f"start_tokens must be token ids of shape (b, t) or (t,), got "
+                             f"{getattr(start_tokens, 'shape', type(start_tokens).__name__)}")
+        if start_tokens.dtype.is_floating_point or start_tokens.dtype == torch.bool or start_tokens.is_complex():
+            raise TypeError(f"start_tokens must hold integer token ids, got dtype {start_tokens.dtype}")
+        if start_tokens.shape[-1] == 0:
+            raise ValueError("start_tokens must hold at least one token per sample (got t = 0 positions)")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+            raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
+        fn = check_sampling(temperature, filter_logits_fn, filter_kwargs)
+        if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
+            raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
+        num_tokens = getattr(self._wrapper, "num_tokens", None)
+        if eos_token is not None and isinstance(num_tokens, int) and not 0 <= eos_token < num_tokens:
+            raise ValueError(f"eos_token must be a token id in [0, num_tokens={num_tokens}), got {eos_token}")
+        return fn
 
     @torch.no_grad()
     @eval_decorator
@@ -428,17 +482,40 @@ class XLAutoregressiveWrapper(nn.Module):
                  filter_logits_fn=top_k, filter_kwargs: dict | None = None, mems=None, **kwargs) -> Tensor:
         """Sample ``seq_len`` tokens after ``start_tokens (b, t)`` (or ``(t,)``), the prompt's earlier segments
         read into the memories first (x-transformers' segment schedule); with test-time training the prompt
-        trains the fast weights. ``temperature=0`` is greedy. With ``eos_token`` sampling stops once every sample
+        trains the fast weights (also under ``torch.inference_mode``). ``temperature=0`` is greedy (a callable
+        ``filter_logits_fn`` still applies; the built-in filters keep the best token and are skipped); otherwise the
+        filter, then the temperature (x-transformers' order). With ``eos_token`` sampling stops once every sample
         has sampled it, the positions after each sample's first one set to ``pad_value`` (x-transformers instead
-        fills the positions before it, prompt included, and counts an eos in the prompt). Returns
-        ``(b, <= seq_len)`` (``(<= seq_len,)``)."""
+        fills the positions before it, prompt included, and counts an eos in the prompt). ``mems`` (with their
+        masks, as ``return_mems`` gives them, or ``mem_masks=``): the memories of earlier segments; their padded
+        slots stay masked at every step. Returns ``(b, <= seq_len)`` (``(<= seq_len,)``).
+
+        Raises:
+            ValueError, TypeError: a bad argument, named (as ``AutoregressiveWrapper.generate``); a row with no
+                token left to draw (``logits``).
+        """
         if "mask" in kwargs or "cache" in kwargs:
             raise ValueError("XLAutoregressiveWrapper.generate takes unpadded prompts and keeps no KV cache: pass "
                              "neither mask nor cache")
-        filter_kwargs = filter_kwargs or {}
+        fn = self._check_generate(start_tokens, seq_len, eos_token, temperature, filter_logits_fn, filter_kwargs)
+        mems = _with_masks(mems, kwargs.pop("mem_masks", None))
         squeeze = start_tokens.dim() == 1
         if squeeze:
             start_tokens = start_tokens[None]
+        if seq_len == 0 or start_tokens.shape[0] == 0:  # empty in, empty out
+            out = start_tokens.new_full((start_tokens.shape[0], seq_len), self.pad_value)
+            return out[0] if squeeze else out
+        args = (start_tokens, seq_len, eos_token, temperature, fn, filter_kwargs, mems, kwargs)
+        if self.has_ttt and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():  # as under no_grad: the test-time steps need autograd
+                out = self._generate(*_outside_inference(args))
+        else:
+            out = self._generate(*args)
+        return out[0] if squeeze else out
+
+    def _generate(self, start_tokens: Tensor, seq_len: int, eos_token, temperature: float, fn, filter_kwargs, mems,
+                  kwargs: dict) -> Tensor:
+        """``generate`` on checked arguments (``start_tokens (b, t)``)."""
         max_seq_len = self.max_seq_len
         batch, t = start_tokens.shape
         *leading, remainder = start_tokens.split(max_seq_len, dim=-1)
@@ -467,6 +544,8 @@ class XLAutoregressiveWrapper(nn.Module):
             kwargs.update(self_attn_additional_kv=net.get_additional_kv(batch))
             net = net.net
 
+        # a row left with nothing to draw (a callable filter): flagged on the device, read after each step
+        nothing = torch.zeros((), dtype=torch.bool, device=start_tokens.device)
         # x-transformers' schedule: the segment starting at curr_pos is recomputed at every step (there, from a KV
         # cache) with the memories curr_mems; after each step the memories become curr_mems and the new positions'
         # hiddens (a fresh segment: all its positions; then the one new token), taken over at segment boundaries
@@ -488,11 +567,13 @@ class XLAutoregressiveWrapper(nn.Module):
                 logits = net(x, mems=curr_mems, **kwargs)
             fresh = False
             logits = logits[:, -1]
-            if temperature == 0.0:
-                sample = logits.argmax(dim=-1, keepdim=True)
+            if temperature > 0 and fn is not None:  # x-transformers' order: the filter, then the temperature
+                sample = draw(fn(logits, **(filter_kwargs or {})), temperature, None, None, nothing)
             else:
-                probs = F.softmax(filter_logits_fn(logits, **filter_kwargs) / temperature, dim=-1)
-                sample = torch.multinomial(probs, 1)
+                sample = draw(logits, temperature, fn, filter_kwargs, nothing)
+            if bool(nothing):
+                raise ValueError(NOTHING_TO_DRAW)
+            sample = sample[:, None]
             if boundary:
                 curr_pos, curr_mems, fresh = length, mems, True
             out = torch.cat((out, sample), dim=-1)
@@ -502,25 +583,50 @@ class XLAutoregressiveWrapper(nn.Module):
                     after = (is_eos.long().cumsum(dim=-1) - is_eos.long()) > 0  # strictly after the first eos
                     out = torch.cat((out[:, :t], out[:, t:].masked_fill(after, self.pad_value)), dim=-1)
                     break
-        out = out[:, t:]
-        return out[0] if squeeze else out
+        return out[:, t:]
 
     def forward(self, x: Tensor, mems=None, dropout_mems: bool = False, ttt_recurrent_steps: int = 1,
                 mask: Tensor | None = None, **kwargs) -> Tensor:
         """The next-token loss of ``x (b, n)`` over segments: the mean per sample of each segment's loss, weighted
         by the segment's share of the positions (x-transformers' weighting). ``mask (b, n)``: padding (True =
-        real); a label counts when it and its input are real. ``dropout_mems``: every segment without memories;
-        ``ttt_recurrent_steps``: run each segment that many times, test-time training after each."""
+        real); a label counts when it and its input are real, and a segment with no counted label of a sample
+        steps none of its fast weights. ``mems`` (with their masks, as ``return_mems`` gives them, or
+        ``mem_masks=``): the memories of earlier segments. ``dropout_mems``: every segment without memories;
+        ``ttt_recurrent_steps``: run each segment that many times, test-time training after each.
+
+        A sequence of one position, or a batch of no sample, gives exactly 0 with zero gradients
+        (``AutoregressiveWrapper``'s convention). With test-time training the loss is also computed under
+        ``torch.inference_mode`` (the same value as under ``torch.no_grad``, returned without a graph).
+
+        Raises:
+            ValueError, TypeError: a bad argument, named.
+        """
         if isinstance(ttt_recurrent_steps, bool) or not isinstance(ttt_recurrent_steps, int) or ttt_recurrent_steps < 1:
             raise ValueError(f"ttt_recurrent_steps must be a positive integer, got {ttt_recurrent_steps!r}")
         if ttt_recurrent_steps > 1 and not self.has_ttt:
             raise ValueError("ttt must be turned on (ttt_module_paths) to use ttt_recurrent_steps")
+        if not isinstance(dropout_mems, bool):
+            raise TypeError(f"dropout_mems must be True or False, got {dropout_mems!r}")
+        if not isinstance(x, Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x).__name__)}")
+        if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"x must hold integer token ids, got dtype {x.dtype}")
+        if mask is not None:
+            validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
+        mems = _with_masks(mems, kwargs.pop("mem_masks", None))
+        args = (x, mems, dropout_mems, ttt_recurrent_steps, mask, kwargs)
+        if self.has_ttt and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():  # as under no_grad: the test-time steps need autograd
+                return self._forward(*_outside_inference(args)).detach()
+        return self._forward(*args)
+
+    def _forward(self, x: Tensor, mems, dropout_mems: bool, ttt_recurrent_steps: int, mask: Tensor | None,
+                 kwargs: dict) -> Tensor:
+        """``forward`` on checked arguments."""
         ignore_index, max_seq_len = self.ignore_index, self.max_seq_len
         inp, labels = x[:, :-1], x[:, 1:]
         in_mask = None
         if mask is not None:
-            if mask.shape != x.shape or mask.dtype != torch.bool:
-                raise ValueError(f"mask must be a bool tensor of x's shape {tuple(x.shape)}, got {getattr(mask, 'shape', mask)}")
             in_mask = mask[:, :-1]
             labels = torch.where(mask[:, 1:] & in_mask, labels, ignore_index)
         batch, seq_len = inp.shape
@@ -542,7 +648,9 @@ class XLAutoregressiveWrapper(nn.Module):
                         mems = inter.mems
                         valid = chunk_labels != ignore_index
                         per_batch = masked_mean(self._loss_fn(logits, chunk_labels), valid, dim=-1)
-                        total_loss = total_loss + per_batch.mean() * (chunk.shape[-1] / seq_len)
+                        # no sample, or no position (a sequence of one token): exactly 0, the graph kept (S8)
+                        mean = per_batch.mean() if batch else per_batch.sum()
+                        total_loss = total_loss + mean * (chunk.shape[-1] / seq_len if seq_len else 1.0)
                     if (last_chunk and last_step) or not self.has_ttt:
                         continue
                     self.update_ttt(logits, chunk_labels, create_graph=self.training, intermediates=inter)
@@ -553,14 +661,89 @@ class XLAutoregressiveWrapper(nn.Module):
         return total_loss
 
 
-def _step_mems(net, mems, hiddens: list[Tensor], new: int):
-    """x-transformers' memories after a cached sampling step: the old memories then the hiddens of the ``new`` last
-    positions (what its cached forward computed), the last ``max_mem_len``."""
-    from .wrappers import Mems
-
-    keep = net.max_mem_len
-    tail = [h[:, h.shape[1] - new:] for h in hiddens]
-    cat = tail if mems is None else [torch.cat((m, h.to(m.dtype)), dim=1) for m, h in zip(mems, tail)]
-    out = Mems(t[:, t.shape[1] - min(keep, t.shape[1]):].detach() for t in cat)
-    out.masks = None
+def _with_masks(mems, mem_masks):
+    """``mems`` as a ``Mems`` carrying ``mem_masks`` (when given), so that the masks follow the memories from
+    segment to segment; unchanged without ``mem_masks``. The network checks both."""
+    if mem_masks is None:
+        return mems
+    if mems is None:
+        raise ValueError("mem_masks was given without mems")
+    if not isinstance(mems, (list, tuple)):
+        raise ValueError(f"mems must be a list of one (b, m, c) tensor per self-attention block, got "
+                         f"{type(mems).__name__}")
+    out = Mems(mems)
+    out.masks = list(mem_masks) if isinstance(mem_masks, (list, tuple)) else mem_masks
     return out
+
+
+def _compact_mems(mems):
+    """``mems`` with each memory's masked slots moved before its real ones (the order of each kept): positions count
+    the real slots only, so this changes no result, but cutting memories to ``max_mem_len`` (from the front) then
+    drops padding before any real slot, as the sample alone would keep them. Memories without masks, or malformed
+    ones (the network names what is wrong), are returned as they are."""
+    masks = getattr(mems, "masks", None)
+    if masks is None or not isinstance(mems, (list, tuple)):
+        return mems
+    per = list(masks) if isinstance(masks, (list, tuple)) else [masks] * len(mems)
+    if len(per) != len(mems) or not all(
+            isinstance(t, Tensor) and t.dim() == 3 and (mm is None or (
+                isinstance(mm, Tensor) and mm.dtype == torch.bool and mm.shape == t.shape[:2] and mm.device == t.device))
+            for t, mm in zip(mems, per)):
+        return mems
+    orders: dict = {}  # one permutation per distinct mask: blocks that shared a mask share the new one
+    new, new_masks = [], []
+    for t, mm in zip(mems, per):
+        if mm is None:
+            new.append(t)
+            new_masks.append(None)
+            continue
+        if id(mm) not in orders:
+            order = torch.sort(mm.to(torch.uint8), dim=1, stable=True).indices  # masked (0) first, order kept
+            orders[id(mm)] = (order, mm.gather(1, order))
+        order, kept = orders[id(mm)]
+        new.append(t.gather(1, order[..., None].expand_as(t)))
+        new_masks.append(kept)
+    out = Mems(new)
+    out.masks = new_masks
+    return out
+
+
+def _outside_inference(obj, memo: dict | None = None):
+    """``obj`` with every inference tensor (made under ``torch.inference_mode``) copied to an ordinary one, through
+    lists, tuples and dicts (a ``Mems`` keeps its masks; a tensor met twice is copied once): test-time training
+    records a graph, which an inference tensor cannot join."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, Tensor):
+        if not obj.is_inference():
+            return obj
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.clone()
+        return memo[id(obj)]
+    if isinstance(obj, Mems):
+        out = Mems(_outside_inference(t, memo) for t in obj)
+        out.masks = _outside_inference(obj.masks, memo)
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_outside_inference(t, memo) for t in obj)
+    if isinstance(obj, dict):
+        return {k: _outside_inference(v, memo) for k, v in obj.items()}
+    return obj
+
+
+def _step_mems(net, mems, hiddens: list[Tensor], new: int) -> Mems:
+    """x-transformers' memories after a cached sampling step: the old memories (rotated by ``shift_mem_down``, as
+    the network reads them) then the hiddens of the ``new`` last positions (what its cached forward computed), the
+    last ``max_mem_len``. The masks of the old memories come along (the new positions are real), and their padded
+    slots are moved first (``_compact_mems``), so the cut drops padding before a real slot."""
+    tail = [h[:, h.shape[1] - new:] for h in hiddens]
+    masks = None
+    if mems is not None:
+        mems = _compact_mems(mems)
+        masks = getattr(mems, "masks", None)
+        mems = list(mems)
+        k = net.shift_mem_down
+        if k:
+            mems = [*mems[k:], *mems[:k]]
+            if isinstance(masks, (list, tuple)):
+                masks = [*masks[k:], *masks[:k]]
+    return _new_mems(net, mems, masks, tail, None, True)

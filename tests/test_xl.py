@@ -322,7 +322,7 @@ def probe_xl(seed: int, value: float):
     out = wrapper(x, mems=mems, mask=mask)
     masked = ~keep[..., None].expand(b, m, D)
     return Probe(out, {f"mems[{i}]": t for i, t in enumerate(mems)}, {f"mems[{i}]": masked for i in range(2)}, bad_calls=[
-        ("int mask", lambda: wrapper(x, mask=mask.int()), ValueError, "mask"),
+        ("int mask", lambda: wrapper(x, mask=mask.int()), TypeError, "mask"),
         ("mem_masks of wrong shape", lambda: net(x[:, :5], mems=list(mems), mem_masks=keep[:, 1:]), ValueError,
          "mem_masks"),
     ])
