@@ -156,7 +156,9 @@ def top_a(logits: Tensor, min_p_pow: float = 2.0, min_p_ratio: float = 0.02) -> 
         raise ValueError(f"top_a needs min_p_pow > 0, got {min_p_pow!r}")
     if isinstance(min_p_ratio, bool) or not (isinstance(min_p_ratio, (int, float)) and 0.0 <= min_p_ratio <= 1.0):
         raise ValueError(f"top_a needs min_p_ratio in [0, 1], got {min_p_ratio!r}")
-    probs = logits.float().softmax(dim=-1)
+    # float32 at least, float64 kept: float64 logits beyond float32's range would turn to inf (NaN probabilities,
+    # nothing filtered)
+    probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
     top = probs.amax(dim=-1, keepdim=True)
     limit = torch.minimum(top.pow(min_p_pow) * min_p_ratio, top)  # never above the best token
     return logits.masked_fill(probs < limit, _NEG_INF)
