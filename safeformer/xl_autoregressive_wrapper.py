@@ -8,10 +8,14 @@ segments left. Optionally some modules are test-time trained: their weights beco
 
 Shapes: ``b`` batch, ``n`` tokens, ``c`` model width, ``v`` vocabulary.
 
-Differences from x-transformers (safety): ``forward`` and ``generate`` accept a padding ``mask`` (True = real
-token): padded positions count in no loss, reach no memory a real token sees (the memories carry their masks),
-and reach no test-time update. Sampling recomputes the current segment at every step (memories and a KV cache
-do not combine here), with the same tokens as x-transformers' cached loop.
+Differences from x-transformers (safety): ``forward`` accepts a padding ``mask`` (True = real token): padded
+positions count in no loss, reach no memory a real token sees (the memories carry their masks, through every
+segment and every sampling step; padded memory slots are cut before real ones at ``max_mem_len``), and reach no
+test-time update (a sample with no counted label in a segment keeps its fast weights). Sampling recomputes the
+current segment at every step (memories and a KV cache do not combine here), with the same tokens as
+x-transformers' cached loop. A sequence of one position, or an empty batch, gives a loss of exactly 0 with zero
+gradients; ``generate`` checks its arguments as ``AutoregressiveWrapper.generate`` does; test-time training also
+runs under ``torch.inference_mode``; options that memories cannot serve are refused when the wrapper is built.
 """
 
 from __future__ import annotations
