@@ -573,8 +573,8 @@ def atomic_folder(directory: str | os.PathLike, foreign: Callable[[Path], list[s
     failed second rename puts the old one back). So a reader sees the old folder or the new one, never a
     mix (between the two renames the path is briefly absent). Every file is flushed to disk before the
     swap. On any error, ``KeyboardInterrupt`` included, the temporary folder is removed and an existing
-    ``directory`` is left as it was. A process killed between the two renames leaves the old folder as
-    ``.<name>.old-<random>`` beside the path.
+    ``directory`` is left as it was. A process killed outright (no clean-up runs) leaves its temporary
+    folder, or, killed between the two renames, the old folder as ``.<name>.old-<random>``, beside the path.
 
     ``foreign(path)`` lists the entries of an existing ``directory`` that its writer did not write:
     when there are any, nothing is written and it is a ``ValueError`` naming them (replacing the folder

@@ -25,10 +25,10 @@ from safeformer.training_state import STATE_NAME, load_training_state, save_trai
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _model(seed: int = 0) -> sf.TransformerWrapper:
+def _model(seed: int = 0, depth: int = 1) -> sf.TransformerWrapper:
     torch.manual_seed(seed)
     return sf.TransformerWrapper(num_tokens=11, max_seq_len=8,
-                                 attn_layers=sf.Decoder(dim=16, depth=1, heads=2, dim_head=8))
+                                 attn_layers=sf.Decoder(dim=16, depth=depth, heads=2, dim_head=8))
 
 
 def _snapshot(folder: Path) -> dict[str, bytes | None]:
@@ -111,6 +111,25 @@ def test_bad_state_dict_fails_before_anything_is_in_place(tmp_path):
     assert not target.exists() and _listing(tmp_path) == []
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_save_pretrained_without_safetensors_changes_nothing(tmp_path, monkeypatch, existing):
+    import safeformer.pretrained as pretrained
+
+    target = tmp_path / "ckpt"
+    if existing:
+        _model(0).save_pretrained(target)
+    before = _snapshot(target) if existing else None
+
+    def missing():
+        raise ImportError("checkpoints need the 'safetensors' package: pip install safetensors")
+
+    monkeypatch.setattr(pretrained, "_safetensors", missing)
+    with pytest.raises(ImportError, match="safetensors"):
+        _model(1).save_pretrained(target)
+    assert (_snapshot(target) if existing else target.exists()) == (before if existing else False)
+    assert _listing(tmp_path) == (["ckpt"] if existing else [])
+
+
 def test_target_holds_the_old_checkpoint_while_the_new_one_is_written(tmp_path, monkeypatch):
     # what a concurrent reader would see at the moment the weights are written: the old folder, whole
     old, target = _model(0), tmp_path / "ckpt"
@@ -123,7 +142,7 @@ def test_target_holds_the_old_checkpoint_while_the_new_one_is_written(tmp_path, 
         return real(model, filename, *args, **kwargs)
 
     monkeypatch.setattr(st, "save_model", save_model)
-    new = _model(1)
+    new = _model(1, depth=2)  # another config.json too
     new.save_pretrained(target)
     assert during == [before], "the target was changed in place while the new checkpoint was written"
     assert _same_weights(sf.TransformerWrapper.from_pretrained(target), new)
