@@ -638,7 +638,12 @@ def mems_unsupported(stack: AttentionLayers) -> str | None:
                       ("rotary_xpos", stack.rotary is not None and stack.rotary.use_xpos),
                       ("polar_pos_emb", getattr(stack, "polar_pos_emb", None) is not None),
                       ("attn_hybrid_module", any(getattr(blk.mixer, "hybrid", None) is not None
-                                                 for blk in stack.layers if blk.kind == "self"))):
+                                                 for blk in stack.layers if blk.kind == "self")),
+                      ("attn_orthog_projected_values (a projection over the whole sequence)",
+                       any(getattr(blk.mixer, "orthog", False) for blk in stack.layers if blk.kind == "self")),
+                      ("attn_data_dependent_alibi (forget gates summed over the whole sequence)",
+                       any(getattr(blk.mixer, "to_forget_gates", None) is not None
+                           for blk in stack.layers if blk.kind == "self"))):
         if bad:
             return what
     return None

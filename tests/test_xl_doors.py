@@ -358,3 +358,13 @@ def test_left_padded_loss_equals_samples_alone(ttt):
     got = wrapper(torch.where(mask, x, V + 5), mask=mask)
     want = torch.stack([_alone_loss(wrapper, x[i], s, 6) for i, s in enumerate(starts)]).mean()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("option", ["attn_orthog_projected_values", "attn_data_dependent_alibi"])
+def test_bare_wrapper_refuses_return_mems_with_sequence_wide_options(option):
+    """``TransformerWrapper(max_mem_len=...)`` with an option computed over the whole sequence refuses
+    ``return_mems=True`` up front, naming the memories and the option (not a KV-cache error one segment later)."""
+    net = sf.TransformerWrapper(num_tokens=10, max_seq_len=8, max_mem_len=4,
+                                attn_layers=sf.Decoder(dim=16, depth=1, heads=2, **{option: True}))
+    with pytest.raises(ValueError, match=rf"mems.*{option}"):
+        net(torch.randint(0, 10, (1, 4)), return_mems=True)
