@@ -1,11 +1,15 @@
-"""pytest configuration for the safeformer suite.
+"""pytest configuration for the safeformer suite: two tiers, one command.
+
+The **quick tier** (``python -m pytest``, the default) runs every clause against every door with a few
+hypothesis examples (the ``dev`` profile, plus every fixed ``@example`` scenario). The **full tier**
+(``CI=true``, as CI sets it, or ``SAFEFORMER_TIER=full``) runs everything: the ``ci`` profile's examples,
+and the tests marked ``full`` (compile, multi-process, the x-transformers README, the option cases beyond
+the core set of each door). docs/testing.md says what each tier runs.
 
 Hypothesis examples are seeded per commit (``_commit_seed``): new examples on every commit, the same
-ones in CI and locally for one commit.
-
-Hypothesis profiles: ``safeformer`` (30 examples a test, used locally and in CI) and ``thorough`` (300);
-pick one with ``HYPOTHESIS_PROFILE=thorough pytest``. Examples have no deadline: the first call of a
-kernel can be slow, and tensors make per-example time uneven.
+ones in CI and locally for one commit. ``HYPOTHESIS_PROFILE=thorough`` draws ten times the ``ci``
+profile's examples. Examples have no deadline: the first call of a kernel can be slow, and tensors make
+per-example time uneven.
 """
 
 from __future__ import annotations
@@ -24,19 +28,27 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import the shared helpers
 # on a shared or loaded CPU a second OpenMP thread can make each kernel call hundreds of times slower.
 torch.set_num_threads(int(os.environ.get("SAFEFORMER_TEST_THREADS", "1")))
 
-settings.register_profile(
-    "safeformer",
-    max_examples=30,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
-settings.register_profile(
-    "thorough",
-    parent=settings.get_profile("safeformer"),
-    max_examples=300,
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "safeformer"))
+
+def _tier() -> str:
+    """``"full"`` under CI (``CI=true``) or ``SAFEFORMER_TIER=full``, else ``"quick"``."""
+    tier = os.environ.get("SAFEFORMER_TIER", "").strip().lower()
+    if tier:
+        if tier not in ("quick", "full"):
+            raise pytest.UsageError(f"SAFEFORMER_TIER must be 'quick' or 'full', got {tier!r}")
+        return tier
+    return "full" if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes") else "quick"
+
+
+TIER = _tier()
+_COMMON = dict(deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+settings.register_profile("dev", max_examples=3, **_COMMON)
+settings.register_profile("ci", max_examples=30, **_COMMON)
+settings.register_profile("thorough", max_examples=300, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if TIER == "full" else "dev"))
+
+# files that run in the full tier only: compilation, and x-transformers' README run with the import changed
+FULL_TIER_FILES = {"test_compile.py", "test_xt_readme.py"}
 
 
 def _commit_seed() -> int:
@@ -70,8 +82,30 @@ def pytest_configure(config):
         core.global_force_seed = HYPOTHESIS_SEED
 
 
+def _full_only(item) -> bool:
+    """Whether ``item`` belongs to the full tier alone: marked ``full`` or ``slow``, in a full-tier file, or
+    parametrized by a contract case outside the core set (one case per door; see helpers.models)."""
+    if item.get_closest_marker("full") or item.get_closest_marker("slow"):
+        return True
+    if os.path.basename(str(item.fspath)) in FULL_TIER_FILES:
+        return True
+    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+    return case is not None and hasattr(case, "name") and not getattr(case, "core", True)
+
+
+def pytest_collection_modifyitems(config, items):
+    if TIER == "full":
+        return
+    skip = pytest.mark.skip(reason="full tier only: run with CI=true or SAFEFORMER_TIER=full")
+    for item in items:
+        if _full_only(item):
+            item.add_marker(skip)
+
+
 def pytest_report_header(config):
-    return f"hypothesis seed: {HYPOTHESIS_SEED} (from the commit; reproduce with SAFEFORMER_HYPOTHESIS_SEED={HYPOTHESIS_SEED})"
+    profile = settings._current_profile
+    return (f"safeformer tier: {TIER} (hypothesis profile {profile!r}); hypothesis seed: {HYPOTHESIS_SEED} "
+            f"(from the commit; reproduce with SAFEFORMER_HYPOTHESIS_SEED={HYPOTHESIS_SEED})")
 
 
 @pytest.fixture(autouse=True)

@@ -103,11 +103,11 @@ def assert_runs_close(got: Run, want: Run, what: str, dtype: torch.dtype) -> Non
 @given(sc=hp.scenarios())
 def test_s1_finite(case: Case, sc: Scenario):
     """Dead rows, all-False masks, zero-length contexts, fully padded samples: the output and every
-    input and parameter gradient are finite, and detect_anomaly raises nothing."""
+    input and parameter gradient are finite (checked on the results: anomaly mode locates a NaN, it is not
+    needed to find one)."""
     model = model_of(case)
     inp = case.inputs(sc)
-    with torch.autograd.detect_anomaly(check_nan=True):
-        run = forward_backward(case, model, inp)
+    run = forward_backward(case, model, inp)
     hp.assert_finite(run.out, "output")
     for k, g in run.leaf_grads.items():
         hp.assert_finite(g, f"grad of {k}")

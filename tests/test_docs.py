@@ -185,3 +185,17 @@ def test_architecture_names_exist():
         found += 1
     assert found >= 10, f"only {found} qualified names found: the pattern no longer matches the page"
 
+
+
+# a repository path quoted in code spans (`tests/test_x.py`, `benchmarks/results/`): it must exist
+QUOTED_PATH = re.compile(r"`((?:tests|safeformer|benchmarks|examples|docs|\.ci)/[A-Za-z0-9_./-]*)`")
+# folders a script looks for that are not part of the repository
+NOT_IN_THE_REPOSITORY = {"benchmarks/wheels/": "where benchmarks/gpu_proof.sh looks for wheels a GPU machine cannot download"}
+
+
+@pytest.mark.parametrize("page", [*ALL_PAGES, ROOT / "benchmarks" / "NOTES.md"], ids=lambda p: _rel(p))
+def test_quoted_repository_paths_exist(page):
+    """Every repository path a page quotes exists (a renamed or deleted test file is caught here)."""
+    dead = [p for p in QUOTED_PATH.findall(page.read_text())
+            if p not in NOT_IN_THE_REPOSITORY and not (ROOT / p.rstrip("/")).exists()]
+    assert not dead, f"{_rel(page)} quotes paths that do not exist: {sorted(set(dead))}"

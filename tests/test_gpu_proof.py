@@ -30,6 +30,7 @@ def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.full
 def test_dry_run_on_the_cpu_skips_the_gpu_parts_and_passes(tmp_path):
     r = run_script(tmp_path, "--part", "all", "--quick")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -418,6 +418,7 @@ def test_save_and_load_round_trip(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_maskgit_digits_example_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("maskgit_digits", ROOT / "examples" / "maskgit_digits.py")
     example = importlib.util.module_from_spec(spec)

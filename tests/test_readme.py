@@ -28,29 +28,34 @@ def _blocks() -> list[str]:
     return python_blocks(README)
 
 
+# the stand-in inputs the blocks use, as code: run here, and by the wheel check in a fresh venv (plain torch)
+STAND_INS = """
+import torch
+g = torch.Generator().manual_seed(0)
+b, n, j = 3, 12, 5
+tokens = torch.randint(3, 256, (b, n), generator=g)
+mask = torch.ones(b, n, dtype=torch.bool)
+mask[0, :4] = False  # left padding
+ctx = torch.randn(b, j, 64, generator=g)
+ctx_mask = torch.ones(b, j, dtype=torch.bool)
+ctx_mask[1] = False  # a dropped condition
+ctx_mask[2, 3:] = False
+src = torch.randint(0, 256, (b, 7), generator=g)
+src_mask = torch.ones(b, 7, dtype=torch.bool)
+src_mask[1] = False
+attn_mask = mask[:, None, :] & torch.ones(n, n, dtype=torch.bool).tril()[None]
+tgt, prompts, prompt_mask, prompt, next_token = tokens, tokens[:, :6], mask[:, :6], tokens[:, :6], tokens[:, 6]
+"""
+
+
 def _inputs() -> dict:
     from x_transformers import Decoder as XDecoder
     from x_transformers import TransformerWrapper as XWrapper
 
-    g = torch.Generator().manual_seed(0)
-    b, n, j = 3, 12, 5
-    tokens = torch.randint(3, 256, (b, n), generator=g)
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[0, :4] = False  # left padding
-    ctx = torch.randn(b, j, 64, generator=g)
-    ctx_mask = torch.ones(b, j, dtype=torch.bool)
-    ctx_mask[1] = False  # a dropped condition
-    ctx_mask[2, 3:] = False
-    src = torch.randint(0, 256, (b, 7), generator=g)
-    src_mask = torch.ones(b, 7, dtype=torch.bool)
-    src_mask[1] = False
-    xt_model = XWrapper(num_tokens=64, max_seq_len=32, attn_layers=XDecoder(dim=32, depth=1, heads=2))
-    attn_mask = mask[:, None, :] & torch.ones(n, n, dtype=torch.bool).tril()[None]
-    return dict(
-        torch=torch, tokens=tokens, mask=mask, ctx=ctx, ctx_mask=ctx_mask, src=src, tgt=tokens,
-        src_mask=src_mask, prompts=tokens[:, :6], prompt_mask=mask[:, :6], prompt=tokens[:, :6],
-        next_token=tokens[:, 6], xt_model=xt_model, attn_mask=attn_mask,
-    )
+    ns: dict = {}
+    exec(STAND_INS, ns)
+    ns["xt_model"] = XWrapper(num_tokens=64, max_seq_len=32, attn_layers=XDecoder(dim=32, depth=1, heads=2))
+    return ns
 
 
 def run_blocks(path: Path) -> dict:

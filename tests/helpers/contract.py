@@ -93,8 +93,12 @@ def device_dtype_backend_params() -> list[tuple[str, torch.dtype, str]]:
 
 
 def n_examples(k: int) -> int:
-    """``k`` hypothesis examples, or more under a thorough profile (``HYPOTHESIS_PROFILE=thorough``)."""
-    return max(k, settings.default.max_examples // 4) if settings.default.max_examples > 25 else k
+    """``k`` hypothesis examples: at most the profile's few in the quick tier (``dev``), ``k`` in the full
+    tier (``ci``), more under ``HYPOTHESIS_PROFILE=thorough``."""
+    most = settings.default.max_examples
+    if most < 10:  # the dev profile
+        return min(k, most)
+    return max(k, most // 4) if most > 30 else k
 
 
 def examples(k: int) -> settings:

@@ -1180,3 +1180,12 @@ UNPADDED_CASES = [UnpaddedCase(c) for c in CASES
                                      "Encoder-orthog", "Decoder-value-residual", "Encoder-forget")]
 ALL_CASES = CASES + UNPADDED_CASES
 
+# the core set: one case per public door (and the stack's unpadded path once), run in the quick tier; the
+# option cases run in the full tier (tests/conftest.py reads ``case.core``)
+CORE_CASES = ("Attention-self", "Attention-self-padding", "Attention-past-kv", "Attention-cross", "Encoder", "Decoder",
+              "CrossAttender", "TransformerWrapper", "TransformerWrapper-prefix", "Decoder-adaptive",
+              "ContinuousTransformerWrapper", "XTransformer", "TransformerWrapper-memory",
+              "Decoder-unpadded", "TransformerWrapper-unpadded")
+for _case in ALL_CASES:
+    _case.core = _case.name in CORE_CASES
+
