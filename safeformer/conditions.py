@@ -451,9 +451,14 @@ def compose_guidance(
         raise ValueError(f"guidance space must be 'logits' or 'logprobs', got {space!r}")
     if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
+    if not isinstance(conds, Mapping) or not isinstance(scales, Mapping):
+        raise TypeError(f"conds and scales must be mappings by branch name, got {type(conds).__name__} and "
+                        f"{type(scales).__name__}")
     unknown = {k for k, s in scales.items() if k not in conds and s != 0}  # a branch at scale 0 need not be run
     if unknown:
         raise ValueError(f"scales name branches that were not computed: {sorted(unknown)}")
+    if "uncond" in conds:
+        raise ValueError("conds names a branch 'uncond': that is the unconditional branch, passed as uncond")
     tensors = {"uncond": uncond, **conds}
     for name, t in tensors.items():
         if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -465,7 +470,7 @@ def compose_guidance(
         dtype = torch.promote_types(dtype, t.dtype)
     # branches are combined in the order of their names, so neither mapping's order can change the result
     used = {k: _check_scale(scales[k], f"the scale of {k!r}") for k in sorted(scales) if scales[k] != 0}
-    checked = dict(tensors) if reference is None or guidance_rescale == 0 else {**tensors, "reference": reference}
+    checked = dict(tensors) if reference is None or guidance_rescale == 0 else {**tensors, "the reference": reference}
     work = _work_dtype(uncond)
     names = ["uncond", *used]
     given = list(checked.values())

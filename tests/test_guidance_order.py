@@ -269,3 +269,18 @@ def test_xval_generate_every_order_and_a_zero_scale():
             outs.append((res.sampled_token_ids, res.sampled_numbers))
         for toks, nums in outs[1:]:
             assert torch.equal(toks, outs[0][0]) and torch.equal(nums, outs[0][1]), f"{scales}: order changed the output"
+
+
+def test_branch_names_cannot_alias_the_unconditional_branch_or_the_reference():
+    """A branch called 'uncond' is refused (it would replace the unconditional branch); a branch called
+    'reference' is an ordinary branch, not the rescale's reference."""
+    u = torch.zeros(1, 4, dtype=torch.float64)
+    a = torch.tensor([[1.0, 0, 0, 0]], dtype=torch.float64)
+    ref = torch.tensor([[0.0, 0, 3, -3]], dtype=torch.float64)
+    with pytest.raises(ValueError, match="uncond"):
+        sf.compose_guidance(u, {"uncond": a}, {"uncond": 2.0})
+    with pytest.raises(TypeError, match="mappings"):
+        sf.compose_guidance(u, [a], {"a": 2.0})
+    got = sf.compose_guidance(u, {"reference": a}, {"reference": 2.0}, guidance_rescale=0.5, reference=ref)
+    want = sf.compose_guidance(u, {"b": a}, {"b": 2.0}, guidance_rescale=0.5, reference=ref)
+    assert torch.equal(got, want)
