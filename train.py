@@ -716,6 +716,7 @@ def print_table(scored: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict | None:
     """Run training (and, on rank 0, the final sampling and scoring); return the metrics on rank 0."""
+    started = time.perf_counter()
     cfg = parse_config(argv)
     distributed, rank, world, device = setup_process(cfg)
     master = rank == 0
@@ -852,6 +853,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         thickness_accuracy={r["setting"]: r["thickness_accuracy"] for r in table},
         per_class_accuracy={r["setting"]: r["per_class"] for r in table},
         spread={r["setting"]: r["spread"] for r in table},
+        wall_seconds=time.perf_counter() - started,  # this process's whole run: data, training, sampling
     )
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(f"\nwrote {out / 'metrics.json'}, {out / 'samples.png'}, {out / 'loss.png'}, {ckpt}/")
