@@ -41,19 +41,14 @@ from torch import Tensor, nn
 from .conditions import Conditions, condition_kwargs, guided_logits, null_of, stack_conditions
 from .generation import FILTERS, min_p
 from .losses import safe_cross_entropy
-from .masks import check_lengths, checked_once, validate_mask
+from .masks import check_lengths, check_token_ids, checked_once, validate_mask
 from .wrappers import TransformerWrapper
 from .xt_extras import eval_decorator
 
 __all__ = ["BeliefStateWrapper", "belief_state_from_x_transformers", "flip", "reverse_real"]
 
 
-def _check_ids(t, name: str) -> Tensor:
-    if not isinstance(t, Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(t, 'shape', type(t))}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise TypeError(f"{name} must hold integer token ids, got dtype {t.dtype}")
-    return t
+_check_ids = check_token_ids
 
 
 def _compact(x: Tensor, real: Tensor) -> Tensor:

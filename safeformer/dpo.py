@@ -30,18 +30,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .losses import safe_cross_entropy
-from .masks import checked_once, validate_mask
+from .masks import check_token_ids, checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
 __all__ = ["DPO", "dpo_from_x_transformers", "dpo_xt_masks"]
 
 
-def _check_ids(t, name: str) -> None:
-    if not isinstance(t, Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(t, 'shape', type(t))}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise TypeError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+_check_ids = check_token_ids
 
 
 class DPO(Configurable, nn.Module):

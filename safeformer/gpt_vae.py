@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from .cache import check_weight_dtype
 from .generation import AutoregressiveWrapper
 from .layers import Decoder, Encoder
-from .masks import checked_once, validate_mask
+from .masks import check_token_ids, checked_once, validate_mask
 from .wrappers import TransformerWrapper
 
 __all__ = ["GPTVAE", "gpt_vae_from_x_transformers"]
@@ -45,11 +45,7 @@ __all__ = ["GPTVAE", "gpt_vae_from_x_transformers"]
 LOG_VAR_LIMIT = 30.0  # |log variance| beyond this is clamped: exp(30) stays finite in float32
 
 
-def _check_ids(t, name: str) -> None:
-    if not isinstance(t, Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(t, 'shape', type(t))}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise TypeError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+_check_ids = check_token_ids
 
 
 class GPTVAE(nn.Module):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .masks import _shape, validate_mask
+from .masks import _shape, check_token_ids, validate_mask
 
 __all__ = ["masked_mean", "safe_cross_entropy", "next_token_loss", "next_embed_loss"]
 
@@ -101,10 +101,7 @@ def next_token_loss(
     loss (``next_embed_loss``) added with this weight; the net then reads all ``n`` positions (the last
     one's embedding is the last target), and its logits of the first ``n - 1`` are the same (causal).
     """
-    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
-        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(tokens, 'shape', type(tokens))}")
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    check_token_ids(tokens, name)
     if mask is not None:
         validate_mask(mask, mask_name, shape=tuple(tokens.shape), device=tokens.device)
     real = tokens != ignore_index

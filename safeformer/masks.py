@@ -154,6 +154,16 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
+def check_token_ids(t, name: str = "x") -> Tensor:
+    """``t`` is a ``(b, n)`` tensor of integer token ids (any integer dtype): else a ``ValueError`` (shape) or a
+    ``TypeError`` (dtype) naming ``name``. Returns ``t``."""
+    if not isinstance(t, Tensor) or t.dim() != 2:
+        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(t, 'shape', type(t).__name__)}")
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+    return t
+
+
 def check_lengths(lengths, name: str, b: int | None = None, max_len: int | None = None, device=None) -> Tensor:
     """Per-sample lengths (or start positions): an integer tensor ``(b,)`` with values in ``[0, max_len]``,
     else a clear error naming ``name`` (S9). One host sync (the values), at the door."""

@@ -46,7 +46,7 @@ from .continuous import (
 from .decode import GuidedForward
 from .generation import _resolve_filter, check_pad_value, guided_logits_combine, sample_logits
 from .losses import safe_cross_entropy
-from .masks import checked_once, validate_mask
+from .masks import check_token_ids, checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
@@ -224,10 +224,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         return net.num_tokens if net.to_logits is None else net.to_logits.out_features
 
     def _check_tokens(self, x, mask, name: str = "x") -> None:
-        if not isinstance(x, Tensor) or x.dim() != 2:
-            raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-        if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-            raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype}")
+        check_token_ids(x, name)
         if mask is not None:
             validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
         real = torch.ones_like(x, dtype=torch.bool) if mask is None else mask

@@ -30,7 +30,7 @@ from .cache import KVCache, LayerIntermediates, resolve_cache
 from .conditions import Conditions, condition_kwargs
 from .layers import _last, mems_unsupported
 from .losses import masked_mean
-from .masks import check_lengths, validate_mask
+from .masks import check_lengths, check_token_ids, validate_mask
 from .wrapper_options import _flag
 
 if TYPE_CHECKING:
@@ -46,11 +46,7 @@ def _conditions(context, context_mask, prepend_embeds, prepend_mask, condition, 
                                        **conditions))
 
 
-def _check_tokens(x, name: str) -> None:
-    if not isinstance(x, Tensor) or x.dim() != 2:
-        raise ValueError(f"{name} must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-    if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-        raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype}")
+_check_tokens = check_token_ids
 
 
 def _token_ids(x, name: str):

@@ -31,7 +31,7 @@ from torch.func import functional_call, vmap
 from .generation import NOTHING_TO_DRAW, check_pad_value, check_sampling, draw, top_k
 from .layers import Encoder
 from .losses import masked_mean, safe_cross_entropy
-from .masks import validate_mask
+from .masks import check_token_ids, validate_mask
 from .modules import FeedForward
 from .stack_forward import mems_unsupported
 from .wrapper_forward import Mems, _new_mems
@@ -611,10 +611,7 @@ class XLAutoregressiveWrapper(nn.Module):
             raise ValueError("ttt must be turned on (ttt_module_paths) to use ttt_recurrent_steps")
         if not isinstance(dropout_mems, bool):
             raise TypeError(f"dropout_mems must be True or False, got {dropout_mems!r}")
-        if not isinstance(x, Tensor) or x.dim() != 2:
-            raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x).__name__)}")
-        if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-            raise TypeError(f"x must hold integer token ids, got dtype {x.dtype}")
+        check_token_ids(x, "x")
         if mask is not None:
             validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
         mems = _with_masks(mems, kwargs.pop("mem_masks", None))
