@@ -2,7 +2,7 @@
 # The GPU proof of safeformer in one command: the test suite with its CUDA parametrization, and the
 # benchmarks on CUDA. Run from the repository root:
 #
-#     bash benchmarks/gpu_proof.sh [--part suite|suite-cuda|suite-rest|bench|all] [--quick]
+#     bash benchmarks/gpu_proof.sh [--part suite|suite-cuda|suite-rest|bench|masked|all] [--quick]
 #                                  [--bench NAME,NAME] [--jobs N] [--budget SECONDS]
 #
 # What it does, and what comes back, is in docs/testing.md ("Running the GPU proof"). In short:
@@ -14,10 +14,14 @@
 #   bench        the benchmarks on CUDA (attend_overhead in bfloat16 at sequence 1k-8k), each under its
 #                own time limit, continuing past a failure: $OUT/bench_status.txt, $OUT/bench.txt (their
 #                output), $OUT/results.md (every table) and $OUT/results.tar.gz (the .md and .png files);
+#   masked       benchmarks/masked_rows.py, the masked-row backend matrix (every SDPA backend, attend
+#                backend and x-transformers' Attend x dtype x masking case: non-finite values, dead rows,
+#                the kernel chosen, host syncs): $OUT/masked_rows.md (with the bench part in the same
+#                CUDA call, masked_rows_cuda.md inside results.md and results.tar.gz instead: 8 files);
 #   always       $OUT/proof.txt, the summary (also printed last).
 # $OUT stays under 8 files, the device tool's limit. Without CUDA the CUDA parts are skipped with a
 # message and the CPU-safe checks run instead (environment, smoke test, `pytest --collect-only`, every
-# benchmark's --help); the exit status is 0 when they pass, so CI can run it.
+# benchmark's --help, masked_rows.py --quick on the CPU); the exit status is 0 when they pass, so CI can run it.
 #
 # Nothing is installed from the network. x-transformers (for the comparisons) comes from wheels under
 # $GPU_PROOF_WHEELS, shared/wheels/ or benchmarks/wheels/ (pip install --no-deps --no-index --target),
@@ -53,7 +57,7 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_proof.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
     esac
 done
-case "$PART" in suite|suite-cuda|suite-rest|bench|all) ;; *) echo "gpu_proof.sh: --part must be suite, suite-cuda, suite-rest, bench or all (got '$PART')" >&2; exit 2 ;; esac
+case "$PART" in suite|suite-cuda|suite-rest|bench|masked|all) ;; *) echo "gpu_proof.sh: --part must be suite, suite-cuda, suite-rest, bench, masked or all (got '$PART')" >&2; exit 2 ;; esac
 case "$JOBS" in ''|*[!0-9]*) echo "gpu_proof.sh: --jobs takes a number" >&2; exit 2 ;; esac
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_proof.sh: --budget takes seconds" >&2; exit 2 ;; esac
 
@@ -239,13 +243,14 @@ else
     note "CUDA not available (torch.cuda.is_available() is False): the CUDA parts are skipped; running the CPU-safe checks"
 fi
 
-WANT_SUITE_CUDA=0; WANT_SUITE_REST=0; WANT_BENCH=0
+WANT_SUITE_CUDA=0; WANT_SUITE_REST=0; WANT_BENCH=0; WANT_MASKED=0
 case "$PART" in
     suite) WANT_SUITE_CUDA=1; WANT_SUITE_REST=1 ;;
     suite-cuda) WANT_SUITE_CUDA=1 ;;
     suite-rest) WANT_SUITE_REST=1 ;;
     bench) WANT_BENCH=1 ;;
-    all) WANT_SUITE_CUDA=1; WANT_SUITE_REST=1; WANT_BENCH=1 ;;
+    masked) WANT_MASKED=1 ;;
+    all) WANT_SUITE_CUDA=1; WANT_SUITE_REST=1; WANT_BENCH=1; WANT_MASKED=1 ;;
 esac
 
 # ---------------------------------------------------------------------------------------------------
@@ -391,6 +396,43 @@ EOF
         else
             fail "suite: pytest --collect-only exit $rc, $n tests (see suite.txt)"
         fi
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------
+# masked rows: the masked-row backend matrix (benchmarks/masked_rows.py); on the CPU with --quick
+# ---------------------------------------------------------------------------------------------------
+if [ "$WANT_MASKED" = 1 ]; then
+    MASKED_OUT=$OUT/masked_rows.md
+    MASKED_OPTS=(--device cpu --quick)
+    want=120
+    if [ "$CUDA" = 1 ]; then
+        MASKED_OPTS=(--device "$BENCH_DEVICE")
+        want=240
+        { [ "$QUICK" = 1 ] || [ "$BENCH_DEVICE" = cpu ]; } && MASKED_OPTS+=(--quick) && want=120
+        if [ "$WANT_BENCH" = 1 ]; then  # the bench part's results.md and results.tar.gz carry it (8 files)
+            mkdir -p "$WORK/results"
+            MASKED_OUT=$WORK/results/masked_rows_$([ "$BENCH_DEVICE" = cpu ] && echo rehearsal || echo cuda).md
+        fi
+    fi
+    secs=$(limit_for "$want")
+    if [ "$secs" = 0 ]; then
+        INCOMPLETE=1; note "masked rows: skipped, no time left in this call's budget (run --part masked in another call)"
+    else
+        t0=$SECONDS
+        limited "$secs" "$PY" benchmarks/masked_rows.py "${MASKED_OPTS[@]}" --out "$MASKED_OUT" >"$WORK/masked.txt" 2>&1
+        rc=$?
+        summary=$(grep '^summary: ' "$WORK/masked.txt" | tail -n 1)
+        summary=${summary#summary: }
+        summary=${summary%; table in *}
+        where=$(basename "$MASKED_OUT")
+        [ "$MASKED_OUT" = "$OUT/masked_rows.md" ] || where="$where, in results.md and results.tar.gz"
+        case "$rc" in
+            0) note "masked rows (${MASKED_OPTS[*]} -> $where): ok in $((SECONDS - t0)) s; $summary" ;;
+            124|137) INCOMPLETE=1; fail "masked rows: TIMED OUT after ${secs} s" ;;
+            *) fail "masked rows: exit $rc in $((SECONDS - t0)) s; ${summary:-no summary: its output ends}"
+               [ -n "$summary" ] || tail -n 15 "$WORK/masked.txt" | tee -a "$PROOF" ;;
+        esac
     fi
 fi
 

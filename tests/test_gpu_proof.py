@@ -2,8 +2,8 @@
 
 With the GPU hidden (``GPU_PROOF_NO_CUDA=1``, so the dry run is the same on a GPU machine) the script
 skips every CUDA part with a message, runs the CPU-safe checks (environment report, a smoke test of
-``attend``, ``pytest --collect-only``, every benchmark's ``--help``), writes its files under ``$OUT``
-(at most 8, the device tool's limit) and exits 0. How a GPU session runs it: docs/testing.md.
+``attend``, ``pytest --collect-only``, every benchmark's ``--help``, ``masked_rows.py --quick``), writes its
+files under ``$OUT`` (at most 8, the device tool's limit) and exits 0. How a GPU session runs it: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_dry_run_on_the_cpu_skips_the_gpu_parts_and_passes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "out"
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench.txt", "bench_status.txt", "env.txt", "proof.txt", "suite.txt"], files
+    assert files == ["bench.txt", "bench_status.txt", "env.txt", "masked_rows.md", "proof.txt", "suite.txt"], files
     assert len(files) <= 8  # what the device tool brings back
 
     assert "CUDA not available" in r.stdout and "the CUDA parts are skipped" in r.stdout
@@ -58,6 +58,8 @@ def test_dry_run_on_the_cpu_skips_the_gpu_parts_and_passes(tmp_path):
     for name in scripts:
         assert f"{name}: --help ok" in status, (name, status)
     assert "usage: attend_overhead.py" in (out / "bench.txt").read_text()
+    assert "masked rows (--device cpu --quick -> masked_rows.md): ok" in proof  # the masked-row matrix, --quick
+    assert "| sf.attend[auto] | bfloat16 | yes |" in (out / "masked_rows.md").read_text()
     assert proof.rstrip().splitlines()[-1].startswith("overall: PASS")
 
 
