@@ -1,5 +1,6 @@
 """x-transformers' ``x_transformers.x_transformers`` module names, so ``from safeformer.x_transformers import X``
-works as ``from safeformer import X`` does (the same objects; nothing is defined here).
+works as ``from safeformer import X`` does (the same objects; nothing is defined here). x-transformers' small
+parts (norms, positional biases, residual gates, ``apply_rotary_pos_emb``) come from ``safeformer.xt_modules``.
 
 Names of that module that safeformer does not provide (``default_device``, and the
 options' internal modules such as ``Attend``, ``LinearNoBias``, ``HyperConnection``) are left out on purpose:
@@ -14,6 +15,23 @@ from .modules import AbsolutePositionalEmbedding, AdaptiveRMSNorm, FeedForward, 
 from .relative_position import RelativePositionBias
 from .wrappers import TransformerWrapper
 from .xt_extras import AttentionPool, ViTransformerWrapper
+from .xt_modules import (
+    GLU,
+    AlibiPositionalBias,
+    DynamicPositionBias,
+    DynamicTanh,
+    GRUGating,
+    LayerNorm,
+    LayerScale,
+    ReluSquared,
+    Residual,
+    Scale,
+    ScaledSinusoidalEmbedding,
+    ScaleNorm,
+    SimpleRMSNorm,
+    TokenEmbedding,
+    apply_rotary_pos_emb,
+)
 
 __all__ = [
     "AbsolutePositionalEmbedding",
@@ -37,4 +55,20 @@ __all__ = [
     "XTransformer",
     "apply_rotary",
     "layer_schedule",
+    # x-transformers' small parts (safeformer/xt_modules.py)
+    "AlibiPositionalBias",
+    "DynamicPositionBias",
+    "DynamicTanh",
+    "GLU",
+    "GRUGating",
+    "LayerNorm",
+    "LayerScale",
+    "ReluSquared",
+    "Residual",
+    "Scale",
+    "ScaleNorm",
+    "ScaledSinusoidalEmbedding",
+    "SimpleRMSNorm",
+    "TokenEmbedding",
+    "apply_rotary_pos_emb",
 ]

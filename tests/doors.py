@@ -28,6 +28,7 @@ from helpers import INF, NAN
 from torch import Tensor
 
 import safeformer as sf
+import safeformer.xt_modules as xt_modules
 
 PLANT_VALUES = (NAN, INF, -INF, 1e4)  # the garbage planted at masked positions of every probe
 
@@ -743,11 +744,11 @@ def probe_non_autoregressive(seed: int, value: float) -> Probe:
 # the registry
 # ----------------------------------------------------------------------------------------------------
 
-def _probe(module: str, name: str, seed: int, value: float) -> Probe:
+def _probe(module: str, name: str, *args) -> Probe:
     """A probe defined beside its wrapper's own tests (imported when called: those files import this one)."""
     import importlib
 
-    return getattr(importlib.import_module(module), name)(seed, value)
+    return getattr(importlib.import_module(module), name)(*args)
 
 
 DOORS: dict[str, Door] = {d.name: d for d in [
@@ -857,6 +858,9 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("TTTModuleWrapper", note="runs the wrapped module per sample (position-wise inside attention): test_xl.py"),
     Door("LowRankLinear", note="a position-wise linear layer (x-transformers parity of its use): test_xl.py"),
     Door("TTTNextLatentPredictionLoss", note="position-wise, masked positions selected to 0 (parity): test_xl.py"),
+    *(Door(name, probe=lambda seed, value, name=name: _probe("test_xt_modules_parts", "probe_part", name, seed, value),
+           note="x-transformers' part (safeformer.x_transformers): init, strict state_dict both ways, outputs and "
+                "gradients on the same weights, clear errors: test_xt_modules_parts.py") for name in xt_modules.__all__),
     Door("TTTMetaLearningTargetKLLoss", note="an Encoder (a door) under the given mask, position-wise heads: "
                                             "test_xl.py"),
 ]}
@@ -900,6 +904,8 @@ PUBLIC: dict[str, object] = {
     **{name: getattr(sf, name) for name in sf.__all__},
     **{name: getattr(sf.testing, name) for name in sf.testing.__all__},
     "drop_condition": sf.conditions.drop_condition,
+    # x-transformers' small parts, importable from safeformer.x_transformers (safeformer/xt_modules.py)
+    **{name: getattr(xt_modules, name) for name in xt_modules.__all__},
 }
 
 PROBE_DOORS = [d for d in DOORS.values() if d.probe is not None]
