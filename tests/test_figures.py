@@ -146,3 +146,41 @@ def test_readme_decoding_table_matches_the_generation_results():
     compiled = [c.strip() for c in table.splitlines()[3].strip("|").split("|")][1:]
     want = [rows[("plain", "1")], rows[("CFG 2 branches", "1")], rows[("CFG 2 branches", "16")]]
     assert eager == [w[0] for w in want] and compiled == [w[1] for w in want], (eager, compiled, want)
+
+
+RATIO = re.compile(r"(?<![\w.])\d+\.\d+x(?![\w])")  # 2.49x, 0.950x; not 8x8 or a version
+TARGET = re.compile(r"(?:<=|>=|<|>|\btarget|\bgoal)\W{0,3}$", re.IGNORECASE)  # "<= 1.10x", "target 2.5x"
+PERFORMANCE = ROOT / "docs" / "performance.md"
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` for every line outside fenced code blocks."""
+    out, fenced = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            out.append((n, line))
+    return out
+
+
+def stale_ratios(text: str, measured: set[str]) -> list[str]:
+    """The measured-looking ratio figures of ``text`` (not targets) that no results file gives."""
+    return [f"line {n}: {m.group()}" for n, line in prose_lines(text) for m in RATIO.finditer(line)
+            if not TARGET.search(line[:m.start()]) and m.group() not in measured]
+
+
+@pytest.mark.parametrize("page", [PERFORMANCE, README], ids=["docs/performance.md", "README.md"])
+def test_ratio_figures_come_from_results_files(page):
+    """Every ratio the page quotes as measured (``2.28x``) is written, as such, in a benchmarks/results file."""
+    measured = set()
+    for f in sorted((ROOT / "benchmarks" / "results").glob("*.md")):
+        measured |= set(RATIO.findall(f.read_text()))
+    stale = stale_ratios(page.read_text(), measured)
+    assert not stale, f"ratios in {page.relative_to(ROOT)} that no benchmarks/results/*.md gives: {stale}"
+
+
+def test_stale_ratios_sees_targets_and_code():
+    measured = {"1.039x"}
+    text = "a | 1.039x | <= 1.10x |\nthe 2.5x target; target: 3.0x; goal 2.2x, > 1.5x\n```\n9.99x\n```\nwas 1.305x\n"
+    assert stale_ratios(text, measured) == ["line 2: 2.5x", "line 6: 1.305x"]
