@@ -1191,4 +1191,6 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_cau
 
 
 
+from .attention_scoring import log_prob_from_hard_attend  # noqa: E402, F401  (x-transformers' attend names)
 from .xt_attend import Attend  # noqa: E402, F401  (x-transformers users import it from this module)
+from .xt_helpers import at_most_one_of, compact, default, exists, l1norm  # noqa: E402, F401

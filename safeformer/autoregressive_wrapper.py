@@ -3,5 +3,17 @@
 
 from .generation import AutoregressiveWrapper, min_p, top_a, top_k, top_p
 from .xt_extras import eval_decorator
+from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module)
+    align_right,
+    cast_tuple,
+    default,
+    exists,
+    gumbel_noise,
+    gumbel_sample,
+    identity,
+    join,
+    log,
+    pad_at_dim,
+)
 
 __all__ = ["AutoregressiveWrapper", "eval_decorator", "min_p", "top_a", "top_k", "top_p"]

@@ -2,5 +2,6 @@
 BeliefStateWrapper`` works as ``from x_transformers.belief_state_wrapper import ...`` does."""
 
 from .belief_state import BeliefStateWrapper, belief_state_from_x_transformers, flip, reverse_real
+from .xt_helpers import default, exists  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = ["BeliefStateWrapper", "belief_state_from_x_transformers", "flip", "reverse_real"]

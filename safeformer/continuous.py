@@ -38,6 +38,8 @@ from .decode import GuidedForward, autoregress, last_real
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import ContinuousTransformerWrapper, capped_log_var, split_mean_log_var
+from .xt_helpers import default_lazy_unless_module as default  # noqa: F401  (x-transformers' helper of this module)
+from .xt_helpers import exists  # noqa: F401
 
 __all__ = ["ContinuousAutoregressiveWrapper", "ContinuousTransformerWrapper"]
 

@@ -40,6 +40,7 @@ from .layers import Decoder, Encoder
 from .losses import masked_mean
 from .masks import checked_once, validate_mask
 from .wrappers import ContinuousTransformerWrapper
+from .xt_helpers import default, exists  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = [
     "ContinuousTransformerAutoencoder",

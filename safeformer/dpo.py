@@ -33,6 +33,7 @@ from .losses import safe_cross_entropy
 from .masks import check_token_ids, checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
+from .xt_helpers import exists, maybe_and_mask  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = ["DPO", "dpo_from_x_transformers", "dpo_xt_masks"]
 

@@ -2,5 +2,6 @@
 ``safeformer``; nothing is defined here)."""
 
 from .entropy_tokenizer import EntropyBasedTokenizer
+from .xt_helpers import default, exists, log  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = ["EntropyBasedTokenizer"]

@@ -32,6 +32,7 @@ from .losses import safe_cross_entropy
 from .masks import validate_mask
 from .modules import positions_from_mask
 from .pretrained import Configurable
+from .xt_helpers import default, exists, log  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = ["FreeTransformer", "BinaryMapper", "binary_entropy", "NAT", "free_transformer_from_x_transformers"]
 

@@ -63,26 +63,28 @@ _NEG_INF = float("-inf")
 # ----------------------------------------------------------------------------------------------------
 
 
-def top_k(logits: Tensor, k: int | None = None, *, frac_num_tokens: float = 0.1) -> Tensor:
-    """Keep the ``k`` largest logits of each row; the rest become ``-inf`` (x-transformers' ``top_k``).
+def top_k(logits: Tensor, frac_num_tokens: float = 0.1, k: int | None = None) -> Tensor:
+    """Keep the ``k`` largest logits of each row; the rest become ``-inf`` (x-transformers' ``top_k``, its
+    signature and argument order).
 
     Args:
         logits: ``(..., v)`` scores.
-        k: how many to keep (at least 1; more than ``v`` keeps all). Exactly ``k`` are kept even
-            when values tie. Default: ``ceil(frac_num_tokens * v)``.
         frac_num_tokens: the share of the vocabulary kept when ``k`` is not given, in ``(0, 1]``
-            (x-transformers' default 0.1).
+            (x-transformers' default 0.1): ``ceil(frac_num_tokens * v)`` tokens. An int (or bool) here is a
+            ``TypeError``: a count is ``k=``.
+        k: how many to keep (at least 1; more than ``v`` keeps all). Exactly ``k`` are kept even
+            when values tie.
 
     Returns:
         ``(..., v)`` filtered logits.
     """
+    if isinstance(frac_num_tokens, (bool, int)):
+        raise TypeError(f"top_k: frac_num_tokens is a fraction in (0, 1] (x-transformers' order); pass k=... for a "
+                        f"count, got frac_num_tokens={frac_num_tokens!r}")
     if k is None:
-        if isinstance(frac_num_tokens, bool) or not (isinstance(frac_num_tokens, (int, float)) and 0.0 < frac_num_tokens <= 1.0):
+        if not (isinstance(frac_num_tokens, float) and 0.0 < frac_num_tokens <= 1.0):
             raise ValueError(f"top_k needs frac_num_tokens in (0, 1], got frac_num_tokens={frac_num_tokens!r}")
         k = max(1, math.ceil(frac_num_tokens * logits.shape[-1]))
-    elif isinstance(k, float) and not isinstance(k, bool) and 0.0 < k < 1.0:
-        raise ValueError(f"top_k needs an integer k >= 1, got k={k!r}; x-transformers' second argument is the "
-                         f"share of the vocabulary: pass frac_num_tokens={k!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"top_k needs an integer k >= 1, got k={k!r}")
     k = min(k, logits.shape[-1])

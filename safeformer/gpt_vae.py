@@ -39,6 +39,7 @@ from .generation import AutoregressiveWrapper
 from .layers import Decoder, Encoder
 from .masks import check_token_ids, checked_once, validate_mask
 from .wrappers import TransformerWrapper
+from .xt_helpers import default, exists  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = ["GPTVAE", "gpt_vae_from_x_transformers"]
 

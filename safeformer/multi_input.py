@@ -22,6 +22,8 @@ from .layers import AttentionLayers, _last
 from .masks import check_finite as _check_finite
 from .masks import checked_once, validate_mask
 from .wrappers import TransformerWrapper, _check_layers, _start_mask, _token_ids, _Wrapper
+from .xt_helpers import default_lazy as default  # noqa: F401  (x-transformers' helper of this module)
+from .xt_helpers import exists  # noqa: F401
 
 __all__ = ["MultiInputTransformerWrapper", "multi_input_from_x_transformers"]
 

@@ -21,6 +21,7 @@ from .cache import check_weight_dtype
 from .layers import Encoder
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
+from .xt_helpers import default, exists  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = ["NeoMLP", "RandomFourierEmbed", "neo_mlp_from_x_transformers"]
 

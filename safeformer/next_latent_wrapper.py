@@ -11,6 +11,8 @@ from .next_latent import (
     dynamic_rollout_loss_weights,
     next_latent_from_x_transformers,
 )
+from .xt_helpers import default, exists  # noqa: F401  (x-transformers' helpers of this module)
+from .xt_helpers import l2norm_dim as l2norm  # noqa: F401
 
 __all__ = ["MLP", "Losses", "MSECosineSimLoss", "NextLatentWrapper", "ResidualDynamics", "RolloutGRU",
            "dynamic_rollout_loss_weights", "next_latent_from_x_transformers"]

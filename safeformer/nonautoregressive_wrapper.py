@@ -2,5 +2,16 @@
 ``safeformer``; nothing is defined here): the wrapper and the ``Losses`` namedtuple its forward returns."""
 
 from .nonautoregressive import Losses, NonAutoregressiveWrapper
+from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module)
+    coin_flip,
+    cosine_schedule,
+    default,
+    exists,
+    linear_schedule,
+    sample_prob,
+)
+from .xt_helpers import gumbel_noise_uniform as gumbel_noise  # noqa: F401
+from .xt_helpers import gumbel_sample_dim as gumbel_sample  # noqa: F401
+from .xt_helpers import log_add_eps as log  # noqa: F401
 
 __all__ = ["Losses", "NonAutoregressiveWrapper"]

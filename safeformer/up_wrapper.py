@@ -2,5 +2,6 @@
 ``safeformer.universal_pretrain``; nothing is defined here)."""
 
 from .universal_pretrain import SyntheticDataGenerator, UniversalPretrainWrapper, random_sequences
+from .xt_helpers import default, divisible_by, exists  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = ["SyntheticDataGenerator", "UniversalPretrainWrapper", "random_sequences"]

@@ -2,9 +2,11 @@
 works as ``from safeformer import X`` does (the same objects; nothing is defined here). x-transformers' small
 parts (norms, positional biases, residual gates, ``apply_rotary_pos_emb``) come from ``safeformer.xt_modules``.
 
-Names of that module that safeformer does not provide (``default_device``, and the
-options' internal modules such as ``Attend``, ``LinearNoBias``, ``HyperConnection``) are left out on purpose:
-an ``ImportError`` names them. See docs/moving_from_x_transformers.md.
+x-transformers' small helper functions (``exists``, ``default``, ``l2norm``, ``softclamp``, ...) come from
+``safeformer.xt_helpers`` (not in ``__all__``). Names of that module that safeformer does not provide
+(``default_device``, and the options' internal modules such as ``LinearNoBias``, ``HyperConnection``) are left
+out on purpose, each with its reason in ``safeformer.xt_helpers.NOT_PROVIDED``: an ``ImportError`` names them.
+See docs/moving_from_x_transformers.md.
 """
 
 from .attention import Attention, RelativeProjPositionalBias
@@ -15,6 +17,31 @@ from .modules import AbsolutePositionalEmbedding, AdaptiveRMSNorm, FeedForward, 
 from .relative_position import RelativePositionBias
 from .wrappers import TransformerWrapper
 from .xt_extras import AttentionPool, ViTransformerWrapper
+from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module; not in __all__)
+    always,
+    at_most_one_of,
+    divisible_by,
+    equals,
+    exists,
+    first,
+    group_by_key_prefix,
+    group_dict_by_key,
+    groupby_prefix_and_trim,
+    identity,
+    is_empty,
+    l2norm,
+    log,
+    max_neg_value,
+    maybe,
+    not_equals,
+    or_reduce,
+    pick_and_pop,
+    rotate_half,
+    softclamp,
+    string_begins_with,
+)
+from .xt_helpers import cast_tuple_depth as cast_tuple  # noqa: F401
+from .xt_helpers import default_first as default  # noqa: F401
 from .xt_modules import (
     GLU,
     AlibiPositionalBias,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from . import xt_helpers as _xt_helpers
 from .generation import NOTHING_TO_DRAW, check_pad_value, check_sampling, draw, top_k
 from .layers import Encoder
 from .losses import masked_mean, safe_cross_entropy
@@ -36,6 +37,10 @@ from .modules import FeedForward
 from .stack_forward import mems_unsupported
 from .wrapper_forward import Mems, _new_mems
 from .xt_extras import eval_decorator
+from .xt_helpers import default, divisible_by, exists, is_empty  # noqa: F401  (x-transformers' helpers)
+from .xt_helpers import first_of_iter as first  # noqa: F401
+
+transpose = _xt_helpers.transpose  # x-transformers' helper of this module (a local name of the same spelling below)
 
 __all__ = [
     "EpisodicMemories", "EpisodicMemoryWrapper", "LowRankLinear", "TTTMetaLearningTargetKLLoss",

@@ -44,6 +44,8 @@ from .losses import safe_cross_entropy
 from .masks import checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import ContinuousTransformerWrapper, _check_tokens
+from .xt_helpers import default_lazy as default  # noqa: F401  (x-transformers' helper of this module)
+from .xt_helpers import exists  # noqa: F401
 
 __all__ = [
     "XValTransformerWrapper",

@@ -251,7 +251,7 @@ def probe_sampling(seed: int, value: float) -> Probe:
         assert bool(torch.isfinite(kept).any(-1).all()), f"{f.__name__} left a row with no token"
     return Probe(None, bad_calls=[
         ("negative temperature", lambda: sf.sample_logits(logits, -1.0), ValueError, "temperature"),
-        ("k of 0", lambda: sf.top_k(logits, 0), ValueError, "k"),
+        ("k of 0", lambda: sf.top_k(logits, k=0), ValueError, "k"),
         ("p above 1", lambda: sf.top_p(logits, 1.5), ValueError, "p"),
         ("min_p below 0", lambda: sf.min_p(logits, -0.1), ValueError, "min_p"),
         ("top_a ratio above 1", lambda: sf.top_a(logits, min_p_ratio=1.5), ValueError, "min_p_ratio"),

@@ -713,7 +713,7 @@ def filter_logits(seed: int = 55, v: int = 10) -> Tensor:
 
 def test_top_k_of_one_keeps_exactly_the_top_token_even_on_ties():
     x = filter_logits()
-    out = sf.top_k(x, 1)
+    out = sf.top_k(x, k=1)
     kept = torch.isfinite(out)
     assert torch.equal(kept.sum(-1), torch.ones(4, dtype=torch.long))
     assert torch.equal(out[kept], x.max(-1).values), "the kept token is not a largest logit"
@@ -723,13 +723,13 @@ def test_top_k_of_one_keeps_exactly_the_top_token_even_on_ties():
 @pytest.mark.parametrize("k", [10, 11, 10**6], ids=["v", "v+1", "huge"])
 def test_top_k_of_v_or_more_keeps_every_token(k):
     x = filter_logits()
-    assert_bitwise(sf.top_k(x, k), x, f"top_k(k={k})", inf_ok=True)
+    assert_bitwise(sf.top_k(x, k=k), x, f"top_k(k={k})", inf_ok=True)
 
 
 @pytest.mark.parametrize("k", [0, -1, 1.0, True], ids=["zero", "negative", "float", "bool"])
 def test_top_k_below_one_or_not_an_integer_is_refused(k):
     with pytest.raises(ValueError, match="top_k"):
-        sf.top_k(filter_logits(), k)
+        sf.top_k(filter_logits(), k=k)
 
 
 def test_top_p_of_exactly_one_keeps_every_token_even_of_vanishing_mass():
@@ -1034,7 +1034,7 @@ def test_a_bool_passed_as_a_number_is_refused_like_top_k_and_cond_scale_refuse_i
     x = filter_logits()
     ctx, mask = context_batch(4)
     q = _randn(1, 1, 3, 8, seed=80, dtype=torch.float32)
-    for refused in (lambda: sf.top_k(x, True), lambda: sf.guided_logits(x, x, True)):  # the library's own rule
+    for refused in (lambda: sf.top_k(x, k=True), lambda: sf.guided_logits(x, x, True)):  # the library's own rule
         with pytest.raises((TypeError, ValueError)):
             refused()
     cases = {

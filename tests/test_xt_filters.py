@@ -37,8 +37,8 @@ def test_min_p_and_top_a_as_x_transformers(name, kw):
 
 def test_filter_arguments_named_errors():
     x = _logits(3)
-    with pytest.raises(ValueError, match="frac_num_tokens=0.2"):
-        sf.top_k(x, 0.2)  # x-transformers' positional share of the vocabulary
+    with pytest.raises(TypeError, match="frac_num_tokens is a fraction"):
+        sf.top_k(x, 3)  # a count in x-transformers' frac_num_tokens place: k=3 is the spelling
     with pytest.raises(ValueError, match="not both"):
         sf.top_p(x, 0.9, thres=0.8)
     with pytest.raises(ValueError, match="frac_num_tokens"):
