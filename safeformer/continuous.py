@@ -524,3 +524,13 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             self.train(was_training)
         return out
 
+# x-transformers' names that its module of this path imports from another (the same objects as there)
+from .autoregressive_wrapper import align_right  # noqa: E402, F401
+from .x_transformers import (  # noqa: E402, F401
+    AbsolutePositionalEmbedding,
+    Attention,
+    AttentionLayers,
+    LayerNorm,
+    ScaledSinusoidalEmbedding,
+    always,
+)

@@ -447,3 +447,7 @@ def free_transformer_from_x_transformers(model, *, drop_training_only: bool = Fa
     except RuntimeError as err:
         raise ValueError(f"FreeTransformer: the weights do not map onto safeformer's ({err})") from err
     return out.train(model.training)
+
+# x-transformers' names that its module of this path imports from another (the same objects as there)
+from .autoregressive_wrapper import gumbel_sample, top_k  # noqa: E402, F401
+from .x_transformers import TransformerWrapper  # noqa: E402, F401

@@ -320,3 +320,13 @@ def multi_input_from_x_transformers(model: nn.Module, *, drop_training_only: boo
     sf.train(model.training)
     return sf
 
+# x-transformers' names that its module of this path imports from another (the same objects as there)
+from .x_transformers import (  # noqa: E402, F401
+    AbsolutePositionalEmbedding,
+    Decoder,
+    LayerIntermediates,
+    LayerNorm,
+    ScaledSinusoidalEmbedding,
+    always,
+    is_empty,
+)

@@ -15,3 +15,6 @@ from .xt_helpers import gumbel_sample_dim as gumbel_sample  # noqa: F401
 from .xt_helpers import log_add_eps as log  # noqa: F401
 
 __all__ = ["Losses", "NonAutoregressiveWrapper"]
+
+# x-transformers' names that its module of this path imports from another (the same objects as there)
+from .x_transformers import TransformerWrapper  # noqa: E402, F401

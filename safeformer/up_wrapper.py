@@ -5,3 +5,7 @@ from .universal_pretrain import SyntheticDataGenerator, UniversalPretrainWrapper
 from .xt_helpers import default, divisible_by, exists  # noqa: F401  (x-transformers' helpers of this module)
 
 __all__ = ["SyntheticDataGenerator", "UniversalPretrainWrapper", "random_sequences"]
+
+# x-transformers' names that its module of this path imports from another (the same objects as there)
+from .autoregressive_wrapper import AutoregressiveWrapper  # noqa: E402, F401
+from .x_transformers import TransformerWrapper  # noqa: E402, F401

@@ -4,7 +4,7 @@ parts (norms, positional biases, residual gates, ``apply_rotary_pos_emb``) come 
 
 x-transformers' small helper functions (``exists``, ``default``, ``l2norm``, ``softclamp``, ...) come from
 ``safeformer.xt_helpers`` (not in ``__all__``). Names of that module that safeformer does not provide
-(``default_device``, and the options' internal modules such as ``LinearNoBias``, ``HyperConnection``) are left
+(``default_device``, and the options' internal modules such as ``HyperConnection``) are left
 out on purpose, each with its reason in ``safeformer.xt_helpers.NOT_PROVIDED``: an ``ImportError`` names them.
 See docs/moving_from_x_transformers.md.
 """
@@ -16,7 +16,7 @@ from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, PrefixDeco
 from .modules import AbsolutePositionalEmbedding, AdaptiveRMSNorm, FeedForward, RMSNorm, RotaryEmbedding, apply_rotary
 from .relative_position import RelativePositionBias
 from .wrappers import TransformerWrapper
-from .xt_extras import AttentionPool, ViTransformerWrapper
+from .xt_extras import AttentionPool, LinearNoBias, ViTransformerWrapper
 from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module; not in __all__)
     always,
     at_most_one_of,
@@ -69,6 +69,7 @@ __all__ = [
     "AttentionLayers",
     "AttentionPool",
     "CrossAttender",
+    "LinearNoBias",
     "Decoder",
     "Encoder",
     "FeedForward",
@@ -99,3 +100,7 @@ __all__ = [
     "TokenEmbedding",
     "apply_rotary_pos_emb",
 ]
+
+# x-transformers' names that its module of this path imports from another (the same objects as there)
+from .attend import Attend, log_prob_from_hard_attend  # noqa: E402, F401
+from .autoregressive_wrapper import AutoregressiveWrapper  # noqa: E402, F401

@@ -753,3 +753,6 @@ def _step_mems(net, mems, hiddens: list[Tensor], new: int) -> Mems:
             if isinstance(masks, (list, tuple)):
                 masks = [*masks[k:], *masks[:k]]
     return _new_mems(net, mems, masks, tail, None, True)
+
+# x-transformers' names that its module of this path imports from another (the same objects as there)
+from .autoregressive_wrapper import cast_tuple, top_p  # noqa: E402, F401

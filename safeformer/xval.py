@@ -510,3 +510,7 @@ def _check_inputs(x, x_num, mask) -> None:
         raise TypeError(f"x_num must be a floating-point tensor, got dtype {x_num.dtype}")
     if mask is not None:
         validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
+
+# x-transformers' names that its module of this path imports from another (the same objects as there)
+from .autoregressive_wrapper import top_p  # noqa: E402, F401
+from .x_transformers import AbsolutePositionalEmbedding, ScaledSinusoidalEmbedding, TokenEmbedding, always  # noqa: E402, F401

@@ -28,8 +28,10 @@ def _public_names(path: str) -> list[str]:
     mod = importlib.import_module(path)
     if path == "x_transformers":
         return sorted(n for n, v in vars(mod).items() if not n.startswith("_") and not inspect.ismodule(v))
+    # classes and functions defined in the module or imported into it from another x-transformers module (users
+    # import those from either path: ``from x_transformers.x_transformers import Attend``)
     return sorted(n for n, v in vars(mod).items() if not n.startswith("_") and (inspect.isclass(v) or inspect.isfunction(v))
-                  and getattr(v, "__module__", None) == path)
+                  and str(getattr(v, "__module__", None)).startswith("x_transformers"))
 
 
 def _safeformer_module(path: str):
