@@ -7,5 +7,7 @@ from .xt_helpers import default, exists  # noqa: F401  (x-transformers' helpers 
 __all__ = ["BeliefStateWrapper", "belief_state_from_x_transformers", "flip", "reverse_real"]
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .autoregressive_wrapper import eval_decorator, min_p  # noqa: E402, F401
-from .x_transformers import Decoder, TransformerWrapper  # noqa: E402, F401
+from .generation import min_p  # noqa: E402, F401
+from .layers import Decoder  # noqa: E402, F401
+from .wrappers import TransformerWrapper  # noqa: E402, F401
+from .xt_extras import eval_decorator  # noqa: E402, F401

@@ -525,12 +525,8 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         return out
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .autoregressive_wrapper import align_right  # noqa: E402, F401
-from .x_transformers import (  # noqa: E402, F401
-    AbsolutePositionalEmbedding,
-    Attention,
-    AttentionLayers,
-    LayerNorm,
-    ScaledSinusoidalEmbedding,
-    always,
-)
+from .attention import Attention  # noqa: E402, F401
+from .layers import AttentionLayers  # noqa: E402, F401
+from .modules import AbsolutePositionalEmbedding  # noqa: E402, F401
+from .xt_helpers import align_right, always  # noqa: E402, F401
+from .xt_modules import LayerNorm, ScaledSinusoidalEmbedding  # noqa: E402, F401

@@ -449,5 +449,6 @@ def free_transformer_from_x_transformers(model, *, drop_training_only: bool = Fa
     return out.train(model.training)
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .autoregressive_wrapper import gumbel_sample, top_k  # noqa: E402, F401
-from .x_transformers import TransformerWrapper  # noqa: E402, F401
+from .generation import top_k  # noqa: E402, F401
+from .wrappers import TransformerWrapper  # noqa: E402, F401
+from .xt_helpers import gumbel_sample  # noqa: E402, F401

@@ -321,12 +321,8 @@ def multi_input_from_x_transformers(model: nn.Module, *, drop_training_only: boo
     return sf
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .x_transformers import (  # noqa: E402, F401
-    AbsolutePositionalEmbedding,
-    Decoder,
-    LayerIntermediates,
-    LayerNorm,
-    ScaledSinusoidalEmbedding,
-    always,
-    is_empty,
-)
+from .cache import LayerIntermediates  # noqa: E402, F401
+from .layers import Decoder  # noqa: E402, F401
+from .modules import AbsolutePositionalEmbedding  # noqa: E402, F401
+from .xt_helpers import always, is_empty  # noqa: E402, F401
+from .xt_modules import LayerNorm, ScaledSinusoidalEmbedding  # noqa: E402, F401

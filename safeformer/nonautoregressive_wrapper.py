@@ -17,4 +17,4 @@ from .xt_helpers import log_add_eps as log  # noqa: F401
 __all__ = ["Losses", "NonAutoregressiveWrapper"]
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .x_transformers import TransformerWrapper  # noqa: E402, F401
+from .wrappers import TransformerWrapper  # noqa: E402, F401

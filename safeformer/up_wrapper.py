@@ -7,5 +7,5 @@ from .xt_helpers import default, divisible_by, exists  # noqa: F401  (x-transfor
 __all__ = ["SyntheticDataGenerator", "UniversalPretrainWrapper", "random_sequences"]
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .autoregressive_wrapper import AutoregressiveWrapper  # noqa: E402, F401
-from .x_transformers import TransformerWrapper  # noqa: E402, F401
+from .generation import AutoregressiveWrapper  # noqa: E402, F401
+from .wrappers import TransformerWrapper  # noqa: E402, F401

@@ -102,5 +102,6 @@ __all__ = [
 ]
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .attend import Attend, log_prob_from_hard_attend  # noqa: E402, F401
-from .autoregressive_wrapper import AutoregressiveWrapper  # noqa: E402, F401
+from .attention_scoring import log_prob_from_hard_attend  # noqa: E402, F401
+from .generation import AutoregressiveWrapper  # noqa: E402, F401
+from .xt_attend import Attend  # noqa: E402, F401

@@ -755,4 +755,5 @@ def _step_mems(net, mems, hiddens: list[Tensor], new: int) -> Mems:
     return _new_mems(net, mems, masks, tail, None, True)
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .autoregressive_wrapper import cast_tuple, top_p  # noqa: E402, F401
+from .generation import top_p  # noqa: E402, F401
+from .xt_helpers import cast_tuple  # noqa: E402, F401

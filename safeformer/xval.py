@@ -512,5 +512,7 @@ def _check_inputs(x, x_num, mask) -> None:
         validate_mask(mask, "mask", shape=tuple(x.shape), device=x.device)
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .autoregressive_wrapper import top_p  # noqa: E402, F401
-from .x_transformers import AbsolutePositionalEmbedding, ScaledSinusoidalEmbedding, TokenEmbedding, always  # noqa: E402, F401
+from .generation import top_p  # noqa: E402, F401
+from .modules import AbsolutePositionalEmbedding  # noqa: E402, F401
+from .xt_helpers import always  # noqa: E402, F401
+from .xt_modules import ScaledSinusoidalEmbedding, TokenEmbedding  # noqa: E402, F401
