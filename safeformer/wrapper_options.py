@@ -190,8 +190,11 @@ def build_embeddings(net: TransformerWrapper, attn_layers: AttentionLayers, *, n
     net.custom_token_emb = token_emb is not None
     net.token_emb = nn.Embedding(num_tokens, emb_dim) if token_emb is None else token_emb
     net.l2norm_embed = l2norm_embed
-    if l2norm_embed and not net.custom_token_emb:
-        nn.init.normal_(net.token_emb.weight, std=1e-5)
+    if not net.custom_token_emb:  # x-transformers' initialisation (TokenEmbedding.init_)
+        if l2norm_embed:
+            nn.init.normal_(net.token_emb.weight, std=1e-5)
+        else:
+            nn.init.kaiming_normal_(net.token_emb.weight)  # std sqrt(2 / emb_dim), not nn.Embedding's 1
     net._init_positions(emb_dim, max_seq_len, use_abs_pos_emb, l2norm_embed)
     # x-transformers' emb_dim: embeddings of another width, projected to the model width (prefix rows included)
     net.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None

@@ -430,3 +430,21 @@ def test_top_a_refuses_bad_parameters_by_name():
     for bad in (-0.1, 1.5, float("nan"), True, None):
         with pytest.raises(ValueError, match="min_p_ratio"):
             top_a(logits, min_p_ratio=bad)
+
+
+@pytest.mark.parametrize("l2norm_embed", [False, True])
+def test_token_embedding_starts_as_x_transformers_does(l2norm_embed):
+    """The token embedding's initial distribution is x-transformers' (Kaiming normal: std sqrt(2 / emb_dim);
+    std 1e-5 under l2norm_embed), not nn.Embedding's std 1: a fresh model's logits have x-transformers' scale."""
+    import x_transformers as xt
+
+    v, d = 4096, 256
+    want = 1e-5 if l2norm_embed else (2 / d) ** 0.5
+    torch.manual_seed(0)
+    ours = sf.TransformerWrapper(num_tokens=v, max_seq_len=8, l2norm_embed=l2norm_embed,
+                                 attn_layers=sf.Decoder(dim=d, depth=1, heads=2))
+    theirs = xt.TransformerWrapper(num_tokens=v, max_seq_len=8, l2norm_embed=l2norm_embed,
+                                   attn_layers=xt.Decoder(dim=d, depth=1, heads=2))
+    for name, w in (("safeformer", ours.token_emb.weight), ("x-transformers", theirs.token_emb.emb.weight)):
+        std = w.detach().double().std().item()
+        assert abs(std / want - 1) < 0.02, f"{name}: token embedding std {std:.3g}, expected {want:.3g}"
