@@ -184,3 +184,24 @@ def test_stale_ratios_sees_targets_and_code():
     measured = {"1.039x"}
     text = "a | 1.039x | <= 1.10x |\nthe 2.5x target; target: 3.0x; goal 2.2x, > 1.5x\n```\n9.99x\n```\nwas 1.305x\n"
     assert stale_ratios(text, measured) == ["line 2: 2.5x", "line 6: 1.305x"]
+
+
+def test_example_figures_match_their_results_files():
+    """The examples' figures in the README and the docs are their committed runs' ``metrics.json``."""
+    results = ROOT / "benchmarks" / "results"
+    readme = flat(README.read_text())
+    training = flat(TRAINING.read_text())
+    for task in ("reverse", "copy"):
+        m = json.loads((results / f"copy_reverse_{task}.json").read_text())
+        assert m["task"] == task and m["steps"] == 1200, f"copy_reverse_{task}.json is not a default run"
+        assert f"exact match {m['exact_match']:.3f} on both tasks, empty sources {m['exact_match_empty']:.3f}" in training
+        assert f"exact match {m['exact_match']:.3f} in both" in readme
+    char = json.loads((results / "char_lm.json").read_text())
+    bits = char["val_bits_per_byte"]
+    assert f"{bits:.2f} bits per byte after {char['steps']} steps" in readme
+    assert f"{bits:.3f} at step {char['steps']}" in training
+    mg = json.loads((results / "maskgit_digits.json").read_text())
+    examples = (ROOT / "docs" / "examples.md").read_text()
+    for scale in ("0.0", "1.0", "3.0"):
+        row = f"| {scale[:-2]} | {mg['accuracy'][scale]:.3f} |"
+        assert row in examples and f"| {mg['spread'][scale]:.2f} |" in examples, f"docs/examples.md's MaskGIT row {scale}"
