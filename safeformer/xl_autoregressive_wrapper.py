@@ -265,14 +265,6 @@ def _check_stack_takes_mems(stack) -> None:
     cannot serve is refused when it is built, naming ``mems`` and the option, instead of at the second segment."""
     if stack is None or not hasattr(stack, "layers"):
         return
-    mixers = [blk.mixer for blk in stack.layers if getattr(blk, "kind", None) == "self"]
-    for option, used in (("attn_orthog_projected_values", any(getattr(a, "orthog", False) for a in mixers)),
-                         ("attn_data_dependent_alibi",
-                          any(getattr(a, "to_forget_gates", None) is not None for a in mixers))):
-        if used:
-            raise ValueError(f"XLAutoregressiveWrapper runs every segment with Transformer-XL memories (mems / "
-                             f"return_mems), which cannot serve {option}: it is defined over the whole sequence, so no "
-                             "memory can continue it")
     reason = mems_unsupported(stack)
     if reason is not None:
         raise ValueError(f"XLAutoregressiveWrapper runs every segment with Transformer-XL memories (mems / "
