@@ -2,9 +2,12 @@
 # The GPU proof of safeformer in one command: the test suite with its CUDA parametrization, and the
 # benchmarks on CUDA. Run from the repository root:
 #
-#     bash benchmarks/gpu_proof.sh [--part suite|suite-cuda|suite-rest|bench|masked|all] [--quick]
+#     bash benchmarks/gpu_proof.sh [--part PART[,PART...]] [--quick]
 #                                  [--bench NAME,NAME] [--jobs N] [--budget SECONDS]
 #
+# PART is suite, suite-cuda, suite-rest, bench, masked or all; several may be named, comma-separated
+# (`--part masked,suite-cuda,bench`). When the masked matrix and the CUDA suite run in one call, the matrix
+# runs in the background beside the suite (neither is timed), and the benchmarks run after both, alone.
 # What it does, and what comes back, is in docs/testing.md ("Running the GPU proof"). In short:
 #   every part   $OUT/env.txt: nvidia-smi, torch, CUDA, cuDNN, the device, the dtypes and attend backends
 #                the suite parametrizes over, and a smoke test of attend on every (dtype, backend);
@@ -29,7 +32,8 @@
 #
 # Environment: OUT (default: a new temporary folder), PYTHON (default python3), GPU_PROOF_BUDGET (seconds
 # for the whole script, default 560: one 10-minute call), GPU_PROOF_NO_CUDA=1 (hide the GPU: the CPU dry
-# run), GPU_PROOF_REHEARSE=1 (run the CUDA parts' code on the CPU, to rehearse the script itself).
+# run), GPU_PROOF_REHEARSE=1 (run the CUDA parts' code on the CPU, to rehearse the script itself),
+# GPU_PROOF_SUITE_CUDA_S (the CUDA suite's time limit beside other parts; default 330 s).
 # Exit status: 0 everything that ran passed and nothing ran out of time; 1 a failure or a time-out;
 # 2 bad arguments.
 
@@ -57,7 +61,10 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_proof.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
     esac
 done
-case "$PART" in suite|suite-cuda|suite-rest|bench|masked|all) ;; *) echo "gpu_proof.sh: --part must be suite, suite-cuda, suite-rest, bench, masked or all (got '$PART')" >&2; exit 2 ;; esac
+for p in ${PART//,/ }; do
+    case "$p" in suite|suite-cuda|suite-rest|bench|masked|all) ;; *) echo "gpu_proof.sh: --part must be suite, suite-cuda, suite-rest, bench, masked or all, or several of them comma-separated (got '$PART')" >&2; exit 2 ;; esac
+done
+[ -n "${PART//,/}" ] || { echo "gpu_proof.sh: --part is empty" >&2; exit 2; }
 case "$JOBS" in ''|*[!0-9]*) echo "gpu_proof.sh: --jobs takes a number" >&2; exit 2 ;; esac
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_proof.sh: --budget takes seconds" >&2; exit 2 ;; esac
 
@@ -244,14 +251,68 @@ else
 fi
 
 WANT_SUITE_CUDA=0; WANT_SUITE_REST=0; WANT_BENCH=0; WANT_MASKED=0
-case "$PART" in
-    suite) WANT_SUITE_CUDA=1; WANT_SUITE_REST=1 ;;
-    suite-cuda) WANT_SUITE_CUDA=1 ;;
-    suite-rest) WANT_SUITE_REST=1 ;;
-    bench) WANT_BENCH=1 ;;
-    masked) WANT_MASKED=1 ;;
-    all) WANT_SUITE_CUDA=1; WANT_SUITE_REST=1; WANT_BENCH=1; WANT_MASKED=1 ;;
-esac
+for p in ${PART//,/ }; do
+    case "$p" in
+        suite) WANT_SUITE_CUDA=1; WANT_SUITE_REST=1 ;;
+        suite-cuda) WANT_SUITE_CUDA=1 ;;
+        suite-rest) WANT_SUITE_REST=1 ;;
+        bench) WANT_BENCH=1 ;;
+        masked) WANT_MASKED=1 ;;
+        all) WANT_SUITE_CUDA=1; WANT_SUITE_REST=1; WANT_BENCH=1; WANT_MASKED=1 ;;
+    esac
+done
+
+# ---------------------------------------------------------------------------------------------------
+# masked rows: the masked-row backend matrix (benchmarks/masked_rows.py); on the CPU with --quick.
+# Beside the CUDA suite it runs in the background (a correctness matrix: nothing in it is timed).
+# ---------------------------------------------------------------------------------------------------
+MASKED_PID=""
+start_masked() {
+    MASKED_OUT=$OUT/masked_rows.md
+    MASKED_OPTS=(--device cpu --quick)
+    local want=120
+    if [ "$CUDA" = 1 ]; then
+        MASKED_OPTS=(--device "$BENCH_DEVICE")
+        want=240
+        { [ "$QUICK" = 1 ] || [ "$BENCH_DEVICE" = cpu ]; } && MASKED_OPTS+=(--quick) && want=120
+        if [ "$WANT_BENCH" = 1 ]; then  # the bench part's results.md and results.tar.gz carry it (8 files)
+            mkdir -p "$WORK/results"
+            MASKED_OUT=$WORK/results/masked_rows_$([ "$BENCH_DEVICE" = cpu ] && echo rehearsal || echo cuda).md
+        fi
+    fi
+    MASKED_SECS=$(limit_for "$want")
+    if [ "$MASKED_SECS" = 0 ]; then
+        INCOMPLETE=1; note "masked rows: skipped, no time left in this call's budget (run --part masked in another call)"
+        return 1
+    fi
+    MASKED_T0=$SECONDS
+    limited "$MASKED_SECS" "$PY" benchmarks/masked_rows.py "${MASKED_OPTS[@]}" --out "$MASKED_OUT" >"$WORK/masked.txt" 2>&1 &
+    MASKED_PID=$!
+}
+finish_masked() {
+    [ -n "$MASKED_PID" ] || return 0
+    wait "$MASKED_PID"
+    local rc=$?
+    MASKED_PID=""
+    local summary
+    summary=$(grep '^summary: ' "$WORK/masked.txt" | tail -n 1)
+    summary=${summary#summary: }
+    summary=${summary%; table in *}
+    local where
+    where=$(basename "$MASKED_OUT")
+    [ "$MASKED_OUT" = "$OUT/masked_rows.md" ] || where="$where, in results.md and results.tar.gz"
+    case "$rc" in
+        0) note "masked rows (${MASKED_OPTS[*]} -> $where): ok in $((SECONDS - MASKED_T0)) s; $summary" ;;
+        124|137) INCOMPLETE=1; fail "masked rows: TIMED OUT after ${MASKED_SECS} s" ;;
+        *) fail "masked rows: exit $rc in $((SECONDS - MASKED_T0)) s; ${summary:-no summary: its output ends}"
+           [ -n "$summary" ] || tail -n 15 "$WORK/masked.txt" | tee -a "$PROOF" ;;
+    esac
+}
+if [ "$WANT_MASKED" = 1 ]; then
+    start_masked
+    # alone, or on the CPU (where the suite is only collected), it finishes before the next part starts
+    { [ "$CUDA" = 1 ] && [ "$WANT_SUITE_CUDA" = 1 ]; } || finish_masked
+fi
 
 # ---------------------------------------------------------------------------------------------------
 # suite
@@ -296,7 +357,7 @@ if [ $((WANT_SUITE_CUDA + WANT_SUITE_REST)) -gt 0 ]; then
             [ "$WANT_SUITE_REST" = 1 ] && note "suite rest: skipped under --quick"
         else
             # both in one call: the CUDA tests get at most 330 s, the rest what is left; alone, all of it
-            [ "$WANT_SUITE_CUDA" = 1 ] && run_suite cuda "$([ "$WANT_SUITE_REST" = 1 ] && echo 330 || echo 100000)" -k "$CUDA_K"
+            [ "$WANT_SUITE_CUDA" = 1 ] && run_suite cuda "${GPU_PROOF_SUITE_CUDA_S:-$([ $((WANT_SUITE_REST + WANT_BENCH)) -gt 0 ] && echo 330 || echo 100000)}" -k "$CUDA_K"
             [ "$WANT_SUITE_REST" = 1 ] && run_suite rest 100000 -k "not ($CUDA_K)"
         fi
         CHECK_COVERAGE=0
@@ -399,42 +460,7 @@ EOF
     fi
 fi
 
-# ---------------------------------------------------------------------------------------------------
-# masked rows: the masked-row backend matrix (benchmarks/masked_rows.py); on the CPU with --quick
-# ---------------------------------------------------------------------------------------------------
-if [ "$WANT_MASKED" = 1 ]; then
-    MASKED_OUT=$OUT/masked_rows.md
-    MASKED_OPTS=(--device cpu --quick)
-    want=120
-    if [ "$CUDA" = 1 ]; then
-        MASKED_OPTS=(--device "$BENCH_DEVICE")
-        want=240
-        { [ "$QUICK" = 1 ] || [ "$BENCH_DEVICE" = cpu ]; } && MASKED_OPTS+=(--quick) && want=120
-        if [ "$WANT_BENCH" = 1 ]; then  # the bench part's results.md and results.tar.gz carry it (8 files)
-            mkdir -p "$WORK/results"
-            MASKED_OUT=$WORK/results/masked_rows_$([ "$BENCH_DEVICE" = cpu ] && echo rehearsal || echo cuda).md
-        fi
-    fi
-    secs=$(limit_for "$want")
-    if [ "$secs" = 0 ]; then
-        INCOMPLETE=1; note "masked rows: skipped, no time left in this call's budget (run --part masked in another call)"
-    else
-        t0=$SECONDS
-        limited "$secs" "$PY" benchmarks/masked_rows.py "${MASKED_OPTS[@]}" --out "$MASKED_OUT" >"$WORK/masked.txt" 2>&1
-        rc=$?
-        summary=$(grep '^summary: ' "$WORK/masked.txt" | tail -n 1)
-        summary=${summary#summary: }
-        summary=${summary%; table in *}
-        where=$(basename "$MASKED_OUT")
-        [ "$MASKED_OUT" = "$OUT/masked_rows.md" ] || where="$where, in results.md and results.tar.gz"
-        case "$rc" in
-            0) note "masked rows (${MASKED_OPTS[*]} -> $where): ok in $((SECONDS - t0)) s; $summary" ;;
-            124|137) INCOMPLETE=1; fail "masked rows: TIMED OUT after ${secs} s" ;;
-            *) fail "masked rows: exit $rc in $((SECONDS - t0)) s; ${summary:-no summary: its output ends}"
-               [ -n "$summary" ] || tail -n 15 "$WORK/masked.txt" | tee -a "$PROOF" ;;
-        esac
-    fi
-fi
+finish_masked  # the benchmarks run alone on the GPU
 
 # ---------------------------------------------------------------------------------------------------
 # benchmarks
@@ -442,12 +468,13 @@ fi
 # name, time limit (s) of a full run, whether it needs x-transformers, its options on CUDA (each takes only
 # options its argparse has; only attend_overhead has --dtype: the others run float32)
 BENCHES=(
-    "attend_overhead|150|0|--dtype bfloat16 --lengths 1024 2048 4096 8192"
-    "memory|120|1|--seq 8192"
-    "train_step|150|1|"
-    "unpadded|150|1|"
-    "compile_speed|240|0|--seq 1024"
-    "generation_speed|300|1|"
+    "host_syncs|120|0|"
+    "attend_overhead|120|0|--dtype bfloat16 --lengths 1024 2048 4096 8192"
+    "generation_speed|200|1|--dims 512 --rounds 3"
+    "unpadded|120|1|"
+    "train_step|120|1|"
+    "memory|100|1|--seq 8192"
+    "compile_speed|150|0|--seq 1024"
 )
 QUICK_OPTS_attend_overhead="--dtype bfloat16"
 
