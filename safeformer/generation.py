@@ -944,7 +944,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         conditions = condition_kwargs("AutoregressiveWrapper.forward", conditions)
         if not isinstance(x, Tensor) or x.dim() != 2:
             raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
-        conds = Conditions.from_kwargs({**locals(), **conditions}).check(self.net, x.shape[0], x.device)  # before a drop could hide it
+        given = dict(context=context, context_mask=context_mask, prepend_embeds=prepend_embeds,
+                     prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask)
+        # checked before a drop could hide it; no locals(): torch.compile cannot trace it (torch 2.11)
+        conds = Conditions.from_kwargs({**given, **conditions}).check(self.net, x.shape[0], x.device)
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
             nulls = {}
             if self.null_token is not None and context is not None:
