@@ -1110,6 +1110,8 @@ def _optimistic(plan: AttentionPlan, q, k, v, combined: Tensor, prepared: Prepar
     if plan.sdpa_backends or plan.expand_kv or k.shape[1] != q.shape[1]:
         out = _run_sdpa(plan, q, k, v, attn_mask, is_causal, scale, 0.0)
     else:  # what _run_sdpa does here, without its generality
+        if attn_mask is not None and q.is_cuda:
+            attn_mask = _cuda_kernel_mask(attn_mask, k.shape[2])
         out = _kernel(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale)
     if not live:
         if _kernel is F.scaled_dot_product_attention:
@@ -1126,7 +1128,7 @@ def _kernel_call(plan: AttentionPlan, q, k, v, attn_mask, is_causal: bool, scale
     """The planned kernel (or the reference math) on inputs already selected. The fused kernels have no
     second derivative: a backward with create_graph=True goes around the kernel, through the reference
     math on the same inputs."""
-    if plan.path == "reference":
+    if plan.path == "reference" or q.numel() == 0:  # an empty batch, head or query set: nothing for a kernel
         return _reference(q, k, v, attn_mask, is_causal, scale, dropout_p)
     graph = (plan.expected != "math" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
              and not torch._C._are_functorch_transforms_active())
@@ -1147,8 +1149,25 @@ def _expand_kv(k: Tensor, v: Tensor, h: int) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
 
 
+def _cuda_kernel_mask(attn_mask: Tensor, j: int) -> Tensor:
+    """A mask as CUDA's memory-efficient kernel can read it: every key's slot present (a mask broadcast over
+    the keys, such as a query-padding mask ``(b, 1, i, 1)``, is padded to 8 and then expanded by PyTorch,
+    which leaves a last dimension of stride 0 that the kernel refuses), the last dimension contiguous, and
+    the storage 16-byte aligned with row strides a multiple of 8 (else the kernel reads misaligned
+    addresses). Masks that already are so are returned as they are (no copy)."""
+    aligned = (attn_mask.shape[-1] == j and attn_mask.stride(-1) == 1 and attn_mask.data_ptr() % 16 == 0
+               and all(st % 8 == 0 for st, n in zip(attn_mask.stride()[:-1], attn_mask.shape[:-1]) if n > 1))
+    if aligned or torch.compiler.is_compiling():
+        return attn_mask
+    shape = (*attn_mask.shape[:-1], j)
+    padded = attn_mask.new_empty(*shape[:-1], -(-j // 8) * 8)[..., :j]  # rows 8-aligned, storage fresh
+    return padded.copy_(attn_mask.expand(shape))
+
+
 def _run_sdpa(plan: AttentionPlan, q, k, v, attn_mask, is_causal, scale, dropout_p) -> Tensor:
     h = q.shape[1]
+    if attn_mask is not None and q.is_cuda and k.shape[2] > 0:
+        attn_mask = _cuda_kernel_mask(attn_mask, k.shape[2])
     if plan.expand_kv:
         k, v = _expand_kv(k, v, h)
     gqa = k.shape[1] != h
