@@ -1155,9 +1155,11 @@ def _cuda_kernel_mask(attn_mask: Tensor, j: int) -> Tensor:
     which leaves a last dimension of stride 0 that the kernel refuses), the last dimension contiguous, and
     the storage 16-byte aligned with row strides a multiple of 8 (else the kernel reads misaligned
     addresses). Masks that already are so are returned as they are (no copy)."""
+    if torch.compiler.is_compiling():  # no data pointer under tracing; the compiled kernels choose their own layout
+        return attn_mask
     aligned = (attn_mask.shape[-1] == j and attn_mask.stride(-1) == 1 and attn_mask.data_ptr() % 16 == 0
                and all(st % 8 == 0 for st, n in zip(attn_mask.stride()[:-1], attn_mask.shape[:-1]) if n > 1))
-    if aligned or torch.compiler.is_compiling():
+    if aligned:
         return attn_mask
     shape = (*attn_mask.shape[:-1], j)
     padded = attn_mask.new_empty(*shape[:-1], -(-j // 8) * 8)[..., :j]  # rows 8-aligned, storage fresh

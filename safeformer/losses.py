@@ -112,9 +112,9 @@ def next_token_loss(
     # ignored inputs (ignore_index, or mask False) are padding: masked, so left padding changes nothing
     # (S4). Without a user mask and without ignored tokens no mask is passed, so the decoder keeps the
     # mask-free causal path (is_causal, the flash kernel); telling the two apart reads one bool on the
-    # host, in the loss only (never inside attend).
+    # host, in the loss only (never inside attend); under torch.compile the mask is always passed (no read).
     inp_mask = real[:, :-1]
-    if mask is None and not bool((tokens == ignore_index).any()):
+    if mask is None and not torch.compiler.is_compiling() and not bool((tokens == ignore_index).any()):
         inp_mask = None
     counted = real[:, 1:] & real[:, :-1]
     target = torch.where(counted, target, torch.full_like(target, ignore_index))
