@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from .attend import SelectedMask, attend
 from .block import apply_norm
 from .modules import alibi_bias, apply_rotary
-from .varlen import VarlenLayout, VarlenPlan, plan_varlen, varlen_attention, varlen_layout
+from .varlen import VarlenLayout, VarlenPlan, plan_varlen, varlen_attention, varlen_kernel_available, varlen_layout
 
 __all__ = ["UNPADDED_THRESHOLD", "UnpaddedPlan", "plan_unpadded", "LengthGroup", "GroupedSelfLayout",
            "VarlenSelfLayout", "PackedCrossLayout", "length_groups", "stack_varlen_plan", "forward_unpadded", "attend_layout"]
@@ -67,17 +67,31 @@ class UnpaddedPlan:
         return t.new_zeros(self.b * self.n, *t.shape[1:]).index_copy(0, self.idx, t).view(self.b, self.n, *t.shape[1:])
 
 
+def auto_unpads_on(device: torch.device) -> bool:
+    """Whether ``unpadded="auto"`` may take the unpadded path on ``device``: everywhere but on CUDA without
+    PyTorch's varlen Flash kernel (see ``plan_unpadded``)."""
+    return torch.device(device).type != "cuda" or varlen_kernel_available(device)
+
+
 def plan_unpadded(mode, mask: Tensor | None, *, packable: bool = True, cache=None, return_cache: bool = False,
                   attn_mask: Tensor | None = None, return_hiddens: bool = False) -> UnpaddedPlan | None:
     """The plan of the unpadded path, or ``None`` when the padded path runs.
 
     ``mode`` is the stack's ``unpadded`` (True, False or ``"auto"``: at least ``UNPADDED_THRESHOLD`` of the
-    positions are padding). The path needs a padding mask and no cache, extra mask or intermediates; it
-    does not run under ``torch.compile`` (the gather's size is data-dependent). One host sync: the counts.
+    positions are padding; on CUDA only where PyTorch's varlen Flash kernel runs). The path needs a padding
+    mask and no cache, extra mask or intermediates; it does not run under ``torch.compile`` (the gather's
+    size is data-dependent). One host sync: the counts.
+
+    On CUDA without the varlen kernel (torch before 2.12, or a GPU before sm80) ``"auto"`` keeps the padded
+    path: measured on an H200 with torch 2.11 (benchmarks/results/unpadded_cuda.md), the unpadded path's
+    length groups made a training step 2.0x-2.5x slower than the padded path, and its group layout cost
+    six host syncs per forward.
     """
     if mask is None or cache is not None or return_cache or attn_mask is not None or return_hiddens \
             or mode is False or mask.numel() == 0 or not packable or torch.compiler.is_compiling() \
             or torch._C._are_functorch_transforms_active():  # a gather of data-dependent size: padded under torch.func
+        return None
+    if mode == "auto" and not auto_unpads_on(mask.device):
         return None
     b, n = mask.shape
     counts = tuple(mask.sum(1).tolist())  # the one host sync: every size below derives from it

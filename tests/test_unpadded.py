@@ -124,3 +124,16 @@ def test_auto_picks_the_unpadded_path_from_the_padding_fraction():
     assert dec.plan_unpadded(few) is not None
     with pytest.raises(ValueError, match="unpadded"):
         sf.Decoder(dim=16, depth=1, unpadded="sometimes")
+
+
+def test_auto_keeps_the_padded_path_on_cuda_without_the_varlen_kernel(monkeypatch):
+    """On an H200 with torch 2.11 (no varlen kernel) the unpadded path's length groups made a training
+    step 2.0x-2.5x slower than the padded path: "auto" unpads on CUDA only where the varlen kernel runs."""
+    import safeformer.unpadded as up
+
+    assert up.auto_unpads_on(torch.device("cpu"))
+    monkeypatch.setattr(up, "varlen_kernel_available", lambda device=None: False)
+    assert not up.auto_unpads_on(torch.device("cuda"))
+    assert not up.auto_unpads_on(torch.device("cuda", 0))
+    monkeypatch.setattr(up, "varlen_kernel_available", lambda device=None: True)
+    assert up.auto_unpads_on(torch.device("cuda"))
