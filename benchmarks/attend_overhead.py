@@ -29,6 +29,19 @@ from common import base_parser, interleaved, machine, markdown_table, pick_inner
 
 from safeformer import attend
 
+
+def kernels_of(fn) -> str:
+    """The attention kernel(s) one call of ``fn`` dispatches to, from ``torch.profiler``'s op names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    low = {e.name.lower() for e in prof.events()}
+    found = [name for name, key in (("cudnn", "cudnn_attention"), ("flash", "flash_attention"),
+                                     ("efficient", "efficient_attention"), ("math", "attention_math"))
+             if any(key in n for n in low)]
+    return "+".join(found) or "other"
+
 TARGET = 1.05  # attend / SDPA, forward+backward, at sequence 1024
 TARGET_SHORT = 1.10  # attend / SDPA at sequence 128 (forward, forward+backward) and at every decode shape
 DECODE_KEYS = (64, 256, 1024, 2048)
@@ -101,6 +114,7 @@ def main() -> None:
             row = [f"self {n}", b, mode, *ratio_cells(t, "attend")]
             if cuda:
                 row += [f"{t.median('sdpa') * 1e3:.3f}", f"{t.median('attend') * 1e3:.3f}"]
+                row.append(f"{kernels_of(pair[0])} / {kernels_of(pair[1])}")
             rows.append(row)
             label = f"seq {n} {mode}"
             ratios[label] = round(t.ratio("attend"), 4)
@@ -124,6 +138,7 @@ def main() -> None:
                 row = [f"decode 1 x {j} ({padded})", bd, "forward", *ratio_cells(t, "attend")]
                 if cuda:
                     row += [f"{t.median('sdpa') * 1e3:.3f}", f"{t.median('attend') * 1e3:.3f}"]
+                    row.append(f"{kernels_of(fwd_sdpa)} / {kernels_of(fwd_attend)}")
                 rows.append(row)
                 label = f"decode b{bd} j{j} {padded}"
                 ratios[label] = round(t.ratio("attend"), 4)
@@ -132,7 +147,7 @@ def main() -> None:
     header = ["shape (i x j)", "batch", "pass", "attend / SDPA (median per-round)", "ratio of medians",
               "per-round 25%-75%"]
     if cuda:
-        header += ["SDPA ms", "attend ms"]
+        header += ["SDPA ms", "attend ms", "kernel (SDPA / attend, profiler)"]
     lines = [
         "# attend (safe) vs bare F.scaled_dot_product_attention",
         "",
