@@ -375,7 +375,8 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
             f"can go on. Generate fewer tokens, or use relative positions (Decoder(..., rotary_pos_emb=True) or "
             f"alibi_pos_bias=True), which can slide past max_seq_len"
         )
-    window = net.max_seq_len if restrict_to_max_seq_len and needed > net.max_seq_len else None
+    # max_seq_len 0 or None (no absolute positions; x-transformers' 0): no bound, no window
+    window = net.max_seq_len if restrict_to_max_seq_len and net.max_seq_len and needed > net.max_seq_len else None
     conds = conds.with_empty_for(negatives, b)  # a negative condition alone: the conditional branch sees it empty
     schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
                                       has_uncond=bool(conds.kinds()), steps=seq_len)

@@ -95,6 +95,8 @@ from .generation import AutoregressiveWrapper
 from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, _defaults
 from .modules import AdaptiveNorm, Derf, DynamicTanh, RMSNorm, alibi_slopes, stack_alibi_slopes
 from .wrappers import XT_OPTION_PARAMETERS, TransformerWrapper, xt_wrapper_option_kwargs
+from .xt_modules import ScaleNorm as XtScaleNorm
+from .xt_modules import SimpleRMSNorm as XtSimpleRMSNorm
 
 __all__ = ["from_x_transformers"]
 
@@ -195,8 +197,12 @@ def _norm_kind(norm, xt) -> str | None:
     """``"layer"``, ``"rms"`` or None (unsupported) for an x-transformers norm module."""
     if type(norm) is xt.LayerNorm:
         return "layer"
-    if type(norm) in (xt.RMSNorm, xt.SimpleRMSNorm, xt.ScaleNorm):
+    if type(norm) is xt.RMSNorm:
         return "rms"
+    if type(norm) is xt.ScaleNorm:
+        return "scale"  # use_scalenorm (one scalar gain)
+    if type(norm) is xt.SimpleRMSNorm:
+        return "simple_rms"  # use_simple_rmsnorm (no parameter)
     if type(norm).__name__ == "DynamicTanh" and type(norm).__module__ == xt.LayerNorm.__module__:
         return "dyt"  # use_dynamic_tanh (unit offsets folded in by copy_norm)
     if type(norm).__name__ == "Derf" and type(norm).__module__ == xt.LayerNorm.__module__:
@@ -505,19 +511,28 @@ def _parse_ff(name: str, ff, xt, problems: _Problems, training_only: list[str]) 
         problems.add(f"a feed-forward input {type(proj_in).__name__}", name)
         return None
     info["act"] = None
+    info["relu_squared"], info["solu"] = False, None
     if type(act) is nn.GELU and act.approximate == "none":
         info["swish"] = False
     elif type(act) is nn.SiLU:
         info["swish"] = True
+    elif type(act).__name__ == "ReluSquared" and type(act).__module__ == xt.LayerNorm.__module__:
+        info["swish"], info["relu_squared"] = False, True  # ff_relu_squared
+    elif type(act).__name__ == "SoLU" and type(act).__module__ == xt.LayerNorm.__module__ \
+            and type(act.norm) is xt.LayerNorm:
+        info["swish"], info["solu"] = False, act.norm  # ff_solu: its LayerNorm's gain is copied
     elif isinstance(act, nn.Module) and type(act).__module__.startswith("torch.nn") and not list(act.parameters()) \
             and not list(act.buffers()):
         info["swish"], info["act"] = False, act  # ff_custom_activation: a parameter-free torch.nn activation, copied
     else:
-        problems.add(f"a feed-forward activation {act!r} (safeformer takes a parameter-free torch.nn module as "
-                     f"ff_custom_activation; ff_relu_squared / ff_solu have no counterpart)", name)
+        problems.add(f"a feed-forward activation {act!r} (safeformer takes GELU, SiLU, ReLU squared, SoLU or a "
+                     f"parameter-free torch.nn module as ff_custom_activation)", name)
         return None
-    if parts and _norm_kind(parts[0], xt) is not None:
-        problems.add("ff_post_act_ln", name)
+    info["post_act_ln"] = None
+    if parts and type(parts[0]) is xt.LayerNorm:  # ff_post_act_ln: its gain is copied
+        info["post_act_ln"] = parts.pop(0)
+    elif parts and _norm_kind(parts[0], xt) is not None:
+        problems.add(f"ff_post_act_ln with a {type(parts[0]).__name__}", name)
         return None
     dropout = 0.0
     if parts and isinstance(parts[0], nn.Dropout):
@@ -526,14 +541,19 @@ def _parse_ff(name: str, ff, xt, problems: _Problems, training_only: list[str]) 
         problems.add("a feed-forward without a final Linear", name)
         return None
     info["out"] = parts.pop(0)
+    info["sublayer_dropout"] = 0.0
     if parts and isinstance(parts[0], nn.Dropout):
-        parts.pop(0)
-        training_only.append("ff_sublayer_dropout")
+        info["sublayer_dropout"] = float(parts.pop(0).p)  # ff_sublayer_dropout
     if parts:
         problems.add(f"extra feed-forward modules {[type(m).__name__ for m in parts]}", name)
         return None
     info["dropout"] = dropout
     return info
+
+
+def _ff_no_bias(info: dict) -> bool:
+    """An x-transformers feed-forward built with ``no_bias=True`` (neither projection has a bias)."""
+    return info["out"].bias is None and (info["glu"] or info["in"].bias is None)
 
 
 def _allowed_types(xt, xt_attend) -> set[type]:
@@ -604,6 +624,8 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
                 tname == "MultiheadRMSNorm" and re.search(r"\.hybrid_norms\.[01]$", mname)) or (
                 re.search(r"\.ff\.0(\.act|\.\d+)$", mname) and type(module).__module__.startswith("torch.nn")) or (
                 tname == "PolarEmbedding" and mname == "attn_layers.polar_pos_emb") or (
+                tname in ("ReluSquared", "SoLU") and re.search(r"\.ff\.0\.(1|act)$", mname)) or (
+                tname == "ScaledSinusoidalEmbedding" and mname == "pos_emb") or (
                 tname == "RelativeProjPositionalBias" and mname.endswith(".rel_proj_pos_bias")) or (
                 tname == "Lambda" and isinstance(getattr(module, "fn", None), functools.partial)
                 and getattr(module.fn.func, "__name__", "") == "softclamp"):  # converted (_check_attention, _parse_ff)
@@ -669,9 +691,15 @@ def _check_wrapper(model, xt, problems: _Problems, training_only: list[str], dim
         tied = True
     else:
         problems.add(f"a custom to_logits {type(to_logits).__name__}")
-    has_abs = isinstance(model.pos_emb, xt.AbsolutePositionalEmbedding)
+    sinu = type(model.pos_emb).__name__ == "ScaledSinusoidalEmbedding"
+    if sinu:
+        extra["scaled_sinu_pos_emb"] = True  # x-transformers' scaled sinusoids: their learned scale is copied
+        half = model.pos_emb.inv_freq.numel()
+        if half > 1 and not math.isclose(float(model.pos_emb.inv_freq[1]), 10000 ** (-1 / half), rel_tol=1e-5):
+            problems.add("scaled_sinu_pos_emb with a theta other than 10000")
+    has_abs = isinstance(model.pos_emb, xt.AbsolutePositionalEmbedding) or sinu
     l2norm_embed = bool(getattr(model, "l2norm_embed", False))
-    if has_abs and bool(model.pos_emb.l2norm_embed) != l2norm_embed:
+    if has_abs and not sinu and bool(model.pos_emb.l2norm_embed) != l2norm_embed:
         problems.add("l2norm_embed on the position embedding only")
     return dict(num_memory_tokens=num_memory_tokens, tied=tied, to_logits=to_logits, has_abs=has_abs,
                 l2norm_embed=l2norm_embed, ff_deep=ff_deep, pool_kwargs=pool_kwargs, extra=extra)
@@ -983,10 +1011,17 @@ def _check_layers(layers, xt, xt_attend, types: tuple, dim: int, problems: _Prob
     if len(cross_dims) > 1:
         problems.add(f"cross-attention layers of different context widths: {sorted(cross_dims)}")
     ff_ok = [f for f in ff_infos if f is not None]
-    ff_kinds = {(f["glu"], f["swish"], f.get("softclamp"), f.get("glu_softclamp"), repr(f["act"])) for f in ff_ok}
+    ff_kinds = {(f["glu"], f["swish"], f.get("softclamp"), f.get("glu_softclamp"), repr(f["act"]), f["relu_squared"],
+                 f["solu"] is not None, f["post_act_ln"] is not None, f["sublayer_dropout"], _ff_no_bias(f),
+                 f["mult_bias"] is not None) for f in ff_ok}
     if len(ff_kinds) > 1:  # (widths and dropouts may differ per layer)
-        problems.add(f"feed-forward layers of different (glu, swish, softclamp, glu softclamp, activation): "
-                     f"{sorted(ff_kinds, key=repr)}")
+        problems.add(f"feed-forward layers of different (glu, swish, softclamp, glu softclamp, activation, relu squared, "
+                     f"solu, post-activation norm, sublayer dropout, no bias, mult bias): {sorted(ff_kinds, key=repr)}")
+    for f in ff_ok:
+        if (f["in"].bias is None) != (f["out"].bias is None) and not f["glu"]:
+            problems.add("a feed-forward with a bias on one projection only")
+        if f["glu"] and f["in"].bias is None:
+            problems.add("a gated feed-forward without an input bias")
     for f in ff_ok:
         if f["out"].out_features != dim or f["in"].in_features != dim:
             problems.add("ff_dim_out != dim")
@@ -1058,6 +1093,7 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         use_dynamic_tanh=norm_kinds == {"dyt"}, use_adaptive_layernorm=norm_kinds == {"ada_layer"},
         use_adaptive_rmsnorm=norm_kinds == {"ada_rms"},
         use_derf=norm_kinds == {"derf"},
+        use_scalenorm=norm_kinds == {"scale"}, use_simple_rmsnorm=norm_kinds == {"simple_rms"},
         attn_dropout=attn_dropout, ff_dropout=ff_dropout,
     )
     stack_kwargs.update(st["routing"])
@@ -1122,6 +1158,14 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(ff_glu_softclamp=True, ff_glu_gate_softclamp_value=gate, ff_glu_up_softclamp_value=up)
     if ff0 is not None and ff0["act"] is not None:
         stack_kwargs.update(ff_custom_activation=copy.deepcopy(ff0["act"]))
+    if ff0 is not None:  # x-transformers' further feed-forward keywords (the same in every layer: checked above)
+        for key, on in (("ff_relu_squared", ff0["relu_squared"]), ("ff_solu", ff0["solu"] is not None),
+                        ("ff_post_act_ln", ff0["post_act_ln"] is not None), ("ff_no_bias", _ff_no_bias(ff0)),
+                        ("ff_glu_mult_bias", ff0["mult_bias"] is not None)):
+            if on:
+                stack_kwargs[key] = True
+        if ff0["sublayer_dropout"]:
+            stack_kwargs["ff_sublayer_dropout"] = ff0["sublayer_dropout"]
     if opts0.dd_alibi:
         if cross:
             problems.add("attn_data_dependent_alibi with cross-attention (safeformer biases self-attention only)")
@@ -1159,7 +1203,7 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
     num_tokens = model.token_emb.emb.num_embeddings if isinstance(model.token_emb, xt.TokenEmbedding) else 1
     logits_dim = to_logits.out_features if isinstance(to_logits, nn.Linear) else num_tokens
     wrapper_kwargs = dict(
-        num_tokens=num_tokens, max_seq_len=model.max_seq_len if model.max_seq_len > 0 else 1,
+        num_tokens=num_tokens, max_seq_len=model.max_seq_len,
         emb_dropout=model.emb_dropout.p, use_abs_pos_emb=has_abs, logits_dim=logits_dim if logits_dim != num_tokens else None,
     )
     if to_logits is None:
@@ -1232,6 +1276,11 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
             put(dst.pre_tanh_scale, src.pre_tanh_scale.detach() + float(src.pre_tanh_scale_offset))
             put(dst.gamma, src.gamma.detach() + float(src.gamma_offset))
             put(dst.beta, src.beta.detach())
+            return
+        if isinstance(dst, XtScaleNorm):  # one scalar gain, x-transformers' unit offset folded in
+            put(dst.g, src.g.detach() + float(src.unit_offset))
+            return
+        if isinstance(dst, XtSimpleRMSNorm):  # no parameter
             return
         if isinstance(dst, Derf):  # erf(alpha * x + s) * gamma + beta, x-transformers' unit offsets folded in
             offset = float(src.scale_offset)
@@ -1314,7 +1363,9 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
 
     with torch.no_grad():
         put(sf.token_emb.weight, take(model.token_emb.emb.weight))
-        if plan.wrapper_kwargs.get("use_abs_pos_emb"):
+        if plan.wrapper_kwargs.get("scaled_sinu_pos_emb"):
+            put(sf.pos_emb.scale, take(model.pos_emb.scale))
+        elif plan.wrapper_kwargs.get("use_abs_pos_emb"):
             put(sf.pos_emb.emb.weight, take(model.pos_emb.emb.weight))
         if plan.wrapper_kwargs.get("num_memory_tokens"):
             put(sf.memory_tokens, take(model.memory_tokens))
@@ -1425,12 +1476,16 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
             else:
                 info = _parse_ff(f"attn_layers.layers.{k}", blk, xt, _Problems(), [])
                 put(dst.proj_in.weight, take(info["in"].weight))
-                put(dst.proj_in.bias, take(info["in"].bias) if info["in"].bias is not None else torch.zeros_like(dst.proj_in.bias))
-                w_out = take(info["out"].weight)
-                if info["mult_bias"] is not None:
-                    w_out = w_out * take(info["mult_bias"])[None, :]
-                put(dst.proj_out.weight, w_out)
-                put(dst.proj_out.bias, take(info["out"].bias) if info["out"].bias is not None else torch.zeros_like(dst.proj_out.bias))
+                if dst.proj_in.bias is not None:
+                    put(dst.proj_in.bias, take(info["in"].bias))
+                put(dst.proj_out.weight, take(info["out"].weight))
+                if dst.proj_out.bias is not None:
+                    put(dst.proj_out.bias, take(info["out"].bias))
+                if info["mult_bias"] is not None:  # ff_glu_mult_bias: the learned gain itself
+                    put(dst.mult_bias, take(info["mult_bias"]))
+                for gain, norm in ((dst.solu_norm, info["solu"]), (dst.post_act_norm, info["post_act_ln"])):
+                    if norm is not None:  # a bias-free LayerNorm: its gain, the unit offset folded in
+                        put(gain, take(norm.gamma) + float(norm.unit_offset))
         if type(layers.final_norm).__name__ != "Identity":
             copy_norm(sf.attn_layers.final_norm, layers.final_norm)
         if sf.attn_layers.routing is not None:

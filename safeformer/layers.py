@@ -280,12 +280,64 @@ __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers
 # x-transformers' spelling -> safeformer's name (or a function of the value giving {name: value}); None:
 # accepted and ignored (what it chose is automatic here). The README's "Moving from x-transformers" table
 # lists them. Only options safeformer supports are here: anything else is an unknown keyword.
+def _same(v, default) -> bool:
+    """``v`` is x-transformers' default value (a bool is not a number here)."""
+    if isinstance(v, bool) != isinstance(default, bool):
+        return False
+    try:
+        return bool(v == default)
+    except Exception:  # noqa: BLE001  # a tensor or another value without a plain ==
+        return False
+
+
+def _default_only(name: str, default) -> Callable[[object], dict]:
+    """x-transformers' keyword ``name``, accepted at its default value (what safeformer does); any other value is
+    refused with a ``TypeError`` naming it."""
+    return lambda v: {} if _same(v, default) else {"_unsupported": f"{name}={v!r}"}
+
+
+def _into(family: str, key: str) -> Callable[[object], dict]:
+    """x-transformers' ``attn_<key>`` / ``ff_<key>``: the ``key`` keyword of every ``Attention`` / ``FeedForward``
+    of the stack, gathered into ``attn_kwargs`` / ``ff_kwargs``."""
+    return lambda v: {family: {key: v}}
+
+
+# the keywords the stack hands on to each FeedForward / Attention (x-transformers' ff_* / attn_* spellings)
+FF_KWARGS = ("no_bias", "relu_squared", "zero_init_output", "dim_out", "glu_mult_bias", "solu", "post_act_ln",
+             "sublayer_dropout", "output_proj_depth")
+ATTN_KWARGS = ("gate_value_heads", "zero_init_output", "cope_talking_heads")
+
+# x-transformers' AttentionLayers keywords that safeformer takes at x-transformers' default value only: the
+# default is what safeformer does; another value is a TypeError naming the keyword (not silently ignored)
+_XT_DEFAULT_ONLY = {
+    "attn_add_zero_kv": False, "attn_aggregated_residuals": False, "attn_aggregated_residual_kwargs": {},
+    "attn_attend_sdp_kwargs": dict(enable_flash=True, enable_math=True, enable_mem_efficient=True),
+    "attn_custom_attn_fn": None, "attn_data_dependent_alibi_per_row": False,
+    "attn_data_dependent_alibi_per_row_dim_head": 8, "attn_dim_context": None, "attn_dim_out": None,
+    "attn_flash_pack_seq": False, "attn_hard": False, "attn_head_scale": False, "attn_inverted_attention": False,
+    "attn_k_rmsnorm": False, "attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
+    "attn_on_attn": False, "attn_output_proj_depth": None, "attn_post_talking_heads": False,
+    "attn_pre_scale_post_talking_heads": False, "attn_pre_talking_heads": False, "attn_project_out": None,
+    "attn_qk_norm_groups": 1, "attn_qk_norm_scale": 10, "attn_qk_rmsnorm": False,
+    "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None, "attn_selective": False,
+    "attn_sparse_topk": None, "attn_sparse_topk_straight_through": False, "attn_sublayer_dropout": 0.0,
+    "attn_value_dim_head": None, "dynamic_pos_bias": False, "dynamic_pos_bias_log_distance": False,
+    "dynamic_pos_bias_mlp_depth": 2, "dynamic_pos_bias_norm": False, "gated_multi_residual": False,
+    "rotate_num_heads": None, "norm_add_unit_offset": True,
+}
+
 LAYER_ALIASES: dict[str, object] = {
     "attn_dim_head": "dim_head",
     "attn_kv_heads": "kv_heads",
     "attn_one_kv_head": lambda v: {"kv_heads": 1} if v else {},
     "cross_attn_dim_context": "dim_context",
     "attn_flash": None,
+    # accepted with any value, no effect on the numbers: x-transformers' ONNX-friendly ops, its construction messages
+    "attn_onnxable": None,
+    "verbose": None,
+    **{f"ff_{k}": _into("ff_kwargs", k) for k in FF_KWARGS},
+    **{f"attn_{k}": _into("attn_kwargs", k) for k in ATTN_KWARGS},
+    **{k: _default_only(k, v) for k, v in _XT_DEFAULT_ONLY.items()},
 }
 
 
@@ -332,6 +384,14 @@ def translate_aliases(owner: str, given: dict, aliases: dict, table: dict) -> di
             raise TypeError(f"{owner}: x-transformers' option {updates['_unsupported']} is not supported by safeformer")
         defaults = _defaults(owner_cls(owner))
         for name, v in updates.items():
+            if name in ("attn_kwargs", "ff_kwargs"):  # one keyword of each Attention / FeedForward: merged
+                have = dict(out.get(name) or {})
+                for k, kv in v.items():
+                    if k in have:
+                        raise TypeError(f"{owner}: {k!r} is given twice, in {name} and as {key!r}")
+                    have[k] = kv
+                out[name] = have
+                continue
             if name in given and given[name] != defaults.get(name, _DEFAULT):  # also set under its own name
                 raise TypeError(f"{owner}: {name!r} is given twice, as {name!r} and as {key!r}")
             out[name] = v
@@ -356,7 +416,8 @@ class AttentionLayers(Configurable, nn.Module):
         dim: int, depth: int | None = None, heads: int = 8, dim_head: int = 64, kv_heads: int | None = None,
         causal: bool = False, cross_attend: bool = False, only_cross: bool = False, dim_context: int | None = None,
         ff_mult: float | tuple[float, ...] = 4, ff_glu: bool = False, ff_swish: bool = False,
-        use_rmsnorm: bool = False, norm_eps: float | None = None,
+        use_rmsnorm: bool = False, norm_eps: float | None = None, use_scalenorm: bool = False,
+        use_simple_rmsnorm: bool = False,
         rotary_pos_emb: bool = False, rotary_emb_dim: int | None = None, rotary_theta: float = 10000.0,
         rotary_interpolation_factor: float = 1.0, rotary_base_rescale_factor: float = 1.0,
         alibi_pos_bias: bool = False,
@@ -420,6 +481,7 @@ class AttentionLayers(Configurable, nn.Module):
         softclamp_output: bool = False, softclamp_output_value: float = 30.0,
         shift_tokens: int | tuple[int, ...] = 0,
         residual_attn: bool = False, cross_residual_attn: bool = False,
+        disable_abs_pos_emb: bool | None = None, attn_kwargs: dict | None = None, ff_kwargs: dict | None = None,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -637,7 +699,7 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
                rotary_theta, rotary_interpolation_factor, rotary_base_rescale_factor, rotary_xpos,
                rotary_xpos_scale_base, polar_pos_emb, polar_bias_uniform_init, attn_num_mem_kv, alibi_pos_bias,
                alibi_num_heads, rel_pos_kwargs, rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance,
-               attn_data_dependent_alibi, **_) -> None:
+               attn_data_dependent_alibi, disable_abs_pos_emb, **_) -> None:
     """The position schemes of self-attention, checked and set on ``stack``: ``rotary`` (``RotaryEmbedding``, xpos
     included), ``polar_pos_emb`` (PoPE), the ``alibi_slopes`` buffer ``(h,)``, ``rel_pos`` (T5's bucketed bias)
     and ``has_relative_positions``."""
@@ -670,6 +732,13 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
     stack.rel_pos = RelativePositionBias(scale=dim_head**0.5, causal=causal, num_buckets=rel_pos_num_buckets,
                                          max_distance=rel_pos_max_distance, heads=heads) if rel_pos_bias else None
     stack.has_relative_positions = rotary_pos_emb or alibi_pos_bias or rotary_xpos or polar_pos_emb or rel_pos_bias
+    if disable_abs_pos_emb is not None and not isinstance(disable_abs_pos_emb, bool):
+        raise TypeError(f"disable_abs_pos_emb must be True, False or None, got {disable_abs_pos_emb!r}")
+    if disable_abs_pos_emb is False and stack.has_relative_positions:
+        raise TypeError("AttentionLayers: x-transformers' option disable_abs_pos_emb=False with relative positions "
+                        "(an absolute embedding beside rotary, ALiBi, PoPE or T5's bias) is not supported by safeformer")
+    # x-transformers' attribute: whether a wrapper leaves out its absolute position embedding
+    stack.disable_abs_pos_emb = bool(stack.has_relative_positions) if disable_abs_pos_emb is None else disable_abs_pos_emb
 
 
 def _check_attention_options(stack: AttentionLayers, *, add_value_residual, attn_value_rmsnorm, checkpoint_layers,
@@ -736,13 +805,15 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
                        attn_use_latent_q, attn_dim_latent_q, attn_use_latent_kv, attn_dim_latent_kv,
                        attn_latent_rope_subheads, attn_use_cope, attn_cope_max_pos, attn_cope_soft_onehot_pos,
                        attn_use_rel_proj_pos_bias, attn_rel_proj_num_distance_basis, attn_rel_proj_max_dist,
-                       cross_attn_inverted_attention, **_) -> Callable[[int | None, int], Attention]:
+                       cross_attn_inverted_attention, attn_kwargs, **_) -> Callable[[int | None, int], Attention]:
     """The stack's ``attention(context_dim, layer)`` factory: the next attention block's ``Attention``, self-attention
     (``context_dim`` None) or cross-attention (over ``context_dim`` features), of layer ``layer``, with the stack's
     attention options (``cross_attn_kwargs`` over them for cross-attention). Blocks are built in order: the
     factory counts the self-attentions (``add_value_residual``) and the cross-attentions
     (``cross_attn_inverted_attention``, checked here)."""
     first_self = [True]
+    extra = _family_kwargs("attn_kwargs", attn_kwargs, ATTN_KWARGS)
+    extra_cross = {k: v for k, v in extra.items() if k != "cope_talking_heads"}  # CoPE: self-attention only
     scoring = dict(l2_distance=attn_l2_distance, cog_signed=attn_cog_signed, sigmoid=attn_sigmoid,
                    gumbel_softmax=attn_gumbel_softmax, gumbel_softmax_temp=attn_gumbel_softmax_temp,
                    gumbel_softmax_hard=attn_gumbel_softmax_hard, laser=attn_laser,
@@ -786,19 +857,36 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
             hybrid_mask_kwarg=attn_hybrid_mask_kwarg if orthog else None,
             hybrid_learned_mix=attn_hybrid_learned_mix and orthog,
             data_dependent_alibi_kwargs=attn_data_dependent_alibi_kwargs if attn_data_dependent_alibi and orthog else None,
-            **scoring_options(orthog),
+            **scoring_options(orthog), **(extra if orthog else extra_cross),
         )
 
     return attention
 
 
+def _family_kwargs(name: str, given: dict | None, allowed: tuple[str, ...]) -> dict:
+    """``attn_kwargs`` / ``ff_kwargs`` checked: a dict of the keywords the stack hands to each of its modules."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise TypeError(f"{name} must be a dict, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise TypeError(f"{name} takes {', '.join(allowed)}; got {', '.join(map(repr, unknown))}")
+    return dict(given)
+
+
 def _norms(stack: AttentionLayers, *, dim, use_rmsnorm, norm_eps, use_adaptive_layernorm, use_adaptive_rmsnorm,
            use_dynamic_tanh, dynamic_tanh_init_alpha, use_derf, adaptive_condition_mlp, adaptive_condition_mlp_expansion,
-           **_) -> tuple[Callable[[], nn.Module], int | None]:
+           use_scalenorm, use_simple_rmsnorm, **_) -> tuple[Callable[[], nn.Module], int | None]:
     """The norm options checked, the condition's MLP set on ``stack`` (``adaptive_mlp``), and ``(norm, cond_width)``:
     the factory of the stack's norms and the condition width the adaptive layers read (``None`` without them)."""
     adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
 
+    kinds = {"use_scalenorm": use_scalenorm, "use_simple_rmsnorm": use_simple_rmsnorm, "use_rmsnorm": use_rmsnorm,
+             "use_dynamic_tanh": use_dynamic_tanh, "use_derf": use_derf, "use_adaptive_layernorm": use_adaptive_layernorm,
+             "use_adaptive_rmsnorm": use_adaptive_rmsnorm}
+    if sum(map(bool, (use_scalenorm, use_simple_rmsnorm))) and sum(map(bool, kinds.values())) > 1:
+        raise ValueError(f"choose one norm: {', '.join(k for k, v in kinds.items() if v)} were given")
     if use_dynamic_tanh and (adaptive_norm or use_rmsnorm):
         raise ValueError("use_dynamic_tanh replaces the norms: choose it or use_rmsnorm / adaptive norms, not both")
     if use_derf and (adaptive_norm or use_rmsnorm or use_dynamic_tanh):
@@ -816,6 +904,10 @@ def _norms(stack: AttentionLayers, *, dim, use_rmsnorm, norm_eps, use_adaptive_l
         if adaptive_condition_mlp else None
 
     def norm() -> nn.Module:
+        if use_scalenorm or use_simple_rmsnorm:  # x-transformers' parts (their parameter names): x / ||x|| * sqrt(dim)
+            from .xt_modules import ScaleNorm, SimpleRMSNorm
+
+            return ScaleNorm(dim) if use_scalenorm else SimpleRMSNorm(dim)
         if use_dynamic_tanh:
             return DynamicTanh(dim, init_alpha=dynamic_tanh_init_alpha)
         if use_derf:
@@ -832,11 +924,15 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
             softclamp_output_value, use_layerscale, use_adaptive_layerscale, layerscale_init_value,
             zero_init_branch_output, shift_tokens, ff_glu, ff_swish, ff_softclamp_value, ff_custom_activation,
             ff_glu_softclamp, ff_glu_gate_softclamp_value, ff_glu_up_softclamp_value, custom_layers, par_ratio,
-            sandwich_coef, polar_pos_emb, **_) -> list[tuple[int, ...]]:
+            sandwich_coef, polar_pos_emb, ff_kwargs, **_) -> list[tuple[int, ...]]:
     """The branch options checked and the blocks built in order (``Block``: [norm, attention or feed-forward, gate]),
     set on ``stack`` with their layout (``layers``, ``layer_types``, ``layer_kinds``, the execution order). Returns
     each block's token shifts (``shift_tokens``)."""
     types, len_block = layout.types, layout.len_block
+    ff_kwargs = _family_kwargs("ff_kwargs", ff_kwargs, FF_KWARGS)
+    if ff_kwargs.get("dim_out", None) not in (None, dim):
+        raise ValueError(f"ff_dim_out must be the stack's width {dim} (the branch adds to the residual), "
+                         f"got {ff_kwargs['dim_out']!r}")
     branch_scale = _branch_scale(scale_residual, depth_scale_residual, scale_residual_constant, softclamp_output_value)
     if use_layerscale and use_adaptive_layerscale:
         raise ValueError("choose one of use_layerscale and use_adaptive_layerscale, not both")
@@ -871,7 +967,7 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
                 dropout=_layer_value(layout.ff_dropouts, layer), softclamp_value=ff_softclamp_value,
                 custom_activation=ff_custom_activation, glu_softclamp=ff_glu_softclamp,
                 glu_gate_softclamp_value=ff_glu_gate_softclamp_value,
-                glu_up_softclamp_value=ff_glu_up_softclamp_value), ind))
+                glu_up_softclamp_value=ff_glu_up_softclamp_value, **ff_kwargs), ind))
     stack.layers = nn.ModuleList(blocks)
     stack.layer_types = types  # x-transformers' 'a' / 'c' / 'f'
     stack.has_custom_layer_types = any(v is not None for v in (custom_layers, par_ratio, sandwich_coef))

@@ -224,7 +224,7 @@ class FeedForward(nn.Module):
         swish: use SiLU instead of GELU as the activation.
         relu_squared: use ``relu(x) ** 2`` as the activation.
         dropout: dropout on the hidden layer.
-        no_bias: no biases in the two projections.
+        no_bias: no biases in the projections (as in x-transformers, a gated input projection keeps its bias).
         zero_init_output: the output projection starts at zero (the branch starts as an exact no-op).
         softclamp_value: ``tanh(h / v) * v`` on the hidden layer before the activation (x-transformers' name).
             With ``glu`` x-transformers ignores it: so does this module, with a ``UserWarning`` (see ``glu_softclamp``).
@@ -234,13 +234,22 @@ class FeedForward(nn.Module):
             * softclamp(gate, glu_gate_softclamp_value) * Phi(gate)`` (``sigmoid(gate)`` for SiLU); the values default
             to 4 (gate) and 25 (up), as there. Given without ``glu_softclamp`` they do nothing (as in x-transformers),
             with a ``UserWarning``.
+        glu_mult_bias: with ``glu``, a learned per-feature gain (``mult_bias``, ones at init) on the gated hidden
+            layer (x-transformers' ``GLU(mult_bias=True)``).
+        solu: the SoLU activation, ``LayerNorm(softmax(h) * h)`` over the hidden features (bias-free LayerNorm
+            with a learned gain ``solu_norm``; x-transformers' ``SoLU``).
+        post_act_ln: a bias-free LayerNorm (gain ``post_act_norm``) on the hidden layer after the activation.
+        sublayer_dropout: dropout on the output (after the output projection).
+        output_proj_depth: the output projection initialised with OLMo's depth-scaled normal, std
+            ``(2 * hidden * output_proj_depth) ** -0.5`` (ignored with ``zero_init_output``, as in x-transformers).
     """
 
     def __init__(self, dim: int, dim_out: int | None = None, mult: float = 4, glu: bool = False, *,
                  swish: bool = False, relu_squared: bool = False, dropout: float = 0.0, no_bias: bool = False,
                  zero_init_output: bool = False, softclamp_value: float | None = None, custom_activation=None,
                  glu_softclamp: bool = False, glu_gate_softclamp_value: float | None = None,
-                 glu_up_softclamp_value: float | None = None):
+                 glu_up_softclamp_value: float | None = None, glu_mult_bias: bool = False, solu: bool = False,
+                 post_act_ln: bool = False, sublayer_dropout: float = 0.0, output_proj_depth: int | None = None):
         super().__init__()
         import warnings
 
@@ -255,8 +264,16 @@ class FeedForward(nn.Module):
         self.softclamp_value = None if softclamp_value is None else float(softclamp_value)
         if mult <= 0:
             raise ValueError(f"ff mult must be positive, got {mult}")
-        if sum(map(bool, (swish, relu_squared, custom_activation is not None))) > 1:
-            raise ValueError("choose one activation: swish, relu_squared or custom_activation")
+        if sum(map(bool, (swish, relu_squared, solu, custom_activation is not None))) > 1:
+            raise ValueError("choose one activation: swish, relu_squared, solu or custom_activation")
+        if glu_mult_bias and not glu:
+            raise ValueError("ff glu_mult_bias is the gain of a gated feed-forward: it needs glu=True")
+        for name, p in (("dropout", dropout), ("sublayer_dropout", sublayer_dropout)):
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+                raise ValueError(f"ff {name} must be a probability in [0, 1), got {p!r}")
+        if output_proj_depth is not None and (isinstance(output_proj_depth, bool) or not isinstance(output_proj_depth, int)
+                                              or output_proj_depth < 1):
+            raise ValueError(f"ff output_proj_depth must be a positive integer, got {output_proj_depth!r}")
         if custom_activation is not None and not callable(custom_activation):
             raise TypeError(f"ff custom_activation must be a module or a function, got {type(custom_activation).__name__}")
         if glu_softclamp and (not glu or relu_squared or custom_activation is not None):
@@ -274,13 +291,21 @@ class FeedForward(nn.Module):
             self.act = deepcopy(custom_activation) if isinstance(custom_activation, nn.Module) else _Lambda(custom_activation)
         else:
             self.act = nn.SiLU() if swish else _ReluSquared() if relu_squared else nn.GELU()
-        self.proj_in = nn.Linear(dim, inner * (2 if glu else 1), bias=not no_bias)
+        # x-transformers' no_bias leaves the gated input projection's bias (its GLU always has one)
+        self.proj_in = nn.Linear(dim, inner * (2 if glu else 1), bias=not no_bias or glu)
+        self.mult_bias = nn.Parameter(torch.ones(inner)) if glu_mult_bias else None
+        # bias-free LayerNorms with a gain, as x-transformers' (statistics in float32, S7)
+        self.solu_norm = nn.Parameter(torch.ones(inner)) if solu else None
+        self.post_act_norm = nn.Parameter(torch.ones(inner)) if post_act_ln else None
         self.dropout = nn.Dropout(dropout)
         self.proj_out = nn.Linear(inner, dim if dim_out is None else dim_out, bias=not no_bias)
+        self.sublayer_dropout = nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None
         if zero_init_output:
             nn.init.zeros_(self.proj_out.weight)
             if self.proj_out.bias is not None:
                 nn.init.zeros_(self.proj_out.bias)
+        elif output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
+            nn.init.normal_(self.proj_out.weight, std=(2 * inner * output_proj_depth) ** -0.5)
 
     def muon_parameters(self) -> list[nn.Parameter]:
         """The matrices Muon should optimise (x-transformers' ``muon_parameters``): every linear layer's weight."""
@@ -293,13 +318,31 @@ class FeedForward(nn.Module):
             if self.glu_softclamp is not None:  # situ-GLU: both factors soft-clamped
                 g, u = self.glu_softclamp
                 gate_p = torch.special.ndtr(gate) if isinstance(self.act, nn.GELU) else torch.sigmoid(gate)
-                return self.proj_out(self.dropout(torch.tanh(h / u) * u * (torch.tanh(gate / g) * g * gate_p)))
-            h = h * self.act(gate)
+                h = torch.tanh(h / u) * u * (torch.tanh(gate / g) * g * gate_p)
+            else:
+                h = h * self._activate(gate)
+            if self.mult_bias is not None:
+                h = h * self.mult_bias
         else:
             if self.softclamp_value is not None:
                 h = torch.tanh(h / self.softclamp_value) * self.softclamp_value
-            h = self.act(h)
-        return self.proj_out(self.dropout(h))
+            h = self._activate(h)
+        if self.post_act_norm is not None:
+            h = _gain_layer_norm(h, self.post_act_norm)
+        out = self.proj_out(self.dropout(h))
+        return out if self.sublayer_dropout is None else self.sublayer_dropout(out)
+
+    def _activate(self, h: Tensor) -> Tensor:
+        if self.solu_norm is None:
+            return self.act(h)
+        wide = h.to(torch.promote_types(h.dtype, torch.float32))  # SoLU: softmax(h) * h, normalised (S7)
+        return _gain_layer_norm((wide.softmax(dim=-1) * wide).to(h.dtype), self.solu_norm)
+
+
+def _gain_layer_norm(x: Tensor, gain: Tensor, eps: float = 1e-5) -> Tensor:
+    """x-transformers' bias-free ``LayerNorm``: ``layer_norm(x) * gain``, statistics in float32 (S7)."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return (F.layer_norm(x.to(wide), x.shape[-1:], eps=eps) * gain.to(wide)).to(x.dtype)
 
 
 class _Lambda(nn.Module):
@@ -352,6 +395,24 @@ class AbsolutePositionalEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> Tensor:
         out = self.emb(positions.clamp(max=self.max_seq_len - 1)) * self.scale  # (b, n, c)
         return l2norm(out) if self.l2norm_embed else out
+
+
+class ScaledSinusoidalPositions(nn.Module):
+    """x-transformers' ``ScaledSinusoidalEmbedding`` on per-sample positions ``(b|1, n)``: ``cat(sin(p * f),
+    cos(p * f)) * scale`` with ``f = 10000 ** (-k / (dim / 2))`` and one learned ``scale`` (``dim ** -0.5`` at init;
+    its state-dict key is x-transformers' ``scale``); angles in float32."""
+
+    def __init__(self, dim: int, theta: float = 10000):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 or dim % 2:
+            raise ValueError(f"scaled_sinu_pos_emb needs an even embedding width, got {dim!r}")
+        self.scale = nn.Parameter(torch.ones(1) * dim**-0.5)
+        half = dim // 2
+        self.register_buffer("inv_freq", theta ** -(torch.arange(half).float() / half), persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # (b|1, n, dim / 2)
+        return torch.cat((angles.sin(), angles.cos()), dim=-1) * self.scale
 
 
 def l2norm(t: Tensor, eps: float = 1e-12) -> Tensor:

@@ -327,6 +327,8 @@ def _plain_ff(mixer) -> bool:
     """Whether ``mixer`` is a ``FeedForward`` computing ``proj_out(act(proj_in(x)))`` with a GELU or SiLU (no gate,
     no soft clamp, its dropout idle: generation runs in eval mode), so the step calls the three functions."""
     return (type(mixer) is FeedForward and not mixer.glu and mixer.softclamp_value is None
+            and mixer.solu_norm is None and mixer.post_act_norm is None
+            and (mixer.sublayer_dropout is None or not mixer.training)
             and type(mixer.act) in (nn.GELU, nn.SiLU) and type(mixer.proj_in) is nn.Linear
             and type(mixer.proj_out) is nn.Linear and (not mixer.training or mixer.dropout.p == 0))
 

@@ -178,7 +178,8 @@ def check_options(attn_layers: AttentionLayers, *, num_tokens, logits_dim, tie_e
 
 
 def build_embeddings(net: TransformerWrapper, attn_layers: AttentionLayers, *, num_tokens: int, emb_dim: int,
-                     token_emb, l2norm_embed, max_seq_len, use_abs_pos_emb, embed_num_tokens) -> None:
+                     token_emb, l2norm_embed, max_seq_len, use_abs_pos_emb, embed_num_tokens,
+                     scaled_sinu_pos_emb: bool = False) -> None:
     """The stack, the token embedding ``token_emb`` (``nn.Embedding(v, e)`` or the custom module), the absolute
     positions ``pos_emb``, ``project_emb`` (``nn.Linear(e, c)`` when e != c, else ``None``) and the further
     embeddings ``embeds`` (``{f"{name}_embed": nn.Embedding(count, e)}`` or ``None``), set on ``net`` with the
@@ -195,7 +196,7 @@ def build_embeddings(net: TransformerWrapper, attn_layers: AttentionLayers, *, n
             nn.init.normal_(net.token_emb.weight, std=1e-5)
         else:
             nn.init.kaiming_normal_(net.token_emb.weight)  # std sqrt(2 / emb_dim), not nn.Embedding's 1
-    net._init_positions(emb_dim, max_seq_len, use_abs_pos_emb, l2norm_embed)
+    net._init_positions(emb_dim, max_seq_len, use_abs_pos_emb, l2norm_embed, scaled_sinu_pos_emb)
     # x-transformers' emb_dim: embeddings of another width, projected to the model width (prefix rows included)
     net.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
     # x-transformers' embed_num_tokens: further embeddings (a BERT-style type embedding) added per position

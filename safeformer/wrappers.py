@@ -192,7 +192,7 @@ from .layers import AttentionLayers, KVCache, _last, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
 from .masks import check_lengths, checked_once, validate_mask
-from .modules import AbsolutePositionalEmbedding, l2norm, positions_from_mask
+from .modules import AbsolutePositionalEmbedding, ScaledSinusoidalPositions, l2norm, positions_from_mask
 from .pretrained import Configurable
 from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and tests import them from here)
     Mems,
@@ -292,7 +292,6 @@ def copy_xt_wrapper_option_weights(sf_model: nn.Module, xt_model: nn.Module) -> 
 WRAPPER_ALIASES: dict[str, object] = {
     "emb_frac_gradient": lambda v: {} if v == 1.0 else {"_unsupported": f"emb_frac_gradient={v}"},
     "post_emb_norm": lambda v: {} if not v else {"_unsupported": "post_emb_norm=True"},
-    "scaled_sinu_pos_emb": lambda v: {} if not v else {"_unsupported": "scaled_sinu_pos_emb=True"},
 }
 
 
@@ -319,12 +318,24 @@ class _Wrapper(Configurable, nn.Module):
                              "(save_pretrained / get_config): save its state_dict and rebuild it with the same modules")
         return super().get_config()
 
-    def _init_positions(self, dim: int, max_seq_len: int | None, use_abs_pos_emb: bool, l2norm_embed: bool = False) -> None:
-        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0):
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+    def _init_positions(self, dim: int, max_seq_len: int | None, use_abs_pos_emb: bool, l2norm_embed: bool = False,
+                        scaled_sinu_pos_emb: bool = False) -> None:
+        """The absolute position embedding ``pos_emb`` (``None`` without one): none with ``max_seq_len`` 0 or
+        ``None`` (x-transformers: 0), ``use_abs_pos_emb=False``, relative positions in the stack or the stack's
+        ``disable_abs_pos_emb=True``; x-transformers' scaled sinusoids with ``scaled_sinu_pos_emb``, else learned."""
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0):
+            raise ValueError(f"max_seq_len must be a non-negative integer (0: no absolute position embedding), "
+                             f"got {max_seq_len!r}")
+        if not isinstance(scaled_sinu_pos_emb, bool):
+            raise TypeError(f"scaled_sinu_pos_emb must be True or False, got {scaled_sinu_pos_emb!r}")
         self.max_seq_len = max_seq_len
-        use_abs = use_abs_pos_emb and not self.attn_layers.has_relative_positions and max_seq_len is not None
-        self.pos_emb = AbsolutePositionalEmbedding(dim, max_seq_len, l2norm_embed=l2norm_embed) if use_abs else None
+        stack = self.attn_layers
+        disabled = getattr(stack, "disable_abs_pos_emb", None)
+        use_abs = bool(use_abs_pos_emb and not stack.has_relative_positions and not disabled and max_seq_len)
+        if scaled_sinu_pos_emb and use_abs:
+            self.pos_emb = ScaledSinusoidalPositions(dim)
+        else:
+            self.pos_emb = AbsolutePositionalEmbedding(dim, max_seq_len, l2norm_embed=l2norm_embed) if use_abs else None
 
     def _init_fixed_tokens(self, dim: int, num_memory_tokens, use_cls_token: bool = False, num_cls_tokens: int = 1) -> None:
         """Learned rows placed before the sequence on the call that starts it: memory tokens, then
@@ -683,6 +694,7 @@ class TransformerWrapper(_Wrapper):
         attn_layers: AttentionLayers,
         emb_dropout: float = 0.0,
         use_abs_pos_emb: bool = True,
+        scaled_sinu_pos_emb: bool = False,
         tie_embedding: bool = False,
         logits_dim: int | None = None,
         return_only_embed: bool = False,
@@ -741,7 +753,7 @@ class TransformerWrapper(_Wrapper):
         # built by option family, in this order: the order modules register (state-dict keys) and draw their weights
         build_embeddings(self, attn_layers, num_tokens=num_tokens, emb_dim=emb_dim, token_emb=token_emb,
                          l2norm_embed=l2norm_embed, max_seq_len=max_seq_len, use_abs_pos_emb=use_abs_pos_emb,
-                         embed_num_tokens=embed_num_tokens)
+                         embed_num_tokens=embed_num_tokens, scaled_sinu_pos_emb=scaled_sinu_pos_emb)
         build_fixed_rows(self, dim, memory_tokens_interspersed_every=memory_tokens_interspersed_every,
                          num_memory_tokens=num_memory_tokens, use_cls_token=use_cls_token,
                          num_cls_tokens=num_cls_tokens, max_mem_len=max_mem_len, shift_mem_down=shift_mem_down,
@@ -1026,6 +1038,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         dim_out: int | None = None,
         emb_dropout: float = 0.0,
         use_abs_pos_emb: bool = True,
+        scaled_sinu_pos_emb: bool = False,
         check_finite: bool = False,
         num_memory_tokens: int | None = None,
         average_pool_embed: bool = False,
@@ -1076,7 +1089,7 @@ class ContinuousTransformerWrapper(_Wrapper):
             out_features = None if dim_out is None else dim_out * (2 if probabilistic else 1)
             self.project_out = nn.Identity() if dim_out is None else nn.Linear(dim, out_features)
         # x-transformers: no max_seq_len (or 0) means no absolute position embedding
-        self._init_positions(dim, None if max_seq_len == 0 else max_seq_len, use_abs_pos_emb)
+        self._init_positions(dim, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb=scaled_sinu_pos_emb)
         self._init_fixed_tokens(dim, num_memory_tokens)
         self.average_pool_embed = average_pool_embed
         self.emb_dropout = nn.Dropout(emb_dropout)

@@ -190,7 +190,8 @@ def test_converted_model_is_safe_where_the_context_is_empty():
     assert all(torch.isfinite(p.grad).all() for p in sf.parameters() if p.grad is not None)
 
 
-# what from_x_transformers still refuses (the options it converts have parity tests: test_interop_options.py)
+# what from_x_transformers still refuses (the options it converts have parity tests: test_interop_options.py,
+# test_xt_keywords.py)
 UNSUPPORTED = [
     (dict(attn_qk_norm=True, attn_qk_norm_groups=2), "qk_norm_groups"),
     (dict(attn_qk_rmsnorm=True), "attn_qk_rmsnorm"),
@@ -201,8 +202,6 @@ UNSUPPORTED = [
     (dict(attn_on_attn=True), "attn_on_attn"),
     (dict(attn_pre_talking_heads=True), "talking_heads"),
     (dict(attn_sparse_topk=2), "attn_sparse_topk"),
-    (dict(ff_relu_squared=True), "ff_relu_squared"),
-    (dict(ff_post_act_ln=True), "ff_post_act_ln"),
     (dict(attn_value_dim_head=4), "attn_value_dim_head"),
     (dict(attn_add_zero_kv=True), "attn_add_zero_kv"),
     (dict(attn_max_attend_past=3), "attn_max_attend_past"),
@@ -210,7 +209,6 @@ UNSUPPORTED = [
     (dict(num_residual_streams=2), "num_residual_streams"),
     (dict(layer_dropout=0.1), "layer_dropout"),
     (dict(wrapper=dict(post_emb_norm=True)), "post_emb_norm"),
-    (dict(wrapper=dict(scaled_sinu_pos_emb=True)), "scaled_sinu_pos_emb"),
     (dict(wrapper=dict(emb_frac_gradient=0.5)), "emb_frac_gradient"),
 ]
 

@@ -184,17 +184,14 @@ def build_xtransformer(*, enc_part: dict | None = None, dec_part: dict | None = 
 def xtransformer_extra_params(kwargs: dict) -> int:
     """safeformer's parameters that the x-transformers XTransformer lacks: zero LayerNorm biases (one
     per norm: 2 depth + 1 in the encoder, 3 depth + 1 in the decoder), q/k RMSNorm gains (2 dim_head
-    per attention with qk-norm; see test_qk_norm_logits_match) and the zero biases of feed-forwards
-    without biases (``ff_no_bias``; plain GELU ones here: 4 dim + dim per layer)."""
+    per attention with qk-norm; see test_qk_norm_logits_match). Feed-forwards without biases
+    (``ff_no_bias``) convert to safeformer's ``ff_no_bias``: no extra parameters."""
     extra = 0
     for side, norms, attns in (("enc", 2 * 2 + 1, 2), ("dec", 3 * 2 + 1, 2 * 2)):
         if not kwargs.get(f"{side}_use_rmsnorm"):
             extra += norms * DIM
         if kwargs.get(f"{side}_attn_qk_norm"):
             extra += 2 * kwargs.get(f"{side}_attn_dim_head", 8) * attns
-        if kwargs.get(f"{side}_ff_no_bias"):
-            assert not kwargs.get(f"{side}_ff_glu") and kwargs.get(f"{side}_ff_mult", 4) == 4
-            extra += 2 * (4 * DIM + DIM)
     return extra
 
 

@@ -175,7 +175,8 @@ def test_transformer_wrapper_errors():
         (lambda: model(ids, mask=torch.ones(2, 3, dtype=torch.long)), TypeError, r"^mask must have dtype torch.bool"),
         (lambda: model(ids, mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, r"^mask must have shape \(2, 3\)"),
         (lambda: sf.TransformerWrapper(num_tokens=0, max_seq_len=4, attn_layers=sf.Encoder(dim=DIM, depth=1)), ValueError, "num_tokens"),
-        (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=0, attn_layers=sf.Encoder(dim=DIM, depth=1)), ValueError, "max_seq_len"),
+        (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=-1, attn_layers=sf.Encoder(dim=DIM, depth=1)), ValueError, "max_seq_len"),
+        (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=2.0, attn_layers=sf.Encoder(dim=DIM, depth=1)), ValueError, "max_seq_len"),
         (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=torch.nn.Linear(2, 2)), TypeError, "attn_layers"),
         (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=DIM, depth=1), tie_embedding=True, logits_dim=3), ValueError, "tie_embedding"),
     ]:
