@@ -16,8 +16,9 @@ How the numbers are matched (x-transformers 2.x, read from its source):
   offset)`` with ``offset = 1`` by default (``norm_add_unit_offset``): it becomes an ``nn.LayerNorm``
   with ``weight = gamma + offset`` and ``bias = 0`` (exact). Its ``RMSNorm`` is
   ``F.normalize(x) * sqrt(c) * (g + offset)``: it becomes safeformer's ``RMSNorm`` with
-  ``weight = g + offset``; ``SimpleRMSNorm`` gets ``weight = 1`` and ``ScaleNorm`` (one scalar gain)
-  ``weight = g`` on every feature. These differ only by the epsilon: x-transformers divides by
+  ``weight = g + offset``. ``ScaleNorm`` and ``SimpleRMSNorm`` become safeformer's own (``use_scalenorm``:
+  one scalar gain ``g + offset``; ``use_simple_rmsnorm``: no parameter), exact. The RMS norms differ only
+  by the epsilon: x-transformers divides by
   ``max(||x||, 1e-12)``, safeformer by ``sqrt(mean(x^2) + eps)``; the converted norms get
   ``eps = 1e-12`` instead of the default ``1e-6`` (which differs by about ``5e-7 / mean(x^2)``
   relative). That eps is the converted stack's ``norm_eps``, so it is saved with its config.
@@ -25,9 +26,10 @@ How the numbers are matched (x-transformers 2.x, read from its source):
   (``repeat 'b h n d -> b (r h) n d'``); safeformer gives query head ``m`` the key/value head
   ``m // g``. The query heads are permuted (rows of ``to_q``, columns of ``to_out``, entries of a
   per-head sink) to match.
-- A GLU ``mult_bias`` is folded into the columns of the feed-forward's output projection; a
-  feed-forward without biases gets zero biases; an attention without an output projection (one
-  head) gets the identity. A tied embedding (``logits = h @ E.T * tie_embedding_scale``) stays tied
+- Feed-forwards keep their keywords: a GLU ``mult_bias`` is the learned ``ff_glu_mult_bias``, one without
+  biases is built with ``ff_no_bias``, ReLU squared, SoLU, the post-activation LayerNorm and the sublayer
+  dropout are ``ff_relu_squared``, ``ff_solu``, ``ff_post_act_ln`` and ``ff_sublayer_dropout`` (gains with
+  their unit offsets folded in). An attention without an output projection (one head) gets the identity. A tied embedding (``logits = h @ E.T * tie_embedding_scale``) stays tied
   (``tie_embedding=True`` with the same ``tie_embedding_scale``): same parameters, same count.
 - Positions. Both count positions from 0 and scale a learned absolute embedding by ``c ** -0.5``;
   rotary positions rotate interleaved pairs of the first ``rotary_emb_dim`` features per head with

@@ -30,6 +30,22 @@ Args:
     ff_swish: SiLU activation in the feed-forward.
     use_rmsnorm: RMSNorm instead of LayerNorm.
     norm_eps: the norms' epsilon (default 1e-5 for LayerNorm, 1e-6 for RMSNorm).
+    use_scalenorm: every norm is x-transformers' ``ScaleNorm``: ``x / ||x|| * sqrt(c) * g`` with one learned
+        scalar ``g`` (an all-zero row gives 0).
+    use_simple_rmsnorm: every norm is x-transformers' ``SimpleRMSNorm``: ``x / ||x|| * sqrt(c)``, no parameter.
+    disable_abs_pos_emb: whether a wrapper leaves out its absolute position embedding (x-transformers'; the
+        default ``None`` means: when the stack has relative positions). ``False`` beside relative positions
+        (both kinds at once) is refused: safeformer takes one position scheme.
+    attn_kwargs, ff_kwargs: further keywords of every ``Attention`` (``gate_value_heads``, ``zero_init_output``,
+        ``cope_talking_heads``) and every ``FeedForward`` (``no_bias``, ``relu_squared``, ``solu``,
+        ``post_act_ln``, ``glu_mult_bias``, ``sublayer_dropout``, ``zero_init_output``, ``output_proj_depth``,
+        ``dim_out`` equal to ``dim``). x-transformers' spellings ``attn_<name>`` / ``ff_<name>`` land here
+        (``ff_no_bias=True`` is ``ff_kwargs={"no_bias": True}``); see ``FeedForward`` for their meaning.
+    attn_onnxable, verbose: accepted with any value, no effect on the numbers (x-transformers uses them to pick
+        ONNX-friendly ops and to print construction warnings).
+    Other x-transformers keywords (``layers._XT_DEFAULT_ONLY``: ``attn_sparse_topk``, the talking heads,
+        ``dynamic_pos_bias``, ``norm_add_unit_offset``, ...) are accepted at x-transformers' default value, which
+        is what safeformer does; any other value is a ``TypeError`` that names the keyword.
     rotary_pos_emb: rotary positions in self-attention.
     rotary_emb_dim: features per head that rotate (default ``dim_head // 2``).
     rotary_theta: rotary base.

@@ -106,3 +106,46 @@ class DecoderT5RelPosCase(DecoderCase):
 
 
 CASES += [DecoderT5RelPosCase()]
+
+
+def _perturb_ff_gains(model: nn.Module) -> nn.Module:
+    """Move the feed-forwards' learned gains (GLU ``mult_bias``, SoLU and post-activation norms) and ScaleNorm
+    gains off their init of ones, so the contract tests exercise them."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mult_bias", "solu_norm", "post_act_norm")) or name.endswith(".g"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+class DecoderXtFeedForwardCase(DecoderCase):
+    """``Decoder`` with x-transformers' feed-forward and norm keywords: SoLU with a post-activation LayerNorm,
+    no biases (``ff_no_bias``) and ScaleNorm for every norm. The SoLU softmax runs over hidden features, never
+    positions: padded rows must stay out of every real output and gradient."""
+
+    name = "Decoder-xt-feedforward"
+
+    def config(self):
+        return dict(super().config(), ff_glu=False, ff_solu=True, ff_post_act_ln=True, ff_no_bias=True,
+                    use_scalenorm=True)
+
+    def make(self, backend="auto"):
+        return _perturb_ff_gains(super().make(backend))
+
+
+class EncoderXtGluCase(EncoderCase):
+    """``Encoder`` with a gated ReLU-squared feed-forward with a learned gain (``ff_glu_mult_bias``), no biases
+    and x-transformers' parameter-free ``SimpleRMSNorm``."""
+
+    name = "Encoder-xt-glu"
+
+    def config(self):
+        return dict(super().config(), ff_glu=True, ff_relu_squared=True, ff_glu_mult_bias=True, ff_no_bias=True,
+                    use_rmsnorm=False, use_simple_rmsnorm=True)
+
+    def make(self, backend="auto"):
+        return _perturb_ff_gains(super().make(backend))
+
+
+CASES += [DecoderXtFeedForwardCase(), EncoderXtGluCase()]

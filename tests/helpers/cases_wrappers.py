@@ -99,3 +99,23 @@ class InterspersedMemoryWrapperCase(TransformerWrapperCase):
 
 
 CASES = [DeepEmbedWrapperCase(), LoopedWrapperCase(), EmbDimWrapperCase(), InterspersedMemoryWrapperCase()]
+
+
+class ScaledSinusoidWrapperCase(TransformerWrapperCase):
+    """``TransformerWrapper(scaled_sinu_pos_emb=True)``: x-transformers' scaled sinusoidal positions (a learned
+    scale), counted over real tokens only, so left padding shifts no real position."""
+
+    name = "TransformerWrapper-scaled-sinu"
+
+    def make(self, backend="auto"):
+        model = sf.TransformerWrapper(
+            num_tokens=VOCAB, max_seq_len=MAX_SEQ, scaled_sinu_pos_emb=True,
+            attn_layers=sf.Decoder(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, cross_attend=True,
+                                   dim_context=CTX_DIM, backend=backend),
+        )
+        with torch.no_grad():
+            model.pos_emb.scale.fill_(0.7)
+        return model
+
+
+CASES += [ScaledSinusoidWrapperCase()]

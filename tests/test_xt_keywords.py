@@ -1,0 +1,287 @@
+"""x-transformers' stack keywords in safeformer: every one accepted at x-transformers' default, the ones
+safeformer builds equal to x-transformers on the same weights, the rest refused by name.
+
+The keyword list is read from x-transformers' own signatures (``AttentionLayers``' keywords and the
+``attn_`` / ``ff_`` forms of ``Attention``'s and ``FeedForward``'s), so a keyword x-transformers adds shows
+up here. The contract cases ``Decoder-xt-feedforward``, ``Encoder-xt-glu`` and
+``TransformerWrapper-scaled-sinu`` (``helpers.CASES``) run every clause on these options.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import safeformer as sf
+from safeformer.layers import _XT_DEFAULT_ONLY, LAYER_ALIASES
+from safeformer.modules import FeedForward
+
+xt = pytest.importorskip("x_transformers")
+X = xt.x_transformers
+
+# keywords x-transformers' AttentionLayers passes to Attention itself: an attn_ form collides there too
+_COLLIDE = {"attn_dim", "attn_heads", "attn_causal", "ff_dim"}
+_OWN_SKIP = {"dim", "depth", "heads", "causal", "cross_attend", "only_cross"}
+
+
+def _params(fn) -> dict:
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items()
+            if k != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def xt_stack_keywords() -> dict:
+    """x-transformers' stack keywords and their defaults (its own, ``attn_<Attention's>``, ``ff_<FeedForward's>``)."""
+    out = {f"attn_{k}": v for k, v in _params(X.Attention.__init__).items()}
+    out.update({f"ff_{k}": v for k, v in _params(X.FeedForward.__init__).items()})
+    out.update(_params(X.AttentionLayers.__init__))
+    return {k: v for k, v in out.items()
+            if k not in _COLLIDE | _OWN_SKIP and v is not inspect.Parameter.empty}
+
+
+def test_every_x_transformers_stack_keyword_is_accepted_at_its_default():
+    keywords = xt_stack_keywords()
+    assert len(keywords) >= 170, len(keywords)  # x-transformers 2.31.10: 176
+    refused = {}
+    for name, default in sorted(keywords.items()):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sf.Decoder(dim=16, depth=1, heads=2, **{name: default})
+        except Exception as err:  # noqa: BLE001  # the census lists every refusal, whatever its type
+            refused[name] = f"{type(err).__name__}: {err}"
+    assert not refused, refused
+
+
+@pytest.mark.parametrize("name", sorted(k for k in _XT_DEFAULT_ONLY if k != "attn_attend_sdp_kwargs"))
+def test_default_only_keywords_refuse_another_value_by_name(name):
+    default = _XT_DEFAULT_ONLY[name]
+    if isinstance(default, bool):
+        other = not default
+    elif default is None:
+        other = 3
+    elif isinstance(default, dict):
+        other = {"x": 1}
+    else:
+        other = default + 1
+    with pytest.raises(TypeError, match=f"x-transformers' option {name}=.* is not supported by safeformer"):
+        sf.Decoder(dim=16, depth=1, heads=2, **{name: other})
+
+
+def test_sdp_kwargs_other_than_the_default_are_refused():
+    with pytest.raises(TypeError, match="attn_attend_sdp_kwargs"):
+        sf.Decoder(dim=16, depth=1, heads=2, attn_attend_sdp_kwargs=dict(enable_flash=False))
+
+
+def test_every_default_only_keyword_is_an_x_transformers_keyword_with_that_default():
+    keywords = xt_stack_keywords()
+    for name, default in _XT_DEFAULT_ONLY.items():
+        assert name in keywords, name
+        assert keywords[name] == default, (name, keywords[name], default)
+    for name in LAYER_ALIASES:
+        assert name in keywords or name.startswith("cross_attn_") or name == "attn_one_kv_head", name
+
+
+# ------------------------------------------------------------------------------------------------------------
+# parity on the same weights
+# ------------------------------------------------------------------------------------------------------------
+
+LAYER_OPTIONS = {
+    "ff_no_bias": dict(ff_no_bias=True),
+    "ff_no_bias_glu": dict(ff_no_bias=True, ff_glu=True),
+    "use_scalenorm": dict(use_scalenorm=True),
+    "use_simple_rmsnorm": dict(use_simple_rmsnorm=True),
+    "ff_relu_squared": dict(ff_relu_squared=True),
+    "ff_solu": dict(ff_solu=True),
+    "ff_post_act_ln": dict(ff_post_act_ln=True),
+    "ff_glu_mult_bias": dict(ff_glu=True, ff_glu_mult_bias=True),
+    "ff_solu_post_act_ln_no_bias": dict(ff_solu=True, ff_post_act_ln=True, ff_no_bias=True),
+    "attn_onnxable": dict(attn_onnxable=True),
+    "disable_abs_pos_emb": dict(disable_abs_pos_emb=True),
+    "ff_sublayer_dropout": dict(ff_sublayer_dropout=0.2),
+    "verbose": dict(verbose=False),
+    "rotary_disable_default": dict(rotary_pos_emb=True, disable_abs_pos_emb=None),
+}
+WRAPPER_OPTIONS = {
+    "max_seq_len_0": dict(max_seq_len=0),
+    "scaled_sinu_pos_emb": dict(scaled_sinu_pos_emb=True),
+}
+CASES = [(k, v, {}) for k, v in LAYER_OPTIONS.items()] + [(k, {}, v) for k, v in WRAPPER_OPTIONS.items()]
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter moved off its init (gains of ones, zero biases), so that a wrong copy shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("name,layer_opts,wrapper_opts", CASES, ids=[c[0] for c in CASES])
+def test_outputs_and_gradients_equal_x_transformers(name, layer_opts, wrapper_opts):
+    """``from_x_transformers`` of a model built with the keyword gives x-transformers' logits at every real
+    position of a right-padded batch, and the same gradient of the token embedding, to float32 tolerance."""
+    torch.manual_seed(0)
+    kw = dict(max_seq_len=16)
+    kw.update(wrapper_opts)
+    peer = xt.TransformerWrapper(num_tokens=20, **kw,
+                                 attn_layers=xt.Decoder(dim=16, depth=2, heads=2, attn_dim_head=8, **layer_opts))
+    peer = _perturbed(peer, 1).eval()
+    ours = sf.from_x_transformers(peer).eval()
+    for key, value in {**layer_opts, **wrapper_opts}.items():  # the converted model holds the keyword itself
+        if key in ("ff_no_bias", "ff_solu", "ff_post_act_ln", "ff_glu_mult_bias", "ff_relu_squared"):
+            assert ours.attn_layers.get_config()["ff_kwargs"][key.removeprefix("ff_")] is True, key
+        if key in ("use_scalenorm", "use_simple_rmsnorm", "scaled_sinu_pos_emb"):
+            cfg = ours.get_config() if key == "scaled_sinu_pos_emb" else ours.attn_layers.get_config()
+            assert cfg[key] is True, key
+    x = torch.randint(0, 20, (3, 7))
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3, [True] * 2 + [False] * 5])
+    theirs = peer(x, mask=mask)
+    mine = ours(x, mask=mask)
+    torch.testing.assert_close(mine[mask], theirs[mask], atol=1e-5, rtol=1e-5)
+    up = torch.randn(theirs.shape, generator=torch.Generator().manual_seed(2)) * mask[..., None]
+    (theirs * up).sum().backward()
+    (mine * up).sum().backward()
+    torch.testing.assert_close(ours.token_emb.weight.grad, peer.token_emb.emb.weight.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_converted_models_have_x_transformers_parameter_shapes():
+    """No bias where x-transformers has none (a gated input projection keeps its bias, as there), one scalar
+    ScaleNorm gain, no SimpleRMSNorm parameter, a learned GLU gain and SoLU / post-activation gains."""
+    def conv(**opts):
+        torch.manual_seed(0)
+        return sf.from_x_transformers(xt.TransformerWrapper(
+            num_tokens=20, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, **opts)))
+
+    ff = conv(ff_no_bias=True).attn_layers.layers[1].mixer
+    assert ff.proj_in.bias is None and ff.proj_out.bias is None
+    ff = conv(ff_no_bias=True, ff_glu=True).attn_layers.layers[1].mixer
+    assert ff.proj_in.bias is not None and ff.proj_out.bias is None
+    norm = conv(use_scalenorm=True).attn_layers.layers[0][0]
+    assert [tuple(p.shape) for p in norm.parameters()] == [(1,)]
+    assert not list(conv(use_simple_rmsnorm=True).attn_layers.layers[0][0].parameters())
+    ff = conv(ff_glu=True, ff_glu_mult_bias=True, ff_post_act_ln=True).attn_layers.layers[1].mixer
+    assert ff.mult_bias.shape == (64,) and ff.post_act_norm.shape == (64,) and ff.solu_norm is None
+
+
+@pytest.mark.parametrize("opts", [dict(solu=True), dict(post_act_ln=True), dict(glu=True, glu_mult_bias=True),
+                                  dict(solu=True, post_act_ln=True, no_bias=True), dict(relu_squared=True)],
+                         ids=["solu", "post_act_ln", "glu_mult_bias", "solu_post_no_bias", "relu_squared"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_feedforward_module_equals_x_transformers(opts, dtype):
+    """``FeedForward`` alone, x-transformers' keywords, the same weights: the same output (float64 reference of
+    x-transformers' module for the tolerance), finite in bfloat16 with hidden values in the hundreds."""
+    torch.manual_seed(0)
+    peer = _perturbed(X.FeedForward(8, mult=2, **opts), 3).double()
+    ours = FeedForward(8, mult=2, **opts).double()
+    sd = peer.state_dict()
+    with torch.no_grad():
+        lin_in = peer.ff[0].proj if opts.get("glu") else peer.ff[0][0]
+        ours.proj_in.weight.copy_(lin_in.weight)
+        if ours.proj_in.bias is not None:
+            ours.proj_in.bias.copy_(lin_in.bias)
+        outs = [m for m in peer.ff if isinstance(m, torch.nn.Linear)]
+        ours.proj_out.weight.copy_(outs[-1].weight)
+        if ours.proj_out.bias is not None:
+            ours.proj_out.bias.copy_(outs[-1].bias)
+        if opts.get("glu_mult_bias"):
+            ours.mult_bias.copy_(peer.ff[0].mult_bias)
+        if opts.get("solu"):
+            ours.solu_norm.copy_(sd["ff.0.1.norm.gamma"])
+        if opts.get("post_act_ln"):
+            ours.post_act_norm.copy_(sd["ff.1.gamma"])
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    want = peer(x)
+    ours = ours.to(dtype)
+    got = ours(x.to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 6e-2
+    torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
+    big = ours(x.to(dtype) * 300)  # hidden values in the thousands: statistics in float32 (S7)
+    assert torch.isfinite(big).all()
+
+
+def test_zero_init_outputs_and_depth_scaled_init():
+    dec = sf.Decoder(dim=16, depth=2, heads=2, attn_zero_init_output=True, ff_zero_init_output=True)
+    assert all(bool((blk.mixer.to_out.weight == 0).all()) for blk in dec.layers if blk.kind == "self")
+    assert all(bool((blk.mixer.proj_out.weight == 0).all()) for blk in dec.layers if blk.kind == "ff")
+    torch.manual_seed(0)
+    ff = FeedForward(64, mult=4, output_proj_depth=3)
+    std = ff.proj_out.weight.std().item()
+    assert abs(std - (2 * 256 * 3) ** -0.5) < 0.1 * (2 * 256 * 3) ** -0.5
+
+
+def test_sublayer_dropout_acts_in_training_only():
+    torch.manual_seed(0)
+    ff = FeedForward(8, sublayer_dropout=0.5)
+    x = torch.randn(4, 6, 8)
+    ff.eval()
+    torch.testing.assert_close(ff(x), ff.proj_out(ff.act(ff.proj_in(x))))
+    ff.train()
+    assert bool((ff(x) == 0).any())
+
+
+def test_max_seq_len_zero_has_no_bound():
+    """``max_seq_len=0``: no absolute position embedding (x-transformers'), and generation runs past any length
+    without a window."""
+    net = sf.TransformerWrapper(num_tokens=20, max_seq_len=0, attn_layers=sf.Decoder(dim=16, depth=1, heads=2,
+                                                                                     rotary_pos_emb=True))
+    assert net.pos_emb is None and net.max_seq_len == 0 and net.can_cache_kv_outside_max_seq_len
+    out = sf.AutoregressiveWrapper(net).generate(torch.randint(0, 20, (2, 3)), 40, filter_logits_fn="top_k",
+                                                 temperature=0.0)
+    assert out.shape == (2, 40)
+    plain = sf.TransformerWrapper(num_tokens=20, max_seq_len=0, attn_layers=sf.Decoder(dim=16, depth=1, heads=2))
+    assert plain.pos_emb is None
+
+
+def test_scaled_sinusoids_count_real_tokens_only():
+    """Left padding shifts no real position: a left-padded sample equals itself alone."""
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=20, max_seq_len=16, scaled_sinu_pos_emb=True,
+                                attn_layers=sf.Decoder(dim=16, depth=1, heads=2)).eval()
+    assert list(dict(net.pos_emb.named_parameters())) == ["scale"]
+    x = torch.randint(0, 20, (1, 5))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), x], dim=1)
+    mask = torch.tensor([[False] * 3 + [True] * 5])
+    torch.testing.assert_close(net(padded, mask=mask)[:, 3:], net(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: sf.Decoder(dim=16, depth=1, use_scalenorm=True, use_rmsnorm=True), ValueError, "choose one norm"),
+    (lambda: sf.Decoder(dim=16, depth=1, use_simple_rmsnorm=True, use_dynamic_tanh=True), ValueError, "choose one norm"),
+    (lambda: sf.Decoder(dim=16, depth=1, ff_dim_out=8), ValueError, "ff_dim_out must be the stack's width 16"),
+    (lambda: sf.Decoder(dim=16, depth=1, ff_kwargs=dict(glu=True)), TypeError, "ff_kwargs takes .*'glu'"),
+    (lambda: sf.Decoder(dim=16, depth=1, attn_kwargs=dict(heads=3)), TypeError, "attn_kwargs takes .*'heads'"),
+    (lambda: sf.Decoder(dim=16, depth=1, ff_kwargs=[1]), TypeError, "ff_kwargs must be a dict"),
+    (lambda: sf.Decoder(dim=16, depth=1, ff_no_bias=True, ff_kwargs=dict(no_bias=False)), TypeError, "given twice"),
+    (lambda: sf.Decoder(dim=16, depth=1, ff_glu_mult_bias=True), ValueError, "needs glu=True"),
+    (lambda: sf.Decoder(dim=16, depth=1, ff_solu=True, ff_relu_squared=True), ValueError, "choose one activation"),
+    (lambda: sf.Decoder(dim=16, depth=1, ff_sublayer_dropout=1.0), ValueError, "sublayer_dropout"),
+    (lambda: sf.Decoder(dim=16, depth=1, ff_output_proj_depth=0), ValueError, "output_proj_depth"),
+    (lambda: sf.Decoder(dim=16, depth=1, rotary_pos_emb=True, disable_abs_pos_emb=False), TypeError,
+     "disable_abs_pos_emb=False"),
+    (lambda: sf.Decoder(dim=16, depth=1, disable_abs_pos_emb=1), TypeError, "disable_abs_pos_emb must be"),
+    (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=-1, attn_layers=sf.Decoder(dim=16, depth=1)),
+     ValueError, "max_seq_len must be a non-negative integer"),
+    (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=8, scaled_sinu_pos_emb=1,
+                                   attn_layers=sf.Decoder(dim=16, depth=1)), TypeError, "scaled_sinu_pos_emb"),
+    (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=8, scaled_sinu_pos_emb=True, emb_dim=7,
+                                   attn_layers=sf.Decoder(dim=16, depth=1)), ValueError, "even embedding width"),
+    (lambda: sf.Decoder(dim=16, depth=1, norm_add_unit_offset=False), TypeError, "norm_add_unit_offset=False"),
+], ids=["scale+rms", "simple+dyt", "ff_dim_out", "ff_kwargs-key", "attn_kwargs-key", "ff_kwargs-type", "twice",
+        "mult_bias-no-glu", "two-activations", "sublayer-dropout", "proj-depth", "abs+rotary", "disable-type",
+        "max_seq_len", "sinu-type", "sinu-odd", "unit-offset"])
+def test_errors_name_the_keyword(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_disable_abs_pos_emb_attribute_as_x_transformers():
+    for opts, want in ((dict(), False), (dict(rotary_pos_emb=True), True), (dict(disable_abs_pos_emb=True), True),
+                       (dict(alibi_pos_bias=True), True)):
+        assert sf.Decoder(dim=16, depth=1, heads=2, **opts).disable_abs_pos_emb is want, opts
+    net = sf.TransformerWrapper(num_tokens=5, max_seq_len=8,
+                                attn_layers=sf.Decoder(dim=16, depth=1, heads=2, disable_abs_pos_emb=True))
+    assert net.pos_emb is None
