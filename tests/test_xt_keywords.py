@@ -131,7 +131,7 @@ def test_outputs_and_gradients_equal_x_transformers(name, layer_opts, wrapper_op
                                  attn_layers=xt.Decoder(dim=16, depth=2, heads=2, attn_dim_head=8, **layer_opts))
     peer = _perturbed(peer, 1).eval()
     ours = sf.from_x_transformers(peer).eval()
-    for key, value in {**layer_opts, **wrapper_opts}.items():  # the converted model holds the keyword itself
+    for key in {**layer_opts, **wrapper_opts}:  # the converted model holds the keyword itself
         if key in ("ff_no_bias", "ff_solu", "ff_post_act_ln", "ff_glu_mult_bias", "ff_relu_squared"):
             assert ours.attn_layers.get_config()["ff_kwargs"][key.removeprefix("ff_")] is True, key
         if key in ("use_scalenorm", "use_simple_rmsnorm", "scaled_sinu_pos_emb"):
