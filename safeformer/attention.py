@@ -19,6 +19,7 @@ and ``attention_calls`` (the door's checks, x-transformers' call keywords, the i
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -45,6 +46,7 @@ from .cache import AttnIntermediate
 from .hybrid import make_hybrid
 from .masks import checked_once
 from .modules import apply_rotary
+from .xt_defaults import ATTENTION_ANY_VALUE, ATTENTION_DEFAULT_ONLY, check_xt_options
 
 __all__ = ["Attention", "RelativeProjPositionalBias", "log_prob_from_hard_attend"]
 
@@ -74,6 +76,10 @@ class Attention(nn.Module):
         hybrid_module, hybrid_fold_axial_dim, hybrid_mask_kwarg, hybrid_learned_mix: a user's sequence module
             (a ``GRU`` say) beside self-attention, the two outputs RMS-normalised per head and averaged before
             ``to_out`` (x-transformers' names; see ``hybrid.HybridBranch`` for padding and the KV cache).
+        **xt_options: x-transformers' other ``Attention`` keywords (``sparse_topk``, ``hard``, the talking heads,
+            ``qk_norm_groups``, ``value_dim_head``, ...: ``xt_defaults.ATTENTION_DEFAULT_ONLY``) at their default
+            value, which is what this module does; ``onnxable`` with any value (no effect on the numbers). Another
+            value, or an unknown keyword, is a ``TypeError`` that names it.
 
     The other keywords are x-transformers' options, each documented by the builder that checks it:
     ``attention_projections.init_projections`` (multi-latent attention: ``use_latent_*``, ``dim_latent_*``,
@@ -106,8 +112,11 @@ class Attention(nn.Module):
         cope_max_pos: int = 16, cope_soft_onehot_pos: bool = False, cope_talking_heads: bool = False,
         use_rel_proj_pos_bias: bool = False, rel_proj_num_distance_basis: int = 16, rel_proj_max_dist: int = 1024,
         hybrid_module: nn.Module | None = None, hybrid_mask_kwarg: str | None = None,
-        hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False,
+        hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, **xt_options,
     ):
+        if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
+            check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
+                             inspect.signature(Attention.__init__).parameters)
         super().__init__()
         learned_sink = learned_sink or head_learned_sink  # x-transformers' spelling
         kv_heads = _init_core(self, dim, dim_head, dim_context, heads, causal, flash, kv_heads, one_kv_head, dropout,
@@ -268,7 +277,9 @@ class Attention(nn.Module):
         value_residual: Tensor | None = None, kv_input: tuple[Tensor, Tensor] | None = None, hybrid=None,
         additional_key_values: tuple[Tensor, Tensor] | None = None, additional_key_value_mask: Tensor | None = None,
         kv_input_residual: Tensor | None = None, positions: tuple[Tensor, Tensor] | None = None,
-        prev_attn: Tensor | None = None, _return_kv: bool = False,
+        prev_attn: Tensor | None = None, _return_kv: bool = False, rel_pos=None, pos=None, mem=None, mem_mask=None,
+        context_rotary_pos_emb=None, polar_pos_emb=None, q_delta=None, k_delta=None, v_delta=None, o_delta=None,
+        attn_delta=None, flash_pack_seq_kwargs=None,
     ):
         """Attend from ``x (b, i, c)``; x-transformers' call: ``attn(x)`` returns the output tensor.
 
@@ -335,12 +346,25 @@ class Attention(nn.Module):
                 logits hold there included): they reach no output and no gradient.
             _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights and logits with
                 ``return_attn``).
+            rel_pos, pos, mem, mem_mask, context_rotary_pos_emb, polar_pos_emb, q_delta, k_delta, v_delta, o_delta,
+                attn_delta, flash_pack_seq_kwargs: x-transformers' call keywords (its stack passes them), accepted at
+                ``None``; another value is a ``TypeError`` naming it (in safeformer the stack applies positions,
+                memories and biases; ``AttentionLayers`` takes ``mems``).
 
         Returns:
             ``out (b, i, c)``; ``(out, AttnIntermediate)`` with ``return_intermediates``; ``(out, weights)``
             with ``return_attn``. Rows that may attend to no key are exactly 0 after the output projection,
             and pass zero gradient (S2).
         """
+        if not (rel_pos is None and pos is None and mem is None and mem_mask is None and context_rotary_pos_emb is None
+                and polar_pos_emb is None and q_delta is None and k_delta is None and v_delta is None
+                and o_delta is None and attn_delta is None and flash_pack_seq_kwargs is None):
+            given = dict(rel_pos=rel_pos, pos=pos, mem=mem, mem_mask=mem_mask, polar_pos_emb=polar_pos_emb,
+                         context_rotary_pos_emb=context_rotary_pos_emb, q_delta=q_delta, k_delta=k_delta,
+                         v_delta=v_delta, o_delta=o_delta, attn_delta=attn_delta,
+                         flash_pack_seq_kwargs=flash_pack_seq_kwargs)
+            name = next(k for k, v in given.items() if v is not None)
+            raise TypeError(f"Attention.forward: x-transformers' option {name} is not supported by safeformer")
         if layout is not None:
             return unpadded_call(self, x, layout, additional_key_values, kv_input_residual, _return_kv)
         causal = self.causal if causal is None else causal

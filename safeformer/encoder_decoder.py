@@ -56,6 +56,9 @@ class XTransformer(Configurable, nn.Module):
 
     Args:
         dim: model width of encoder and decoder.
+        cross_attn_tokens_dropout: x-transformers' keyword: in training, the decoder's cross-attention reads a
+            random ``1 - p`` share of each sample's encoder tokens (the decoder stack's ``cross_attn_tokens_dropout``;
+            padded tokens are never read).
         enc_num_tokens, enc_max_seq_len, enc_depth, enc_heads: the encoder.
         dec_num_tokens, dec_max_seq_len, dec_depth, dec_heads: the decoder (cross-attends to the
             encoder's output).
@@ -101,6 +104,7 @@ class XTransformer(Configurable, nn.Module):
         cond_drop_prob: float = 0.0,
         enc_options: dict[str, Any] | None = None,
         dec_options: dict[str, Any] | None = None,
+        cross_attn_tokens_dropout: float = 0.0,
         **aliases,
     ):
         enc_options, dec_options = dict(enc_options or {}), dict(dec_options or {})
@@ -110,6 +114,11 @@ class XTransformer(Configurable, nn.Module):
                 raise TypeError(f"XTransformer.__init__() got an unexpected keyword argument {key!r} (per-side "
                                 f"options are spelled enc_<option> / dec_<option>)")
             side[key[4:]] = value
+        if cross_attn_tokens_dropout:  # x-transformers': the decoder drops encoder tokens it cross-attends to
+            if "cross_attn_tokens_dropout" in dec_options:
+                raise TypeError("XTransformer: cross_attn_tokens_dropout is given twice, as cross_attn_tokens_dropout "
+                                "and as dec_cross_attn_tokens_dropout")
+            dec_options["cross_attn_tokens_dropout"] = cross_attn_tokens_dropout
         enc_layer, enc_wrap = _split_side_options(enc_options, "enc_")
         dec_layer, dec_wrap = _split_side_options(dec_options, "dec_")
         super().__init__()
@@ -136,6 +145,9 @@ class XTransformer(Configurable, nn.Module):
                 updates = target(value) if callable(target) else {target: value}
                 if "_unsupported" in updates:
                     raise TypeError(f"XTransformer: x-transformers' option {updates['_unsupported']} is not supported")
+                for key in ("attn_kwargs", "ff_kwargs"):  # one keyword of each module: merged
+                    if key in updates:
+                        updates[key] = {**(out.get(key) or {}), **updates[key]}
                 out.update(updates)
             return out
 

@@ -37,7 +37,7 @@ from .conditions import (
 )
 from .decode import GuidedForward, autoregress
 from .losses import next_token_loss, safe_cross_entropy
-from .masks import checked_once, validate_mask
+from .masks import check_lengths, checked_once, validate_mask
 from .pretrained import Configurable
 from .wrappers import TransformerWrapper
 
@@ -918,6 +918,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         condition: Tensor | None = None,
         condition_mask: Tensor | None = None,
         return_outputs: bool = False,
+        lens: Tensor | None = None,
         **conditions,
     ) -> Tensor | tuple[Tensor, tuple[Tensor, LayerIntermediates]]:
         """Next-token cross-entropy of ``x (b, n)``.
@@ -926,6 +927,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             x: token ids; positions equal to ``ignore_index`` (or False in ``mask``) do not count.
                 A batch with no counted target gives exactly 0 with zero gradient (S8).
             mask: ``(b, n)`` padding mask (True = real).
+            lens: ``(b,)`` right-padded lengths instead of ``mask`` (x-transformers' keyword): the tokens at and
+                past a sample's length are padding.
             context, context_mask: the cross-attention condition (``context=None``: none for the batch).
             prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)``; the loss counts the
                 tokens of ``x`` only.
@@ -945,6 +948,11 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         conditions = condition_kwargs("AutoregressiveWrapper.forward", conditions)
         if not isinstance(x, Tensor) or x.dim() != 2:
             raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
+        if lens is not None:
+            if mask is not None:
+                raise ValueError("pass mask or lens, not both")
+            check_lengths(lens, "lens", x.shape[0], max_len=x.shape[1], device=x.device)
+            mask = torch.arange(x.shape[1], device=x.device)[None] < lens[:, None]
         given = dict(context=context, context_mask=context_mask, prepend_embeds=prepend_embeds,
                      prepend_mask=prepend_mask, condition=condition, condition_mask=condition_mask)
         # checked before a drop could hide it; no locals(): torch.compile cannot trace it (torch 2.11)

@@ -43,7 +43,7 @@ Args:
         (``ff_no_bias=True`` is ``ff_kwargs={"no_bias": True}``); see ``FeedForward`` for their meaning.
     attn_onnxable, verbose: accepted with any value, no effect on the numbers (x-transformers uses them to pick
         ONNX-friendly ops and to print construction warnings).
-    Other x-transformers keywords (``layers._XT_DEFAULT_ONLY``: ``attn_sparse_topk``, the talking heads,
+    Other x-transformers keywords (``xt_defaults.XT_DEFAULT_ONLY``: ``attn_sparse_topk``, the talking heads,
         ``dynamic_pos_bias``, ``norm_add_unit_offset``, ...) are accepted at x-transformers' default value, which
         is what safeformer does; any other value is a ``TypeError`` that names the keyword.
     rotary_pos_emb: rotary positions in self-attention.
@@ -287,6 +287,7 @@ from .stack_forward import (  # noqa: F401 (the forward's inputs and helpers oth
     share_inputs,
 )
 from .unpadded import UNPADDED_THRESHOLD, UnpaddedPlan, forward_unpadded, plan_unpadded
+from .xt_defaults import XT_DEFAULT_ONLY, default_only
 
 __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender",
            "layer_schedule",
@@ -296,22 +297,6 @@ __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers
 # x-transformers' spelling -> safeformer's name (or a function of the value giving {name: value}); None:
 # accepted and ignored (what it chose is automatic here). The README's "Moving from x-transformers" table
 # lists them. Only options safeformer supports are here: anything else is an unknown keyword.
-def _same(v, default) -> bool:
-    """``v`` is x-transformers' default value (a bool is not a number here)."""
-    if isinstance(v, bool) != isinstance(default, bool):
-        return False
-    try:
-        return bool(v == default)
-    except Exception:  # noqa: BLE001  # a tensor or another value without a plain ==
-        return False
-
-
-def _default_only(name: str, default) -> Callable[[object], dict]:
-    """x-transformers' keyword ``name``, accepted at its default value (what safeformer does); any other value is
-    refused with a ``TypeError`` naming it."""
-    return lambda v: {} if _same(v, default) else {"_unsupported": f"{name}={v!r}"}
-
-
 def _into(family: str, key: str) -> Callable[[object], dict]:
     """x-transformers' ``attn_<key>`` / ``ff_<key>``: the ``key`` keyword of every ``Attention`` / ``FeedForward``
     of the stack, gathered into ``attn_kwargs`` / ``ff_kwargs``."""
@@ -322,25 +307,6 @@ def _into(family: str, key: str) -> Callable[[object], dict]:
 FF_KWARGS = ("no_bias", "relu_squared", "zero_init_output", "dim_out", "glu_mult_bias", "solu", "post_act_ln",
              "sublayer_dropout", "output_proj_depth")
 ATTN_KWARGS = ("gate_value_heads", "zero_init_output", "cope_talking_heads")
-
-# x-transformers' AttentionLayers keywords that safeformer takes at x-transformers' default value only: the
-# default is what safeformer does; another value is a TypeError naming the keyword (not silently ignored)
-_XT_DEFAULT_ONLY = {
-    "attn_add_zero_kv": False, "attn_aggregated_residuals": False, "attn_aggregated_residual_kwargs": {},
-    "attn_attend_sdp_kwargs": dict(enable_flash=True, enable_math=True, enable_mem_efficient=True),
-    "attn_custom_attn_fn": None, "attn_data_dependent_alibi_per_row": False,
-    "attn_data_dependent_alibi_per_row_dim_head": 8, "attn_dim_context": None, "attn_dim_out": None,
-    "attn_flash_pack_seq": False, "attn_hard": False, "attn_head_scale": False, "attn_inverted_attention": False,
-    "attn_k_rmsnorm": False, "attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
-    "attn_on_attn": False, "attn_output_proj_depth": None, "attn_post_talking_heads": False,
-    "attn_pre_scale_post_talking_heads": False, "attn_pre_talking_heads": False, "attn_project_out": None,
-    "attn_qk_norm_groups": 1, "attn_qk_norm_scale": 10, "attn_qk_rmsnorm": False,
-    "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None, "attn_selective": False,
-    "attn_sparse_topk": None, "attn_sparse_topk_straight_through": False, "attn_sublayer_dropout": 0.0,
-    "attn_value_dim_head": None, "dynamic_pos_bias": False, "dynamic_pos_bias_log_distance": False,
-    "dynamic_pos_bias_mlp_depth": 2, "dynamic_pos_bias_norm": False, "gated_multi_residual": False,
-    "rotate_num_heads": None, "norm_add_unit_offset": True,
-}
 
 LAYER_ALIASES: dict[str, object] = {
     "attn_dim_head": "dim_head",
@@ -353,7 +319,7 @@ LAYER_ALIASES: dict[str, object] = {
     "verbose": None,
     **{f"ff_{k}": _into("ff_kwargs", k) for k in FF_KWARGS},
     **{f"attn_{k}": _into("attn_kwargs", k) for k in ATTN_KWARGS},
-    **{k: _default_only(k, v) for k, v in _XT_DEFAULT_ONLY.items()},
+    **{k: default_only(k, v) for k, v in XT_DEFAULT_ONLY.items()},
 }
 
 
@@ -582,6 +548,10 @@ class AttentionLayers(Configurable, nn.Module):
         route_additional_kv_to_top: bool = True, self_attn_kv_residuals: Tensor | None = None,
         cross_attn_kv_residuals: Tensor | None = None, seq_pos_offset: int | None = None, repeat_blocks=None,
         layers_execute_order: tuple[int, ...] | None = None, mems=None, mem_masks=None,
+        self_attn_kv_mask: Tensor | None = None, seq_start_pos: Tensor | None = None,
+        input_not_include_cache: bool = False, rotary_pos_emb=None, polar_pos_emb=None, attn_bias=None,
+        in_attn_cond=None, flash_pack_seq_kwargs=None, flash_pack_seq_context_kwargs=None,
+        transform_block_inputs=None, return_gumbel_log_probs: bool = False,
     ) -> Tensor | tuple:
         """Run the stack.
 
@@ -657,6 +627,19 @@ class AttentionLayers(Configurable, nn.Module):
                 gradient. Padded path only; not with a KV cache, ``attn_mask``, ``repeat_blocks`` /
                 ``layers_execute_order``, residual routing (hyper-connections), ``shift_tokens``,
                 ``add_value_residual`` or ``rotary_xpos``; the returned intermediates carry no cache.
+            self_attn_kv_mask: ``(b, p + n)`` bool, True = a key self-attention may read (x-transformers' keyword):
+                a key mask beside ``mask`` (which masks queries and keys alike); a query left with no key is a dead
+                row (exactly 0). Read as ``attn_mask`` ``(b, 1, n, p + n)``: padded path. Not with x-transformers'
+                ``LayerIntermediates`` cache (pass ``attn_mask``).
+            seq_start_pos: ``(b,)`` integer: the first real position of each sample (x-transformers' keyword for
+                left padding): positions before it are padding, as if ``mask`` were False there.
+            input_not_include_cache: with x-transformers' ``LayerIntermediates`` cache, every position of ``x`` is
+                new (``cache_age = n``).
+            rotary_pos_emb, polar_pos_emb, attn_bias, in_attn_cond, flash_pack_seq_kwargs,
+                flash_pack_seq_context_kwargs, transform_block_inputs, return_gumbel_log_probs: x-transformers'
+                call keywords, accepted at their defaults (``None`` / ``False``); another value is a ``TypeError``
+                naming it (safeformer computes the positions itself, and has no in-attention conditioning, packed
+                flash masks, block-input hooks or Gumbel log-probabilities).
             return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
                 layer, the attention weights of every attention block (explicit float32 attention:
                 slower, ``(b, h, i, j)`` memory), the final hidden states, and (x-transformers'
@@ -667,6 +650,22 @@ class AttentionLayers(Configurable, nn.Module):
             ``(b, n, c)`` hidden states after the final norm, then the cache if ``return_cache``, then
             the ``LayerIntermediates`` if ``return_hiddens``.
         """
+        for name, value in (("rotary_pos_emb", rotary_pos_emb), ("polar_pos_emb", polar_pos_emb),
+                            ("attn_bias", attn_bias), ("in_attn_cond", in_attn_cond),
+                            ("flash_pack_seq_kwargs", flash_pack_seq_kwargs),
+                            ("flash_pack_seq_context_kwargs", flash_pack_seq_context_kwargs),
+                            ("transform_block_inputs", transform_block_inputs),
+                            ("return_gumbel_log_probs", return_gumbel_log_probs or None)):
+            if value is not None:
+                raise TypeError(f"{type(self).__name__}.forward: x-transformers' option {name} is not supported by "
+                                f"safeformer")
+        if not isinstance(input_not_include_cache, bool):
+            raise TypeError(f"input_not_include_cache must be True or False, got {input_not_include_cache!r}")
+        if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1 \
+                and isinstance(x, Tensor) and x.dim() == 3:
+            cache_age = x.shape[1]  # every position of x is new
+        if self_attn_kv_mask is not None or seq_start_pos is not None:
+            mask, attn_mask = _xt_key_masks(x, mask, attn_mask, cache, self_attn_kv_mask, seq_start_pos)
         call = StackCall(x=x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
                          positions=positions, condition=condition, condition_mask=condition_mask, cache=cache,
                          return_cache=return_cache, return_hiddens=return_hiddens, pos=pos,
@@ -685,6 +684,37 @@ class AttentionLayers(Configurable, nn.Module):
             return forward_unpadded(self, call.x, plan, call.positions, call.context if call.ca.used else None,
                                     call.context_mask, call.cond)
         return finish_call(self, call, run_blocks(self, call))
+
+
+def _xt_key_masks(x, mask, attn_mask, cache, self_attn_kv_mask, seq_start_pos) -> tuple:
+    """x-transformers' ``seq_start_pos`` and ``self_attn_kv_mask`` read as safeformer's ``mask`` and ``attn_mask``."""
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"x must have shape (b, n, dim), got {getattr(x, 'shape', type(x))}")
+    b, n, device = x.shape[0], x.shape[1], x.device
+    if seq_start_pos is not None:
+        if not isinstance(seq_start_pos, Tensor) or seq_start_pos.shape != (b,) or seq_start_pos.is_floating_point() \
+                or seq_start_pos.is_complex() or seq_start_pos.dtype == torch.bool or seq_start_pos.device != device:
+            raise ValueError(f"seq_start_pos must be an integer tensor of shape (b={b},) on {device}, got "
+                             f"{getattr(seq_start_pos, 'dtype', type(seq_start_pos).__name__)} "
+                             f"{tuple(getattr(seq_start_pos, 'shape', ()))}")
+        start = torch.arange(n, device=device)[None] >= seq_start_pos[:, None]  # (b, n): x-transformers' left pad
+        if mask is not None:
+            validate_mask(mask, "mask", shape=(b, n), device=device)
+        mask = start if mask is None else mask & start
+    if self_attn_kv_mask is not None:
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ValueError("self_attn_kv_mask with x-transformers' LayerIntermediates cache: pass attn_mask "
+                             "(b, 1, n, p + n) instead")
+        keys = n + (cache.length if cache is not None else 0)
+        validate_mask(self_attn_kv_mask, "self_attn_kv_mask", shape=(b, keys), device=device)
+        kv = self_attn_kv_mask[:, None, None, :].expand(b, 1, n, keys)
+        if attn_mask is not None:
+            validate_mask(attn_mask, "attn_mask", device=device)
+            if attn_mask.dim() == 3:  # per sample (b, n, p + n) or (n, p + n): see the docstring
+                attn_mask = attn_mask[:, None] if attn_mask.shape[0] == b and attn_mask.dim() == 3 else attn_mask
+            kv = kv & attn_mask
+        attn_mask = kv
+    return mask, attn_mask
 
 
 def _basics(stack: AttentionLayers, *, dim, causal, cross_attend, only_cross, dim_context, unpadded, checkpoint_layers,

@@ -369,6 +369,7 @@ class WrapperCall:
     return_mems: bool
     detach_mems: bool
     conditions: dict
+    transform_token_embeds: object = None
     # derived by the phases
     b: int = 0
     n: int = 0
@@ -449,11 +450,25 @@ def resolve_call(net: TransformerWrapper, c: WrapperCall) -> None:
                                 c.looped_exit_prob_threshold)
 
 
+def _transformed_embeds(fn, emb: Tensor, mask: Tensor | None) -> Tensor:
+    """``fn(emb)`` checked (a tensor of the same shape and dtype), its padded rows selected to 0 (whatever ``fn``
+    wrote there, NaN included)."""
+    if not callable(fn):
+        raise TypeError(f"transform_token_embeds must be callable, got {type(fn).__name__}")
+    out = fn(emb)
+    if not isinstance(out, Tensor) or out.shape != emb.shape or out.dtype != emb.dtype:
+        raise ValueError(f"transform_token_embeds must return a tensor of shape {tuple(emb.shape)} and dtype "
+                         f"{emb.dtype}, got {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    return out if mask is None else torch.where(mask[..., None], out, 0.0)
+
+
 def embed_call(net: TransformerWrapper, c: WrapperCall) -> None:
     """``c.emb (b, n, e)``: the token embeddings plus the further and summed embeddings; ``c.ff_deep``: each
     token's deep-embedding rows ``(b, n, L, c)`` or ``None``; ``c.extra_kv``: the stack's added keys/values and
     Transformer-XL memories as stack keywords, or ``None``."""
     emb = net._embed(c.x, c.mask, c.token_emb_kwargs)
+    if c.transform_token_embeds is not None:  # x-transformers' hook on the token embeddings; padded rows re-zeroed
+        emb = _transformed_embeds(c.transform_token_embeds, emb, c.mask)
     c.emb = add_embeds(net, emb, c.x, c.mask, c.sum_embeds, c.embed_ids)
     # ff_deep_embed: each token's rows of multipliers, one per feed-forward block (padded ids were zeroed)
     c.ff_deep = None if net.ff_deep_embed is None else net.ff_deep_embed[c.x].to(c.emb.dtype)  # (b, n, L, c)

@@ -290,6 +290,8 @@ def copy_xt_wrapper_option_weights(sf_model: nn.Module, xt_model: nn.Module) -> 
 # x-transformers' spelling -> safeformer's name for the wrappers (see layers.LAYER_ALIASES); None: accepted
 # and ignored. Names the same in both libraries need no entry.
 WRAPPER_ALIASES: dict[str, object] = {
+    # TransformerWrapper has Transformer-XL memories (max_mem_len); the continuous wrapper takes none
+    "max_mem_len": lambda v: {} if v == 0 and not isinstance(v, bool) else {"_unsupported": f"max_mem_len={v!r}"},
     "emb_frac_gradient": lambda v: {} if v == 1.0 else {"_unsupported": f"emb_frac_gradient={v}"},
     "post_emb_norm": lambda v: {} if not v else {"_unsupported": "post_emb_norm=True"},
 }
@@ -823,6 +825,8 @@ class TransformerWrapper(_Wrapper):
         mem_masks=None,
         return_mems: bool = False,
         detach_mems: bool = True,
+        transform_token_embeds=None,
+        transform_block_inputs=None,
         **conditions,
     ):
         """Run the model on the token ids ``x (b, n)``. The keywords and the return forms are documented in this
@@ -853,7 +857,11 @@ class TransformerWrapper(_Wrapper):
             return_logit_entropies=return_logit_entropies, sum_embeds=sum_embeds, embed_ids=embed_ids,
             return_attn_z_loss=return_attn_z_loss, attn_z_loss_weight=attn_z_loss_weight, loop_out=_loop_out,
             mems=mems, mem_masks=mem_masks, return_mems=return_mems, detach_mems=detach_mems, conditions=conditions,
+            transform_token_embeds=transform_token_embeds,
         )
+        if transform_block_inputs is not None:
+            raise TypeError("TransformerWrapper: x-transformers' option transform_block_inputs (a hook between "
+                            "blocks) is not supported by safeformer; transform_token_embeds is")
         resolve_call(self, call)
         embed_call(self, call)
         run_call(self, call)
@@ -1045,6 +1053,7 @@ class ContinuousTransformerWrapper(_Wrapper):
         probabilistic: bool = False,
         project_in: nn.Module | None = None,
         project_out: nn.Module | None = None,
+        use_identity_if_same_dim: bool = False,
         **aliases,
     ):
         if aliases:
@@ -1073,8 +1082,14 @@ class ContinuousTransformerWrapper(_Wrapper):
                              f"(a mean and a log-variance per feature), got {project_out.out_features}")
         if probabilistic and dim_out is None:
             raise ValueError("probabilistic=True needs dim_out (the head gives a mean and a variance per output feature)")
+        if not isinstance(use_identity_if_same_dim, bool):
+            raise TypeError(f"use_identity_if_same_dim must be True or False, got {use_identity_if_same_dim!r}")
         self._set_config_from(ContinuousTransformerWrapper.__init__, locals())
         dim = attn_layers.dim
+        if use_identity_if_same_dim:  # x-transformers': no projection where the widths already agree
+            dim_in = None if dim_in == dim and project_in is None else dim_in
+            if dim_out == dim and project_out is None and not probabilistic:
+                dim_out = None
         self.attn_layers = attn_layers
         self.dim_in = dim if dim_in is None else dim_in
         self.dim_out = dim_out
@@ -1122,12 +1137,21 @@ class ContinuousTransformerWrapper(_Wrapper):
         cache_age: int = 1,
         input_not_include_cache: bool = False,
         causal: bool | None = None,
+        seq_start_pos: Tensor | None = None,
+        sum_embeds: Tensor | None = None,
+        mems=None,
+        mem_masks=None,
+        return_mems: bool = False,
         **conditions,
     ):
         """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward`` (``causal``
         included);
         ``lens (b,)`` (x-transformers' name) gives right-padded lengths instead of a mask;
+        ``seq_start_pos (b,)`` the first real position of left-padded samples (ANDed into the mask);
+        ``sum_embeds (b, n, dim)`` is added to the projected inputs (padded rows selected away);
         ``input_not_include_cache``: with a ``LayerIntermediates`` cache every position of ``x`` is new.
+        ``mems`` / ``mem_masks`` / ``return_mems``: x-transformers' Transformer-XL memories, which this wrapper
+        does not keep (``TransformerWrapper`` does): accepted at ``None`` / ``False`` only.
 
         Values at padded positions of ``x`` (mask False) are selected away before any use: NaN or
         inf there reaches no output and no gradient.
@@ -1147,12 +1171,28 @@ class ContinuousTransformerWrapper(_Wrapper):
             mask = torch.arange(n, device=x.device)[None] < lens.to(x.device)[:, None]
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
+        if mems is not None or mem_masks is not None or return_mems is not False:
+            raise TypeError("ContinuousTransformerWrapper: x-transformers' Transformer-XL memories (mems, mem_masks, "
+                            "return_mems) are not supported by safeformer's continuous wrapper (TransformerWrapper "
+                            "has them)")
+        if seq_start_pos is not None:
+            check_lengths(seq_start_pos, "seq_start_pos", b, max_len=n, device=x.device)
+            start = torch.arange(n, device=x.device)[None] >= seq_start_pos.to(x.device)[:, None]
+            mask = start if mask is None else mask & start
+        if sum_embeds is not None:
+            dim = self.attn_layers.dim
+            if not isinstance(sum_embeds, Tensor) or sum_embeds.shape != (b, n, dim) \
+                    or not sum_embeds.is_floating_point() or sum_embeds.device != x.device:
+                raise ValueError(f"sum_embeds must be a float tensor of shape (b={b}, n={n}, dim={dim}) on "
+                                 f"{x.device}, got {getattr(sum_embeds, 'dtype', type(sum_embeds).__name__)} "
+                                 f"{tuple(getattr(sum_embeds, 'shape', ()))}")
         _flag(input_not_include_cache, "input_not_include_cache")
         if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1:
             cache_age = n  # every position of x is new
         cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
         if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
             x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
+            sum_embeds = _last(sum_embeds, keep)
         if check:
             _check_finite(x, mask, "x")
         if mask is not None:
@@ -1160,8 +1200,11 @@ class ContinuousTransformerWrapper(_Wrapper):
         conds = self._check_conditions(_conditions(context, context_mask, prepend_embeds, prepend_mask, condition,
                                                    condition_mask, conditions), check)
         want_inter = return_intermediates or return_hiddens or return_attn
+        inp = self.project_in(x)
+        if sum_embeds is not None:  # padded rows (NaN included) selected away before the sum
+            inp = inp + (sum_embeds if mask is None else torch.where(mask[..., None], sum_embeds, 0.0)).to(inp.dtype)
         h, new_cache, full_mask, m, _, inter, _ = self._run(
-            self.project_in(x), mask, conds, attn_mask, cache, return_cache,
+            inp, mask, conds, attn_mask, cache, return_cache,
             pos=pos, return_hiddens=want_inter, causal=causal,
         )
         if excise_prepend_embeds and m and not (return_pooled or self.average_pool_embed):

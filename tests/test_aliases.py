@@ -28,7 +28,14 @@ def test_layer_alias_sets_the_canonical_option(alias, value, name, want):
 
 
 def test_every_alias_in_the_tables_is_tested_or_accepted():
+    from safeformer.layers import ATTN_KWARGS, FF_KWARGS
+    from safeformer.xt_defaults import XT_DEFAULT_ONLY
+
     tested = {"attn_dim_head", "attn_kv_heads", "attn_one_kv_head", "cross_attn_dim_context", "attn_flash"}
+    # tests/test_xt_keywords.py: the ff_* / attn_* keywords handed to each module (parity on the same weights),
+    # the default-only ones (refused by name at another value) and the two accepted with any value
+    tested |= {f"ff_{k}" for k in FF_KWARGS} | {f"attn_{k}" for k in ATTN_KWARGS} | set(XT_DEFAULT_ONLY)
+    tested |= {"attn_onnxable", "verbose"}
     assert set(LAYER_ALIASES) == tested, f"untested aliases: {sorted(set(LAYER_ALIASES) - tested)}"
     for key in WRAPPER_ALIASES:  # each is accepted at its neutral value and refused otherwise
         net = sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1),

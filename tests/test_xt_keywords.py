@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import safeformer as sf
-from safeformer.layers import _XT_DEFAULT_ONLY, LAYER_ALIASES
+from safeformer.layers import LAYER_ALIASES
 from safeformer.modules import FeedForward
+from safeformer.xt_defaults import XT_DEFAULT_ONLY as _XT_DEFAULT_ONLY
 
 xt = pytest.importorskip("x_transformers")
 X = xt.x_transformers
@@ -285,3 +286,176 @@ def test_disable_abs_pos_emb_attribute_as_x_transformers():
     net = sf.TransformerWrapper(num_tokens=5, max_seq_len=8,
                                 attn_layers=sf.Decoder(dim=16, depth=1, heads=2, disable_abs_pos_emb=True))
     assert net.pos_emb is None
+
+
+def test_attention_takes_x_transformers_keywords_at_their_defaults():
+    """``Attention`` used on its own (a door): every keyword of x-transformers' ``Attention`` at its default is
+    accepted; the ones safeformer does not build refuse another value by name; a misspelt one is a TypeError."""
+    refused = {}
+    for name, default in _params(X.Attention.__init__).items():
+        if name in ("dim",) or default is inspect.Parameter.empty:
+            continue
+        try:
+            sf.Attention(16, **{name: default})
+        except Exception as err:  # noqa: BLE001
+            refused[name] = f"{type(err).__name__}: {err}"
+    assert not refused, refused
+    with pytest.raises(TypeError, match="x-transformers' option sparse_topk=4 is not supported by safeformer"):
+        sf.Attention(16, sparse_topk=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sparse_topc'; did you mean 'sparse_topk'"):
+        sf.Attention(16, sparse_topc=4)
+    sf.Attention(16, onnxable=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# call arguments
+# ------------------------------------------------------------------------------------------------------------
+
+def _forward_params(a, b) -> set[str]:
+    """``a``'s named parameters that ``b`` lacks."""
+    return set(inspect.signature(a).parameters) - set(inspect.signature(b).parameters) - {"self", "kwargs"}
+
+
+def test_every_x_transformers_call_argument_is_a_parameter():
+    import x_transformers.autoregressive_wrapper as xa
+    import x_transformers.continuous as xc
+
+    for theirs, ours in ((X.AttentionLayers.forward, sf.AttentionLayers.forward),
+                         (X.Attention.forward, sf.Attention.forward),
+                         (X.TransformerWrapper.forward, sf.TransformerWrapper.forward),
+                         (xc.ContinuousTransformerWrapper.forward, sf.ContinuousTransformerWrapper.forward),
+                         (xa.AutoregressiveWrapper.forward, sf.AutoregressiveWrapper.forward),
+                         (xt.XTransformer.__init__, sf.XTransformer.__init__),
+                         (X.FeedForward.__init__, FeedForward.__init__)):
+        assert not _forward_params(theirs, ours), (theirs.__qualname__, _forward_params(theirs, ours))
+
+
+def _stack_pair():
+    torch.manual_seed(0)
+    peer = xt.TransformerWrapper(num_tokens=20, max_seq_len=16,
+                                 attn_layers=xt.Decoder(dim=16, depth=2, heads=2, attn_dim_head=8))
+    peer = _perturbed(peer, 4).eval()
+    return peer.attn_layers, sf.from_x_transformers(peer).attn_layers.eval()
+
+
+def test_self_attn_kv_mask_equals_x_transformers():
+    """A key mask beside the query/key padding: x-transformers' numbers where a query has a key; NaN planted in
+    a masked key's input reaches no other position."""
+    peer, ours = _stack_pair()
+    x = torch.randn(2, 6, 16)
+    kv = torch.tensor([[True] * 6, [True, False, True, True, False, True]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, self_attn_kv_mask=kv), peer(x, self_attn_kv_mask=kv), atol=1e-5, rtol=1e-5)
+    enc = sf.Encoder(dim=16, depth=1, heads=2).eval()
+    planted = x.clone()
+    planted[1, 1] = float("nan")  # a masked key; its own query row is real and attends elsewhere
+    clean = x.clone()
+    clean[1, 1] = 0.0
+    with torch.no_grad():
+        a, b = enc(planted, self_attn_kv_mask=kv), enc(clean, self_attn_kv_mask=kv)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[1, 1] = False
+    torch.testing.assert_close(a[keep], b[keep])
+
+
+def test_seq_start_pos_equals_x_transformers_and_zeroes_the_padding():
+    peer, ours = _stack_pair()
+    x = torch.randn(2, 6, 16)
+    x[1, :2] = float("nan")  # left padding of sample 1: never read
+    start = torch.tensor([0, 2])
+    real = torch.arange(6)[None] >= start[:, None]
+    with torch.no_grad():
+        got = ours(x, seq_start_pos=start)
+        want = peer(torch.nan_to_num(x), seq_start_pos=start)
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    assert bool((got[~real] == 0).all())
+
+
+@pytest.mark.parametrize("name,value", [("rotary_pos_emb", (torch.zeros(1), 1.0)), ("attn_bias", torch.zeros(1)),
+                                        ("in_attn_cond", torch.zeros(1)), ("flash_pack_seq_kwargs", {}),
+                                        ("transform_block_inputs", lambda d, x: x), ("return_gumbel_log_probs", True)])
+def test_unsupported_stack_call_arguments_are_refused_by_name(name, value):
+    enc = sf.Encoder(dim=16, depth=1, heads=2)
+    with pytest.raises(TypeError, match=f"x-transformers' option {name} is not supported"):
+        enc(torch.randn(1, 3, 16), **{name: value})
+
+
+@pytest.mark.parametrize("name", ["rel_pos", "pos", "mem", "mem_mask", "q_delta", "flash_pack_seq_kwargs"])
+def test_unsupported_attention_call_arguments_are_refused_by_name(name):
+    with pytest.raises(TypeError, match=f"option {name} is not supported"):
+        sf.Attention(16, heads=2)(torch.randn(1, 3, 16), **{name: torch.zeros(1)})
+
+
+def test_autoregressive_wrapper_lens_equals_x_transformers():
+    import x_transformers.autoregressive_wrapper as xa
+
+    torch.manual_seed(0)
+    peer = xa.AutoregressiveWrapper(xt.TransformerWrapper(num_tokens=20, max_seq_len=16,
+                                                          attn_layers=xt.Decoder(dim=16, depth=1, heads=2))).eval()
+    ours = sf.from_x_transformers(peer).eval()
+    x = torch.randint(0, 20, (3, 8))
+    lens = torch.tensor([8, 5, 3])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, lens=lens), peer(x, lens=lens), atol=1e-5, rtol=1e-5)
+        masked = ours(x, mask=torch.arange(8)[None] < lens[:, None])
+    torch.testing.assert_close(ours(x, lens=lens), masked)
+    with pytest.raises(ValueError, match="mask or lens"):
+        ours(x, lens=lens, mask=torch.ones(3, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="lens"):
+        ours(x, lens=torch.tensor([9, 1, 1]))
+
+
+def test_transform_token_embeds_runs_on_the_embeddings_and_padding_stays_unread():
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=sf.Decoder(dim=16, depth=1, heads=2)).eval()
+    x = torch.randint(0, 20, (2, 5))
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    with torch.no_grad():
+        doubled = net(x, mask=mask, transform_token_embeds=lambda e: e * 2)
+        nan_pad = net(x, mask=mask, transform_token_embeds=lambda e: torch.where(mask[..., None], e * 2, float("nan")))
+        ref = net(x, mask=mask, sum_embeds=net.token_emb(x))  # e + e
+    torch.testing.assert_close(doubled[mask], ref[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nan_pad[mask], doubled[mask])
+    with pytest.raises(ValueError, match="transform_token_embeds must return"):
+        net(x, transform_token_embeds=lambda e: e[..., :3])
+    with pytest.raises(TypeError, match="transform_block_inputs"):
+        net(x, transform_block_inputs=lambda d, h: h)
+
+
+def test_continuous_wrapper_call_arguments():
+    """``seq_start_pos`` is left padding, ``sum_embeds`` adds to the projected inputs (padded rows unread),
+    ``use_identity_if_same_dim`` leaves out equal-width projections, XL memories are refused by name."""
+    torch.manual_seed(0)
+    net = sf.ContinuousTransformerWrapper(dim_in=16, dim_out=16, max_seq_len=16, use_identity_if_same_dim=True,
+                                          attn_layers=sf.Encoder(dim=16, depth=1, heads=2)).eval()
+    assert isinstance(net.project_in, torch.nn.Identity) and isinstance(net.project_out, torch.nn.Identity)
+    x = torch.randn(2, 5, 16)
+    start = torch.tensor([0, 2])
+    real = torch.arange(5)[None] >= start[:, None]
+    extra = torch.randn(2, 5, 16)
+    extra[~real] = float("nan")
+    with torch.no_grad():
+        got = net(x, seq_start_pos=start, sum_embeds=extra)
+        want = net(x + torch.nan_to_num(extra), mask=real)
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+    with pytest.raises(TypeError, match="mems"):
+        net(x, return_mems=True)
+    with pytest.raises(ValueError, match="sum_embeds must be"):
+        net(x, sum_embeds=torch.randn(2, 5, 3))
+    with pytest.raises(TypeError, match="max_mem_len"):
+        sf.ContinuousTransformerWrapper(dim_in=4, max_mem_len=8, attn_layers=sf.Encoder(dim=16, depth=1))
+
+
+def test_xtransformer_cross_attn_tokens_dropout():
+    kw = dict(dim=16, enc_num_tokens=10, enc_max_seq_len=8, dec_num_tokens=10, dec_max_seq_len=8, enc_depth=1,
+              dec_depth=1)
+    model = sf.XTransformer(**kw, cross_attn_tokens_dropout=0.25)
+    assert model.decoder.attn_layers.cross_attn_tokens_dropout == 0.25
+    assert model.encoder.attn_layers.cross_attn_tokens_dropout == 0.0
+    rebuilt = sf.XTransformer(**model.get_config())
+    assert rebuilt.decoder.attn_layers.cross_attn_tokens_dropout == 0.25
+    with pytest.raises(TypeError, match="given twice"):
+        sf.XTransformer(**kw, cross_attn_tokens_dropout=0.25, dec_cross_attn_tokens_dropout=0.5)
+    merged = sf.XTransformer(**kw, enc_ff_no_bias=True, enc_ff_solu=True)
+    assert merged.encoder.attn_layers.get_config()["ff_kwargs"] == {"no_bias": True, "solu": True}
