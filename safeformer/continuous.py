@@ -136,7 +136,9 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         equal_loss_weight_batch: x-transformers' option: ``reduction="mean"`` weighs every sample the same
             instead of every target: per sample, the loss summed over its counted targets and the features
             divided by its counted targets (x-transformers' ``batch_masked_mean``: the features are summed),
-            then the mean over the batch (a sample with no counted target contributes 0).
+            then the mean over the batch (a sample with no counted target contributes 0). As in x-transformers
+            it applies to a call with a mask; without one every sample has as many targets and the loss is the
+            plain mean.
 
     A dropped context or prefix is an all-False mask row (an exact no-op); a dropped adaptive condition
     is the stack's null condition. Dropped contents are selected away, never multiplied.
@@ -308,12 +310,12 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         out = self._model(inp, mask=inp_mask, **conds.kwargs())  # (b, n - 1, dim_out)
         per = self._per_target(out, target, counted)  # (b, n - 1); padded targets selected away first
         acc = torch.promote_types(out.dtype, torch.float32)
-        return self._reduce(per, counted, reduction, acc)
+        return self._reduce(per, counted, reduction, acc, masked=mask is not None)
 
-    def _reduce(self, per: Tensor, counted: Tensor, reduction: str, acc) -> Tensor:
+    def _reduce(self, per: Tensor, counted: Tensor, reduction: str, acc, masked: bool = True) -> Tensor:
         if reduction == "none":
             return per
-        if reduction == "mean" and self.equal_loss_weight_batch:
+        if reduction == "mean" and self.equal_loss_weight_batch and masked:  # x-transformers: with a mask only
             per_sample = per.sum(1) * self.dim_in / counted.sum(1).clamp(min=1).to(acc)  # (b,)
             return per_sample.sum() / max(per.shape[0], 1)
         total = per.sum()

@@ -1711,6 +1711,80 @@ def _convert_other_wrapper(model: nn.Module, drop_training_only: bool):
     return None
 
 
+def _carrier(layers, xt, *, max_seq_len: int = 0, pos_emb=None) -> nn.Module:
+    """An x-transformers ``TransformerWrapper`` around ``layers`` (one token, ``max_seq_len=0``: no absolute
+    positions unless ``pos_emb`` is given), on their device and dtype: what the stack converts through."""
+    ref = next(layers.parameters(), None)
+    use_abs = pos_emb is not None and type(pos_emb).__name__ == "AbsolutePositionalEmbedding"
+    carrier = xt.TransformerWrapper(num_tokens=1, max_seq_len=max_seq_len if use_abs else 0, attn_layers=layers,
+                                    use_abs_pos_emb=use_abs)
+    if ref is not None:
+        carrier.token_emb.to(device=ref.device, dtype=ref.dtype)
+        carrier.to_logits.to(device=ref.device, dtype=ref.dtype)
+    if use_abs:
+        carrier.pos_emb.to(device=pos_emb.emb.weight.device, dtype=pos_emb.emb.weight.dtype)
+        with torch.no_grad():
+            carrier.pos_emb.load_state_dict(pos_emb.state_dict())
+    return carrier.train(layers.training)
+
+
+def _convert_stack(layers, xt, drop_training_only: bool) -> AttentionLayers:
+    """A bare x-transformers ``Encoder`` / ``Decoder`` / ``CrossAttender`` / ``AttentionLayers``: converted through a
+    carrier wrapper, the stack returned."""
+    return from_x_transformers(_carrier(layers, xt), drop_training_only=drop_training_only).attn_layers
+
+
+def _convert_continuous(model, xt, drop_training_only: bool):
+    """x-transformers' ``ContinuousTransformerWrapper``: the stack through a carrier (with the wrapper's absolute
+    positions), the wrapper's keywords, projections, positions and memory tokens copied."""
+    from .wrappers import ContinuousTransformerWrapper, copy_xt_continuous_projections, xt_continuous_wrapper_kwargs
+
+    problems = _Problems()
+    if getattr(model, "max_mem_len", 0):
+        problems.add(f"max_mem_len={model.max_mem_len} (Transformer-XL memories in the continuous wrapper)")
+    if not isinstance(getattr(model, "post_emb_norm", nn.Identity()), nn.Identity):
+        problems.add("post_emb_norm")
+    pos = model.pos_emb
+    sinu = type(pos).__name__ == "ScaledSinusoidalEmbedding"
+    if isinstance(pos, nn.Module) and not sinu and type(pos).__name__ != "AbsolutePositionalEmbedding" \
+            and any(True for _ in pos.parameters()):
+        problems.add(f"a position embedding {type(pos).__name__}")
+    problems.raise_if_any()
+    layers = _convert_stack(model.attn_layers, xt, drop_training_only) if pos is None or not isinstance(
+        pos, nn.Module) or sinu else from_x_transformers(
+            _carrier(model.attn_layers, xt, max_seq_len=model.max_seq_len, pos_emb=pos),
+            drop_training_only=drop_training_only).attn_layers
+    kw = xt_continuous_wrapper_kwargs(model)
+    if sinu:
+        kw.update(scaled_sinu_pos_emb=True, use_abs_pos_emb=True, max_seq_len=model.max_seq_len or 0)
+    ref = next(model.parameters())
+    out = ContinuousTransformerWrapper(attn_layers=layers, emb_dropout=model.emb_dropout.p, **kw)
+    out = out.to(device=ref.device, dtype=ref.dtype)
+    with torch.no_grad():
+        copy_xt_continuous_projections(out, model)
+        if sinu:
+            out.pos_emb.scale.copy_(pos.scale)
+    return out.train(model.training)
+
+
+def _convert_continuous_autoregressive(model, xt, drop_training_only: bool):
+    """x-transformers' ``ContinuousAutoregressiveWrapper``: its net converted, the same loss (mean squared error,
+    L1 with ``use_l1_loss``, the Gaussian NLL of a probabilistic net; a custom ``loss_fn`` is refused)."""
+    from .continuous import ContinuousAutoregressiveWrapper
+
+    fn = model.loss_fn
+    kind = type(fn).__name__
+    if kind not in ("MSELoss", "L1Loss", "GaussianNLL") or getattr(fn, "reduction", "none") != "none":
+        problems = _Problems()
+        problems.add(f"a custom loss_fn {kind} (safeformer takes mse, l1 or the probabilistic Gaussian NLL)")
+        problems.raise_if_any()
+    net = _convert_continuous(model.net, xt, drop_training_only)
+    out = ContinuousAutoregressiveWrapper(net, probabilistic=bool(model.probabilistic),
+                                          use_l1_loss=kind == "L1Loss",
+                                          equal_loss_weight_batch=bool(model.equal_loss_weight_batch))
+    return out.train(model.training)
+
+
 def from_x_transformers(
     model: nn.Module, *, drop_training_only: bool = False
 ) -> TransformerWrapper | AutoregressiveWrapper | XTransformer:
@@ -1718,7 +1792,9 @@ def from_x_transformers(
 
     Converts an ``x_transformers.TransformerWrapper`` into a ``safeformer.TransformerWrapper``, an
     ``x_transformers.AutoregressiveWrapper`` into a ``safeformer.AutoregressiveWrapper`` (same
-    ``ignore_index`` and ``pad_value``) and an ``x_transformers.XTransformer`` into a
+    ``ignore_index`` and ``pad_value``), a bare layer stack (``Encoder``, ``Decoder``, ``CrossAttender``,
+    ``AttentionLayers``) into the same safeformer class, a ``ContinuousTransformerWrapper`` and a
+    ``ContinuousAutoregressiveWrapper`` into safeformer's (same loss), and an ``x_transformers.XTransformer`` into a
     ``safeformer.XTransformer`` (same ``tie_token_emb``, ``ignore_index`` and ``pad_value``; what its
     encoder and decoder set differently, ``enc_<option>`` / ``dec_<option>`` in x-transformers, lands
     in its ``enc_options`` / ``dec_options``, so the converted model saves and reloads as it is).
@@ -1766,7 +1842,7 @@ def from_x_transformers(
         padding; see the module docstring for the positions and the epsilons).
 
     Raises:
-        TypeError: ``model`` is none of the three.
+        TypeError: ``model`` is none of these.
         ValueError: the model uses options safeformer cannot represent; the message lists all of them.
     """
     xt, xt_attend = _xt()
@@ -1789,10 +1865,18 @@ def from_x_transformers(
         sf = AutoregressiveWrapper(net, ignore_index=model.ignore_index, pad_value=model.pad_value, **loss_options)
         sf.train(model.training)
         return sf
+    import x_transformers.continuous as xt_continuous
+
+    if isinstance(model, xt_continuous.ContinuousAutoregressiveWrapper):
+        return _convert_continuous_autoregressive(model, xt, drop_training_only)
+    if isinstance(model, xt_continuous.ContinuousTransformerWrapper):
+        return _convert_continuous(model, xt, drop_training_only)
+    if isinstance(model, xt.AttentionLayers):
+        return _convert_stack(model, xt, drop_training_only)
     if not isinstance(model, xt.TransformerWrapper):
         raise TypeError(
-            "model must be an x_transformers.TransformerWrapper, AutoregressiveWrapper or XTransformer, "
-            f"got {type(model).__name__}"
+            "model must be an x_transformers.TransformerWrapper, AutoregressiveWrapper, XTransformer, "
+            f"ContinuousTransformerWrapper, ContinuousAutoregressiveWrapper or a layer stack, got {type(model).__name__}"
         )
     plan = _plan_wrapper(model, xt, xt_attend, problems, training_only)
     _raise_problems(problems, training_only, drop_training_only)
