@@ -32,13 +32,13 @@ memories each returns. No twin for
 x_transformers.TransformerWrapper, AutoregressiveWrapper or XTransformer, got XLAutoregressiveWrapper")
 nor for ``AutoregressiveWrapper(mask_prob=)`` (refused: the hidden keys are drawn at random, differently).
 
-README examples NOT covered (safeformer has no such option; each fails at construction with
-"TypeError: Decoder.__init__() got an unexpected keyword argument '<name>'", ``Encoder`` for
-``attn_on_attn``):
-    use_scalenorm; use_simple_rmsnorm; ff_no_bias; ff_relu_squared; attn_sparse_topk (+
-    attn_sparse_topk_straight_through); attn_hard; attn_pre_talking_heads / attn_post_talking_heads;
-    attn_on_attn; dynamic_pos_bias (+ dynamic_pos_bias_log_distance); resi_dual (+ resi_dual_scale);
-    attn_head_scale; ff_post_act_ln; attn_qk_norm_groups; attn_qk_norm_scale; rotate_num_heads (the
+README examples NOT covered (safeformer does not build the option: each fails at construction with
+"TypeError: Decoder: x-transformers' option <name>=<value> is not supported by safeformer" (``Encoder`` for
+``attn_on_attn``), or, for ``resi_dual``, which x-transformers 2.31.10 itself refuses ("AssertionError:
+unrecognized kwargs passed in dict_keys(['resi_dual'])"), "unexpected keyword argument"):
+    attn_sparse_topk (+ attn_sparse_topk_straight_through); attn_hard; attn_pre_talking_heads /
+    attn_post_talking_heads; attn_on_attn; dynamic_pos_bias (+ dynamic_pos_bias_log_distance); resi_dual (+
+    resi_dual_scale); attn_head_scale; attn_qk_norm_groups; attn_qk_norm_scale; rotate_num_heads (the
     "shift_mem_down" XL example: ``max_mem_len`` and ``shift_mem_down`` themselves run);
     post_emb_norm=True on a TransformerWrapper: "TypeError: TransformerWrapper: x-transformers' option
     post_emb_norm=True is not supported by safeformer".
@@ -1794,3 +1794,168 @@ def test_xval_parity():
         sf_logits, sf_nums = sf_model.net(ids, nums)
         _assert_parity("xVal logits", xt_logits, sf_logits)
         _assert_parity("xVal numbers", xt_nums, sf_nums)
+
+
+def test_scalenorm():
+    """README Transformers without Tears": use_scalenorm."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder, Encoder  # noqa: F401
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            use_scalenorm = True # set to True to use for all layers
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_scalenorm_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, use_scalenorm=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("use_scalenorm", xt_model(x), sf_model(x))
+
+
+def test_simple_rmsnorm():
+    """README "Root Mean Square Layer Normalization": use_simple_rmsnorm."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder, Encoder  # noqa: F401
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            use_simple_rmsnorm = True # set to true to use for all layers
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_simple_rmsnorm_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, use_simple_rmsnorm=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("use_simple_rmsnorm", xt_model(x), sf_model(x))
+
+
+def test_ff_no_bias():
+    """README "No Bias in Feedforward": ff_no_bias."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder, Encoder  # noqa: F401
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            ff_no_bias = True  # set this to True
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_ff_no_bias_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, ff_no_bias=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("ff_no_bias", xt_model(x), sf_model(x))
+
+
+def test_ff_relu_squared():
+    """README "ReLU Squared": ff_relu_squared."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder, Encoder  # noqa: F401
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            ff_relu_squared = True
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))  # added
+    out = model(x)                          # added
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_ff_relu_squared_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, ff_relu_squared=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("ff_relu_squared", xt_model(x), sf_model(x))
+
+
+def test_ff_post_act_ln():
+    """README "Normformer"-style ff_post_act_ln."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder, Encoder  # noqa: F401
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            ff_post_act_ln = True # set this to True
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))
+    out = model(x)
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_ff_post_act_ln_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, ff_post_act_ln=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("ff_post_act_ln", xt_model(x), sf_model(x))
