@@ -76,6 +76,11 @@ class Attention(nn.Module):
         hybrid_module, hybrid_fold_axial_dim, hybrid_mask_kwarg, hybrid_learned_mix: a user's sequence module
             (a ``GRU`` say) beside self-attention, the two outputs RMS-normalised per head and averaged before
             ``to_out`` (x-transformers' names; see ``hybrid.HybridBranch`` for padding and the KV cache).
+        head_scale: x-transformers' ``head_scale`` (Normformer): each head's output scaled by a learned gain
+            (``head_scale_params (1, h, 1, 1)``, ones at init) before the heads are merged; not with a hybrid module.
+        sublayer_dropout: dropout on the output, after ``to_out``.
+        output_proj_depth: ``to_out`` initialised with OLMo's depth-scaled normal, std ``(2 * fan_in *
+            output_proj_depth) ** -0.5`` (ignored with ``zero_init_output``, as in x-transformers).
         **xt_options: x-transformers' other ``Attention`` keywords (``sparse_topk``, ``hard``, the talking heads,
             ``qk_norm_groups``, ``value_dim_head``, ...: ``xt_defaults.ATTENTION_DEFAULT_ONLY``) at their default
             value, which is what this module does; ``onnxable`` with any value (no effect on the numbers). Another
@@ -112,7 +117,8 @@ class Attention(nn.Module):
         cope_max_pos: int = 16, cope_soft_onehot_pos: bool = False, cope_talking_heads: bool = False,
         use_rel_proj_pos_bias: bool = False, rel_proj_num_distance_basis: int = 16, rel_proj_max_dist: int = 1024,
         hybrid_module: nn.Module | None = None, hybrid_mask_kwarg: str | None = None,
-        hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, **xt_options,
+        hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, head_scale: bool = False,
+        sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -139,6 +145,7 @@ class Attention(nn.Module):
                    learned_value_residual_mix=learned_value_residual_mix)
         init_forget_gates(self, dim, heads, causal, data_dependent_alibi, data_dependent_alibi_kwargs)
         init_out(self, dim, heads, dim_head, bias, dim_out=dim_out, zero_init_output=zero_init_output,
+                 head_scale=head_scale, sublayer_dropout=sublayer_dropout, output_proj_depth=output_proj_depth,
                  orthog_projected_values=orthog_projected_values, value_rmsnorm=value_rmsnorm,
                  orthog_projected_values_per_head=orthog_projected_values_per_head)
         init_extra_keys(self, heads, kv_heads, dim_head, num_mem_kv, learned_sink)
@@ -151,6 +158,9 @@ class Attention(nn.Module):
         self.hybrid = make_hybrid(hybrid_module, dim=dim, heads=heads, dim_head=dim_head, causal=causal,
                                   fold_axial_dim=hybrid_fold_axial_dim, mask_kwarg=hybrid_mask_kwarg,
                                   learned_mix=hybrid_learned_mix)
+        if self.head_scale_params is not None and self.hybrid is not None:
+            raise ValueError("head_scale scales the attention heads before the hybrid module's output is mixed in "
+                             "(x-transformers' order): the two together are not supported")
 
     @property
     def explicit(self) -> bool:
@@ -247,6 +257,8 @@ class Attention(nn.Module):
         (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that
         are exactly 0 after it (a bias would move dead rows off 0). ``values (b, i, h_kv, d)``: with
         ``orthog_projected_values``, the new values (masked ones selected to 0) that ``out`` is projected off."""
+        if self.head_scale_params is not None:  # x-transformers' head_scale (Normformer): one learned gain per head
+            out = out * self.head_scale_params.reshape(-1, 1).to(out.dtype)
         if self.to_v_head_gate is not None:  # padded rows' x selected to 0 first; a dead row's out is 0 and stays 0
             xs = x if keep is None else torch.where(keep[..., None], x, 0.0)
             out = out * torch.sigmoid(self.to_v_head_gate(xs))[..., None].to(out.dtype)
@@ -254,6 +266,8 @@ class Attention(nn.Module):
             out = gate(self, out, x, keep)
         flat = out.flatten(-2) if values is None else orthog_project(self, out, values)
         out = self._linear(self.to_out, flat, keep)
+        if self.sublayer_dropout is not None:
+            out = self.sublayer_dropout(out)
         return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
 
     def project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 def init_out(attn: Attention, dim: int, heads: int, dim_head: int, bias: bool, *, dim_out: int | None,
              zero_init_output: bool, orthog_projected_values: bool, orthog_projected_values_per_head: bool,
-             value_rmsnorm: bool) -> None:
+             value_rmsnorm: bool, head_scale: bool = False, sublayer_dropout: float = 0.0,
+             output_proj_depth: int | None = None) -> None:
     """The output projection ``to_out`` of ``attn`` (its width ``dim_out``), checked and set.
 
     Args (``Attention``'s keywords):
@@ -44,10 +45,21 @@ def init_out(attn: Attention, dim: int, heads: int, dim_head: int, bias: bool, *
         raise ValueError(f"dim_out must be a positive integer, got {dim_out!r}")
     attn.dim_out = dim if dim_out is None else dim_out
     attn.to_out = nn.Linear(heads * dim_head * max(1, orthog_parts), attn.dim_out, bias=bias)
+    if not isinstance(head_scale, bool):
+        raise TypeError(f"head_scale must be True or False, got {head_scale!r}")
+    attn.head_scale_params = nn.Parameter(torch.ones(1, heads, 1, 1)) if head_scale else None
+    if isinstance(sublayer_dropout, bool) or not isinstance(sublayer_dropout, (int, float)) \
+            or not 0 <= sublayer_dropout < 1:
+        raise ValueError(f"sublayer_dropout must be a probability in [0, 1), got {sublayer_dropout!r}")
+    attn.sublayer_dropout = nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None
+    if output_proj_depth is not None and not _positive_int(output_proj_depth):
+        raise ValueError(f"output_proj_depth must be a positive integer, got {output_proj_depth!r}")
     if zero_init_output:  # x-transformers' zero_init_output: the block starts as the identity of the residual
         nn.init.zeros_(attn.to_out.weight)
         if attn.to_out.bias is not None:
             nn.init.zeros_(attn.to_out.bias)
+    elif output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
+        nn.init.normal_(attn.to_out.weight, std=(2 * attn.to_out.in_features * output_proj_depth) ** -0.5)
 
 
 def init_gates(attn: Attention, dim: int, heads: int, dim_head: int, *, gate_values: bool, gate_values_rank,

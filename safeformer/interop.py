@@ -258,10 +258,13 @@ class _AttnOptions:
     scoring: tuple = ()  # the scoring options every attention of a stack shares (attn_l2_distance, ...), sorted items
     self_scoring: tuple = ()  # self-attention only (CoPE, the relative projection bias), sorted items
     inverted: bool = False  # cross-attention only (cross_attn_inverted_attention, per block)
+    head_scale: bool = False  # attn_head_scale: a learned gain per head (permuted with the query heads)
+    sublayer_dropout: float = 0.0  # attn_sublayer_dropout
 
     def key(self) -> tuple:
         return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
-                self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid)
+                self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid, self.head_scale,
+                self.sublayer_dropout)
 
 
 def _gate_options(name: str, attn, problems: _Problems) -> tuple:
@@ -335,9 +338,9 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     """Records what ``attn`` uses that safeformer cannot represent; returns the options it can."""
     opts = _AttnOptions(qk_norm=bool(attn.qk_norm), mem_kv=int(getattr(attn, "num_mem_kv", 0)))
     flags = {
-        "head_scale": "attn_head_scale",
         "attn_on_attn": "attn_on_attn",
     }
+    opts.head_scale = bool(getattr(attn, "head_scale", False))
     for attr, option in flags.items():
         if getattr(attn, attr, False):
             problems.add(f"{option}", name)
@@ -396,7 +399,7 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     if getattr(attn, "rotate_num_heads", attn.heads) != attn.heads and not rope_subheads:
         problems.add(f"rotate_num_heads={attn.rotate_num_heads} < heads={attn.heads}", name)
     if getattr(attn, "sublayer_dropout", None) is not None:
-        training_only.append("attn_sublayer_dropout")
+        opts.sublayer_dropout = float(attn.sublayer_dropout.p)  # attn_sublayer_dropout
     for lin in ("to_q", "to_k", "to_v"):
         if getattr(attn, lin).bias is not None:
             problems.add(f"a bias in {lin}", name)
@@ -1185,6 +1188,10 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.setdefault("cross_attn_kwargs", {})["num_mem_kv"] = cross_mem
     if opts0.sink:
         stack_kwargs.update(attn_head_learned_sink=True)
+    if opts0.head_scale:
+        stack_kwargs.update(attn_head_scale=True)
+    if opts0.sublayer_dropout:
+        stack_kwargs.update(attn_sublayer_dropout=opts0.sublayer_dropout)
     if opts0.softclamp is not None:
         stack_kwargs.update(attn_softclamp_logits=True, attn_logit_softclamp_value=opts0.softclamp)
     stack_kwargs.update(dict(opts0.gates))
@@ -1474,6 +1481,8 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     put(dst.mem_v, take(blk.mem_v))
                 if opts.sink:
                     put(dst.head_attn_sink, take(blk.attend.head_attn_sink)[perm])
+                if opts.head_scale:  # (1, h, 1, 1), permuted with the query heads
+                    put(dst.head_scale_params, take(blk.head_scale_params)[:, perm])
                 copy_gates(dst, blk)
             else:
                 info = _parse_ff(f"attn_layers.layers.{k}", blk, xt, _Problems(), [])

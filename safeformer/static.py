@@ -320,6 +320,7 @@ def _plain_output(mixer) -> bool:
     """Whether ``mixer._output`` (no ``keep``, no ``rows_ok``, no ``values``) is only ``to_out`` of the flattened
     heads: no head, value or output gate, a plain ``nn.Linear``."""
     return (mixer.to_v_head_gate is None and mixer.to_v_gate is None and mixer.to_output_gate is None
+            and mixer.head_scale_params is None and (mixer.sublayer_dropout is None or not mixer.training)
             and type(mixer.to_out) is nn.Linear)
 
 

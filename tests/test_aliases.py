@@ -37,13 +37,16 @@ def test_every_alias_in_the_tables_is_tested_or_accepted():
     tested |= {f"ff_{k}" for k in FF_KWARGS} | {f"attn_{k}" for k in ATTN_KWARGS} | set(XT_DEFAULT_ONLY)
     tested |= {"attn_onnxable", "verbose"}
     assert set(LAYER_ALIASES) == tested, f"untested aliases: {sorted(set(LAYER_ALIASES) - tested)}"
+    neutral = {"emb_frac_gradient": (1.0, 0.5), "max_mem_len": (0, 8)}
     for key in WRAPPER_ALIASES:  # each is accepted at its neutral value and refused otherwise
-        net = sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1),
-                                    **{key: 1.0 if key == "emb_frac_gradient" else False})
-        assert isinstance(net, sf.TransformerWrapper)
+        ok, other = neutral.get(key, (False, True))
+        if key == "max_mem_len":  # TransformerWrapper keeps XL memories itself: the continuous wrapper's alias
+            make = lambda **kw: sf.ContinuousTransformerWrapper(dim_in=4, attn_layers=sf.Encoder(dim=8, depth=1), **kw)  # noqa: E731
+        else:
+            make = lambda **kw: sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1), **kw)  # noqa: E731
+        assert isinstance(make(**{key: ok}), torch.nn.Module)
         with pytest.raises(TypeError, match=key):
-            sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1),
-                                  **{key: 0.5 if key == "emb_frac_gradient" else True})
+            make(**{key: other})
 
 
 def test_attn_flash_is_accepted_and_the_kernel_choice_stays_automatic():

@@ -141,7 +141,7 @@ def test_autoregressive_wrapper_loss_and_greedy_generation(name):
     [
         (lambda: XTAutoregressiveWrapper(xt_net(), mask_prob=0.15), "mask_prob"),
         (lambda: XTAutoregressiveWrapper(xt_net("Encoder")), "non-causal"),
-        (lambda: XTAutoregressiveWrapper(xt_net(attn_head_scale=True)), "attn_head_scale (at net"),
+        (lambda: XTAutoregressiveWrapper(xt_net(attn_on_attn=True)), "attn_on_attn (at net"),
     ],
     ids=["mask_prob", "encoder", "net_option"],
 )

@@ -352,7 +352,6 @@ def test_adaptive_options_convert(opts):
 
 
 @pytest.mark.parametrize("opts,expected", [
-    (dict(attn_head_scale=True), "attn_head_scale"),
     (dict(attn_gate_value_heads=True), "attn_gate_value_heads"),
     (dict(gated_multi_residual=True, num_residual_streams=2, residual_fn_kwargs=dict(read_gate_rank=4)),
      "gated_multi_residual"),

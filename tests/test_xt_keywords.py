@@ -104,6 +104,9 @@ LAYER_OPTIONS = {
     "ff_sublayer_dropout": dict(ff_sublayer_dropout=0.2),
     "verbose": dict(verbose=False),
     "rotary_disable_default": dict(rotary_pos_emb=True, disable_abs_pos_emb=None),
+    "attn_head_scale": dict(attn_head_scale=True),
+    "attn_head_scale_gqa": dict(attn_head_scale=True, attn_kv_heads=1),
+    "attn_sublayer_dropout": dict(attn_sublayer_dropout=0.2, ff_sublayer_dropout=0.1),
 }
 WRAPPER_OPTIONS = {
     "max_seq_len_0": dict(max_seq_len=0),
@@ -459,3 +462,30 @@ def test_xtransformer_cross_attn_tokens_dropout():
         sf.XTransformer(**kw, cross_attn_tokens_dropout=0.25, dec_cross_attn_tokens_dropout=0.5)
     merged = sf.XTransformer(**kw, enc_ff_no_bias=True, enc_ff_solu=True)
     assert merged.encoder.attn_layers.get_config()["ff_kwargs"] == {"no_bias": True, "solu": True}
+
+
+def test_attention_head_scale_sublayer_dropout_and_depth_init():
+    """``Attention(head_scale=True)`` equals x-transformers' on the same weights (gains moved off 1), padded
+    queries exactly 0; ``sublayer_dropout`` acts in training only; ``output_proj_depth`` draws OLMo's init."""
+    torch.manual_seed(0)
+    peer = _perturbed(X.Attention(16, heads=4, dim_head=4, head_scale=True), 5).eval()
+    ours = sf.Attention(16, heads=4, dim_head=4, head_scale=True).eval()
+    assert ours.head_scale_params.shape == (1, 4, 1, 1)
+    ours.load_state_dict(peer.state_dict(), strict=False)
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, mask=mask)[mask], peer(x, mask=mask)[mask], atol=1e-5, rtol=1e-5)
+        assert bool((ours(x, mask=mask)[~mask] == 0).all())
+    drop = sf.Attention(16, heads=2, sublayer_dropout=0.5)
+    drop.eval()
+    a = drop(x)
+    torch.testing.assert_close(a, drop(x))
+    drop.train()
+    assert bool((drop(x) == 0).any()) and not bool((a == 0).any())
+    torch.manual_seed(0)
+    deep = sf.Attention(64, heads=4, dim_head=64, output_proj_depth=3)
+    want = (2 * 256 * 3) ** -0.5
+    assert abs(deep.to_out.weight.std().item() - want) < 0.1 * want
+    with pytest.raises(ValueError, match="head_scale .* hybrid"):
+        sf.Attention(16, heads=2, dim_head=8, head_scale=True, hybrid_module=torch.nn.GRU(16, 16, batch_first=True))

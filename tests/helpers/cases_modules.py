@@ -114,7 +114,7 @@ def _perturb_ff_gains(model: nn.Module) -> nn.Module:
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("mult_bias", "solu_norm", "post_act_norm")) or name.endswith(".g"):
+            if name.endswith(("mult_bias", "solu_norm", "post_act_norm", "head_scale_params")) or name.endswith(".g"):
                 p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
     return model
 
@@ -122,13 +122,14 @@ def _perturb_ff_gains(model: nn.Module) -> nn.Module:
 class DecoderXtFeedForwardCase(DecoderCase):
     """``Decoder`` with x-transformers' feed-forward and norm keywords: SoLU with a post-activation LayerNorm,
     no biases (``ff_no_bias``) and ScaleNorm for every norm. The SoLU softmax runs over hidden features, never
-    positions: padded rows must stay out of every real output and gradient."""
+    positions: padded rows must stay out of every real output and gradient. With x-transformers' per-head gains
+    (``attn_head_scale``) on every attention."""
 
     name = "Decoder-xt-feedforward"
 
     def config(self):
         return dict(super().config(), ff_glu=False, ff_solu=True, ff_post_act_ln=True, ff_no_bias=True,
-                    use_scalenorm=True)
+                    use_scalenorm=True, attn_head_scale=True)
 
     def make(self, backend="auto"):
         return _perturb_ff_gains(super().make(backend))
