@@ -300,6 +300,8 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.proj_out = nn.Linear(inner, dim if dim_out is None else dim_out, bias=not no_bias)
         self.sublayer_dropout = nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None
+        if glu and no_bias:  # earlier safeformer built this input projection without a bias: read as a zero bias
+            self._register_load_state_dict_pre_hook(_zero_glu_bias_if_missing)
         if zero_init_output:
             nn.init.zeros_(self.proj_out.weight)
             if self.proj_out.bias is not None:
@@ -337,6 +339,14 @@ class FeedForward(nn.Module):
             return self.act(h)
         wide = h.to(torch.promote_types(h.dtype, torch.float32))  # SoLU: softmax(h) * h, normalised (S7)
         return _gain_layer_norm((wide.softmax(dim=-1) * wide).to(h.dtype), self.solu_norm)
+
+
+def _zero_glu_bias_if_missing(state_dict, prefix, *_args) -> None:
+    """A checkpoint of a gated ``FeedForward(no_bias=True)`` saved before its input projection kept x-transformers'
+    bias: that projection had none, which is a zero bias."""
+    weight, bias = prefix + "proj_in.weight", prefix + "proj_in.bias"
+    if weight in state_dict and bias not in state_dict:
+        state_dict[bias] = state_dict[weight].new_zeros(state_dict[weight].shape[0])
 
 
 def _gain_layer_norm(x: Tensor, gain: Tensor, eps: float = 1e-5) -> Tensor:

@@ -489,3 +489,17 @@ def test_attention_head_scale_sublayer_dropout_and_depth_init():
     assert abs(deep.to_out.weight.std().item() - want) < 0.1 * want
     with pytest.raises(ValueError, match="head_scale .* hybrid"):
         sf.Attention(16, heads=2, dim_head=8, head_scale=True, hybrid_module=torch.nn.GRU(16, 16, batch_first=True))
+
+
+def test_gated_no_bias_checkpoint_of_before_loads_strictly():
+    """A gated ``FeedForward(no_bias=True)`` saved when its input projection had no bias loads strictly (a zero
+    bias) and computes what it computed then."""
+    torch.manual_seed(0)
+    ff = FeedForward(8, glu=True, no_bias=True)
+    with torch.no_grad():
+        ff.proj_in.bias.zero_()
+    old = {k: v for k, v in ff.state_dict().items() if k != "proj_in.bias"}
+    fresh = FeedForward(8, glu=True, no_bias=True)
+    fresh.load_state_dict(old, strict=True)
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(fresh(x), ff(x))
