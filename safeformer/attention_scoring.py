@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: int, learned_sink: bool,
                  l2_distance: bool, cog_signed: bool, sigmoid: bool, inverted_attention: bool, gumbel_softmax: bool,
                  gumbel_softmax_temp: float, gumbel_softmax_hard: bool, laser: bool, laser_softclamp_value: float,
-                 use_cope: bool, cope_max_pos: int, cope_soft_onehot_pos: bool, cope_talking_heads: bool) -> None:
+                 use_cope: bool, cope_max_pos: int, cope_soft_onehot_pos: bool, cope_talking_heads: bool,
+                 sparse_topk: int | None = None, sparse_topk_straight_through: bool = False) -> None:
     """The options that change how logits become weights, checked, set on ``attn`` (``l2_distance``, ``cog_signed``,
     ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``, ``laser_value``, ``cope``).
 
@@ -53,6 +54,11 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
             memory keys or sink (``num_mem_kv``, ``learned_sink``: the module's, refused beside it).
         laser, laser_softclamp_value: LASER attention: ``log(weights @ exp(softclamp(v)))`` (a dead row stays 0, never
             ``log(0)``); not with ``cog_signed``.
+        sparse_topk: x-transformers' sparse top-k attention: each query keeps its ``sparse_topk`` largest logits
+            among the keys it may see (ties kept; all of them when fewer are live) and softmaxes over those; the
+            others weigh exactly 0. Not with sigmoid, gumbel softmax, l2 distance or inverted attention.
+            ``sparse_topk_straight_through``: the backward pass goes through the softmax over every live key (the
+            forward stays the top-k one), as x-transformers'.
         use_cope, cope_max_pos: contextual positions (CoPE, causal attention): a key's position is the sum of
             ``sigmoid(logit)`` over the visible keys from it on (masked keys count 0), its logit gains ``q . pos_emb``
             at that position (interpolated). ``cope_talking_heads`` / ``cope_soft_onehot_pos`` are refused.
@@ -81,6 +87,18 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
             raise ValueError(f"cope_max_pos must be a positive integer, got {cope_max_pos!r}")
     elif cope_talking_heads or cope_soft_onehot_pos:
         raise ValueError("cope_talking_heads / cope_soft_onehot_pos were given but use_cope is off")
+    if sparse_topk is not None:
+        if not _positive_int(sparse_topk):
+            raise ValueError(f"sparse_topk must be a positive integer, got {sparse_topk!r}")
+        if sigmoid or gumbel_softmax or l2_distance or inverted_attention:
+            raise ValueError("sparse_topk keeps the top logits of a softmax: not with sigmoid, gumbel_softmax, "
+                             "l2_distance or inverted_attention")
+    if not isinstance(sparse_topk_straight_through, bool):
+        raise TypeError(f"sparse_topk_straight_through must be True or False, got {sparse_topk_straight_through!r}")
+    if sparse_topk_straight_through and sparse_topk is None:
+        raise ValueError("sparse_topk_straight_through needs sparse_topk")
+    attn.sparse_topk = sparse_topk
+    attn.sparse_topk_straight_through = sparse_topk_straight_through
     attn.l2_distance = bool(l2_distance)
     attn.cog_signed = bool(cog_signed)
     attn.inverted = bool(inverted_attention)
@@ -325,6 +343,13 @@ def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | 
     ok = None if combined is None else (col_ok if inverted else row_ok)  # the softmax's live lines
     if ok is not None:
         logits = torch.where(ok, logits, 0.0)  # a dead line: finite logits, weights selected to 0 below
+    topk = None if opt is None else opt.sparse_topk
+    soft = None
+    if topk is not None and logits.shape[-1] > 0:  # x-transformers' sparse top-k: the rest of a row at -inf
+        if opt.sparse_topk_straight_through:  # the gradient of the softmax over every live key
+            soft = logits.softmax(dim=-1)
+        kth = logits.topk(min(topk, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = torch.where((logits >= kth) & (logits > float("-inf")), logits, float("-inf"))
     live = None if combined is None else combined & row_ok
     score = "softmax" if opt is None else opt.score
     if score == "sigmoid":
@@ -333,6 +358,8 @@ def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | 
         weights = _gumbel_softmax(logits, combined, dim, opt.gumbel_temp, opt.gumbel_hard)
     else:
         weights = logits.softmax(dim=dim)
+    if soft is not None:  # straight through: the top-k weights forward, the full softmax's gradient backward
+        weights = weights.detach() + soft - soft.detach()
     if live is not None:
         weights = torch.where(live, weights, 0.0)
     if inverted:  # normalised over the queries first: now L1 over each query's keys (x-transformers' l1norm)

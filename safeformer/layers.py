@@ -37,7 +37,7 @@ Args:
         default ``None`` means: when the stack has relative positions). ``False`` beside relative positions
         (both kinds at once) is refused: safeformer takes one position scheme.
     attn_kwargs, ff_kwargs: further keywords of every ``Attention`` (``gate_value_heads``, ``zero_init_output``,
-        ``cope_talking_heads``, ``head_scale``, ``sublayer_dropout``, ``output_proj_depth``) and every ``FeedForward`` (``no_bias``, ``relu_squared``, ``solu``,
+        ``cope_talking_heads``, ``head_scale``, ``sublayer_dropout``, ``output_proj_depth``, ``sparse_topk``) and every ``FeedForward`` (``no_bias``, ``relu_squared``, ``solu``,
         ``post_act_ln``, ``glu_mult_bias``, ``sublayer_dropout``, ``zero_init_output``, ``output_proj_depth``,
         ``dim_out`` equal to ``dim``). x-transformers' spellings ``attn_<name>`` / ``ff_<name>`` land here
         (``ff_no_bias=True`` is ``ff_kwargs={"no_bias": True}``); see ``FeedForward`` for their meaning.
@@ -307,7 +307,7 @@ def _into(family: str, key: str) -> Callable[[object], dict]:
 FF_KWARGS = ("no_bias", "relu_squared", "zero_init_output", "dim_out", "glu_mult_bias", "solu", "post_act_ln",
              "sublayer_dropout", "output_proj_depth")
 ATTN_KWARGS = ("gate_value_heads", "zero_init_output", "cope_talking_heads", "head_scale", "sublayer_dropout",
-               "output_proj_depth")
+               "output_proj_depth", "sparse_topk", "sparse_topk_straight_through")
 
 LAYER_ALIASES: dict[str, object] = {
     "attn_dim_head": "dim_head",

@@ -200,7 +200,6 @@ UNSUPPORTED = [
     (dict(attn_gate_value_heads=True), "attn_gate_value_heads"),
     (dict(attn_on_attn=True), "attn_on_attn"),
     (dict(attn_pre_talking_heads=True), "talking_heads"),
-    (dict(attn_sparse_topk=2), "attn_sparse_topk"),
     (dict(attn_value_dim_head=4), "attn_value_dim_head"),
     (dict(attn_add_zero_kv=True), "attn_add_zero_kv"),
     (dict(attn_max_attend_past=3), "attn_max_attend_past"),

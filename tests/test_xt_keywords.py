@@ -107,6 +107,9 @@ LAYER_OPTIONS = {
     "attn_head_scale": dict(attn_head_scale=True),
     "attn_head_scale_gqa": dict(attn_head_scale=True, attn_kv_heads=1),
     "attn_sublayer_dropout": dict(attn_sublayer_dropout=0.2, ff_sublayer_dropout=0.1),
+    "attn_sparse_topk": dict(attn_sparse_topk=3),
+    "attn_sparse_topk_rotary_gqa": dict(attn_sparse_topk=2, rotary_pos_emb=True, attn_kv_heads=1),
+    "attn_sparse_topk_straight_through": dict(attn_sparse_topk=2, attn_sparse_topk_straight_through=True),
 }
 WRAPPER_OPTIONS = {
     "max_seq_len_0": dict(max_seq_len=0),
@@ -303,8 +306,8 @@ def test_attention_takes_x_transformers_keywords_at_their_defaults():
         except Exception as err:  # noqa: BLE001
             refused[name] = f"{type(err).__name__}: {err}"
     assert not refused, refused
-    with pytest.raises(TypeError, match="x-transformers' option sparse_topk=4 is not supported by safeformer"):
-        sf.Attention(16, sparse_topk=4)
+    with pytest.raises(TypeError, match="x-transformers' option hard=True is not supported by safeformer"):
+        sf.Attention(16, hard=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'sparse_topc'; did you mean 'sparse_topk'"):
         sf.Attention(16, sparse_topc=4)
     sf.Attention(16, onnxable=True)
@@ -503,3 +506,42 @@ def test_gated_no_bias_checkpoint_of_before_loads_strictly():
     fresh.load_state_dict(old, strict=True)
     x = torch.randn(2, 3, 8)
     torch.testing.assert_close(fresh(x), ff(x))
+
+
+def test_sparse_topk_keeps_the_top_live_keys_and_reads_no_masked_key():
+    """Each query softmaxes over its k largest live logits (all of them when fewer are live); a masked key holding
+    NaN, a padded query and a dead row stay safe: finite, 0 where they should be, zero gradient there."""
+    torch.manual_seed(0)
+    attn = sf.Attention(8, heads=2, dim_head=4, sparse_topk=2)
+    x = torch.randn(3, 5, 8)
+    mask = torch.tensor([[True] * 5, [True] * 2 + [False] * 3, [True] + [False] * 4])  # 5, 2 and 1 live keys
+    planted = x.clone()
+    planted[~mask] = float("nan")
+    planted.requires_grad_()
+    out, weights = attn(planted, mask=mask, return_attn=True)
+    assert torch.isfinite(out).all() and bool((out[~mask] == 0).all())
+    live_keys = mask[:, None, None, :].expand_as(weights)
+    live_rows = mask[:, None, :, None].expand_as(weights)
+    counts = ((weights > 0) & live_rows).sum(-1)  # kept keys per live query row
+    assert bool((counts[0] == 2).all()) and bool((counts[1][:, :2] == 2).all()) and bool((counts[2][:, :1] == 1).all())
+    assert bool((weights[~live_keys] == 0).all())
+    torch.testing.assert_close(weights.sum(-1)[live_rows[..., 0]], torch.ones(int(live_rows[..., 0].sum())))
+    out.square().sum().backward()
+    assert torch.isfinite(planted.grad).all() and bool((planted.grad[~mask] == 0).all())
+    with pytest.raises(ValueError, match="sparse_topk must be a positive integer"):
+        sf.Attention(8, sparse_topk=0)
+    with pytest.raises(ValueError, match="not with sigmoid"):
+        sf.Attention(8, sparse_topk=2, sigmoid=True)
+    with pytest.raises(ValueError, match="sparse_topk_straight_through needs sparse_topk"):
+        sf.Attention(8, sparse_topk_straight_through=True)
+    # straight through: the same forward, the full softmax's gradient
+    torch.manual_seed(1)
+    st = sf.Attention(8, heads=2, dim_head=4, sparse_topk=2, sparse_topk_straight_through=True)
+    st.load_state_dict(attn.state_dict())
+    leaves = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [m(t, mask=mask) for m, t in zip((attn, st), leaves)]
+    torch.testing.assert_close(outs[0], outs[1])
+    for o in outs:
+        o.square().sum().backward()
+    assert not torch.allclose(leaves[0].grad, leaves[1].grad)
+    assert torch.isfinite(leaves[1].grad).all() and bool((leaves[1].grad[~mask] == 0).all())

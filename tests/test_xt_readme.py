@@ -36,9 +36,9 @@ README examples NOT covered (safeformer does not build the option: each fails at
 "TypeError: Decoder: x-transformers' option <name>=<value> is not supported by safeformer" (``Encoder`` for
 ``attn_on_attn``), or, for ``resi_dual``, which x-transformers 2.31.10 itself refuses ("AssertionError:
 unrecognized kwargs passed in dict_keys(['resi_dual'])"), "unexpected keyword argument"):
-    attn_sparse_topk (+ attn_sparse_topk_straight_through); attn_hard; attn_pre_talking_heads /
-    attn_post_talking_heads; attn_on_attn; dynamic_pos_bias (+ dynamic_pos_bias_log_distance); resi_dual (+
-    resi_dual_scale); attn_head_scale; attn_qk_norm_groups; attn_qk_norm_scale; rotate_num_heads (the
+    attn_hard; attn_pre_talking_heads / attn_post_talking_heads; attn_on_attn; dynamic_pos_bias (+
+    dynamic_pos_bias_log_distance); resi_dual (+ resi_dual_scale); attn_qk_norm_groups; attn_qk_norm_scale;
+    rotate_num_heads (the
     "shift_mem_down" XL example: ``max_mem_len`` and ``shift_mem_down`` themselves run);
     post_emb_norm=True on a TransformerWrapper: "TypeError: TransformerWrapper: x-transformers' option
     post_emb_norm=True is not supported by safeformer".
@@ -1959,3 +1959,71 @@ def test_ff_post_act_ln_parity():
     x = torch.randint(0, 20000, (1, N_PARITY))
     with torch.no_grad():
         _assert_parity("ff_post_act_ln", xt_model(x), sf_model(x))
+
+
+def test_sparse_topk():
+    """README "Explicit Sparse Transformer": attn_sparse_topk with the straight-through gradient."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            attn_sparse_topk = 8,                       # keep only the top 8 values before attention (softmax)
+            attn_sparse_topk_straight_through = True    # straight through the original gradients
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 256))  # added (README: 1024, shortened: the explicit path)
+    out = model(x)                          # added
+
+    assert out.shape == (1, 256, 20000)
+    _finite(out)
+
+
+def test_sparse_topk_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=8, attn_sparse_topk=8, attn_sparse_topk_straight_through=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("attn_sparse_topk", xt_model(x), sf_model(x))
+
+
+def test_attn_head_scale():
+    """README "Normformer": attn_head_scale."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            attn_head_scale = True  # set this to True
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 1024))
+    out = model(x)
+
+    assert out.shape == (1, 1024, 20000)
+    _finite(out)
+
+
+def test_attn_head_scale_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, attn_head_scale=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("attn_head_scale", xt_model(x), sf_model(x))

@@ -136,14 +136,17 @@ class DecoderXtFeedForwardCase(DecoderCase):
 
 
 class EncoderXtGluCase(EncoderCase):
-    """``Encoder`` with a gated ReLU-squared feed-forward with a learned gain (``ff_glu_mult_bias``), no biases
-    and x-transformers' parameter-free ``SimpleRMSNorm``."""
+    """``Encoder`` with a gated ReLU-squared feed-forward with a learned gain (``ff_glu_mult_bias``), no biases,
+    x-transformers' parameter-free ``SimpleRMSNorm`` and sparse top-2 attention (``attn_sparse_topk``: rows with
+    fewer live keys keep them all; masked keys never enter the top)."""
 
     name = "Encoder-xt-glu"
+    padded_only = True  # sparse top-k attention runs the explicit float32 path
+    explicit_attention = True  # no kernel call: the kernel-substitution clauses (S6, S7's scaling) do not apply
 
     def config(self):
         return dict(super().config(), ff_glu=True, ff_relu_squared=True, ff_glu_mult_bias=True, ff_no_bias=True,
-                    use_rmsnorm=False, use_simple_rmsnorm=True)
+                    use_rmsnorm=False, use_simple_rmsnorm=True, attn_sparse_topk=2)
 
     def make(self, backend="auto"):
         return _perturb_ff_gains(super().make(backend))
