@@ -79,6 +79,7 @@ class Attention(nn.Module):
         sparse_topk: x-transformers' sparse top-k attention: each query softmaxes over its ``sparse_topk`` largest
             logits (``attention_scoring.init_scoring``); the explicit float32 path, padded path only.
             ``sparse_topk_straight_through``: the full softmax's gradient (x-transformers').
+        hard: x-transformers' hard attention (one-hot forward, softmax gradient); the explicit path.
         head_scale: x-transformers' ``head_scale`` (Normformer): each head's output scaled by a learned gain
             (``head_scale_params (1, h, 1, 1)``, ones at init) before the heads are merged; not with a hybrid module.
         sublayer_dropout: dropout on the output, after ``to_out``.
@@ -121,7 +122,7 @@ class Attention(nn.Module):
         use_rel_proj_pos_bias: bool = False, rel_proj_num_distance_basis: int = 16, rel_proj_max_dist: int = 1024,
         hybrid_module: nn.Module | None = None, hybrid_mask_kwarg: str | None = None,
         hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, sparse_topk: int | None = None,
-        sparse_topk_straight_through: bool = False, head_scale: bool = False,
+        sparse_topk_straight_through: bool = False, hard: bool = False, head_scale: bool = False,
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
@@ -141,7 +142,7 @@ class Attention(nn.Module):
                      gumbel_softmax_hard=gumbel_softmax_hard, laser=laser, laser_softclamp_value=laser_softclamp_value,
                      use_cope=use_cope, cope_max_pos=cope_max_pos, cope_soft_onehot_pos=cope_soft_onehot_pos,
                      cope_talking_heads=cope_talking_heads, sparse_topk=sparse_topk,
-                     sparse_topk_straight_through=sparse_topk_straight_through)
+                     sparse_topk_straight_through=sparse_topk_straight_through, hard=hard)
         self.rel_proj_pos_bias = RelativeProjPositionalBias(
             dim, heads, num_distance_basis=rel_proj_num_distance_basis, max_dist=rel_proj_max_dist,
         ) if use_rel_proj_pos_bias else None

@@ -36,7 +36,8 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
                  l2_distance: bool, cog_signed: bool, sigmoid: bool, inverted_attention: bool, gumbel_softmax: bool,
                  gumbel_softmax_temp: float, gumbel_softmax_hard: bool, laser: bool, laser_softclamp_value: float,
                  use_cope: bool, cope_max_pos: int, cope_soft_onehot_pos: bool, cope_talking_heads: bool,
-                 sparse_topk: int | None = None, sparse_topk_straight_through: bool = False) -> None:
+                 sparse_topk: int | None = None, sparse_topk_straight_through: bool = False,
+                 hard: bool = False) -> None:
     """The options that change how logits become weights, checked, set on ``attn`` (``l2_distance``, ``cog_signed``,
     ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``, ``laser_value``, ``cope``).
 
@@ -59,6 +60,8 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
             others weigh exactly 0. Not with sigmoid, gumbel softmax, l2 distance or inverted attention.
             ``sparse_topk_straight_through``: the backward pass goes through the softmax over every live key (the
             forward stays the top-k one), as x-transformers'.
+        hard: x-transformers' hard attention: each query's weights are the one-hot of its largest live logit (the
+            first on ties) forward, the softmax's gradient backward; a dead row stays 0.
         use_cope, cope_max_pos: contextual positions (CoPE, causal attention): a key's position is the sum of
             ``sigmoid(logit)`` over the visible keys from it on (masked keys count 0), its logit gains ``q . pos_emb``
             at that position (interpolated). ``cope_talking_heads`` / ``cope_soft_onehot_pos`` are refused.
@@ -69,8 +72,10 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
     if inverted_attention and (num_mem_kv or learned_sink):
         raise ValueError("inverted_attention with memory keys or a learned sink is not supported (every query, padded "
                          "ones too, would share their softmax over the queries)")
-    if sum(map(bool, (l2_distance, sigmoid, gumbel_softmax))) > 1:
-        raise ValueError("choose at most one of l2_distance, sigmoid and gumbel_softmax")
+    if sum(map(bool, (l2_distance, sigmoid, gumbel_softmax, hard, sparse_topk is not None))) > 1:
+        raise ValueError("choose at most one of l2_distance, sigmoid, gumbel_softmax, hard and sparse_topk")
+    if not isinstance(hard, bool):
+        raise TypeError(f"hard must be True or False, got {hard!r}")
     if laser and cog_signed:
         raise ValueError("laser takes the log of weights @ exp(values): cog_signed's negative weights can make it "
                          "0 or negative (NaN in x-transformers); use one of them")
@@ -102,7 +107,7 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
     attn.l2_distance = bool(l2_distance)
     attn.cog_signed = bool(cog_signed)
     attn.inverted = bool(inverted_attention)
-    attn.score = "sigmoid" if sigmoid else "gumbel" if gumbel_softmax else "softmax"
+    attn.score = "sigmoid" if sigmoid else "gumbel" if gumbel_softmax else "hard" if hard else "softmax"
     attn.gumbel_temp, attn.gumbel_hard = float(gumbel_softmax_temp), bool(gumbel_softmax_hard)
     attn.laser_value = float(laser_softclamp_value) if laser else None
     attn.cope = CoPE(dim_head, cope_max_pos) if use_cope else None
@@ -356,6 +361,11 @@ def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | 
         weights = torch.sigmoid(logits)
     elif score == "gumbel":
         weights = _gumbel_softmax(logits, combined, dim, opt.gumbel_temp, opt.gumbel_hard)
+    elif score == "hard":  # the one-hot of the largest logit forward, the softmax's gradient backward
+        soft = logits.softmax(dim=dim)
+        one_hot = torch.zeros_like(soft).scatter(dim, logits.argmax(dim=dim, keepdim=True), 1.0)
+        weights = one_hot + soft - soft.detach()
+        soft = None
     else:
         weights = logits.softmax(dim=dim)
     if soft is not None:  # straight through: the top-k weights forward, the full softmax's gradient backward

@@ -260,12 +260,13 @@ class _AttnOptions:
     inverted: bool = False  # cross-attention only (cross_attn_inverted_attention, per block)
     head_scale: bool = False  # attn_head_scale: a learned gain per head (permuted with the query heads)
     sparse_topk: tuple | None = None  # (attn_sparse_topk, attn_sparse_topk_straight_through)
+    hard: bool = False  # attn_hard
     sublayer_dropout: float = 0.0  # attn_sublayer_dropout
 
     def key(self) -> tuple:
         return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
                 self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid, self.head_scale,
-                self.sublayer_dropout, self.sparse_topk)
+                self.sublayer_dropout, self.sparse_topk, self.hard)
 
 
 def _gate_options(name: str, attn, problems: _Problems) -> tuple:
@@ -419,8 +420,12 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     sigmoid = fn is F.sigmoid or fn is torch.sigmoid
     topk = isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == "sparse_topk_attn" \
         and fn.keywords.get("dim", -1) == -1 and float(fn.keywords.get("temperature", 1.0)) == 1.0
+    hard = isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == "one_hot_straight_through" \
+        and fn.keywords.get("dim", -1) == -1 and float(fn.keywords.get("temperature", 1.0)) == 1.0
     if topk:  # attn_sparse_topk (+ attn_sparse_topk_straight_through): safeformer's own
         opts.sparse_topk = (int(fn.keywords["sparse_topk"]), bool(fn.keywords.get("straight_through", False)))
+    elif hard:  # attn_hard
+        opts.hard = True
     elif not plain_softmax and not sigmoid:
         problems.add("a non-softmax attention function (attn_hard / attn_sparse_topk / attn_gumbel_softmax / "
                      "attn_custom_attn_fn)", name)
@@ -1195,6 +1200,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(attn_head_learned_sink=True)
     if opts0.head_scale:
         stack_kwargs.update(attn_head_scale=True)
+    if opts0.hard:
+        stack_kwargs.update(attn_hard=True)
     if opts0.sparse_topk is not None:
         stack_kwargs.update(attn_sparse_topk=opts0.sparse_topk[0])
         if opts0.sparse_topk[1]:

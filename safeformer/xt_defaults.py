@@ -16,7 +16,7 @@ XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_attend_sdp_kwargs": dict(enable_flash=True, enable_math=True, enable_mem_efficient=True),
     "attn_custom_attn_fn": None, "attn_data_dependent_alibi_per_row": False,
     "attn_data_dependent_alibi_per_row_dim_head": 8, "attn_dim_context": None, "attn_dim_out": None,
-    "attn_flash_pack_seq": False, "attn_hard": False, "attn_inverted_attention": False,
+    "attn_flash_pack_seq": False, "attn_inverted_attention": False,
     "attn_k_rmsnorm": False, "attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
     "attn_on_attn": False, "attn_post_talking_heads": False,
     "attn_pre_scale_post_talking_heads": False, "attn_pre_talking_heads": False, "attn_project_out": None,

@@ -110,6 +110,7 @@ LAYER_OPTIONS = {
     "attn_sparse_topk": dict(attn_sparse_topk=3),
     "attn_sparse_topk_rotary_gqa": dict(attn_sparse_topk=2, rotary_pos_emb=True, attn_kv_heads=1),
     "attn_sparse_topk_straight_through": dict(attn_sparse_topk=2, attn_sparse_topk_straight_through=True),
+    "attn_hard": dict(attn_hard=True),
 }
 WRAPPER_OPTIONS = {
     "max_seq_len_0": dict(max_seq_len=0),
@@ -306,8 +307,8 @@ def test_attention_takes_x_transformers_keywords_at_their_defaults():
         except Exception as err:  # noqa: BLE001
             refused[name] = f"{type(err).__name__}: {err}"
     assert not refused, refused
-    with pytest.raises(TypeError, match="x-transformers' option hard=True is not supported by safeformer"):
-        sf.Attention(16, hard=True)
+    with pytest.raises(TypeError, match="x-transformers' option on_attn=True is not supported by safeformer"):
+        sf.Attention(16, on_attn=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'sparse_topc'; did you mean 'sparse_topk'"):
         sf.Attention(16, sparse_topc=4)
     sf.Attention(16, onnxable=True)
@@ -530,7 +531,7 @@ def test_sparse_topk_keeps_the_top_live_keys_and_reads_no_masked_key():
     assert torch.isfinite(planted.grad).all() and bool((planted.grad[~mask] == 0).all())
     with pytest.raises(ValueError, match="sparse_topk must be a positive integer"):
         sf.Attention(8, sparse_topk=0)
-    with pytest.raises(ValueError, match="not with sigmoid"):
+    with pytest.raises(ValueError, match="at most one of"):
         sf.Attention(8, sparse_topk=2, sigmoid=True)
     with pytest.raises(ValueError, match="sparse_topk_straight_through needs sparse_topk"):
         sf.Attention(8, sparse_topk_straight_through=True)
@@ -545,3 +546,27 @@ def test_sparse_topk_keeps_the_top_live_keys_and_reads_no_masked_key():
         o.square().sum().backward()
     assert not torch.allclose(leaves[0].grad, leaves[1].grad)
     assert torch.isfinite(leaves[1].grad).all() and bool((leaves[1].grad[~mask] == 0).all())
+
+
+def test_hard_attention_one_hot_forward_softmax_gradient_and_safe():
+    """``hard``: each live query takes the value of its largest live logit, exactly (one-hot forward); the
+    gradient is the softmax's; masked keys holding NaN and dead rows stay out (0, zero gradient)."""
+    torch.manual_seed(0)
+    attn = sf.Attention(8, heads=2, dim_head=4, hard=True)
+    x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[True] * 4, [True] * 2 + [False] * 2])
+    planted = x.clone()
+    planted[~mask] = float("nan")
+    planted.requires_grad_()
+    out, weights = attn(planted, mask=mask, return_attn=True)
+    live_rows = mask[:, None, :, None].expand_as(weights)
+    # one_hot + soft - soft.detach(), in x-transformers' order: 0 or 1 up to one rounding
+    near = torch.minimum(weights.detach().abs(), (weights.detach() - 1).abs())
+    assert bool((near[live_rows] < 1e-6).all())
+    torch.testing.assert_close(weights.sum(-1)[live_rows[..., 0]], torch.ones(int(live_rows[..., 0].sum())))
+    assert bool((weights[~mask[:, None, None, :].expand_as(weights)] == 0).all()) and bool((out[~mask] == 0).all())
+    out.square().sum().backward()
+    assert torch.isfinite(planted.grad).all() and bool((planted.grad[~mask] == 0).all())
+    assert bool((planted.grad[mask] != 0).any())  # the softmax's gradient reaches the live inputs
+    with pytest.raises(ValueError, match="at most one of"):
+        sf.Attention(8, hard=True, sigmoid=True)

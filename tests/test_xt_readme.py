@@ -36,7 +36,7 @@ README examples NOT covered (safeformer does not build the option: each fails at
 "TypeError: Decoder: x-transformers' option <name>=<value> is not supported by safeformer" (``Encoder`` for
 ``attn_on_attn``), or, for ``resi_dual``, which x-transformers 2.31.10 itself refuses ("AssertionError:
 unrecognized kwargs passed in dict_keys(['resi_dual'])"), "unexpected keyword argument"):
-    attn_hard; attn_pre_talking_heads / attn_post_talking_heads; attn_on_attn; dynamic_pos_bias (+
+    attn_pre_talking_heads / attn_post_talking_heads; attn_on_attn; dynamic_pos_bias (+
     dynamic_pos_bias_log_distance); resi_dual (+ resi_dual_scale); attn_qk_norm_groups; attn_qk_norm_scale;
     rotate_num_heads (the
     "shift_mem_down" XL example: ``max_mem_len`` and ``shift_mem_down`` themselves run);
@@ -2027,3 +2027,36 @@ def test_attn_head_scale_parity():
     x = torch.randint(0, 20000, (1, N_PARITY))
     with torch.no_grad():
         _assert_parity("attn_head_scale", xt_model(x), sf_model(x))
+
+
+def test_attn_hard():
+    """README "Selective Attention" neighbour: attn_hard (the argmax's value only, softmax gradient)."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            attn_hard = True  # will only propagate the single value of the argmax of qk logit. offered in the case it addresses https://arxiv.org/abs/2410.01104
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 256))  # added (the explicit path: 256 positions)
+    out = model(x)                          # added
+
+    assert out.shape == (1, 256, 20000)
+    _finite(out)
+
+
+def test_attn_hard_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, attn_hard=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("attn_hard", xt_model(x), sf_model(x))

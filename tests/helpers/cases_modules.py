@@ -153,3 +153,19 @@ class EncoderXtGluCase(EncoderCase):
 
 
 CASES += [DecoderXtFeedForwardCase(), EncoderXtGluCase()]
+
+
+class DecoderXtHardCase(DecoderCase):
+    """``Decoder`` with x-transformers' hard attention (``attn_hard``: the one-hot of the largest live logit
+    forward, the softmax's gradient backward) in self- and cross-attention: a masked key must never be the
+    largest, a dropped context stays an exact no-op. The explicit float32 path, padded path only."""
+
+    name = "Decoder-xt-hard"
+    padded_only = True
+    explicit_attention = True
+
+    def config(self):
+        return dict(super().config(), attn_hard=True)
+
+
+CASES += [DecoderXtHardCase()]
