@@ -80,6 +80,8 @@ class Attention(nn.Module):
             logits (``attention_scoring.init_scoring``); the explicit float32 path, padded path only.
             ``sparse_topk_straight_through``: the full softmax's gradient (x-transformers').
         hard: x-transformers' hard attention (one-hot forward, softmax gradient); the explicit path.
+        pre_talking_heads, post_talking_heads, pre_scale_post_talking_heads: x-transformers' talking heads (a learned
+            mix of the heads' logits / weights; ``attention_scoring.init_scoring``); the explicit path.
         head_scale: x-transformers' ``head_scale`` (Normformer): each head's output scaled by a learned gain
             (``head_scale_params (1, h, 1, 1)``, ones at init) before the heads are merged; not with a hybrid module.
         sublayer_dropout: dropout on the output, after ``to_out``.
@@ -122,7 +124,8 @@ class Attention(nn.Module):
         use_rel_proj_pos_bias: bool = False, rel_proj_num_distance_basis: int = 16, rel_proj_max_dist: int = 1024,
         hybrid_module: nn.Module | None = None, hybrid_mask_kwarg: str | None = None,
         hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, sparse_topk: int | None = None,
-        sparse_topk_straight_through: bool = False, hard: bool = False, head_scale: bool = False,
+        sparse_topk_straight_through: bool = False, hard: bool = False, pre_talking_heads: bool = False,
+        post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
@@ -142,7 +145,9 @@ class Attention(nn.Module):
                      gumbel_softmax_hard=gumbel_softmax_hard, laser=laser, laser_softclamp_value=laser_softclamp_value,
                      use_cope=use_cope, cope_max_pos=cope_max_pos, cope_soft_onehot_pos=cope_soft_onehot_pos,
                      cope_talking_heads=cope_talking_heads, sparse_topk=sparse_topk,
-                     sparse_topk_straight_through=sparse_topk_straight_through, hard=hard)
+                     sparse_topk_straight_through=sparse_topk_straight_through, hard=hard, heads=heads,
+                     pre_talking_heads=pre_talking_heads, post_talking_heads=post_talking_heads,
+                     pre_scale_post_talking_heads=pre_scale_post_talking_heads)
         self.rel_proj_pos_bias = RelativeProjPositionalBias(
             dim, heads, num_distance_basis=rel_proj_num_distance_basis, max_dist=rel_proj_max_dist,
         ) if use_rel_proj_pos_bias else None
@@ -175,7 +180,8 @@ class Attention(nn.Module):
         the fused kernels, through ``_l2_kernel_inputs``, on the padded path too.)"""
         return (self.softclamp_value is not None or self.cog_signed or self.inverted or self.score != "softmax"
                 or self.laser_value is not None or self.cope is not None
-                or self.sparse_topk is not None
+                or self.sparse_topk is not None or self.pre_softmax_talking_heads is not None
+                or self.post_softmax_talking_heads is not None or self.pre_scale_post_talking_heads is not None
                 or (self.l2_distance and self.head_attn_sink is not None))  # the sink's logit is no distance
 
     def _rotate(self, t: Tensor, angles: Tensor) -> Tensor:

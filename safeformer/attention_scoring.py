@@ -37,7 +37,8 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
                  gumbel_softmax_temp: float, gumbel_softmax_hard: bool, laser: bool, laser_softclamp_value: float,
                  use_cope: bool, cope_max_pos: int, cope_soft_onehot_pos: bool, cope_talking_heads: bool,
                  sparse_topk: int | None = None, sparse_topk_straight_through: bool = False,
-                 hard: bool = False) -> None:
+                 hard: bool = False, heads: int = 1, pre_talking_heads: bool = False,
+                 post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False) -> None:
     """The options that change how logits become weights, checked, set on ``attn`` (``l2_distance``, ``cog_signed``,
     ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``, ``laser_value``, ``cope``).
 
@@ -60,6 +61,12 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
             others weigh exactly 0. Not with sigmoid, gumbel softmax, l2 distance or inverted attention.
             ``sparse_topk_straight_through``: the backward pass goes through the softmax over every live key (the
             forward stays the top-k one), as x-transformers'.
+        pre_talking_heads, post_talking_heads, pre_scale_post_talking_heads: x-transformers' talking heads, each a
+            learned ``(h, h)`` mix of the heads (``Conv2d(h, h, 1)``, the identity at init): of the logits before the
+            softmax (added to them), of the weights after it, and a scale of the weights made from the logits. They
+            mix only what a query may see: masked keys' logits enter as 0 and their weights stay 0, and a dead row
+            stays 0 (x-transformers mixes the raw logits of masked keys too, which only differs when heads are masked
+            differently).
         hard: x-transformers' hard attention: each query's weights are the one-hot of its largest live logit (the
             first on ties) forward, the softmax's gradient backward; a dead row stays 0.
         use_cope, cope_max_pos: contextual positions (CoPE, causal attention): a key's position is the sum of
@@ -102,6 +109,20 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
         raise TypeError(f"sparse_topk_straight_through must be True or False, got {sparse_topk_straight_through!r}")
     if sparse_topk_straight_through and sparse_topk is None:
         raise ValueError("sparse_topk_straight_through needs sparse_topk")
+    for name, on in (("pre_talking_heads", pre_talking_heads), ("post_talking_heads", post_talking_heads),
+                     ("pre_scale_post_talking_heads", pre_scale_post_talking_heads)):
+        if not isinstance(on, bool):
+            raise TypeError(f"{name} must be True or False, got {on!r}")
+    if (pre_talking_heads or post_talking_heads or pre_scale_post_talking_heads) and inverted_attention:
+        raise ValueError("talking heads mix the heads' logits over the keys: not with inverted_attention")
+    for name, on in (("pre_softmax_talking_heads", pre_talking_heads),
+                     ("post_softmax_talking_heads", post_talking_heads),
+                     ("pre_scale_post_talking_heads", pre_scale_post_talking_heads)):
+        conv = None
+        if on:  # x-transformers' Conv2d(h, h, 1, bias=False), the identity (dirac) at init
+            conv = nn.Conv2d(heads, heads, 1, bias=False)
+            nn.init.dirac_(conv.weight)
+        setattr(attn, name, conv)
     attn.sparse_topk = sparse_topk
     attn.sparse_topk_straight_through = sparse_topk_straight_through
     attn.l2_distance = bool(l2_distance)
@@ -273,8 +294,8 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
         col_ok = key_ok.transpose(-1, -2)  # (b|1, h|1, 1, j)
         qf = torch.where(row_ok, qf, 0.0)
         kf, vf = torch.where(key_ok, kf, 0.0), torch.where(key_ok, vf, 0.0)
-    logits, sign = _explicit_logits(qf, kf, combined, reach, bias, softclamp, sink, scoring, prev_attn)
-    weights, live = _explicit_weights(logits, combined, row_ok, col_ok, sign, scoring, dropout_p)
+    logits, sign, pre_scale = _explicit_logits(qf, kf, combined, reach, bias, softclamp, sink, scoring, prev_attn)
+    weights, live = _explicit_weights(logits, combined, row_ok, col_ok, sign, scoring, dropout_p, pre_scale)
     out = _explicit_values(weights, vf, row_ok, sink, scoring)
     if return_logits:
         if live is not None:
@@ -286,12 +307,12 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
 
 def _explicit_logits(qf: Tensor, kf: Tensor, combined: Tensor | None, reach: Tensor | None, bias: Tensor | None,
                      softclamp: float | None, sink: Tensor | None, opt: Attention | None,
-                     prev_attn: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                     prev_attn: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The explicit path's logits ``(b, h, i, j)`` from ``qf (b, h, i, d)`` and ``kf (b, h, j, d)`` (float32 or
     float64, selected already): scaled dot products (or l2 distances), plus ``prev_attn`` and the bias (``reach``:
     where it is not ``-inf``), softclamped, cog's sign taken off, masked to ``-inf`` where ``combined`` is False,
-    CoPE's position logits added, the sink's logit in column 0. Returns ``(logits, sign)``, ``sign`` the cog signs
-    (``None`` without ``cog_signed``)."""
+    CoPE's position logits added, the sink's logit in column 0. Returns ``(logits, sign, pre_scale)``, ``sign`` the
+    cog signs (``None`` without ``cog_signed``), ``pre_scale`` the talking heads' scale of the weights (or ``None``)."""
     b, h, i, d = qf.shape
     j = kf.shape[2]
     dtype = qf.dtype
@@ -312,6 +333,13 @@ def _explicit_logits(qf: Tensor, kf: Tensor, combined: Tensor | None, reach: Ten
             raise ValueError(f"prev_attn is on {prev_attn.device}, expected {qf.device} (the device of the queries)")
         prev = prev_attn.to(dtype)
         logits = logits + (prev if combined is None else torch.where(combined, prev, 0.0))
+    pre_scale = None
+    if opt is not None and (opt.pre_softmax_talking_heads is not None or opt.pre_scale_post_talking_heads is not None):
+        seen = logits if combined is None else torch.where(combined, logits, 0.0)  # what a query may see, mixed
+        if opt.pre_scale_post_talking_heads is not None:
+            pre_scale = _mix_heads(opt.pre_scale_post_talking_heads, seen)
+        if opt.pre_softmax_talking_heads is not None:
+            logits = logits + _mix_heads(opt.pre_softmax_talking_heads, seen)
     if bias is not None:  # the bias first, then the clamp (x-transformers' order); -inf is masked below
         logits = logits + torch.where(reach, bias, 0.0)
     if softclamp is not None:
@@ -333,11 +361,17 @@ def _explicit_logits(qf: Tensor, kf: Tensor, combined: Tensor | None, reach: Ten
             sign = torch.cat((s.sign(), sign[..., 1:].expand(b, h, i, j - 1)), dim=-1)
             s = s.abs()
         logits = torch.cat((s, logits[..., 1:].expand(b, h, i, j - 1)), dim=-1)
-    return logits, sign
+    return logits, sign, pre_scale
+
+
+def _mix_heads(conv: nn.Conv2d, t: Tensor) -> Tensor:
+    """x-transformers' talking heads: ``t (b, h, i, j)`` mixed over the heads by ``conv``'s ``(h, h)`` weight."""
+    return torch.einsum("bhij,gh->bgij", t, conv.weight[:, :, 0, 0].to(t.dtype))
 
 
 def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | None, col_ok: Tensor | None,
-                      sign: Tensor | None, opt: Attention | None, dropout_p: float) -> tuple[Tensor, Tensor | None]:
+                      sign: Tensor | None, opt: Attention | None, dropout_p: float,
+                      pre_scale: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The explicit path's weights ``(b, h, i, j)`` from its ``logits``: softmax, sigmoid or gumbel softmax over the
     keys (over the queries with inverted attention, then L1 over the keys), 0 at masked keys and dead rows
     (``row_ok (b|1, h|1, i, 1)``; ``col_ok (b|1, h|1, 1, j)``: the keys some query sees), cog's ``sign`` put back,
@@ -378,6 +412,13 @@ def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | 
         weights = weights * sign
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
+    if opt is not None and (opt.post_softmax_talking_heads is not None or pre_scale is not None):
+        if opt.post_softmax_talking_heads is not None:  # x-transformers' order: after dropout
+            weights = _mix_heads(opt.post_softmax_talking_heads, weights)
+        if pre_scale is not None:
+            weights = weights * pre_scale
+        if live is not None:  # what the mix moved onto a masked key or a dead row: back to 0
+            weights = torch.where(live, weights, 0.0)
     return weights, live
 
 

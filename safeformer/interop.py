@@ -142,7 +142,6 @@ _TYPE_OPTIONS = {
     "ScaledSinusoidalEmbedding": "scaled_sinu_pos_emb",
     "AttentionPool": "attn_pool",
     "FoldAxially": "attn_hybrid_module",
-    "Conv2d": "attn_pre_talking_heads / attn_post_talking_heads / attn_pre_scale_post_talking_heads",
     "GLU": "attn_on_attn (an nn.GLU output projection)",
     "ReLU": "a custom feed-forward activation",
     "PrefixDecoder": "PrefixDecoder (use Decoder or Encoder)",
@@ -261,12 +260,13 @@ class _AttnOptions:
     head_scale: bool = False  # attn_head_scale: a learned gain per head (permuted with the query heads)
     sparse_topk: tuple | None = None  # (attn_sparse_topk, attn_sparse_topk_straight_through)
     hard: bool = False  # attn_hard
+    talking_heads: tuple = ()  # the Attend's talking-heads convs present: ("pre_softmax_talking_heads", ...)
     sublayer_dropout: float = 0.0  # attn_sublayer_dropout
 
     def key(self) -> tuple:
         return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
                 self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid, self.head_scale,
-                self.sublayer_dropout, self.sparse_topk, self.hard)
+                self.sublayer_dropout, self.sparse_topk, self.hard, self.talking_heads)
 
 
 def _gate_options(name: str, attn, problems: _Problems) -> tuple:
@@ -427,8 +427,8 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     elif hard:  # attn_hard
         opts.hard = True
     elif not plain_softmax and not sigmoid:
-        problems.add("a non-softmax attention function (attn_hard / attn_sparse_topk / attn_gumbel_softmax / "
-                     "attn_custom_attn_fn)", name)
+        problems.add("a non-softmax attention function (attn_gumbel_softmax / attn_custom_attn_fn)", name)
+    opts.talking_heads = tuple(n for n in _TALKING_HEADS if isinstance(getattr(att, n, None), nn.Conv2d))
     opts.scoring, opts.self_scoring = _scoring_options(name, attn, att, sigmoid, problems)
     opts.inverted = bool(getattr(att, "inverted_attention", False))
     dim_head = attn.to_q.out_features // attn.heads
@@ -442,9 +442,11 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     ):
         if getattr(att, attr, False):
             problems.add(f"{option}", name)
-    for attr in ("pre_softmax_talking_heads", "post_softmax_talking_heads", "pre_scale_post_talking_heads"):
-        if getattr(att, attr, None) is not None:
-            problems.add(f"attn_{attr.replace('softmax_', '')}", name)
+    for attr in _TALKING_HEADS:  # a conv of another shape than (h, h, 1, 1) without bias is no talking heads
+        conv = getattr(att, attr, None)
+        if conv is not None and (not isinstance(conv, nn.Conv2d) or conv.bias is not None
+                                 or tuple(conv.weight.shape) != (attn.heads, attn.heads, 1, 1)):
+            problems.add(f"{_TALKING_HEADS[attr]} of another shape", name)
     opts.sink = bool(getattr(att, "head_learned_sink", False))
     if opts.sink and getattr(attn, "laser", False):
         problems.add("attn_laser with attn_head_learned_sink (x-transformers' sink adds nothing to weights @ exp(v); "
@@ -571,6 +573,12 @@ def _ff_no_bias(info: dict) -> bool:
     return info["out"].bias is None and (info["glu"] or info["in"].bias is None)
 
 
+# x-transformers' talking-heads convs (on its Attend) -> safeformer's stack keywords (the same names on Attention)
+_TALKING_HEADS = {"pre_softmax_talking_heads": "attn_pre_talking_heads",
+                  "post_softmax_talking_heads": "attn_post_talking_heads",
+                  "pre_scale_post_talking_heads": "attn_pre_scale_post_talking_heads"}
+
+
 def _allowed_types(xt, xt_attend) -> set[type]:
     import einops.layers.torch as einops_torch
 
@@ -580,6 +588,7 @@ def _allowed_types(xt, xt_attend) -> set[type]:
         xt_attend.Attend, xt.FeedForward, xt.GLU, xt.Residual, xt.RotaryEmbedding, xt.AlibiPositionalBias,
         nn.Embedding, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.ModuleList, nn.Sequential, nn.GELU,
         nn.SiLU, einops_torch.Rearrange, nn.Sigmoid,  # Sigmoid: the value residual mix (_check_attention)
+        nn.Conv2d,  # the talking heads (read by _check_attention); any other conv is flagged there by its owner
         nn.ModuleDict,  # embed_num_tokens (read by _check_wrapper)
         xt.AttentionPool,  # attn_pool (read by _check_wrapper; its pooler Attention is an allowed type)
         xt.Scale, xt.LayerScale, xt.ShiftTokens,  # branch wrappers (read by _check_layers through _unwrap)
@@ -1202,6 +1211,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(attn_head_scale=True)
     if opts0.hard:
         stack_kwargs.update(attn_hard=True)
+    for conv in opts0.talking_heads:  # x-transformers' talking heads: the stack keyword of each conv
+        stack_kwargs[_TALKING_HEADS[conv]] = True
     if opts0.sparse_topk is not None:
         stack_kwargs.update(attn_sparse_topk=opts0.sparse_topk[0])
         if opts0.sparse_topk[1]:
@@ -1497,6 +1508,8 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     put(dst.mem_v, take(blk.mem_v))
                 if opts.sink:
                     put(dst.head_attn_sink, take(blk.attend.head_attn_sink)[perm])
+                for conv in opts.talking_heads:  # (h, h, 1, 1): rows and columns permuted with the query heads
+                    put(getattr(dst, conv).weight, take(getattr(blk.attend, conv).weight)[perm][:, perm])
                 if opts.head_scale:  # (1, h, 1, 1), permuted with the query heads
                     put(dst.head_scale_params, take(blk.head_scale_params)[:, perm])
                 copy_gates(dst, blk)

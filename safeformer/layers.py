@@ -307,7 +307,8 @@ def _into(family: str, key: str) -> Callable[[object], dict]:
 FF_KWARGS = ("no_bias", "relu_squared", "zero_init_output", "dim_out", "glu_mult_bias", "solu", "post_act_ln",
              "sublayer_dropout", "output_proj_depth")
 ATTN_KWARGS = ("gate_value_heads", "zero_init_output", "cope_talking_heads", "head_scale", "sublayer_dropout",
-               "output_proj_depth", "sparse_topk", "sparse_topk_straight_through", "hard")
+               "output_proj_depth", "sparse_topk", "sparse_topk_straight_through", "hard", "pre_talking_heads",
+               "post_talking_heads", "pre_scale_post_talking_heads")
 
 LAYER_ALIASES: dict[str, object] = {
     "attn_dim_head": "dim_head",

@@ -111,6 +111,10 @@ LAYER_OPTIONS = {
     "attn_sparse_topk_rotary_gqa": dict(attn_sparse_topk=2, rotary_pos_emb=True, attn_kv_heads=1),
     "attn_sparse_topk_straight_through": dict(attn_sparse_topk=2, attn_sparse_topk_straight_through=True),
     "attn_hard": dict(attn_hard=True),
+    "attn_pre_talking_heads": dict(attn_pre_talking_heads=True),
+    "attn_post_talking_heads": dict(attn_post_talking_heads=True),
+    "attn_talking_heads_all_gqa": dict(attn_pre_talking_heads=True, attn_post_talking_heads=True,
+                                       attn_pre_scale_post_talking_heads=True, attn_kv_heads=1),
 }
 WRAPPER_OPTIONS = {
     "max_seq_len_0": dict(max_seq_len=0),
@@ -570,3 +574,34 @@ def test_hard_attention_one_hot_forward_softmax_gradient_and_safe():
     assert bool((planted.grad[mask] != 0).any())  # the softmax's gradient reaches the live inputs
     with pytest.raises(ValueError, match="at most one of"):
         sf.Attention(8, hard=True, sigmoid=True)
+
+
+@pytest.mark.parametrize("opts", [dict(pre_talking_heads=True), dict(post_talking_heads=True),
+                                  dict(pre_scale_post_talking_heads=True),
+                                  dict(pre_talking_heads=True, post_talking_heads=True, pre_scale_post_talking_heads=True)],
+                         ids=["pre", "post", "pre-scale-post", "all"])
+def test_talking_heads_mix_only_what_a_query_may_see(opts):
+    """Talking heads mixed off the identity: NaN planted at padded positions changes no real output and reaches
+    no gradient; padded queries and a fully padded sample give exactly 0; a head-wise mask keeps a masked key's
+    weight at 0 in every head."""
+    torch.manual_seed(0)
+    attn = sf.Attention(8, heads=3, dim_head=4, **opts)
+    with torch.no_grad():
+        for name in ("pre_softmax_talking_heads", "post_softmax_talking_heads", "pre_scale_post_talking_heads"):
+            conv = getattr(attn, name)
+            if conv is not None:
+                assert torch.equal(conv.weight[:, :, 0, 0], torch.eye(3))  # x-transformers' dirac init
+                conv.weight.add_(0.3 * torch.randn(conv.weight.shape))
+    x = torch.randn(3, 5, 8)
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2, [False] * 5])
+    clean = torch.where(mask[..., None], x, 0.0)
+    planted = torch.where(mask[..., None], x, float("nan")).requires_grad_()
+    out = attn(planted, mask=mask)
+    torch.testing.assert_close(out, attn(clean, mask=mask))
+    assert bool((out[~mask] == 0).all())
+    out.square().sum().backward()
+    assert torch.isfinite(planted.grad).all() and bool((planted.grad[~mask] == 0).all())
+    per_head = torch.ones(1, 3, 5, 5, dtype=torch.bool)
+    per_head[0, 1, :, 2] = False  # key 2 masked for head 1 only
+    _, weights = attn(x[:1], attn_mask=per_head, return_attn=True)
+    assert bool((weights[0, 1, :, 2] == 0).all()) and torch.isfinite(weights).all()

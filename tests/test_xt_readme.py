@@ -36,7 +36,7 @@ README examples NOT covered (safeformer does not build the option: each fails at
 "TypeError: Decoder: x-transformers' option <name>=<value> is not supported by safeformer" (``Encoder`` for
 ``attn_on_attn``), or, for ``resi_dual``, which x-transformers 2.31.10 itself refuses ("AssertionError:
 unrecognized kwargs passed in dict_keys(['resi_dual'])"), "unexpected keyword argument"):
-    attn_pre_talking_heads / attn_post_talking_heads; attn_on_attn; dynamic_pos_bias (+
+    attn_on_attn; dynamic_pos_bias (+
     dynamic_pos_bias_log_distance); resi_dual (+ resi_dual_scale); attn_qk_norm_groups; attn_qk_norm_scale;
     rotate_num_heads (the
     "shift_mem_down" XL example: ``max_mem_len`` and ``shift_mem_down`` themselves run);
@@ -2060,3 +2060,38 @@ def test_attn_hard_parity():
     x = torch.randint(0, 20000, (1, N_PARITY))
     with torch.no_grad():
         _assert_parity("attn_hard", xt_model(x), sf_model(x))
+
+
+def test_talking_heads():
+    """README "Talking-Heads Attention": attn_pre_talking_heads, attn_post_talking_heads."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            attn_pre_talking_heads = True,  # linear combination across pre-softmax attn logits across heads
+            attn_post_talking_heads = True  # linear combination across post-softmax attn across heads
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 256))  # added (the explicit path: 256 positions)
+    out = model(x)                          # added
+
+    assert out.shape == (1, 256, 20000)
+    _finite(out)
+
+
+def test_talking_heads_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=1024,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=8, attn_pre_talking_heads=True, attn_post_talking_heads=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("talking heads", xt_model(x), sf_model(x))

@@ -157,15 +157,25 @@ CASES += [DecoderXtFeedForwardCase(), EncoderXtGluCase()]
 
 class DecoderXtHardCase(DecoderCase):
     """``Decoder`` with x-transformers' hard attention (``attn_hard``: the one-hot of the largest live logit
-    forward, the softmax's gradient backward) in self- and cross-attention: a masked key must never be the
-    largest, a dropped context stays an exact no-op. The explicit float32 path, padded path only."""
+    forward, the softmax's gradient backward) and talking heads before and after the softmax (moved off their
+    identity init) in self- and cross-attention: a masked key must never be the largest nor be mixed into a live
+    weight, a dropped context stays an exact no-op. The explicit float32 path, padded path only."""
 
     name = "Decoder-xt-hard"
     padded_only = True
     explicit_attention = True
 
     def config(self):
-        return dict(super().config(), attn_hard=True)
+        return dict(super().config(), attn_hard=True, attn_pre_talking_heads=True, attn_post_talking_heads=True)
+
+    def make(self, backend="auto"):
+        model = super().make(backend)
+        g = torch.Generator().manual_seed(13)
+        with torch.no_grad():  # the talking heads off their identity init, so the contract tests exercise them
+            for name, p in model.named_parameters():
+                if "talking_heads" in name:
+                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+        return model
 
 
 CASES += [DecoderXtHardCase()]
