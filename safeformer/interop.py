@@ -644,6 +644,9 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
                 tname == "DataDependentAlibi" and mname.endswith(".data_dependent_alibi")) or (
                 tname == "CoPE" and mname.endswith(".attend.cope")) or (
                 tname == "RelativePositionBias" and mname == "attn_layers.rel_pos") or (
+                tname == "DynamicPositionBias" and mname == "attn_layers.rel_pos") or (
+                mname.startswith("attn_layers.rel_pos.mlp.") and type(module).__module__.startswith(
+                    ("torch.nn", xt.LayerNorm.__module__))) or (
                 tname == "FoldAxially" and mname.endswith(".hybrid_module")) or (
                 tname == "MultiheadRMSNorm" and re.search(r"\.hybrid_norms\.[01]$", mname)) or (
                 re.search(r"\.ff\.0(\.act|\.\d+)$", mname) and type(module).__module__.startswith("torch.nn")) or (
@@ -748,6 +751,18 @@ def _check_stack(layers, xt, problems: _Problems, training_only: list[str], has_
         if has_abs:
             problems.add("rel_pos_bias with the absolute position embedding (disable_abs_pos_emb=False): safeformer "
                          "drops it next to relative positions")
+    elif rel_pos is not None and type(rel_pos) is getattr(xt, "DynamicPositionBias", None):  # dynamic_pos_bias
+        mlp = list(rel_pos.mlp)
+        norm = any(isinstance(m, (nn.LayerNorm, xt.LayerNorm)) for m in mlp[0])
+        width = mlp[-1].in_features
+        if width != layers.dim // 4:
+            problems.add(f"dynamic_pos_bias of width {width} (safeformer's is dim // 4 = {layers.dim // 4}, as "
+                         f"x-transformers builds it)")
+        t5_opts = dict(dynamic_pos_bias=True, dynamic_pos_bias_mlp_depth=len(mlp) - 1)
+        if rel_pos.log_distance:
+            t5_opts["dynamic_pos_bias_log_distance"] = True
+        if norm:
+            t5_opts["dynamic_pos_bias_norm"] = True
     elif rel_pos is not None and not alibi:
         problems.add(_TYPE_OPTIONS.get(type(rel_pos).__name__, "a relative position bias"))
     polar = getattr(layers, "polar_pos_emb", None)
@@ -1426,6 +1441,11 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
         if plan.stack_kwargs.get("rel_pos_bias"):  # Embedding(num_buckets, h): per query head
             put(sf.attn_layers.rel_pos.relative_attention_bias.weight,
                 take(layers.rel_pos.relative_attention_bias.weight)[:, perm])
+        if plan.stack_kwargs.get("dynamic_pos_bias"):  # the MLP as it is, its last layer's rows per query head
+            src, dst = layers.rel_pos, sf.attn_layers.rel_pos
+            for (name, p_dst), (_, p_src) in zip(dst.named_parameters(), src.named_parameters()):
+                last = name.startswith(f"mlp.{len(dst.mlp) - 1}.")
+                put(p_dst, take(p_src)[perm] if last else take(p_src))
         if plan.stack_kwargs.get("polar_pos_emb"):  # (h, 1, d): per query head
             put(sf.attn_layers.polar_pos_emb.learned_bias, take(layers.polar_pos_emb.learned_bias)[perm])
         if plan.wrapper_kwargs.get("ff_deep_embed"):

@@ -136,6 +136,11 @@ Args:
     rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance: T5's bucketed relative position bias in self-attention
         (``RelativePositionBias``, x-transformers' names and scale ``dim_head ** 0.5``), from the positions of the
         real tokens; works with the KV cache and the unpadded path; not with ALiBi.
+    dynamic_pos_bias, dynamic_pos_bias_log_distance, dynamic_pos_bias_mlp_depth, dynamic_pos_bias_norm:
+        x-transformers' dynamic position bias in self-attention: an MLP (width ``dim // 4``, ``mlp_depth`` SiLU
+        layers, with a LayerNorm each with ``norm``) of the distance ``q - k`` (``sign * log(1 + |q - k|)`` with
+        ``log_distance``) to one bias per head; distances count real tokens, so left padding shifts nothing.
+        The absolute position embedding stays, as in x-transformers. Dynamic KV path (no static step).
     rel_pos_kwargs: with ``alibi_pos_bias``, ``dict(slopes=[...])``: one finite non-negative slope per ALiBi head
         instead of the geometric ones (x-transformers' name; its other relative-position schemes' keywords are
         refused). ``forward(pos=...)`` may then give positions per head, ``(b, h, n)``, as x-transformers'
@@ -466,6 +471,8 @@ class AttentionLayers(Configurable, nn.Module):
         shift_tokens: int | tuple[int, ...] = 0,
         residual_attn: bool = False, cross_residual_attn: bool = False,
         disable_abs_pos_emb: bool | None = None, attn_kwargs: dict | None = None, ff_kwargs: dict | None = None,
+        dynamic_pos_bias: bool = False, dynamic_pos_bias_log_distance: bool = False,
+        dynamic_pos_bias_mlp_depth: int = 2, dynamic_pos_bias_norm: bool = False,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -747,7 +754,8 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
                rotary_theta, rotary_interpolation_factor, rotary_base_rescale_factor, rotary_xpos,
                rotary_xpos_scale_base, polar_pos_emb, polar_bias_uniform_init, attn_num_mem_kv, alibi_pos_bias,
                alibi_num_heads, rel_pos_kwargs, rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance,
-               attn_data_dependent_alibi, disable_abs_pos_emb, **_) -> None:
+               attn_data_dependent_alibi, disable_abs_pos_emb, dynamic_pos_bias, dynamic_pos_bias_log_distance,
+               dynamic_pos_bias_mlp_depth, dynamic_pos_bias_norm, dim, **_) -> None:
     """The position schemes of self-attention, checked and set on ``stack``: ``rotary`` (``RotaryEmbedding``, xpos
     included), ``polar_pos_emb`` (PoPE), the ``alibi_slopes`` buffer ``(h,)``, ``rel_pos`` (T5's bucketed bias)
     and ``has_relative_positions``."""
@@ -773,12 +781,22 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
             "slopes")), persistent=False)
     else:
         stack.alibi_slopes = None
-    if rel_pos_bias and (alibi_pos_bias or attn_data_dependent_alibi):
-        raise ValueError("choose one relative position bias: rel_pos_bias (T5), alibi_pos_bias or "
+    if sum(map(bool, (rel_pos_bias, alibi_pos_bias or attn_data_dependent_alibi, dynamic_pos_bias))) > 1:
+        raise ValueError("choose one relative position bias: rel_pos_bias (T5), dynamic_pos_bias, alibi_pos_bias or "
                          "attn_data_dependent_alibi")
     # T5's bucketed relative position bias in self-attention (x-transformers' scale: dim_head ** 0.5)
     stack.rel_pos = RelativePositionBias(scale=dim_head**0.5, causal=causal, num_buckets=rel_pos_num_buckets,
                                          max_distance=rel_pos_max_distance, heads=heads) if rel_pos_bias else None
+    if not dynamic_pos_bias and (dynamic_pos_bias_log_distance or dynamic_pos_bias_norm
+                                 or dynamic_pos_bias_mlp_depth != 2):
+        raise ValueError("dynamic_pos_bias_log_distance / _mlp_depth / _norm configure dynamic_pos_bias: they need "
+                         "dynamic_pos_bias=True")
+    if dynamic_pos_bias:  # x-transformers' MLP of the relative distance (its width dim // 4), the stack's rel_pos
+        from .xt_modules import DynamicPositionBias
+
+        stack.rel_pos = DynamicPositionBias(dim // 4, heads=heads, depth=dynamic_pos_bias_mlp_depth,
+                                            log_distance=bool(dynamic_pos_bias_log_distance),
+                                            norm=bool(dynamic_pos_bias_norm))
     stack.has_relative_positions = rotary_pos_emb or alibi_pos_bias or rotary_xpos or polar_pos_emb or rel_pos_bias
     if disable_abs_pos_emb is not None and not isinstance(disable_abs_pos_emb, bool):
         raise TypeError(f"disable_abs_pos_emb must be True, False or None, got {disable_abs_pos_emb!r}")

@@ -97,7 +97,7 @@ def static_reason(net) -> str | None:
         if getattr(stack, "polar_pos_emb", None) is not None:
             return "polar_pos_emb (PoPE) runs on the dynamic path"
         if getattr(stack, "rel_pos", None) is not None:
-            return "rel_pos_bias (T5's relative position bias) runs on the dynamic path"
+            return "rel_pos_bias / dynamic_pos_bias (a relative position bias module) runs on the dynamic path"
         if getattr(stack.rotary, "use_xpos", False):
             return "rotary_xpos centers its scales on each call's positions (no KV cache)"
         if blk.kind != "ff" and getattr(blk.mixer, "hybrid", None) is not None:

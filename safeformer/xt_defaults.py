@@ -21,8 +21,7 @@ XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_on_attn": False, "attn_project_out": None,
     "attn_qk_norm_groups": 1, "attn_qk_norm_scale": 10, "attn_qk_rmsnorm": False,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None, "attn_selective": False,
-    "attn_value_dim_head": None, "dynamic_pos_bias": False, "dynamic_pos_bias_log_distance": False,
-    "dynamic_pos_bias_mlp_depth": 2, "dynamic_pos_bias_norm": False, "gated_multi_residual": False,
+    "attn_value_dim_head": None, "gated_multi_residual": False,
     "rotate_num_heads": None, "norm_add_unit_offset": True,
 }
 

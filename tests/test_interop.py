@@ -196,7 +196,6 @@ UNSUPPORTED = [
     (dict(attn_qk_norm=True, attn_qk_norm_groups=2), "qk_norm_groups"),
     (dict(attn_qk_rmsnorm=True), "attn_qk_rmsnorm"),
     (dict(alibi_pos_bias=True), "alibi_pos_bias"),
-    (dict(dynamic_pos_bias=True), "dynamic_pos_bias"),
     (dict(attn_gate_value_heads=True), "attn_gate_value_heads"),
     (dict(attn_on_attn=True), "attn_on_attn"),
     (dict(attn_value_dim_head=4), "attn_value_dim_head"),
@@ -225,14 +224,14 @@ def test_unsupported_options_raise_naming_them(kwargs, expected):
 
 def test_all_unsupported_options_listed_at_once():
     model = xt.TransformerWrapper(
-        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, dynamic_pos_bias=True,
+        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, attn_qk_norm=True, attn_qk_norm_groups=2,
                                                              attn_on_attn=True),
         post_emb_norm=True,
     )
     with pytest.raises(ValueError) as info:
         from_x_transformers(model)
     text = str(info.value)
-    assert all(opt in text for opt in ("dynamic_pos_bias", "attn_on_attn", "post_emb_norm"))
+    assert all(opt in text for opt in ("qk_norm_groups", "attn_on_attn", "post_emb_norm"))
 
 
 def test_drop_training_only_converts_and_matches_in_eval():

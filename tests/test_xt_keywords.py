@@ -115,6 +115,9 @@ LAYER_OPTIONS = {
     "attn_post_talking_heads": dict(attn_post_talking_heads=True),
     "attn_talking_heads_all_gqa": dict(attn_pre_talking_heads=True, attn_post_talking_heads=True,
                                        attn_pre_scale_post_talking_heads=True, attn_kv_heads=1),
+    "dynamic_pos_bias": dict(dynamic_pos_bias=True),
+    "dynamic_pos_bias_all_gqa": dict(dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True, dynamic_pos_bias_norm=True,
+                                     dynamic_pos_bias_mlp_depth=3, attn_kv_heads=1),
 }
 WRAPPER_OPTIONS = {
     "max_seq_len_0": dict(max_seq_len=0),
@@ -605,3 +608,26 @@ def test_talking_heads_mix_only_what_a_query_may_see(opts):
     per_head[0, 1, :, 2] = False  # key 2 masked for head 1 only
     _, weights = attn(x[:1], attn_mask=per_head, return_attn=True)
     assert bool((weights[0, 1, :, 2] == 0).all()) and torch.isfinite(weights).all()
+
+
+def test_dynamic_pos_bias_counts_real_tokens_and_decodes():
+    """``dynamic_pos_bias``: distances count real tokens (a left-padded sample equals itself alone), the cached
+    decode equals the full forward, x-transformers' module keys (``rel_pos.mlp.*``), clear errors."""
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=16, depth=2, heads=2, dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True)).eval()
+    assert all(k.startswith("mlp.") for k in net.attn_layers.rel_pos.state_dict())
+    x = torch.randint(0, 20, (1, 6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), x], dim=1)
+    mask = torch.tensor([[False] * 3 + [True] * 6])
+    with torch.no_grad():
+        torch.testing.assert_close(net(padded, mask=mask)[:, 3:], net(x), atol=1e-5, rtol=1e-5)
+        full = net(x)
+        out, cache = net(x[:, :4], return_cache=True)
+        step1, cache = net(x[:, 4:5], cache=cache, return_cache=True)
+        step2 = net(x[:, 5:6], cache=cache)
+    torch.testing.assert_close(torch.cat([out, step1, step2], dim=1), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="need dynamic_pos_bias=True"):
+        sf.Decoder(dim=16, depth=1, dynamic_pos_bias_norm=True)
+    with pytest.raises(ValueError, match="choose one relative position bias"):
+        sf.Decoder(dim=16, depth=1, dynamic_pos_bias=True, rel_pos_bias=True)

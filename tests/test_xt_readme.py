@@ -36,8 +36,7 @@ README examples NOT covered (safeformer does not build the option: each fails at
 "TypeError: Decoder: x-transformers' option <name>=<value> is not supported by safeformer" (``Encoder`` for
 ``attn_on_attn``), or, for ``resi_dual``, which x-transformers 2.31.10 itself refuses ("AssertionError:
 unrecognized kwargs passed in dict_keys(['resi_dual'])"), "unexpected keyword argument"):
-    attn_on_attn; dynamic_pos_bias (+
-    dynamic_pos_bias_log_distance); resi_dual (+ resi_dual_scale); attn_qk_norm_groups; attn_qk_norm_scale;
+    attn_on_attn; resi_dual (+ resi_dual_scale); attn_qk_norm_groups; attn_qk_norm_scale;
     rotate_num_heads (the
     "shift_mem_down" XL example: ``max_mem_len`` and ``shift_mem_down`` themselves run);
     post_emb_norm=True on a TransformerWrapper: "TypeError: TransformerWrapper: x-transformers' option
@@ -2095,3 +2094,37 @@ def test_talking_heads_parity():
     x = torch.randint(0, 20000, (1, N_PARITY))
     with torch.no_grad():
         _assert_parity("talking heads", xt_model(x), sf_model(x))
+
+
+def test_dynamic_pos_bias():
+    """README "Dynamic Positional Bias": dynamic_pos_bias."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 256,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            dynamic_pos_bias = True,                # set this to True
+            dynamic_pos_bias_log_distance = False   # whether to use log distance, as in SwinV2
+        )
+    )
+
+    x = torch.randint(0, 256, (1, 1024))  # added
+    out = model(x)                        # added
+
+    assert out.shape == (1, 1024, 256)
+    _finite(out)
+
+
+def test_dynamic_pos_bias_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=256, max_seq_len=1024, attn_layers=xt.Decoder(dim=64, depth=2, heads=8, dynamic_pos_bias=True)
+    )
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 256, (1, N_PARITY))
+    with torch.no_grad():
+        _assert_parity("dynamic_pos_bias", xt_model(x), sf_model(x))

@@ -179,3 +179,18 @@ class DecoderXtHardCase(DecoderCase):
 
 
 CASES += [DecoderXtHardCase()]
+
+
+class DecoderDynamicPosBiasCase(DecoderCase):
+    """``Decoder`` with x-transformers' dynamic position bias (``dynamic_pos_bias``, log distances, a norm in the
+    MLP) instead of rotary positions: distances count real tokens, so left padding shifts no bias; the KV cache
+    decodes as the full forward (on the dynamic path)."""
+
+    name = "Decoder-dynamic-pos-bias"
+
+    def config(self):
+        return dict(super().config(), rotary_pos_emb=False, dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True,
+                    dynamic_pos_bias_norm=True)
+
+
+CASES += [DecoderDynamicPosBiasCase()]
