@@ -80,6 +80,7 @@ class Attention(nn.Module):
             logits (``attention_scoring.init_scoring``); the explicit float32 path, padded path only.
             ``sparse_topk_straight_through``: the full softmax's gradient (x-transformers').
         hard: x-transformers' hard attention (one-hot forward, softmax gradient); the explicit path.
+        add_zero_kv: x-transformers' zero key/value every query sees (``attention_keys.init_extra_keys``).
         pre_talking_heads, post_talking_heads, pre_scale_post_talking_heads: x-transformers' talking heads (a learned
             mix of the heads' logits / weights; ``attention_scoring.init_scoring``); the explicit path.
         head_scale: x-transformers' ``head_scale`` (Normformer): each head's output scaled by a learned gain
@@ -124,7 +125,8 @@ class Attention(nn.Module):
         use_rel_proj_pos_bias: bool = False, rel_proj_num_distance_basis: int = 16, rel_proj_max_dist: int = 1024,
         hybrid_module: nn.Module | None = None, hybrid_mask_kwarg: str | None = None,
         hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, sparse_topk: int | None = None,
-        sparse_topk_straight_through: bool = False, hard: bool = False, pre_talking_heads: bool = False,
+        sparse_topk_straight_through: bool = False, hard: bool = False, add_zero_kv: bool = False,
+        pre_talking_heads: bool = False,
         post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, **xt_options,
     ):
@@ -159,7 +161,7 @@ class Attention(nn.Module):
                  head_scale=head_scale, sublayer_dropout=sublayer_dropout, output_proj_depth=output_proj_depth,
                  orthog_projected_values=orthog_projected_values, value_rmsnorm=value_rmsnorm,
                  orthog_projected_values_per_head=orthog_projected_values_per_head)
-        init_extra_keys(self, heads, kv_heads, dim_head, num_mem_kv, learned_sink)
+        init_extra_keys(self, heads, kv_heads, dim_head, num_mem_kv, learned_sink, add_zero_kv)
         init_gates(self, dim, heads, dim_head, gate_values=gate_values, gate_values_rank=gate_values_rank,
                    gate_values_headwise=gate_values_headwise, gate_value_heads=gate_value_heads,
                    output_gate=output_gate, output_gate_rank=output_gate_rank,
@@ -207,7 +209,7 @@ class Attention(nn.Module):
     @property
     def extra_keys(self) -> int:
         """Keys every query sees besides the inputs' own: the sink (if any) and the memory keys."""
-        return self.num_mem_kv + (self.head_attn_sink is not None)
+        return self.num_mem_kv + (self.head_attn_sink is not None) + self.add_zero_kv
 
     @property
     def packable(self) -> bool:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def init_extra_keys(attn: Attention, heads: int, kv_heads: int, dim_head: int, num_mem_kv: int,
-                    learned_sink: bool) -> None:
+                    learned_sink: bool, add_zero_kv: bool = False) -> None:
     """The memory keys and the sink, set on ``attn``.
 
     Args (``Attention``'s keywords, checked by its constructor):
@@ -37,7 +37,13 @@ def init_extra_keys(attn: Attention, heads: int, kv_heads: int, dim_head: int, n
             gives exactly 0, after the output projection's bias too (a dead row for the no-op rule: a dropped context
             adds nothing). Its gradient flows through the additive mask, which PyTorch's flash and cuDNN kernels do
             not differentiate: with ``backend='flash'``/``'cudnn'`` a sink trains on the math kernel.
+        add_zero_kv: x-transformers' zero key/value: one more key, all zeros (logit 0, bias 0) with a zero value,
+            that every query sees (after the sink, before the memory keys): no row is dead, and a query with no other
+            key outputs 0 (before the output projection's bias).
     """
+    if not isinstance(add_zero_kv, bool):
+        raise TypeError(f"add_zero_kv must be True or False, got {add_zero_kv!r}")
+    attn.add_zero_kv = add_zero_kv
     attn.num_mem_kv = num_mem_kv
     if num_mem_kv > 0:
         attn.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
@@ -59,7 +65,7 @@ def key_layout(attn: Attention, x: Tensor, mask, bias, causal: bool, added, inpu
         j = j + added[0].shape[2]
     ext = attn.extra_keys
     sink_only = None  # (b|1, i): rows that see a real key; with the sink alone a row is dead (adds exactly 0)
-    if attn.head_attn_sink is not None and attn.num_mem_kv == 0:
+    if attn.head_attn_sink is not None and attn.num_mem_kv == 0 and not attn.add_zero_kv:
         reach = None if bias is None else bias.to(x.dtype) != float("-inf")
         sink_only, _ = alive(mask, causal, b, attn.heads, i, j, x.device, reach)
     if ext:  # the sink and memory keys come first; every query sees them (bottom-right causal keeps that)
@@ -141,6 +147,9 @@ def prepend_extra(attn: Attention, k: Tensor, v: Tensor, live: Tensor | None = N
     parts_k, parts_v = [], []
     if attn.head_attn_sink is not None:
         parts_k.append(k.new_zeros(b, attn.kv_heads, 1, attn.dim_head))
+        parts_v.append(v.new_zeros(b, attn.kv_heads, 1, v.shape[-1]))
+    if attn.add_zero_kv:  # x-transformers' zero key and value (the key's logit is 0)
+        parts_k.append(k.new_zeros(b, attn.kv_heads, 1, k.shape[-1]))
         parts_v.append(v.new_zeros(b, attn.kv_heads, 1, v.shape[-1]))
     if attn.num_mem_kv:
         mk, mv = attn.mem_k.to(k.dtype), attn.mem_v.to(v.dtype)

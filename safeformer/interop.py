@@ -260,13 +260,14 @@ class _AttnOptions:
     head_scale: bool = False  # attn_head_scale: a learned gain per head (permuted with the query heads)
     sparse_topk: tuple | None = None  # (attn_sparse_topk, attn_sparse_topk_straight_through)
     hard: bool = False  # attn_hard
+    zero_kv: bool = False  # attn_add_zero_kv
     talking_heads: tuple = ()  # the Attend's talking-heads convs present: ("pre_softmax_talking_heads", ...)
     sublayer_dropout: float = 0.0  # attn_sublayer_dropout
 
     def key(self) -> tuple:
         return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
                 self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid, self.head_scale,
-                self.sublayer_dropout, self.sparse_topk, self.hard, self.talking_heads)
+                self.sublayer_dropout, self.sparse_topk, self.hard, self.talking_heads, self.zero_kv)
 
 
 def _gate_options(name: str, attn, problems: _Problems) -> tuple:
@@ -429,6 +430,7 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     elif not plain_softmax and not sigmoid:
         problems.add("a non-softmax attention function (attn_gumbel_softmax / attn_custom_attn_fn)", name)
     opts.talking_heads = tuple(n for n in _TALKING_HEADS if isinstance(getattr(att, n, None), nn.Conv2d))
+    opts.zero_kv = bool(getattr(att, "add_zero_kv", False))  # attn_add_zero_kv
     opts.scoring, opts.self_scoring = _scoring_options(name, attn, att, sigmoid, problems)
     opts.inverted = bool(getattr(att, "inverted_attention", False))
     dim_head = attn.to_q.out_features // attn.heads
@@ -437,7 +439,6 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         problems.add(f"an attention scale {att.scale} != dim_head ** -0.5", name)
     for attr, option in (
         ("selective", "attn_selective"),
-        ("add_zero_kv", "attn_add_zero_kv"),
         ("flash_pack_seq", "attn_flash_pack_seq"),
     ):
         if getattr(att, attr, False):
@@ -1226,6 +1227,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(attn_head_scale=True)
     if opts0.hard:
         stack_kwargs.update(attn_hard=True)
+    if opts0.zero_kv:
+        stack_kwargs.update(attn_add_zero_kv=True)
     for conv in opts0.talking_heads:  # x-transformers' talking heads: the stack keyword of each conv
         stack_kwargs[_TALKING_HEADS[conv]] = True
     if opts0.sparse_topk is not None:

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Callable, Iterable
 
 XT_DEFAULT_ONLY: dict[str, object] = {
-    "attn_add_zero_kv": False, "attn_aggregated_residuals": False, "attn_aggregated_residual_kwargs": {},
+    "attn_aggregated_residuals": False, "attn_aggregated_residual_kwargs": {},
     "attn_attend_sdp_kwargs": dict(enable_flash=True, enable_math=True, enable_mem_efficient=True),
     "attn_custom_attn_fn": None, "attn_data_dependent_alibi_per_row": False,
     "attn_data_dependent_alibi_per_row_dim_head": 8, "attn_dim_context": None, "attn_dim_out": None,

@@ -199,7 +199,6 @@ UNSUPPORTED = [
     (dict(attn_gate_value_heads=True), "attn_gate_value_heads"),
     (dict(attn_on_attn=True), "attn_on_attn"),
     (dict(attn_value_dim_head=4), "attn_value_dim_head"),
-    (dict(attn_add_zero_kv=True), "attn_add_zero_kv"),
     (dict(attn_max_attend_past=3), "attn_max_attend_past"),
     (dict(add_value_residual=True, attn_kv_heads=1), "learned_value_residual_mix with grouped"),
     (dict(num_residual_streams=2), "num_residual_streams"),

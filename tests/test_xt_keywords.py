@@ -116,6 +116,9 @@ LAYER_OPTIONS = {
     "attn_talking_heads_all_gqa": dict(attn_pre_talking_heads=True, attn_post_talking_heads=True,
                                        attn_pre_scale_post_talking_heads=True, attn_kv_heads=1),
     "dynamic_pos_bias": dict(dynamic_pos_bias=True),
+    "attn_add_zero_kv": dict(attn_add_zero_kv=True),
+    "attn_add_zero_kv_memkv_sink_gqa": dict(attn_add_zero_kv=True, attn_num_mem_kv=2, attn_head_learned_sink=True,
+                                            attn_kv_heads=1),
     "dynamic_pos_bias_all_gqa": dict(dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True, dynamic_pos_bias_norm=True,
                                      dynamic_pos_bias_mlp_depth=3, attn_kv_heads=1),
 }
@@ -631,3 +634,23 @@ def test_dynamic_pos_bias_counts_real_tokens_and_decodes():
         sf.Decoder(dim=16, depth=1, dynamic_pos_bias_norm=True)
     with pytest.raises(ValueError, match="choose one relative position bias"):
         sf.Decoder(dim=16, depth=1, dynamic_pos_bias=True, rel_pos_bias=True)
+
+
+def test_zero_kv_leaves_no_row_dead_and_a_lone_query_gives_zero():
+    """``add_zero_kv``: a query whose every key is masked (a dropped context) attends to the zero key only and
+    outputs exactly 0 with zero gradient; NaN at masked keys reaches nothing; x-transformers' equal on padded
+    cross-attention."""
+    torch.manual_seed(0)
+    attn = sf.Attention(8, heads=2, dim_head=4, add_zero_kv=True)
+    x, ctx = torch.randn(2, 3, 8), torch.randn(2, 4, 8)
+    cmask = torch.tensor([[True, True, False, False], [False] * 4])
+    planted = torch.where(cmask[..., None], ctx, float("nan")).requires_grad_()
+    xq = x.clone().requires_grad_()
+    out = attn(xq, planted, context_mask=cmask)
+    assert bool((out[1] == 0).all()) and torch.isfinite(out).all()
+    out.square().sum().backward()
+    assert bool((xq.grad[1] == 0).all()) and bool((planted.grad[~cmask] == 0).all())
+    peer = X.Attention(8, heads=2, dim_head=4, add_zero_kv=True)
+    peer.load_state_dict(attn.state_dict(), strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, ctx, context_mask=cmask), peer(x, ctx, context_mask=cmask), atol=1e-5, rtol=1e-5)

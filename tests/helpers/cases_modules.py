@@ -11,7 +11,7 @@ CASES: list = []
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .models import DIM, DIM_HEAD, HEADS, DecoderCase, EncoderCase  # noqa: E402
+from .models import DIM, DIM_HEAD, HEADS, DecoderCase, EncoderCase, _no_dead  # noqa: E402
 
 
 class DecoderHybridCase(DecoderCase):
@@ -184,13 +184,18 @@ CASES += [DecoderXtHardCase()]
 class DecoderDynamicPosBiasCase(DecoderCase):
     """``Decoder`` with x-transformers' dynamic position bias (``dynamic_pos_bias``, log distances, a norm in the
     MLP) instead of rotary positions: distances count real tokens, so left padding shifts no bias; the KV cache
-    decodes as the full forward (on the dynamic path)."""
+    decodes as the full forward (on the dynamic path). With x-transformers' zero key/value (``attn_add_zero_kv``) in
+    every attention: a query with no other key (a dropped context) outputs exactly 0."""
 
     name = "Decoder-dynamic-pos-bias"
+    padded_only = True  # the zero key is an extra key: the padded path
+
+    def dead(self, sc):  # every query sees the zero key: no row is dead to a kernel
+        return {"main.self": _no_dead(sc, sc.n), "main.cross": _no_dead(sc, sc.n)}
 
     def config(self):
         return dict(super().config(), rotary_pos_emb=False, dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True,
-                    dynamic_pos_bias_norm=True)
+                    dynamic_pos_bias_norm=True, attn_add_zero_kv=True)
 
 
 CASES += [DecoderDynamicPosBiasCase()]
