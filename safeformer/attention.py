@@ -81,6 +81,9 @@ class Attention(nn.Module):
             ``sparse_topk_straight_through``: the full softmax's gradient (x-transformers').
         hard: x-transformers' hard attention (one-hot forward, softmax gradient); the explicit path.
         add_zero_kv: x-transformers' zero key/value every query sees (``attention_keys.init_extra_keys``).
+        rotate_num_heads: rotary positions on the last that many query heads only (and as many of the key/value
+            heads, all of them when fewer), as x-transformers' ``rotate_num_heads``; default every head. Not with
+            ``latent_rope_subheads`` (which sets it, as there). The dynamic KV path, padded path only.
         pre_talking_heads, post_talking_heads, pre_scale_post_talking_heads: x-transformers' talking heads (a learned
             mix of the heads' logits / weights; ``attention_scoring.init_scoring``); the explicit path.
         head_scale: x-transformers' ``head_scale`` (Normformer): each head's output scaled by a learned gain
@@ -126,6 +129,7 @@ class Attention(nn.Module):
         hybrid_module: nn.Module | None = None, hybrid_mask_kwarg: str | None = None,
         hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, sparse_topk: int | None = None,
         sparse_topk_straight_through: bool = False, hard: bool = False, add_zero_kv: bool = False,
+        rotate_num_heads: int | None = None,
         pre_talking_heads: bool = False,
         post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, **xt_options,
@@ -162,6 +166,17 @@ class Attention(nn.Module):
                  orthog_projected_values=orthog_projected_values, value_rmsnorm=value_rmsnorm,
                  orthog_projected_values_per_head=orthog_projected_values_per_head)
         init_extra_keys(self, heads, kv_heads, dim_head, num_mem_kv, learned_sink, add_zero_kv)
+        if rotate_num_heads is not None:
+            if isinstance(rotate_num_heads, bool) or not isinstance(rotate_num_heads, int) \
+                    or not 0 < rotate_num_heads <= heads:
+                raise ValueError(f"rotate_num_heads must be an integer in [1, heads={heads}], got {rotate_num_heads!r}")
+            if self.rope_subheads:
+                raise ValueError("rotate_num_heads cannot be set with latent_rope_subheads (which sets it)")
+            if rotate_num_heads < heads and kv_heads < heads:
+                raise ValueError("rotate_num_heads < heads with grouped key/value heads (kv_heads < heads) is not "
+                                 "supported (nor in x-transformers)")
+        # x-transformers' attribute: how many (last) heads the rotary positions rotate
+        self.rotate_num_heads = self.rope_subheads or (heads if rotate_num_heads is None else rotate_num_heads)
         init_gates(self, dim, heads, dim_head, gate_values=gate_values, gate_values_rank=gate_values_rank,
                    gate_values_headwise=gate_values_headwise, gate_value_heads=gate_value_heads,
                    output_gate=output_gate, output_gate_rank=output_gate_rank,
@@ -189,7 +204,7 @@ class Attention(nn.Module):
     def _rotate(self, t: Tensor, angles: Tensor) -> Tensor:
         """Rotary positions on ``t (b, h|h_kv, n, d)``; with ``latent_rope_subheads`` on its last that many heads only
         (multi-latent attention's decoupled rope, as x-transformers' ``rotate_num_heads``)."""
-        r = self.rope_subheads
+        r = self.rope_subheads or (self.rotate_num_heads if self.rotate_num_heads < self.heads else 0)
         if not r:
             return apply_rotary(t, angles)
         return torch.cat((t[:, :-r], apply_rotary(t[:, -r:], angles)), dim=1)
@@ -216,7 +231,8 @@ class Attention(nn.Module):
         """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
         return (self.extra_keys == 0 and not self.explicit and not self.l2_distance and not self.orthog
                 and self.to_forget_gates is None
-                and self.rel_proj_pos_bias is None and not self.rope_subheads and self.hybrid is None)
+                and self.rel_proj_pos_bias is None and not self.rope_subheads and self.hybrid is None
+                and self.rotate_num_heads == self.heads)
 
     @property
     def orthog(self) -> bool:

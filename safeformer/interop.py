@@ -261,6 +261,7 @@ class _AttnOptions:
     sparse_topk: tuple | None = None  # (attn_sparse_topk, attn_sparse_topk_straight_through)
     hard: bool = False  # attn_hard
     zero_kv: bool = False  # attn_add_zero_kv
+    rotate_heads: int | None = None  # rotate_num_heads (the last heads rotary positions rotate)
     talking_heads: tuple = ()  # the Attend's talking-heads convs present: ("pre_softmax_talking_heads", ...)
     sublayer_dropout: float = 0.0  # attn_sublayer_dropout
 
@@ -268,6 +269,7 @@ class _AttnOptions:
         return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
                 self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid, self.head_scale,
                 self.sublayer_dropout, self.sparse_topk, self.hard, self.talking_heads, self.zero_kv)
+        # (rotate_heads is left out: x-transformers' stack gives it to its self-attentions only, all alike)
 
 
 def _gate_options(name: str, attn, problems: _Problems) -> tuple:
@@ -400,7 +402,7 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         opts.value_mix = True
     rope_subheads = attn.to_rotateable_k is not None if hasattr(attn, "to_rotateable_k") else False
     if getattr(attn, "rotate_num_heads", attn.heads) != attn.heads and not rope_subheads:
-        problems.add(f"rotate_num_heads={attn.rotate_num_heads} < heads={attn.heads}", name)
+        opts.rotate_heads = int(attn.rotate_num_heads)  # rotate_num_heads (self-attention: the stack's keyword)
     if getattr(attn, "sublayer_dropout", None) is not None:
         opts.sublayer_dropout = float(attn.sublayer_dropout.p)  # attn_sublayer_dropout
     for lin in ("to_q", "to_k", "to_v"):
@@ -1229,6 +1231,8 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(attn_hard=True)
     if opts0.zero_kv:
         stack_kwargs.update(attn_add_zero_kv=True)
+    if opts0.rotate_heads is not None:
+        stack_kwargs.update(rotate_num_heads=opts0.rotate_heads)
     for conv in opts0.talking_heads:  # x-transformers' talking heads: the stack keyword of each conv
         stack_kwargs[_TALKING_HEADS[conv]] = True
     if opts0.sparse_topk is not None:

@@ -136,6 +136,8 @@ Args:
     rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance: T5's bucketed relative position bias in self-attention
         (``RelativePositionBias``, x-transformers' names and scale ``dim_head ** 0.5``), from the positions of the
         real tokens; works with the KV cache and the unpadded path; not with ALiBi.
+    rotate_num_heads: rotary positions on the last that many heads of every self-attention only (x-transformers'
+        keyword; see ``Attention(rotate_num_heads=...)``); needs ``rotary_pos_emb``. The dynamic KV path.
     dynamic_pos_bias, dynamic_pos_bias_log_distance, dynamic_pos_bias_mlp_depth, dynamic_pos_bias_norm:
         x-transformers' dynamic position bias in self-attention: an MLP (width ``dim // 4``, ``mlp_depth`` SiLU
         layers, with a LayerNorm each with ``norm``) of the distance ``q - k`` (``sign * log(1 + |q - k|)`` with
@@ -473,6 +475,7 @@ class AttentionLayers(Configurable, nn.Module):
         disable_abs_pos_emb: bool | None = None, attn_kwargs: dict | None = None, ff_kwargs: dict | None = None,
         dynamic_pos_bias: bool = False, dynamic_pos_bias_log_distance: bool = False,
         dynamic_pos_bias_mlp_depth: int = 2, dynamic_pos_bias_norm: bool = False,
+        rotate_num_heads: int | None = None,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -871,7 +874,8 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
                        attn_use_latent_q, attn_dim_latent_q, attn_use_latent_kv, attn_dim_latent_kv,
                        attn_latent_rope_subheads, attn_use_cope, attn_cope_max_pos, attn_cope_soft_onehot_pos,
                        attn_use_rel_proj_pos_bias, attn_rel_proj_num_distance_basis, attn_rel_proj_max_dist,
-                       cross_attn_inverted_attention, attn_kwargs, **_) -> Callable[[int | None, int], Attention]:
+                       cross_attn_inverted_attention, attn_kwargs, rotate_num_heads,
+                       **_) -> Callable[[int | None, int], Attention]:
     """The stack's ``attention(context_dim, layer)`` factory: the next attention block's ``Attention``, self-attention
     (``context_dim`` None) or cross-attention (over ``context_dim`` features), of layer ``layer``, with the stack's
     attention options (``cross_attn_kwargs`` over them for cross-attention). Blocks are built in order: the
@@ -924,6 +928,7 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
             hybrid_learned_mix=attn_hybrid_learned_mix and orthog,
             data_dependent_alibi_kwargs=attn_data_dependent_alibi_kwargs if attn_data_dependent_alibi and orthog else None,
             **scoring_options(orthog), **(extra if orthog else extra_cross),
+            **({"rotate_num_heads": rotate_num_heads} if orthog and rotate_num_heads is not None else {}),
         )
 
     return attention
@@ -1366,8 +1371,10 @@ def _residual_routing(stack, dim: int, depth: int, norm, *, num_residual_streams
 def _check_options(*, dim, depth, dim_head, causal, cross_attend, only_cross, rotary_pos_emb, rotary_emb_dim,
                    alibi_pos_bias, use_adaptive_layernorm, use_adaptive_rmsnorm, use_adaptive_layerscale,
                    dim_condition, adaptive_null, layer_dropout, cross_attn_tokens_dropout, checkpoint_layers,
-                   unpadded, **_) -> None:
+                   unpadded, rotate_num_heads, rotary_xpos, **_) -> None:
     """``AttentionLayers``' options that must agree with each other (the modules check their own)."""
+    if rotate_num_heads is not None and not (rotary_pos_emb or rotary_xpos):
+        raise ValueError("rotate_num_heads chooses the heads rotary positions rotate: it needs rotary_pos_emb=True")
     if unpadded not in (True, False, "auto"):
         raise ValueError(f"unpadded must be True, False or 'auto', got {unpadded!r}")
     if not isinstance(checkpoint_layers, bool):

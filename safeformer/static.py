@@ -92,8 +92,9 @@ def static_reason(net) -> str | None:
             return ("attention with memory keys, a learned sink, softclamped logits or another scoring option (cog, "
                     "sigmoid, gumbel, laser, CoPE, inverted) runs the explicit path")
         if blk.kind != "ff" and (blk.mixer.rel_proj_pos_bias is not None or blk.mixer.rope_subheads
-                                 or blk.mixer.l2_distance):
-            return "attn_use_rel_proj_pos_bias, attn_latent_rope_subheads and attn_l2_distance run on the dynamic path"
+                                 or blk.mixer.l2_distance or blk.mixer.rotate_num_heads != blk.mixer.heads):
+            return ("attn_use_rel_proj_pos_bias, attn_latent_rope_subheads, rotate_num_heads and attn_l2_distance run "
+                    "on the dynamic path")
         if getattr(stack, "polar_pos_emb", None) is not None:
             return "polar_pos_emb (PoPE) runs on the dynamic path"
         if getattr(stack, "rel_pos", None) is not None:

@@ -22,7 +22,7 @@ XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_qk_norm_groups": 1, "attn_qk_norm_scale": 10, "attn_qk_rmsnorm": False,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None, "attn_selective": False,
     "attn_value_dim_head": None, "gated_multi_residual": False,
-    "rotate_num_heads": None, "norm_add_unit_offset": True,
+    "norm_add_unit_offset": True,
 }
 
 # Attention's own keywords among them (safeformer's Attention has dim_context, dim_out, inverted_attention and
@@ -31,7 +31,7 @@ ATTENTION_DEFAULT_ONLY: dict[str, object] = {
     k.removeprefix("attn_"): v for k, v in XT_DEFAULT_ONLY.items()
     if k.startswith("attn_") and k not in ("attn_dim_context", "attn_dim_out", "attn_inverted_attention",
                                            "attn_learned_value_residual_mix", "attn_aggregated_residuals",
-                                           "attn_aggregated_residual_kwargs")
+                                           "attn_aggregated_residual_kwargs", "attn_rotate_num_heads")
 }
 ATTENTION_ANY_VALUE = ("onnxable",)
 

@@ -116,6 +116,7 @@ LAYER_OPTIONS = {
     "attn_talking_heads_all_gqa": dict(attn_pre_talking_heads=True, attn_post_talking_heads=True,
                                        attn_pre_scale_post_talking_heads=True, attn_kv_heads=1),
     "dynamic_pos_bias": dict(dynamic_pos_bias=True),
+    "rotate_num_heads": dict(rotary_pos_emb=True, rotate_num_heads=1),
     "attn_add_zero_kv": dict(attn_add_zero_kv=True),
     "attn_add_zero_kv_memkv_sink_gqa": dict(attn_add_zero_kv=True, attn_num_mem_kv=2, attn_head_learned_sink=True,
                                             attn_kv_heads=1),
@@ -654,3 +655,29 @@ def test_zero_kv_leaves_no_row_dead_and_a_lone_query_gives_zero():
     peer.load_state_dict(attn.state_dict(), strict=False)
     with torch.no_grad():
         torch.testing.assert_close(attn(x, ctx, context_mask=cmask), peer(x, ctx, context_mask=cmask), atol=1e-5, rtol=1e-5)
+
+
+def test_rotate_num_heads_rotates_the_last_heads_and_decodes():
+    """``rotate_num_heads``: only the last heads' queries and keys are rotated (the others are position-free);
+    the KV cache decodes as the full forward; clear errors (needs rotary, not with grouped heads, in range)."""
+    torch.manual_seed(0)
+    attn = sf.Attention(16, heads=4, dim_head=8, rotate_num_heads=1)
+    t = torch.randn(2, 4, 3, 8)
+    angles = torch.randn(1, 1, 3, 4)
+    out = attn._rotate(t, angles)
+    torch.testing.assert_close(out[:, :3], t[:, :3])
+    assert not torch.allclose(out[:, 3:], t[:, 3:])
+    net = sf.TransformerWrapper(num_tokens=20, max_seq_len=0, attn_layers=sf.Decoder(
+        dim=32, depth=2, heads=4, rotary_pos_emb=True, rotate_num_heads=2)).eval()
+    x = torch.randint(0, 20, (1, 7))
+    with torch.no_grad():
+        full = net(x)
+        first, cache = net(x[:, :5], return_cache=True)
+        rest = net(x[:, 5:], cache=cache)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs rotary_pos_emb"):
+        sf.Decoder(dim=32, depth=1, heads=4, rotate_num_heads=2)
+    with pytest.raises(ValueError, match="grouped key/value heads"):
+        sf.Attention(16, heads=4, dim_head=8, kv_heads=2, rotate_num_heads=1)
+    with pytest.raises(ValueError, match="rotate_num_heads must be an integer in"):
+        sf.Attention(16, heads=4, dim_head=8, rotate_num_heads=5)

@@ -29,7 +29,8 @@ drops the absolute position embedding under ALiBi, and ``from_x_transformers`` r
 model); ``test_transformer_xl_recurrence_parity`` feeds both models x-transformers' memories and compares the
 memories each returns. No twin for
 ``XLAutoregressiveWrapper`` (``from_x_transformers`` takes none: "TypeError: model must be an
-x_transformers.TransformerWrapper, AutoregressiveWrapper or XTransformer, got XLAutoregressiveWrapper")
+x_transformers.TransformerWrapper, AutoregressiveWrapper, XTransformer, ContinuousTransformerWrapper,
+ContinuousAutoregressiveWrapper or a layer stack, got XLAutoregressiveWrapper")
 nor for ``AutoregressiveWrapper(mask_prob=)`` (refused: the hidden keys are drawn at random, differently).
 
 README examples NOT covered (safeformer does not build the option: each fails at construction with
@@ -37,8 +38,6 @@ README examples NOT covered (safeformer does not build the option: each fails at
 ``attn_on_attn``), or, for ``resi_dual``, which x-transformers 2.31.10 itself refuses ("AssertionError:
 unrecognized kwargs passed in dict_keys(['resi_dual'])"), "unexpected keyword argument"):
     attn_on_attn; resi_dual (+ resi_dual_scale); attn_qk_norm_groups; attn_qk_norm_scale;
-    rotate_num_heads (the
-    "shift_mem_down" XL example: ``max_mem_len`` and ``shift_mem_down`` themselves run);
     post_emb_norm=True on a TransformerWrapper: "TypeError: TransformerWrapper: x-transformers' option
     post_emb_norm=True is not supported by safeformer".
 """
@@ -2128,3 +2127,50 @@ def test_dynamic_pos_bias_parity():
     x = torch.randint(0, 256, (1, N_PARITY))
     with torch.no_grad():
         _assert_parity("dynamic_pos_bias", xt_model(x), sf_model(x))
+
+
+def test_shift_mem_down_rotate_num_heads():
+    """README "Transformer-XL recurrence", the shift_mem_down example, with rotate_num_heads."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model_xl = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 512,
+        max_mem_len = 2048,
+        shift_mem_down = 1,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            rotary_pos_emb = True,
+            rotate_num_heads = 4   # only rotate 4 out of the 8 attention heads
+        )
+    )
+
+    seg1 = torch.randint(0, 20000, (1, 512))
+    seg2 = torch.randint(0, 20000, (1, 512))
+    seg3 = torch.randint(0, 20000, (1, 512))  # noqa: F841  (as the README writes it)
+
+    logits1, mems1  = model_xl(seg1, return_mems = True)
+    logits2, mems2  = model_xl(seg2, mems = mems1, return_mems = True) # mems1 of layer N are automatically routed to the layer N-1
+
+    assert logits1.shape == logits2.shape == (1, 512, 20000)
+    _finite(logits1, logits2)
+    assert all(blk.mixer.rotate_num_heads == 4 for blk in model_xl.attn_layers.layers if blk.kind == "self")
+
+
+def test_shift_mem_down_rotate_num_heads_parity():
+    xt_model = xt.TransformerWrapper(
+        num_tokens=20000, max_seq_len=512, max_mem_len=2048, shift_mem_down=1,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=8, rotary_pos_emb=True, rotate_num_heads=4),
+    )
+    sf_model = _convert(xt_model, "Transformer-XL memories (max_mem_len)")
+    segs = torch.randint(0, 20000, (2, 1, N_PARITY // 2))
+    mems = None
+    with torch.no_grad():
+        for i, seg in enumerate(segs):
+            xt_logits, new_mems = xt_model(seg, mems=mems, return_mems=True)
+            sf_logits, _ = sf_model(seg, mems=mems, return_mems=True)
+            _assert_parity(f"shift_mem_down + rotate_num_heads segment {i + 1}", xt_logits, sf_logits)
+            mems = new_mems

@@ -158,15 +158,17 @@ CASES += [DecoderXtFeedForwardCase(), EncoderXtGluCase()]
 class DecoderXtHardCase(DecoderCase):
     """``Decoder`` with x-transformers' hard attention (``attn_hard``: the one-hot of the largest live logit
     forward, the softmax's gradient backward) and talking heads before and after the softmax (moved off their
-    identity init) in self- and cross-attention: a masked key must never be the largest nor be mixed into a live
-    weight, a dropped context stays an exact no-op. The explicit float32 path, padded path only."""
+    identity init) in self- and cross-attention, and rotary positions on the last head only (``rotate_num_heads``):
+    a masked key must never be the largest nor be mixed into a live weight, a dropped context stays an exact no-op.
+    The explicit float32 path, padded path only."""
 
     name = "Decoder-xt-hard"
     padded_only = True
     explicit_attention = True
 
     def config(self):
-        return dict(super().config(), attn_hard=True, attn_pre_talking_heads=True, attn_post_talking_heads=True)
+        return dict(super().config(), attn_hard=True, attn_pre_talking_heads=True, attn_post_talking_heads=True,
+                    kv_heads=HEADS, rotate_num_heads=1)
 
     def make(self, backend="auto"):
         model = super().make(backend)
