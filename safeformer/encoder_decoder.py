@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .generation import check_pad_value, generate_tokens
-from .layers import LAYER_ALIASES, AttentionLayers, Decoder, Encoder
+from .layers import LAYER_ALIASES, MODULE_KWARGS, AttentionLayers, Decoder, Encoder, merge_module_kwargs
 from .losses import next_token_loss
 from .masks import checked_once
 from .pretrained import Configurable
@@ -145,9 +145,9 @@ class XTransformer(Configurable, nn.Module):
                 updates = target(value) if callable(target) else {target: value}
                 if "_unsupported" in updates:
                     raise TypeError(f"XTransformer: x-transformers' option {updates['_unsupported']} is not supported")
-                for key in ("attn_kwargs", "ff_kwargs"):  # one keyword of each module: merged
+                for key in MODULE_KWARGS:  # one keyword of each module: merged
                     if key in updates:
-                        updates[key] = {**(out.get(key) or {}), **updates[key]}
+                        updates[key] = merge_module_kwargs("XTransformer", out.get(key), updates[key], key, name)
                 out.update(updates)
             return out
 

@@ -351,6 +351,19 @@ def _defaults(cls) -> dict:
     return {}
 
 
+MODULE_KWARGS = ("attn_kwargs", "ff_kwargs")
+
+
+def merge_module_kwargs(owner: str, have: dict | None, new: dict, name: str, key: str) -> dict:
+    """``have`` (an ``attn_kwargs`` / ``ff_kwargs`` so far) with ``new``'s keywords added, each given once."""
+    out = dict(have or {})
+    for k, v in new.items():
+        if k in out:
+            raise TypeError(f"{owner}: {k!r} is given twice, in {name} and as {key!r}")
+        out[k] = v
+    return out
+
+
 def translate_aliases(owner: str, given: dict, aliases: dict, table: dict) -> dict:
     """``given`` (the canonical arguments as bound) updated with ``aliases`` translated through ``table``.
 
@@ -375,13 +388,8 @@ def translate_aliases(owner: str, given: dict, aliases: dict, table: dict) -> di
             raise TypeError(f"{owner}: x-transformers' option {updates['_unsupported']} is not supported by safeformer")
         defaults = _defaults(owner_cls(owner))
         for name, v in updates.items():
-            if name in ("attn_kwargs", "ff_kwargs"):  # one keyword of each Attention / FeedForward: merged
-                have = dict(out.get(name) or {})
-                for k, kv in v.items():
-                    if k in have:
-                        raise TypeError(f"{owner}: {k!r} is given twice, in {name} and as {key!r}")
-                    have[k] = kv
-                out[name] = have
+            if name in MODULE_KWARGS:  # one keyword of each Attention / FeedForward: merged
+                out[name] = merge_module_kwargs(owner, out.get(name), v, name, key)
                 continue
             if name in given and given[name] != defaults.get(name, _DEFAULT):  # also set under its own name
                 raise TypeError(f"{owner}: {name!r} is given twice, as {name!r} and as {key!r}")
@@ -662,15 +670,17 @@ class AttentionLayers(Configurable, nn.Module):
             ``(b, n, c)`` hidden states after the final norm, then the cache if ``return_cache``, then
             the ``LayerIntermediates`` if ``return_hiddens``.
         """
-        for name, value in (("rotary_pos_emb", rotary_pos_emb), ("polar_pos_emb", polar_pos_emb),
-                            ("attn_bias", attn_bias), ("in_attn_cond", in_attn_cond),
-                            ("flash_pack_seq_kwargs", flash_pack_seq_kwargs),
-                            ("flash_pack_seq_context_kwargs", flash_pack_seq_context_kwargs),
-                            ("transform_block_inputs", transform_block_inputs),
-                            ("return_gumbel_log_probs", return_gumbel_log_probs or None)):
-            if value is not None:
-                raise TypeError(f"{type(self).__name__}.forward: x-transformers' option {name} is not supported by "
-                                f"safeformer")
+        if not (rotary_pos_emb is None and polar_pos_emb is None and attn_bias is None and in_attn_cond is None
+                and flash_pack_seq_kwargs is None and flash_pack_seq_context_kwargs is None
+                and transform_block_inputs is None and not return_gumbel_log_probs):  # x-transformers' unsupported
+            given = dict(rotary_pos_emb=rotary_pos_emb, polar_pos_emb=polar_pos_emb, attn_bias=attn_bias,
+                         in_attn_cond=in_attn_cond, flash_pack_seq_kwargs=flash_pack_seq_kwargs,
+                         flash_pack_seq_context_kwargs=flash_pack_seq_context_kwargs,
+                         transform_block_inputs=transform_block_inputs,
+                         return_gumbel_log_probs=return_gumbel_log_probs or None)
+            name = next(k for k, v in given.items() if v is not None)
+            raise TypeError(f"{type(self).__name__}.forward: x-transformers' option {name} is not supported by "
+                            f"safeformer")
         if not isinstance(input_not_include_cache, bool):
             raise TypeError(f"input_not_include_cache must be True or False, got {input_not_include_cache!r}")
         if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1 \
