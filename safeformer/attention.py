@@ -33,12 +33,13 @@ from .attention_calls import (
     check_option_call,
     fold_xt_call,
     intermediates,
+    refuse_xt_call,
     unpadded_call,
 )
 from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, query_padding
 from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
-from .attention_output import gate, init_gates, init_out, orthog_project, output_phase
-from .attention_projections import init_norms, init_projections, project_qkv, qk_clip_
+from .attention_output import check_head_scale, gate, init_gates, init_out, orthog_project, output_phase
+from .attention_projections import init_norms, init_projections, init_rotation, project_qkv, qk_clip_
 from .attention_scoring import CoPE as CoPE  # re-exported: the module path it had
 from .attention_scoring import _explicit_attention as _explicit_attention  # re-exported (tests call it)
 from .attention_scoring import explicit_call, init_scoring, kernel_call, log_prob_from_hard_attend
@@ -76,34 +77,20 @@ class Attention(nn.Module):
         hybrid_module, hybrid_fold_axial_dim, hybrid_mask_kwarg, hybrid_learned_mix: a user's sequence module
             (a ``GRU`` say) beside self-attention, the two outputs RMS-normalised per head and averaged before
             ``to_out`` (x-transformers' names; see ``hybrid.HybridBranch`` for padding and the KV cache).
-        sparse_topk: x-transformers' sparse top-k attention: each query softmaxes over its ``sparse_topk`` largest
-            logits (``attention_scoring.init_scoring``); the explicit float32 path, padded path only.
-            ``sparse_topk_straight_through``: the full softmax's gradient (x-transformers').
-        hard: x-transformers' hard attention (one-hot forward, softmax gradient); the explicit path.
-        add_zero_kv: x-transformers' zero key/value every query sees (``attention_keys.init_extra_keys``).
-        rotate_num_heads: rotary positions on the last that many query heads only (and as many of the key/value
-            heads, all of them when fewer), as x-transformers' ``rotate_num_heads``; default every head. Not with
-            ``latent_rope_subheads`` (which sets it, as there). The dynamic KV path, padded path only.
-        pre_talking_heads, post_talking_heads, pre_scale_post_talking_heads: x-transformers' talking heads (a learned
-            mix of the heads' logits / weights; ``attention_scoring.init_scoring``); the explicit path.
-        head_scale: x-transformers' ``head_scale`` (Normformer): each head's output scaled by a learned gain
-            (``head_scale_params (1, h, 1, 1)``, ones at init) before the heads are merged; not with a hybrid module.
-        sublayer_dropout: dropout on the output, after ``to_out``.
-        output_proj_depth: ``to_out`` initialised with OLMo's depth-scaled normal, std ``(2 * fan_in *
-            output_proj_depth) ** -0.5`` (ignored with ``zero_init_output``, as in x-transformers).
-        **xt_options: x-transformers' other ``Attention`` keywords (``sparse_topk``, ``hard``, the talking heads,
-            ``qk_norm_groups``, ``value_dim_head``, ...: ``xt_defaults.ATTENTION_DEFAULT_ONLY``) at their default
-            value, which is what this module does; ``onnxable`` with any value (no effect on the numbers). Another
-            value, or an unknown keyword, is a ``TypeError`` that names it.
+        **xt_options: x-transformers' other ``Attention`` keywords (``qk_norm_groups``, ``value_dim_head``, ...:
+            ``xt_defaults.ATTENTION_DEFAULT_ONLY``) at their default value, which is what this module does;
+            ``onnxable`` with any value. Another value, or an unknown keyword, is a ``TypeError`` naming it.
 
     The other keywords are x-transformers' options, each documented by the builder that checks it:
     ``attention_projections.init_projections`` (multi-latent attention: ``use_latent_*``, ``dim_latent_*``,
-    ``latent_rope_subheads``) and ``init_norms`` (``qk_norm*``, ``value_rmsnorm``, ``learned_value_residual_mix``),
+    ``latent_rope_subheads``; ``rotate_num_heads``: ``init_rotation``) and ``init_norms`` (``qk_norm*``, ``value_rmsnorm``, ``learned_value_residual_mix``),
     ``attention_scoring.init_scoring`` (``l2_distance``, ``cog_signed``, ``sigmoid``, ``gumbel_softmax*``,
-    ``inverted_attention``, ``laser*``, ``use_cope``, ``cope_*``), ``attention_bias`` (``use_rel_proj_pos_bias``,
+    ``inverted_attention``, ``laser*``, ``use_cope``, ``cope_*``, ``sparse_topk*``, ``hard``, the talking heads),
+    ``attention_bias`` (``use_rel_proj_pos_bias``,
     ``rel_proj_*``: ``RelativeProjPositionalBias``; ``data_dependent_alibi*``: ``init_forget_gates``),
-    ``attention_keys.init_extra_keys`` (``num_mem_kv``, ``learned_sink``), ``attention_output.init_out``
-    (``dim_out``, ``zero_init_output``, ``orthog_projected_values*``) and ``init_gates`` (``gate_values*``,
+    ``attention_keys.init_extra_keys`` (``num_mem_kv``, ``learned_sink``, ``add_zero_kv``), ``attention_output.init_out``
+    (``dim_out``, ``zero_init_output``, ``orthog_projected_values*``, ``head_scale``, ``sublayer_dropout``,
+    ``output_proj_depth``) and ``init_gates`` (``gate_values*``,
     ``gate_value_heads``, ``output_gate*``, ``swiglu_values``, ``low_rank_silu_gates``).
     """
 
@@ -166,17 +153,7 @@ class Attention(nn.Module):
                  orthog_projected_values=orthog_projected_values, value_rmsnorm=value_rmsnorm,
                  orthog_projected_values_per_head=orthog_projected_values_per_head)
         init_extra_keys(self, heads, kv_heads, dim_head, num_mem_kv, learned_sink, add_zero_kv)
-        if rotate_num_heads is not None:
-            if isinstance(rotate_num_heads, bool) or not isinstance(rotate_num_heads, int) \
-                    or not 0 < rotate_num_heads <= heads:
-                raise ValueError(f"rotate_num_heads must be an integer in [1, heads={heads}], got {rotate_num_heads!r}")
-            if self.rope_subheads:
-                raise ValueError("rotate_num_heads cannot be set with latent_rope_subheads (which sets it)")
-            if rotate_num_heads < heads and kv_heads < heads:
-                raise ValueError("rotate_num_heads < heads with grouped key/value heads (kv_heads < heads) is not "
-                                 "supported (nor in x-transformers)")
-        # x-transformers' attribute: how many (last) heads the rotary positions rotate
-        self.rotate_num_heads = self.rope_subheads or (heads if rotate_num_heads is None else rotate_num_heads)
+        init_rotation(self, heads, kv_heads, rotate_num_heads)
         init_gates(self, dim, heads, dim_head, gate_values=gate_values, gate_values_rank=gate_values_rank,
                    gate_values_headwise=gate_values_headwise, gate_value_heads=gate_value_heads,
                    output_gate=output_gate, output_gate_rank=output_gate_rank,
@@ -186,9 +163,7 @@ class Attention(nn.Module):
         self.hybrid = make_hybrid(hybrid_module, dim=dim, heads=heads, dim_head=dim_head, causal=causal,
                                   fold_axial_dim=hybrid_fold_axial_dim, mask_kwarg=hybrid_mask_kwarg,
                                   learned_mix=hybrid_learned_mix)
-        if self.head_scale_params is not None and self.hybrid is not None:
-            raise ValueError("head_scale scales the attention heads before the hybrid module's output is mixed in "
-                             "(x-transformers' order): the two together are not supported")
+        check_head_scale(self)
 
     @property
     def explicit(self) -> bool:
@@ -404,12 +379,10 @@ class Attention(nn.Module):
         if not (rel_pos is None and pos is None and mem is None and mem_mask is None and context_rotary_pos_emb is None
                 and polar_pos_emb is None and q_delta is None and k_delta is None and v_delta is None
                 and o_delta is None and attn_delta is None and flash_pack_seq_kwargs is None):
-            given = dict(rel_pos=rel_pos, pos=pos, mem=mem, mem_mask=mem_mask, polar_pos_emb=polar_pos_emb,
-                         context_rotary_pos_emb=context_rotary_pos_emb, q_delta=q_delta, k_delta=k_delta,
-                         v_delta=v_delta, o_delta=o_delta, attn_delta=attn_delta,
-                         flash_pack_seq_kwargs=flash_pack_seq_kwargs)
-            name = next(k for k, v in given.items() if v is not None)
-            raise TypeError(f"Attention.forward: x-transformers' option {name} is not supported by safeformer")
+            refuse_xt_call("Attention.forward", rel_pos=rel_pos, pos=pos, mem=mem, mem_mask=mem_mask,
+                           context_rotary_pos_emb=context_rotary_pos_emb, polar_pos_emb=polar_pos_emb,
+                           q_delta=q_delta, k_delta=k_delta, v_delta=v_delta, o_delta=o_delta, attn_delta=attn_delta,
+                           flash_pack_seq_kwargs=flash_pack_seq_kwargs)
         if layout is not None:
             return unpadded_call(self, x, layout, additional_key_values, kv_input_residual, _return_kv)
         causal = self.causal if causal is None else causal

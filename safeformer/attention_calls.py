@@ -245,3 +245,11 @@ def intermediates(res: tuple, want_weights: bool, x: Tensor, context, kv, value_
         values = v_all[:, :, v_all.shape[2] - new:]
     return out, AttnIntermediate(post_softmax_attn=weights, layer_type="c" if cross else "a", cached_kv=kv_out,
                                  pre_softmax_attn=logits, values=values)
+
+
+def refuse_xt_call(owner: str, **given) -> None:
+    """x-transformers' call keywords safeformer does not take: a ``TypeError`` naming the first one given (not
+    ``None``); nothing when none is."""
+    for name, value in given.items():
+        if value is not None:
+            raise TypeError(f"{owner}: x-transformers' option {name} is not supported by safeformer")

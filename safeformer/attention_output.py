@@ -177,3 +177,11 @@ def orthog_project(attn: Attention, out: Tensor, values: Tensor) -> Tensor:
     proj = (o - (o * unit).sum(-1, keepdim=True) * unit).to(out.dtype).reshape(*out.shape[:2], -1)
     parts = int(attn.orthog_projected_values) + int(attn.orthog_projected_values_per_head)
     return proj if parts == 1 else torch.cat([proj] * parts, dim=-1)
+
+
+def check_head_scale(attn: Attention) -> None:
+    """``head_scale`` beside a hybrid module is refused: x-transformers scales the heads before the hybrid output
+    is mixed in, safeformer's hybrid mix comes first."""
+    if attn.head_scale_params is not None and attn.hybrid is not None:
+        raise ValueError("head_scale scales the attention heads before the hybrid module's output is mixed in "
+                         "(x-transformers' order): the two together are not supported")

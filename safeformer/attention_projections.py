@@ -212,3 +212,24 @@ def qk_clip_(attn: Attention, pre_softmax_attn, tau: float = 100.0) -> None:
         attn.to_rotateable_k.weight.mul_(ks[n_k:].to(attn.to_rotateable_k.weight.dtype)[:, None])
     if attn.num_mem_kv:
         attn.mem_k.mul_(k_scale.to(attn.mem_k.dtype)[:, None, None])
+
+
+def init_rotation(attn: Attention, heads: int, kv_heads: int, rotate_num_heads: int | None) -> None:
+    """``attn.rotate_num_heads`` (x-transformers' attribute): how many of the last heads rotary positions rotate.
+
+    Args (``Attention``'s keyword):
+        rotate_num_heads: rotary positions on the last that many query heads only (and as many of the key/value
+            heads, all of them when fewer), as x-transformers'; default every head. Not with ``latent_rope_subheads``
+            (which sets it, as there), nor below ``heads`` with grouped key/value heads (nor in x-transformers). The
+            dynamic KV path, padded path only.
+    """
+    if rotate_num_heads is not None:
+        if isinstance(rotate_num_heads, bool) or not isinstance(rotate_num_heads, int) \
+                or not 0 < rotate_num_heads <= heads:
+            raise ValueError(f"rotate_num_heads must be an integer in [1, heads={heads}], got {rotate_num_heads!r}")
+        if attn.rope_subheads:
+            raise ValueError("rotate_num_heads cannot be set with latent_rope_subheads (which sets it)")
+        if rotate_num_heads < heads and kv_heads < heads:
+            raise ValueError("rotate_num_heads < heads with grouped key/value heads (kv_heads < heads) is not "
+                             "supported (nor in x-transformers)")
+    attn.rotate_num_heads = attn.rope_subheads or (heads if rotate_num_heads is None else rotate_num_heads)

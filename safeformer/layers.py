@@ -263,6 +263,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import Attention
+from .attention_calls import refuse_xt_call
 from .block import Block, LayerScale, ResidualRouting
 from .cache import AttnIntermediate, KVCache, LayerIntermediates
 from .masks import causal_mask, checked_once, validate_mask
@@ -673,14 +674,12 @@ class AttentionLayers(Configurable, nn.Module):
         if not (rotary_pos_emb is None and polar_pos_emb is None and attn_bias is None and in_attn_cond is None
                 and flash_pack_seq_kwargs is None and flash_pack_seq_context_kwargs is None
                 and transform_block_inputs is None and not return_gumbel_log_probs):  # x-transformers' unsupported
-            given = dict(rotary_pos_emb=rotary_pos_emb, polar_pos_emb=polar_pos_emb, attn_bias=attn_bias,
-                         in_attn_cond=in_attn_cond, flash_pack_seq_kwargs=flash_pack_seq_kwargs,
-                         flash_pack_seq_context_kwargs=flash_pack_seq_context_kwargs,
-                         transform_block_inputs=transform_block_inputs,
-                         return_gumbel_log_probs=return_gumbel_log_probs or None)
-            name = next(k for k, v in given.items() if v is not None)
-            raise TypeError(f"{type(self).__name__}.forward: x-transformers' option {name} is not supported by "
-                            f"safeformer")
+            refuse_xt_call(f"{type(self).__name__}.forward", rotary_pos_emb=rotary_pos_emb,
+                           polar_pos_emb=polar_pos_emb, attn_bias=attn_bias, in_attn_cond=in_attn_cond,
+                           flash_pack_seq_kwargs=flash_pack_seq_kwargs,
+                           flash_pack_seq_context_kwargs=flash_pack_seq_context_kwargs,
+                           transform_block_inputs=transform_block_inputs,
+                           return_gumbel_log_probs=return_gumbel_log_probs or None)
         if not isinstance(input_not_include_cache, bool):
             raise TypeError(f"input_not_include_cache must be True or False, got {input_not_include_cache!r}")
         if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1 \
