@@ -21,52 +21,142 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .losses import masked_mean
-from .modules import AdaptiveNorm, LayerNorm, RMSNorm
+from .modules import AdaptiveNorm, RMSNorm, TorchLayerNorm
 
-__all__ = ["Block", "apply_norm", "LayerScale", "shift_tokens", "HyperConnection", "DynamicLIMe", "ConcatCombine", "MVSplitResidualUpdate",
-           "ResidualRouting", "sinkhorn", "orthog_residual_update"]
+__all__ = ["Block", "apply_norm", "ShiftTokens", "AdaptiveLayerScale", "shift_tokens", "HyperConnection", "DynamicLIMe", "ConcatCombine", "MVSplitResidualUpdate",
+           "ResidualRouting", "sinkhorn", "orthog_residual_update", "OrthogonalResidualUpdate",
+           "residual_update"]
 
 
-def apply_norm(norm: nn.Module, x: Tensor, condition: Tensor | None) -> Tensor:
-    """``norm(x, condition)`` for an adaptive norm (when a condition is given), else ``norm(x)``."""
+def apply_norm(norm: nn.Module | None, x: Tensor, condition: Tensor | None) -> Tensor:
+    """``norm(x, condition)`` for an adaptive norm (when a condition is given), else ``norm(x)``; no norm
+    (``None``: x-transformers' empty slot) is the identity."""
+    if norm is None:
+        return x
     if condition is not None and isinstance(norm, AdaptiveNorm):
         return norm(x, condition)
     return norm(x)
 
 
+class ShiftTokens(nn.Module):
+    """x-transformers' ``ShiftTokens(shifts, fn)``: the input's feature segments shifted along the positions
+    (segment ``k`` by ``shifts[k]``; a padded position reads as 0 with ``mask``), then ``fn``."""
+
+    def __init__(self, shifts, fn: nn.Module):
+        super().__init__()
+        self.fn = fn
+        self.shifts = tuple(int(k) for k in shifts)
+
+    def forward(self, x: Tensor, *args, mask: Tensor | None = None, **kwargs):
+        return self.fn(shift_tokens(x, self.shifts, mask), *args, **kwargs)
+
+
+class AdaptiveLayerScale(nn.Module):
+    """x-transformers' ``AdaptiveLayerScale(fn, dim, dim_condition=None, init_bias_value=-2.)``: the branch gated
+    by the condition (AdaLN-zero style), ``fn(x) * sigmoid(to_gamma(c))``; ``to_gamma``'s weight starts at zero and
+    its bias at ``init_bias_value``, so each branch starts scaled by ``sigmoid(-2) = 0.12``."""
+
+    def __init__(self, fn: nn.Module, dim: int, dim_condition: int | None = None, init_bias_value: float = -2.0):
+        super().__init__()
+        self.fn = fn
+        self.to_gamma = nn.Linear(dim if dim_condition is None else dim_condition, dim)
+        nn.init.zeros_(self.to_gamma.weight)
+        nn.init.constant_(self.to_gamma.bias, init_bias_value)
+        self._register_load_state_dict_pre_hook(_rename_prefix({"to_gate.": "to_gamma."}))
+
+    def gate(self, out: Tensor, condition: Tensor) -> Tensor:
+        """``out (b, n, c)`` (or packed ``(T, c)`` rows, one condition each) times the gate of ``condition``."""
+        gate = self.to_gamma(condition).sigmoid().to(out.dtype)
+        return out * (gate if out.dim() == 2 or gate.dim() == 3 else gate[:, None])
+
+    def forward(self, x: Tensor, *args, condition: Tensor, **kwargs):
+        out = self.fn(x, *args, **kwargs)
+        if isinstance(out, Tensor):
+            return self.gate(out, condition)
+        first, *rest = out
+        return self.gate(first, condition), *rest
+
+
+def _rename_prefix(names: dict[str, str]):
+    """A load-state-dict pre-hook reading earlier safeformer's checkpoints: keys under ``prefix + old`` moved to
+    ``prefix + new``."""
+
+    def hook(state_dict, prefix, *_args) -> None:
+        for old, new in names.items():
+            for key in [k for k in state_dict if k.startswith(prefix + old)]:
+                state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+
+    return hook
+
+
+def _gate(gate: nn.Module, out: Tensor, condition: Tensor | None) -> Tensor:
+    """A branch output through its layerscale (learned, or adaptive when a condition is given)."""
+    if isinstance(gate, AdaptiveLayerScale):
+        return gate.gate(out, condition) if condition is not None else out
+    return out * (gate.gamma + float(gate.unit_offset)).to(out.dtype)
+
+
 class Block(nn.ModuleList):
-    """``[norm, mixer, gate?]``: one residual branch (a ``ModuleList``, so checkpoints keep the names
-    ``layers.<i>.0`` (norm), ``.1`` (mixer), ``.2`` (adaptive layerscale)).
+    """One layer of the stack as x-transformers builds it: ``[norms, block, residual]`` (a ``ModuleList``, so
+    ``state_dict`` keys and indexing are x-transformers'):
+
+    - ``norms``: ``[pre_branch_norm, post_branch_norm, post_main_norm]`` (``None`` where absent): the pre-norm,
+      the sandwich norm of the branch output, the post-norm of the stream (``pre_norm=False`` /
+      ``pre_and_post_norm``, applied by the stack's residual routing);
+    - ``block``: the mixer (``Attention`` or ``FeedForward``), wrapped as x-transformers wraps it: macaron's
+      ``Scale(0.5)``, ``ShiftTokens``, ``LayerScale`` / ``AdaptiveLayerScale``, a float residual ``Scale``;
+    - ``residual``: the residual update (``Residual``, ``GRUGating``, a ``HyperConnection``, ...).
 
     Args:
         kind: ``"self"``, ``"cross"`` or ``"ff"``.
-        norm: the pre-norm (plain, or ``AdaptiveNorm`` driven by the condition).
-        mixer: ``Attention`` or ``FeedForward``.
-        gate: an ``AdaptiveLayerScale`` gating the branch by the condition, or ``None``.
+        norms: the three norms (modules or ``None``).
+        branch: the (wrapped) mixer.
+        residual: the residual update module.
     """
 
-    def __init__(self, kind: str, norm: nn.Module, mixer: nn.Module, gate: nn.Module | None = None, *,
-                 post_norm: nn.Module | None = None, scale: float = 1.0, shifts: tuple[int, ...] = ()):
-        # a sandwich norm sits at index 3 (an empty gate slot at 2 then holds an Identity)
-        tail = ([gate if gate is not None else nn.Identity()] if gate is not None or post_norm is not None else []) \
-            + ([post_norm] if post_norm is not None else [])
-        super().__init__([norm, mixer] + tail)
+    def __init__(self, kind: str, norms, branch: nn.Module, residual: nn.Module):
         if kind not in ("self", "cross", "ff"):
             raise ValueError(f"kind must be 'self', 'cross' or 'ff', got {kind!r}")
+        super().__init__([nn.ModuleList(list(norms)), branch, residual])
         self.kind = kind
-        self.scale = float(scale)  # macaron's half step times x-transformers' float residual scale
-        self.shifts = tuple(shifts)  # shift_tokens: the shift of each feature segment (empty: none)
+        self._derive()
+        self._register_load_state_dict_pre_hook(_legacy_block, with_module=True)
+
+    def _derive(self) -> None:
+        """The mixer, gate, token shifts and output scale, read once from the wrapped branch."""
+        m, gate, shifts, scale, wrappers = self[1], None, (), 1.0, 0
+        while True:
+            if type(m).__name__ == "Scale" and hasattr(m, "fn"):
+                scale *= 1.0 if m.scale is None else float(m.scale)
+            elif isinstance(m, ShiftTokens):
+                shifts = m.shifts
+            elif hasattr(m, "fn") and (hasattr(m, "gamma") or isinstance(m, AdaptiveLayerScale)):
+                gate = m
+            else:
+                break
+            m, wrappers = m.fn, wrappers + 1
+        self.scale, self.shifts = scale, shifts  # macaron's half step times a float residual scale; shift_tokens
+        self.wrappers = wrappers
+        norms = self[0]
         # plain references to the registered parts (no second registration): read once per branch, every step
-        object.__setattr__(self, "_parts", (norm, mixer, gate))
-        object.__setattr__(self, "_post_norm", post_norm)
+        object.__setattr__(self, "_parts", (norms[0], m, gate))
+        object.__setattr__(self, "_post_norm", norms[1])
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):  # a slice of the parts is a plain list of them, not a Block
             return nn.ModuleList(list(self._modules.values())[idx])
         return super().__getitem__(idx)
 
+    def __setitem__(self, idx: int, module: nn.Module) -> None:
+        super().__setitem__(idx, module)
+        self._derive()
+
     @property
-    def norm(self) -> nn.Module:
+    def norms(self) -> nn.ModuleList:
+        return self[0]
+
+    @property
+    def norm(self) -> nn.Module | None:
         return self._parts[0]
 
     @property
@@ -77,14 +167,9 @@ class Block(nn.ModuleList):
     def gate(self) -> nn.Module | None:
         return self._parts[2]
 
-    def __setitem__(self, idx: int, module: nn.Module) -> None:
-        super().__setitem__(idx, module)
-        if idx in (3, -1) and self._post_norm is not None:
-            object.__setattr__(self, "_post_norm", module)
-            return
-        parts = list(self._parts)
-        parts[idx] = module
-        object.__setattr__(self, "_parts", tuple(parts))
+    @property
+    def residual(self) -> nn.Module:
+        return self[2]
 
     def forward(self, x: Tensor, condition: Tensor | None = None, *args, **kwargs) -> tuple[Tensor, tuple]:
         """The branch of ``x``: ``(out, extra)``, ``extra`` being what the mixer returned besides its
@@ -111,7 +196,7 @@ class Block(nn.ModuleList):
         # a cross-attention row with no context key is exactly 0 before the gate, and must add exactly 0 (S2)
         live = (out != 0).any(-1, keepdim=True) if self._post_norm is not None and self.kind == "cross" else None
         if gate is not None:  # adaptive layerscale (the condition gates the branch) or a learned layerscale
-            out = gate(out, condition)
+            out = _gate(gate, out, condition)
         if self.scale != 1.0:
             out = out * self.scale
         if self._post_norm is not None:
@@ -120,16 +205,41 @@ class Block(nn.ModuleList):
         return out
 
 
-class LayerScale(nn.Module):
-    """x-transformers' ``use_layerscale`` (https://arxiv.org/abs/2103.17239): the branch times a learned
-    per-feature ``gamma`` starting at ``init_value`` (the condition, if any, is not read)."""
+def _legacy_block(block: Block, state_dict, prefix, *_args) -> None:
+    """Earlier safeformer's layer was ``[norm, mixer, gate?, post_norm?]``: its keys moved to x-transformers'
+    ``[norms, block, residual]`` (the mixer under its wrappers' ``fn``)."""
+    if not any(k.startswith(prefix) and _legacy_block_key(k[len(prefix):]) for k in state_dict):
+        return
+    fn = "fn." * block.wrappers
+    gate_at = "fn." * _gate_depth(block)
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix):]
+        head, _, tail = rest.partition(".")
+        if head == "0" and not tail.split(".")[0].isdigit():
+            new = "0.0." + tail
+        elif head == "1":
+            new = "1." + fn + tail
+        elif head == "2" and tail.split(".")[0] in ("gamma", "to_gate"):
+            new = "1." + gate_at + tail.replace("to_gate", "to_gamma", 1)
+        elif head == "3":
+            new = "0.1." + tail
+        else:
+            continue
+        state_dict[prefix + new] = state_dict.pop(key)
 
-    def __init__(self, dim: int, init_value: float = 0.0):
-        super().__init__()
-        self.gamma = nn.Parameter(torch.full((dim,), float(init_value)))
 
-    def forward(self, out: Tensor, condition: Tensor | None = None) -> Tensor:
-        return out * self.gamma.to(out.dtype)
+def _legacy_block_key(rest: str) -> bool:
+    head, _, tail = rest.partition(".")
+    first = tail.split(".")[0]
+    return (head == "0" and not first.isdigit()) or head == "3" or (head == "2" and first in ("gamma", "to_gate"))
+
+
+def _gate_depth(block: Block) -> int:
+    """How many wrappers sit above the layerscale in ``block``'s branch."""
+    m, depth = block[1], 0
+    while m is not block.gate and hasattr(m, "fn"):
+        m, depth = m.fn, depth + 1
+    return depth
 
 
 def shift_tokens(h: Tensor, shifts: tuple[int, ...], mask: Tensor | None = None) -> Tensor:
@@ -195,7 +305,7 @@ class HyperConnection(nn.Module):
         super().__init__()
         s, v = num_residual_streams, num_input_views
         self.num_residual_streams, self.num_input_views, self.sinkhorn_iters = s, v, sinkhorn_iters
-        self.norm = LayerNorm(dim, bias=False)
+        self.norm = TorchLayerNorm(dim, bias=False)  # x-transformers' nn.LayerNorm: weight
         self.static_beta = nn.Parameter(torch.ones(s))
         init_alpha0 = torch.zeros(s, v)
         init_alpha0[layer_index % s, :] = 1.0
@@ -238,14 +348,17 @@ class DynamicLIMe(nn.Module):
     def __init__(self, dim: int, num_layers: int, num_views: int = 1, use_softmax: bool = True):
         super().__init__()
         self.num_layers, self.num_views, self.use_softmax = num_layers, num_views, use_softmax
-        self.norm = RMSNorm(dim)
-        self.to_weights = nn.Linear(dim, num_views * num_layers)
+        # x-transformers' Sequential(RMSNorm, Linear, ...): keys to_weights.0.g, to_weights.1.*
+        self.to_weights = nn.Sequential(RMSNorm(dim), nn.Linear(dim, num_views * num_layers))
+        self._register_load_state_dict_pre_hook(_rename_prefix({"norm.": "to_weights.0.", "to_weights.weight":
+                                                                "to_weights.1.weight", "to_weights.bias":
+                                                                "to_weights.1.bias"}))
 
     def forward(self, x: Tensor, hiddens: list[Tensor]) -> Tensor:
         """``x (..., c)``, ``hiddens``: L tensors ``(..., c)`` -> ``(..., c)``, or ``(V, ..., c)`` with views."""
         if len(hiddens) != self.num_layers:
             raise ValueError(f"DynamicLIMe expects {self.num_layers} layer hiddens, got {len(hiddens)}")
-        w = self.to_weights(self.norm(x)).unflatten(-1, (self.num_views, self.num_layers))  # (..., V, L)
+        w = self.to_weights(x).unflatten(-1, (self.num_views, self.num_layers))  # (..., V, L)
         w = w.softmax(dim=-1) if self.use_softmax else F.relu(w)
         out = torch.einsum("...vl,l...d->v...d", w, torch.stack(hiddens))  # (V, ..., c)
         return out[0] if self.num_views == 1 else out
@@ -305,6 +418,33 @@ def orthog_residual_update(out: Tensor, residual: Tensor, mask: Tensor | None = 
     return residual + orthog.to(out.dtype).reshape(out.shape)
 
 
+def residual_update(residual: nn.Module, out: Tensor, stream: Tensor) -> Tensor:
+    """The stream after a branch gave ``out``, through x-transformers' ``Residual`` (``stream * residual_scale *
+    scale_residual_constant + out``) or ``GRUGating`` (a GRU cell per token, ``out`` the input, the stream the
+    state). Hooks on the module run when it has any (its own call then; the math is the same)."""
+    if residual._forward_hooks or residual._forward_pre_hooks:
+        return residual(out, stream)
+    scale = getattr(residual, "residual_scale", None)
+    if scale is not None:
+        stream = stream * scale.to(stream.dtype)
+    gru = getattr(residual, "gru", None)
+    if gru is not None:
+        c = out.shape[-1]
+        return gru(out.reshape(-1, c), stream.reshape(-1, c)).reshape(out.shape)
+    const = getattr(residual, "scale_residual_constant", 1.0)
+    if const != 1.0:
+        stream = stream * const
+    return stream + out
+
+
+class OrthogonalResidualUpdate(nn.Module):
+    """x-transformers' ``OrthogonalResidualUpdate``: ``residual`` plus the part of the branch ``out`` orthogonal to it
+    (per sample, over its real positions; see ``orthog_residual_update``)."""
+
+    def forward(self, out: Tensor, residual: Tensor, mask: Tensor | None = None) -> Tensor:
+        return orthog_residual_update(out, residual, mask)
+
+
 @dataclass
 class RouteState:
     """One forward's routing state: the streams' pending residual (and gates), the layer hiddens (LIMe's and
@@ -340,117 +480,132 @@ class ResidualRouting(nn.Module):
     sample's real positions (padding selected away): they run without a KV cache.
     """
 
-    def __init__(self, dim: int, kinds: tuple[str, ...], *, len_block: int, depth: int, norm: Callable[[], nn.Module],
-                 num_residual_streams: int = 1, qkv_receive_diff_residuals: bool = False, integrate_layers: bool = False,
+    def __init__(self, stack: nn.Module, dim: int, *, len_block: int, depth: int, num_residual_streams: int = 1,
+                 qkv_receive_diff_residuals: bool = False, integrate_layers: bool = False,
                  layer_integrate_use_softmax: bool = True, hyper_conn_sinkhorn_iters: int = 5, unet_skips: bool = False,
-                 reinject_input: bool = False, learned_reinject_input_gate: bool = False, pre_and_post_norm: bool = False,
-                 orthog_residual: bool = False, mv_split_residual: bool = False, residual_fn_kwargs: dict | None = None,
-                 post_norm: bool = False, scale_residual: bool = False, scale_residual_constant: float = 1.0,
-                 gate_residual: bool = False, softclamp_output_value: float | None = None):
+                 reinject_input: bool = False, learned_reinject_input_gate: bool = False,
+                 pre_and_post_norm: bool = False, orthog_residual: bool = False, mv_split_residual: bool = False,
+                 residual_fn_kwargs: dict | None = None, post_norm: bool = False, scale_residual: bool = False,
+                 scale_residual_constant: float = 1.0, gate_residual: bool = False,
+                 softclamp_output_value: float | None = None, norm: Callable[[], nn.Module] | None = None):
         super().__init__()
+        from .xt_modules import GRUGating, Residual
+
+        kinds = stack.layer_kinds
         s = num_residual_streams
         views = qkv_receive_diff_residuals or integrate_layers  # LIMe always gives self-attention three views
         first_self = kinds.index("self") if "self" in kinds else -1
         self.views = [3 if kind == "self" and views and not (integrate_layers and i == first_self) else 1
                       for i, kind in enumerate(kinds)]
         self.num_residual_streams = s
-        self.stream_emb = nn.Parameter(torch.zeros(s, dim)) if s > 1 else None
+        # every parameter lives where x-transformers keeps it: the stack (stream_emb, layer_integrators,
+        # skip_combines, reinject_input_proj, learned_reinject_input_gate) and each layer's norms and residual
+        stack.stream_emb = nn.Parameter(torch.zeros(s, dim)) if s > 1 else None
         hc_views = qkv_receive_diff_residuals and not integrate_layers  # else LIMe makes the views
-        self.hyper = nn.ModuleList([
-            HyperConnection(dim, layer_index=i, num_residual_streams=s, num_input_views=v if hc_views else 1,
-                            sinkhorn_iters=hyper_conn_sinkhorn_iters) for i, v in enumerate(self.views)]) if s > 1 else None
-        self.integrators = nn.ModuleList([DynamicLIMe(dim, i + 1, num_views=v, use_softmax=layer_integrate_use_softmax)
-                                          for i, v in enumerate(self.views)]) if integrate_layers else None
-        self.skip_combines = None
+        self.hyper = s > 1
+        if integrate_layers:
+            stack.layer_integrators = nn.ModuleList([
+                DynamicLIMe(dim, i + 1, num_views=v, use_softmax=layer_integrate_use_softmax)
+                for i, v in enumerate(self.views)])
+        self.integrate = bool(integrate_layers)
+        self.unet = bool(unet_skips)
         if unet_skips:  # x-transformers' pairing: the first block of each latter-half block takes a skip
             skip_indices = [i * len_block for i in range(depth // len_block)]
-            combines = {}
             for i in range(len(kinds)):
                 if i % len_block == 0 and i // len_block >= depth / 2:
                     if not skip_indices:
                         raise ValueError(f"unet_skips pairs layers as x-transformers does ({depth // len_block} skips "
                                          f"for depth={depth} with {len_block} blocks per layer): this depth leaves a "
                                          "latter-half layer without a skip; use a deeper stack")
-                    combines[str(i)] = ConcatCombine(dim, skip_indices.pop())
-            self.skip_combines = nn.ModuleDict(combines)
-        self.reinject_input_proj = nn.Linear(dim, dim, bias=False) if reinject_input else None
-        self.learned_reinject_input_gate = nn.Linear(dim, 1, bias=False) if learned_reinject_input_gate else None
-        self.post_norms = nn.ModuleList([norm() for _ in kinds]) if pre_and_post_norm or post_norm else None
-        # x-transformers' Residual / GRUGating: the stream scaled per feature (learned, from 1) and by a constant
-        self.residual_scales = nn.ParameterList([nn.Parameter(torch.ones(dim)) for _ in kinds]) \
-            if scale_residual else None
-        self.scale_residual_constant = float(scale_residual_constant)
-        self.grus = nn.ModuleList([nn.GRUCell(dim, dim) for _ in kinds]) if gate_residual else None
+                    stack.skip_combines[i] = ConcatCombine(dim, skip_indices.pop())
+        stack.reinject_input_proj = nn.Linear(dim, dim, bias=False) if reinject_input else None
+        stack.learned_reinject_input_gate = nn.Linear(dim, 1, bias=False) if learned_reinject_input_gate else None
+        self.post_norm = bool(pre_and_post_norm or post_norm)
+        for i, blk in enumerate(stack.layers):
+            if self.post_norm:
+                blk.norms[2] = norm()
+            if s > 1:
+                blk[2] = HyperConnection(dim, layer_index=i, num_residual_streams=s,
+                                         num_input_views=self.views[i] if hc_views else 1,
+                                         sinkhorn_iters=hyper_conn_sinkhorn_iters)
+            elif mv_split_residual:
+                blk[2] = MVSplitResidualUpdate(dim, **(residual_fn_kwargs or {}))
+            elif orthog_residual:
+                blk[2] = OrthogonalResidualUpdate()
+            elif gate_residual:
+                blk[2] = GRUGating(dim, scale_residual=bool(scale_residual))
+            else:
+                blk[2] = Residual(dim, scale_residual=bool(scale_residual),
+                                  scale_residual_constant=scale_residual_constant)
+        self.scaled = bool(scale_residual) or scale_residual_constant != 1.0 or bool(gate_residual)
         self.softclamp_output_value = None if softclamp_output_value is None else float(softclamp_output_value)
         self.orthog_residual = bool(orthog_residual)
-        self.mv_split = nn.ModuleList([MVSplitResidualUpdate(dim, **(residual_fn_kwargs or {})) for _ in kinds]) \
-            if mv_split_residual else None
+        self.mv_split = bool(mv_split_residual)
+        object.__setattr__(self, "_stack", stack)  # read, not registered: the stack owns the parameters
+
+    @property
+    def integrators(self):
+        return self._stack.layer_integrators if self.integrate else None
 
     @property
     def sequence_wide(self) -> bool:
         """Whether a residual update reduces over the sample's positions (no KV cache then)."""
-        return self.orthog_residual or self.mv_split is not None
+        return self.orthog_residual or self.mv_split
 
     def begin(self, x: Tensor, mask: Tensor | None, condition: Tensor | None) -> tuple[Tensor, RouteState]:
         """The stream(s) from the stack's input ``x (b, n, c)`` (padded positions 0 already)."""
+        stack = self._stack
         state = RouteState(mask, condition)
-        if self.reinject_input_proj is not None:
-            state.inject = self.reinject_input_proj(x)
-            if self.learned_reinject_input_gate is not None:
-                state.inject = state.inject * self.learned_reinject_input_gate(x).sigmoid()
-        if self.stream_emb is not None:
-            x = x[..., None, :] + self.stream_emb.to(x.dtype)  # (b, n, S, c)
+        if stack.reinject_input_proj is not None:
+            state.inject = stack.reinject_input_proj(x)
+            if stack.learned_reinject_input_gate is not None:
+                state.inject = state.inject * stack.learned_reinject_input_gate(x).sigmoid()
+        if stack.stream_emb is not None:
+            x = x[..., None, :] + stack.stream_emb.to(x.dtype)  # (b, n, S, c)
         return x, state
 
     def view(self, x: Tensor) -> Tensor:
         """The stream as one ``(b, n, c)`` tensor (the streams summed)."""
-        return x if self.stream_emb is None else x.sum(dim=-2)
+        return x if not self.hyper else x.sum(dim=-2)
 
     def enter(self, state: RouteState, i: int, x: Tensor) -> tuple[Tensor, Tensor | tuple]:
         """``(stream, branch input)`` of layer ``i``; the branch input is ``(q, k, v)`` with three views."""
-        if self.skip_combines is not None:
+        stack = self._stack
+        if self.unet:
             state.skips.append(x)
-            combine = self.skip_combines[str(i)] if str(i) in self.skip_combines else None
+            combine = stack.skip_combines[i]
             if combine is not None:
                 x = combine(x, state.skips)
-        if self.hyper is not None:
-            inp, inner, beta = self.hyper[i].prepare(x)
+        if self.hyper:
+            inp, inner, beta = stack.layers[i][2].prepare(x)
             state.pending = (inner, beta)
         else:
             inp = x
             state.pending = (x,)
         state.layer_hiddens.append(inp)
-        if self.integrators is not None:
-            inp = self.integrators[i](inp, state.layer_hiddens)
+        if self.integrate:
+            inp = stack.layer_integrators[i](inp, state.layer_hiddens)
         if state.inject is not None:
             inp = inp + state.inject
         return x, (tuple(inp) if self.views[i] == 3 else inp)
 
     def leave(self, state: RouteState, i: int, out: Tensor | None) -> Tensor:
         """The stream after layer ``i``'s branch gave ``out (b, n, c)`` (``None``: a branch that adds nothing)."""
-        inner = state.pending[0]
-        if out is None and (self.residual_scales is not None or self.scale_residual_constant != 1.0
-                            or self.grus is not None):  # a skipped cross-attention updates as a zero branch would
+        layer = self._stack.layers[i]
+        residual, inner = layer[2], state.pending[0]
+        if out is None and self.scaled:  # a skipped cross-attention updates as a zero branch would
             out = torch.zeros_like(inner)
-        if self.hyper is not None:
-            x = inner if out is None else self.hyper[i](out, inner, state.pending[1])
-        elif out is None:
+        if out is None:
             x = inner
-        elif self.orthog_residual:
-            x = orthog_residual_update(out, inner, state.mask)
-        elif self.mv_split is not None:
-            x = self.mv_split[i](out, inner, state.mask)
+        elif self.hyper:
+            x = residual(out, inner, state.pending[1])
+        elif self.orthog_residual or self.mv_split:
+            x = residual(out, inner, state.mask)
         else:
-            if self.residual_scales is not None:
-                inner = inner * self.residual_scales[i].to(inner.dtype)
-            if self.scale_residual_constant != 1.0:
-                inner = inner * self.scale_residual_constant
-            if self.grus is not None:  # gate_residual: a GRU cell per token, the branch as input, the stream as state
-                x = self.grus[i](out.reshape(-1, out.shape[-1]), inner.reshape(-1, inner.shape[-1])).reshape(out.shape)
-            else:
-                x = inner + out
-        if self.post_norms is not None:
-            x = apply_norm(self.post_norms[i], x, state.condition)
+            x = residual_update(residual, out, inner)
+        post = layer[0][2]
+        if post is not None:
+            x = apply_norm(post, x, state.condition)
         return x
 
     def finish(self, x: Tensor) -> Tensor:

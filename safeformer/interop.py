@@ -95,7 +95,7 @@ from torch import Tensor, nn
 from .encoder_decoder import XTransformer
 from .generation import AutoregressiveWrapper
 from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, _defaults
-from .modules import AdaptiveNorm, Derf, DynamicTanh, RMSNorm, alibi_slopes, stack_alibi_slopes
+from .modules import AdaptiveNorm, Derf, DynamicTanh, LayerNorm, RMSNorm, alibi_slopes, stack_alibi_slopes
 from .wrappers import XT_OPTION_PARAMETERS, TransformerWrapper, xt_wrapper_option_kwargs
 from .xt_modules import ScaleNorm as XtScaleNorm
 from .xt_modules import SimpleRMSNorm as XtSimpleRMSNorm
@@ -1330,26 +1330,29 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
             if dst.rms and dst.eps != _RMS_EPS:
                 raise AssertionError(f"converted adaptive RMSNorm has eps {dst.eps}, expected {_RMS_EPS}")
             return
-        if isinstance(dst, DynamicTanh):  # x-transformers' unit offsets (norm_add_unit_offset) folded in
-            put(dst.pre_tanh_scale, src.pre_tanh_scale.detach() + float(src.pre_tanh_scale_offset))
-            put(dst.gamma, src.gamma.detach() + float(src.gamma_offset))
+        if isinstance(dst, DynamicTanh):  # x-transformers' unit offsets (norm_add_unit_offset) moved to ours
+            put(dst.pre_tanh_scale, src.pre_tanh_scale.detach() + float(src.pre_tanh_scale_offset)
+                - dst.pre_tanh_scale_offset)
+            put(dst.gamma, src.gamma.detach() + float(src.gamma_offset) - dst.gamma_offset)
             put(dst.beta, src.beta.detach())
             return
         if isinstance(dst, XtScaleNorm):  # one scalar gain, x-transformers' unit offset folded in
-            put(dst.g, src.g.detach() + float(src.unit_offset))
+            put(dst.g, src.g.detach() + float(src.unit_offset) - float(dst.unit_offset))
             return
         if isinstance(dst, XtSimpleRMSNorm):  # no parameter
             return
         if isinstance(dst, Derf):  # erf(alpha * x + s) * gamma + beta, x-transformers' unit offsets folded in
-            offset = float(src.scale_offset)
+            offset = float(src.scale_offset) - dst.scale_offset
             put(dst.alpha, src.alpha.detach() + offset)
             put(dst.s, src.s.detach())
             put(dst.gamma, src.gamma.detach() + offset)
             put(dst.beta, src.beta.detach())
             return
-        put(dst.weight, weight)
-        if isinstance(dst, nn.LayerNorm):
-            dst.bias.zero_()
+        gain = dst.gamma if isinstance(dst, LayerNorm) else dst.g  # stored minus our unit offset
+        put(gain, weight.to(gain.dtype) - float(dst.unit_offset))
+        if isinstance(dst, LayerNorm):
+            if dst.bias is not None:
+                dst.bias.zero_()
         elif isinstance(dst, RMSNorm):
             if dst.eps != _RMS_EPS:
                 raise AssertionError(f"converted RMSNorm has eps {dst.eps}, expected {_RMS_EPS}")
@@ -1387,31 +1390,34 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
     def copy_routing(routing) -> None:
         """x-transformers' residual routing parameters (LIMe, U-Net skips, input reinjection, post-norms, the
         mean/variance split updates) into ``block.ResidualRouting``, layer by layer."""
+        stack = sf.attn_layers
         for i, ((_, _, post_main), _, residual) in enumerate(layers.layers):
-            if routing.post_norms is not None:
-                copy_norm(routing.post_norms[i], post_main)
-            if routing.mv_split is not None:
-                copy_same(routing.mv_split[i], residual)
-            if getattr(routing, "residual_scales", None) is not None:  # scale_residual
-                put(routing.residual_scales[i], take(residual.residual_scale))
-            if getattr(routing, "grus", None) is not None:  # gate_residual
-                copy_same(routing.grus[i], residual.gru)
+            mine = stack.layers[i]
+            if mine[0][2] is not None:
+                copy_norm(mine[0][2], post_main)
+            if routing.mv_split:
+                copy_same(mine[2], residual)
+            if getattr(mine[2], "residual_scale", None) is not None:  # scale_residual
+                put(mine[2].residual_scale, take(residual.residual_scale))
+            if getattr(mine[2], "gru", None) is not None:  # gate_residual
+                copy_same(mine[2].gru, residual.gru)
             if routing.integrators is not None:
                 lime_norm, lime_linear = layers.layer_integrators[i].to_weights[:2]
                 weight, _, names = _norm_weights(lime_norm, xt)
                 used.update(id(getattr(lime_norm, n)) for n in names)
-                put(routing.integrators[i].norm.weight, weight)
-                copy_same(routing.integrators[i].to_weights, lime_linear)
-            src_skip = layers.skip_combines[i] if routing.skip_combines is not None else None
-            dst_skip = routing.skip_combines[str(i)] if src_skip is not None and str(i) in routing.skip_combines else None
+                dst_norm = stack.layer_integrators[i].to_weights[0]
+                put(dst_norm.g, weight - float(dst_norm.unit_offset))
+                copy_same(stack.layer_integrators[i].to_weights[1], lime_linear)
+            src_skip = layers.skip_combines[i]
+            dst_skip = stack.skip_combines[i]
             if (src_skip is None) != (dst_skip is None) or (
                     dst_skip is not None and dst_skip.prev_layer_ind != src_skip.prev_layer_ind):
                 plan.problems.add(f"unet_skips paired differently at layer {i}")
             elif dst_skip is not None:
                 copy_same(dst_skip.combine, src_skip.combine)
         for attr in ("reinject_input_proj", "learned_reinject_input_gate"):
-            if getattr(routing, attr) is not None:
-                copy_same(getattr(routing, attr), getattr(layers, attr))
+            if getattr(stack, attr) is not None:
+                copy_same(getattr(stack, attr), getattr(layers, attr))
 
     heads, kv_heads, dim_head = plan.heads, plan.kv_heads, plan.dim_head
     g = heads // kv_heads
@@ -1463,17 +1469,18 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                 put(dst_p, take(src[name]))
         for k, ((pre, post_branch, _), wrapped, _) in enumerate(layers.layers):
             block = sf.attn_layers.layers[k]
-            norm, dst = block[:2]
+            norm, dst = block.norm, block.mixer
             w = _unwrap(wrapped, xt)
             blk = w.inner
             if pre is not None:
                 copy_norm(norm, pre)
             if post_branch is not None:  # sandwich_norm: the block's norm at index 3
-                copy_norm(block[3], post_branch)
-            if isinstance(w.layerscale, xt.LayerScale):  # x-transformers' unit offset folded in
-                put(block.gate.gamma, take(w.layerscale.gamma) + float(w.layerscale.unit_offset))
+                copy_norm(block[0][1], post_branch)
+            if isinstance(w.layerscale, xt.LayerScale):  # x-transformers' unit offset moved to ours
+                put(block.gate.gamma, take(w.layerscale.gamma) + float(w.layerscale.unit_offset)
+                    - float(block.gate.unit_offset))
             elif w.layerscale is not None:  # use_adaptive_layerscale: sigmoid(W c + b)
-                copy_same(block.gate.to_gate, w.layerscale.to_gamma)
+                copy_same(block.gate.to_gamma, w.layerscale.to_gamma)
             if plan.types[k] in ("a", "c"):
                 put(dst.to_q.weight, take(blk.to_q.weight)[rows])
                 put(dst.to_k.weight, take(blk.to_k.weight))

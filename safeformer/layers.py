@@ -264,11 +264,10 @@ from torch import Tensor, nn
 
 from .attention import Attention
 from .attention_calls import refuse_xt_call
-from .block import Block, LayerScale, ResidualRouting
+from .block import AdaptiveLayerScale, Block, ResidualRouting, ShiftTokens
 from .cache import AttnIntermediate, KVCache, LayerIntermediates
 from .masks import causal_mask, checked_once, validate_mask
 from .modules import (
-    AdaptiveLayerScale,
     AdaptiveNorm,
     Derf,
     DynamicTanh,
@@ -296,6 +295,7 @@ from .stack_forward import (  # noqa: F401 (the forward's inputs and helpers oth
 )
 from .unpadded import UNPADDED_THRESHOLD, UnpaddedPlan, forward_unpadded, plan_unpadded
 from .xt_defaults import XT_DEFAULT_ONLY, default_only
+from .xt_modules import LayerScale, Residual, Scale
 
 __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender",
            "layer_schedule",
@@ -484,7 +484,7 @@ class AttentionLayers(Configurable, nn.Module):
         disable_abs_pos_emb: bool | None = None, attn_kwargs: dict | None = None, ff_kwargs: dict | None = None,
         dynamic_pos_bias: bool = False, dynamic_pos_bias_log_distance: bool = False,
         dynamic_pos_bias_mlp_depth: int = 2, dynamic_pos_bias_norm: bool = False,
-        rotate_num_heads: int | None = None,
+        rotate_num_heads: int | None = None, norm_add_unit_offset: bool = True,
         **aliases,
     ):
         if aliases:  # x-transformers' spellings, through the one explicit table (never prefix routing)
@@ -533,6 +533,11 @@ class AttentionLayers(Configurable, nn.Module):
         """The matrices Muon should optimise (x-transformers' ``muon_parameters``): each attention's value and output
         projection weights and each feed-forward's linear weights."""
         return [p for m in self.modules() if isinstance(m, (Attention, FeedForward)) for p in m.muon_parameters()]
+
+    @property
+    def rotary(self) -> RotaryEmbedding | None:
+        """The rotary embedding (x-transformers' ``rotary_pos_emb``), or ``None``."""
+        return self.rotary_pos_emb
 
     @property
     def executed_kinds(self) -> tuple[str, ...]:
@@ -772,9 +777,9 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
     included), ``polar_pos_emb`` (PoPE), the ``alibi_slopes`` buffer ``(h,)``, ``rel_pos`` (T5's bucketed bias)
     and ``has_relative_positions``."""
     rotary_emb_dim = dim_head // 2 if rotary_emb_dim is None else rotary_emb_dim
-    stack.rotary = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta, interpolation_factor=rotary_interpolation_factor,
+    stack.rotary_pos_emb = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta, interpolation_factor=rotary_interpolation_factor,
                                    base_rescale_factor=rotary_base_rescale_factor, use_xpos=rotary_xpos,
-                                   scale_base=rotary_xpos_scale_base) if rotary_pos_emb or rotary_xpos else None
+                                           scale_base=rotary_xpos_scale_base) if rotary_pos_emb or rotary_xpos else None
     if polar_bias_uniform_init and not polar_pos_emb:
         raise ValueError("polar_bias_uniform_init initialises PoPE's bias: it needs polar_pos_emb=True")
     if polar_pos_emb and (stack.rotary is not None or (kv_heads is not None and kv_heads != heads)
@@ -957,7 +962,7 @@ def _family_kwargs(name: str, given: dict | None, allowed: tuple[str, ...]) -> d
 
 def _norms(stack: AttentionLayers, *, dim, use_rmsnorm, norm_eps, use_adaptive_layernorm, use_adaptive_rmsnorm,
            use_dynamic_tanh, dynamic_tanh_init_alpha, use_derf, adaptive_condition_mlp, adaptive_condition_mlp_expansion,
-           use_scalenorm, use_simple_rmsnorm, **_) -> tuple[Callable[[], nn.Module], int | None]:
+           use_scalenorm, use_simple_rmsnorm, norm_add_unit_offset, **_) -> tuple[Callable[[], nn.Module], int | None]:
     """The norm options checked, the condition's MLP set on ``stack`` (``adaptive_mlp``), and ``(norm, cond_width)``:
     the factory of the stack's norms and the condition width the adaptive layers read (``None`` without them)."""
     adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
@@ -983,18 +988,22 @@ def _norms(stack: AttentionLayers, *, dim, use_rmsnorm, norm_eps, use_adaptive_l
     stack.adaptive_mlp = nn.Sequential(nn.Linear(stack.dim_condition, cond_width, bias=False), nn.SiLU()) \
         if adaptive_condition_mlp else None
 
+    if not isinstance(norm_add_unit_offset, bool):
+        raise TypeError(f"norm_add_unit_offset must be a bool, got {norm_add_unit_offset!r}")
+    offset = norm_add_unit_offset  # x-transformers' default: gains stored minus 1 (weight decay pulls to identity)
+
     def norm() -> nn.Module:
         if use_scalenorm or use_simple_rmsnorm:  # x-transformers' parts (their parameter names): x / ||x|| * sqrt(dim)
             from .xt_modules import ScaleNorm, SimpleRMSNorm
 
-            return ScaleNorm(dim) if use_scalenorm else SimpleRMSNorm(dim)
+            return ScaleNorm(dim, offset) if use_scalenorm else SimpleRMSNorm(dim)
         if use_dynamic_tanh:
-            return DynamicTanh(dim, init_alpha=dynamic_tanh_init_alpha)
+            return DynamicTanh(dim, init_alpha=dynamic_tanh_init_alpha, unit_offset=offset)
         if use_derf:
-            return Derf(dim)
+            return Derf(dim, unit_offset=offset)
         if adaptive_norm:
             return AdaptiveNorm(dim, cond_width, rms=use_adaptive_rmsnorm, eps=norm_eps)
-        return make_norm(dim, use_rmsnorm, norm_eps)
+        return make_norm(dim, use_rmsnorm, norm_eps, unit_offset=offset)
 
     return norm, cond_width
 
@@ -1004,7 +1013,7 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
             softclamp_output_value, use_layerscale, use_adaptive_layerscale, layerscale_init_value,
             zero_init_branch_output, shift_tokens, ff_glu, ff_swish, ff_softclamp_value, ff_custom_activation,
             ff_glu_softclamp, ff_glu_gate_softclamp_value, ff_glu_up_softclamp_value, custom_layers, par_ratio,
-            sandwich_coef, polar_pos_emb, ff_kwargs, **_) -> list[tuple[int, ...]]:
+            sandwich_coef, polar_pos_emb, ff_kwargs, norm_add_unit_offset, **_) -> list[tuple[int, ...]]:
     """The branch options checked and the blocks built in order (``Block``: [norm, attention or feed-forward, gate]),
     set on ``stack`` with their layout (``layers``, ``layer_types``, ``layer_kinds``, the execution order). Returns
     each block's token shifts (``shift_tokens``)."""
@@ -1028,11 +1037,19 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
                 nn.init.zeros_(out_proj.bias)
         elif depth_scale_residual is True and isinstance(out_proj, nn.Linear):  # OLMo's depth-scaled init
             nn.init.normal_(out_proj.weight, std=(2 * out_proj.in_features * (ind // len_block + 1)) ** -0.5)
-        gate = AdaptiveLayerScale(dim, cond_width) if use_adaptive_layerscale else \
-            LayerScale(dim, layerscale_init_value) if use_layerscale else None
-        scale = branch_scale * (0.5 if macaron and kind == "ff" else 1.0)
-        return Block(kind, norm() if pre_norm else nn.Identity(), module, gate,
-                     post_norm=norm() if sandwich_norm else None, scale=scale, shifts=shifts[ind])
+        branch = module  # wrapped as x-transformers wraps it (its module tree and state-dict keys)
+        if macaron and kind == "ff":
+            branch = Scale(0.5, branch)
+        if shifts[ind]:
+            branch = ShiftTokens(shifts[ind], branch)
+        if use_adaptive_layerscale:
+            branch = AdaptiveLayerScale(branch, dim, cond_width)
+        elif use_layerscale:
+            branch = LayerScale(branch, dim, layerscale_init_value, unit_offset=norm_add_unit_offset)
+        if branch_scale != 1.0:
+            branch = Scale(branch_scale, branch)
+        norms = (norm() if pre_norm else None, norm() if sandwich_norm else None, None)
+        return Block(kind, norms, branch, Residual(dim))
 
     blocks = []
     for ind, kind in enumerate(types):
@@ -1049,6 +1066,9 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
                 glu_gate_softclamp_value=ff_glu_gate_softclamp_value,
                 glu_up_softclamp_value=ff_glu_up_softclamp_value, **ff_kwargs), ind))
     stack.layers = nn.ModuleList(blocks)
+    # x-transformers' per-layer slots (filled by the residual routing's options)
+    stack.layer_integrators = nn.ModuleList([None] * len(blocks))
+    stack.skip_combines = nn.ModuleList([None] * len(blocks))
     stack.layer_types = types  # x-transformers' 'a' / 'c' / 'f'
     stack.has_custom_layer_types = any(v is not None for v in (custom_layers, par_ratio, sandwich_coef))
     stack.layers_execute_order = tuple(range(len(types))) if layout.order is None else layout.order
@@ -1073,6 +1093,7 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
     final norm, residual attention, and which paths the options run on (``packable``: the unpadded path;
     ``static_step_reason``: off the static decode step; ``cache_refusal``: no KV cache), set on ``stack`` after
     checking them against ``unpadded`` and ``checkpoint_layers``."""
+    stack.stream_emb = stack.reinject_input_proj = stack.learned_reinject_input_gate = None  # x-transformers' slots
     stack.routing = _residual_routing(stack, dim, layout.depth, norm, num_residual_streams=num_residual_streams,
                                       qkv_receive_diff_residuals=qkv_receive_diff_residuals,
                                       integrate_layers=integrate_layers,
@@ -1368,7 +1389,7 @@ def _residual_routing(stack, dim: int, depth: int, norm, *, num_residual_streams
             or softclamp_output_value is not None):
         return None
     return ResidualRouting(
-        dim, stack.layer_kinds, len_block=stack.len_default_block, depth=depth, norm=norm, num_residual_streams=s,
+        stack, dim, len_block=stack.len_default_block, depth=depth, norm=norm, num_residual_streams=s,
         qkv_receive_diff_residuals=qkv_receive_diff_residuals, integrate_layers=integrate_layers, unet_skips=unet_skips,
         reinject_input=reinject_input, learned_reinject_input_gate=learned_reinject_input_gate,
         pre_and_post_norm=pre_and_post_norm, orthog_residual=orthog_residual, mv_split_residual=mv_split_residual,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from copy import deepcopy
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +18,11 @@ from einops import rearrange
 from torch import Tensor, nn
 
 __all__ = [
+    "TokenEmbedding",
     "RMSNorm",
     "Derf",
     "AdaptiveNorm",
     "AdaptiveRMSNorm",
-    "AdaptiveLayerScale",
     "make_norm",
     "FeedForward",
     "AbsolutePositionalEmbedding",
@@ -37,10 +38,10 @@ __all__ = [
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation with a learned gain; statistics in float32 (S7).
+    """RMS normalisation with a learned gain ``g`` (x-transformers' name); statistics in float32 (S7).
 
     x-transformers' constructor: ``RMSNorm(dim, unit_offset=False)``; with ``unit_offset`` the gain is
-    stored as ``weight + 1`` (initialised at 0, so weight decay pulls it towards the identity).
+    stored as ``g + 1`` (initialised at 0, so weight decay pulls it towards the identity).
     """
 
     def __init__(self, dim: int, unit_offset: bool = False, *, eps: float = 1e-6):
@@ -49,12 +50,31 @@ class RMSNorm(nn.Module):
             raise TypeError("RMSNorm's second argument is unit_offset (x-transformers' order); pass eps=... by name")
         self.eps = eps
         self.unit_offset = bool(unit_offset)
-        self.weight = nn.Parameter(torch.full((dim,), 0.0 if unit_offset else 1.0))
+        self.scale = dim**0.5  # x-transformers' attribute (its F.normalize(x) * sqrt(dim) is this norm)
+        self.g = nn.Parameter(torch.full((dim,), 0.0 if unit_offset else 1.0))
+        self._register_load_state_dict_pre_hook(_rename_keys({"weight": "g"}))  # its weight was stored as g is
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The gain ``g`` (the name earlier safeformer used)."""
+        return self.g
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (self.weight.to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
+        return (out * (self.g.to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
+
+
+def _rename_keys(names: dict[str, str]):
+    """A load-state-dict pre-hook reading a checkpoint of earlier safeformer: each ``prefix + old`` key (when the
+    new one is absent) under its new name."""
+
+    def hook(state_dict, prefix, *_args) -> None:
+        for old, new in names.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+
+    return hook
 
 
 class HeadRMSNorm(nn.Module):
@@ -77,42 +97,50 @@ class HeadRMSNorm(nn.Module):
 class DynamicTanh(nn.Module):
     """x-transformers' ``DynamicTanh`` (a norm-free replacement of the norms): ``tanh(a * x) * gamma + beta``
     with a learned scalar ``a`` (``pre_tanh_scale``, ``init_alpha`` at init), in float32 (S7); the same parameter
-    names, so x-transformers' weights load as they are. Elementwise: a zero row stays ``beta``, finite."""
+    names, so x-transformers' weights load as they are. Elementwise: a zero row stays ``beta``, finite. With
+    ``unit_offset`` (x-transformers' ``norm_add_unit_offset``) the scale and gain are stored as offsets from
+    ``init_alpha`` and 1 (both start at 0)."""
 
-    def __init__(self, dim: int, init_alpha: float = 1.0):
+    def __init__(self, dim: int, init_alpha: float = 1.0, unit_offset: bool = False):
         super().__init__()
-        self.pre_tanh_scale = nn.Parameter(torch.tensor(float(init_alpha)))
-        self.gamma = nn.Parameter(torch.ones(dim))
+        self.pre_tanh_scale_offset = float(init_alpha) if unit_offset else 0.0
+        self.gamma_offset = float(unit_offset)
+        self.pre_tanh_scale = nn.Parameter(torch.tensor(0.0 if unit_offset else float(init_alpha)))
+        self.gamma = nn.Parameter(torch.full((dim,), 1.0 - float(unit_offset)))
         self.beta = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)
-        out = torch.tanh(x.to(dtype) * self.pre_tanh_scale.to(dtype)) * self.gamma.to(dtype) + self.beta.to(dtype)
+        a = self.pre_tanh_scale.to(dtype) + self.pre_tanh_scale_offset
+        out = torch.tanh(x.to(dtype) * a) * (self.gamma.to(dtype) + self.gamma_offset) + self.beta.to(dtype)
         return out.to(x.dtype)
 
 
 class Derf(nn.Module):
     """x-transformers' ``Derf`` (https://arxiv.org/abs/2512.10938, a norm-free replacement of the norms):
     ``erf(alpha * x + s) * gamma + beta`` with learned scalars ``alpha`` (``init_alpha``, 0.5) and ``s``
-    (``init_bias``, 0), in float32 (S7). The parameters hold the effective values (x-transformers' ``unit_offset``
-    stores ``alpha - 1`` and ``gamma - 1``: add 1 when loading such weights). Elementwise: a zero row stays
-    ``erf(s) * gamma + beta``, finite."""
+    (``init_bias``, 0), in float32 (S7). With ``unit_offset`` (x-transformers' ``norm_add_unit_offset``) ``alpha``
+    and ``gamma`` are stored minus 1, as there. Elementwise: a zero row stays ``erf(s) * gamma + beta``, finite."""
 
-    def __init__(self, dim: int, init_alpha: float = 0.5, init_bias: float = 0.0):
+    def __init__(self, dim: int, init_alpha: float = 0.5, init_bias: float = 0.0, unit_offset: bool = False):
         super().__init__()
-        self.alpha = nn.Parameter(torch.tensor(float(init_alpha)))
+        self.scale_offset = 1.0 if unit_offset else 0.0
+        self.alpha = nn.Parameter(torch.tensor(float(init_alpha) - self.scale_offset))
         self.s = nn.Parameter(torch.tensor(float(init_bias)))
-        self.gamma = nn.Parameter(torch.ones(dim))
+        self.gamma = nn.Parameter(torch.full((dim,), 1.0 - self.scale_offset))
         self.beta = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)
-        out = torch.erf(x.to(dtype) * self.alpha.to(dtype) + self.s.to(dtype)) * self.gamma.to(dtype) + self.beta.to(dtype)
+        o = self.scale_offset
+        out = torch.erf(x.to(dtype) * (self.alpha.to(dtype) + o) + self.s.to(dtype)) * (self.gamma.to(dtype) + o) \
+            + self.beta.to(dtype)
         return out.to(x.dtype)
 
 
-class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` with its statistics (and their gradients) computed in float32 (S7).
+class TorchLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (parameters ``weight`` / ``bias``) with its statistics (and their gradients) computed in
+    float32 (S7): where x-transformers uses ``nn.LayerNorm`` itself (a hyper-connection's norm).
 
     PyTorch's CPU kernel keeps a half-precision input's mean and inverse std in half precision, which
     makes the gradients of inputs of large magnitude several tolerances off.
@@ -125,17 +153,61 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x.to(dtype), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
-def make_norm(dim: int, use_rmsnorm: bool, eps: float | None = None) -> nn.Module:
+class LayerNorm(nn.Module):
+    """x-transformers' bias-free ``LayerNorm(dim, unit_offset=False)``: ``layer_norm(x) * (gamma + unit_offset)``,
+    its parameter named ``gamma`` as there; statistics (and their gradients) in float32 (S7), one fused kernel.
+
+    Args:
+        dim: features.
+        unit_offset: ``gamma`` is stored minus 1 (initialised at 0).
+        eps: the variance epsilon (1e-5, as ``nn.LayerNorm``).
+        bias: a learned shift ``bias`` as well (not in x-transformers; checkpoints of earlier safeformer, whose
+            norms had one, load into a norm that grows it).
+    """
+
+    def __init__(self, dim: int, unit_offset: bool = False, *, eps: float = 1e-5, bias: bool = False):
+        super().__init__()
+        self.unit_offset = bool(unit_offset)
+        self.eps = float(eps)
+        self.normalized_shape = (dim,)
+        self.ln = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)  # x-transformers' child (no parameters)
+        self.gamma = nn.Parameter(torch.full((dim,), 1.0 - float(unit_offset)))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self._register_load_state_dict_pre_hook(_legacy_layer_norm, with_module=True)
+
+    @property
+    def weight(self) -> Tensor:
+        """The effective gain ``gamma + unit_offset``."""
+        return self.gamma + float(self.unit_offset) if self.unit_offset else self.gamma
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        b = None if self.bias is None else self.bias.to(dtype)
+        return F.layer_norm(x.to(dtype), self.normalized_shape, self.weight.to(dtype), b, self.eps).to(x.dtype)
+
+
+def _legacy_layer_norm(module: LayerNorm, state_dict, prefix, *_args) -> None:
+    """Earlier safeformer's norms were ``nn.LayerNorm``s: ``weight`` is ``gamma``, and a saved ``bias`` makes this
+    norm grow one (its outputs stay those of the saved model)."""
+    if prefix + "weight" in state_dict and prefix + "gamma" not in state_dict:  # stored without the unit offset
+        state_dict[prefix + "gamma"] = state_dict.pop(prefix + "weight") - float(module.unit_offset)
+    if prefix + "bias" in state_dict and module.bias is None:
+        module.bias = nn.Parameter(torch.zeros_like(module.gamma))
+
+
+def make_norm(dim: int, use_rmsnorm: bool, eps: float | None = None, unit_offset: bool = False) -> nn.Module:
     if use_rmsnorm:
-        return RMSNorm(dim, eps=1e-6 if eps is None else eps)
-    return LayerNorm(dim, eps=1e-5 if eps is None else eps)
+        return RMSNorm(dim, unit_offset, eps=1e-6 if eps is None else eps)
+    return LayerNorm(dim, unit_offset, eps=1e-5 if eps is None else eps)
 
 
 class AdaptiveNorm(nn.Module):
-    """Adaptive normalisation (DiT's AdaLN): a LayerNorm or RMSNorm without its own gain, scaled (and,
-    for LayerNorm, shifted) by projections of a condition: ``norm(x) * (1 + gamma(c)) + beta(c)``.
+    """Adaptive normalisation (x-transformers' ``AdaptiveLayerNorm`` / ``AdaptiveRMSNorm``): a LayerNorm or RMSNorm
+    without its own gain, scaled by a projection of a condition: ``norm(x) * (1 + to_gamma(c))``.
 
-    The projections start at zero, so an untrained layer is the plain norm. Statistics in float32 (S7).
+    The projection starts at zero, so an untrained layer is the plain norm. Statistics in float32 (S7). A
+    checkpoint of earlier safeformer, whose adaptive LayerNorm also shifted by ``to_beta(c)``, loads with that
+    shift.
 
     Args:
         dim: features c.
@@ -148,11 +220,11 @@ class AdaptiveNorm(nn.Module):
         super().__init__()
         self.rms = rms
         self.eps = (1e-6 if rms else 1e-5) if eps is None else eps
+        self.ln = None if rms else nn.LayerNorm(dim, elementwise_affine=False, eps=self.eps)  # x-transformers' child
         self.to_gamma = nn.Linear(dim_condition, dim, bias=False)
-        self.to_beta = None if rms else nn.Linear(dim_condition, dim, bias=False)
+        self.to_beta = None  # x-transformers' AdaptiveLayerNorm has no shift; earlier safeformer's checkpoints grow it
         nn.init.zeros_(self.to_gamma.weight)
-        if self.to_beta is not None:
-            nn.init.zeros_(self.to_beta.weight)
+        self._register_load_state_dict_pre_hook(_legacy_adaptive_shift, with_module=True)
 
     def forward(self, x: Tensor, condition: Tensor) -> Tensor:
         """``x (b, n, c)``, ``condition (b, K)`` -> ``(b, n, c)``."""
@@ -167,6 +239,14 @@ class AdaptiveNorm(nn.Module):
         if self.to_beta is not None:
             out = out + per(self.to_beta(condition).to(xf.dtype))
         return out.to(x.dtype)
+
+
+def _legacy_adaptive_shift(norm: AdaptiveNorm, state_dict, prefix, *_args) -> None:
+    """Earlier safeformer's adaptive LayerNorm had a shift ``to_beta``: a checkpoint holding one grows it."""
+    if prefix + "to_beta.weight" in state_dict and norm.to_beta is None:
+        w = state_dict[prefix + "to_beta.weight"]
+        norm.to_beta = nn.Linear(w.shape[1], w.shape[0], bias=False, device=norm.to_gamma.weight.device,
+                                 dtype=norm.to_gamma.weight.dtype)
 
 
 class AdaptiveRMSNorm(AdaptiveNorm):
@@ -190,24 +270,6 @@ class AdaptiveRMSNorm(AdaptiveNorm):
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (normed * (1 + self.to_gamma(condition).to(xf.dtype))).to(x.dtype)
         return super().forward(x, condition)
-
-
-class AdaptiveLayerScale(nn.Module):
-    """Gates a residual branch by the condition (AdaLN-zero style): ``branch * sigmoid(W c + b)``.
-
-    ``W`` starts at zero and ``b`` at ``init_bias`` (x-transformers' ``use_adaptive_layerscale``), so each
-    branch starts scaled by ``sigmoid(-2) = 0.12``.
-    """
-
-    def __init__(self, dim: int, dim_condition: int, init_bias: float = -2.0):
-        super().__init__()
-        self.to_gate = nn.Linear(dim_condition, dim)
-        nn.init.zeros_(self.to_gate.weight)
-        nn.init.constant_(self.to_gate.bias, init_bias)
-
-    def forward(self, out: Tensor, condition: Tensor) -> Tensor:
-        gate = self.to_gate(condition).sigmoid().to(out.dtype)
-        return out * (gate if out.dim() == 2 else gate[:, None])  # packed (T, c) rows: one condition each
 
 
 class FeedForward(nn.Module):
@@ -288,26 +350,61 @@ class FeedForward(nn.Module):
         inner = int(dim * mult)
         self.glu = glu
         if custom_activation is not None:
-            self.act = deepcopy(custom_activation) if isinstance(custom_activation, nn.Module) else _Lambda(custom_activation)
+            act = deepcopy(custom_activation) if isinstance(custom_activation, nn.Module) else _Lambda(custom_activation)
         else:
-            self.act = nn.SiLU() if swish else _ReluSquared() if relu_squared else nn.GELU()
-        # x-transformers' no_bias leaves the gated input projection's bias (its GLU always has one)
-        self.proj_in = nn.Linear(dim, inner * (2 if glu else 1), bias=not no_bias or glu)
-        self.mult_bias = nn.Parameter(torch.ones(inner)) if glu_mult_bias else None
-        # bias-free LayerNorms with a gain, as x-transformers' (statistics in float32, S7)
-        self.solu_norm = nn.Parameter(torch.ones(inner)) if solu else None
-        self.post_act_norm = nn.Parameter(torch.ones(inner)) if post_act_ln else None
-        self.dropout = nn.Dropout(dropout)
-        self.proj_out = nn.Linear(inner, dim if dim_out is None else dim_out, bias=not no_bias)
-        self.sublayer_dropout = nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None
-        if glu and no_bias:  # earlier safeformer built this input projection without a bias: read as a zero bias
-            self._register_load_state_dict_pre_hook(_zero_glu_bias_if_missing)
+            act = nn.SiLU() if swish else _ReluSquared() if relu_squared else _SoLU(inner) if solu else nn.GELU()
+        # x-transformers' module tree: ff = Sequential(project_in, [LayerNorm], Dropout, Linear, [Dropout]), project_in
+        # a GLU (proj, mult_bias; its input projection always has a bias) or Sequential(Linear, [softclamp], act)
+        if glu:
+            project_in = _GLU(dim, inner, act, glu_mult_bias)
+        else:
+            clamp = [_Lambda(partial(_softclamp, value=self.softclamp_value))] if self.softclamp_value is not None else []
+            project_in = nn.Sequential(nn.Linear(dim, inner, bias=not no_bias), *clamp, act)
+        proj_out = nn.Linear(inner, dim if dim_out is None else dim_out, bias=not no_bias)
+        self.ff = nn.Sequential(*[m for m in (project_in, LayerNorm(inner) if post_act_ln else None, nn.Dropout(dropout),
+                                              proj_out, nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None)
+                                  if m is not None])
+        self._register_load_state_dict_pre_hook(_legacy_feed_forward, with_module=True)
         if zero_init_output:
-            nn.init.zeros_(self.proj_out.weight)
-            if self.proj_out.bias is not None:
-                nn.init.zeros_(self.proj_out.bias)
+            nn.init.zeros_(proj_out.weight)
+            if proj_out.bias is not None:
+                nn.init.zeros_(proj_out.bias)
         elif output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
-            nn.init.normal_(self.proj_out.weight, std=(2 * inner * output_proj_depth) ** -0.5)
+            nn.init.normal_(proj_out.weight, std=(2 * inner * output_proj_depth) ** -0.5)
+
+    # the parts, by what they are (x-transformers' positions in ``ff`` depend on the options)
+    @property
+    def proj_in(self) -> nn.Linear:
+        return self.ff[0].proj if self.glu else self.ff[0][0]
+
+    @property
+    def act(self) -> nn.Module:
+        return self.ff[0].act if self.glu else self.ff[0][-1]
+
+    @property
+    def proj_out(self) -> nn.Linear:
+        return next(m for m in self.ff if isinstance(m, nn.Linear))
+
+    @property
+    def mult_bias(self) -> nn.Parameter | None:
+        return self.ff[0].mult_bias if self.glu else None
+
+    @property
+    def solu_norm(self) -> Tensor | None:
+        act = self.act
+        return act.norm.gamma if isinstance(act, _SoLU) else None
+
+    @property
+    def post_act_norm(self) -> Tensor | None:
+        return self.ff[1].gamma if isinstance(self.ff[1], LayerNorm) else None
+
+    @property
+    def dropout(self) -> nn.Dropout:
+        return self.ff[2] if isinstance(self.ff[1], LayerNorm) else self.ff[1]
+
+    @property
+    def sublayer_dropout(self) -> nn.Dropout | None:
+        return self.ff[-1] if isinstance(self.ff[-1], nn.Dropout) and self.ff[-1] is not self.dropout else None
 
     def muon_parameters(self) -> list[nn.Parameter]:
         """The matrices Muon should optimise (x-transformers' ``muon_parameters``): every linear layer's weight."""
@@ -322,31 +419,61 @@ class FeedForward(nn.Module):
                 gate_p = torch.special.ndtr(gate) if isinstance(self.act, nn.GELU) else torch.sigmoid(gate)
                 h = torch.tanh(h / u) * u * (torch.tanh(gate / g) * g * gate_p)
             else:
-                h = h * self._activate(gate)
-            if self.mult_bias is not None:
-                h = h * self.mult_bias
+                h = h * self.act(gate)
+            mult_bias = self.ff[0].mult_bias
+            if mult_bias is not None:
+                h = h * mult_bias
         else:
-            if self.softclamp_value is not None:
-                h = torch.tanh(h / self.softclamp_value) * self.softclamp_value
-            h = self._activate(h)
-        if self.post_act_norm is not None:
-            h = _gain_layer_norm(h, self.post_act_norm)
-        out = self.proj_out(self.dropout(h))
-        return out if self.sublayer_dropout is None else self.sublayer_dropout(out)
-
-    def _activate(self, h: Tensor) -> Tensor:
-        if self.solu_norm is None:
-            return self.act(h)
-        wide = h.to(torch.promote_types(h.dtype, torch.float32))  # SoLU: softmax(h) * h, normalised (S7)
-        return _gain_layer_norm((wide.softmax(dim=-1) * wide).to(h.dtype), self.solu_norm)
+            for m in list(self.ff[0])[1:]:  # the soft clamp, then the activation
+                h = m(h)
+        return self.ff[1:](h)
 
 
-def _zero_glu_bias_if_missing(state_dict, prefix, *_args) -> None:
-    """A checkpoint of a gated ``FeedForward(no_bias=True)`` saved before its input projection kept x-transformers'
-    bias: that projection had none, which is a zero bias."""
-    weight, bias = prefix + "proj_in.weight", prefix + "proj_in.bias"
-    if weight in state_dict and bias not in state_dict:
-        state_dict[bias] = state_dict[weight].new_zeros(state_dict[weight].shape[0])
+def _legacy_feed_forward(ff: FeedForward, state_dict, prefix, *_args) -> None:
+    """Earlier safeformer's ``FeedForward`` held ``proj_in``, ``mult_bias``, ``solu_norm``, ``post_act_norm`` and
+    ``proj_out`` itself: their keys moved into x-transformers' ``ff`` (a gated ``no_bias`` input projection saved
+    without its bias reads as a zero bias)."""
+    if not any(k.startswith(prefix) and k[len(prefix):].split(".")[0] in
+               ("proj_in", "proj_out", "mult_bias", "solu_norm", "post_act_norm") for k in state_dict):
+        return
+    names = {id(p): n for n, p in ff.named_parameters()}
+    moves = {"proj_in.weight": ff.proj_in.weight, "proj_in.bias": ff.proj_in.bias, "mult_bias": ff.mult_bias,
+             "solu_norm": ff.solu_norm, "post_act_norm": ff.post_act_norm, "proj_out.weight": ff.proj_out.weight,
+             "proj_out.bias": ff.proj_out.bias}
+    for old, param in moves.items():
+        if param is not None and prefix + old in state_dict:
+            state_dict[prefix + names[id(param)]] = state_dict.pop(prefix + old)
+    bias = ff.proj_in.bias
+    if ff.glu and prefix + "proj_in.weight" not in state_dict and prefix + names[id(bias)] not in state_dict:
+        state_dict[prefix + names[id(bias)]] = torch.zeros_like(bias)
+
+
+class _GLU(nn.Module):
+    """x-transformers' ``GLU`` parameters (``proj``, ``mult_bias``) for ``FeedForward(glu=True)``; the feed-forward
+    computes (it also runs the situ-GLU clamp)."""
+
+    def __init__(self, dim: int, inner: int, act: nn.Module, mult_bias: bool):
+        super().__init__()
+        self.act = act
+        self.proj = nn.Linear(dim, inner * 2)
+        self.mult_bias = nn.Parameter(torch.ones(inner)) if mult_bias else None
+
+
+class _SoLU(nn.Module):
+    """x-transformers' ``SoLU``: ``LayerNorm(softmax(h) * h)`` over the hidden features (its ``norm.gamma``); the
+    softmax in float32 or wider (S7)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = LayerNorm(dim)
+
+    def forward(self, h: Tensor) -> Tensor:
+        wide = h.to(torch.promote_types(h.dtype, torch.float32))
+        return self.norm((wide.softmax(dim=-1) * wide).to(h.dtype))
+
+
+def _softclamp(t: Tensor, value: float) -> Tensor:
+    return torch.tanh(t / value) * value
 
 
 def _gain_layer_norm(x: Tensor, gain: Tensor, eps: float = 1e-5) -> Tensor:
@@ -384,6 +511,32 @@ def positions_from_mask(mask: Tensor | None, n: int, device, offset: Tensor | No
     if offset is not None:
         pos = pos + offset[:, None]
     return pos
+
+
+class TokenEmbedding(nn.Module):
+    """The wrapper's token embedding as x-transformers holds it: ``emb`` (an ``nn.Embedding``; key
+    ``token_emb.emb.weight``), ``weight`` being its table. ``forward(ids)`` looks the ids up (the wrapper normalises
+    with ``l2norm_embed`` itself). A checkpoint of earlier safeformer (``token_emb.weight``) loads."""
+
+    def __init__(self, dim: int, num_tokens: int):
+        super().__init__()
+        self.emb = nn.Embedding(num_tokens, dim)
+        self._register_load_state_dict_pre_hook(_rename_keys({"weight": "emb.weight"}))
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.emb.weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.emb.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.emb.embedding_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.emb(x)
 
 
 class AbsolutePositionalEmbedding(nn.Module):
@@ -470,6 +623,11 @@ class RotaryEmbedding(nn.Module):
             base = base * base_rescale_factor ** (dim / (dim - 2))
         self.dim, self.theta = dim, float(base)
         self.interpolation_factor = float(interpolation_factor)
+        # x-transformers' persistent buffers (its state-dict keys); the angles are computed from theta, in float32
+        # or wider, whatever dtype these were cast to
+        self.register_buffer("inv_freq", 1.0 / (self.theta ** (torch.arange(0, dim, 2).float() / dim)))
+        self.register_buffer("scale", (torch.arange(0, dim, 2) + 0.4 * dim) / (1.4 * dim) if use_xpos else None)
+        self._register_load_state_dict_pre_hook(_own_buffers_if_missing, with_module=True)
 
     def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """``positions (b, n)`` -> angles ``(b, 1, n, dim)`` in ``dtype`` (float32, or float64 for a
@@ -510,6 +668,13 @@ class RotaryEmbedding(nn.Module):
     def forward_from_seq_len(self, seq_len: int):
         """``forward(arange(seq_len))``: ``(freqs (1, seq_len, dim), 1.)``."""
         return self.forward(torch.arange(seq_len))
+
+
+def _own_buffers_if_missing(module: nn.Module, state_dict, prefix, *_args) -> None:
+    """A checkpoint of earlier safeformer holds no ``inv_freq`` / ``scale`` buffers: read as the module's own."""
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set and prefix + name not in state_dict:
+            state_dict[prefix + name] = buf
 
 
 class PolarAngles:

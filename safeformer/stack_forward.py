@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .attend import SelectedMask, prepare_mask
-from .block import Block, apply_norm
+from .block import Block, apply_norm, residual_update
 from .cache import (
     AttnIntermediate,
     KVCache,
@@ -334,7 +334,7 @@ def run_blocks(stack: AttentionLayers, call: StackCall) -> Tensor:
         if stack.training and stack.layer_dropout > 0:  # stochastic depth: a sample skips this branch
             keep = torch.rand(b, 1, 1, device=device) >= stack.layer_dropout
             out = torch.where(keep, out / (1.0 - stack.layer_dropout), 0.0)
-        x = x + out if route is None else stack.routing.leave(route, idx, out)
+        x = residual_update(block[2], out, x) if route is None else stack.routing.leave(route, idx, out)
     if route is not None:
         call.last_stream = x
         x = stack.routing.finish(x)  # the streams summed

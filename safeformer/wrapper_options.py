@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .layers import AttentionLayers
+from .modules import TokenEmbedding
 from .xt_extras import AttentionPool
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ def build_embeddings(net: TransformerWrapper, attn_layers: AttentionLayers, *, n
     net.attn_layers = attn_layers
     net.emb_dim = emb_dim
     net.custom_token_emb = token_emb is not None
-    net.token_emb = nn.Embedding(num_tokens, emb_dim) if token_emb is None else token_emb
+    net.token_emb = TokenEmbedding(emb_dim, num_tokens) if token_emb is None else token_emb
     net.l2norm_embed = l2norm_embed
     if not net.custom_token_emb:  # x-transformers' initialisation (TokenEmbedding.init_)
         if l2norm_embed:
@@ -229,7 +230,7 @@ def build_heads(net: TransformerWrapper, dim: int, *, num_tokens, logits_dim, ti
     net.sigsoftmax_logits = sigsoftmax_logits
     net.attn_z_loss_weight = float(attn_z_loss_weight)
     net.tie_embedding = tie_embedding
-    net.tie_embedding_scale = 1.0 if tie_embedding_scale is None else float(tie_embedding_scale)
+    net.tie_embedding_scale = dim**-0.5 if tie_embedding_scale is None else float(tie_embedding_scale)  # x-transformers
     net.return_only_embed = return_only_embed
     has_head = not (tie_embedding or return_only_embed)
     net.custom_to_logits = to_logits is not None

@@ -17,7 +17,8 @@ Args:
     return_only_embed: no output projection: the model returns hidden states (an encoder).
     logits_dim: output size (default ``num_tokens``).
     tie_embedding_scale: with ``tie_embedding``, logits are ``h @ E.T * tie_embedding_scale``
-        (default 1; x-transformers' default is ``dim ** -0.5``, which ``from_x_transformers`` keeps).
+        (default ``dim ** -0.5``, as x-transformers'; checkpoints of earlier safeformer, whose default was 1, load
+        with 1).
     num_memory_tokens: learned memory (register) tokens placed before the sequence on the call that
         starts it: every position may attend to them; they take no absolute position and are cut
         from the output (``LayerIntermediates.memory_tokens`` holds theirs).

@@ -22,7 +22,6 @@ XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_qk_norm_groups": 1, "attn_qk_norm_scale": 10, "attn_qk_rmsnorm": False,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None, "attn_selective": False,
     "attn_value_dim_head": None, "gated_multi_residual": False,
-    "norm_add_unit_offset": True,
 }
 
 # Attention's own keywords among them (safeformer's Attention has dim_context, dim_out, inverted_attention and

@@ -208,24 +208,15 @@ class DynamicTanh(_m.DynamicTanh):
     def __init__(self, dim: int, init_alpha: float = 1.0, gamma: float = 1.0, beta: float = 0.0,
                  unit_offset: bool = False):
         init_alpha = _finite_number(init_alpha, "init_alpha")
-        super().__init__(_count(dim, "dim", low=1), init_alpha)
+        super().__init__(_count(dim, "dim", low=1), init_alpha, unit_offset=unit_offset)
         self.dim = dim
         if gamma != 1.0 or beta != 0.0:
             warnings.warn("DynamicTanh's gamma / beta arguments do nothing (x-transformers ignores them too): the "
                           "gain starts at 1 and the bias at 0", UserWarning, stacklevel=2)
-        self.pre_tanh_scale_offset = init_alpha if unit_offset else 0.0
-        self.gamma_offset = float(unit_offset)
-        nn.init.constant_(self.pre_tanh_scale, 0.0 if unit_offset else init_alpha)
-        nn.init.constant_(self.gamma, 1.0 - float(unit_offset))
 
     def forward(self, x: Tensor) -> Tensor:
         _float(x, "x", dim=self.dim, like=self.gamma)
-        if not self.gamma_offset:
-            return super().forward(x)
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        a = self.pre_tanh_scale.to(dtype) + self.pre_tanh_scale_offset
-        out = torch.tanh(x.to(dtype) * a) * (self.gamma.to(dtype) + self.gamma_offset) + self.beta.to(dtype)
-        return out.to(x.dtype)
+        return super().forward(x)
 
 
 # ----------------------------------------------------------------------------------------------------
