@@ -256,6 +256,7 @@ Args:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -506,6 +507,7 @@ class AttentionLayers(Configurable, nn.Module):
         norm, cond_width = _norms(self, **options)
         shifts = _blocks(self, layout, attention, norm, cond_width, **options)
         _routing_and_paths(self, layout, norm, shifts, **options)
+        self._register_load_state_dict_pre_hook(_legacy_routing_keys)
 
     def attn_qk_clip_(self, intermediates: LayerIntermediates, tau: float = 100.0) -> None:
         """MuonClip's qk-clip for every attention block (x-transformers' ``attn_qk_clip_``): pairs the
@@ -1149,6 +1151,29 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
                          "attn_gumbel_softmax, attn_laser, attn_use_cope, cross_attn_inverted_attention), "
                          "attn_use_rel_proj_pos_bias or attn_latent_rope_subheads (they run on the padded path); "
                          "use unpadded='auto' or False")
+
+
+_LEGACY_ROUTING = (  # earlier safeformer's ResidualRouting held them: (old, new), {i} a layer index
+    (re.compile(r"routing\.post_norms\.(\d+)\."), r"layers.\1.0.2."),
+    (re.compile(r"routing\.residual_scales\.(\d+)$"), r"layers.\1.2.residual_scale"),
+    (re.compile(r"routing\.grus\.(\d+)\."), r"layers.\1.2.gru."),
+    (re.compile(r"routing\.(?:hyper|mv_split)\.(\d+)\."), r"layers.\1.2."),
+    (re.compile(r"routing\.integrators\.(\d+)\."), r"layer_integrators.\1."),
+    (re.compile(r"routing\.skip_combines\.(\d+)\."), r"skip_combines.\1."),
+    (re.compile(r"routing\.(stream_emb$|reinject_input_proj\.|learned_reinject_input_gate\.)"), r"\1"),
+)
+
+
+def _legacy_routing_keys(state_dict, prefix, *_args) -> None:
+    """A checkpoint of earlier safeformer: the residual routing's parameters moved to where x-transformers keeps them
+    (each layer's norms and residual, the stack's integrators, skips, reinjection and stream embedding)."""
+    for key in [k for k in state_dict if k.startswith(prefix + "routing.")]:
+        rest = key[len(prefix):]
+        for pattern, new in _LEGACY_ROUTING:
+            moved, n = pattern.subn(new, rest, count=1)
+            if n and pattern.match(rest):
+                state_dict[prefix + moved] = state_dict.pop(key)
+                break
 
 
 def _cross_attn_spellings(aliases: dict) -> tuple[dict, dict]:

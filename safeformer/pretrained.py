@@ -47,13 +47,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = ["Configurable", "save_pretrained", "load_pretrained", "CONFIG_NAME", "WEIGHTS_NAME"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # 1: before the module tree became x-transformers' (migrated on load)
 _REGISTRY: dict[str, type] = {}
 
 _MAX_CONFIG_BYTES = 16 * 2**20  # a real config is a few kB
@@ -687,11 +688,65 @@ def _read_config(cfg_file: Path) -> dict[str, Any]:
     for key in config:
         if key not in _TOP_LEVEL_REQUIRED + _TOP_LEVEL_OPTIONAL:
             raise ValueError(f"{cfg_file}: unknown top-level field {key!r}")
-    if type(config["version"]) is not int or config["version"] != _FORMAT_VERSION:
-        raise ValueError(f"{cfg_file} has checkpoint format version {config['version']!r}, expected {_FORMAT_VERSION}")
+    if type(config["version"]) is not int or config["version"] not in _READABLE_VERSIONS:
+        raise ValueError(f"{cfg_file} has checkpoint format version {config['version']!r}, expected one of "
+                         f"{list(_READABLE_VERSIONS)}")
+    if config["version"] == 1:
+        _migrate_config_v1(config["config"])
     if type(config["class"]) is not str:
         raise ValueError(f"{cfg_file}: class must be a class name, got {_show(config['class'])}")
     return config
+
+
+def _migrate_config_v1(tree: Any) -> None:
+    """Format 1's configs, read with format 2's meanings: a stack's norms had no unit offset
+    (``norm_add_unit_offset=False``) and a tied embedding's logits no scale (``tie_embedding_scale=1``). The keys
+    of format 1's weights move to format 2's names by the modules' load hooks."""
+    if isinstance(tree, list):
+        for v in tree:
+            _migrate_config_v1(v)
+        return
+    if not isinstance(tree, dict):
+        return
+    cls = _REGISTRY.get(tree.get("class")) if isinstance(tree.get("class"), str) else None
+    cfg = tree.get("config")
+    if cls is not None and isinstance(cfg, dict):
+        params = {n for k in cls.__mro__ if "__init__" in vars(k) for n in inspect.signature(k.__init__).parameters}
+        if "norm_add_unit_offset" in params and "norm_add_unit_offset" not in cfg:
+            cfg["norm_add_unit_offset"] = False
+        if "tie_embedding_scale" in params and cfg.get("tie_embedding") is True and cfg.get("tie_embedding_scale") is None:
+            cfg["tie_embedding_scale"] = 1.0
+    for v in tree.values():
+        _migrate_config_v1(v)
+
+
+def migrate_state_dict(model: nn.Module, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state_dict`` with the keys of earlier safeformer moved to ``model``'s, as ``load_state_dict`` reads them: each
+    module's load hooks run on a copy, outermost first (a norm that must grow a shift grows it on ``model``)."""
+    state = dict(state_dict)
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for hook in module._load_state_dict_pre_hooks.values():
+            hook(state, prefix, {}, True, [], [], [])
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(model, "")
+    return state
+
+
+def _migrated_header(shadow: nn.Module, header: dict[str, tuple[str, tuple[int, ...]]]) -> dict:
+    """The header's names, shapes and dtype kinds after ``migrate_state_dict`` (meta tensors: nothing is read)."""
+
+    def meta(st_dtype: str, shape) -> Tensor:
+        dtype = torch.float32 if _ST_DTYPES[st_dtype][1] else getattr(torch, _ST_INT_TORCH[st_dtype])
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    metas = {k: meta(dt, shape) for k, (dt, shape) in header.items()}
+    kinds = {id(t): header[k][0] for k, t in metas.items()}
+    return {k: (kinds.get(id(t), "F32" if t.is_floating_point() else "I64"), tuple(t.shape))
+            for k, t in migrate_state_dict(shadow, metas).items()}
 
 
 def _config_dtype(config: dict[str, Any], cfg_file: Path) -> torch.dtype:
@@ -738,6 +793,7 @@ def load_pretrained(directory: str | os.PathLike, *, expected_class: type | None
     _guard_sizes(spec, header, cfg_file, w_file)
     with torch.device("meta"):
         shadow = _build(spec, str(cfg_file))  # allocates nothing
+    header = _migrated_header(shadow, header)  # format 1's names moved, grown shifts grown, as loading does
     _compare_with_header(shadow, header, f"weights in {w_file} do not match the {name} built from {cfg_file}")
     del shadow
 

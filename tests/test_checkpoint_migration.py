@@ -1,0 +1,65 @@
+"""Checkpoints of format 1 (saved before the module tree became x-transformers') load with today's code and give
+the outputs they gave when saved; their state dicts load into a model built today; re-saving writes format 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import safeformer as sf
+from safeformer.pretrained import load_pretrained, migrate_state_dict
+
+ROOT = Path(__file__).parent / "data" / "legacy_v1"
+NAMES = sorted(p.name for p in ROOT.iterdir() if p.is_dir())
+
+
+def _run(model, io):
+    kw = {k: io[k] for k in ("mask", "context", "context_mask", "condition") if k in io}
+    with torch.no_grad():
+        return model.eval()(io["x"], **kw)
+
+
+def test_every_fixture_is_format_1():
+    assert len(NAMES) == 7
+    for name in NAMES:
+        assert json.loads((ROOT / name / "config.json").read_text())["version"] == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_format_1_loads_with_its_outputs(name):
+    io = load_file(str(ROOT / name / "io.safetensors"))
+    model = load_pretrained(ROOT / name)
+    torch.testing.assert_close(_run(model, io), io["out"], rtol=0, atol=1e-5)
+    # the keys are today's: x-transformers' names
+    keys = set(model.state_dict())
+    assert "token_emb.emb.weight" in keys and not any(re.search(r"layers\.\d+\.0\.(weight|bias)$", k) for k in keys)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_format_1_resaved_is_format_2(name, tmp_path):
+    io = load_file(str(ROOT / name / "io.safetensors"))
+    sf.save_pretrained(load_pretrained(ROOT / name), tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["version"] == 2
+    torch.testing.assert_close(_run(load_pretrained(tmp_path / "m"), io), io["out"], rtol=0, atol=1e-5)
+
+
+def test_old_state_dict_into_a_model_built_today():
+    """A raw state dict of earlier safeformer (no config): LayerNorm ``weight`` / ``bias`` become ``gamma`` and a grown
+    shift; the model built today with ``norm_add_unit_offset=False`` reproduces the outputs."""
+    io = load_file(str(ROOT / "plain" / "io.safetensors"))
+    old = load_file(str(ROOT / "plain" / "model.safetensors"))
+    assert "token_emb.weight" in old and "attn_layers.layers.0.0.bias" in old
+    net = sf.TransformerWrapper(num_tokens=13, max_seq_len=6, attn_layers=sf.Decoder(
+        dim=16, depth=2, heads=2, attn_dim_head=8, norm_add_unit_offset=False))
+    net.load_state_dict(old, strict=True)
+    torch.testing.assert_close(_run(net, io), io["out"], rtol=0, atol=1e-5)
+    # with x-transformers' default unit offset the gains are stored minus 1: the outputs are the same
+    net2 = sf.TransformerWrapper(num_tokens=13, max_seq_len=6, attn_layers=sf.Decoder(
+        dim=16, depth=2, heads=2, attn_dim_head=8))
+    net2.load_state_dict(migrate_state_dict(net2, old), strict=True)
+    torch.testing.assert_close(_run(net2, io), io["out"], rtol=0, atol=1e-5)
