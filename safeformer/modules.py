@@ -55,9 +55,9 @@ class RMSNorm(nn.Module):
         self._register_load_state_dict_pre_hook(_rename_keys({"weight": "g"}))  # its weight was stored as g is
 
     @property
-    def weight(self) -> nn.Parameter:
-        """The gain ``g`` (the name earlier safeformer used)."""
-        return self.g
+    def weight(self) -> Tensor:
+        """The effective gain ``g + unit_offset`` (``g`` itself without the offset)."""
+        return self.g + 1.0 if self.unit_offset else self.g
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))

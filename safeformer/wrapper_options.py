@@ -110,7 +110,7 @@ def _check_looped(attn_layers: AttentionLayers, looped, max_looped_steps, recycl
     if recycling:
         raise ValueError("choose one of looped and recycling, not both (x-transformers' rule)")
     routing = getattr(attn_layers, "routing", None)
-    if routing is None or getattr(routing, "post_norms", None) is None:
+    if routing is None or not getattr(routing, "post_norm", False):
         raise ValueError("looped=True needs attn_layers built with pre_and_post_norm=True (x-transformers' rule: the "
                          "stream is normalised after every block, so repeated runs stay in range)")
 

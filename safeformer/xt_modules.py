@@ -145,7 +145,7 @@ class LayerNorm(nn.Module):
         super().__init__()
         self.dim = _count(dim, "dim", low=1)
         self.unit_offset = bool(unit_offset)
-        self.ln = _m.LayerNorm(dim, elementwise_affine=False)
+        self.ln = _m.TorchLayerNorm(dim, elementwise_affine=False)
         self.gamma = nn.Parameter(torch.ones(dim))
         nn.init.constant_(self.gamma, 1.0 - float(unit_offset))
 
@@ -355,7 +355,7 @@ class DynamicPositionBias(nn.Module):
         first = [nn.Linear(1, dim)] + ([LayerNorm(dim)] if norm else []) + [nn.SiLU()]
         self.mlp.append(nn.Sequential(*first))
         for _ in range(depth - 1):
-            layer = [nn.Linear(dim, dim)] + ([_m.LayerNorm(dim)] if norm else []) + [nn.SiLU()]
+            layer = [nn.Linear(dim, dim)] + ([_m.TorchLayerNorm(dim)] if norm else []) + [nn.SiLU()]
             self.mlp.append(nn.Sequential(*layer))
         self.mlp.append(nn.Linear(dim, heads))
 

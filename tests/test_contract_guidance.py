@@ -76,8 +76,8 @@ def model_of(null: str, p: float = 0.0, backend: str = "auto", dtype: torch.dtyp
 def cross_param_names(model: AutoregressiveWrapper) -> set[str]:
     """Names of the parameters of the cross-attention blocks (their norms included)."""
     layers = model.net.attn_layers
-    ids = {id(p) for kind, (norm, block) in zip(layers.layer_kinds, layers.layers) if kind == "cross"
-           for p in [*norm.parameters(), *block.parameters()]}
+    ids = {id(p) for kind, layer in zip(layers.layer_kinds, layers.layers) if kind == "cross"
+           for p in [*layer[0].parameters(), *layer[1].parameters()]}
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 

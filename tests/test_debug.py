@@ -79,12 +79,12 @@ def test_find_nonfinite_names_the_module_with_a_planted_nan_weight():
 def test_find_nonfinite_counts_inf_in_a_norm():
     model = small_decoder()
     with torch.no_grad():
-        model.attn_layers.layers[2][0].bias[1] = -INF  # the feed-forward's pre-norm of layer 1
+        model.attn_layers.layers[2][0][0].gamma[1] = -INF  # the feed-forward's pre-norm of layer 1
     x, kw = decoder_inputs()
     report = find_nonfinite(model, x, **kw)
     f = report.forward
-    assert f.module == "attn_layers.layers.2.0" and f.module_type == "LayerNorm"
-    assert (f.nan, f.posinf, f.neginf) == (0, 0, 3 * 7)
+    assert f.module == "attn_layers.layers.2.0.0" and f.module_type == "LayerNorm"
+    assert f.nan == 0 and f.posinf + f.neginf == 3 * 7  # every position's feature 1, the sign its normed value's
     assert f.first_index == (0, 0, 1)
 
 

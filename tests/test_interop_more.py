@@ -25,7 +25,7 @@ from x_transformers.autoregressive_wrapper import AutoregressiveWrapper as XTAut
 
 from safeformer import AutoregressiveWrapper, TransformerWrapper, XTransformer  # noqa: E402
 from safeformer.interop import from_x_transformers  # noqa: E402
-from safeformer.modules import alibi_slopes  # noqa: E402
+from safeformer.modules import LayerNorm, alibi_slopes  # noqa: E402
 
 logging.getLogger("x_transformers").setLevel(logging.ERROR)
 try:  # x-transformers logs through loguru; silence its rotary-dim warning
@@ -182,14 +182,11 @@ def build_xtransformer(*, enc_part: dict | None = None, dec_part: dict | None = 
 
 
 def xtransformer_extra_params(kwargs: dict) -> int:
-    """safeformer's parameters that the x-transformers XTransformer lacks: zero LayerNorm biases (one
-    per norm: 2 depth + 1 in the encoder, 3 depth + 1 in the decoder), q/k RMSNorm gains (2 dim_head
+    """safeformer's parameters that the x-transformers XTransformer lacks: q/k RMSNorm gains (2 dim_head
     per attention with qk-norm; see test_qk_norm_logits_match). Feed-forwards without biases
     (``ff_no_bias``) convert to safeformer's ``ff_no_bias``: no extra parameters."""
     extra = 0
-    for side, norms, attns in (("enc", 2 * 2 + 1, 2), ("dec", 3 * 2 + 1, 2 * 2)):
-        if not kwargs.get(f"{side}_use_rmsnorm"):
-            extra += norms * DIM
+    for side, attns in (("enc", 2), ("dec", 2 * 2)):
         if kwargs.get(f"{side}_attn_qk_norm"):
             extra += 2 * kwargs.get(f"{side}_attn_dim_head", 8) * attns
     return extra
@@ -258,9 +255,8 @@ def test_xtransformer_loss_and_greedy_generation(kwargs):
     assert isinstance(sf, XTransformer) and not sf.training
     tied = kwargs.get("tie_token_emb", False)
     assert (sf.decoder.token_emb is sf.encoder.token_emb) == tied
-    # safeformer's LayerNorms carry a bias (x-transformers' have none): zeros, one per norm
-    ln_biases = sum(m.bias.numel() for m in sf.modules() if isinstance(m, nn.LayerNorm))
-    assert ln_biases == sum(n * DIM for side, n in (("enc", 5), ("dec", 7)) if not kwargs.get(f"{side}_use_rmsnorm"))
+    # safeformer's LayerNorms are x-transformers' (no bias)
+    assert all(m.bias is None for m in sf.modules() if isinstance(m, LayerNorm))
     assert n_params(sf) == n_params(model) + xtransformer_extra_params(kwargs)
     compare_xtransformer(model, sf, dec_vocab=kwargs.get("dec_num_tokens", V))
 
@@ -395,7 +391,7 @@ def test_qk_norm_logits_match(name):
     cfg = dict(QK_NORM[name])
     model = xt_net(cfg.pop("layers", "Decoder"), use_rmsnorm=True, attn_qk_norm=True, **cfg)
     sf = from_x_transformers(model)
-    attns = [blk for kind, (_, blk) in zip(sf.attn_layers.layer_kinds, sf.attn_layers.layers) if kind != "ff"]
+    attns = [layer.mixer for kind, layer in zip(sf.attn_layers.layer_kinds, sf.attn_layers.layers) if kind != "ff"]
     d = 8
     scale = cfg.get("attn_qk_norm_scale", 10)
     for a in attns:  # w_q * w_k = qk_norm_scale / sqrt(d) on every feature

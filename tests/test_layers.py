@@ -125,8 +125,11 @@ def test_structure_follows_the_configuration():
     assert enc.layer_kinds == ("self", "ff") * 2 and not enc.causal
     assert dec.layer_kinds == ("self", "cross", "ff") * 2 and dec.causal
     assert ca.layer_kinds == ("cross", "ff") * 2 and not ca.causal
-    assert all(isinstance(norm, torch.nn.LayerNorm) for norm, _ in enc.layers) and isinstance(enc.final_norm, torch.nn.LayerNorm)
-    assert all(isinstance(norm, sf.RMSNorm) for norm, _ in dec.layers) and isinstance(dec.final_norm, sf.RMSNorm)
+    LayerNorm = sf.modules.LayerNorm
+    assert all(isinstance(blk[0][0], LayerNorm) for blk in enc.layers) and isinstance(enc.final_norm, LayerNorm)
+    assert all(isinstance(blk[0][0], sf.RMSNorm) for blk in dec.layers) and isinstance(dec.final_norm, sf.RMSNorm)
+    # x-transformers' layer: [norms, block, residual], norms = [pre, post-branch (sandwich), post-main]
+    assert all(len(blk) == 3 and len(blk[0]) == 3 and blk[0][1] is None and blk[0][2] is None for blk in enc.layers)
     gqa = sf.Decoder(**{**BASE, "heads": 4}, kv_heads=2)
     attn = gqa.layers[0][1]
     assert (attn.heads, attn.kv_heads) == (4, 2)

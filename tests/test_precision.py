@@ -295,6 +295,7 @@ def test_half_model_return_pooled_over_1024_tokens_is_the_float64_mean_of_its_em
     float16's range, so a pooled mean accumulated in float16 is inf (or far off)."""
     model = hp.seeded_module(lambda: sf.TransformerWrapper(
         num_tokens=50, max_seq_len=1024, attn_layers=sf.Encoder(dim=32, depth=1, heads=2, dim_head=16)), seed=14)
+    model.attn_layers.final_norm = sf.modules.LayerNorm(32, unit_offset=True, bias=True)  # a shift to set
     with torch.no_grad():
         model.attn_layers.final_norm.bias.add_(70.0)
     model = model.half().eval()
@@ -347,7 +348,7 @@ def layernorm_case(dtype: torch.dtype, offset: float) -> tuple[torch.nn.LayerNor
     ~1000 (offset 0) or 300 + N(0, 1) (the variance of x ~ 1e6 overflows float16 in a naive kernel)."""
     layers = hp.seeded_module(lambda: sf.Encoder(dim=48, depth=1, heads=2, dim_head=8), seed=19).to(dtype)
     norm = layers.final_norm
-    assert isinstance(norm, torch.nn.LayerNorm)
+    assert isinstance(norm, sf.modules.LayerNorm)
     x = (_randn(3, 7, 48, seed=20, scale=1000.0 if offset == 0 else 1.0) + offset).to(dtype)
     return norm, x
 

@@ -97,7 +97,7 @@ def test_tied_weights_stay_tied_and_are_stored_once(tmp_path):
     tw, _, tw_path = saved(tmp_path, "TransformerWrapper-tied")
     assert sf.TransformerWrapper.from_pretrained(tw_path).to_logits is None
     header = _header(path / WEIGHTS_NAME)
-    emb_keys = [k for k in header if k.endswith("token_emb.weight")]
+    emb_keys = [k for k in header if k.endswith("token_emb.emb.weight")]
     assert len(emb_keys) == 1, emb_keys  # the shared embedding is written once
 
 
@@ -112,7 +112,7 @@ def _header(file) -> dict:
 def test_files_are_json_and_safetensors_never_pickle(tmp_path, monkeypatch):
     model, run, path = saved(tmp_path, "Decoder")
     config = json.loads((path / CONFIG_NAME).read_text())
-    assert config["format"] == "safeformer" and config["version"] == 1 and config["class"] == "Decoder"
+    assert config["format"] == "safeformer" and config["version"] == 2 and config["class"] == "Decoder"
     assert config["config"]["cross_attend"] is True and config["config"]["dim_context"] == CTX_DIM
     assert "causal" not in config["config"]  # set by the class itself
     raw = (path / WEIGHTS_NAME).read_bytes()
@@ -193,7 +193,7 @@ def test_mismatched_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"do not match .*missing \['attn_layers.layers.3"):
         sf.TransformerWrapper.from_pretrained(path)
     _edit_config(path, lambda c: c["attn_layers"]["config"].update(depth=1, dim=32))
-    with pytest.raises(ValueError, match="shape mismatch for attn_layers.layers.0.0.weight"):
+    with pytest.raises(ValueError, match="shape mismatch for attn_layers.layers.0.0.0.gamma"):
         sf.TransformerWrapper.from_pretrained(path)
     _edit_config(path, lambda c: c["attn_layers"]["config"].update(dim=DIM, bogus_option=1))
     with pytest.raises(ValueError, match="config.attn_layers.config.bogus_option is not a parameter of Decoder"):
@@ -391,7 +391,7 @@ def test_hostile_huge_num_tokens_fails_without_allocating(wrapper_ckpt, monkeypa
     monkeypatch.setattr(sf.TransformerWrapper, "__init__", spy)
     _edit_file(wrapper_ckpt, lambda c: c["config"].update(num_tokens=10**12))
     start = time.perf_counter()
-    _load_error(wrapper_ckpt, WEIGHTS_NAME, "shape mismatch for token_emb.weight", f"[{10**12}, {DIM}]",
+    _load_error(wrapper_ckpt, WEIGHTS_NAME, "shape mismatch for token_emb.emb.weight", f"[{10**12}, {DIM}]",
                 str(wrapper_ckpt / CONFIG_NAME))
     assert time.perf_counter() - start < 1.0
     assert devices == ["meta"]  # built once, on the meta device only
@@ -406,25 +406,25 @@ def test_hostile_wrong_dtype_name(wrapper_ckpt, dtype):
 
 
 def test_hostile_header_and_config_tensor_names_differ(wrapper_ckpt):
-    _rewrite_weights(wrapper_ckpt, lambda t: t.__setitem__("token_emb.renamed", t.pop("token_emb.weight")))
-    _load_error(wrapper_ckpt, WEIGHTS_NAME, "missing ['token_emb.weight']", "unexpected ['token_emb.renamed']")
+    _rewrite_weights(wrapper_ckpt, lambda t: t.__setitem__("token_emb.renamed", t.pop("token_emb.emb.weight")))
+    _load_error(wrapper_ckpt, WEIGHTS_NAME, "missing ['token_emb.emb.weight']", "unexpected ['token_emb.renamed']")
 
 
 def test_hostile_shape_mismatch(wrapper_ckpt):
     _edit_file(wrapper_ckpt, lambda c: c["config"].update(num_tokens=VOCAB + 1))
-    _load_error(wrapper_ckpt, WEIGHTS_NAME, "shape mismatch for token_emb.weight",
+    _load_error(wrapper_ckpt, WEIGHTS_NAME, "shape mismatch for token_emb.emb.weight",
                 f"the file has [{VOCAB}, {DIM}], the config gives [{VOCAB + 1}, {DIM}]")
 
 
 def test_hostile_integer_tensor_where_a_float_belongs(wrapper_ckpt):
-    _rewrite_weights(wrapper_ckpt, lambda t: t.update({"token_emb.weight": t["token_emb.weight"].long()}))
-    _load_error(wrapper_ckpt, WEIGHTS_NAME, "dtype mismatch for token_emb.weight: the file has I64")
+    _rewrite_weights(wrapper_ckpt, lambda t: t.update({"token_emb.emb.weight": t["token_emb.emb.weight"].long()}))
+    _load_error(wrapper_ckpt, WEIGHTS_NAME, "dtype mismatch for token_emb.emb.weight: the file has I64")
 
 
 def test_hostile_tied_tensor_stored_twice(tmp_path):
     _, _, path = saved(tmp_path, "XTransformer")
-    _rewrite_weights(path, lambda t: t.update({"encoder.token_emb.weight": t["decoder.token_emb.weight"].clone()}))
-    _load_error(path, WEIGHTS_NAME, "unexpected ['decoder.token_emb.weight (the same tensor as encoder.token_emb.weight)']")
+    _rewrite_weights(path, lambda t: t.update({"encoder.token_emb.emb.weight": t["decoder.token_emb.emb.weight"].clone()}))
+    _load_error(path, WEIGHTS_NAME, "unexpected ['decoder.token_emb.emb.weight (the same tensor as encoder.token_emb.emb.weight)']")
 
 
 @pytest.mark.parametrize("header", [

@@ -61,11 +61,12 @@ def test_hyper_connections_start_where_x_transformers_start(name):
     theirs = xt.Decoder(**kw)
     torch.manual_seed(0)
     ours = sf.Decoder(**kw)
-    hyper = ours.routing.hyper
+    hyper = [layer[2] for layer in ours.layers]
     residuals = [layer[2] for layer in theirs.layers]
     assert all(type(r).__name__ == "HyperConnection" for r in residuals)
     assert len(hyper) == len(residuals)
-    torch.testing.assert_close(ours.routing.stream_emb, theirs.stream_emb, rtol=0, atol=0)
+    torch.testing.assert_close(ours.stream_emb, theirs.stream_emb, rtol=0, atol=0)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
     static_alphas = set()
     for i, (mine, other) in enumerate(zip(hyper, residuals)):
         assert mine.sinkhorn_iters == other.sinkhorn_iters and mine.num_input_views == other.num_input_views
@@ -82,8 +83,8 @@ def test_hyper_connections_static_mix_by_hand():
     # independent of x-transformers: layer i's branch input starts on stream i % S, the streams keep
     # themselves (identity), and each stream takes the branch output with beta = 2 sigmoid(1)
     s, v = 3, 3
-    block = sf.Decoder(dim=8, depth=4, heads=2, attn_dim_head=4, num_residual_streams=s,
-                       qkv_receive_diff_residuals=True).routing.hyper
+    block = [layer[2] for layer in sf.Decoder(dim=8, depth=4, heads=2, attn_dim_head=4, num_residual_streams=s,
+                                               qkv_receive_diff_residuals=True).layers]
     for i, hc in enumerate(block):
         views = hc.num_input_views
         want = torch.zeros(s, views + s)

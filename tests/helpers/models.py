@@ -136,7 +136,7 @@ def capture_attention(model: nn.Module, roles: dict[int, str]) -> Iterator[list[
 
 def stack_roles(layers: sf.AttentionLayers, prefix: str) -> dict[int, str]:
     """``{id(attention): "<prefix>.self" | "<prefix>.cross"}`` for the blocks of a layer stack."""
-    return {id(parts[1]): f"{prefix}.{kind}" for kind, parts in zip(layers.layer_kinds, layers.layers) if kind != "ff"}
+    return {id(layer.mixer): f"{prefix}.{kind}" for kind, layer in zip(layers.layer_kinds, layers.layers) if kind != "ff"}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -744,7 +744,7 @@ class AdaptiveDecoderCase(DecoderCase):
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():  # adaptive projections start at 0: make them matter
             for mod in model.modules():
-                if isinstance(mod, (sf.modules.AdaptiveNorm, sf.modules.AdaptiveLayerScale)):
+                if isinstance(mod, (sf.modules.AdaptiveNorm, sf.block.AdaptiveLayerScale)):
                     for p in mod.parameters():
                         p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             model.null_condition.copy_(torch.randn(self.K, generator=g))

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 import safeformer as sf
+from safeformer.modules import LayerNorm
 
 from .numerics import INF
 
@@ -140,8 +141,8 @@ def ref_attention(attn: sf.Attention, x: Tensor, context: Tensor | None = None, 
 
     q, k, v = project(x, "to_q", h), project(src, "to_k", h_kv), project(src, "to_v", h_kv)
     if attn.q_norm is not None:
-        q = ref_rms_norm(q, P["q_norm.weight"], attn.q_norm.eps)
-        k = ref_rms_norm(k, P["k_norm.weight"], attn.k_norm.eps)
+        q = ref_rms_norm(q, attn.q_norm.weight.detach().double(), attn.q_norm.eps)
+        k = ref_rms_norm(k, attn.k_norm.weight.detach().double(), attn.k_norm.eps)
     if rot_dim:
         q = ref_rotate(q, q_pos[:, None], rot_dim, theta)
         k = ref_rotate(k, k_pos[:, None], rot_dim, theta)
@@ -180,9 +181,11 @@ def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def ref_norm(norm: nn.Module, x: Tensor) -> Tensor:
-    """float64 reference of a safeformer norm module (``nn.LayerNorm`` or ``RMSNorm``)."""
-    if isinstance(norm, nn.LayerNorm):
-        return ref_layer_norm(x, norm.weight.detach().double(), norm.bias.detach().double(), norm.eps)
+    """float64 reference of a safeformer norm module (``LayerNorm``: gain ``gamma`` plus its unit offset, an optional
+    shift; or ``RMSNorm``)."""
+    if isinstance(norm, LayerNorm):
+        bias = torch.zeros((), dtype=torch.float64) if norm.bias is None else norm.bias.detach().double()
+        return ref_layer_norm(x, norm.weight.detach().double(), bias, norm.eps)
     assert isinstance(norm, sf.RMSNorm), type(norm)
     return ref_rms_norm(x, norm.weight.detach().double(), norm.eps)
 
@@ -276,7 +279,8 @@ def ref_stack(layers: sf.AttentionLayers, x: Tensor, *, mask: Tensor | None = No
         ctx_ok = torch.ones(b, 1, 1, ctx.shape[1], dtype=torch.bool) if context_mask is None else context_mask[:, None, None, :]
         if context_mask is not None:
             ctx = torch.where(context_mask[..., None], ctx, torch.zeros((), dtype=torch.float64))
-    for kind, (norm, block) in zip(layers.layer_kinds, layers.layers):
+    for kind, layer in zip(layers.layer_kinds, layers.layers):
+        norm, block = layer.norm, layer.mixer
         hn = ref_norm(norm, x)
         if kind == "self":
             out = ref_attention(block, hn, allowed=key_ok, causal=layers.causal, q_pos=pos, k_pos=pos,
@@ -304,7 +308,9 @@ def ref_wrapper(model: sf.TransformerWrapper, ids: Tensor, mask: Tensor | None =
     h = ref_stack(model.attn_layers, h, mask=mask, **ctx)
     if not head:
         return h
-    return h @ (emb if model.tie_embedding else model.to_logits.weight.detach().double()).T
+    if model.tie_embedding:
+        return h @ emb.T * model.tie_embedding_scale
+    return h @ model.to_logits.weight.detach().double().T
 
 
 # ----------------------------------------------------------------------------------------------------
