@@ -336,7 +336,7 @@ def build_model(cfg: Config) -> DigitsModel:
         num_tokens=LEVELS + 1, logits_dim=LEVELS, max_seq_len=PIXELS + 1,
         attn_layers=Decoder(dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, dim_head=cfg.dim_head,
                             cross_attend=True, dim_context=cfg.text_dim,
-                            use_adaptive_layernorm=True, dim_condition=len(THICKNESS),
+                            use_adaptive_layernorm=True, dim_condition=len(THICKNESS), adaptive_null="learned",
                             attn_dropout=cfg.dropout, ff_dropout=cfg.dropout, checkpoint_layers=cfg.checkpoint_layers),
     )
     model = AutoregressiveWrapper(net, cond_drop_prob={"context": cfg.text_drop_prob, "condition": cfg.thickness_drop_prob},

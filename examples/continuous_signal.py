@@ -96,7 +96,7 @@ def train(args) -> tuple[ContinuousAutoregressiveWrapper, list[float], list[floa
     net = ContinuousTransformerWrapper(
         dim_in=1, dim_out=2, max_seq_len=LENGTH + 1,
         attn_layers=Decoder(dim=args.dim, depth=args.depth, heads=4, dim_head=args.dim // 4, rotary_pos_emb=True,
-                            use_adaptive_layernorm=True, dim_condition=len(CLASSES)))
+                            use_adaptive_layernorm=True, dim_condition=len(CLASSES), adaptive_null="learned"))
     model = ContinuousAutoregressiveWrapper(net, probabilistic=True, cond_drop_prob=args.cond_drop_prob)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(args.steps, 1), pct_start=0.1)

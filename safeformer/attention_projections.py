@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .attend import _grad_select
 from .attention_calls import _positive_int, check_kv_input
-from .modules import HeadRMSNorm, RMSNorm
+from .modules import HeadRMSNorm, RMSNorm, _rename_keys
 
 if TYPE_CHECKING:
     from .attention import Attention
@@ -95,7 +95,12 @@ def init_norms(attn: Attention, dim: int, heads: int, kv_heads: int, dim_head: i
     attn.v_norm = HeadRMSNorm(kv_heads, dim_head, eps=eps, unit_offset=True) if value_rmsnorm else None
     # x-transformers' learned_value_residual_mix: the value residual's mix per position and kv head,
     # sigmoid(Linear(x)); without it a given value_residual is mixed in at 0.5
-    attn.to_value_residual_mix = nn.Linear(dim, kv_heads) if learned_value_residual_mix else None
+    attn.to_value_residual_mix = nn.Sequential(nn.Linear(dim, kv_heads), nn.Sigmoid()) \
+        if learned_value_residual_mix else None  # x-transformers' Sequential(Linear, Sigmoid): keys .0.*
+    if learned_value_residual_mix:  # earlier safeformer held the Linear itself
+        attn._register_load_state_dict_pre_hook(_rename_keys({
+            "to_value_residual_mix.weight": "to_value_residual_mix.0.weight",
+            "to_value_residual_mix.bias": "to_value_residual_mix.0.bias"}))
 
 
 def project_qkv(attn: Attention, x: Tensor, source: Tensor, context, kv, past_kv, kv_input, kv_residual,
@@ -159,7 +164,7 @@ def mix_values(attn: Attention, v: Tensor, residual: Tensor, source: Tensor, kee
         return residual.lerp(v, 0.5)
     if not self_attn:
         raise ValueError("learned_value_residual_mix reads the queries' input: self-attention only")
-    mix = torch.sigmoid(attn._linear(attn.to_value_residual_mix, source, keep)).transpose(1, 2)[..., None]
+    mix = torch.sigmoid(attn._linear(attn.to_value_residual_mix[0], source, keep)).transpose(1, 2)[..., None]
     return residual.lerp(v, mix.to(v.dtype))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .generation import check_pad_value, generate_tokens
+from .generation import AutoregressiveWrapper, check_pad_value, generate_tokens
 from .layers import LAYER_ALIASES, MODULE_KWARGS, AttentionLayers, Decoder, Encoder, merge_module_kwargs
 from .losses import next_token_loss
 from .masks import checked_once
@@ -156,7 +156,7 @@ class XTransformer(Configurable, nn.Module):
             attn_layers=Encoder(**side(dict(depth=enc_depth, heads=enc_heads), enc_layer)), return_only_embed=True,
             **enc_wrap,
         )
-        self.decoder = TransformerWrapper(
+        net = TransformerWrapper(
             num_tokens=dec_num_tokens, max_seq_len=dec_max_seq_len,
             attn_layers=Decoder(**side(dict(depth=dec_depth, heads=dec_heads, cross_attend=True), dec_layer)),
             **dec_wrap,
@@ -164,7 +164,10 @@ class XTransformer(Configurable, nn.Module):
         if tie_token_emb:
             if enc_num_tokens != dec_num_tokens:
                 raise ValueError("tie_token_emb=True needs enc_num_tokens == dec_num_tokens")
-            self.decoder.token_emb = self.encoder.token_emb
+            net.token_emb = self.encoder.token_emb
+        # x-transformers' tree: the decoder is an AutoregressiveWrapper around the net (keys decoder.net.*)
+        self.decoder = AutoregressiveWrapper(net, ignore_index=ignore_index, pad_value=pad_value)
+        self._register_load_state_dict_pre_hook(_legacy_decoder_keys)
         self.ignore_index = ignore_index
         self.pad_value = pad_value
         self.cond_drop_prob = float(cond_drop_prob)
@@ -210,7 +213,7 @@ class XTransformer(Configurable, nn.Module):
             b, j = enc.shape[:2]
             keep = torch.rand(b, device=enc.device) >= self.cond_drop_prob  # (b,)
             context_mask = keep[:, None].expand(b, j) if mask is None else mask & keep[:, None]
-        return next_token_loss(self.decoder, tgt, tgt_mask, self.ignore_index, self.pad_value,
+        return next_token_loss(self.decoder.net, tgt, tgt_mask, self.ignore_index, self.pad_value,
                                 name="tgt", mask_name="tgt_mask", context=enc, context_mask=context_mask)
 
     @torch.no_grad()
@@ -261,9 +264,16 @@ class XTransformer(Configurable, nn.Module):
                     uncond = uncond.expand(enc.shape[0], -1, -1)
                     uncond_mask = None if uncond_mask is None else uncond_mask.expand(enc.shape[0], -1)
             return generate_tokens(
-                self.decoder, start_tokens, seq_len, mask=start_mask, context=enc, context_mask=mask,
+                self.decoder.net, start_tokens, seq_len, mask=start_mask, context=enc, context_mask=mask,
                 negative_context=uncond, negative_context_mask=uncond_mask, cond_scale=cond_scale,
                 pad_value=self.pad_value, **options,
             )
         finally:
             self.train(was_training)
+
+
+def _legacy_decoder_keys(state_dict, prefix, *_args) -> None:
+    """Earlier safeformer's ``XTransformer.decoder`` was the ``TransformerWrapper`` itself: its keys move under
+    ``decoder.net`` (x-transformers' ``AutoregressiveWrapper``)."""
+    for key in [k for k in state_dict if k.startswith(prefix + "decoder.") and not k.startswith(prefix + "decoder.net.")]:
+        state_dict[prefix + "decoder.net." + key[len(prefix + "decoder."):]] = state_dict.pop(key)

@@ -1499,8 +1499,8 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     put(dst.to_forget_gates.bias, take(lin.bias)[idx])
                 if opts.value_mix:  # Linear(dim, heads) + sigmoid; heads == kv_heads (checked)
                     lin = blk.to_value_residual_mix[0]
-                    put(dst.to_value_residual_mix.weight, take(lin.weight)[perm])
-                    put(dst.to_value_residual_mix.bias, take(lin.bias)[perm])
+                    put(dst.to_value_residual_mix[0].weight, take(lin.weight)[perm])
+                    put(dst.to_value_residual_mix[0].bias, take(lin.bias)[perm])
                 if opts.value_rmsnorm:  # gamma (h, 1, d), h == h_kv (checked): kv heads are not permuted
                     put(dst.v_norm.weight, take(blk.value_rmsnorm.gamma).reshape(kv_heads, dim_head))
                 if opts.qk_head_gains is not None:
@@ -1722,7 +1722,7 @@ def _convert_xtransformer(model, xt, xt_attend, problems: _Problems, training_on
         problems.add(f"no safeformer XTransformer takes this configuration: {err}")
         problems.raise_if_any()
     # a safety net: the nets built must be the converted ones, option for option
-    for side, built, converted in (("encoder", sf.encoder, sf_enc), ("decoder.net", sf.decoder, sf_dec)):
+    for side, built, converted in (("encoder", sf.encoder, sf_enc), ("decoder.net", sf.decoder.net, sf_dec)):
         want, got = _effective_config(converted), _effective_config(built)
         for key in sorted(set(want) | set(got)):
             if want.get(key) != got.get(key):
@@ -1732,7 +1732,7 @@ def _convert_xtransformer(model, xt, xt_attend, problems: _Problems, training_on
     ref = enc.token_emb.emb.weight
     sf = sf.to(device=ref.device, dtype=ref.dtype)
     sf.encoder.load_state_dict(sf_enc.state_dict())
-    sf.decoder.load_state_dict(sf_dec.state_dict())
+    sf.decoder.net.load_state_dict(sf_dec.state_dict())
     sf.train(model.training)
     return sf
 

@@ -34,8 +34,7 @@ Args:
         scalar ``g`` (an all-zero row gives 0).
     use_simple_rmsnorm: every norm is x-transformers' ``SimpleRMSNorm``: ``x / ||x|| * sqrt(c)``, no parameter.
     disable_abs_pos_emb: whether a wrapper leaves out its absolute position embedding (x-transformers'; the
-        default ``None`` means: when the stack has relative positions). ``False`` beside relative positions
-        (both kinds at once) is refused: safeformer takes one position scheme.
+        default ``None`` means: with rotary, PoPE or T5's relative bias; ALiBi and the other biases keep it).
     attn_kwargs, ff_kwargs: further keywords of every ``Attention`` (``gate_value_heads``, ``zero_init_output``,
         ``cope_talking_heads``, ``head_scale``, ``sublayer_dropout``, ``output_proj_depth``, ``sparse_topk``) and every ``FeedForward`` (``no_bias``, ``relu_squared``, ``solu``,
         ``post_act_ln``, ``glu_mult_bias``, ``sublayer_dropout``, ``zero_init_output``, ``output_proj_depth``,
@@ -63,8 +62,9 @@ Args:
     use_adaptive_rmsnorm: the same with RMSNorm.
     use_adaptive_layerscale: gate each residual branch by the condition (AdaLN-zero style).
     dim_condition: K, the condition's width (default ``dim``).
-    adaptive_null: what a dropped condition becomes (``condition_mask`` False, or no condition):
-        ``"learned"`` (a learned null condition, trained with CFG dropping) or ``"zeros"``.
+    adaptive_null: what a dropped condition becomes (``condition_mask`` False, or no condition): ``"zeros"``
+        (the default: no parameter, so the state dict is x-transformers') or ``"learned"`` (a learned
+        ``null_condition``, trained with CFG dropping).
     layer_dropout: during training, each residual branch of each sample is skipped with this
         probability (stochastic depth); 0 at evaluation.
     cross_attn_tokens_dropout: during training, each context token is dropped (masked) with this
@@ -426,7 +426,7 @@ class AttentionLayers(Configurable, nn.Module):
         ff_dropout: float | tuple[float, ...] = 0.0,
         attn_bias: bool = False, backend: str = "auto",
         use_adaptive_layernorm: bool = False, use_adaptive_rmsnorm: bool = False,
-        use_adaptive_layerscale: bool = False, dim_condition: int | None = None, adaptive_null: str = "learned",
+        use_adaptive_layerscale: bool = False, dim_condition: int | None = None, adaptive_null: str = "zeros",
         layer_dropout: float = 0.0, cross_attn_tokens_dropout: float = 0.0,
         checkpoint_layers: bool = False, unpadded: bool | str = "auto",
         attn_num_mem_kv: int = 0, attn_head_learned_sink: bool = False, attn_softclamp_logits: bool = False,
@@ -819,11 +819,10 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
     stack.has_relative_positions = rotary_pos_emb or alibi_pos_bias or rotary_xpos or polar_pos_emb or rel_pos_bias
     if disable_abs_pos_emb is not None and not isinstance(disable_abs_pos_emb, bool):
         raise TypeError(f"disable_abs_pos_emb must be True, False or None, got {disable_abs_pos_emb!r}")
-    if disable_abs_pos_emb is False and stack.has_relative_positions:
-        raise TypeError("AttentionLayers: x-transformers' option disable_abs_pos_emb=False with relative positions "
-                        "(an absolute embedding beside rotary, ALiBi, PoPE or T5's bias) is not supported by safeformer")
-    # x-transformers' attribute: whether a wrapper leaves out its absolute position embedding
-    stack.disable_abs_pos_emb = bool(stack.has_relative_positions) if disable_abs_pos_emb is None else disable_abs_pos_emb
+    # x-transformers' attribute: whether a wrapper leaves out its absolute position embedding (by default with
+    # rotary, PoPE or T5's bias; ALiBi and the other biases keep it, as there)
+    stack.disable_abs_pos_emb = bool(rotary_pos_emb or rotary_xpos or polar_pos_emb or rel_pos_bias) \
+        if disable_abs_pos_emb is None else disable_abs_pos_emb
 
 
 def _check_attention_options(stack: AttentionLayers, *, add_value_residual, attn_value_rmsnorm, checkpoint_layers,

@@ -18,6 +18,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 __all__ = [
+    "grow_linear_biases",
     "TokenEmbedding",
     "RMSNorm",
     "Derf",
@@ -63,6 +64,19 @@ class RMSNorm(nn.Module):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (self.g.to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
+
+
+def grow_linear_biases(*names: str):
+    """A load-state-dict pre-hook (``with_module=True``) for checkpoints of earlier safeformer whose ``nn.Linear``
+    children ``names`` had a bias where x-transformers' have none: a saved bias makes the layer grow one."""
+
+    def hook(module: nn.Module, state_dict, prefix, *_args) -> None:
+        for name in names:
+            lin = getattr(module, name, None)
+            if isinstance(lin, nn.Linear) and lin.bias is None and prefix + name + ".bias" in state_dict:
+                lin.bias = nn.Parameter(lin.weight.new_zeros(lin.out_features))
+
+    return hook
 
 
 def _rename_keys(names: dict[str, str]):

@@ -700,7 +700,8 @@ def _read_config(cfg_file: Path) -> dict[str, Any]:
 
 def _migrate_config_v1(tree: Any) -> None:
     """Format 1's configs, read with format 2's meanings: a stack's norms had no unit offset
-    (``norm_add_unit_offset=False``) and a tied embedding's logits no scale (``tie_embedding_scale=1``). The keys
+    (``norm_add_unit_offset=False``), a tied embedding's logits no scale (``tie_embedding_scale=1``), and any relative
+    position scheme (ALiBi too) left out the absolute embedding (``disable_abs_pos_emb``). The keys
     of format 1's weights move to format 2's names by the modules' load hooks."""
     if isinstance(tree, list):
         for v in tree:
@@ -716,6 +717,9 @@ def _migrate_config_v1(tree: Any) -> None:
             cfg["norm_add_unit_offset"] = False
         if "tie_embedding_scale" in params and cfg.get("tie_embedding") is True and cfg.get("tie_embedding_scale") is None:
             cfg["tie_embedding_scale"] = 1.0
+        relative = ("rotary_pos_emb", "alibi_pos_bias", "rotary_xpos", "polar_pos_emb", "rel_pos_bias")
+        if "disable_abs_pos_emb" in params and cfg.get("disable_abs_pos_emb") is None:
+            cfg["disable_abs_pos_emb"] = any(cfg.get(k) is True for k in relative)  # format 1: any relative scheme
     for v in tree.values():
         _migrate_config_v1(v)
 

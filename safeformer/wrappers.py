@@ -12,7 +12,8 @@ Args:
     max_seq_len: longest sequence (for the absolute position embedding).
     attn_layers: an ``Encoder``, ``Decoder``, ``CrossAttender`` or ``AttentionLayers``.
     emb_dropout: dropout on the embeddings.
-    use_abs_pos_emb: learned absolute positions (skipped when the layers use rotary or ALiBi).
+    use_abs_pos_emb: learned absolute positions (skipped when the stack's ``disable_abs_pos_emb`` is set: by
+        default with rotary, PoPE or T5's relative bias, as in x-transformers; ALiBi keeps them).
     tie_embedding: the output projection shares the token embedding's weights.
     return_only_embed: no output projection: the model returns hidden states (an encoder).
     logits_dim: output size (default ``num_tokens``).
@@ -193,7 +194,13 @@ from .layers import AttentionLayers, KVCache, _last, translate_aliases
 from .losses import masked_mean
 from .masks import check_finite as _check_finite
 from .masks import check_lengths, checked_once, validate_mask
-from .modules import AbsolutePositionalEmbedding, ScaledSinusoidalPositions, l2norm, positions_from_mask
+from .modules import (
+    AbsolutePositionalEmbedding,
+    ScaledSinusoidalPositions,
+    grow_linear_biases,
+    l2norm,
+    positions_from_mask,
+)
 from .pretrained import Configurable
 from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and tests import them from here)
     Mems,
@@ -334,7 +341,7 @@ class _Wrapper(Configurable, nn.Module):
         self.max_seq_len = max_seq_len
         stack = self.attn_layers
         disabled = getattr(stack, "disable_abs_pos_emb", None)
-        use_abs = bool(use_abs_pos_emb and not stack.has_relative_positions and not disabled and max_seq_len)
+        use_abs = bool(use_abs_pos_emb and not disabled and max_seq_len)
         if scaled_sinu_pos_emb and use_abs:
             self.pos_emb = ScaledSinusoidalPositions(dim)
         else:
@@ -1098,12 +1105,14 @@ class ContinuousTransformerWrapper(_Wrapper):
         if project_in is not None:
             self.project_in = project_in
         else:
-            self.project_in = nn.Identity() if dim_in is None else nn.Linear(dim_in, dim)
+            self.project_in = nn.Identity() if dim_in is None else nn.Linear(dim_in, dim, bias=False)  # x-transformers
         if project_out is not None:
             self.project_out = project_out
         else:
             out_features = None if dim_out is None else dim_out * (2 if probabilistic else 1)
-            self.project_out = nn.Identity() if dim_out is None else nn.Linear(dim, out_features)
+            self.project_out = nn.Identity() if dim_out is None else nn.Linear(dim, out_features, bias=False)
+        # earlier safeformer's projections had biases: a checkpoint holding them grows them
+        self._register_load_state_dict_pre_hook(grow_linear_biases("project_in", "project_out"), with_module=True)
         # x-transformers: no max_seq_len (or 0) means no absolute position embedding
         self._init_positions(dim, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb=scaled_sinu_pos_emb)
         self._init_fixed_tokens(dim, num_memory_tokens)

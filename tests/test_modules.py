@@ -17,7 +17,6 @@ import torch
 from helpers import CTX_DIM, DIM, DIM_HEAD, NAN
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 
 import safeformer as sf
 

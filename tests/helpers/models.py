@@ -737,7 +737,8 @@ class AdaptiveDecoderCase(DecoderCase):
     K = 5
 
     def config(self):
-        return dict(super().config(), use_adaptive_layernorm=True, use_adaptive_layerscale=True, dim_condition=self.K)
+        return dict(super().config(), use_adaptive_layernorm=True, use_adaptive_layerscale=True, dim_condition=self.K,
+                    adaptive_null="learned")
 
     def build(self, backend="auto", dtype=torch.float32):
         model = super().build(backend, dtype)
