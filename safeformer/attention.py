@@ -119,7 +119,8 @@ class Attention(nn.Module):
         rotate_num_heads: int | None = None,
         pre_talking_heads: bool = False,
         post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
-        sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, **xt_options,
+        sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
+        qk_norm_scale: float = 10.0, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -146,7 +147,8 @@ class Attention(nn.Module):
         ) if use_rel_proj_pos_bias else None
         init_norms(self, dim, heads, kv_heads, dim_head, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
                    qk_norm_dim_scale=qk_norm_dim_scale, value_rmsnorm=value_rmsnorm,
-                   learned_value_residual_mix=learned_value_residual_mix)
+                   learned_value_residual_mix=learned_value_residual_mix, qk_norm_groups=qk_norm_groups,
+                   qk_norm_scale=qk_norm_scale)
         init_forget_gates(self, dim, heads, causal, data_dependent_alibi, data_dependent_alibi_kwargs)
         init_out(self, dim, heads, dim_head, bias, dim_out=dim_out, zero_init_output=zero_init_output,
                  head_scale=head_scale, sublayer_dropout=sublayer_dropout, output_proj_depth=output_proj_depth,
@@ -236,8 +238,21 @@ class Attention(nn.Module):
             q = self.to_q(self._linear(self.to_latent_q, x, keep))
         else:
             q = self._linear(self.to_q, x, keep)
-        q = q.unflatten(-1, (self.heads, self.dim_head))
-        return q if self.q_norm is None else self.q_norm(q)
+        return self.norm_q(q.unflatten(-1, (self.heads, self.dim_head)))
+
+    def norm_q(self, q: Tensor) -> Tensor:
+        """Queries ``(..., h, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_q_scale``), if on."""
+        if self.q_norm is None:
+            return q
+        q = self.q_norm(q)
+        return q if self.qk_norm_q_scale is None else q * self.qk_norm_q_scale[:, 0].to(q.dtype)
+
+    def norm_k(self, k: Tensor) -> Tensor:
+        """Keys ``(..., h_kv, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_k_scale``), if on."""
+        if self.k_norm is None:
+            return k
+        k = self.k_norm(k)
+        return k if self.qk_norm_k_scale is None else k * self.qk_norm_k_scale[:, 0].to(k.dtype)
 
     def _project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated); with
@@ -254,7 +269,7 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.kv_heads, self.dim_head))
         if self.v_norm is not None:  # a selected (zero) source gives v = 0 (or the bias), finite
             v = self.v_norm(v)
-        return (k if self.k_norm is None else self.k_norm(k)), v
+        return self.norm_k(k), v
 
     def _output(self, out: Tensor, x: Tensor, keep: Tensor | None = None, rows_ok: Tensor | None = None,
                 values: Tensor | None = None) -> Tensor:

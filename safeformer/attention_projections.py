@@ -17,11 +17,12 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attend import _grad_select
 from .attention_calls import _positive_int, check_kv_input
-from .modules import HeadRMSNorm, RMSNorm, _rename_keys
+from .modules import HeadRMSNorm, _rename_keys
 
 if TYPE_CHECKING:
     from .attention import Attention
@@ -66,33 +67,50 @@ def init_projections(attn: Attention, dim: int, heads: int, kv_heads: int, dim_h
 
 def init_norms(attn: Attention, dim: int, heads: int, kv_heads: int, dim_head: int, *, qk_norm: bool,
                qk_norm_eps: float | None, qk_norm_dim_scale: bool, value_rmsnorm: bool,
-               learned_value_residual_mix: bool) -> None:
-    """The norms of ``attn``'s queries, keys and values (``q_norm``, ``k_norm``, ``v_norm``) and the learned mix of
-    the value residual (``to_value_residual_mix``), checked and set.
+               learned_value_residual_mix: bool, qk_norm_groups: int = 1, qk_norm_scale: float = 10.0) -> None:
+    """The norms of ``attn``'s queries, keys and values (``q_norm``, ``k_norm``, ``v_norm``), x-transformers'
+    ``qk_norm_q_scale`` / ``qk_norm_k_scale`` and the learned mix of the value residual (``to_value_residual_mix``),
+    checked and set.
 
-    Args (``Attention``'s keywords):
-        qk_norm: RMS-normalise queries and keys per head before the dot product, with learned gains (an
-            effective logit scale of ``sqrt(dim_head)`` at init; x-transformers' ``qk_norm`` is an L2 norm with a
-            fixed scale of 10, which ``from_x_transformers`` maps onto the gains).
-        qk_norm_eps: the epsilon of the q/k RMS norms (default 1e-6).
-        qk_norm_dim_scale: per-head gains of the q/k norms, ``d ** -0.25`` each at init (logits
-            ``sum_e qhat_e khat_e``, x-transformers); needs ``qk_norm``.
+    Args (``Attention``'s keywords, x-transformers' meanings):
+        qk_norm: L2-normalise queries and keys per head (per group of ``dim_head / qk_norm_groups`` features), the
+            logits scaled by ``qk_norm_scale`` (default 10) instead of ``dim_head ** -0.5``.
+        qk_norm_eps: the L2 norm's floor (default 1e-12, x-transformers' ``F.normalize``).
+        qk_norm_dim_scale: learned per-head, per-feature scales ``qk_norm_q_scale (h, 1, d)`` /
+            ``qk_norm_k_scale (h_kv, 1, d)``, ``d ** 0.25`` at init, and the ordinary ``dim_head ** -0.5`` logit
+            scale; needs ``qk_norm``.
+        qk_norm_groups, qk_norm_scale: as above.
         value_rmsnorm: x-transformers' ``value_rmsnorm``: each value head RMS-normalised, gain ``1 + weight`` per
             kv head.
         learned_value_residual_mix: x-transformers' ``learned_value_residual_mix``: the value residual's mix per
             position and kv head, ``sigmoid(Linear(x))``; without it a given ``value_residual`` is mixed in at 0.5.
     """
-    eps = 1e-6 if qk_norm_eps is None else qk_norm_eps
     if qk_norm_dim_scale and not qk_norm:
         raise ValueError("qk_norm_dim_scale scales the q/k norms per head and feature: it needs qk_norm=True")
-    if qk_norm_dim_scale:  # per-head gains, d ** -0.25 each at init: logits sum_e qhat_e khat_e (x-transformers)
-        attn.q_norm = HeadRMSNorm(heads, dim_head, eps=eps, init=dim_head**-0.25)
-        attn.k_norm = HeadRMSNorm(kv_heads, dim_head, eps=eps, init=dim_head**-0.25)
+    if isinstance(qk_norm_groups, bool) or not isinstance(qk_norm_groups, int) or qk_norm_groups < 1 \
+            or dim_head % qk_norm_groups:
+        raise ValueError(f"qk_norm_groups must be a positive integer dividing dim_head={dim_head}, got {qk_norm_groups!r}")
+    if isinstance(qk_norm_scale, bool) or not isinstance(qk_norm_scale, (int, float)) \
+            or not math.isfinite(qk_norm_scale) or qk_norm_scale <= 0:
+        raise ValueError(f"qk_norm_scale must be a positive finite number, got {qk_norm_scale!r}")
+    if qk_norm_eps is not None and not (isinstance(qk_norm_eps, (int, float)) and 0 < qk_norm_eps < 1):
+        raise ValueError(f"qk_norm_eps must be a number in (0, 1), got {qk_norm_eps!r}")
+    eps = 1e-12 if qk_norm_eps is None else float(qk_norm_eps)
+    # the kernels scale logits by d ** -0.5: x-transformers' qk_norm_scale s is a multiplier sqrt(s * sqrt(d)) on
+    # both normalised q and k (with qk_norm_dim_scale the learned scales are the multipliers)
+    mult = 1.0 if qk_norm_dim_scale else math.sqrt(float(qk_norm_scale) * math.sqrt(dim_head))
+    attn.q_norm = QKL2Norm(qk_norm_groups, mult, eps) if qk_norm else None
+    attn.k_norm = QKL2Norm(qk_norm_groups, mult, eps) if qk_norm else None
+    attn.qk_norm_groups, attn.qk_norm_scale = qk_norm_groups, float(qk_norm_scale)
+    if qk_norm_dim_scale:
+        attn.qk_norm_q_scale = nn.Parameter(torch.full((heads, 1, dim_head), dim_head**0.25))
+        attn.qk_norm_k_scale = nn.Parameter(torch.full((kv_heads, 1, dim_head), dim_head**0.25))
+        attn._register_load_state_dict_pre_hook(_legacy_qk_norm, with_module=True)
     else:
-        attn.q_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
-        attn.k_norm = RMSNorm(dim_head, eps=eps) if qk_norm else None
+        attn.qk_norm_q_scale = attn.qk_norm_k_scale = None
     # x-transformers' value_rmsnorm: RMS-normalise each value head, gain (1 + weight) per kv head
-    attn.v_norm = HeadRMSNorm(kv_heads, dim_head, eps=eps, unit_offset=True) if value_rmsnorm else None
+    attn.v_norm = HeadRMSNorm(kv_heads, dim_head, eps=1e-6 if qk_norm_eps is None else qk_norm_eps,
+                              unit_offset=True) if value_rmsnorm else None
     # x-transformers' learned_value_residual_mix: the value residual's mix per position and kv head,
     # sigmoid(Linear(x)); without it a given value_residual is mixed in at 0.5
     attn.to_value_residual_mix = nn.Sequential(nn.Linear(dim, kv_heads), nn.Sigmoid()) \
@@ -101,6 +119,37 @@ def init_norms(attn: Attention, dim: int, heads: int, kv_heads: int, dim_head: i
         attn._register_load_state_dict_pre_hook(_rename_keys({
             "to_value_residual_mix.weight": "to_value_residual_mix.0.weight",
             "to_value_residual_mix.bias": "to_value_residual_mix.0.bias"}))
+
+
+def _legacy_qk_norm(attn: Attention, state_dict, prefix, *_args) -> None:
+    """Earlier safeformer's qk-norm was an RMSNorm with gains ``w_q``, ``w_k`` (``(d,)``, or ``(h, d)`` per head):
+    its logits ``d ** -0.5 * sum_e (qhat_e sqrt(d) w_q,e) (khat_e sqrt(d) w_k,e)`` are x-transformers'
+    ``qk_norm_dim_scale`` ones with ``qk_norm_q_scale = w_q * sqrt(d)`` and ``qk_norm_k_scale = w_k * sqrt(d)`` (a
+    checkpoint in format 1 reads with ``qk_norm_dim_scale=True``)."""
+    for old, new, rows in (("q_norm.weight", "qk_norm_q_scale", attn.heads),
+                           ("k_norm.weight", "qk_norm_k_scale", attn.kv_heads)):
+        factor = attn.dim_head**0.5
+        if prefix + old in state_dict and prefix + new not in state_dict:
+            w = state_dict.pop(prefix + old) * factor
+            state_dict[prefix + new] = w.reshape(-1, 1, attn.dim_head).expand(rows, 1, attn.dim_head).clone()
+
+
+class QKL2Norm(nn.Module):
+    """x-transformers' ``qk_norm`` of queries or keys ``(..., h, d)``: each head's features L2-normalised per group of
+    ``d / groups`` (``x / max(||x||, eps)``), times a fixed ``mult``; in float32 or wider (S7). A zero row stays 0."""
+
+    def __init__(self, groups: int = 1, mult: float = 1.0, eps: float = 1e-12):
+        super().__init__()
+        self.groups, self.mult, self.eps = int(groups), float(mult), float(eps)
+
+    def forward(self, t: Tensor) -> Tensor:
+        wide = t.to(torch.promote_types(t.dtype, torch.float32))
+        if self.groups > 1:
+            wide = wide.unflatten(-1, (self.groups, -1))
+        out = F.normalize(wide, dim=-1, eps=self.eps)
+        if self.groups > 1:
+            out = out.flatten(-2)
+        return (out * self.mult if self.mult != 1.0 else out).to(t.dtype)
 
 
 def project_qkv(attn: Attention, x: Tensor, source: Tensor, context, kv, past_kv, kv_input, kv_residual,
@@ -191,18 +240,19 @@ def qk_clip_(attn: Attention, pre_softmax_attn, tau: float = 100.0) -> None:
                          f"(return_intermediates=True, flash=False), got {getattr(logits, 'shape', type(logits))}")
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
         raise ValueError(f"tau must be a positive finite number, got {tau!r}")
-    if attn.q_norm is not None and not isinstance(attn.q_norm, HeadRMSNorm):
-        raise ValueError("qk_clip_ cannot clip a module with qk_norm: its norms (gains shared by the heads) undo a "
-                         "weight scale; use qk_norm_dim_scale=True (per-head gains, which qk_clip_ scales)")
+    if attn.q_norm is not None and attn.qk_norm_q_scale is None:
+        raise ValueError("qk_clip_ cannot clip a module with qk_norm: its norms undo a weight scale; use "
+                         "qk_norm_dim_scale=True (per-head scales qk_norm_q_scale / qk_norm_k_scale, which qk_clip_ "
+                         "scales)")
     top = logits.detach().float().amax(dim=(0, 2, 3))  # (h,)
     gamma = torch.where(top > tau, tau / top.clamp_min(tau), torch.ones_like(top))  # (h,) in (0, 1]
     g = attn.heads // attn.kv_heads
     k_scale = gamma.view(attn.kv_heads, g).amin(dim=1).sqrt()  # (h_kv,)
     q_scale = gamma / k_scale.repeat_interleave(g)  # (h,)
     d = attn.dim_head
-    if attn.q_norm is not None:  # per-head gains (h, d): the norms set the size of q and k
-        attn.q_norm.weight.mul_(q_scale.to(attn.q_norm.weight.dtype)[:, None])
-        attn.k_norm.weight.mul_(k_scale.to(attn.k_norm.weight.dtype)[:, None])
+    if attn.q_norm is not None:  # per-head scales (h, 1, d): they set the size of q and k
+        attn.qk_norm_q_scale.mul_(q_scale.to(attn.qk_norm_q_scale.dtype)[:, None, None])
+        attn.qk_norm_k_scale.mul_(k_scale.to(attn.qk_norm_k_scale.dtype)[:, None, None])
         return
     qs = q_scale.repeat_interleave(d)
     attn.to_q.weight.mul_(qs.to(attn.to_q.weight.dtype)[:, None])

@@ -40,22 +40,13 @@ How the numbers are matched (x-transformers 2.x, read from its source):
   geometric slopes (``alibi_slopes``), 0 for memory keys. ``alibi_num_heads`` (ALiBi on the first heads)
   and custom slopes (``rel_pos_kwargs``) carry over; with grouped-query heads ``1 < h_kv < h`` the slopes
   are permuted with the query heads (given explicitly), so there only whole-head ALiBi converts (the
-  permutation would move the biased heads off the first ones). x-transformers keeps its absolute position
-  embedding next to ALiBi unless told otherwise; safeformer drops it, so such a model is refused.
-- qk-norm. x-transformers' ``attn_qk_norm`` l2-normalises q and k per head, multiplies them by
-  ``a`` and ``b`` (1, or the learned ``qk_norm_q_scale (h, 1, d)`` / ``qk_norm_k_scale (h_kv, 1, d)``
-  of ``qk_norm_dim_scale``) and scales the logits by ``s`` (``qk_norm_scale``, default 10, or
-  ``d ** -0.5`` with ``qk_norm_dim_scale``): ``logit = s * sum_e qhat_e a_e khat_e b_e``.
-  safeformer's RMSNorm gives ``q' = qhat * sqrt(d) * w_q`` (and ``k'`` alike) and the logit
-  ``d ** -0.5 * q' . k' = sqrt(d) * sum_e qhat_e khat_e w_q,e w_k,e``. They agree when
-  ``w_q,e * w_k,e = p_e = s * a_e * b_e / sqrt(d)``; the converter sets ``w_k = sqrt(|p|)`` and
-  ``w_q = sign(p) * sqrt(|p|)``. With ``qk_norm_dim_scale`` safeformer's ``attn_qk_norm_dim_scale``
-  has gains per head: ``w_q = a * c`` (query heads permuted), ``w_k = b * c`` with ``c ** 2 * sqrt(d) = s``;
-  ``qk_norm_groups > 1`` (normalising groups of features) does not convert. ``attn_value_rmsnorm``'s
+  permutation would move the biased heads off the first ones). Both keep the absolute position embedding next
+  to ALiBi unless ``disable_abs_pos_emb`` says otherwise.
+- qk-norm. safeformer's ``attn_qk_norm`` is x-transformers' (L2 norm per head or group, ``qk_norm_scale``,
+  ``qk_norm_dim_scale``'s ``qk_norm_q_scale`` / ``qk_norm_k_scale``): the options and scales carry over as
+  they are (the query scales permuted with grouped-query heads). ``attn_value_rmsnorm``'s
   ``gamma (h, 1, d)`` is the value norm's weight (``attn_kv_heads == heads`` only), and
-  ``attn_orthog_projected_values`` keeps ``to_out`` (its columns permuted once per concatenated part). The q/k norms keep safeformer's epsilon
-  (``rsqrt(mean(q^2) + 1e-6)`` against ``1 / max(||q||, 1e-12)``): a relative difference of about
-  ``5e-7 / mean(q^2)`` in each normalised q and k.
+  ``attn_orthog_projected_values`` keeps ``to_out`` (its columns permuted once per concatenated part).
 - Memory. ``num_memory_tokens`` rows ``memory_tokens (m, c)`` and per-attention memory keys/values
   ``mem_k, mem_v (h_kv, m, d)`` (``attn_num_mem_kv``) are copied as they are; a learned sink
   ``head_attn_sink (h,)`` is permuted with the query heads; ``attn_softclamp_logits`` keeps its value.
@@ -239,12 +230,12 @@ def _norm_weights(norm, xt) -> tuple[Tensor, Tensor | None, list[str]]:
 @dataclass
 class _AttnOptions:
     """The attention options safeformer represents, as one x-transformers ``Attention`` uses them.
-    ``qk_gain``: the product ``p (d,)`` of the q and k RMSNorm gains (see the module docstring), or
-    None when ``qk_norm`` is off or cannot be mapped (a problem was recorded then)."""
+    The qk-norm options are x-transformers' own (``qk_norm_dim_scale``, ``qk_norm_groups``, ``qk_norm_scale``)."""
 
     qk_norm: bool = False
-    qk_gain: Tensor | None = None
-    qk_head_gains: tuple | None = None  # qk_norm_dim_scale: (w_q (h, d) in x-transformers' head order, w_k (h_kv, d))
+    qk_dim_scale: bool = False  # qk_norm_dim_scale: the learned qk_norm_q_scale / qk_norm_k_scale
+    qk_groups: int = 1
+    qk_scale: float = 10.0
     value_rmsnorm: bool = False
     orthog: tuple = ()  # the orthog_projected_values options, as AttentionLayers keywords
     value_mix: bool = False  # a learned value residual mix (every self-attention but the first: not in key())
@@ -266,7 +257,7 @@ class _AttnOptions:
     sublayer_dropout: float = 0.0  # attn_sublayer_dropout
 
     def key(self) -> tuple:
-        return (self.qk_norm, self.qk_head_gains is not None, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
+        return (self.qk_norm, self.qk_dim_scale, self.qk_groups, self.qk_scale, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
                 self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid, self.head_scale,
                 self.sublayer_dropout, self.sparse_topk, self.hard, self.talking_heads, self.zero_kv)
         # (rotate_heads is left out: x-transformers' stack gives it to its self-attentions only, all alike)
@@ -307,36 +298,11 @@ def _gate_options(name: str, attn, problems: _Problems) -> tuple:
     return tuple(sorted(out.items()))
 
 
-def _qk_gain(name: str, attn, problems: _Problems) -> Tensor | tuple | None:
-    """``p (d,)`` with ``w_q * w_k = p`` (float64), or None (a problem recorded); with ``qk_norm_dim_scale``
-    the per-head gains ``(w_q (h, d), w_k (h_kv, d))`` (x-transformers' head order)."""
-    groups = getattr(attn, "qk_norm_groups", 1)
-    if groups != 1:
-        problems.add(f"attn_qk_norm with qk_norm_groups={groups} (x-transformers l2-normalises {groups} groups of "
-                     f"features per head; safeformer's q/k RMSNorm normalises the whole head)", name)
-        return None
-    h, h_kv = attn.heads, attn.kv_heads
-    d = attn.to_q.out_features // h
-    scale = attn.attend.scale
-    scale = d**-0.5 if scale is None else float(scale)
-
-    def per_head(t, rows: int) -> Tensor:  # 1 or (rows, 1, d) -> (rows, d)
-        if isinstance(t, Tensor):
-            return t.detach().to(device="cpu", dtype=torch.float64).reshape(rows, d)
-        return torch.full((rows, d), float(t), dtype=torch.float64)
-
-    a = per_head(attn.qk_norm_q_scale, h)  # (h, d)
-    if isinstance(attn.qk_norm_q_scale, Tensor) or isinstance(attn.qk_norm_k_scale, Tensor):
-        # qk_norm_dim_scale: safeformer's per-head gains w_q = a * c, w_k = b * c with c ** 2 * sqrt(d) = s
-        c = math.sqrt(scale) * d**-0.25
-        return a * c, per_head(attn.qk_norm_k_scale, h_kv) * c
-    b = per_head(attn.qk_norm_k_scale, h_kv)[[n % h_kv for n in range(h)]]  # (h, d): x-transformers' kv head of n
-    prod = scale * a * b / math.sqrt(d)  # (h, d)
-    if not torch.allclose(prod, prod[:1].expand_as(prod), rtol=1e-6, atol=0.0):
-        problems.add("attn_qk_norm_dim_scale with per-head scales whose products qk_norm_q_scale * qk_norm_k_scale "
-                     "differ between heads (safeformer's q/k RMSNorm gains are shared by every head)", name)
-        return None
-    return prod.mean(dim=0)  # (d,)
+def _qk_options(attn) -> tuple[bool, int, float]:
+    """x-transformers' qk-norm of ``attn`` as safeformer's keywords: ``(qk_norm_dim_scale, qk_norm_groups,
+    qk_norm_scale)`` (the same meanings; the scales are copied as they are)."""
+    dim_scale = isinstance(attn.qk_norm_q_scale, Tensor)
+    return dim_scale, int(getattr(attn, "qk_norm_groups", 1)), float(getattr(attn, "qk_norm_scale", 10))
 
 
 def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, training_only: list[str]) -> _AttnOptions:
@@ -350,11 +316,7 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
         if getattr(attn, attr, False):
             problems.add(f"{option}", name)
     if opts.qk_norm:
-        gain = _qk_gain(name, attn, problems)
-        if isinstance(gain, tuple):
-            opts.qk_head_gains = gain
-        else:
-            opts.qk_gain = gain
+        opts.qk_dim_scale, opts.qk_groups, opts.qk_scale = _qk_options(attn)
     opts.orthog = tuple((f"attn_{attr}", True) for attr in ("orthog_projected_values", "orthog_projected_values_per_head")
                         if getattr(attn, attr, False))
     if getattr(attn, "value_rmsnorm", None) is not None:
@@ -815,10 +777,6 @@ def _check_stack(layers, xt, problems: _Problems, training_only: list[str], has_
             alibi_opts["rel_pos_kwargs"] = {"slopes": slopes.tolist()}
         if rotary is not None:
             problems.add("rotary_pos_emb and alibi_pos_bias together (safeformer takes one relative position scheme)")
-        if has_abs:
-            problems.add("alibi_pos_bias with the absolute position embedding x-transformers keeps next to it "
-                         "(safeformer drops it under ALiBi); such a model trained with use_abs_pos_emb=False or "
-                         "disable_abs_pos_emb=True converts")
     return dict(types=types, cross=cross, only_cross=only_cross, rotary=rotary, rotary_dim=rotary_dim,
                 rotary_opts=rotary_opts,
                 alibi=alibi, alibi_opts=alibi_opts, routing=routing, polar=polar is not None, t5_opts=t5_opts,
@@ -1186,8 +1144,12 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
         stack_kwargs.update(attn_qk_norm_eps=_RMS_EPS)
     if opts0.qk_norm:
         stack_kwargs.update(attn_qk_norm=True)
-    if opts0.qk_head_gains is not None:
-        stack_kwargs.update(attn_qk_norm_dim_scale=True)
+        if opts0.qk_dim_scale:
+            stack_kwargs.update(attn_qk_norm_dim_scale=True)
+        else:
+            stack_kwargs.update(attn_qk_norm_scale=opts0.qk_scale)
+        if opts0.qk_groups != 1:
+            stack_kwargs.update(attn_qk_norm_groups=opts0.qk_groups)
     if opts0.value_rmsnorm:
         stack_kwargs.update(attn_value_rmsnorm=True)
     if getattr(layers, "add_value_residual", False):
@@ -1503,20 +1465,9 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     put(dst.to_value_residual_mix[0].bias, take(lin.bias)[perm])
                 if opts.value_rmsnorm:  # gamma (h, 1, d), h == h_kv (checked): kv heads are not permuted
                     put(dst.v_norm.weight, take(blk.value_rmsnorm.gamma).reshape(kv_heads, dim_head))
-                if opts.qk_head_gains is not None:
-                    w_q, w_k = opts.qk_head_gains
-                    put(dst.q_norm.weight, w_q[perm.cpu()].to(ref.dtype).to(ref.device))
-                    put(dst.k_norm.weight, w_k.to(ref.dtype).to(ref.device))
-                    take(blk.qk_norm_q_scale)
-                    take(blk.qk_norm_k_scale)
-                elif opts.qk_norm:
-                    p = opts.qk_gain  # (d,) float64: w_q * w_k = p
-                    w_k = p.abs().sqrt()
-                    put(dst.k_norm.weight, w_k.to(ref.dtype).to(ref.device))
-                    put(dst.q_norm.weight, (torch.sign(p) * w_k).to(ref.dtype).to(ref.device))
-                    for t in (blk.qk_norm_q_scale, blk.qk_norm_k_scale):
-                        if isinstance(t, Tensor):
-                            take(t)
+                if opts.qk_dim_scale:  # (h, 1, d) per query head (permuted), (h_kv, 1, d) per key head
+                    put(dst.qk_norm_q_scale, take(blk.qk_norm_q_scale)[perm])
+                    put(dst.qk_norm_k_scale, take(blk.qk_norm_k_scale))
                 for attr in ("to_latent_q", "to_latent_kv", "to_rotateable_k"):  # multi-latent attention
                     if getattr(blk, attr, None) is not None:  # (latent features and key heads are not permuted)
                         put(getattr(dst, attr).weight, take(getattr(blk, attr).weight))
@@ -1602,8 +1553,7 @@ def _effective_config(net: TransformerWrapper) -> dict:
     cfg = dict(net._sf_config)
     cfg.pop("attn_layers")
     lc = dict(net.attn_layers._sf_config)
-    relative = lc.get("rotary_pos_emb") or lc.get("alibi_pos_bias")
-    cfg["use_abs_pos_emb"] = bool(cfg.get("use_abs_pos_emb")) and not relative
+    cfg["use_abs_pos_emb"] = net.pos_emb is not None
     if not cfg.get("tie_embedding"):
         cfg.pop("tie_embedding_scale", None)
     if cfg.get("logits_dim") == cfg.get("num_tokens"):

@@ -717,6 +717,9 @@ def _migrate_config_v1(tree: Any) -> None:
             cfg["norm_add_unit_offset"] = False
         if "tie_embedding_scale" in params and cfg.get("tie_embedding") is True and cfg.get("tie_embedding_scale") is None:
             cfg["tie_embedding_scale"] = 1.0
+        for key in ("attn_qk_norm", "qk_norm"):  # format 1's RMS qk-norm with gains: qk_norm_dim_scale now
+            if cfg.get(key) is True and key + "_dim_scale" in params:
+                cfg[key + "_dim_scale"] = True
         relative = ("rotary_pos_emb", "alibi_pos_bias", "rotary_xpos", "polar_pos_emb", "rel_pos_bias")
         if "disable_abs_pos_emb" in params and cfg.get("disable_abs_pos_emb") is None:
             cfg["disable_abs_pos_emb"] = any(cfg.get(k) is True for k in relative)  # format 1: any relative scheme

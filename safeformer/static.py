@@ -513,7 +513,7 @@ class StaticDecoder:
                     continue
                 if plain_q:
                     q = F.linear(h, mixer.to_q.weight, mixer.to_q.bias).unflatten(-1, (mixer.heads, mixer.dim_head))
-                    q = (q if mixer.q_norm is None else mixer.q_norm(q)).transpose(1, 2)
+                    q = mixer.norm_q(q).transpose(1, 2)
                 else:
                     q = mixer._project_q(h).transpose(1, 2)
                 out = kernel(q, k, v, attn_mask=c.cross_mask, enable_gqa=mixer.kv_heads != mixer.heads)
@@ -553,10 +553,7 @@ class StaticDecoder:
             return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
         q = qkv[..., :nq].unflatten(-1, (heads, d))
         k = qkv[..., nq:nq + nk].unflatten(-1, (kv_heads, d))
-        if mixer.q_norm is not None:
-            q = mixer.q_norm(q)
-        if mixer.k_norm is not None:
-            k = mixer.k_norm(k)
+        q, k = mixer.norm_q(q), mixer.norm_k(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if rot is not None:
             q, k = _rotate(q, rot), _rotate(k, rot)
