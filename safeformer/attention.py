@@ -40,9 +40,16 @@ from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, 
 from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
 from .attention_output import check_head_scale, gate, init_gates, init_out, orthog_project, output_phase
 from .attention_projections import init_norms, init_projections, init_rotation, project_qkv, qk_clip_
+from .attention_scoring import (
+    AttentionScorer,
+    explicit_call,
+    init_scoring,
+    kernel_call,
+    legacy_scorer_keys,
+    log_prob_from_hard_attend,
+)
 from .attention_scoring import CoPE as CoPE  # re-exported: the module path it had
 from .attention_scoring import _explicit_attention as _explicit_attention  # re-exported (tests call it)
-from .attention_scoring import explicit_call, init_scoring, kernel_call, log_prob_from_hard_attend
 from .cache import AttnIntermediate
 from .hybrid import make_hybrid
 from .masks import checked_once
@@ -120,7 +127,7 @@ class Attention(nn.Module):
         pre_talking_heads: bool = False,
         post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
-        qk_norm_scale: float = 10.0, **xt_options,
+        qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -129,6 +136,9 @@ class Attention(nn.Module):
         learned_sink = learned_sink or head_learned_sink  # x-transformers' spelling
         kv_heads = _init_core(self, dim, dim_head, dim_context, heads, causal, flash, kv_heads, one_kv_head, dropout,
                               backend, num_mem_kv, softclamp_logits, logit_softclamp_value)
+        _init_head_order(self, heads, kv_heads, kv_head_order)
+        self.attend = AttentionScorer()  # x-transformers' Attend: the sink, talking heads and CoPE parameters
+        self._register_load_state_dict_pre_hook(legacy_scorer_keys())
         # each option family built (and its keywords checked) in the order its parameters are registered
         init_projections(self, dim, heads, kv_heads, dim_head, bias, use_latent_q=use_latent_q,
                          dim_latent_q=dim_latent_q, use_latent_kv=use_latent_kv, dim_latent_kv=dim_latent_kv,
@@ -239,6 +249,27 @@ class Attention(nn.Module):
         else:
             q = self._linear(self.to_q, x, keep)
         return self.norm_q(q.unflatten(-1, (self.heads, self.dim_head)))
+
+    # the scorer's parameters, kept where x-transformers keeps them (``attend``)
+    @property
+    def head_attn_sink(self) -> nn.Parameter | None:
+        return self.attend.head_attn_sink
+
+    @property
+    def pre_softmax_talking_heads(self) -> nn.Conv2d | None:
+        return self.attend.pre_softmax_talking_heads
+
+    @property
+    def post_softmax_talking_heads(self) -> nn.Conv2d | None:
+        return self.attend.post_softmax_talking_heads
+
+    @property
+    def pre_scale_post_talking_heads(self) -> nn.Conv2d | None:
+        return self.attend.pre_scale_post_talking_heads
+
+    @property
+    def cope(self):
+        return self.attend.cope
 
     def norm_q(self, q: Tensor) -> Tensor:
         """Queries ``(..., h, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_q_scale``), if on."""
@@ -363,9 +394,8 @@ class Attention(nn.Module):
                 ``qkv_receive_diff_residuals``, which the stack passes). Padded layout, no ``context``.
             additional_key_values: ``(k, v)``, each ``(b, h_a, a, d)`` (x-transformers' keyword): ``a`` more keys
                 and values every query sees (not rotated, not normed; no causal limit), e.g. another model's
-                cached ones. ``h_a`` divides ``heads``: with ``h_a != kv_heads`` query head ``m`` uses added head
-                ``n % h_a``, ``n`` being ``m``'s x-transformers index (so converted weights match x-transformers;
-                ``m // g`` when ``h_a == kv_heads``). Not with ``data_dependent_alibi``, ``orthog_projected_values``
+                cached ones. ``h_a`` divides ``heads``: query head ``n`` uses added head ``n % h_a`` (x-transformers';
+                with ``kv_head_order="interleaved"`` and ``h_a == kv_heads``, ``n // g``). Not with ``data_dependent_alibi``, ``orthog_projected_values``
                 or the unpadded layouts; they come after the memory keys in ``return_attn``'s weights.
             additional_key_value_mask: ``(b, a)`` bool, True = a real added key; masked ones (whatever they
                 hold, NaN included) reach no output and no gradient.
@@ -454,6 +484,24 @@ class Attention(nn.Module):
         if return_attn:
             return out, kv_out, weights, logits
         return out, kv_out
+
+
+def _init_head_order(attn: Attention, heads: int, kv_heads: int, kv_head_order: str) -> None:
+    """Which key/value head each query head reads with grouped-query heads (``1 < kv_heads < heads``):
+    ``"tiled"`` (x-transformers': query head ``n`` reads ``n % kv_heads``) or ``"interleaved"`` (earlier
+    safeformer's, SDPA's ``enable_gqa``: ``n // (heads / kv_heads)``). The fused kernels pair heads interleaved:
+    with ``"tiled"`` the queries enter them in ``kernel_head_order`` and leave in ``kernel_head_restore``."""
+    if kv_head_order not in ("tiled", "interleaved"):
+        raise ValueError(f"kv_head_order must be 'tiled' (x-transformers') or 'interleaved', got {kv_head_order!r}")
+    attn.kv_head_order = kv_head_order
+    attn.kv_tiled = kv_head_order == "tiled" and 1 < kv_heads < heads
+    if attn.kv_tiled:
+        g = heads // kv_heads
+        order = torch.tensor([(m % g) * kv_heads + m // g for m in range(heads)])  # kernel head m: our head order[m]
+        attn.register_buffer("kernel_head_order", order, persistent=False)
+        attn.register_buffer("kernel_head_restore", torch.argsort(order), persistent=False)
+    else:
+        attn.kernel_head_order = attn.kernel_head_restore = None
 
 
 def _init_core(attn: Attention, dim: int, dim_head: int, dim_context: int | None, heads: int, causal: bool, flash: bool,

@@ -48,7 +48,7 @@ def init_extra_keys(attn: Attention, heads: int, kv_heads: int, dim_head: int, n
     if num_mem_kv > 0:
         attn.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
         attn.mem_v = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))
-    attn.head_attn_sink = nn.Parameter(torch.zeros(heads)) if learned_sink else None  # (h,)
+    attn.attend.head_attn_sink = nn.Parameter(torch.zeros(heads)) if learned_sink else None  # (h,), x-transformers' key
 
 
 def key_layout(attn: Attention, x: Tensor, mask, bias, causal: bool, added, inputs_finite: bool,
@@ -194,15 +194,20 @@ def check_added(attn: Attention, added, added_mask, x: Tensor):
 
 def insert_added(attn: Attention, k: Tensor, v: Tensor, added: tuple, at: int) -> tuple[Tensor, Tensor]:
     """``[sink?, memory, added, keys]``: the added keys/values after the first ``at`` keys. With ``h_a`` heads
-    other than ``kv_heads`` both are expanded to the query heads: ours as grouped-query attention pairs them
-    (``m // g``), the added ones as x-transformers does (its query head ``n`` uses added head ``n % h_a``)."""
+    other than ``kv_heads`` both are expanded to the query heads: ours as the module pairs them (tiled, ``n % h_kv``,
+    or interleaved, ``n // g``), the added ones as x-transformers does (query head ``n`` uses added head
+    ``n % h_a``)."""
     ak, av = added[0].to(k.dtype), added[1].to(v.dtype)
     h_a = ak.shape[1]
     if h_a != k.shape[1]:
         g = attn.heads // attn.kv_heads
-        m = torch.arange(attn.heads, device=k.device)
-        idx = ((m % g) * attn.kv_heads + m // g) % h_a  # our query head m is x-transformers' head n
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        n = torch.arange(attn.heads, device=k.device)
+        if attn.kv_head_order == "tiled":
+            k, v = k.repeat(1, g, 1, 1), v.repeat(1, g, 1, 1)
+            idx = n % h_a
+        else:  # our query head m is x-transformers' head (m % g) * h_kv + m // g
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            idx = ((n % g) * attn.kv_heads + n // g) % h_a
         ak, av = ak.index_select(1, idx), av.index_select(1, idx)
     return (torch.cat((k[:, :, :at], ak, k[:, :, at:]), dim=2),
             torch.cat((v[:, :, :at], av, v[:, :, at:]), dim=2))

@@ -171,7 +171,10 @@ def orthog_project(attn: Attention, out: Tensor, values: Tensor) -> Tensor:
     way), concatenated: ``(b, i, parts * h * d)``. Dead rows of ``out`` and masked values are 0 here, so
     they add nothing to the dot product or the norm."""
     g = attn.heads // attn.kv_heads
-    vv = values.repeat_interleave(g, dim=-2) if g > 1 else values  # query head m uses kv head m // g
+    if g > 1:  # each query head beside the values of its key/value head (n % h_kv tiled, n // g interleaved)
+        vv = values.repeat(1, 1, g, 1) if attn.kv_head_order == "tiled" else values.repeat_interleave(g, dim=-2)
+    else:
+        vv = values
     o, y = out.flatten(1).double(), vv.flatten(1).double()
     unit = F.normalize(y, dim=-1)
     proj = (o - (o * unit).sum(-1, keepdim=True) * unit).to(out.dtype).reshape(*out.shape[:2], -1)

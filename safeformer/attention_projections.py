@@ -247,8 +247,12 @@ def qk_clip_(attn: Attention, pre_softmax_attn, tau: float = 100.0) -> None:
     top = logits.detach().float().amax(dim=(0, 2, 3))  # (h,)
     gamma = torch.where(top > tau, tau / top.clamp_min(tau), torch.ones_like(top))  # (h,) in (0, 1]
     g = attn.heads // attn.kv_heads
-    k_scale = gamma.view(attn.kv_heads, g).amin(dim=1).sqrt()  # (h_kv,)
-    q_scale = gamma / k_scale.repeat_interleave(g)  # (h,)
+    if attn.kv_head_order == "tiled":  # query head n reads key head n % h_kv
+        k_scale = gamma.view(g, attn.kv_heads).amin(dim=0).sqrt()  # (h_kv,)
+        q_scale = gamma / k_scale.repeat(g)  # (h,)
+    else:  # query head n reads key head n // g
+        k_scale = gamma.view(attn.kv_heads, g).amin(dim=1).sqrt()
+        q_scale = gamma / k_scale.repeat_interleave(g)
     d = attn.dim_head
     if attn.q_norm is not None:  # per-head scales (h, 1, d): they set the size of q and k
         attn.qk_norm_q_scale.mul_(q_scale.to(attn.qk_norm_q_scale.dtype)[:, None, None])

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from .attend import PreparedMask, SelectedMask, attend
 from .attention_calls import _positive_int
 from .masks import as_attention_mask, causal_mask, combine_masks
+from .modules import _rename_keys
 
 if TYPE_CHECKING:
     from .attention import Attention
@@ -122,7 +123,7 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
         if on:  # x-transformers' Conv2d(h, h, 1, bias=False), the identity (dirac) at init
             conv = nn.Conv2d(heads, heads, 1, bias=False)
             nn.init.dirac_(conv.weight)
-        setattr(attn, name, conv)
+        setattr(attn.attend, name, conv)  # x-transformers keeps them in its Attend (keys attend.<name>.weight)
     attn.sparse_topk = sparse_topk
     attn.sparse_topk_straight_through = sparse_topk_straight_through
     attn.l2_distance = bool(l2_distance)
@@ -131,7 +132,28 @@ def init_scoring(attn: Attention, dim_head: int, causal: bool, *, num_mem_kv: in
     attn.score = "sigmoid" if sigmoid else "gumbel" if gumbel_softmax else "hard" if hard else "softmax"
     attn.gumbel_temp, attn.gumbel_hard = float(gumbel_softmax_temp), bool(gumbel_softmax_hard)
     attn.laser_value = float(laser_softclamp_value) if laser else None
-    attn.cope = CoPE(dim_head, cope_max_pos) if use_cope else None
+    attn.attend.cope = CoPE(dim_head, cope_max_pos) if use_cope else None
+
+
+class AttentionScorer(nn.Module):
+    """The parameters x-transformers keeps in an ``Attention``'s ``attend`` (its ``Attend``): the per-head sink
+    logits ``head_attn_sink``, the talking-heads convs and CoPE's ``cope``, so that the state-dict keys are
+    x-transformers' (``attend.head_attn_sink``, ...). The attention reads them (``Attention.head_attn_sink``, ...);
+    this module computes nothing itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_attn_sink = None
+        self.pre_softmax_talking_heads = self.post_softmax_talking_heads = None
+        self.pre_scale_post_talking_heads = None
+        self.cope = None
+
+
+def legacy_scorer_keys():
+    """Earlier safeformer held the scorer's parameters on the attention itself: their keys move under ``attend.``."""
+    names = ("head_attn_sink", "pre_softmax_talking_heads.weight", "post_softmax_talking_heads.weight",
+             "pre_scale_post_talking_heads.weight", "cope.pos_emb")
+    return _rename_keys({n: "attend." + n for n in names})
 
 
 class CoPE(nn.Module):
@@ -210,10 +232,39 @@ def kernel_call(attn: Attention, q: Tensor, k: Tensor, v: Tensor, mask, causal: 
     if attn.l2_distance:  # -|q - k|^2 * scale through the kernel (softmax alone: explicit otherwise)
         q, k, v = _l2_kernel_inputs(q, k, v, keys_ok)
         scale = attn.dim_head**-0.5
-    return attend(
+    q, mask, bias = to_kernel_heads(attn, q, mask, bias)
+    out = attend(
         q, k, v, mask=SelectedMask(mask) if selected else mask, causal=causal, bias=bias,
         dropout_p=attn.dropout if attn.training else 0.0, backend=backend, scale=scale,
     )[..., :e]  # (b, h, i, d)
+    return from_kernel_heads(attn, out)
+
+
+def _per_head(attn: Attention, t, order: Tensor):
+    """``t`` with its query-head dim (dim 1, when it has ``h`` entries) in ``order``; masks and biases broadcast
+    over the heads pass as they are (a ``PreparedMask`` / ``SelectedMask`` field by field)."""
+    if isinstance(t, SelectedMask):
+        return SelectedMask(_per_head(attn, t.mask, order))
+    if isinstance(t, PreparedMask):
+        return PreparedMask(*(None if f is None else _per_head(attn, f, order)
+                              for f in (t.combined, t.row_ok, t.additive, t.key_ok)))
+    if isinstance(t, Tensor) and t.dim() == 4 and t.shape[1] == attn.heads:
+        return t.index_select(1, order)
+    return t
+
+
+def to_kernel_heads(attn: Attention, q: Tensor, mask=None, bias=None) -> tuple:
+    """``q (b, h, i, d)`` and any per-head mask / bias in the order the fused kernels pair heads with key/value
+    heads (interleaved); unchanged unless ``attn.kv_tiled`` (x-transformers' tiled grouped-query heads)."""
+    order = attn.kernel_head_order
+    if order is None:
+        return q, mask, bias
+    return q.index_select(1, order), _per_head(attn, mask, order), _per_head(attn, bias, order)
+
+
+def from_kernel_heads(attn: Attention, out: Tensor) -> Tensor:
+    """A kernel's ``out (b, h, i, e)`` back in the module's head order (see ``to_kernel_heads``)."""
+    return out if attn.kernel_head_restore is None else out.index_select(1, attn.kernel_head_restore)
 
 
 def _l2_kernel_inputs(q: Tensor, k: Tensor, v: Tensor, keys_ok: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -280,7 +331,9 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
     combined = combine_masks(m, c, reach)
     if combined is not None and combined.dim() < 4:
         combined = combined.reshape((1,) * (4 - combined.dim()) + tuple(combined.shape))
-    if hkv != h:
+    if hkv != h and scoring is not None and scoring.kv_tiled:  # x-transformers' query head n reads n % h_kv
+        k, v = k.repeat(1, h // hkv, 1, 1), v.repeat(1, h // hkv, 1, 1)
+    elif hkv != h:
         k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
     if j == 0:
         w = q.new_zeros(b, h, i, 0, dtype=dtype) + (q.sum() + k.sum() + v.sum()) * 0

@@ -22,10 +22,8 @@ How the numbers are matched (x-transformers 2.x, read from its source):
   ``max(||x||, 1e-12)``, safeformer by ``sqrt(mean(x^2) + eps)``; the converted norms get
   ``eps = 1e-12`` instead of the default ``1e-6`` (which differs by about ``5e-7 / mean(x^2)``
   relative). That eps is the converted stack's ``norm_eps``, so it is saved with its config.
-- Grouped-query heads. x-transformers gives query head ``n`` the key/value head ``n % h_kv``
-  (``repeat 'b h n d -> b (r h) n d'``); safeformer gives query head ``m`` the key/value head
-  ``m // g``. The query heads are permuted (rows of ``to_q``, columns of ``to_out``, entries of a
-  per-head sink) to match.
+- Grouped-query heads. Both give query head ``n`` the key/value head ``n % h_kv`` (safeformer's default
+  ``kv_head_order="tiled"``): the heads keep their order (the converter's head permutation is the identity).
 - Feed-forwards keep their keywords: a GLU ``mult_bias`` is the learned ``ff_glu_mult_bias``, one without
   biases is built with ``ff_no_bias``, ReLU squared, SoLU, the post-activation LayerNorm and the sublayer
   dropout are ``ff_relu_squared``, ``ff_solu``, ``ff_post_act_ln`` and ``ff_sublayer_dropout`` (gains with
@@ -86,7 +84,7 @@ from torch import Tensor, nn
 from .encoder_decoder import XTransformer
 from .generation import AutoregressiveWrapper
 from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, _defaults
-from .modules import AdaptiveNorm, Derf, DynamicTanh, LayerNorm, RMSNorm, alibi_slopes, stack_alibi_slopes
+from .modules import AdaptiveNorm, Derf, DynamicTanh, LayerNorm, RMSNorm, alibi_slopes
 from .wrappers import XT_OPTION_PARAMETERS, TransformerWrapper, xt_wrapper_option_kwargs
 from .xt_modules import ScaleNorm as XtScaleNorm
 from .xt_modules import SimpleRMSNorm as XtSimpleRMSNorm
@@ -337,9 +335,6 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
     if hybrid is not None:  # x-transformers builds it folded (hybrid_fold_axial_dim) with its two head norms
         if type(hybrid).__name__ != "FoldAxially" or getattr(attn, "hybrid_norms", None) is None:
             problems.add("attn_hybrid_module without hybrid_fold_axial_dim", name)
-        elif 1 < attn.kv_heads < attn.heads:
-            problems.add("attn_hybrid_module with grouped-query heads (1 < attn_kv_heads < heads): the module's output "
-                         "heads follow x-transformers' head order, which safeformer's grouping permutes", name)
         else:
             opts.hybrid = (int(hybrid.axial_dim), getattr(attn, "hybrid_mask_kwarg", None),
                            getattr(attn, "hybrid_mix", None) is not None, type(hybrid.fn).__name__)
@@ -1062,15 +1057,6 @@ def _plan_wrapper(model, xt, xt_attend, problems: _Problems, training_only: list
 
     heads, kv_heads, dim_head = next(iter(attn_shapes)) if attn_shapes else (1, 1, dim)
     alibi_opts = dict(st["alibi_opts"])
-    if alibi and 1 < kv_heads < heads:  # the slopes follow their query heads (permuted, see _build_wrapper)
-        if alibi_opts.get("alibi_num_heads") is not None:
-            problems.add(f"alibi_num_heads={alibi_opts['alibi_num_heads']} with grouped-query heads "
-                         f"(attn_kv_heads={kv_heads} of heads={heads}): safeformer groups query heads the other way "
-                         f"round, which would move the ALiBi heads off the first ones")
-        else:
-            full = stack_alibi_slopes(heads, None, (alibi_opts.get("rel_pos_kwargs") or {}).get("slopes")).double()
-            g = heads // kv_heads
-            alibi_opts = {"rel_pos_kwargs": {"slopes": full[[(m % g) * kv_heads + m // g for m in range(heads)]].tolist()}}
     opts0 = next(iter(attn_opts.values()), _AttnOptions())
 
     # ---- the safeformer configuration
@@ -1382,9 +1368,7 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                 copy_same(getattr(stack, attr), getattr(layers, attr))
 
     heads, kv_heads, dim_head = plan.heads, plan.kv_heads, plan.dim_head
-    g = heads // kv_heads
-    # our query head m = kv * g + r  <->  x-transformers query head n = r * kv_heads + kv
-    perm = torch.tensor([(m % g) * kv_heads + m // g for m in range(heads)], device=ref.device)
+    perm = torch.arange(heads, device=ref.device)  # both order grouped-query heads as x-transformers (tiled)
     rows = (perm[:, None] * dim_head + torch.arange(dim_head, device=ref.device)[None, :]).reshape(-1)
 
     with torch.no_grad():

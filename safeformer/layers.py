@@ -317,7 +317,8 @@ FF_KWARGS = ("no_bias", "relu_squared", "zero_init_output", "dim_out", "glu_mult
              "sublayer_dropout", "output_proj_depth")
 ATTN_KWARGS = ("gate_value_heads", "zero_init_output", "cope_talking_heads", "head_scale", "sublayer_dropout",
                "output_proj_depth", "sparse_topk", "sparse_topk_straight_through", "hard", "pre_talking_heads",
-               "post_talking_heads", "pre_scale_post_talking_heads", "add_zero_kv", "qk_norm_groups", "qk_norm_scale")
+               "post_talking_heads", "pre_scale_post_talking_heads", "add_zero_kv", "qk_norm_groups", "qk_norm_scale",
+               "kv_head_order")
 
 LAYER_ALIASES: dict[str, object] = {
     "attn_dim_head": "dim_head",

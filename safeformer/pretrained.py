@@ -717,6 +717,7 @@ def _migrate_config_v1(tree: Any) -> None:
             cfg["norm_add_unit_offset"] = False
         if "tie_embedding_scale" in params and cfg.get("tie_embedding") is True and cfg.get("tie_embedding_scale") is None:
             cfg["tie_embedding_scale"] = 1.0
+        _interleaved_kv_heads_v1(cls, cfg, params)
         for key in ("attn_qk_norm", "qk_norm"):  # format 1's RMS qk-norm with gains: qk_norm_dim_scale now
             if cfg.get(key) is True and key + "_dim_scale" in params:
                 cfg[key + "_dim_scale"] = True
@@ -725,6 +726,18 @@ def _migrate_config_v1(tree: Any) -> None:
             cfg["disable_abs_pos_emb"] = any(cfg.get(k) is True for k in relative)  # format 1: any relative scheme
     for v in tree.values():
         _migrate_config_v1(v)
+
+
+def _interleaved_kv_heads_v1(cls: type, cfg: dict, params: set) -> None:
+    """Format 1 paired grouped-query heads interleaved (query head ``n`` reads key head ``n // g``): its attention
+    configs keep that order (``kv_head_order="interleaved"``; today's default is x-transformers' tiled order)."""
+    if "kv_head_order" in params and "kv_head_order" not in cfg:  # an Attention
+        cfg["kv_head_order"] = "interleaved"
+    elif "attn_kwargs" in params:  # a stack: every attention it builds
+        kwargs = cfg.get("attn_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        kwargs.setdefault("kv_head_order", "interleaved")
+        cfg["attn_kwargs"] = kwargs
 
 
 def migrate_state_dict(model: nn.Module, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:

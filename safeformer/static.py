@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention_scoring import from_kernel_heads, to_kernel_heads
 from .block import apply_norm
 from .cache import KVCache
 from .modules import FeedForward, LayerNorm
@@ -499,7 +500,8 @@ class StaticDecoder:
                     kb.narrow(2, slot, 1).copy_(k)
                     vb.narrow(2, slot, 1).copy_(v)
                     kb, vb = kb.narrow(2, 0, n_keys), vb.narrow(2, 0, n_keys)
-                out = kernel(q, kb, vb, attn_mask=self_mask, enable_gqa=mixer.kv_heads != mixer.heads)
+                q, mask_h, _ = to_kernel_heads(mixer, q, self_mask)  # x-transformers' tiled kv heads: interleaved
+                out = from_kernel_heads(mixer, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=mixer.kv_heads != mixer.heads))
                 if plain_out:
                     out = F.linear(out.transpose(1, 2).flatten(-2), mixer.to_out.weight, mixer.to_out.bias)
                 else:
@@ -516,7 +518,8 @@ class StaticDecoder:
                     q = mixer.norm_q(q).transpose(1, 2)
                 else:
                     q = mixer._project_q(h).transpose(1, 2)
-                out = kernel(q, k, v, attn_mask=c.cross_mask, enable_gqa=mixer.kv_heads != mixer.heads)
+                q, mask_h, _ = to_kernel_heads(mixer, q, c.cross_mask)
+                out = from_kernel_heads(mixer, kernel(q, k, v, attn_mask=mask_h, enable_gqa=mixer.kv_heads != mixer.heads))
                 if c.cross_live is not None:  # a sample with no context key: exactly 0 (after a bias too)
                     out = torch.where(c.cross_live[..., None], out, 0.0)
                 rows_ok = None if c.cross_live is None or mixer.to_out.bias is None else c.cross_live[:, :, 0]

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .attend import SelectedMask, attend
+from .attention_scoring import from_kernel_heads, to_kernel_heads
 from .block import apply_norm
 from .modules import alibi_bias, apply_rotary
 from .varlen import VarlenLayout, VarlenPlan, plan_varlen, varlen_attention, varlen_kernel_available, varlen_layout
@@ -273,7 +274,10 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
         if layout.rotary is not None:
             angles = layout.rotary(layout.positions[None], q.dtype)[0, 0][:, None]  # (T, 1, rot)
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-        return attn._output(varlen_attention(q, k, v, layout.layout, causal=layout.causal, plan=layout.plan), h)
+        order, restore = attn.kernel_head_order, attn.kernel_head_restore  # (T, h, d): heads on dim 1
+        q = q if order is None else q.index_select(1, order)
+        out = varlen_attention(q, k, v, layout.layout, causal=layout.causal, plan=layout.plan)
+        return attn._output(out if restore is None else out.index_select(1, restore), h)
     if isinstance(layout, GroupedSelfLayout):  # self-attention on compacted per-group layouts
         q_all, (k_all, v_all) = attn._project_q(h), attn._project_kv(h)  # (T, h, d), (T, h_kv, d)
         out_all = q_all.new_zeros(q_all.shape)
@@ -289,8 +293,9 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
             backend = attn.backend  # a learned bias (T5's) trains through the mask: not on flash / cuDNN
             if backend in ("flash", "cudnn") and bias is not None and bias.requires_grad:
                 backend = "math"
-            o = attend(q, k, v, mask=SelectedMask(key_pad), causal=layout.causal, bias=bias, dropout_p=dropout_p,
-                       backend=backend)
+            q, _, bias = to_kernel_heads(attn, q, None, bias)  # x-transformers' tiled kv heads: interleaved
+            o = from_kernel_heads(attn, attend(q, k, v, mask=SelectedMask(key_pad), causal=layout.causal, bias=bias,
+                                               dropout_p=dropout_p, backend=backend))
             o = o.transpose(1, 2).flatten(0, 1).index_select(0, g.dest)  # (T_g, h, d)
             out_all = out_all.index_copy(0, g.tok, o)
         if not layout.groups:  # no real token at all: the projections still take part (zero gradients, no
@@ -305,7 +310,9 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
     plan = layout.plan
     q = _scatter(attn._project_q(h), plan.idx, plan.b, plan.n)  # (b, h, n, d)
     k, v = (_scatter(t, layout.cidx, plan.b, layout.j) for t in attn._project_kv(layout.rows))  # (b, h_kv, j, d)
-    out = attend(q, k, v, mask=SelectedMask(layout.mask), dropout_p=dropout_p, backend=attn.backend)
+    q = to_kernel_heads(attn, q)[0]
+    out = from_kernel_heads(attn, attend(q, k, v, mask=SelectedMask(layout.mask), dropout_p=dropout_p,
+                                         backend=attn.backend))
     out = plan.pack(out.transpose(1, 2))  # (T, h, d)
     rows_ok = None
     if attn.to_out.bias is not None:  # a bias would move dead rows off 0
