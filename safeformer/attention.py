@@ -250,6 +250,11 @@ class Attention(nn.Module):
             q = self._linear(self.to_q, x, keep)
         return self.norm_q(q.unflatten(-1, (self.heads, self.dim_head)))
 
+    @property
+    def v_norm(self) -> nn.Module | None:
+        """The value heads' RMS norm (x-transformers' ``value_rmsnorm``), or ``None``."""
+        return self.value_rmsnorm
+
     # the scorer's parameters, kept where x-transformers keeps them (``attend``)
     @property
     def head_attn_sink(self) -> nn.Parameter | None:

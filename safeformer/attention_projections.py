@@ -109,8 +109,10 @@ def init_norms(attn: Attention, dim: int, heads: int, kv_heads: int, dim_head: i
     else:
         attn.qk_norm_q_scale = attn.qk_norm_k_scale = None
     # x-transformers' value_rmsnorm: RMS-normalise each value head, gain (1 + weight) per kv head
-    attn.v_norm = HeadRMSNorm(kv_heads, dim_head, eps=1e-6 if qk_norm_eps is None else qk_norm_eps,
-                              unit_offset=True) if value_rmsnorm else None
+    attn.value_rmsnorm = HeadRMSNorm(kv_heads, dim_head, eps=1e-6 if qk_norm_eps is None else qk_norm_eps,
+                                     unit_offset=True) if value_rmsnorm else None  # x-transformers' name
+    if value_rmsnorm:  # earlier safeformer named it v_norm
+        attn._register_load_state_dict_pre_hook(_rename_keys({"v_norm.weight": "value_rmsnorm.weight"}))
     # x-transformers' learned_value_residual_mix: the value residual's mix per position and kv head,
     # sigmoid(Linear(x)); without it a given value_residual is mixed in at 0.5
     attn.to_value_residual_mix = nn.Sequential(nn.Linear(dim, kv_heads), nn.Sigmoid()) \

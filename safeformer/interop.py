@@ -1448,7 +1448,7 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     put(dst.to_value_residual_mix[0].weight, take(lin.weight)[perm])
                     put(dst.to_value_residual_mix[0].bias, take(lin.bias)[perm])
                 if opts.value_rmsnorm:  # gamma (h, 1, d), h == h_kv (checked): kv heads are not permuted
-                    put(dst.v_norm.weight, take(blk.value_rmsnorm.gamma).reshape(kv_heads, dim_head))
+                    put(dst.value_rmsnorm.gamma, take(blk.value_rmsnorm.gamma).reshape(kv_heads, 1, dim_head))
                 if opts.qk_dim_scale:  # (h, 1, d) per query head (permuted), (h_kv, 1, d) per key head
                     put(dst.qk_norm_q_scale, take(blk.qk_norm_q_scale)[perm])
                     put(dst.qk_norm_k_scale, take(blk.qk_norm_k_scale))
@@ -1469,7 +1469,7 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     src_h, dst_h = blk, dst.hybrid  # grouped-query heads are refused)
                     copy_same(dst_h.hybrid_module, src_h.hybrid_module)
                     for j in range(2):
-                        put(dst_h.hybrid_norms[j].weight, take(src_h.hybrid_norms[j].gamma).reshape(heads, dim_head))
+                        put(dst_h.hybrid_norms[j].gamma, take(src_h.hybrid_norms[j].gamma).reshape(heads, 1, dim_head))
                     if dst_h.hybrid_mix is not None:
                         put(dst_h.hybrid_mix.weight, take(src_h.hybrid_mix.weight))
                 if opts.mem_kv:  # key/value heads are not permuted

@@ -92,20 +92,32 @@ def _rename_keys(names: dict[str, str]):
 
 
 class HeadRMSNorm(nn.Module):
-    """RMS normalisation of ``x (..., h, d)`` over ``d`` with a learned gain per head ``weight (h, d)``;
-    statistics in float32 (S7). ``init``: the gain's initial value; with ``unit_offset`` the gain is
-    ``weight + 1`` (``weight`` starting at 0, x-transformers' ``MultiheadRMSNorm``)."""
+    """RMS normalisation of ``x (..., h, d)`` over ``d`` with a learned gain per head, x-transformers'
+    ``MultiheadRMSNorm`` parameter ``gamma (h, 1, d)``; statistics in float32 (S7). ``init``: the gain's initial
+    value; with ``unit_offset`` the gain is ``gamma + 1`` (``gamma`` starting at 0, as there)."""
 
     def __init__(self, heads: int, dim: int, *, eps: float = 1e-6, init: float = 1.0, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
         self.unit_offset = bool(unit_offset)
-        self.weight = nn.Parameter(torch.full((heads, dim), 0.0 if unit_offset else float(init)))
+        self.gamma = nn.Parameter(torch.full((heads, 1, dim), 0.0 if unit_offset else float(init)))
+        self._register_load_state_dict_pre_hook(_legacy_head_gain)
+
+    @property
+    def weight(self) -> Tensor:
+        """The stored gain as ``(h, d)`` (a view of ``gamma``)."""
+        return self.gamma[:, 0]
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (self.weight.to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
+        return (out * (self.gamma[:, 0].to(xf.dtype) + float(self.unit_offset))).to(x.dtype)
+
+
+def _legacy_head_gain(state_dict, prefix, *_args) -> None:
+    """Earlier safeformer stored the per-head gain as ``weight (h, d)``: it is ``gamma (h, 1, d)``."""
+    if prefix + "weight" in state_dict and prefix + "gamma" not in state_dict:
+        state_dict[prefix + "gamma"] = state_dict.pop(prefix + "weight").unsqueeze(1)
 
 
 class DynamicTanh(nn.Module):
