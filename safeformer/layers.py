@@ -317,8 +317,9 @@ FF_KWARGS = ("no_bias", "relu_squared", "zero_init_output", "dim_out", "glu_mult
              "sublayer_dropout", "output_proj_depth")
 ATTN_KWARGS = ("gate_value_heads", "zero_init_output", "cope_talking_heads", "head_scale", "sublayer_dropout",
                "output_proj_depth", "sparse_topk", "sparse_topk_straight_through", "hard", "pre_talking_heads",
-               "post_talking_heads", "pre_scale_post_talking_heads", "add_zero_kv", "qk_norm_groups", "qk_norm_scale",
-               "kv_head_order")
+               "post_talking_heads", "pre_scale_post_talking_heads", "add_zero_kv", "qk_norm_groups", "qk_norm_scale")
+# safeformer's own Attention keywords a stack takes in attn_kwargs only (no attn_ spelling: not x-transformers')
+SF_ATTN_KWARGS = ("kv_head_order",)
 
 LAYER_ALIASES: dict[str, object] = {
     "attn_dim_head": "dim_head",
@@ -898,7 +899,7 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
     factory counts the self-attentions (``add_value_residual``) and the cross-attentions
     (``cross_attn_inverted_attention``, checked here)."""
     first_self = [True]
-    extra = _family_kwargs("attn_kwargs", attn_kwargs, ATTN_KWARGS)
+    extra = _family_kwargs("attn_kwargs", attn_kwargs, ATTN_KWARGS + SF_ATTN_KWARGS)
     extra_cross = {k: v for k, v in extra.items() if k != "cope_talking_heads"}  # CoPE: self-attention only
     scoring = dict(l2_distance=attn_l2_distance, cog_signed=attn_cog_signed, sigmoid=attn_sigmoid,
                    gumbel_softmax=attn_gumbel_softmax, gumbel_softmax_temp=attn_gumbel_softmax_temp,

@@ -93,7 +93,7 @@ def test_save_load_gives_identical_outputs(tmp_path, name):
 def test_tied_weights_stay_tied_and_are_stored_once(tmp_path):
     model, _, path = saved(tmp_path, "XTransformer")
     loaded = sf.XTransformer.from_pretrained(path)
-    assert loaded.decoder.token_emb is loaded.encoder.token_emb
+    assert loaded.decoder.net.token_emb is loaded.encoder.token_emb
     tw, _, tw_path = saved(tmp_path, "TransformerWrapper-tied")
     assert sf.TransformerWrapper.from_pretrained(tw_path).to_logits is None
     header = _header(path / WEIGHTS_NAME)
@@ -423,8 +423,8 @@ def test_hostile_integer_tensor_where_a_float_belongs(wrapper_ckpt):
 
 def test_hostile_tied_tensor_stored_twice(tmp_path):
     _, _, path = saved(tmp_path, "XTransformer")
-    _rewrite_weights(path, lambda t: t.update({"encoder.token_emb.emb.weight": t["decoder.token_emb.emb.weight"].clone()}))
-    _load_error(path, WEIGHTS_NAME, "unexpected ['decoder.token_emb.emb.weight (the same tensor as encoder.token_emb.emb.weight)']")
+    _rewrite_weights(path, lambda t: t.update({"encoder.token_emb.emb.weight": t["decoder.net.token_emb.emb.weight"].clone()}))
+    _load_error(path, WEIGHTS_NAME, "unexpected ['decoder.net.token_emb.emb.weight (the same tensor as encoder.token_emb.emb.weight)']")
 
 
 @pytest.mark.parametrize("header", [

@@ -79,6 +79,7 @@ MORE: dict[str, Callable] = {
     "weight-tied layers": lambda lib: dec(lib, weight_tie_layers=True),
     "float residual scale + macaron": lambda lib: dec(lib, scale_residual=0.5, macaron=True),
     "rotate_num_heads": lambda lib: dec(lib, rotary_pos_emb=True, rotate_num_heads=1),
+    "absolute + rotary": lambda lib: dec(lib, rotary_pos_emb=True, disable_abs_pos_emb=False),
 }
 
 

@@ -77,7 +77,7 @@ def ctx_kwargs(model, ctx):
 @pytest.mark.parametrize("tie", [False, True])
 def test_transformer_wrapper_matches_float64_reference(kind, tie):
     model = tw(kind, tie_embedding=tie).double()
-    assert (model.pos_emb is None) == (kind != "abs")  # relative positions replace the absolute embedding
+    assert (model.pos_emb is None) == (kind == "rotary")  # rotary replaces it; ALiBi keeps it (x-transformers)
     assert (model.to_logits is None) == tie
     ids, ctx = data()
     logits = model(ids, mask=MASK, **ctx_kwargs(model, ctx))
@@ -233,11 +233,11 @@ def test_continuous_wrapper_matches_float64_reference(dim_in, dim_out):
     _, ctx = data(7)
     out = model(x, mask=MASK, context=ctx, context_mask=CTX_MASK)
     assert out.shape == (4, 5, dim_out or DIM)
-    h = x if dim_in is None else x @ model.project_in.weight.detach().T + model.project_in.bias.detach()
+    h = x if dim_in is None else x @ model.project_in.weight.detach().T  # no bias (x-transformers')
     h = h + model.pos_emb.emb.weight.detach()[hp.ref_positions(MASK, 4, 5)] * DIM**-0.5
     h = hp.ref_stack(model.attn_layers, h, mask=MASK, context=ctx, context_mask=CTX_MASK)
     if dim_out is not None:
-        h = h @ model.project_out.weight.detach().T + model.project_out.bias.detach()
+        h = h @ model.project_out.weight.detach().T
     hp.assert_close(out[MASK], h[MASK], "continuous wrapper", torch.float64)
     pooled = model(x, mask=MASK, context=ctx, context_mask=CTX_MASK, return_pooled=True)
     hp.assert_zero(pooled[3], "pooled fully padded sample")
@@ -279,7 +279,7 @@ def ref_xt_loss(model: sf.XTransformer, src, tgt, src_mask, tgt_mask, ignore_ind
     enc_h = hp.ref_wrapper(model.encoder, src, src_mask, head=False)  # the encoder's hidden states
     real = (tgt != ignore_index) & (tgt_mask if tgt_mask is not None else True)
     inp = torch.where(real[:, :-1], tgt[:, :-1], 0)
-    logits = hp.ref_wrapper(model.decoder, inp, real[:, :-1] if tgt_mask is not None else None, context=enc_h,
+    logits = hp.ref_wrapper(model.decoder.net, inp, real[:, :-1] if tgt_mask is not None else None, context=enc_h,
                             context_mask=src_mask)
     return hp.ref_cross_entropy(logits, torch.where(real[:, 1:], tgt[:, 1:], ignore_index), ignore_index=ignore_index)
 
@@ -315,7 +315,7 @@ def test_xtransformer_every_parameter_gets_a_gradient():
 
 def test_xtransformer_encode_and_tied_embeddings():
     model = xt(tie_token_emb=True, dec_num_tokens=SRC_V).double()
-    assert model.decoder.token_emb is model.encoder.token_emb
+    assert model.decoder.net.token_emb is model.encoder.token_emb
     src, _, src_mask, _ = xt_data()
     enc = model.encode(src, src_mask)
     hp.assert_close(enc[src_mask], hp.ref_wrapper(model.encoder, src, src_mask, head=False)[src_mask], "encode", torch.float64)
@@ -330,7 +330,7 @@ def test_xtransformer_empty_source_equals_no_source():
     none = torch.zeros(4, 4, dtype=torch.bool)
     loss = model(src, tgt, mask=none, tgt_mask=tgt_mask)
     real = tgt_mask
-    logits = model.decoder(torch.where(real[:, :-1], tgt[:, :-1], 0), mask=real[:, :-1])
+    logits = model.decoder.net(torch.where(real[:, :-1], tgt[:, :-1], 0), mask=real[:, :-1])
     want = sf.safe_cross_entropy(logits, torch.where(real[:, 1:], tgt[:, 1:], -100))
     hp.assert_bitwise(loss, want, "all-False source mask vs no context")
     hp.assert_bitwise(model(src[:, :0], tgt, mask=none[:, :0], tgt_mask=tgt_mask), want, "zero-length source vs no context")

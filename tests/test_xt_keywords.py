@@ -279,8 +279,6 @@ def test_scaled_sinusoids_count_real_tokens_only():
     (lambda: sf.Decoder(dim=16, depth=1, ff_solu=True, ff_relu_squared=True), ValueError, "choose one activation"),
     (lambda: sf.Decoder(dim=16, depth=1, ff_sublayer_dropout=1.0), ValueError, "sublayer_dropout"),
     (lambda: sf.Decoder(dim=16, depth=1, ff_output_proj_depth=0), ValueError, "output_proj_depth"),
-    (lambda: sf.Decoder(dim=16, depth=1, rotary_pos_emb=True, disable_abs_pos_emb=False), TypeError,
-     "disable_abs_pos_emb=False"),
     (lambda: sf.Decoder(dim=16, depth=1, disable_abs_pos_emb=1), TypeError, "disable_abs_pos_emb must be"),
     (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=-1, attn_layers=sf.Decoder(dim=16, depth=1)),
      ValueError, "max_seq_len must be a non-negative integer"),
@@ -288,9 +286,9 @@ def test_scaled_sinusoids_count_real_tokens_only():
                                    attn_layers=sf.Decoder(dim=16, depth=1)), TypeError, "scaled_sinu_pos_emb"),
     (lambda: sf.TransformerWrapper(num_tokens=5, max_seq_len=8, scaled_sinu_pos_emb=True, emb_dim=7,
                                    attn_layers=sf.Decoder(dim=16, depth=1)), ValueError, "even embedding width"),
-    (lambda: sf.Decoder(dim=16, depth=1, norm_add_unit_offset=False), TypeError, "norm_add_unit_offset=False"),
+    (lambda: sf.Decoder(dim=16, depth=1, norm_add_unit_offset=1), TypeError, "norm_add_unit_offset must be a bool"),
 ], ids=["scale+rms", "simple+dyt", "ff_dim_out", "ff_kwargs-key", "attn_kwargs-key", "ff_kwargs-type", "twice",
-        "mult_bias-no-glu", "two-activations", "sublayer-dropout", "proj-depth", "abs+rotary", "disable-type",
+        "mult_bias-no-glu", "two-activations", "sublayer-dropout", "proj-depth", "disable-type",
         "max_seq_len", "sinu-type", "sinu-odd", "unit-offset"])
 def test_errors_name_the_keyword(call, exc, match):
     with pytest.raises(exc, match=match):
@@ -299,7 +297,7 @@ def test_errors_name_the_keyword(call, exc, match):
 
 def test_disable_abs_pos_emb_attribute_as_x_transformers():
     for opts, want in ((dict(), False), (dict(rotary_pos_emb=True), True), (dict(disable_abs_pos_emb=True), True),
-                       (dict(alibi_pos_bias=True), True)):
+                       (dict(alibi_pos_bias=True), False), (dict(rel_pos_bias=True), True)):
         assert sf.Decoder(dim=16, depth=1, heads=2, **opts).disable_abs_pos_emb is want, opts
     net = sf.TransformerWrapper(num_tokens=5, max_seq_len=8,
                                 attn_layers=sf.Decoder(dim=16, depth=1, heads=2, disable_abs_pos_emb=True))
@@ -469,10 +467,10 @@ def test_xtransformer_cross_attn_tokens_dropout():
     kw = dict(dim=16, enc_num_tokens=10, enc_max_seq_len=8, dec_num_tokens=10, dec_max_seq_len=8, enc_depth=1,
               dec_depth=1)
     model = sf.XTransformer(**kw, cross_attn_tokens_dropout=0.25)
-    assert model.decoder.attn_layers.cross_attn_tokens_dropout == 0.25
+    assert model.decoder.net.attn_layers.cross_attn_tokens_dropout == 0.25
     assert model.encoder.attn_layers.cross_attn_tokens_dropout == 0.0
     rebuilt = sf.XTransformer(**model.get_config())
-    assert rebuilt.decoder.attn_layers.cross_attn_tokens_dropout == 0.25
+    assert rebuilt.decoder.net.attn_layers.cross_attn_tokens_dropout == 0.25
     with pytest.raises(TypeError, match="given twice"):
         sf.XTransformer(**kw, cross_attn_tokens_dropout=0.25, dec_cross_attn_tokens_dropout=0.5)
     merged = sf.XTransformer(**kw, enc_ff_no_bias=True, enc_ff_solu=True)

@@ -343,9 +343,9 @@ def test_xtransformer_per_side_options():
                 dec_depth=1, dec_heads=2, dec_max_seq_len=16, dim_head=8)
     m = sf.XTransformer(**base, enc_attn_flash=True, dec_rotary_pos_emb=True, enc_num_memory_tokens=2,
                         dec_attn_dim_head=16, enc_ff_mult=2, dec_attn_num_mem_kv=1)
-    assert m.decoder.attn_layers.rotary is not None and m.decoder.pos_emb is None
-    assert m.encoder.num_memory_tokens == 2 and m.decoder.attn_layers.layers[0][1].dim_head == 16
-    assert m.encoder.attn_layers.layers[0][1].dim_head == 8 and m.decoder.attn_layers.layers[0][1].num_mem_kv == 1
+    assert m.decoder.net.attn_layers.rotary is not None and m.decoder.net.pos_emb is None
+    assert m.encoder.num_memory_tokens == 2 and m.decoder.net.attn_layers.layers[0][1].dim_head == 16
+    assert m.encoder.attn_layers.layers[0][1].dim_head == 8 and m.decoder.net.attn_layers.layers[0][1].num_mem_kv == 1
     src, tgt = torch.randint(0, 20, (2, 5)), torch.randint(0, 20, (2, 6))
     with tempfile.TemporaryDirectory() as d:
         m.save_pretrained(d)

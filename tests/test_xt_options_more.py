@@ -34,14 +34,14 @@ def _perturb(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def _formula(attn: sf.Attention, x: torch.Tensor, real: torch.Tensor, causal: bool,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """float64, written out: q/k RMS norms with per-head gains, value RMS norm with gains ``1 + w``,
-    softmax attention over the real keys, the output projected off the real values (over the whole
-    sample), then ``to_out``. Padded rows are 0."""
+    """float64, written out: x-transformers' qk-norm (L2 per head, times the learned per-head scales), value RMS norm
+    with gains ``1 + gamma``, softmax attention over the real keys (query head ``n`` reading key head ``n % h_kv``),
+    the output projected off the real values (over the whole sample), then ``to_out``. Padded rows are 0."""
     P = {n: p.detach().double() for n, p in attn.named_parameters()}
     x = x.double()
     b, n, _ = x.shape
     h, hk, d = attn.heads, attn.kv_heads, attn.dim_head
-    eps = attn.q_norm.eps if attn.q_norm is not None else (attn.v_norm.eps if attn.v_norm is not None else 0.0)
+    eps = attn.v_norm.eps if attn.v_norm is not None else 0.0
 
     def lin(name, t):
         y = t @ P[f"{name}.weight"].T
@@ -53,15 +53,16 @@ def _formula(attn: sf.Attention, x: torch.Tensor, real: torch.Tensor, causal: bo
     q = lin("to_q", x).view(b, n, h, d)
     k = lin("to_k", x).view(b, n, hk, d)
     v = lin("to_v", x).view(b, n, hk, d)
-    if attn.q_norm is not None:
-        q, k = rms(q) * P["q_norm.weight"], rms(k) * P["k_norm.weight"]
+    if attn.q_norm is not None:  # (h, 1, d) scales: per head, per feature
+        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12) * P["qk_norm_q_scale"][:, 0]
+        k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12) * P["qk_norm_k_scale"][:, 0]
     if residual is not None:  # (b, h_kv, n, d): lerp towards v by sigmoid(Linear(x)) per position and head
-        mix = torch.sigmoid(lin("to_value_residual_mix", torch.where(real[..., None], x, 0.0)))[..., None]
+        mix = torch.sigmoid(lin("to_value_residual_mix.0", torch.where(real[..., None], x, 0.0)))[..., None]
         v = residual.double().transpose(1, 2) + mix * (v - residual.double().transpose(1, 2))
     if attn.v_norm is not None:
-        v = rms(v) * (1 + P["v_norm.weight"])
+        v = rms(v) * (1 + P["value_rmsnorm.gamma"][:, 0])
     g = h // hk
-    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)  # query head m uses kv head m // g
+    k, v = k.repeat(1, 1, g, 1), v.repeat(1, 1, g, 1)  # query head n uses kv head n % h_kv (x-transformers')
     logits = torch.einsum("bihd,bjhd->bhij", q, k) * d**-0.5
     allowed = real[:, None, None, :].expand(b, h, n, n)
     if causal:
@@ -199,8 +200,8 @@ def hp_ref(attn: sf.Attention, x: torch.Tensor, bias: torch.Tensor, causal: bool
     h, hk, d = attn.heads, attn.kv_heads, attn.dim_head
     x = x.double()
     q = (x @ P["to_q.weight"].T).view(b, n, h, d)
-    k = (x @ P["to_k.weight"].T).view(b, n, hk, d).repeat_interleave(h // hk, dim=2)
-    v = (x @ P["to_v.weight"].T).view(b, n, hk, d).repeat_interleave(h // hk, dim=2)
+    k = (x @ P["to_k.weight"].T).view(b, n, hk, d).repeat(1, 1, h // hk, 1)  # query head n: key head n % h_kv
+    v = (x @ P["to_v.weight"].T).view(b, n, hk, d).repeat(1, 1, h // hk, 1)
     logits = torch.einsum("bihd,bjhd->bhij", q, k) * d**-0.5 + bias
     allowed = MASK[:, None, None, :].expand(b, h, n, n)
     if causal:
@@ -232,14 +233,17 @@ def test_data_dependent_alibi_refuses_a_cache_cross_attention_and_alibi():
 
 
 def test_qk_norm_dim_scale_initial_logits_are_cosine_similarities():
-    """At init the gains are ``d ** -0.25``: the logit is the cosine similarity of q and k (x-transformers'
-    ``qk_norm_dim_scale`` with its ``d ** 0.25`` scales and ``d ** -0.5`` logit scale)."""
-    attn = sf.Attention(16, heads=2, dim_head=16, qk_norm=True, qk_norm_dim_scale=True, qk_norm_eps=0.0)
-    assert attn.q_norm.weight.shape == (2, 16) and attn.k_norm.weight.shape == (2, 16)
+    """At init the scales are ``d ** 0.25``: with the ``d ** -0.5`` logit scale the logit is the cosine similarity of
+    q and k (x-transformers' ``qk_norm_dim_scale``: ``qk_norm_q_scale (h, 1, d)``, ``qk_norm_k_scale (h_kv, 1, d)``)."""
+    attn = sf.Attention(16, heads=2, dim_head=16, qk_norm=True, qk_norm_dim_scale=True)
+    assert attn.qk_norm_q_scale.shape == (2, 1, 16) and attn.qk_norm_k_scale.shape == (2, 1, 16)
+    assert bool((attn.qk_norm_q_scale == 16**0.25).all())
     q = torch.randn(3, 2, 16)
     k = torch.randn(3, 2, 16)
-    logit = (attn.q_norm(q) * attn.k_norm(k)).sum(-1) * 16**-0.5
+    logit = (attn.norm_q(q) * attn.norm_k(k)).sum(-1) * 16**-0.5
     torch.testing.assert_close(logit, torch.nn.functional.cosine_similarity(q, k, dim=-1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="qk_norm_eps"):  # a floor of 0 would divide a zero row by 0
+        sf.Attention(16, heads=2, dim_head=16, qk_norm=True, qk_norm_eps=0.0)
 
 
 XT_CASES = [

@@ -55,13 +55,14 @@ def allowed_matrix(b: int, h: int, i: int, j: int, mask4d: Tensor | None, causal
 
 def ref_attend(q: Tensor, k: Tensor, v: Tensor, mask4d: Tensor | None = None, scale: float | None = None, *,
                causal: bool = False, bias: Tensor | None = None, softclamp: float | None = None,
-               sink: Tensor | None = None, mem_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+               sink: Tensor | None = None, mem_kv: tuple[Tensor, Tensor] | None = None, tiled: bool = False) -> Tensor:
     """Attention in float64, one query row at a time: ``(b, h, i, d), (b, h_kv, j, d), (b, h_kv, j, e)
     -> (b, h, i, e)``.
 
     Masked keys (``mask4d``, broadcast to ``(b, h, i, j)``, True = may attend; and bottom-right causal)
     are *selected away*, so garbage there cannot reach the result. Grouped-query attention by
-    ``repeat_interleave``. Per row, the logits ``k . q * scale`` (scale ``d ** -0.5`` by default) of the
+    ``repeat_interleave`` (``attend``'s pairing: query head ``n`` reads key head ``n // g``), or with ``tiled``
+    x-transformers' (``n % h_kv``, an ``Attention``'s default). Per row, the logits ``k . q * scale`` (scale ``d ** -0.5`` by default) of the
     memory keys ``mem_kv = (mem_k (h_kv, m, d), mem_v (h_kv, m, e))`` (every query sees them) and of the
     allowed keys, plus ``bias`` (broadcast to ``(b, h, i, j)``; 0 for memory keys), clamped to
     ``tanh(logit / softclamp) * softclamp``; then a learned sink (``sink (h,)``: one more key, logit
@@ -70,11 +71,13 @@ def ref_attend(q: Tensor, k: Tensor, v: Tensor, mask4d: Tensor | None = None, sc
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
     b, h, i, d = q.shape
     h_kv, j, e = k.shape[1], k.shape[2], v.shape[-1]
-    k = k.repeat_interleave(h // h_kv, dim=1)  # (b, h, j, d)
-    v = v.repeat_interleave(h // h_kv, dim=1)  # (b, h, j, e)
+    g = h // h_kv
+    k = k.repeat(1, g, 1, 1) if tiled else k.repeat_interleave(g, dim=1)  # (b, h, j, d)
+    v = v.repeat(1, g, 1, 1) if tiled else v.repeat_interleave(g, dim=1)  # (b, h, j, e)
     m = 0 if mem_kv is None else mem_kv[0].shape[1]
     if m:
-        mem_k, mem_v = (t.double().cpu().repeat_interleave(h // h_kv, dim=0) for t in mem_kv)  # (h, m, d|e)
+        mem_k, mem_v = (t.double().cpu().repeat(g, 1, 1) if tiled else t.double().cpu().repeat_interleave(g, dim=0)
+                        for t in mem_kv)  # (h, m, d|e)
     scale = d**-0.5 if scale is None else scale
     allowed = allowed_matrix(b, h, i, j, mask4d, causal)
     full_bias = None if bias is None else bias.double().cpu().expand(b, h, i, j)
@@ -140,9 +143,12 @@ def ref_attention(attn: sf.Attention, x: Tensor, context: Tensor | None = None, 
         return y.reshape(b, -1, heads, d).transpose(1, 2)
 
     q, k, v = project(x, "to_q", h), project(src, "to_k", h_kv), project(src, "to_v", h_kv)
-    if attn.q_norm is not None:
-        q = ref_rms_norm(q, attn.q_norm.weight.detach().double(), attn.q_norm.eps)
-        k = ref_rms_norm(k, attn.k_norm.weight.detach().double(), attn.k_norm.eps)
+    if attn.q_norm is not None:  # x-transformers' qk-norm: L2 per head (or group), a multiplier or learned scales
+        q = ref_l2norm(q, attn.qk_norm_groups) * attn.q_norm.mult
+        k = ref_l2norm(k, attn.qk_norm_groups) * attn.k_norm.mult
+        if attn.qk_norm_q_scale is not None:
+            q = q * attn.qk_norm_q_scale.detach().double()  # (h, 1, d)
+            k = k * attn.qk_norm_k_scale.detach().double()
     if rot_dim:
         q = ref_rotate(q, q_pos[:, None], rot_dim, theta)
         k = ref_rotate(k, k_pos[:, None], rot_dim, theta)
@@ -151,9 +157,10 @@ def ref_attention(attn: sf.Attention, x: Tensor, context: Tensor | None = None, 
         slopes = torch.tensor(ref_alibi_slopes(h), dtype=torch.float64)[None, :, None, None]
         bias = -slopes * (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs().double()  # (b, h, i, j)
     mem_kv = (P["mem_k"], P["mem_v"]) if "mem_k" in P else None
-    sink = P.get("head_attn_sink")
+    sink = P.get("attend.head_attn_sink")
     o = ref_attend(q, k, v, allowed, 1.0 / math.sqrt(d), causal=causal, bias=bias,
-                   softclamp=getattr(attn, "softclamp_value", None), sink=sink, mem_kv=mem_kv)  # (b, h, i, d)
+                   softclamp=getattr(attn, "softclamp_value", None), sink=sink, mem_kv=mem_kv,
+                   tiled=attn.kv_head_order == "tiled")  # (b, h, i, d)
     y = o.transpose(1, 2).reshape(b, i, h * d) @ P["to_out.weight"].T
     if "to_out.bias" in P:
         y = y + P["to_out.bias"]
@@ -174,6 +181,13 @@ def ref_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tenso
     mean = x.mean(-1, keepdim=True)
     var = ((x - mean) ** 2).mean(-1, keepdim=True)
     return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def ref_l2norm(x: Tensor, groups: int = 1) -> Tensor:
+    """``x`` L2-normalised over each group of its last dim's features (x-transformers' ``l2norm``, floor 1e-12)."""
+    shape = x.shape
+    t = x.double().reshape(*shape[:-1], groups, shape[-1] // groups)
+    return (t / t.norm(dim=-1, keepdim=True).clamp_min(1e-12)).reshape(shape)
 
 
 def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
