@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .attention_calls import _positive_int
 from .attention_keys import alive
+from .modules import _rename_keys
 
 if TYPE_CHECKING:
     from .attention import Attention
@@ -38,7 +39,10 @@ class RelativeProjPositionalBias(nn.Module):
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.heads, self.num_distance_basis, self.max_dist = heads, num_distance_basis, max_dist
-        self.to_distance_weights = nn.Linear(dim, heads * num_distance_basis)
+        # x-transformers' Sequential(Linear, Rearrange): key to_distance_weights.0.*
+        self.to_distance_weights = nn.Sequential(nn.Linear(dim, heads * num_distance_basis))
+        self._register_load_state_dict_pre_hook(_rename_keys({"to_distance_weights.weight": "to_distance_weights.0.weight",
+                                                              "to_distance_weights.bias": "to_distance_weights.0.bias"}))
         self.distance_bank = nn.Parameter(torch.randn(num_distance_basis, max_dist) * 0.02)
 
     def forward(self, x: Tensor, seq_len_k: int | None = None, positions: tuple[Tensor, Tensor] | None = None) -> Tensor:

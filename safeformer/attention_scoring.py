@@ -232,12 +232,14 @@ def kernel_call(attn: Attention, q: Tensor, k: Tensor, v: Tensor, mask, causal: 
     if attn.l2_distance:  # -|q - k|^2 * scale through the kernel (softmax alone: explicit otherwise)
         q, k, v = _l2_kernel_inputs(q, k, v, keys_ok)
         scale = attn.dim_head**-0.5
-    q, mask, bias = to_kernel_heads(attn, q, mask, bias)
+    grouped = k.shape[1] != q.shape[1]  # keys still per key/value head (not expanded to the query heads)
+    if grouped:
+        q, mask, bias = to_kernel_heads(attn, q, mask, bias)
     out = attend(
         q, k, v, mask=SelectedMask(mask) if selected else mask, causal=causal, bias=bias,
         dropout_p=attn.dropout if attn.training else 0.0, backend=backend, scale=scale,
     )[..., :e]  # (b, h, i, d)
-    return from_kernel_heads(attn, out)
+    return from_kernel_heads(attn, out) if grouped else out
 
 
 def _per_head(attn: Attention, t, order: Tensor):

@@ -1462,8 +1462,8 @@ def _build_wrapper(plan: _Plan, xt) -> TransformerWrapper:
                     lin = src_rel.to_distance_weights[0]
                     basis = src_rel.distance_bank.shape[0]
                     idx = (perm[:, None] * basis + torch.arange(basis, device=perm.device)[None, :]).reshape(-1)
-                    put(dst_rel.to_distance_weights.weight, take(lin.weight)[idx])
-                    put(dst_rel.to_distance_weights.bias, take(lin.bias)[idx])
+                    put(dst_rel.to_distance_weights[0].weight, take(lin.weight)[idx])
+                    put(dst_rel.to_distance_weights[0].bias, take(lin.bias)[idx])
                     put(dst_rel.distance_bank, take(src_rel.distance_bank))
                 if opts.hybrid:  # the module's parameters by name; its norms and mix per query head (not permuted:
                     src_h, dst_h = blk, dst.hybrid  # grouped-query heads are refused)

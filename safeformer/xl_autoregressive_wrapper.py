@@ -33,7 +33,6 @@ from .generation import NOTHING_TO_DRAW, check_pad_value, check_sampling, draw, 
 from .layers import Encoder
 from .losses import masked_mean, safe_cross_entropy
 from .masks import check_token_ids, validate_mask
-from .modules import FeedForward
 from .stack_forward import mems_unsupported
 from .wrapper_forward import Mems, _new_mems
 from .xt_extras import eval_decorator
@@ -53,36 +52,19 @@ def _exists(v) -> bool:
 
 
 def _resolve_path(root: nn.Module, path: str) -> str:
-    """``path`` (x-transformers' dotted module path) as a path of ``root``: x-transformers' feed-forward paths
-    ``...ff.0.0`` (``...ff.0.proj`` with ``glu``) and ``...ff.2`` (``ff.3`` with ``post_act_ln``) name safeformer's
-    ``proj_in`` and ``proj_out``; any other path must exist as given."""
+    """``path`` (x-transformers' dotted module path, which is safeformer's: the module trees are the same), checked
+    to name a submodule of ``root``."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"a module path must be a non-empty dotted string, got {path!r}")
-    parts, out, mod, i = path.split("."), [], root, 0
-    while i < len(parts):
-        name = parts[i]
-        if isinstance(mod, FeedForward) and name == "ff":
-            rest = parts[i + 1:]
-            out_idx = str(2 + int(getattr(mod, "post_act_norm", None) is not None))
-            if rest[:2] == ["0", "proj" if mod.glu else "0"]:
-                new, i = "proj_in", i + 3
-            elif rest[:1] == [out_idx]:
-                new, i = "proj_out", i + 2
-            else:
-                raise ValueError(
-                    f"module path {path!r}: safeformer's FeedForward has no 'ff' Sequential; x-transformers' "
-                    f"'ff.0.{'proj' if mod.glu else '0'}' (the input projection) and 'ff.{out_idx}' (the output "
-                    f"projection) map to its 'proj_in' and 'proj_out', other 'ff' indices have no equivalent")
-            out.append(new)
-            mod = getattr(mod, new)
-            continue
+    mod, seen = root, []
+    for name in path.split("."):
         child = mod._modules.get(name) if isinstance(mod, nn.Module) else None
         if child is None:
-            raise ValueError(f"module path {path!r}: {type(mod).__name__} at {'.'.join(out) or '<root>'!r} has no "
+            raise ValueError(f"module path {path!r}: {type(mod).__name__} at {'.'.join(seen) or '<root>'!r} has no "
                              f"submodule {name!r}")
-        out.append(name)
-        mod, i = child, i + 1
-    return ".".join(out)
+        seen.append(name)
+        mod = child
+    return path
 
 
 def _get_module(root: nn.Module, path: str) -> nn.Module:
@@ -282,8 +264,7 @@ class XLAutoregressiveWrapper(nn.Module):
         tbptt_steps: the memories (and fast weights) are detached after every ``tbptt_steps`` segments
             (truncated backpropagation through time); more than 1 with test-time training.
         ttt_module_paths: modules to test-time train: dotted paths (x-transformers' paths, e.g.
-            ``'attn_layers.layers.0.1.to_v'``; its feed-forward paths ``ff.0.0`` / ``ff.2`` map to safeformer's
-            ``proj_in`` / ``proj_out``), or ``(source, target)`` pairs (the source's gradient updates the target,
+            ``'attn_layers.layers.0.1.to_v'``, ``'attn_layers.layers.1.1.ff.0.0'``: the module trees are the same), or ``(source, target)`` pairs (the source's gradient updates the target,
             same parameter shapes); ``'episodic_mems'`` with ``episodic_mem_len``.
         ttt_lr, ttt_wd: the fast weights' step: ``w - lr * grad - lr * wd * w``.
         ttt_use_muon, ttt_muon_steps, ttt_muon_lr: orthogonalise matrix gradients (Newton-Schulz) and step them

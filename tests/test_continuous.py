@@ -122,7 +122,11 @@ def test_gaussian_nll_is_finite_for_extreme_log_variances():
     the floor is a logaddexp and nothing is exponentiated upward."""
     model = _model(True, dtype=torch.float32)
     x, mask = _seq(dtype=torch.float32)
+    old = model.net.project_out  # x-transformers' projection has no bias: one with a bias to set
+    model.net.project_out = torch.nn.Linear(old.in_features, old.out_features, dtype=old.weight.dtype)
     with torch.no_grad():
+        model.net.project_out.weight.copy_(old.weight)
+        model.net.project_out.bias.zero_()
         model.net.project_out.bias[D:] = torch.tensor([1e4, -1e4])
     loss = model(x, mask=mask)
     loss.backward()

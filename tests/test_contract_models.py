@@ -152,7 +152,7 @@ def test_s2_empty_context_leaves_residual_unchanged(case: Case):
         masked = model(src, tgt, mask=none_mask, tgt_mask=inp.kwargs["tgt_mask"])
         empty = model(src[:, :0], tgt, mask=none_mask[:, :0], tgt_mask=inp.kwargs["tgt_mask"])
         real = inp.kwargs["tgt_mask"]
-        logits = model.decoder(tgt[:, :-1], mask=real[:, :-1])  # no context at all
+        logits = model.decoder.net(tgt[:, :-1], mask=real[:, :-1])  # no context at all
         target = torch.where(real[:, 1:], tgt[:, 1:], -100)
         plain = sf.safe_cross_entropy(logits, target)
         hp.assert_bitwise(masked, plain, "loss with an all-False source mask vs no context")
@@ -361,9 +361,12 @@ def test_s6_kernel_not_trusted(case: Case, sc: Scenario):
 def _scale_qk(model: nn.Module, factor: float) -> None:
     with torch.no_grad():
         for m in hp.attention_modules(model):
-            if m.q_norm is not None:  # qk-norm fixes the size of q and k; its gains set the scale
-                m.q_norm.weight.mul_(factor)
-                m.k_norm.weight.mul_(factor)
+            if m.q_norm is not None and m.qk_norm_q_scale is not None:  # qk-norm fixes the size of q and k;
+                m.qk_norm_q_scale.mul_(factor)  # its learned scales set the logit scale
+                m.qk_norm_k_scale.mul_(factor)
+            elif m.q_norm is not None:  # or its fixed multipliers (qk_norm_scale)
+                m.q_norm.mult *= factor
+                m.k_norm.mult *= factor
             else:
                 m.to_q.weight.mul_(factor)
                 m.to_k.weight.mul_(factor)

@@ -258,7 +258,7 @@ def test_xtransformer_cond_drop_prob_one_is_the_unconditioned_decoder():
     for name, p in xt.named_parameters():
         if p.grad is not None:
             assert_finite(p.grad, f"grad of {name}")
-    dec64 = copy.deepcopy(xt.decoder).double().eval()
+    dec64 = copy.deepcopy(xt.decoder.net).double().eval()
     ref = torch.nn.functional.cross_entropy(dec64(tgt[:, :-1]).reshape(-1, V), tgt[:, 1:].reshape(-1))
     assert_close(loss.detach(), ref, "XTransformer loss with every source dropped", torch.float32, table=ATTEND_TOL)
     # the encoder got no gradient path: every source was dropped (exactly zero, not NaN)
@@ -471,7 +471,7 @@ def test_xtransformer_generate_with_guidance():
     for scale in (1.0, 0.0, 2.5):
         out = xt.generate(src, start, 6, mask=src_mask, cond_scale=scale, temperature=0.0)
         for i in range(2):
-            ref = reference_greedy(xt.decoder, [0], 6, enc[i : i + 1], src_mask[i : i + 1], enc[i : i + 1],
+            ref = reference_greedy(xt.decoder.net, [0], 6, enc[i : i + 1], src_mask[i : i + 1], enc[i : i + 1],
                                    torch.zeros_like(src_mask[i : i + 1]), scale=scale)
             assert out[i].tolist() == ref, f"cond_scale={scale}, sample {i}"
     # a negative source (one for the whole batch) replaces the empty one in the unconditional branch
@@ -479,7 +479,7 @@ def test_xtransformer_generate_with_guidance():
     out = xt.generate(src, start, 6, mask=src_mask, cond_scale=2.5, negative_src=neg, temperature=0.0)
     neg_enc = xt.encode(neg).detach()
     for i in range(2):
-        ref = reference_greedy(xt.decoder, [0], 6, enc[i : i + 1], src_mask[i : i + 1], neg_enc, None, scale=2.5)
+        ref = reference_greedy(xt.decoder.net, [0], 6, enc[i : i + 1], src_mask[i : i + 1], neg_enc, None, scale=2.5)
         assert out[i].tolist() == ref, f"negative source, sample {i}"
 
 

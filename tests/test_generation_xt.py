@@ -33,7 +33,9 @@ def make_net(pos: str = "rotary", *, max_seq_len: int = 6, depth: int = 2, cross
     torch.manual_seed(seed)
     layers = Decoder(dim=DIM, depth=depth, heads=2, dim_head=16, rotary_pos_emb=pos == "rotary",
                      alibi_pos_bias=pos == "alibi", cross_attend=cross, dim_context=C if cross else None)
-    return TransformerWrapper(num_tokens=vocab, max_seq_len=max_seq_len, attn_layers=layers)
+    # ALiBi alone (x-transformers keeps a learned absolute embedding next to it unless told otherwise)
+    return TransformerWrapper(num_tokens=vocab, max_seq_len=max_seq_len, attn_layers=layers,
+                              use_abs_pos_emb=pos != "alibi")
 
 
 def prompt_list(lengths, seed: int = 1, vocab: int = V) -> list[torch.Tensor]:

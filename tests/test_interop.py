@@ -132,19 +132,22 @@ def test_logits_match_float64_exactly(name):
     assert_match(want, got, mask, atol=1e-10)
 
 
-def test_gqa_head_order_is_permuted():
-    """x-transformers pairs query head n with kv head n % h_kv; without the permutation the logits differ."""
+def test_gqa_heads_keep_x_transformers_order():
+    """x-transformers pairs query head n with kv head n % h_kv, and so does safeformer (``kv_head_order="tiled"``):
+    the weights carry over unpermuted. Earlier safeformer's interleaved pairing (``n // g``) on the same weights
+    gives other logits."""
     cfg = dict(layers="Decoder", attn_kv_heads=2)
     model = build_xt(cfg)
     sf = from_x_transformers(model)
     x, mask, kw = inputs(cfg)
+    assert torch.equal(sf.attn_layers.layers[0][1].to_q.weight, model.attn_layers.layers[0][1].to_q.weight)
     with torch.no_grad():
         want = model(x, mask=mask)
         assert_match(want, sf(x, mask=mask), mask, atol=1e-5)
-        # undo the permutation in layer 0 (heads 4, kv 2, d 8): logits must then move
-        q = sf.attn_layers.layers[0][1].to_q.weight
-        q.copy_(model.attn_layers.layers[0][1].to_q.weight)
-        err = (sf(x, mask=mask) - want)[mask].abs().max().item()
+        other = type(sf)(**{**sf._sf_config, "attn_layers": type(sf.attn_layers)(**{
+            **sf.attn_layers._sf_config, "attn_kwargs": {"kv_head_order": "interleaved"}})})
+        other.load_state_dict(sf.state_dict())
+        err = (other(x, mask=mask) - want)[mask].abs().max().item()
     assert err > 1e-3
 
 
@@ -193,9 +196,7 @@ def test_converted_model_is_safe_where_the_context_is_empty():
 # what from_x_transformers still refuses (the options it converts have parity tests: test_interop_options.py,
 # test_xt_keywords.py)
 UNSUPPORTED = [
-    (dict(attn_qk_norm=True, attn_qk_norm_groups=2), "qk_norm_groups"),
     (dict(attn_qk_rmsnorm=True), "attn_qk_rmsnorm"),
-    (dict(alibi_pos_bias=True), "alibi_pos_bias"),
     (dict(attn_gate_value_heads=True), "attn_gate_value_heads"),
     (dict(attn_on_attn=True), "attn_on_attn"),
     (dict(attn_value_dim_head=4), "attn_value_dim_head"),
@@ -223,14 +224,14 @@ def test_unsupported_options_raise_naming_them(kwargs, expected):
 
 def test_all_unsupported_options_listed_at_once():
     model = xt.TransformerWrapper(
-        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, attn_qk_norm=True, attn_qk_norm_groups=2,
+        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, attn_qk_rmsnorm=True,
                                                              attn_on_attn=True),
         post_emb_norm=True,
     )
     with pytest.raises(ValueError) as info:
         from_x_transformers(model)
     text = str(info.value)
-    assert all(opt in text for opt in ("qk_norm_groups", "attn_on_attn", "post_emb_norm"))
+    assert all(opt in text for opt in ("attn_qk_rmsnorm", "attn_on_attn", "post_emb_norm"))
 
 
 def test_drop_training_only_converts_and_matches_in_eval():

@@ -554,7 +554,7 @@ def test_xtransformer_training_at_half_drops_whole_samples_exactly(src_padded):
     src_mask = None
     if src_padded:
         src_mask = torch.arange(6)[None] < torch.randint(1, 7, (B,), generator=_gen(39))[:, None]
-    seen, handle = capture_logits(xt.decoder)
+    seen, handle = capture_logits(xt.decoder.net)
     torch.manual_seed(SEED)
     loss = xt(src, tgt, mask=src_mask)
     handle.remove()
@@ -562,8 +562,8 @@ def test_xtransformer_training_at_half_drops_whole_samples_exactly(src_padded):
     with torch.no_grad():
         enc = xt.encode(src, src_mask)
         full = torch.ones(B, 6, dtype=torch.bool) if src_mask is None else src_mask
-        cond = xt.decoder(tgt[:, :-1], context=enc, context_mask=full)
-        uncond = xt.decoder(tgt[:, :-1], context=enc, context_mask=torch.zeros(B, 6, dtype=torch.bool))
+        cond = xt.decoder.net(tgt[:, :-1], context=enc, context_mask=full)
+        uncond = xt.decoder.net(tgt[:, :-1], context=enc, context_mask=torch.zeros(B, 6, dtype=torch.bool))
     dropped = split_per_sample(got, cond, uncond, "XTransformer training logits")
     assert 0 < int(dropped.sum()) < B and binomial_ok(int(dropped.sum()), B, 0.5), int(dropped.sum())
     assert torch.equal(dropped, expected_draw(B, 0.5, SEED))
@@ -681,7 +681,7 @@ def test_xtransformer_limits_at_the_boundary():
     tgt = torch.randint(0, VOCAB, (2, 9), generator=_gen(85))
     loss = xt(src, tgt)
     xt64 = copy.deepcopy(xt).double()
-    logits64 = xt64.decoder(tgt[:, :-1], context=xt64.encode(src))
+    logits64 = xt64.decoder.net(tgt[:, :-1], context=xt64.encode(src))
     ref = F.cross_entropy(logits64.reshape(-1, VOCAB), tgt[:, 1:].reshape(-1))
     assert_close(loss.detach(), ref, "XTransformer loss at both limits", torch.float32, table=ATTEND_TOL)
     with pytest.raises(ValueError, match="max_seq_len=8"):
@@ -693,7 +693,7 @@ def test_xtransformer_limits_at_the_boundary():
     enc64, seq = xt64.eval().encode(src), start
     with torch.no_grad():
         for _ in range(8):
-            step = xt64.decoder(seq, context=enc64)[:, -1]
+            step = xt64.decoder.net(seq, context=enc64)[:, -1]
             top2 = step.topk(2, dim=-1).values
             assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-5, "near-tie in the reference: change the seed"
             seq = torch.cat((seq, step.argmax(-1, keepdim=True)), dim=1)
@@ -875,13 +875,13 @@ def test_xtransformer_training_at_drop_probability_zero_and_one_is_all_kept_or_a
     xt = make_xt(p).train()
     src = torch.randint(0, VOCAB, (8, 6), generator=_gen(59))
     tgt = torch.randint(0, VOCAB, (8, 5), generator=_gen(60))
-    seen, handle = capture_logits(xt.decoder)
+    seen, handle = capture_logits(xt.decoder.net)
     xt(src, tgt)
     handle.remove()
     with torch.no_grad():
         enc = xt.encode(src)
-        cond = xt.decoder(tgt[:, :-1], context=enc, context_mask=torch.ones(8, 6, dtype=torch.bool))
-        uncond = xt.decoder(tgt[:, :-1], context=enc, context_mask=torch.zeros(8, 6, dtype=torch.bool))
+        cond = xt.decoder.net(tgt[:, :-1], context=enc, context_mask=torch.ones(8, 6, dtype=torch.bool))
+        uncond = xt.decoder.net(tgt[:, :-1], context=enc, context_mask=torch.zeros(8, 6, dtype=torch.bool))
     if p == 0.0:  # no mask at all is passed: compare within float32 (a mask-free path is another kernel call)
         hp.assert_close(seen[0], cond.double(), "XTransformer at cond_drop_prob=0", dtype=torch.float32)
         assert not bool(torch.isclose(seen[0], uncond, atol=1e-3).all())

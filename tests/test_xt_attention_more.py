@@ -22,20 +22,8 @@ DIM, HEADS, DH = 16, 4, 8
 
 
 def _copy_attention(src: torch.nn.Module, dst: sf.Attention) -> sf.Attention:
-    """x-transformers' ``Attention`` weights into safeformer's (bias-less projections)."""
-    pairs = {"to_q.weight": "to_q.weight", "to_k.weight": "to_k.weight", "to_v.weight": "to_v.weight",
-             "to_out.weight": "to_out.weight", "attend.head_attn_sink": "head_attn_sink",
-             "attend.cope.pos_emb": "cope.pos_emb", "to_latent_q.weight": "to_latent_q.weight",
-             "to_latent_kv.weight": "to_latent_kv.weight", "to_rotateable_k.weight": "to_rotateable_k.weight",
-             "rel_proj_pos_bias.to_distance_weights.0.weight": "rel_proj_pos_bias.to_distance_weights.weight",
-             "rel_proj_pos_bias.to_distance_weights.0.bias": "rel_proj_pos_bias.to_distance_weights.bias",
-             "rel_proj_pos_bias.distance_bank": "rel_proj_pos_bias.distance_bank", "mem_k": "mem_k", "mem_v": "mem_v"}
-    theirs = dict(src.named_parameters())
-    mine = dict(dst.named_parameters())
-    assert set(theirs) <= set(pairs), set(theirs) - set(pairs)
-    with torch.no_grad():
-        for name, p in theirs.items():
-            mine[pairs[name]].copy_(p)
+    """x-transformers' ``Attention`` weights into safeformer's: the state dict, strictly (the same keys)."""
+    dst.load_state_dict(src.state_dict(), strict=True)
     return dst
 
 
@@ -189,9 +177,7 @@ def test_relative_proj_bias_module_matches_x_transformers():
     torch.manual_seed(0)
     theirs = xt.x_transformers.RelativeProjPositionalBias(dim=DIM, heads=HEADS, num_distance_basis=5, max_dist=4)
     mine = sf.RelativeProjPositionalBias(DIM, HEADS, num_distance_basis=5, max_dist=4)
-    mine.to_distance_weights.load_state_dict(theirs.to_distance_weights[0].state_dict())
-    with torch.no_grad():
-        mine.distance_bank.copy_(theirs.distance_bank)
+    mine.load_state_dict(theirs.state_dict(), strict=True)  # x-transformers' keys
     x = torch.randn(2, 5, DIM)
     torch.testing.assert_close(mine(x, seq_len_k=7), theirs(x, seq_len_k=7), atol=1e-6, rtol=1e-6)
     import safeformer.x_transformers as sfx

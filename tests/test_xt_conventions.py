@@ -169,10 +169,10 @@ def test_continuous_wrapper_without_max_seq_len_like_x_transformers():
                                                         use_abs_pos_emb=False))
     ours = sf.ContinuousTransformerWrapper(dim_in=3, dim_out=2, attn_layers=conv.attn_layers).double().eval()
     assert ours.pos_emb is None and ours.max_seq_len is None
-    with torch.no_grad():  # x-transformers' projections have no bias: ours at 0
+    with torch.no_grad():  # x-transformers' projections, bias-free in both
         for mine, other in ((ours.project_in, theirs.project_in), (ours.project_out, theirs.project_out)):
+            assert mine.bias is None and other.bias is None
             mine.weight.copy_(other.weight)
-            mine.bias.zero_()
     x = torch.randn(2, 7, 3, dtype=F64)
     hp.assert_close(ours(x), theirs(x), "continuous without max_seq_len", torch.float32)
     assert sf.ContinuousTransformerWrapper(max_seq_len=0, attn_layers=sf.Encoder(dim=8, depth=1, heads=1, dim_head=8)).pos_emb is None

@@ -76,7 +76,7 @@ def test_rmsnorm_matches_x_transformers(unit_offset):
     theirs, ours = xx.RMSNorm(16, unit_offset=unit_offset).double(), sf.RMSNorm(16, unit_offset=unit_offset).double()
     with torch.no_grad():
         theirs.g.normal_()
-        ours.weight.copy_(theirs.g)
+        ours.g.copy_(theirs.g)
     x = torch.randn(3, 5, 16, dtype=F64)
     hp.assert_close(ours(x), theirs(x), "RMSNorm", torch.float32)  # eps 1e-6 against F.normalize's 1e-12
     with pytest.raises(TypeError, match="unit_offset"):

@@ -40,39 +40,10 @@ def _unwrap(layer):
             return layer, scale
 
 
-def _copy_norm(dst, src) -> None:
-    dst.weight.copy_(src.gamma + float(src.unit_offset))
-    dst.bias.zero_()
-
-
 def _copy(ours: sf.AttentionLayers, peer) -> None:
-    """x-transformers' weights (its ``AttentionLayers`` ``peer``) into ``ours``, block by block (heads == kv heads:
-    no head permutation)."""
+    """x-transformers' weights (its ``AttentionLayers`` ``peer``) into ``ours``: the state dict, strictly."""
     assert tuple(peer.layer_types) == ours.layer_types
-    with torch.no_grad():
-        for k, ((pre, post_branch, post_main), layer, residual) in enumerate(peer.layers):
-            blk = ours.layers[k]
-            if pre is not None:
-                _copy_norm(blk.norm, pre)
-            if post_branch is not None:
-                _copy_norm(blk[3], post_branch)
-            if post_main is not None:
-                _copy_norm(ours.routing.post_norms[k], post_main)
-            mixer, scale = _unwrap(layer)
-            if scale is not None:
-                blk.gate.gamma.copy_(scale.gamma + float(scale.unit_offset))
-            if blk.kind == "ff":
-                blk.mixer.proj_in.load_state_dict(mixer.ff[0][0].state_dict())
-                blk.mixer.proj_out.load_state_dict(mixer.ff[2].state_dict())
-            else:
-                for name in ("to_q", "to_k", "to_v", "to_out"):
-                    getattr(blk.mixer, name).load_state_dict(getattr(mixer, name).state_dict())
-            if getattr(residual, "residual_scale", None) is not None:
-                ours.routing.residual_scales[k].copy_(residual.residual_scale)
-            if isinstance(residual, xt_mod.GRUGating):
-                ours.routing.grus[k].load_state_dict(residual.gru.state_dict())
-        if hasattr(peer.final_norm, "gamma"):
-            _copy_norm(ours.final_norm, peer.final_norm)
+    ours.load_state_dict(peer.state_dict(), strict=True)
 
 
 def _pair(opts: dict, causal: bool = True, seed: int = 0):

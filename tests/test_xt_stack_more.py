@@ -21,7 +21,7 @@ import x_transformers.x_transformers as xt_mod
 from helpers import check_padded_equals_alone, perturb_params
 
 import safeformer as sf
-from safeformer.block import ResidualRouting, sinkhorn
+from safeformer.block import sinkhorn
 from safeformer.static import static_reason
 
 DIM, HEADS, DIM_HEAD, VOCAB = 32, 4, 8, 50
@@ -36,51 +36,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 _perturb = perturb_params
 
 
-def _copy_routing(ours: ResidualRouting, peer) -> None:
-    """x-transformers' routing parameters (``peer``: its ``AttentionLayers``) into safeformer's routing."""
-    with torch.no_grad():
-        if ours.stream_emb is not None:
-            ours.stream_emb.copy_(peer.stream_emb)
-        for i in range(len(peer.layers)):
-            residual = peer.layers[i][2]
-            if ours.hyper is not None:
-                ours.hyper[i].load_state_dict(residual.state_dict())
-            if ours.mv_split is not None:
-                ours.mv_split[i].load_state_dict(residual.state_dict())
-            if ours.integrators is not None:
-                lime = peer.layer_integrators[i]
-                ours.integrators[i].norm.weight.copy_(lime.to_weights[0].g)
-                ours.integrators[i].to_weights.load_state_dict(lime.to_weights[1].state_dict())
-            if ours.post_norms is not None:
-                post = peer.layers[i][0][2]
-                ours.post_norms[i].weight.copy_(post.gamma + float(post.unit_offset))
-                ours.post_norms[i].bias.zero_()
-            if ours.skip_combines is not None and str(i) in ours.skip_combines:
-                assert peer.skip_combines[i].prev_layer_ind == ours.skip_combines[str(i)].prev_layer_ind
-                ours.skip_combines[str(i)].combine.load_state_dict(peer.skip_combines[i].combine.state_dict())
-        if ours.reinject_input_proj is not None:
-            ours.reinject_input_proj.load_state_dict(peer.reinject_input_proj.state_dict())
-        if ours.learned_reinject_input_gate is not None:
-            ours.learned_reinject_input_gate.load_state_dict(peer.learned_reinject_input_gate.state_dict())
-
-
 def _pair(opts: dict, *, encoder: bool = False, depth: int = 2, seed: int = 0):
-    """``(ours, peer)``: x-transformers' wrapper with ``opts`` (weights perturbed) and safeformer's on the same
-    weights (the plain parts through ``from_x_transformers`` of a twin without the options)."""
+    """``(ours, peer)``: x-transformers' wrapper with ``opts`` (weights perturbed) and safeformer's built by the same
+    call, x-transformers' state dict loaded strictly (the routing's parameters where x-transformers keeps them)."""
     torch.manual_seed(seed)
-    cls = xt.Encoder if encoder else xt.Decoder
     common = dict(dim=DIM, depth=depth, heads=HEADS, attn_dim_head=DIM_HEAD)
-    peer = _perturb(xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=32, attn_layers=cls(**common, **opts)), seed).eval()
-    twin = xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=32, attn_layers=cls(**common)).eval()
-    twin.load_state_dict(peer.state_dict(), strict=False)
-    base = sf.from_x_transformers(twin).eval()
-    sf_cls = sf.Encoder if encoder else sf.Decoder
-    layers = sf_cls(**{**base.attn_layers._sf_config, **opts, "pre_norm_has_final_norm": True})
-    ours = sf.TransformerWrapper(**{**base._sf_config, "attn_layers": layers}).eval()
-    missing, unexpected = ours.load_state_dict(base.state_dict(), strict=False)
-    unexpected = [k for k in unexpected if not (opts.get("pre_and_post_norm") and k.startswith("attn_layers.final_norm."))]
-    assert not unexpected and all(k.startswith("attn_layers.routing.") for k in missing), (missing, unexpected)
-    _copy_routing(ours.attn_layers.routing, peer.attn_layers)
+    peer = _perturb(xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=32, attn_layers=(
+        xt.Encoder if encoder else xt.Decoder)(**common, **opts)), seed).eval()
+    ours = sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=32, attn_layers=(
+        sf.Encoder if encoder else sf.Decoder)(**common, **opts)).eval()
+    ours.load_state_dict(peer.state_dict(), strict=True)
     return ours, peer
 
 

@@ -27,34 +27,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 _perturb = perturb_params
 
 
-def _copy_post_norms(ours, peer) -> None:
-    """x-transformers' ``pre_and_post_norm`` norms (``peer``: its ``AttentionLayers``) into safeformer's routing."""
-    with torch.no_grad():
-        for i, post in enumerate(ours.routing.post_norms):
-            theirs = peer.layers[i][0][2]
-            post.weight.copy_(theirs.gamma + float(theirs.unit_offset))
-            post.bias.zero_()
-
-
 def _looped_pair(seed: int = 0, steps: int = 4, **opts):
-    """``(ours, peer)``: x-transformers' looped wrapper (weights perturbed) and safeformer's on the same weights (the
-    plain parts through ``from_x_transformers`` of a twin without ``looped`` / ``pre_and_post_norm``)."""
+    """``(ours, peer)``: x-transformers' looped wrapper (weights perturbed) and safeformer's built by the same call,
+    x-transformers' state dict loaded strictly."""
     torch.manual_seed(seed)
     common = dict(dim=DIM, depth=2, heads=HEADS, attn_dim_head=DIM_HEAD)
     peer = _perturb(xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=32, looped=True, max_looped_steps=steps,
                                           attn_layers=xt.Decoder(**common, pre_and_post_norm=True, **opts)), seed).eval()
-    twin = xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=32, attn_layers=xt.Decoder(**common, **opts)).eval()
-    twin.load_state_dict(peer.state_dict(), strict=False)
-    base = sf.from_x_transformers(twin).eval()
-    layers = sf.Decoder(**{**base.attn_layers._sf_config, "pre_and_post_norm": True})
-    ours = sf.TransformerWrapper(**{**base._sf_config, "attn_layers": layers, "looped": True,
-                                    "max_looped_steps": steps}).eval()
-    missing, unexpected = ours.load_state_dict(base.state_dict(), strict=False)
-    assert not [k for k in unexpected if not k.startswith("attn_layers.final_norm.")], unexpected
-    assert all(k.startswith(("attn_layers.routing.", "exit_gate.")) for k in missing), missing
-    _copy_post_norms(ours.attn_layers, peer.attn_layers)
-    with torch.no_grad():
-        ours.exit_gate.weight.copy_(peer.exit_gate.weight)
+    ours = sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=32, looped=True, max_looped_steps=steps,
+                                 attn_layers=sf.Decoder(**common, pre_and_post_norm=True, **opts)).eval()
+    ours.load_state_dict(peer.state_dict(), strict=True)  # the same keys as x-transformers'
     return ours, peer
 
 

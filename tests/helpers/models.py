@@ -887,7 +887,7 @@ class XTransformerCase(Case):
         return None
 
     def roles(self, model):
-        return {**stack_roles(model.encoder.attn_layers, "enc"), **stack_roles(model.decoder.attn_layers, "dec")}
+        return {**stack_roles(model.encoder.attn_layers, "enc"), **stack_roles(model.decoder.net.attn_layers, "dec")}
 
     def dead(self, sc):
         inp_mask = self.tgt_mask(sc)[:, :-1]
@@ -916,18 +916,18 @@ class XTransformerCase(Case):
         src, tgt = inp.args
         mask, tgt_mask = inp.kwargs["mask"], inp.kwargs["tgt_mask"]
         enc = model.encode(src, mask)
-        out, cache = model.decoder(tgt[:, :prefix], mask=tgt_mask[:, :prefix], context=enc, context_mask=mask,
+        out, cache = model.decoder.net(tgt[:, :prefix], mask=tgt_mask[:, :prefix], context=enc, context_mask=mask,
                                    return_cache=True)
         outs = [out]
         for t in range(prefix, sc.n):
-            out, cache = model.decoder(tgt[:, t : t + 1], mask=tgt_mask[:, t : t + 1], cache=cache, return_cache=True)
+            out, cache = model.decoder.net(tgt[:, t : t + 1], mask=tgt_mask[:, t : t + 1], cache=cache, return_cache=True)
             outs.append(out)
         return torch.cat(outs, dim=1)
 
     def full_logits(self, model, inp) -> Tensor:
         src, tgt = inp.args
         mask, tgt_mask = inp.kwargs["mask"], inp.kwargs["tgt_mask"]
-        return model.decoder(tgt, mask=tgt_mask, context=model.encode(src, mask), context_mask=mask)
+        return model.decoder.net(tgt, mask=tgt_mask, context=model.encode(src, mask), context_mask=mask)
 
     def bad_calls(self, model, inp):
         src, tgt = inp.args
