@@ -197,3 +197,28 @@ def test_hyper_connection_residual_mix_is_doubly_stochastic_where_x_transformers
     torch.testing.assert_close(mix.sum(-1), torch.ones_like(mix.sum(-1)), rtol=0, atol=1e-3)
     torch.testing.assert_close(mix.sum(-2), torch.ones_like(mix.sum(-2)), rtol=0, atol=1e-3)
     torch.testing.assert_close(mixed_sf, torch.einsum("...st,...sd->...td", mix, streams))
+
+
+def test_autoregressive_loss_drops_masked_targets_where_x_transformers_counts_them():
+    """The listed difference of ``AutoregressiveWrapper``'s loss on the same weights: with ``mask``, x-transformers
+    averages the cross-entropy over every target (a padded one included: pix2tex pads targets with 0, not
+    ``ignore_index``); safeformer over the targets whose position is real."""
+    torch.manual_seed(0)
+    theirs = xt.AutoregressiveWrapper(dec(xt)).eval()
+    ours = sf.AutoregressiveWrapper(dec(sf)).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(1, V, (2, N), generator=g)
+    mask = torch.arange(N)[None] < torch.tensor([N, 5])[:, None]
+    x = torch.where(mask, x, 0)  # right padding with token 0
+    with torch.no_grad():
+        logits = ours.net(x[:, :-1], mask=mask[:, :-1]).double()
+        per = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+        real = mask[:, 1:]
+        torch.testing.assert_close(ours(x, mask=mask).double(), per[real].mean(), rtol=1e-5, atol=1e-6)
+        # x-transformers' own logits (those of padded positions are its, and depend on the padding)
+        per_xt = torch.nn.functional.cross_entropy(theirs.net(x[:, :-1], mask=mask[:, :-1]).double().transpose(1, 2),
+                                                   x[:, 1:], reduction="none")
+        torch.testing.assert_close(per_xt[real], per[real], rtol=1e-5, atol=1e-5)  # the real targets agree
+        torch.testing.assert_close(theirs(x, mask=mask).double(), per_xt.mean(), rtol=1e-5, atol=1e-6)
+        assert abs(float(per[real].mean() - per_xt.mean())) > 1e-3
