@@ -76,6 +76,11 @@ class Attention(nn.Module):
             ``return_intermediates`` gives no attention weights, as in x-transformers.
         kv_heads: key/value heads (grouped-query attention); default ``heads``. ``one_kv_head=True``:
             x-transformers' spelling of ``kv_heads=1``.
+        kv_head_order: which key/value head a query head reads with ``1 < kv_heads < heads``: ``"tiled"`` (the
+            default, x-transformers': head ``n`` reads ``n % kv_heads``, so its weights load as they are) or
+            ``"interleaved"`` (``n // (heads / kv_heads)``, earlier safeformer's; its checkpoints load with it).
+        qk_norm_groups, qk_norm_scale: x-transformers' qk-norm options (the L2 norm per group of
+            ``dim_head / qk_norm_groups`` features; the logit scale, default 10).
         dropout: attention dropout (training only).
         bias: use biases in the projections.
         backend: ``attend`` backend (``"auto"`` picks per call).

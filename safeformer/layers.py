@@ -40,11 +40,16 @@ Args:
         ``post_act_ln``, ``glu_mult_bias``, ``sublayer_dropout``, ``zero_init_output``, ``output_proj_depth``,
         ``dim_out`` equal to ``dim``). x-transformers' spellings ``attn_<name>`` / ``ff_<name>`` land here
         (``ff_no_bias=True`` is ``ff_kwargs={"no_bias": True}``); see ``FeedForward`` for their meaning.
+        ``attn_kwargs`` also takes safeformer's ``kv_head_order`` (``"tiled"``, x-transformers' grouped-query
+        pairing and the default, or ``"interleaved"``, earlier safeformer's), ``qk_norm_groups`` and
+        ``qk_norm_scale``.
     attn_onnxable, verbose: accepted with any value, no effect on the numbers (x-transformers uses them to pick
         ONNX-friendly ops and to print construction warnings).
-    Other x-transformers keywords (``xt_defaults.XT_DEFAULT_ONLY``: ``attn_sparse_topk``, the talking heads,
-        ``dynamic_pos_bias``, ``norm_add_unit_offset``, ...) are accepted at x-transformers' default value, which
-        is what safeformer does; any other value is a ``TypeError`` that names the keyword.
+    Other x-transformers keywords (``xt_defaults.XT_DEFAULT_ONLY``: ``attn_on_attn``, ``attn_qk_rmsnorm``,
+        ``attn_max_attend_past``, ...) are accepted at x-transformers' default value, which is what safeformer
+        does; any other value is a ``TypeError`` that names the keyword.
+    norm_add_unit_offset: the norms' gains (and layerscale's) stored minus 1, as x-transformers' default (``True``;
+        weight decay then pulls them towards the identity). The state dict is x-transformers' either way.
     rotary_pos_emb: rotary positions in self-attention.
     rotary_emb_dim: features per head that rotate (default ``dim_head // 2``).
     rotary_theta: rotary base.
@@ -52,7 +57,8 @@ Args:
     rotary_base_rescale_factor: the base times ``factor ** (d_rot / (d_rot - 2))`` (NTK-aware scaling,
         x-transformers' name).
     alibi_pos_bias: ALiBi bias in self-attention.
-    attn_qk_norm: RMS-normalise queries and keys.
+    attn_qk_norm: x-transformers' qk-norm: queries and keys L2-normalised per head (per group of
+        ``attn_qk_norm_groups``), the logits scaled by ``attn_qk_norm_scale`` (default 10).
     attn_dropout: attention dropout.
     ff_dropout: feed-forward dropout.
     attn_bias: biases in the attention projections.
@@ -78,13 +84,15 @@ Args:
     attn_head_learned_sink: a learned per-head attention sink (``Attention(learned_sink=True)``).
     attn_softclamp_logits: softclamp the attention logits (ALiBi bias included), ``tanh(l / v) * v``
         with ``v = attn_logit_softclamp_value`` (explicit float32 attention, no fused kernel).
-    attn_qk_norm_eps: the epsilon of the q/k norms of ``attn_qk_norm`` (default 1e-6).
+    attn_qk_norm_eps: the floor of the q/k L2 norms of ``attn_qk_norm`` (default 1e-12, x-transformers'), and the
+        epsilon of ``attn_value_rmsnorm`` (default 1e-6).
     attn_gate_values, attn_gate_values_rank, attn_gate_values_headwise, attn_output_gate,
         attn_output_gate_rank, attn_output_gate_headwise, attn_swiglu_values, attn_low_rank_silu_gates:
         gated attention in every attention block (``Attention(gate_values=..., ...)``, x-transformers'
         names).
-    attn_qk_norm_dim_scale: with ``attn_qk_norm``, learned gains per head and feature on the q/k norms,
-        ``d ** -0.25`` at init (x-transformers' name: logits ``sum_e qhat_e khat_e`` at init).
+    attn_qk_norm_dim_scale: with ``attn_qk_norm``, learned scales per head and feature
+        (``qk_norm_q_scale (h, 1, d)``, ``qk_norm_k_scale (h_kv, 1, d)``, ``d ** 0.25`` at init) and the ordinary
+        ``d ** -0.5`` logit scale (x-transformers': logits ``sum_e qhat_e khat_e`` at init).
     attn_value_rmsnorm: RMS-normalise each value head, gain ``1 + w`` per key/value head (x-transformers'
         ``MultiheadRMSNorm``; memory values are not normalised, as there).
     add_value_residual: every attention after the first of its kind (self or cross) mixes the first one's

@@ -691,8 +691,8 @@ def _read_config(cfg_file: Path) -> dict[str, Any]:
     if type(config["version"]) is not int or config["version"] not in _READABLE_VERSIONS:
         raise ValueError(f"{cfg_file} has checkpoint format version {config['version']!r}, expected one of "
                          f"{list(_READABLE_VERSIONS)}")
-    if config["version"] == 1:
-        _migrate_config_v1(config["config"])
+    if config["version"] == 1:  # the top level's class and config, then every nested module's
+        _migrate_config_v1({"class": config["class"], "config": config["config"]})
     if type(config["class"]) is not str:
         raise ValueError(f"{cfg_file}: class must be a class name, got {_show(config['class'])}")
     return config
@@ -718,6 +718,11 @@ def _migrate_config_v1(tree: Any) -> None:
         if "tie_embedding_scale" in params and cfg.get("tie_embedding") is True and cfg.get("tie_embedding_scale") is None:
             cfg["tie_embedding_scale"] = 1.0
         _interleaved_kv_heads_v1(cls, cfg, params)
+        if "enc_options" in params:  # an XTransformer: each side's options are a stack's (and its wrapper's)
+            for side in ("enc_options", "dec_options"):
+                options = dict(cfg.get(side) or {})
+                _migrate_side_v1(options, rotary=cfg.get("rotary_pos_emb") is True)
+                cfg[side] = options
         for key in ("attn_qk_norm", "qk_norm"):  # format 1's RMS qk-norm with gains: qk_norm_dim_scale now
             if cfg.get(key) is True and key + "_dim_scale" in params:
                 cfg[key + "_dim_scale"] = True
@@ -726,6 +731,20 @@ def _migrate_config_v1(tree: Any) -> None:
             cfg["disable_abs_pos_emb"] = any(cfg.get(k) is True for k in relative)  # format 1: any relative scheme
     for v in tree.values():
         _migrate_config_v1(v)
+
+
+def _migrate_side_v1(options: dict, rotary: bool) -> None:
+    """One side's options of a format-1 ``XTransformer``, read as ``_migrate_config_v1`` reads a stack's."""
+    options.setdefault("norm_add_unit_offset", False)
+    kwargs = dict(options.get("attn_kwargs") or {})
+    kwargs.setdefault("kv_head_order", "interleaved")
+    options["attn_kwargs"] = kwargs
+    if options.get("attn_qk_norm") is True:
+        options["attn_qk_norm_dim_scale"] = True
+    relative = rotary or any(options.get(k) is True for k in
+                             ("rotary_pos_emb", "alibi_pos_bias", "rotary_xpos", "polar_pos_emb", "rel_pos_bias"))
+    if options.get("disable_abs_pos_emb") is None:
+        options["disable_abs_pos_emb"] = relative
 
 
 def _interleaved_kv_heads_v1(cls: type, cfg: dict, params: set) -> None:
