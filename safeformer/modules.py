@@ -450,9 +450,13 @@ class FeedForward(nn.Module):
             if mult_bias is not None:
                 h = h * mult_bias
         else:
-            for m in list(self.ff[0])[1:]:  # the soft clamp, then the activation
+            for i, m in enumerate(self.ff[0]):  # after the projection: the soft clamp, then the activation
+                if i:
+                    h = m(h)
+        for i, m in enumerate(self.ff):  # after the input part: [LayerNorm], dropout, projection, [dropout]
+            if i:
                 h = m(h)
-        return self.ff[1:](h)
+        return h
 
 
 def _legacy_feed_forward(ff: FeedForward, state_dict, prefix, *_args) -> None:

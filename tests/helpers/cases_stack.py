@@ -89,9 +89,11 @@ def _perturb_gains(model: nn.Module, seed: int = 6) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, (sf.block.LayerScale, nn.GRUCell)):
-                for p in m.parameters():
-                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+            # LayerScale wraps its branch (x-transformers' tree): its own gain only
+            params = [m.gamma] if isinstance(m, sf.xt_modules.LayerScale) else \
+                list(m.parameters()) if isinstance(m, nn.GRUCell) else []
+            for p in params:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
     return model
 
 

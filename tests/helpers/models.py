@@ -1059,10 +1059,11 @@ def _nonzero_head_gains(model: nn.Module) -> nn.Module:
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, sf.Attention):
-                for norm in (m.q_norm, m.k_norm, m.v_norm):
-                    if norm is not None:
-                        norm.weight.add_(0.3 * torch.randn(norm.weight.shape, generator=g, dtype=norm.weight.dtype))
+            if isinstance(m, sf.Attention):  # qk_norm_q_scale / qk_norm_k_scale, value_rmsnorm.gamma
+                gains = (m.qk_norm_q_scale, m.qk_norm_k_scale, None if m.v_norm is None else m.v_norm.gamma)
+                for gain in gains:
+                    if gain is not None:
+                        gain.add_(0.3 * torch.randn(gain.shape, generator=g, dtype=gain.dtype))
     return model
 
 
