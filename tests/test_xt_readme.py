@@ -137,8 +137,7 @@ def _convert_vit(xt_vit):
     with torch.no_grad():
         sf_vit.pos_embedding.copy_(xt_vit.pos_embedding)
         for i in (0, 2):
-            sf_vit.patch_to_embedding[i].weight.copy_(xt_vit.patch_to_embedding[i].gamma)
-            sf_vit.patch_to_embedding[i].bias.zero_()
+            sf_vit.patch_to_embedding[i].gamma.copy_(xt_vit.patch_to_embedding[i].gamma)  # x-transformers' LayerNorm
         sf_vit.patch_to_embedding[1].load_state_dict(xt_vit.patch_to_embedding[1].state_dict())
         if num_classes is not None:
             sf_vit.mlp_head.load_state_dict(xt_vit.mlp_head.state_dict())
@@ -219,7 +218,7 @@ def test_full_encoder_decoder_parity():
         _assert_parity(
             "full encoder / decoder (decoder logits)",
             xt_model.decoder.net(tgt, context=xt_enc, context_mask=src_mask),
-            sf_model.decoder(tgt, context=xt_enc, context_mask=src_mask),
+            sf_model.decoder.net(tgt, context=xt_enc, context_mask=src_mask),
         )
 
 
@@ -1110,7 +1109,7 @@ def test_dec_cross_residual_attn_parity():
         _assert_parity(
             "dec_cross_residual_attn (decoder logits)",
             xt_model.decoder.net(tgt, context=xt_enc, context_mask=src_mask),
-            sf_model.decoder(tgt, context=xt_enc, context_mask=src_mask),
+            sf_model.decoder.net(tgt, context=xt_enc, context_mask=src_mask),
         )
 
 
@@ -1332,18 +1331,14 @@ def test_alibi_num_heads():
 
 
 def test_alibi_num_heads_parity():
-    """With ``use_abs_pos_emb=False`` on the x-transformers side: safeformer drops the absolute position
-    embedding under ALiBi, and ``from_x_transformers`` refuses the README's model, which keeps it."""
-    xt_model = xt.TransformerWrapper(
-        num_tokens=20000, max_seq_len=1024, use_abs_pos_emb=False,
-        attn_layers=xt.Decoder(dim=64, depth=2, heads=8, alibi_pos_bias=True, alibi_num_heads=4),
-    )
-    _token_parity("alibi_pos_bias + alibi_num_heads=4", xt_model)
-    with pytest.raises(ValueError, match="alibi_pos_bias"):
-        safeformer.from_x_transformers(xt.TransformerWrapper(
-            num_tokens=20000, max_seq_len=1024,
+    """README's ALiBi on half the heads, with and without the absolute position embedding x-transformers keeps next
+    to ALiBi by default (safeformer keeps it too)."""
+    for use_abs in (False, True):
+        xt_model = xt.TransformerWrapper(
+            num_tokens=20000, max_seq_len=1024, use_abs_pos_emb=use_abs,
             attn_layers=xt.Decoder(dim=64, depth=2, heads=8, alibi_pos_bias=True, alibi_num_heads=4),
-        ))
+        )
+        _token_parity(f"alibi_pos_bias + alibi_num_heads=4 (absolute embedding: {use_abs})", xt_model)
 
 
 def test_shift_tokens():
@@ -1655,10 +1650,8 @@ def test_continuous_embeddings_parity():
     sf_model = safeformer.ContinuousTransformerWrapper(dim_in=32, dim_out=100, max_seq_len=1024, attn_layers=sf_layers).eval()
     assert xt_model.pos_emb.scale == 64**-0.5
     with torch.no_grad():
-        sf_model.project_in.weight.copy_(xt_model.project_in.weight)
-        sf_model.project_in.bias.zero_()
+        sf_model.project_in.weight.copy_(xt_model.project_in.weight)  # bias-free in both
         sf_model.project_out.weight.copy_(xt_model.project_out.weight)
-        sf_model.project_out.bias.zero_()
         sf_model.pos_emb.emb.weight.copy_(xt_model.pos_emb.emb.weight)
         x = torch.randn((1, N_PARITY, 32))
         mask = torch.ones(1, N_PARITY).bool()
