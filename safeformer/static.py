@@ -314,8 +314,9 @@ class _BlockPlan(NamedTuple):
     fused: _FusedQKV | None
     plain_q: bool
     plain_out: bool
-    plain_ff: bool
+    plain_ff: tuple | None  # (proj_in, act, proj_out) of a plain feed-forward, read once per decoder
     finish: bool
+    norm: tuple | None  # a float32 LayerNorm's (weight, bias, eps, shape), its effective gain computed once
 
 
 def _plain_output(mixer) -> bool:
@@ -336,8 +337,21 @@ def _plain_ff(mixer) -> bool:
             and type(mixer.proj_out) is nn.Linear and (not mixer.training or mixer.dropout.p == 0))
 
 
-def _norm(norm, x: Tensor, cond: Tensor | None) -> Tensor:
+def _layer_norm_plan(norm, dtype: torch.dtype) -> tuple | None:
+    """A float32 ``LayerNorm``'s ``(weight, bias, eps, shape)`` for ``F.layer_norm``, its gain (``gamma`` plus the
+    unit offset) computed once per decoder (the weights do not change while it decodes); else ``None``."""
+    if type(norm) is not LayerNorm or dtype != torch.float32:
+        return None
+    with torch.no_grad():
+        return norm.weight.detach().clone(), None if norm.bias is None else norm.bias.detach(), norm.eps, \
+            norm.normalized_shape
+
+
+def _norm(norm, x: Tensor, cond: Tensor | None, plan: tuple | None = None) -> Tensor:
     """``apply_norm``; a float32 ``LayerNorm`` straight to ``F.layer_norm`` (what its float32 promotion computes)."""
+    if plan is not None and x.dtype == torch.float32:
+        weight, bias, eps, shape = plan
+        return F.layer_norm(x, shape, weight, bias, eps)
     if type(norm) is LayerNorm and x.dtype == torch.float32:
         return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
     return apply_norm(norm, x, cond)
@@ -380,9 +394,12 @@ class StaticDecoder:
         self.plan = [_BlockPlan(_fused_qkv(blk.mixer) if blk.kind == "self" and fast else None,
                                 blk.kind == "cross" and fast and _plain_q(blk.mixer),
                                 blk.kind != "ff" and fast and _plain_output(blk.mixer),
-                                blk.kind == "ff" and fast and _plain_ff(blk.mixer),
-                                blk._parts[2] is not None or blk.scale != 1.0 or blk._post_norm is not None)
+                                (blk.mixer.proj_in, blk.mixer.act, blk.mixer.proj_out)
+                                if blk.kind == "ff" and fast and _plain_ff(blk.mixer) else None,
+                                blk._parts[2] is not None or blk.scale != 1.0 or blk._post_norm is not None,
+                                _layer_norm_plan(blk.norm, self.dtype) if fast else None)
                      for blk in stack.layers]
+        self.final_norm_plan = _layer_norm_plan(stack.final_norm, self.dtype) if fast else None
         self.compiled = compile
         self._step = self._forward
         if compile:
@@ -479,9 +496,9 @@ class StaticDecoder:
             bias = bias.to(self.dtype)
             self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
         i_self = i_cross = 0
-        for blk, (fused, plain_q, plain_out, plain_ff, finish) in zip(stack.layers, self.plan):
+        for blk, (fused, plain_q, plain_out, plain_ff, finish, norm_plan) in zip(stack.layers, self.plan):
             norm, mixer, gate = blk._parts
-            h = _norm(norm, x, cond)
+            h = _norm(norm, x, cond, norm_plan)
             if blk.kind == "self":
                 if fused is not None:
                     q, k, v = self._project_fused(mixer, fused, h, rot)
@@ -528,15 +545,15 @@ class StaticDecoder:
                     out = out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
                 else:
                     out = mixer._output(out.transpose(1, 2), h, None, rows_ok)
-            elif plain_ff:
-                pi, po = mixer.proj_in, mixer.proj_out
-                out = F.linear(mixer.act(F.linear(h, pi.weight, pi.bias)), po.weight, po.bias)
+            elif plain_ff is not None:
+                pi, act, po = plain_ff
+                out = F.linear(act(F.linear(h, pi.weight, pi.bias)), po.weight, po.bias)
             else:
                 out = mixer(h)
             if finish:
                 out = blk.finish(out, cond)  # gate / layerscale, macaron's half step, sandwich norm
             x = x + out
-        x = _norm(stack.final_norm, x, cond)
+        x = _norm(stack.final_norm, x, cond, self.final_norm_plan)
         c.count.add_(1)
         return self._head(x[:, 0])
 
