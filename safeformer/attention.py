@@ -260,40 +260,13 @@ class Attention(nn.Module):
         """The value heads' RMS norm (x-transformers' ``value_rmsnorm``), or ``None``."""
         return self.value_rmsnorm
 
-    # the scorer's parameters, kept where x-transformers keeps them (``attend``)
-    @property
-    def head_attn_sink(self) -> nn.Parameter | None:
-        return self.attend.head_attn_sink
-
-    @property
-    def pre_softmax_talking_heads(self) -> nn.Conv2d | None:
-        return self.attend.pre_softmax_talking_heads
-
-    @property
-    def post_softmax_talking_heads(self) -> nn.Conv2d | None:
-        return self.attend.post_softmax_talking_heads
-
-    @property
-    def pre_scale_post_talking_heads(self) -> nn.Conv2d | None:
-        return self.attend.pre_scale_post_talking_heads
-
-    @property
-    def cope(self):
-        return self.attend.cope
-
     def norm_q(self, q: Tensor) -> Tensor:
         """Queries ``(..., h, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_q_scale``), if on."""
-        if self.q_norm is None:
-            return q
-        q = self.q_norm(q)
-        return q if self.qk_norm_q_scale is None else q * self.qk_norm_q_scale[:, 0].to(q.dtype)
+        return _qk_normed(self.q_norm, self.qk_norm_q_scale, q)
 
     def norm_k(self, k: Tensor) -> Tensor:
         """Keys ``(..., h_kv, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_k_scale``), if on."""
-        if self.k_norm is None:
-            return k
-        k = self.k_norm(k)
-        return k if self.qk_norm_k_scale is None else k * self.qk_norm_k_scale[:, 0].to(k.dtype)
+        return _qk_normed(self.k_norm, self.qk_norm_k_scale, k)
 
     def _project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated); with
@@ -494,6 +467,21 @@ class Attention(nn.Module):
         if return_attn:
             return out, kv_out, weights, logits
         return out, kv_out
+
+
+# the scorer's parameters, read where x-transformers keeps them (``attention.attend``: its Attend)
+for _name in ("head_attn_sink", "pre_softmax_talking_heads", "post_softmax_talking_heads",
+              "pre_scale_post_talking_heads", "cope"):
+    setattr(Attention, _name, property(lambda self, _n=_name: getattr(self.attend, _n),
+                                       doc=f"``attend.{_name}`` (where x-transformers keeps it), or ``None``."))
+
+
+def _qk_normed(norm: nn.Module | None, scale: Tensor | None, t: Tensor) -> Tensor:
+    """``t (..., heads, d)`` L2-normalised by ``norm`` and times the learned ``scale (heads, 1, d)``, if any."""
+    if norm is None:
+        return t
+    t = norm(t)
+    return t if scale is None else t * scale[:, 0].to(t.dtype)
 
 
 def _init_head_order(attn: Attention, heads: int, kv_heads: int, kv_head_order: str) -> None:
