@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attend import PreparedMask, SelectedMask, attend
+from .attend import PreparedMask, SelectedMask, attend, from_kernel_heads, to_kernel_heads
 from .attention_calls import _positive_int
 from .masks import as_attention_mask, causal_mask, combine_masks
 from .modules import _rename_keys
@@ -240,33 +240,6 @@ def kernel_call(attn: Attention, q: Tensor, k: Tensor, v: Tensor, mask, causal: 
         dropout_p=attn.dropout if attn.training else 0.0, backend=backend, scale=scale,
     )[..., :e]  # (b, h, i, d)
     return from_kernel_heads(attn, out) if grouped else out
-
-
-def _per_head(attn: Attention, t, order: Tensor):
-    """``t`` with its query-head dim (dim 1, when it has ``h`` entries) in ``order``; masks and biases broadcast
-    over the heads pass as they are (a ``PreparedMask`` / ``SelectedMask`` field by field)."""
-    if isinstance(t, SelectedMask):
-        return SelectedMask(_per_head(attn, t.mask, order))
-    if isinstance(t, PreparedMask):
-        return PreparedMask(*(None if f is None else _per_head(attn, f, order)
-                              for f in (t.combined, t.row_ok, t.additive, t.key_ok)))
-    if isinstance(t, Tensor) and t.dim() == 4 and t.shape[1] == attn.heads:
-        return t.index_select(1, order)
-    return t
-
-
-def to_kernel_heads(attn: Attention, q: Tensor, mask=None, bias=None) -> tuple:
-    """``q (b, h, i, d)`` and any per-head mask / bias in the order the fused kernels pair heads with key/value
-    heads (interleaved); unchanged unless ``attn.kv_tiled`` (x-transformers' tiled grouped-query heads)."""
-    order = attn.kernel_head_order
-    if order is None:
-        return q, mask, bias
-    return q.index_select(1, order), _per_head(attn, mask, order), _per_head(attn, bias, order)
-
-
-def from_kernel_heads(attn: Attention, out: Tensor) -> Tensor:
-    """A kernel's ``out (b, h, i, e)`` back in the module's head order (see ``to_kernel_heads``)."""
-    return out if attn.kernel_head_restore is None else out.index_select(1, attn.kernel_head_restore)
 
 
 def _l2_kernel_inputs(q: Tensor, k: Tensor, v: Tensor, keys_ok: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

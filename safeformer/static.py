@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention_scoring import from_kernel_heads, to_kernel_heads
+from .attend import from_kernel_heads, to_kernel_heads
 from .block import apply_norm
 from .cache import KVCache
 from .modules import FeedForward, LayerNorm

@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .attend import SelectedMask, attend
-from .attention_scoring import from_kernel_heads, to_kernel_heads
+from .attend import SelectedMask, attend, from_kernel_heads, to_kernel_heads
 from .block import apply_norm
 from .modules import alibi_bias, apply_rotary
 from .varlen import VarlenLayout, VarlenPlan, plan_varlen, varlen_attention, varlen_kernel_available, varlen_layout
