@@ -109,6 +109,8 @@ class Attend(nn.Module):
         if self.add_zero_kv or self.head_attn_sink is not None:
             # the zero key goes first: bottom-right aligned causality keeps it visible to every query
             k, v, mask, attn_bias = self._zero_key(q, k, v, mask, attn_bias)
+        if 1 < k.shape[1] < h and h % k.shape[1] == 0:  # x-transformers' pairing: query head n reads n % h_kv
+            k, v = k.repeat(1, h // k.shape[1], 1, 1), v.repeat(1, h // v.shape[1], 1, 1)
         out = attend(q, k, v, mask=mask, causal=causal, bias=attn_bias, scale=self.scale,
                      dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
         return out, AttnIntermediate(post_softmax_attn=None, layer_type=None)

@@ -143,3 +143,20 @@ def test_door_probe_clauses():
     from test_dpo import check_probe
 
     check_probe(probe_attend_module, has_dead=True)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_grouped_query_heads_pair_as_x_transformers(kv_heads):
+    """x-transformers' ``Attend`` pairs query head ``n`` with key/value head ``n % kv_heads`` (tiled); so does
+    safeformer's, on every kernel (and the masks it takes)."""
+    from x_transformers.attend import Attend as XAttend
+
+    from safeformer.attend import Attend as SAttend
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k, v = torch.randn(2, kv_heads, 6, 8, generator=g), torch.randn(2, kv_heads, 6, 8, generator=g)
+    mask = torch.tensor([[True] * 6, [True, True, True, False, False, False]])
+    want, _ = XAttend()(q, k, v, mask=mask)
+    got, _ = SAttend()(q, k, v, mask=mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
