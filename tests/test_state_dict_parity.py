@@ -47,6 +47,8 @@ def enc(lib, **kw):
 MORE: dict[str, Callable] = {
     "GQA 4 heads / 2 kv": lambda lib: dec(lib, heads=4, attn_kv_heads=2),
     "GQA + ALiBi": lambda lib: dec(lib, heads=4, attn_kv_heads=2, alibi_pos_bias=True),
+    "GQA + ALiBi on half the heads": lambda lib: dec(lib, heads=4, attn_kv_heads=2, alibi_pos_bias=True,
+                                                     alibi_num_heads=2),
     "GQA + sink + gates": lambda lib: dec(lib, heads=4, attn_kv_heads=2, attn_head_learned_sink=True,
                                           attn_gate_values=True, attn_output_gate=True),
     "GQA + cross + memory kv": lambda lib: dec(lib, heads=4, attn_kv_heads=2, cross_attend=True, attn_num_mem_kv=2),
