@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .losses import masked_mean
-from .modules import AdaptiveNorm, RMSNorm, TorchLayerNorm
+from .modules import AdaptiveNorm, RMSNorm, TorchLayerNorm, _rename_keys
 
 __all__ = ["Block", "apply_norm", "ShiftTokens", "AdaptiveLayerScale", "shift_tokens", "HyperConnection", "DynamicLIMe", "ConcatCombine", "MVSplitResidualUpdate",
            "ResidualRouting", "sinkhorn", "orthog_residual_update", "OrthogonalResidualUpdate",
@@ -62,7 +62,7 @@ class AdaptiveLayerScale(nn.Module):
         self.to_gamma = nn.Linear(dim if dim_condition is None else dim_condition, dim)
         nn.init.zeros_(self.to_gamma.weight)
         nn.init.constant_(self.to_gamma.bias, init_bias_value)
-        self._register_load_state_dict_pre_hook(_rename_prefix({"to_gate.": "to_gamma."}))
+        self._register_load_state_dict_pre_hook(_rename_keys({"to_gate.": "to_gamma."}, prefixes=True))
 
     def gate(self, out: Tensor, condition: Tensor) -> Tensor:
         """``out (b, n, c)`` (or packed ``(T, c)`` rows, one condition each) times the gate of ``condition``."""
@@ -75,18 +75,6 @@ class AdaptiveLayerScale(nn.Module):
             return self.gate(out, condition)
         first, *rest = out
         return self.gate(first, condition), *rest
-
-
-def _rename_prefix(names: dict[str, str]):
-    """A load-state-dict pre-hook reading earlier safeformer's checkpoints: keys under ``prefix + old`` moved to
-    ``prefix + new``."""
-
-    def hook(state_dict, prefix, *_args) -> None:
-        for old, new in names.items():
-            for key in [k for k in state_dict if k.startswith(prefix + old)]:
-                state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
-
-    return hook
 
 
 def _gate(gate: nn.Module, out: Tensor, condition: Tensor | None) -> Tensor:
@@ -350,9 +338,9 @@ class DynamicLIMe(nn.Module):
         self.num_layers, self.num_views, self.use_softmax = num_layers, num_views, use_softmax
         # x-transformers' Sequential(RMSNorm, Linear, ...): keys to_weights.0.g, to_weights.1.*
         self.to_weights = nn.Sequential(RMSNorm(dim), nn.Linear(dim, num_views * num_layers))
-        self._register_load_state_dict_pre_hook(_rename_prefix({"norm.": "to_weights.0.", "to_weights.weight":
-                                                                "to_weights.1.weight", "to_weights.bias":
-                                                                "to_weights.1.bias"}))
+        self._register_load_state_dict_pre_hook(_rename_keys({"norm.": "to_weights.0.", "to_weights.weight":
+                                                              "to_weights.1.weight", "to_weights.bias":
+                                                              "to_weights.1.bias"}, prefixes=True))
 
     def forward(self, x: Tensor, hiddens: list[Tensor]) -> Tensor:
         """``x (..., c)``, ``hiddens``: L tensors ``(..., c)`` -> ``(..., c)``, or ``(V, ..., c)`` with views."""

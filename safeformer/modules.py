@@ -79,13 +79,17 @@ def grow_linear_biases(*names: str):
     return hook
 
 
-def _rename_keys(names: dict[str, str]):
+def _rename_keys(names: dict[str, str], *, prefixes: bool = False):
     """A load-state-dict pre-hook reading a checkpoint of earlier safeformer: each ``prefix + old`` key (when the
-    new one is absent) under its new name."""
+    new one is absent) under its new name; with ``prefixes``, every key starting ``prefix + old`` moved under
+    ``prefix + new``."""
 
     def hook(state_dict, prefix, *_args) -> None:
         for old, new in names.items():
-            if prefix + old in state_dict and prefix + new not in state_dict:
+            if prefixes:
+                for key in [k for k in state_dict if k.startswith(prefix + old)]:
+                    state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+            elif prefix + old in state_dict and prefix + new not in state_dict:
                 state_dict[prefix + new] = state_dict.pop(prefix + old)
 
     return hook
@@ -425,12 +429,12 @@ class FeedForward(nn.Module):
         return self.ff[1].gamma if isinstance(self.ff[1], LayerNorm) else None
 
     @property
-    def dropout(self) -> nn.Dropout:
-        return self.ff[2] if isinstance(self.ff[1], LayerNorm) else self.ff[1]
-
-    @property
     def sublayer_dropout(self) -> nn.Dropout | None:
         return self.ff[-1] if isinstance(self.ff[-1], nn.Dropout) and self.ff[-1] is not self.dropout else None
+
+    @property
+    def dropout(self) -> nn.Dropout:
+        return self.ff[2] if isinstance(self.ff[1], LayerNorm) else self.ff[1]
 
     def muon_parameters(self) -> list[nn.Parameter]:
         """The matrices Muon should optimise (x-transformers' ``muon_parameters``): every linear layer's weight."""

@@ -699,10 +699,10 @@ def _read_config(cfg_file: Path) -> dict[str, Any]:
 
 
 def _migrate_config_v1(tree: Any) -> None:
-    """Format 1's configs, read with format 2's meanings: a stack's norms had no unit offset
-    (``norm_add_unit_offset=False``), a tied embedding's logits no scale (``tie_embedding_scale=1``), and any relative
-    position scheme (ALiBi too) left out the absolute embedding (``disable_abs_pos_emb``). The keys
-    of format 1's weights move to format 2's names by the modules' load hooks."""
+    """Format 1's configs, read with format 2's meanings (see ``_migrate_stack_v1``; a tied embedding's logits had
+    no scale, ``tie_embedding_scale=1``; an ``Attention``'s grouped-query heads were interleaved and its qk-norm an
+    RMS norm with gains, ``qk_norm_dim_scale=True``). The keys of format 1's weights move to format 2's names by
+    the modules' load hooks."""
     if isinstance(tree, list):
         for v in tree:
             _migrate_config_v1(v)
@@ -713,50 +713,35 @@ def _migrate_config_v1(tree: Any) -> None:
     cfg = tree.get("config")
     if cls is not None and isinstance(cfg, dict):
         params = {n for k in cls.__mro__ if "__init__" in vars(k) for n in inspect.signature(k.__init__).parameters}
-        if "norm_add_unit_offset" in params and "norm_add_unit_offset" not in cfg:
-            cfg["norm_add_unit_offset"] = False
         if "tie_embedding_scale" in params and cfg.get("tie_embedding") is True and cfg.get("tie_embedding_scale") is None:
             cfg["tie_embedding_scale"] = 1.0
-        _interleaved_kv_heads_v1(cls, cfg, params)
+        if "norm_add_unit_offset" in params:  # a stack
+            _migrate_stack_v1(cfg)
+        elif "kv_head_order" in params:  # an Attention
+            cfg.setdefault("kv_head_order", "interleaved")
+            if cfg.get("qk_norm") is True:
+                cfg["qk_norm_dim_scale"] = True
         if "enc_options" in params:  # an XTransformer: each side's options are a stack's (and its wrapper's)
             for side in ("enc_options", "dec_options"):
-                options = dict(cfg.get(side) or {})
-                _migrate_side_v1(options, rotary=cfg.get("rotary_pos_emb") is True)
-                cfg[side] = options
-        for key in ("attn_qk_norm", "qk_norm"):  # format 1's RMS qk-norm with gains: qk_norm_dim_scale now
-            if cfg.get(key) is True and key + "_dim_scale" in params:
-                cfg[key + "_dim_scale"] = True
-        relative = ("rotary_pos_emb", "alibi_pos_bias", "rotary_xpos", "polar_pos_emb", "rel_pos_bias")
-        if "disable_abs_pos_emb" in params and cfg.get("disable_abs_pos_emb") is None:
-            cfg["disable_abs_pos_emb"] = any(cfg.get(k) is True for k in relative)  # format 1: any relative scheme
+                cfg[side] = dict(cfg.get(side) or {})
+                _migrate_stack_v1(cfg[side], rotary=cfg.get("rotary_pos_emb") is True)
     for v in tree.values():
         _migrate_config_v1(v)
 
 
-def _migrate_side_v1(options: dict, rotary: bool) -> None:
-    """One side's options of a format-1 ``XTransformer``, read as ``_migrate_config_v1`` reads a stack's."""
+def _migrate_stack_v1(options: dict, rotary: bool = False) -> None:
+    """A format-1 stack's options (or an ``XTransformer`` side's; ``rotary``: the model-wide rotary flag): norms
+    without the unit offset, grouped-query heads interleaved (``attn_kwargs={"kv_head_order": "interleaved"}``), the
+    RMS qk-norm with gains as ``attn_qk_norm_dim_scale``, and any relative position scheme (ALiBi too) leaving out
+    the absolute embedding (``disable_abs_pos_emb``)."""
     options.setdefault("norm_add_unit_offset", False)
-    kwargs = dict(options.get("attn_kwargs") or {})
-    kwargs.setdefault("kv_head_order", "interleaved")
-    options["attn_kwargs"] = kwargs
+    kwargs = options.get("attn_kwargs")
+    options["attn_kwargs"] = {"kv_head_order": "interleaved", **(kwargs if isinstance(kwargs, dict) else {})}
     if options.get("attn_qk_norm") is True:
         options["attn_qk_norm_dim_scale"] = True
-    relative = rotary or any(options.get(k) is True for k in
-                             ("rotary_pos_emb", "alibi_pos_bias", "rotary_xpos", "polar_pos_emb", "rel_pos_bias"))
     if options.get("disable_abs_pos_emb") is None:
-        options["disable_abs_pos_emb"] = relative
-
-
-def _interleaved_kv_heads_v1(cls: type, cfg: dict, params: set) -> None:
-    """Format 1 paired grouped-query heads interleaved (query head ``n`` reads key head ``n // g``): its attention
-    configs keep that order (``kv_head_order="interleaved"``; today's default is x-transformers' tiled order)."""
-    if "kv_head_order" in params and "kv_head_order" not in cfg:  # an Attention
-        cfg["kv_head_order"] = "interleaved"
-    elif "attn_kwargs" in params:  # a stack: every attention it builds
-        kwargs = cfg.get("attn_kwargs")
-        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
-        kwargs.setdefault("kv_head_order", "interleaved")
-        cfg["attn_kwargs"] = kwargs
+        options["disable_abs_pos_emb"] = rotary or any(options.get(k) is True for k in (
+            "rotary_pos_emb", "alibi_pos_bias", "rotary_xpos", "polar_pos_emb", "rel_pos_bias"))
 
 
 def migrate_state_dict(model: nn.Module, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
