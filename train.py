@@ -32,7 +32,7 @@ Usage:
     python train.py --help                           # every option with its default
 
 Outputs (in --out): metrics.json, samples.png (a row-block per guidance setting), loss.png, and
-checkpoint/ (safeformer.training_state's state: model.safetensors with every weight, optimizer.safetensors,
+checkpoint/ (safeformer.checkpoints.training_state's state: model.safetensors with every weight, optimizer.safetensors,
 rng.safetensors and training_state.json, for --resume under any strategy; decoder/ and text_encoder/:
 the two models as TransformerWrapper.from_pretrained folders). No pickle is written.
 
@@ -57,12 +57,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safeformer.decoding.generation import AutoregressiveWrapper
+from safeformer.checkpoints.training_state import STATE_NAME, load_training_state, save_training_state
 from torch import nn
 from tqdm import tqdm
 
 from safeformer import Decoder, Encoder, TransformerWrapper
-from safeformer.generation import AutoregressiveWrapper
-from safeformer.training_state import STATE_NAME, load_training_state, save_training_state
 
 LEVELS, CLASSES, PIXELS = 17, 10, 64  # grey levels 0..16 are the tokens 0..16
 BOS = LEVELS  # token 17 starts every image; the model never predicts it (logits_dim = 17)

@@ -1,4 +1,4 @@
-"""What the safety of ``safeformer.attend`` costs over bare ``F.scaled_dot_product_attention``.
+"""What the safety of ``safeformer.core.attend`` costs over bare ``F.scaled_dot_product_attention``.
 
 Both contenders get the same q, k, v and the same key padding mask. Bare SDPA gets the mask as
 ``(b, 1, 1, j)`` (the limit for the op: the one kernel call, nothing else); ``attend`` gets the

@@ -8,7 +8,7 @@ Three ways to generate N tokens from the same conditional decoder, same prompts,
   (c) two-pass  CFG as separate CFG libraries run it: two forwards of b samples each, two KV caches.
 
 All three run greedy (no RNG), with the KV cache, through the same generation loop
-(``safeformer.generation.generate_tokens``); (b) and (c) produce the same tokens, checked below.
+(``safeformer.decoding.generation.generate_tokens``); (b) and (c) produce the same tokens, checked below.
 Repeats are interleaved in rounds (a, b, c; then b, c, a; ...). The main number is the median over
 rounds of each method's time divided by (a)'s time in the same round (runs close in time share the
 machine's load); the ratio of the medians is shown beside it. Absolute times are printed only on a
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import torch
+from safeformer.decoding.generation import generate_tokens
 
 from safeformer import Decoder, TransformerWrapper
-from safeformer.generation import generate_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results" / "guidance_cost.md"
 

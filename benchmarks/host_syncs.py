@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from safeformer.decoding.static import StaticDecoder, capacity_bucket  # noqa: E402
+
 import safeformer as sf  # noqa: E402
-from safeformer.static import StaticDecoder, capacity_bucket  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -89,7 +89,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.profiler import ProfilerActivity, profile
 
 import safeformer as sf
-from safeformer.attend import BACKENDS
+from safeformer.core.attend import BACKENDS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, DIM = 2, 64

@@ -1,18 +1,28 @@
 """safeformer: a transformer library in which no mask makes a model produce NaN or inf."""
 
+# x-transformers' module path ``safeformer.attend`` loads first, so that the function below keeps the name (a later
+# ``import safeformer.attend`` finds the module loaded and leaves the package's attribute alone)
+from . import attend as _attend_path  # noqa: F401
 from . import testing
-from .attend import attend
-from .attention import Attention, RelativeProjPositionalBias, log_prob_from_hard_attend
-from .belief_state import BeliefStateWrapper
-from .conditions import Conditions, compose_guidance, drop_conditions
-from .continuous import ContinuousAutoregressiveWrapper
-from .continuous_autoencoder import ContinuousTransformerAutoencoder
+from .checkpoints.pretrained import Configurable, load_pretrained, save_pretrained
+from .core.attend import attend
+from .core.conditions import Conditions, compose_guidance, drop_conditions
+from .core.losses import masked_mean, safe_cross_entropy
+from .core.masks import (
+    alive_keys,
+    alive_rows,
+    as_attention_mask,
+    causal_mask,
+    check_finite,
+    combine_masks,
+    dead_rows,
+    padding_mask,
+    validate_mask,
+)
 from .debug import DeadRowReport, MaskReport, NonFiniteReport, NonFiniteTensor, find_nonfinite, mask_report, plot_mask
-from .dpo import DPO
-from .encoder_decoder import XTransformer
-from .entropy_tokenizer import EntropyBasedTokenizer
-from .free_transformer import FreeTransformer
-from .generation import (
+from .decoding.continuous import ContinuousAutoregressiveWrapper
+from .decoding.encoder_decoder import XTransformer
+from .decoding.generation import (
     FILTERS,
     AutoregressiveWrapper,
     generate_tokens,
@@ -24,9 +34,42 @@ from .generation import (
     top_k,
     top_p,
 )
-from .gpt_vae import GPTVAE
+from .decoding.nonautoregressive import NonAutoregressiveWrapper
+from .decoding.xl import (
+    EpisodicMemories,
+    LowRankLinear,
+    TTTMetaLearningTargetKLLoss,
+    TTTModuleWrapper,
+    TTTNextLatentPredictionLoss,
+    XLAutoregressiveWrapper,
+)
 from .interop import from_x_transformers
-from .layers import (
+from .nn.attention import Attention, RelativeProjPositionalBias, log_prob_from_hard_attend
+from .nn.modules import (
+    AbsolutePositionalEmbedding,
+    AdaptiveRMSNorm,
+    FeedForward,
+    RMSNorm,
+    RotaryEmbedding,
+    alibi_bias,
+    alibi_slopes,
+    apply_rotary,
+    positions_from_mask,
+)
+from .nn.relative_position import RelativePositionBias
+from .nn.xt_attend import Attend
+from .research.belief_state import BeliefStateWrapper
+from .research.continuous_autoencoder import ContinuousTransformerAutoencoder
+from .research.dpo import DPO
+from .research.entropy_tokenizer import EntropyBasedTokenizer
+from .research.free_transformer import FreeTransformer
+from .research.gpt_vae import GPTVAE
+from .research.multi_input import MultiInputTransformerWrapper
+from .research.neo_mlp import NeoMLP
+from .research.next_latent import MSECosineSimLoss, NextLatentWrapper, ResidualDynamics, RolloutGRU
+from .research.universal_pretrain import UniversalPretrainWrapper
+from .research.xval import XValAutoregressiveWrapper, XValTransformerWrapper
+from .stack.layers import (
     AttentionLayers,
     AttnIntermediate,
     CrossAttender,
@@ -38,48 +81,8 @@ from .layers import (
     TransformerBlock,
     layer_schedule,
 )
-from .losses import masked_mean, safe_cross_entropy
-from .masks import (
-    alive_keys,
-    alive_rows,
-    as_attention_mask,
-    causal_mask,
-    check_finite,
-    combine_masks,
-    dead_rows,
-    padding_mask,
-    validate_mask,
-)
-from .modules import (
-    AbsolutePositionalEmbedding,
-    AdaptiveRMSNorm,
-    FeedForward,
-    RMSNorm,
-    RotaryEmbedding,
-    alibi_bias,
-    alibi_slopes,
-    apply_rotary,
-    positions_from_mask,
-)
-from .multi_input import MultiInputTransformerWrapper
-from .neo_mlp import NeoMLP
-from .next_latent import MSECosineSimLoss, NextLatentWrapper, ResidualDynamics, RolloutGRU
-from .nonautoregressive import NonAutoregressiveWrapper
-from .pretrained import Configurable, load_pretrained, save_pretrained
-from .relative_position import RelativePositionBias
-from .universal_pretrain import UniversalPretrainWrapper
-from .wrappers import ContinuousTransformerWrapper, Mems, TransformerWrapper
-from .xl_autoregressive_wrapper import (
-    EpisodicMemories,
-    LowRankLinear,
-    TTTMetaLearningTargetKLLoss,
-    TTTModuleWrapper,
-    TTTNextLatentPredictionLoss,
-    XLAutoregressiveWrapper,
-)
-from .xt_attend import Attend
-from .xt_extras import AttentionPool, LinearNoBias, ViTransformerWrapper, eval_decorator
-from .xval import XValAutoregressiveWrapper, XValTransformerWrapper
+from .stack.wrappers import ContinuousTransformerWrapper, Mems, TransformerWrapper
+from .stack.xt_extras import AttentionPool, LinearNoBias, ViTransformerWrapper, eval_decorator
 
 __all__ = [
     "XLAutoregressiveWrapper",

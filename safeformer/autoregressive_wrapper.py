@@ -1,9 +1,7 @@
 """x-transformers' ``x_transformers.autoregressive_wrapper`` module names (the same objects as in
 ``safeformer``; nothing is defined here)."""
 
-from .generation import AutoregressiveWrapper, min_p, top_a, top_k, top_p
-from .xt_extras import eval_decorator
-from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module)
+from .core.xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module)
     align_right,
     cast_tuple,
     default,
@@ -15,5 +13,7 @@ from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module
     log,
     pad_at_dim,
 )
+from .decoding.generation import AutoregressiveWrapper, min_p, top_a, top_k, top_p
+from .stack.xt_extras import eval_decorator
 
 __all__ = ["AutoregressiveWrapper", "eval_decorator", "min_p", "top_a", "top_k", "top_p"]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .masks import causal_mask, validate_mask
+from .core.masks import causal_mask, validate_mask
 
 __all__ = [
     "NonFiniteTensor",

@@ -1,8 +1,7 @@
 """x-transformers' ``x_transformers.nonautoregressive_wrapper`` module names (the same objects as in
 ``safeformer``; nothing is defined here): the wrapper and the ``Losses`` namedtuple its forward returns."""
 
-from .nonautoregressive import Losses, NonAutoregressiveWrapper
-from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module)
+from .core.xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module)
     coin_flip,
     cosine_schedule,
     default,
@@ -10,11 +9,12 @@ from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module
     linear_schedule,
     sample_prob,
 )
-from .xt_helpers import gumbel_noise_uniform as gumbel_noise  # noqa: F401
-from .xt_helpers import gumbel_sample_dim as gumbel_sample  # noqa: F401
-from .xt_helpers import log_add_eps as log  # noqa: F401
+from .core.xt_helpers import gumbel_noise_uniform as gumbel_noise  # noqa: F401
+from .core.xt_helpers import gumbel_sample_dim as gumbel_sample  # noqa: F401
+from .core.xt_helpers import log_add_eps as log  # noqa: F401
+from .decoding.nonautoregressive import Losses, NonAutoregressiveWrapper
 
 __all__ = ["Losses", "NonAutoregressiveWrapper"]
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .wrappers import TransformerWrapper  # noqa: E402, F401
+from .stack.wrappers import TransformerWrapper  # noqa: E402, F401

@@ -11,9 +11,9 @@ Each name lives in its own module too (``safeformer.attend``, ``safeformer.varle
 ``safeformer.__all__``, which is the user's API.
 """
 
-from . import varlen as _varlen
-from .attend import BACKENDS, AttentionPlan, PreparedMask, plan_attention, prepare_mask, substitute_kernel
-from .varlen import *  # noqa: F403 (varlen.__all__: its plan, layout, kernel hook and attention)
+from .core import varlen as _varlen
+from .core.attend import BACKENDS, AttentionPlan, PreparedMask, plan_attention, prepare_mask, substitute_kernel
+from .core.varlen import *  # noqa: F403 (varlen.__all__: its plan, layout, kernel hook and attention)
 
 __all__ = ["BACKENDS", "AttentionPlan", "PreparedMask", "plan_attention", "prepare_mask", "substitute_kernel",
            *_varlen.__all__]

@@ -1,11 +1,11 @@
 """x-transformers' ``x_transformers.up_wrapper`` module names (the same objects as in
 ``safeformer.universal_pretrain``; nothing is defined here)."""
 
-from .universal_pretrain import SyntheticDataGenerator, UniversalPretrainWrapper, random_sequences
-from .xt_helpers import default, divisible_by, exists  # noqa: F401  (x-transformers' helpers of this module)
+from .core.xt_helpers import default, divisible_by, exists  # noqa: F401  (x-transformers' helpers of this module)
+from .research.universal_pretrain import SyntheticDataGenerator, UniversalPretrainWrapper, random_sequences
 
 __all__ = ["SyntheticDataGenerator", "UniversalPretrainWrapper", "random_sequences"]
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .generation import AutoregressiveWrapper  # noqa: E402, F401
-from .wrappers import TransformerWrapper  # noqa: E402, F401
+from .decoding.generation import AutoregressiveWrapper  # noqa: E402, F401
+from .stack.wrappers import TransformerWrapper  # noqa: E402, F401

@@ -9,15 +9,8 @@ out on purpose, each with its reason in ``safeformer.xt_helpers.NOT_PROVIDED``: 
 See docs/moving_from_x_transformers.md.
 """
 
-from .attention import Attention, RelativeProjPositionalBias
-from .cache import LayerIntermediates
-from .encoder_decoder import XTransformer
-from .layers import AttentionLayers, CrossAttender, Decoder, Encoder, PrefixDecoder, TransformerBlock, layer_schedule
-from .modules import AbsolutePositionalEmbedding, AdaptiveRMSNorm, FeedForward, RMSNorm, RotaryEmbedding, apply_rotary
-from .relative_position import RelativePositionBias
-from .wrappers import TransformerWrapper
-from .xt_extras import AttentionPool, LinearNoBias, ViTransformerWrapper
-from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module; not in __all__)
+from .core.cache import LayerIntermediates
+from .core.xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module; not in __all__)
     always,
     at_most_one_of,
     divisible_by,
@@ -40,9 +33,20 @@ from .xt_helpers import (  # noqa: F401  (x-transformers' helpers of this module
     softclamp,
     string_begins_with,
 )
-from .xt_helpers import cast_tuple_depth as cast_tuple  # noqa: F401
-from .xt_helpers import default_first as default  # noqa: F401
-from .xt_modules import (
+from .core.xt_helpers import cast_tuple_depth as cast_tuple  # noqa: F401
+from .core.xt_helpers import default_first as default  # noqa: F401
+from .decoding.encoder_decoder import XTransformer
+from .nn.attention import Attention, RelativeProjPositionalBias
+from .nn.modules import (
+    AbsolutePositionalEmbedding,
+    AdaptiveRMSNorm,
+    FeedForward,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
+from .nn.relative_position import RelativePositionBias
+from .nn.xt_modules import (
     GLU,
     AlibiPositionalBias,
     DynamicPositionBias,
@@ -59,6 +63,17 @@ from .xt_modules import (
     TokenEmbedding,
     apply_rotary_pos_emb,
 )
+from .stack.layers import (
+    AttentionLayers,
+    CrossAttender,
+    Decoder,
+    Encoder,
+    PrefixDecoder,
+    TransformerBlock,
+    layer_schedule,
+)
+from .stack.wrappers import TransformerWrapper
+from .stack.xt_extras import AttentionPool, LinearNoBias, ViTransformerWrapper
 
 __all__ = [
     "AbsolutePositionalEmbedding",
@@ -102,6 +117,6 @@ __all__ = [
 ]
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
-from .attention_scoring import log_prob_from_hard_attend  # noqa: E402, F401
-from .generation import AutoregressiveWrapper  # noqa: E402, F401
-from .xt_attend import Attend  # noqa: E402, F401
+from .decoding.generation import AutoregressiveWrapper  # noqa: E402, F401
+from .nn.attention_scoring import log_prob_from_hard_attend  # noqa: E402, F401
+from .nn.xt_attend import Attend  # noqa: E402, F401

@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import safeformer.nn.xt_modules as xt_modules
 import torch
 from helpers import INF, NAN
 from torch import Tensor
 
 import safeformer as sf
-import safeformer.xt_modules as xt_modules
 
 PLANT_VALUES = (NAN, INF, -INF, 1e4)  # the garbage planted at masked positions of every probe
 
@@ -283,13 +283,13 @@ def probe_drop_condition(seed: int, value: float) -> Probe:
     null = torch.randn(2, c, generator=g).requires_grad_()
     torch.manual_seed(0)
     enc = sf.Encoder(dim=c, depth=1, heads=2, dim_head=4, cross_attend=True)
-    ctx, cm = sf.conditions.drop_condition(ctx_mask, context=context, null_context=null, dropped=dropped)
+    ctx, cm = sf.core.conditions.drop_condition(ctx_mask, context=context, null_context=null, dropped=dropped)
     x = torch.randn(b, n, c, generator=g)
     out = enc(x, context=ctx, context_mask=cm)
     return Probe(out, {"context": context, "null": null}, {"context": hidden[..., None].expand_as(context)},
-                 bad_calls=[("float context_mask", lambda: sf.conditions.drop_condition(ctx_mask.float(), 0.5), TypeError, "context_mask"),
-                            ("p above 1", lambda: sf.conditions.drop_condition(ctx_mask, 1.5), ValueError, "p"),
-                            ("null of wrong width", lambda: sf.conditions.drop_condition(ctx_mask, 0.5, context=context,
+                 bad_calls=[("float context_mask", lambda: sf.core.conditions.drop_condition(ctx_mask.float(), 0.5), TypeError, "context_mask"),
+                            ("p above 1", lambda: sf.core.conditions.drop_condition(ctx_mask, 1.5), ValueError, "p"),
+                            ("null of wrong width", lambda: sf.core.conditions.drop_condition(ctx_mask, 0.5, context=context,
                                                                                 null_context=torch.zeros(1, c + 1)), ValueError, "null_context")])
 
 
@@ -903,7 +903,7 @@ NOT_DOORS: dict[str, str] = {
 PUBLIC: dict[str, object] = {
     **{name: getattr(sf, name) for name in sf.__all__},
     **{name: getattr(sf.testing, name) for name in sf.testing.__all__},
-    "drop_condition": sf.conditions.drop_condition,
+    "drop_condition": sf.core.conditions.drop_condition,
     # x-transformers' small parts, importable from safeformer.x_transformers (safeformer/xt_modules.py)
     **{name: getattr(xt_modules, name) for name in xt_modules.__all__},
 }

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safeformer.stack.layers import LAYER_ALIASES
+from safeformer.stack.wrappers import WRAPPER_ALIASES
 
 import safeformer as sf
-from safeformer.layers import LAYER_ALIASES
-from safeformer.wrappers import WRAPPER_ALIASES
 
 
 @pytest.mark.parametrize(("alias", "value", "name", "want"), [
@@ -28,8 +28,8 @@ def test_layer_alias_sets_the_canonical_option(alias, value, name, want):
 
 
 def test_every_alias_in_the_tables_is_tested_or_accepted():
-    from safeformer.layers import ATTN_KWARGS, FF_KWARGS
-    from safeformer.xt_defaults import XT_DEFAULT_ONLY
+    from safeformer.stack.layers import ATTN_KWARGS, FF_KWARGS
+    from safeformer.core.xt_defaults import XT_DEFAULT_ONLY
 
     tested = {"attn_dim_head", "attn_kv_heads", "attn_one_kv_head", "cross_attn_dim_context", "attn_flash"}
     # tests/test_xt_keywords.py: the ff_* / attn_* keywords handed to each module (parity on the same weights),

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
+from safeformer.checkpoints.pretrained import CONFIG_NAME, WEIGHTS_NAME
+from safeformer.checkpoints.training_state import STATE_NAME, load_training_state, save_training_state
 
 import safeformer as sf
-from safeformer.pretrained import CONFIG_NAME, WEIGHTS_NAME
-from safeformer.training_state import STATE_NAME, load_training_state, save_training_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_bad_state_dict_fails_before_anything_is_in_place(tmp_path):
 
 @pytest.mark.parametrize("existing", [False, True])
 def test_save_pretrained_without_safetensors_changes_nothing(tmp_path, monkeypatch, existing):
-    import safeformer.pretrained as pretrained
+    import safeformer.checkpoints.pretrained as pretrained
 
     target = tmp_path / "ckpt"
     if existing:

@@ -1,4 +1,4 @@
-"""The safety contract (docs/safety.md) for ``safeformer.attend``, one named test per clause.
+"""The safety contract (docs/safety.md) for ``safeformer.core.attend``, one named test per clause.
 
 Every property test draws batch sizes, query/key lengths (0 included), head counts and GQA ratios,
 every mask kind with dead rows on purpose, causal on/off, and garbage (NaN, +-inf, huge) planted at
@@ -883,13 +883,13 @@ def test_prepared_mask_equals_plain_mask(backend):
 # The lean CPU paths: no selected copies where nothing needs selecting
 # ----------------------------------------------------------------------------------------------------
 
-ATTEND_MODULE = __import__("sys").modules["safeformer.attend"]  # the module (``safeformer.attend`` is the function)
+ATTEND_MODULE = __import__("sys").modules["safeformer.core.attend"]  # the module (``safeformer.core.attend`` is the function)
 MODERATE = 1e3  # finite garbage: the lean paths keep it (a weight of exactly 0); HUGE overflows a logit
 HUGE = 1e30
 
 
 def _spy(name: str):
-    """Wrap ``safeformer.attend.<name>``; returns (calls list of results, restore function)."""
+    """Wrap ``safeformer.core.attend.<name>``; returns (calls list of results, restore function)."""
     real = getattr(ATTEND_MODULE, name)
     calls = []
 

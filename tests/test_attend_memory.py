@@ -1,4 +1,4 @@
-"""The memory-lean paths of ``safeformer.attend``: ``_SelectedFlashAttention`` and ``masked_linear``.
+"""The memory-lean paths of ``safeformer.core.attend``: ``_SelectedFlashAttention`` and ``masked_linear``.
 
 On PyTorch's CPU flash kernel, ``attend`` selects q, k, v (dead rows, masked keys) inside one autograd
 function that saves the caller's tensors and selects again in the backward, instead of handing SDPA
@@ -33,15 +33,15 @@ from helpers import (
 )
 from torch import nn
 
-import safeformer  # noqa: F401  (loads safeformer.attend)
+import safeformer  # noqa: F401  (loads safeformer.core.attend)
 from safeformer import attend
-from safeformer.attend import SelectedMask
+from safeformer.core.attend import SelectedMask
 from safeformer.testing import prepare_mask, substitute_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 from memory import TensorMemory  # noqa: E402  (the benchmark's allocation meter)
 
-A = sys.modules["safeformer.attend"]  # the module (``safeformer.attend`` is also the function's name)
+A = sys.modules["safeformer.core.attend"]  # the module (``safeformer.core.attend`` is also the function's name)
 masked_linear = A.masked_linear
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -1,4 +1,4 @@
-"""Tests for ``safeformer.belief_state.BeliefStateWrapper``: the loss against a float64 reference that runs
+"""Tests for ``safeformer.research.belief_state.BeliefStateWrapper``: the loss against a float64 reference that runs
 each prefix and each reversed suffix alone, the safety contract (lens, left and right padding, fully padded
 samples, garbage ids at padded positions, NaN/inf at masked context slots, an all-ignored batch), the
 reversal (padding never becomes a real position), generation (cached = uncached, padded prompts and
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_close, assert_finite, assert_zero
+from safeformer.research.belief_state import BeliefStateWrapper, belief_state_from_x_transformers, flip, reverse_real
 from test_dpo import check_probe
 
 import safeformer as sf
-from safeformer.belief_state import BeliefStateWrapper, belief_state_from_x_transformers, flip, reverse_real
 
 V, D = 13, 16
 

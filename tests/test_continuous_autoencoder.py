@@ -1,4 +1,4 @@
-"""Tests for ``safeformer.continuous_autoencoder.ContinuousTransformerAutoencoder``: latents and losses
+"""Tests for ``safeformer.research.continuous_autoencoder.ContinuousTransformerAutoencoder``: latents and losses
 against a float64 reference (each sample alone, on its real positions), the safety contract (padding,
 left padding, fully padded samples, NaN/inf at padded positions, an all-padding batch, the KL term at
 extreme weights, dropped latents), named errors, and parity with x-transformers on converted weights."""
@@ -12,7 +12,7 @@ from helpers import assert_bitwise, assert_close, assert_finite, assert_zero
 from test_dpo import check_probe
 
 import safeformer as sf
-from safeformer.continuous_autoencoder import (
+from safeformer.research.continuous_autoencoder import (
     ContinuousTransformerAutoencoder,
     VariationalLatentBottleneck,
     continuous_autoencoder_from_x_transformers,

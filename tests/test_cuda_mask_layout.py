@@ -7,7 +7,7 @@ so its choices are tested here without a GPU.
 import pytest
 import torch
 
-from safeformer.attend import _cuda_kernel_mask
+from safeformer.core.attend import _cuda_kernel_mask
 
 
 def _ok_layout(m: torch.Tensor, j: int) -> bool:

@@ -88,11 +88,11 @@ def _quoted_names(code: str) -> set[str]:
             for alias in node.names:
                 if alias.name.split(".")[0] == "safeformer":
                     names.add(alias.name)
-                    if alias.asname:  # import safeformer as sf, import safeformer.masks as m
+                    if alias.asname:  # import safeformer as sf, import safeformer.core.masks as m
                         aliases[alias.asname] = alias.name
-                    else:  # import safeformer.masks binds `safeformer`
+                    else:  # import safeformer.core.masks binds `safeformer`
                         aliases["safeformer"] = "safeformer"
-    for node in ast.walk(tree):  # sf.attend, safeformer.masks.padding_mask, ...
+    for node in ast.walk(tree):  # sf.attend, safeformer.core.masks.padding_mask, ...
         if isinstance(node, ast.Attribute):
             chain = []
             inner = node
@@ -119,7 +119,7 @@ def test_docs_examples_run(page, tmp_path, monkeypatch):
 def test_quoted_safeformer_names_exist(page):
     text = page.read_text()
     names = {name for code in python_blocks(page) for name in _quoted_names(code)}
-    names |= set(DOTTED.findall(FENCED.sub("", text)))  # `safeformer.masks`, `safeformer.check_finite(...)`
+    names |= set(DOTTED.findall(FENCED.sub("", text)))  # `safeformer.core.masks`, `safeformer.check_finite(...)`
     missing = []
     for name in sorted(names):
         try:
@@ -169,22 +169,37 @@ QUALIFIED = re.compile(r"`((?:[a-z_]+)\.[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 
 
 def test_architecture_names_exist():
-    """Every ``module.name`` (or ``module.Class.attr``) that docs/architecture.md quotes is in the package."""
+    """Every ``module.name`` (or ``module.Class.attr``, or ``layer.module.name``) that docs/architecture.md quotes is in
+    the package: ``module`` is a file of any layer (``stack.layers``, or ``layers`` alone when the name is unique)."""
     import importlib
 
     text = (DOCS / "architecture.md").read_text()
+    package = ROOT / "safeformer"
     found = 0
     for ref in QUALIFIED.findall(text):
-        module, *attrs = ref.split(".")
-        if attrs == ["py"] or not (ROOT / "safeformer" / f"{module}.py").exists():  # a file name, or not ours
+        parts = ref.split(".")
+        if parts[0] in {p.name for p in package.iterdir() if p.is_dir()} and len(parts) > 1:
+            parts = [f"{parts[0]}.{parts[1]}", *parts[2:]]
+        module, *attrs = parts
+        if attrs == ["py"]:  # a file name
             continue
-        obj = importlib.import_module(f"safeformer.{module}")
-        for attr in attrs:
-            assert hasattr(obj, attr), f"docs/architecture.md quotes `{ref}`, which safeformer.{module} does not define"
-            obj = getattr(obj, attr)
+        files = sorted(package.rglob(module.replace(".", "/") + ".py"))
+        if not files:  # not ours
+            continue
+        candidates = [importlib.import_module(".".join(("safeformer",) + f.relative_to(package).with_suffix("").parts))
+                      for f in files]
+
+        def resolves(obj) -> bool:
+            for attr in attrs:
+                if not hasattr(obj, attr):
+                    return False
+                obj = getattr(obj, attr)
+            return True
+
+        assert any(resolves(c) for c in candidates), \
+            f"docs/architecture.md quotes `{ref}`, which no module {module}.py of safeformer defines"
         found += 1
     assert found >= 10, f"only {found} qualified names found: the pattern no longer matches the page"
-
 
 
 # a repository path quoted in code spans (`tests/test_x.py`, `benchmarks/results/`): it must exist

@@ -1,4 +1,4 @@
-"""Tests for ``safeformer.dpo.DPO``: the loss against a float64 reference in plain code, the safety
+"""Tests for ``safeformer.research.dpo.DPO``: the loss against a float64 reference in plain code, the safety
 contract (padding and fully padded pairs, garbage ids at padded positions, NaN/inf at masked context
 slots, pairs and batches with no counted target), named errors, and parity with x-transformers' ``DPO``
 on converted weights."""
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import assert_close, assert_finite, assert_zero
 
 import safeformer as sf
-from safeformer.dpo import DPO, dpo_from_x_transformers, dpo_xt_masks
+from safeformer.research.dpo import DPO, dpo_from_x_transformers, dpo_xt_masks
 
 V, B, N = 11, 4, 8
 

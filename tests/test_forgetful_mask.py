@@ -7,9 +7,9 @@ import math
 import helpers as hp
 import pytest
 import torch
+from safeformer.core.losses import safe_cross_entropy
 
 import safeformer as sf
-from safeformer.losses import safe_cross_entropy
 
 V = 17
 
@@ -96,7 +96,7 @@ def test_return_outputs_is_checked():
 def _xt_pred_head_pair():
     """x-transformers' TransformerWrapper(add_continuous_pred_head=True) and safeformer's on the same weights."""
     xt = pytest.importorskip("x_transformers")
-    from safeformer.wrappers import copy_xt_wrapper_option_weights
+    from safeformer.stack.wrappers import copy_xt_wrapper_option_weights
 
     torch.manual_seed(0)
     xnet = xt.TransformerWrapper(num_tokens=V, max_seq_len=16, add_continuous_pred_head=True,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import safeformer as sf
-from safeformer.free_transformer import NAT, BinaryMapper, FreeTransformer
+from safeformer.research.free_transformer import NAT, BinaryMapper, FreeTransformer
 
 V, C, H, DH, BITS = 13, 32, 4, 8, 3
 

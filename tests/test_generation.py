@@ -1,4 +1,4 @@
-"""Tests of ``safeformer.generation``: the autoregressive wrapper, generation, the logit filters and
+"""Tests of ``safeformer.decoding.generation``: the autoregressive wrapper, generation, the logit filters and
 classifier-free guidance (training with dropped conditions, batched guided sampling).
 
 References are written plainly: a float64 copy of the model decoded one sample at a time without a
@@ -16,10 +16,8 @@ import math
 import pytest
 import torch
 from helpers import ATTEND_TOL, NaNKernel, assert_bitwise, assert_close, assert_finite, assert_zero, ref_guidance
-
-from safeformer import ContinuousTransformerWrapper, Decoder, TransformerWrapper, XTransformer
-from safeformer.conditions import drop_condition
-from safeformer.generation import (
+from safeformer.core.conditions import drop_condition
+from safeformer.decoding.generation import (
     AutoregressiveWrapper,
     generate_tokens,
     guided_logits,
@@ -28,6 +26,8 @@ from safeformer.generation import (
     top_k,
     top_p,
 )
+
+from safeformer import ContinuousTransformerWrapper, Decoder, TransformerWrapper, XTransformer
 from safeformer.testing import substitute_kernel
 
 V, C, DIM = 24, 8, 32  # vocabulary, context width, model width

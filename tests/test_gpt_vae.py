@@ -1,4 +1,4 @@
-"""Tests for ``safeformer.gpt_vae.GPTVAE``: the loss against a float64 reference (each sample alone, on
+"""Tests for ``safeformer.research.gpt_vae.GPTVAE``: the loss against a float64 reference (each sample alone, on
 its real tokens), the safety contract (padding, left padding, fully padded samples and latent sources,
 garbage ids at padded positions, an all-padding batch, the KL term at extreme weights, dropped latents),
 guidance against the dropped latent, named errors, and parity with x-transformers on converted weights."""
@@ -12,7 +12,7 @@ from helpers import assert_close, assert_finite, assert_zero
 from test_dpo import check_probe
 
 import safeformer as sf
-from safeformer.gpt_vae import GPTVAE, gpt_vae_from_x_transformers
+from safeformer.research.gpt_vae import GPTVAE, gpt_vae_from_x_transformers
 
 V, B, N, D, L = 13, 4, 8, 16, 6
 

@@ -15,10 +15,10 @@ import itertools
 import helpers as hp
 import pytest
 import torch
+from safeformer.core.conditions import compose_values
+from safeformer.decoding.generation import AutoregressiveWrapper
 
 import safeformer as sf
-from safeformer.conditions import compose_values
-from safeformer.generation import AutoregressiveWrapper
 
 VOCAB, DIM, CTX, K = 11, 16, 6, 3
 SCALE_SETS = (
@@ -251,7 +251,7 @@ def test_continuous_generate_every_order():
 
 def test_xval_generate_every_order_and_a_zero_scale():
     """The xVal wrapper combines the logits and the number by the same names; a scale of 0 is not a branch."""
-    from safeformer.xval import XValAutoregressiveWrapper, XValTransformerWrapper
+    from safeformer.research.xval import XValAutoregressiveWrapper, XValTransformerWrapper
 
     torch.manual_seed(0)
     net = XValTransformerWrapper(num_tokens=10, max_seq_len=16, numerical_token_id=9,

@@ -29,7 +29,7 @@ from helpers import ATTEND_TOL, INF, NAN, RecordingKernel, assert_bitwise, asser
 import safeformer as sf
 from safeformer.testing import plan_attention, substitute_kernel
 
-attend_module = importlib.import_module("safeformer.attend")  # the module (``safeformer.attend`` is the function)
+attend_module = importlib.import_module("safeformer.core.attend")  # the module (``safeformer.core.attend`` is the function)
 
 HALF = (torch.float16, torch.bfloat16)
 

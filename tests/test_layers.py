@@ -125,7 +125,7 @@ def test_structure_follows_the_configuration():
     assert enc.layer_kinds == ("self", "ff") * 2 and not enc.causal
     assert dec.layer_kinds == ("self", "cross", "ff") * 2 and dec.causal
     assert ca.layer_kinds == ("cross", "ff") * 2 and not ca.causal
-    LayerNorm = sf.modules.LayerNorm
+    LayerNorm = sf.nn.modules.LayerNorm
     assert all(isinstance(blk[0][0], LayerNorm) for blk in enc.layers) and isinstance(enc.final_norm, LayerNorm)
     assert all(isinstance(blk[0][0], sf.RMSNorm) for blk in dec.layers) and isinstance(dec.final_norm, sf.RMSNorm)
     # x-transformers' layer: [norms, block, residual], norms = [pre, post-branch (sandwich), post-main]

@@ -1,4 +1,4 @@
-"""Tests for ``safeformer.masks``: the one mask convention (bool, True = may attend / is real), its
+"""Tests for ``safeformer.core.masks``: the one mask convention (bool, True = may attend / is real), its
 validation (S9), the mask builders, and the safe reductions (S8).
 
 Shape legend: b batch, h heads, i queries, j keys, n sequence positions, c classes.
@@ -26,9 +26,8 @@ from helpers import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
-
-from safeformer.losses import masked_mean, safe_cross_entropy
-from safeformer.masks import (
+from safeformer.core.losses import masked_mean, safe_cross_entropy
+from safeformer.core.masks import (
     _same_device,
     alive_keys,
     alive_rows,

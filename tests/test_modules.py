@@ -54,8 +54,8 @@ def test_rmsnorm_statistics_in_float32_for_large_half_inputs(dtype):
 
 
 def test_make_norm_picks_rmsnorm_or_layernorm_and_they_differ():
-    rms, ln = sf.modules.make_norm(DIM, True), sf.modules.make_norm(DIM, False)
-    assert isinstance(rms, sf.RMSNorm) and isinstance(ln, sf.modules.LayerNorm) and ln.bias is None  # x-transformers
+    rms, ln = sf.nn.modules.make_norm(DIM, True), sf.nn.modules.make_norm(DIM, False)
+    assert isinstance(rms, sf.RMSNorm) and isinstance(ln, sf.nn.modules.LayerNorm) and ln.bias is None  # x-transformers
     x = torch.randn(2, 3, DIM, dtype=torch.float64) + 2.0  # a mean offset: LayerNorm removes it, RMSNorm does not
     hp.assert_close(ln.double()(x), hp.ref_layer_norm(x, torch.ones(DIM).double(), torch.zeros(DIM).double(), ln.eps), "LayerNorm", torch.float64)
     hp.assert_close(rms.double()(x), hp.ref_rms_norm(x, torch.ones(DIM).double(), rms.eps), "RMSNorm", torch.float64)

@@ -15,7 +15,7 @@ from doors import INF, NAN, PLANT_VALUES, Probe, _gen, _leaf, _lengths_mask
 from torch import Tensor
 
 import safeformer as sf
-from safeformer.multi_input import MultiInputTransformerWrapper, multi_input_from_x_transformers
+from safeformer.research.multi_input import MultiInputTransformerWrapper, multi_input_from_x_transformers
 
 VOCABS = {"note": 7, "pitch": 11, "tone": 5}
 

@@ -1,4 +1,4 @@
-"""Tests for ``safeformer.neo_mlp.NeoMLP``: the Fourier features and the readout against float64 formulas,
+"""Tests for ``safeformer.research.neo_mlp.NeoMLP``: the Fourier features and the readout against float64 formulas,
 a missing-feature mask equal to removing those input nodes (float64), NaN/inf at missing features
 reaching no output and no gradient, a sample with every feature missing, named errors, and parity with
 x-transformers' ``NeoMLP`` on converted weights."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_close, assert_finite, assert_zero
 
-from safeformer.neo_mlp import NeoMLP, neo_mlp_from_x_transformers
+from safeformer.research.neo_mlp import NeoMLP, neo_mlp_from_x_transformers
 
 I, H, O, D, B = 5, 6, 3, 16, 4
 VALUES = [float("nan"), float("inf"), -float("inf"), 1e4]

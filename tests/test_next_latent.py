@@ -1,4 +1,4 @@
-"""Tests for ``safeformer.next_latent.NextLatentWrapper``: each loss term against a float64 reference in
+"""Tests for ``safeformer.research.next_latent.NextLatentWrapper``: each loss term against a float64 reference in
 plain code (each sample's real tokens alone, rollouts step by step, SIGReg with cosines and sines), the
 safety contract (padding by ``ignore_index`` or ``mask``, left padding, fully padded samples, garbage ids
 at padded positions, NaN/inf at masked context slots, an all-ignored batch), named errors, and parity
@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close, assert_finite, assert_zero
-from test_dpo import check_probe
-
-import safeformer as sf
-from safeformer.next_latent import (
+from safeformer.research.next_latent import (
     MSECosineSimLoss,
     NextLatentWrapper,
     ResidualDynamics,
     next_latent_from_x_transformers,
 )
+from test_dpo import check_probe
+
+import safeformer as sf
 
 V, D = 11, 16
 

@@ -295,7 +295,7 @@ def test_half_model_return_pooled_over_1024_tokens_is_the_float64_mean_of_its_em
     float16's range, so a pooled mean accumulated in float16 is inf (or far off)."""
     model = hp.seeded_module(lambda: sf.TransformerWrapper(
         num_tokens=50, max_seq_len=1024, attn_layers=sf.Encoder(dim=32, depth=1, heads=2, dim_head=16)), seed=14)
-    model.attn_layers.final_norm = sf.modules.LayerNorm(32, unit_offset=True, bias=True)  # a shift to set
+    model.attn_layers.final_norm = sf.nn.modules.LayerNorm(32, unit_offset=True, bias=True)  # a shift to set
     with torch.no_grad():
         model.attn_layers.final_norm.bias.add_(70.0)
     model = model.half().eval()
@@ -348,7 +348,7 @@ def layernorm_case(dtype: torch.dtype, offset: float) -> tuple[torch.nn.LayerNor
     ~1000 (offset 0) or 300 + N(0, 1) (the variance of x ~ 1e6 overflows float16 in a naive kernel)."""
     layers = hp.seeded_module(lambda: sf.Encoder(dim=48, depth=1, heads=2, dim_head=8), seed=19).to(dtype)
     norm = layers.final_norm
-    assert isinstance(norm, sf.modules.LayerNorm)
+    assert isinstance(norm, sf.nn.modules.LayerNorm)
     x = (_randn(3, 7, 48, seed=20, scale=1000.0 if offset == 0 else 1.0) + offset).to(dtype)
     return norm, x
 
@@ -444,7 +444,7 @@ def test_drop_condition_at_half_is_a_per_sample_draw_of_whole_rows(given_mask):
         mask = torch.ones(B, J, dtype=torch.bool)
     want = expected_draw(B, 0.5, SEED)
     torch.manual_seed(SEED)
-    ctx2, mask2 = sf.conditions.drop_condition(mask if given_mask else None, 0.5, context=ctx)
+    ctx2, mask2 = sf.core.conditions.drop_condition(mask if given_mask else None, 0.5, context=ctx)
     assert ctx2 is ctx  # the empty null condition changes only the mask
     dropped = ~mask2.any(1)
     assert 0 < int(dropped.sum()) < B and binomial_ok(int(dropped.sum()), B, 0.5), int(dropped.sum())
@@ -452,7 +452,7 @@ def test_drop_condition_at_half_is_a_per_sample_draw_of_whole_rows(given_mask):
     assert torch.equal(mask2[~dropped], mask[~dropped]), "a kept sample's mask changed"
     # another draw drops other samples: the pattern is drawn, not fixed
     torch.manual_seed(SEED + 1)
-    _, mask3 = sf.conditions.drop_condition(mask, 0.5, context=ctx)
+    _, mask3 = sf.core.conditions.drop_condition(mask, 0.5, context=ctx)
     assert not torch.equal(~mask3.any(1), dropped)
 
 
@@ -461,7 +461,7 @@ def test_drop_condition_at_half_with_null_context_swaps_whole_rows():
     null = _randn(2, CTX, seed=31, dtype=torch.float32)  # two null tokens
     want = expected_draw(B, 0.5, SEED)
     torch.manual_seed(SEED)
-    ctx2, mask2 = sf.conditions.drop_condition(mask, 0.5, context=ctx, null_context=null)
+    ctx2, mask2 = sf.core.conditions.drop_condition(mask, 0.5, context=ctx, null_context=null)
     assert tuple(ctx2.shape) == (B, J, CTX) and tuple(mask2.shape) == (B, J)
     null_row = torch.cat((null, torch.zeros(J - 2, CTX)))
     null_mask = torch.tensor([True, True] + [False] * (J - 2))
@@ -503,8 +503,8 @@ def test_autoregressive_training_at_half_drops_whole_samples_exactly(null_contex
     (got,) = seen
     with torch.no_grad():
         none = torch.zeros(B, dtype=torch.bool)
-        cond_ctx, cond_mask = sf.conditions.drop_condition(mask, context=ctx, null_context=model.null_token, dropped=none)
-        unc_ctx, unc_mask = sf.conditions.drop_condition(mask, context=ctx, null_context=model.null_token, dropped=~none)
+        cond_ctx, cond_mask = sf.core.conditions.drop_condition(mask, context=ctx, null_context=model.null_token, dropped=none)
+        unc_ctx, unc_mask = sf.core.conditions.drop_condition(mask, context=ctx, null_context=model.null_token, dropped=~none)
         cond = model.net(x[:, :-1], context=cond_ctx, context_mask=cond_mask)
         uncond = model.net(x[:, :-1], context=unc_ctx, context_mask=unc_mask)
     dropped = split_per_sample(got, cond, uncond, "training logits")
@@ -838,8 +838,8 @@ def test_temperature_below_zero_or_not_finite_is_refused(t):
 def test_drop_condition_at_exactly_zero_and_one_keeps_all_and_drops_all():
     ctx, mask = context_batch()
     torch.manual_seed(SEED)
-    _, kept = sf.conditions.drop_condition(mask, 0.0, context=ctx)
-    _, gone = sf.conditions.drop_condition(mask, 1.0, context=ctx)
+    _, kept = sf.core.conditions.drop_condition(mask, 0.0, context=ctx)
+    _, gone = sf.core.conditions.drop_condition(mask, 1.0, context=ctx)
     assert torch.equal(kept, mask)
     assert not bool(gone.any())
 
@@ -848,7 +848,7 @@ def test_drop_condition_at_exactly_zero_and_one_keeps_all_and_drops_all():
 def test_drop_probability_just_outside_zero_one_is_refused_everywhere(p):
     ctx, mask = context_batch(4)
     with pytest.raises(ValueError, match="drop probability"):
-        sf.conditions.drop_condition(mask, p, context=ctx)
+        sf.core.conditions.drop_condition(mask, p, context=ctx)
     with pytest.raises(ValueError, match="cond_drop_prob"):
         make_ar("empty", p)
     with pytest.raises(ValueError, match="cond_drop_prob"):
@@ -1043,7 +1043,7 @@ def test_a_bool_passed_as_a_number_is_refused_like_top_k_and_cond_scale_refuse_i
         "top_p(p=True)": lambda: sf.top_p(x, True),
         "min_p(min_p=True)": lambda: sf.min_p(x, True),
         "guided_logits(guidance_rescale=True)": lambda: sf.guided_logits(x, x, 2.0, True),
-        "drop_condition(p=True)": lambda: sf.conditions.drop_condition(mask, True, context=ctx),
+        "drop_condition(p=True)": lambda: sf.core.conditions.drop_condition(mask, True, context=ctx),
         "AutoregressiveWrapper(cond_drop_prob=True)": lambda: make_ar("empty", True),
         "XTransformer(cond_drop_prob=True)": lambda: make_xt(True),
         "attend(dropout_p=False)": lambda: sf.attend(q, q, q, dropout_p=False),

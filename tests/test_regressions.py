@@ -195,7 +195,7 @@ def test_return_pooled_of_a_half_encoder_over_1024_tokens_is_accurate():
     torch.manual_seed(0)
     model = sf.TransformerWrapper(num_tokens=7, max_seq_len=1024,
                                   attn_layers=sf.Encoder(dim=16, depth=1, heads=2, dim_head=8))
-    model.attn_layers.final_norm = sf.modules.LayerNorm(16, unit_offset=True, bias=True)  # a shift to set
+    model.attn_layers.final_norm = sf.nn.modules.LayerNorm(16, unit_offset=True, bias=True)  # a shift to set
     model = model.half()
     with torch.no_grad():
         model.attn_layers.final_norm.bias.fill_(100.0)  # large hidden states: a float16 sum of 1024 overflows

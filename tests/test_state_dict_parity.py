@@ -195,7 +195,7 @@ def test_hyper_connection_residual_mix_is_doubly_stochastic_where_x_transformers
     hc = ours.layers[0][2]
     normed = hc.norm(streams)
     alpha = (normed @ hc.dynamic_alpha_fn) * hc.dynamic_alpha_scale + hc.static_alpha
-    mix = sf.block.sinkhorn(alpha[..., hc.num_input_views:], hc.sinkhorn_iters)
+    mix = sf.nn.block.sinkhorn(alpha[..., hc.num_input_views:], hc.sinkhorn_iters)
     torch.testing.assert_close(mix.sum(-1), torch.ones_like(mix.sum(-1)), rtol=0, atol=1e-3)
     torch.testing.assert_close(mix.sum(-2), torch.ones_like(mix.sum(-2)), rtol=0, atol=1e-3)
     torch.testing.assert_close(mixed_sf, torch.einsum("...st,...sd->...td", mix, streams))

@@ -15,10 +15,10 @@ import math
 import helpers as hp
 import pytest
 import torch
+from safeformer.decoding.generation import beam_search_tokens
+from safeformer.decoding.static import StaticDecoder, StaticKVCache, capacity_bucket, compile_options, static_reason
 
 import safeformer as sf
-from safeformer.generation import beam_search_tokens
-from safeformer.static import StaticDecoder, StaticKVCache, capacity_bucket, compile_options, static_reason
 
 V, DIM, J = 23, 32, 3
 
@@ -276,7 +276,7 @@ def test_beam_search_same_beams_static_and_dynamic(monkeypatch):
     calls = _count_static_steps(monkeypatch)
     tok_s, score_s = beam_search_tokens(net, prompts, 6, beams=3, cond_scale=2.0, **kw)
     assert calls[0] > 0
-    monkeypatch.setattr("safeformer.decode.static_reason", lambda net: "off for the comparison")
+    monkeypatch.setattr("safeformer.decoding.decode.static_reason", lambda net: "off for the comparison")
     tok_d, score_d = beam_search_tokens(net, prompts, 6, beams=3, cond_scale=2.0, **kw)
     assert torch.equal(tok_s, tok_d)
     hp.assert_close(score_s, score_d, "beam scores")
@@ -296,7 +296,7 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     calls = _count_static_steps(monkeypatch)
     static = model.generate(start, 6, mask=mask, context=ctx, context_mask=cm, cond_scale=2.0)
     assert calls[0] > 0
-    monkeypatch.setattr("safeformer.decode.static_reason", lambda net: "off for the comparison")
+    monkeypatch.setattr("safeformer.decoding.decode.static_reason", lambda net: "off for the comparison")
     dynamic = model.generate(start, 6, mask=mask, context=ctx, context_mask=cm, cond_scale=2.0)
     hp.assert_close(static, dynamic, "continuous values, static vs dynamic")
     assert float((static - dynamic).abs().max()) < 1e-5
@@ -494,8 +494,8 @@ def test_rotary_tables_give_apply_rotarys_values(dtype, dim_head, rot_dim):
     """The static step's rotary (complex pairs times ``cis`` eagerly, the real tables in the compiled step) gives
     ``apply_rotary``'s values exactly, at per-sample positions, partial rotary widths and a strided input (q and k
     sliced out of one fused projection)."""
-    from safeformer.modules import apply_rotary
-    from safeformer.static import _rotary_tables, _rotate
+    from safeformer.nn.modules import apply_rotary
+    from safeformer.decoding.static import _rotary_tables, _rotate
 
     stack = sf.Decoder(dim=4 * dim_head, depth=1, heads=4, dim_head=dim_head, rotary_pos_emb=True,
                        rotary_emb_dim=rot_dim)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import helpers as hp
 import pytest
 import torch
+from safeformer.stack.unpadded import UNPADDED_THRESHOLD
 
 import safeformer as sf
-from safeformer.unpadded import UNPADDED_THRESHOLD
 
 STACKS = {
     "encoder-alibi-qknorm-bias": lambda: sf.Encoder(dim=16, depth=2, heads=2, dim_head=8, alibi_pos_bias=True,
@@ -129,7 +129,7 @@ def test_auto_picks_the_unpadded_path_from_the_padding_fraction():
 def test_auto_keeps_the_padded_path_on_cuda_without_the_varlen_kernel(monkeypatch):
     """On an H200 with torch 2.11 (no varlen kernel) the unpadded path's length groups made a training
     step 2.0x-2.5x slower than the padded path: "auto" unpads on CUDA only where the varlen kernel runs."""
-    import safeformer.unpadded as up
+    import safeformer.stack.unpadded as up
 
     assert up.auto_unpads_on(torch.device("cpu"))
     monkeypatch.setattr(up, "varlen_kernel_available", lambda device=None: False)

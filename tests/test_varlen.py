@@ -1,4 +1,4 @@
-"""``safeformer.varlen``: the plan (``plan_varlen``), the packed self-attention (``varlen_attention``) on
+"""``safeformer.core.varlen``: the plan (``plan_varlen``), the packed self-attention (``varlen_attention``) on
 every path (the per-segment reference; a substituted CPU kernel with ``varlen_attn``'s signature, which
 checks the calling convention; PyTorch's real varlen Flash kernel on a CUDA machine), empty segments kept
 away from every kernel (S1, S6), and clear errors (S9). Every result is compared with a float64
@@ -10,15 +10,12 @@ Shape legend: T packed tokens, b segments, h query heads, h_kv key/value heads, 
 from __future__ import annotations
 
 import pytest
+import safeformer.core.varlen as varlen_mod
 import torch
 from helpers import ATTEND_TOL, DEVICES, NAN, assert_close, assert_finite, assert_zero, grads, ref_attend
 from hypothesis import given
 from hypothesis import strategies as st
-
-import safeformer as sf
-import safeformer.varlen as varlen_mod
-from safeformer import attend
-from safeformer.varlen import (
+from safeformer.core.varlen import (
     VarlenLayout,
     VarlenPlan,
     plan_varlen,
@@ -27,6 +24,9 @@ from safeformer.varlen import (
     varlen_kernel_available,
     varlen_layout,
 )
+
+import safeformer as sf
+from safeformer import attend
 
 HALF = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -568,7 +568,7 @@ def test_stack_unpadded_varlen_path_equals_padded_path(monkeypatch, layers_cls, 
     """``AttentionLayers(unpadded=True)`` with the varlen plan (forced here; on CUDA ``plan_varlen`` picks it)
     hands the kernel the packed real tokens with their segment offsets (empty samples dropped) and gives
     the padded path's outputs and gradients; NaN at padded positions reaches nothing."""
-    import safeformer.unpadded
+    import safeformer.stack.unpadded
 
     torch.manual_seed(0)
     stack = layers_cls(dim=32, depth=2, heads=4, dim_head=8, **opts).double()
@@ -591,7 +591,7 @@ def test_stack_unpadded_varlen_path_equals_padded_path(monkeypatch, layers_cls, 
 
     want = run(False)
     plan = VarlenPlan("varlen", "forced for the test", (-1, 0) if stack.causal else (-1, -1), False)
-    monkeypatch.setattr(safeformer.unpadded, "stack_varlen_plan", lambda stack, x: plan)
+    monkeypatch.setattr(safeformer.stack.unpadded, "stack_varlen_plan", lambda stack, x: plan)
     calls: list = []
     with substitute_varlen_kernel(cpu_varlen_kernel(calls)):
         got = run(True)

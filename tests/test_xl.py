@@ -1,5 +1,5 @@
 """Tests for Transformer-XL memories (``TransformerWrapper(max_mem_len=, shift_mem_down=)``,
-``forward(mems=, mem_masks=, return_mems=, detach_mems=)``) and ``safeformer.xl_autoregressive_wrapper``:
+``forward(mems=, mem_masks=, return_mems=, detach_mems=)``) and ``safeformer.decoding.xl``:
 parity with x-transformers on converted weights (memories over three segments with absolute, rotary and ALiBi
 positions; the XL loss, its gradients and sampling, with and without test-time training), the safety
 contract (padded memories equal the sample without its padding, NaN at masked memory slots reaches nothing, a
@@ -16,7 +16,7 @@ from test_dpo import check_probe
 
 import safeformer as sf
 from safeformer.interop import from_x_transformers
-from safeformer.xl_autoregressive_wrapper import TTTModuleWrapper, XLAutoregressiveWrapper
+from safeformer.decoding.xl import TTTModuleWrapper, XLAutoregressiveWrapper
 
 xt = pytest.importorskip("x_transformers")
 from x_transformers.xl_autoregressive_wrapper import XLAutoregressiveWrapper as XtXL  # noqa: E402

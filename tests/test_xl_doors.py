@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import assert_clear_errors, assert_finite, names_argument
 
 import safeformer as sf
-from safeformer.xl_autoregressive_wrapper import XLAutoregressiveWrapper
+from safeformer.decoding.xl import XLAutoregressiveWrapper
 
 V, D = 23, 16
 TO_V = "attn_layers.layers.0.1.to_v"

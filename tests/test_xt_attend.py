@@ -1,4 +1,4 @@
-"""x-transformers' ``Attend`` module (``safeformer.attend.Attend``): equal to x-transformers' ``Attend`` on live
+"""x-transformers' ``Attend`` module (``safeformer.core.attend.Attend``): equal to x-transformers' ``Attend`` on live
 rows, and safe where it is not (NaN planted in masked keys/values, queries with no key)."""
 
 import pytest

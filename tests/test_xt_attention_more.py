@@ -308,7 +308,7 @@ def test_half_precision_large_logits_stay_finite(dtype):
 def test_stack_intermediates_and_static_step_reason():
     """The stack's intermediates carry the logits (masked keys -inf, padded rows 0); generation with a scoring
     option takes the dynamic cache (the static step names why)."""
-    from safeformer.static import static_reason
+    from safeformer.decoding.static import static_reason
 
     torch.manual_seed(0)
     model = sf.TransformerWrapper(num_tokens=20, max_seq_len=8, attn_layers=sf.Decoder(

@@ -14,11 +14,11 @@ import warnings
 
 import pytest
 import torch
+from safeformer.stack.layers import LAYER_ALIASES
+from safeformer.nn.modules import FeedForward
+from safeformer.core.xt_defaults import XT_DEFAULT_ONLY as _XT_DEFAULT_ONLY
 
 import safeformer as sf
-from safeformer.layers import LAYER_ALIASES
-from safeformer.modules import FeedForward
-from safeformer.xt_defaults import XT_DEFAULT_ONLY as _XT_DEFAULT_ONLY
 
 xt = pytest.importorskip("x_transformers")
 X = xt.x_transformers

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safeformer.nn.attention import Attention
 from torch import nn
 
 import safeformer as sf
-from safeformer.attention import Attention
 
 xt = pytest.importorskip("x_transformers")
 from x_transformers.x_transformers import Attention as XAttention  # noqa: E402
@@ -161,7 +161,7 @@ def test_hybrid_refusals():
             torch.randn(1, 3, 16))
     folded = _decoder(gru, attn_hybrid_fold_axial_dim=2)
     assert not folded.can_cache_kv and _decoder(gru).can_cache_kv
-    from safeformer.static import static_reason
+    from safeformer.decoding.static import static_reason
 
     assert "hybrid" in static_reason(_decoder(gru))
     _, cache = folded(torch.randint(0, 50, (1, 3)), return_cache=True)
@@ -288,7 +288,7 @@ def test_rotary_xpos_padding_nan_and_refusals():
     out.sum().backward()
     assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(e.grad).all()) and _finite_grads(sm)
     assert not sm.can_cache_kv
-    from safeformer.static import static_reason
+    from safeformer.decoding.static import static_reason
 
     assert "xpos" in static_reason(sm)
     with pytest.raises(ValueError, match="KV cache"):
@@ -336,10 +336,9 @@ def test_polar_matches_x_transformers_and_caches():
         steps.append(o)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     # the module's own call and apply_polar_pos_emb as x-transformers'
+    from safeformer.nn.modules import PolarEmbedding, apply_polar_pos_emb
     from x_transformers.x_transformers import PolarEmbedding as XPolar
     from x_transformers.x_transformers import apply_polar_pos_emb as x_apply
-
-    from safeformer.modules import PolarEmbedding, apply_polar_pos_emb
 
     t, q = torch.arange(5), torch.randn(1, 2, 5, 8)
     (f1, b1), (f2, b2) = PolarEmbedding(8, 2)(t), XPolar(8, 2)(t)
@@ -359,7 +358,7 @@ def test_polar_padding_nan_and_refusals():
     out = sm.attn_layers(e, mask=mask)
     out.sum().backward()
     assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(e.grad).all()) and _finite_grads(sm)
-    from safeformer.static import static_reason
+    from safeformer.decoding.static import static_reason
 
     assert "polar" in static_reason(sm) and sm.can_cache_kv
     for bad in (dict(rotary_pos_emb=True), dict(kv_heads=1), dict(attn_num_mem_kv=2)):
@@ -387,7 +386,7 @@ def _left_padded_equals_alone(model, dim=16, **kw):
 def test_derf_formula_x_transformers_and_padding():
     from x_transformers.x_transformers import Derf as XDerf
 
-    norm = sf.modules.Derf(8)
+    norm = sf.nn.modules.Derf(8)
     with torch.no_grad():
         for p in norm.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -398,7 +397,7 @@ def test_derf_formula_x_transformers_and_padding():
     peer.load_state_dict(n64.state_dict())
     torch.testing.assert_close(n64(x), peer(x))
     dec = sf.Decoder(dim=16, depth=2, heads=2, attn_dim_head=8, use_derf=True)
-    assert sum(isinstance(m, sf.modules.Derf) for m in dec.modules()) == 5  # 4 pre-norms and the final norm
+    assert sum(isinstance(m, sf.nn.modules.Derf) for m in dec.modules()) == 5  # 4 pre-norms and the final norm
     _left_padded_equals_alone(dec)
     with pytest.raises(ValueError, match="use_derf"):
         sf.Decoder(dim=16, depth=1, heads=2, use_derf=True, use_rmsnorm=True)

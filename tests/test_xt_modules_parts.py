@@ -1,4 +1,4 @@
-"""x-transformers' small parts (``safeformer.xt_modules``, re-exported by ``safeformer.x_transformers``) against
+"""x-transformers' small parts (``safeformer.nn.xt_modules``, re-exported by ``safeformer.x_transformers``) against
 x-transformers 2.31.10's own classes: the same initialisation from the same seed, ``state_dict`` loading strictly
 both ways, the same outputs and gradients on the same (perturbed) weights in float64 and float32, edge inputs
 (all-zero rows, length 1 and 0), and clear errors naming the argument. The door probes at the end are run by
@@ -19,7 +19,7 @@ from torch import nn
 
 import safeformer as sf
 import safeformer.x_transformers as sfx
-from safeformer import xt_modules as xm
+from safeformer.nn import xt_modules as xm
 
 xx = pytest.importorskip("x_transformers.x_transformers")
 F64 = torch.float64

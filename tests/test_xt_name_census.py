@@ -1,5 +1,5 @@
 """The name census: every public name of every x-transformers module is at safeformer's module of the same path,
-or listed in ``safeformer.xt_helpers.NOT_PROVIDED`` with its reason. The helpers provided give x-transformers'
+or listed in ``safeformer.core.xt_helpers.NOT_PROVIDED`` with its reason. The helpers provided give x-transformers'
 results on the same inputs (seeded for the random ones) and check their arguments; ``top_k`` takes
 x-transformers' argument order."""
 
@@ -10,12 +10,12 @@ import inspect
 import pkgutil
 
 import pytest
+import safeformer.core.xt_helpers as xh
 import torch
+from safeformer.core.xt_helpers import NOT_PROVIDED
 
 import safeformer as sf
 import safeformer.x_transformers as sfx
-import safeformer.xt_helpers as xh
-from safeformer.xt_helpers import NOT_PROVIDED
 
 xt = pytest.importorskip("x_transformers")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import helpers as hp
 import pytest
 import torch
+from safeformer.nn.attention import _explicit_attention
 
 import safeformer as sf
-from safeformer.attention import _explicit_attention
 
 NAN = float("nan")
 xt = pytest.importorskip("x_transformers")
@@ -233,7 +233,7 @@ def test_l2norm_embed_and_tied_scale():
     x = torch.tensor([[1, 3, 5]])
     h = net(x, return_embeddings=True)
     torch.testing.assert_close(net(x), h @ net.token_emb.weight.t() * 0.25)
-    emb = sf.modules.l2norm(net.token_emb(x))
+    emb = sf.nn.modules.l2norm(net.token_emb(x))
     torch.testing.assert_close(emb[0, [0, 2]].norm(dim=-1), torch.ones(2))
     assert bool((emb[0, 1] == 0).all())
     net(x).sum().backward()

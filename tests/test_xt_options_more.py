@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safeformer.decoding.static import static_reason
 
 import safeformer as sf
-from safeformer.static import static_reason
 
 NAN = float("nan")
 xt = pytest.importorskip("x_transformers")
@@ -412,7 +412,7 @@ def test_dynamic_tanh_matches_formula_and_x_transformers():
     models convert with equal outputs, their unit offsets (``norm_add_unit_offset``) folded in; padded
     positions stay out (a sample alone equals it left-padded)."""
     torch.manual_seed(9)
-    norm = _perturb(sf.modules.DynamicTanh(8, init_alpha=0.7)).double()
+    norm = _perturb(sf.nn.modules.DynamicTanh(8, init_alpha=0.7)).double()
     x = torch.randn(3, 8, dtype=torch.float64)
     torch.testing.assert_close(norm(x), torch.tanh(norm.pre_tanh_scale * x) * norm.gamma + norm.beta)
     for kw in (dict(), dict(norm_add_unit_offset=False, dynamic_tanh_init_alpha=0.5)):

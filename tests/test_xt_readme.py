@@ -1174,7 +1174,7 @@ def test_xl_autoregressive_wrapper():
     No ``_parity`` twin: ``from_x_transformers`` takes no ``XLAutoregressiveWrapper``."""
     import torch
     from safeformer import TransformerWrapper, Decoder
-    from safeformer.xl_autoregressive_wrapper import XLAutoregressiveWrapper
+    from safeformer.decoding.xl import XLAutoregressiveWrapper
 
     model_xl = TransformerWrapper(
         num_tokens = 20000,

@@ -4,9 +4,9 @@ safe under masks, with the KV cache and on the unpadded path."""
 
 import pytest
 import torch
+from safeformer.nn.relative_position import RelativePositionBias
 
 import safeformer as sf
-from safeformer.relative_position import RelativePositionBias
 
 KW = dict(dim=32, depth=2, heads=4, dim_head=8, rel_pos_bias=True, rel_pos_num_buckets=8, rel_pos_max_distance=20)
 
@@ -94,7 +94,7 @@ def test_generation_takes_the_dynamic_cache_and_matches_recomputing():
     torch.manual_seed(0)
     net = sf.TransformerWrapper(num_tokens=20, max_seq_len=32, use_abs_pos_emb=False,
                                 attn_layers=sf.Decoder(**KW)).eval()
-    from safeformer.static import static_reason
+    from safeformer.decoding.static import static_reason
     assert "rel_pos_bias" in (static_reason(net) or "")
     prompt = torch.randint(0, 20, (2, 4))
     cached = sf.AutoregressiveWrapper(net).generate(prompt, 6, temperature=0.0)

@@ -19,10 +19,10 @@ import torch
 import x_transformers as xt
 import x_transformers.x_transformers as xt_mod
 from helpers import check_padded_equals_alone, perturb_params
+from safeformer.nn.block import sinkhorn
+from safeformer.decoding.static import static_reason
 
 import safeformer as sf
-from safeformer.block import sinkhorn
-from safeformer.static import static_reason
 
 DIM, HEADS, DIM_HEAD, VOCAB = 32, 4, 8, 50
 
@@ -136,7 +136,7 @@ def test_sinkhorn_mix_is_doubly_stochastic():
 def test_hyper_connection_matches_float64_formula():
     """``HyperConnection.prepare`` / ``forward`` against the formula, float64, with perturbed weights."""
     torch.manual_seed(1)
-    hc = _perturb(sf.block.HyperConnection(8, layer_index=1, num_residual_streams=3, num_input_views=3)).double()
+    hc = _perturb(sf.nn.block.HyperConnection(8, layer_index=1, num_residual_streams=3, num_input_views=3)).double()
     streams = torch.randn(2, 5, 3, 8, dtype=torch.float64)
     branch, mixed, beta = hc.prepare(streams)
     normed = torch.nn.functional.layer_norm(streams, (8,), hc.norm.weight, None, hc.norm.eps)

@@ -19,10 +19,10 @@ import helpers as hp
 import pytest
 import torch
 import torch.nn.functional as F
+from safeformer.decoding.nonautoregressive import SCHEDULES, mdlm_loss_weight
 from torch import nn
 
 import safeformer as sf
-from safeformer.nonautoregressive import SCHEDULES, mdlm_loss_weight
 
 NAN = float("nan")
 C, D = 16, 3
@@ -351,7 +351,7 @@ def test_continuous_pred_head():
     hp.assert_close(logits, model(x, mask=mask), what="logits")
     h = model(x, mask=mask, return_embeddings=True)
     hp.assert_close(pred, model.to_next_embed_pred(h), what="next-embedding prediction")
-    pos = sf.modules.positions_from_mask(mask, 6, x.device)
+    pos = sf.nn.modules.positions_from_mask(mask, 6, x.device)
     ref = model.token_emb(x) + model.pos_emb(pos)
     hp.assert_close(init[mask], ref[mask], what="initial embeddings")
     with pytest.raises(ValueError, match="add_continuous_pred_head"):
@@ -446,7 +446,7 @@ def test_mdlm_weighted_loss():
 def test_xt_option_conversion_and_mixture_parity():
     """x-transformers' own mixture-of-softmax head (its modules, its code) on the same hidden states."""
     xt = pytest.importorskip("x_transformers")
-    from safeformer.wrappers import copy_xt_wrapper_option_weights, xt_wrapper_option_kwargs
+    from safeformer.stack.wrappers import copy_xt_wrapper_option_weights, xt_wrapper_option_kwargs
 
     torch.manual_seed(0)
     theirs = xt.TransformerWrapper(num_tokens=V, max_seq_len=32, mixture_of_softmax=True, mixture_of_softmax_k=3,
@@ -468,7 +468,7 @@ def test_xt_option_conversion_and_mixture_parity():
 
 
 def test_next_embed_loss():
-    from safeformer.losses import next_embed_loss
+    from safeformer.core.losses import next_embed_loss
 
     pred = torch.randn(2, 6, C, dtype=torch.float64, requires_grad=True)
     init = torch.randn(2, 6, C, dtype=torch.float64)
@@ -511,7 +511,7 @@ def test_continuous_conversion_parity(prob):
     ``xt_continuous_wrapper_kwargs`` (the stack converted through a TransformerWrapper sharing it): equal."""
     xt = pytest.importorskip("x_transformers")
     xtc = _xt_continuous()
-    from safeformer.wrappers import copy_xt_continuous_projections, xt_continuous_wrapper_kwargs
+    from safeformer.stack.wrappers import copy_xt_continuous_projections, xt_continuous_wrapper_kwargs
 
     torch.manual_seed(0)
     theirs = xtc.ContinuousTransformerWrapper(dim_in=D, dim_out=D, max_seq_len=16, probabilistic=prob,
@@ -528,7 +528,7 @@ def test_continuous_conversion_parity(prob):
 
 
 def test_gaussian_head_finite_in_half_precision():
-    from safeformer.wrappers import gaussian_head
+    from safeformer.stack.wrappers import gaussian_head
 
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         raw = torch.tensor([[0.0, 1e4, 0.0, -1e4]], dtype=dtype)

@@ -276,7 +276,7 @@ def test_ff_deep_embed_with_memory_tokens_prefix_and_cache():
 
 
 def test_ff_deep_embed_generation_skips_the_static_step():
-    from safeformer.static import static_reason
+    from safeformer.decoding.static import static_reason
 
     model = _deep().float().eval()
     assert "ff_deep_embed" in static_reason(model)

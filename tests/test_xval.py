@@ -1,4 +1,4 @@
-"""Tests for ``safeformer.xval``: the xVal embedding and loss against float64 references in plain code,
+"""Tests for ``safeformer.research.xval``: the xVal embedding and loss against float64 references in plain code,
 the safety contract (padding with fully padded samples, NaN/inf in ``x_num`` wherever it is not read,
 garbage ids at padded positions, NaN/inf at masked context slots, all-ignored batches), guided
 generation (one batched forward equals the formula over separate passes, cached equals uncached), named
@@ -11,7 +11,7 @@ import torch
 from helpers import assert_close, assert_finite, assert_zero
 
 import safeformer as sf
-from safeformer.xval import GenerateReturn, XValAutoregressiveWrapper, XValTransformerWrapper, xval_from_x_transformers
+from safeformer.research.xval import GenerateReturn, XValAutoregressiveWrapper, XValTransformerWrapper, xval_from_x_transformers
 
 V, NUM, B, N, D = 10, 9, 4, 7, 16
 VALUES = [float("nan"), float("inf"), -float("inf"), 1e4]

@@ -20,7 +20,7 @@ def _perturb_routing(model: nn.Module, seed: int = 5) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, sf.block.ResidualRouting):
+            if isinstance(m, sf.nn.block.ResidualRouting):
                 for p in m.parameters():
                     p.add_(0.3 * torch.randn(p.shape, generator=g))
     return model
@@ -90,7 +90,7 @@ def _perturb_gains(model: nn.Module, seed: int = 6) -> nn.Module:
     with torch.no_grad():
         for m in model.modules():
             # LayerScale wraps its branch (x-transformers' tree): its own gain only
-            params = [m.gamma] if isinstance(m, sf.xt_modules.LayerScale) else \
+            params = [m.gamma] if isinstance(m, sf.nn.xt_modules.LayerScale) else \
                 list(m.parameters()) if isinstance(m, nn.GRUCell) else []
             for p in params:
                 p.add_(0.3 * torch.randn(p.shape, generator=g))

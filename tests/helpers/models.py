@@ -745,7 +745,7 @@ class AdaptiveDecoderCase(DecoderCase):
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():  # adaptive projections start at 0: make them matter
             for mod in model.modules():
-                if isinstance(mod, (sf.modules.AdaptiveNorm, sf.block.AdaptiveLayerScale)):
+                if isinstance(mod, (sf.nn.modules.AdaptiveNorm, sf.nn.block.AdaptiveLayerScale)):
                     for p in mod.parameters():
                         p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             model.null_condition.copy_(torch.randn(self.K, generator=g))

@@ -1,0 +1,539 @@
+"""The ``Attention`` module: projections, heads, grouped-query attention, rotary, qk-norm, memory
+keys/values, sinks and softclamp, for self- and cross-attention, with a KV cache.
+
+Shape legend: b batch, h query heads, h_kv key/value heads, i queries, j keys, d head dim, c model
+width, c_ctx context width, T packed real tokens.
+
+One seam for every path: ``_project_q`` / ``_project_kv`` compute q, k, v (positions first,
+``(..., heads, d)``) and ``_output`` produces the output, for the padded path, the explicit float32 path
+and the unpadded layouts (``unpadded.py``). A new option on queries, keys or outputs is written once.
+Masks follow safeformer's one convention (bool, True = may attend / is real); see ``masks.py``.
+
+The options live beside this module, each built and checked by its own builder and applied in its phase of a call:
+``attention_projections`` (projections, multi-latent attention, norms, the value residual, qk-clip),
+``attention_scoring`` (how logits become weights, the explicit float32 path and the kernel call),
+``attention_bias`` (the relative projection bias, data-dependent ALiBi), ``attention_keys`` (live rows and keys;
+the sink, memory and added keys), ``attention_output`` (the output projection, gates, orthogonal projected values)
+and ``attention_calls`` (the door's checks, x-transformers' call keywords, the intermediates).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..core.attend import BACKENDS, SelectedMask, masked_linear
+from ..core.cache import AttnIntermediate
+from ..core.masks import checked_once
+from ..core.xt_defaults import ATTENTION_ANY_VALUE, ATTENTION_DEFAULT_ONLY, check_xt_options
+from .attention_bias import RelativeProjPositionalBias, init_forget_gates, option_bias
+from .attention_calls import (
+    check_call,
+    check_kv_residual,
+    check_option_call,
+    fold_xt_call,
+    intermediates,
+    refuse_xt_call,
+    unpadded_call,
+)
+from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, query_padding
+from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
+from .attention_output import check_head_scale, gate, init_gates, init_out, orthog_project, output_phase
+from .attention_projections import init_norms, init_projections, init_rotation, project_qkv, qk_clip_
+from .attention_scoring import (
+    AttentionScorer,
+    explicit_call,
+    init_scoring,
+    kernel_call,
+    legacy_scorer_keys,
+    log_prob_from_hard_attend,
+)
+from .attention_scoring import CoPE as CoPE  # re-exported: the module path it had
+from .attention_scoring import _explicit_attention as _explicit_attention  # re-exported (tests call it)
+from .hybrid import make_hybrid
+from .modules import apply_rotary
+
+__all__ = ["Attention", "RelativeProjPositionalBias", "log_prob_from_hard_attend"]
+
+
+class Attention(nn.Module):
+    """Multi-head attention for self- and cross-attention, with grouped-query heads and a KV cache.
+
+    ``forward(x)`` attends within ``x``; ``forward(x, context)`` attends from ``x`` to ``context``. Both
+    return the output tensor, as x-transformers' ``Attention`` does (``return_intermediates=True`` adds an
+    ``AttnIntermediate`` whose ``cached_kv`` a later call continues from with ``cache=``).
+
+    Args (x-transformers' order for the first six):
+        dim: model width c.
+        dim_head: head dim d.
+        dim_context: width of the context for cross-attention; default ``dim``.
+        heads: query heads h.
+        causal: bottom-right causal masking by default (``forward(causal=...)`` overrides it per call).
+        flash: accepted for x-transformers (the kernel is chosen per call); with ``flash=True``
+            ``return_intermediates`` gives no attention weights, as in x-transformers.
+        kv_heads: key/value heads (grouped-query attention); default ``heads``. ``one_kv_head=True``:
+            x-transformers' spelling of ``kv_heads=1``.
+        kv_head_order: which key/value head a query head reads with ``1 < kv_heads < heads``: ``"tiled"`` (the
+            default, x-transformers': head ``n`` reads ``n % kv_heads``, so its weights load as they are) or
+            ``"interleaved"`` (``n // (heads / kv_heads)``, earlier safeformer's; its checkpoints load with it).
+        qk_norm_groups, qk_norm_scale: x-transformers' qk-norm options (the L2 norm per group of
+            ``dim_head / qk_norm_groups`` features; the logit scale, default 10).
+        dropout: attention dropout (training only).
+        bias: use biases in the projections.
+        backend: ``attend`` backend (``"auto"`` picks per call).
+        softclamp_logits: ``tanh((logits + bias) / value) * value`` before masking and softmax
+            (``logit_softclamp_value``, default 50); runs the explicit float32 path (no fused kernel).
+        hybrid_module, hybrid_fold_axial_dim, hybrid_mask_kwarg, hybrid_learned_mix: a user's sequence module
+            (a ``GRU`` say) beside self-attention, the two outputs RMS-normalised per head and averaged before
+            ``to_out`` (x-transformers' names; see ``hybrid.HybridBranch`` for padding and the KV cache).
+        **xt_options: x-transformers' other ``Attention`` keywords (``qk_norm_groups``, ``value_dim_head``, ...:
+            ``xt_defaults.ATTENTION_DEFAULT_ONLY``) at their default value, which is what this module does;
+            ``onnxable`` with any value. Another value, or an unknown keyword, is a ``TypeError`` naming it.
+
+    The other keywords are x-transformers' options, each documented by the builder that checks it:
+    ``attention_projections.init_projections`` (multi-latent attention: ``use_latent_*``, ``dim_latent_*``,
+    ``latent_rope_subheads``; ``rotate_num_heads``: ``init_rotation``) and ``init_norms`` (``qk_norm*``, ``value_rmsnorm``, ``learned_value_residual_mix``),
+    ``attention_scoring.init_scoring`` (``l2_distance``, ``cog_signed``, ``sigmoid``, ``gumbel_softmax*``,
+    ``inverted_attention``, ``laser*``, ``use_cope``, ``cope_*``, ``sparse_topk*``, ``hard``, the talking heads),
+    ``attention_bias`` (``use_rel_proj_pos_bias``,
+    ``rel_proj_*``: ``RelativeProjPositionalBias``; ``data_dependent_alibi*``: ``init_forget_gates``),
+    ``attention_keys.init_extra_keys`` (``num_mem_kv``, ``learned_sink``, ``add_zero_kv``), ``attention_output.init_out``
+    (``dim_out``, ``zero_init_output``, ``orthog_projected_values*``, ``head_scale``, ``sublayer_dropout``,
+    ``output_proj_depth``) and ``init_gates`` (``gate_values*``,
+    ``gate_value_heads``, ``output_gate*``, ``swiglu_values``, ``low_rank_silu_gates``).
+    """
+
+    def __init__(
+        self, dim: int, dim_head: int = 64, dim_context: int | None = None, heads: int = 8, causal: bool = False,
+        flash: bool = False, *, kv_heads: int | None = None, one_kv_head: bool = False, qk_norm: bool = False,
+        dropout: float = 0.0, bias: bool = False, backend: str = "auto", num_mem_kv: int = 0,
+        learned_sink: bool = False, head_learned_sink: bool = False, softclamp_logits: bool = False,
+        logit_softclamp_value: float = 50.0, qk_norm_eps: float | None = None, gate_values: bool = False,
+        gate_value_heads: bool = False, zero_init_output: bool = False, gate_values_rank: int | None = None,
+        gate_values_headwise: bool = False, output_gate: bool = False, output_gate_rank: int | None = None,
+        output_gate_headwise: bool = False, swiglu_values: bool = False, low_rank_silu_gates: bool = True,
+        qk_norm_dim_scale: bool = False, value_rmsnorm: bool = False, orthog_projected_values: bool = False,
+        orthog_projected_values_per_head: bool = False, learned_value_residual_mix: bool = False,
+        data_dependent_alibi: bool = False, data_dependent_alibi_kwargs: dict | None = None,
+        dim_out: int | None = None, l2_distance: bool = False, cog_signed: bool = False, sigmoid: bool = False,
+        inverted_attention: bool = False, gumbel_softmax: bool = False, gumbel_softmax_temp: float = 1.0,
+        gumbel_softmax_hard: bool = True, laser: bool = False, laser_softclamp_value: float = 15.0,
+        use_latent_q: bool = False, dim_latent_q: int | None = None, use_latent_kv: bool = False,
+        dim_latent_kv: int | None = None, latent_rope_subheads: int | None = None, use_cope: bool = False,
+        cope_max_pos: int = 16, cope_soft_onehot_pos: bool = False, cope_talking_heads: bool = False,
+        use_rel_proj_pos_bias: bool = False, rel_proj_num_distance_basis: int = 16, rel_proj_max_dist: int = 1024,
+        hybrid_module: nn.Module | None = None, hybrid_mask_kwarg: str | None = None,
+        hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, sparse_topk: int | None = None,
+        sparse_topk_straight_through: bool = False, hard: bool = False, add_zero_kv: bool = False,
+        rotate_num_heads: int | None = None,
+        pre_talking_heads: bool = False,
+        post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
+        sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
+        qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", **xt_options,
+    ):
+        if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
+            check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
+                             inspect.signature(Attention.__init__).parameters)
+        super().__init__()
+        learned_sink = learned_sink or head_learned_sink  # x-transformers' spelling
+        kv_heads = _init_core(self, dim, dim_head, dim_context, heads, causal, flash, kv_heads, one_kv_head, dropout,
+                              backend, num_mem_kv, softclamp_logits, logit_softclamp_value)
+        _init_head_order(self, heads, kv_heads, kv_head_order)
+        self.attend = AttentionScorer()  # x-transformers' Attend: the sink, talking heads and CoPE parameters
+        self._register_load_state_dict_pre_hook(legacy_scorer_keys())
+        # each option family built (and its keywords checked) in the order its parameters are registered
+        init_projections(self, dim, heads, kv_heads, dim_head, bias, use_latent_q=use_latent_q,
+                         dim_latent_q=dim_latent_q, use_latent_kv=use_latent_kv, dim_latent_kv=dim_latent_kv,
+                         latent_rope_subheads=latent_rope_subheads)
+        init_scoring(self, dim_head, causal, num_mem_kv=num_mem_kv, learned_sink=learned_sink, l2_distance=l2_distance,
+                     cog_signed=cog_signed, sigmoid=sigmoid, inverted_attention=inverted_attention,
+                     gumbel_softmax=gumbel_softmax, gumbel_softmax_temp=gumbel_softmax_temp,
+                     gumbel_softmax_hard=gumbel_softmax_hard, laser=laser, laser_softclamp_value=laser_softclamp_value,
+                     use_cope=use_cope, cope_max_pos=cope_max_pos, cope_soft_onehot_pos=cope_soft_onehot_pos,
+                     cope_talking_heads=cope_talking_heads, sparse_topk=sparse_topk,
+                     sparse_topk_straight_through=sparse_topk_straight_through, hard=hard, heads=heads,
+                     pre_talking_heads=pre_talking_heads, post_talking_heads=post_talking_heads,
+                     pre_scale_post_talking_heads=pre_scale_post_talking_heads)
+        self.rel_proj_pos_bias = RelativeProjPositionalBias(
+            dim, heads, num_distance_basis=rel_proj_num_distance_basis, max_dist=rel_proj_max_dist,
+        ) if use_rel_proj_pos_bias else None
+        init_norms(self, dim, heads, kv_heads, dim_head, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                   qk_norm_dim_scale=qk_norm_dim_scale, value_rmsnorm=value_rmsnorm,
+                   learned_value_residual_mix=learned_value_residual_mix, qk_norm_groups=qk_norm_groups,
+                   qk_norm_scale=qk_norm_scale)
+        init_forget_gates(self, dim, heads, causal, data_dependent_alibi, data_dependent_alibi_kwargs)
+        init_out(self, dim, heads, dim_head, bias, dim_out=dim_out, zero_init_output=zero_init_output,
+                 head_scale=head_scale, sublayer_dropout=sublayer_dropout, output_proj_depth=output_proj_depth,
+                 orthog_projected_values=orthog_projected_values, value_rmsnorm=value_rmsnorm,
+                 orthog_projected_values_per_head=orthog_projected_values_per_head)
+        init_extra_keys(self, heads, kv_heads, dim_head, num_mem_kv, learned_sink, add_zero_kv)
+        init_rotation(self, heads, kv_heads, rotate_num_heads)
+        init_gates(self, dim, heads, dim_head, gate_values=gate_values, gate_values_rank=gate_values_rank,
+                   gate_values_headwise=gate_values_headwise, gate_value_heads=gate_value_heads,
+                   output_gate=output_gate, output_gate_rank=output_gate_rank,
+                   output_gate_headwise=output_gate_headwise, swiglu_values=swiglu_values,
+                   low_rank_silu_gates=low_rank_silu_gates)
+        # x-transformers' hybrid_module: a user's sequence module beside attention, mixed in before to_out (hybrid.py)
+        self.hybrid = make_hybrid(hybrid_module, dim=dim, heads=heads, dim_head=dim_head, causal=causal,
+                                  fold_axial_dim=hybrid_fold_axial_dim, mask_kwarg=hybrid_mask_kwarg,
+                                  learned_mix=hybrid_learned_mix)
+        check_head_scale(self)
+
+    @property
+    def explicit(self) -> bool:
+        """Whether every call runs the explicit float32 path (softclamped logits, cog, sigmoid, inverted, gumbel,
+        laser, CoPE: what no fused kernel does); such a module runs on the padded path only. (l2 distance alone runs
+        the fused kernels, through ``_l2_kernel_inputs``, on the padded path too.)"""
+        return (self.softclamp_value is not None or self.cog_signed or self.inverted or self.score != "softmax"
+                or self.laser_value is not None or self.cope is not None
+                or self.sparse_topk is not None or self.pre_softmax_talking_heads is not None
+                or self.post_softmax_talking_heads is not None or self.pre_scale_post_talking_heads is not None
+                or (self.l2_distance and self.head_attn_sink is not None))  # the sink's logit is no distance
+
+    def _rotate(self, t: Tensor, angles: Tensor) -> Tensor:
+        """Rotary positions on ``t (b, h|h_kv, n, d)``; with ``latent_rope_subheads`` on its last that many heads only
+        (multi-latent attention's decoupled rope, as x-transformers' ``rotate_num_heads``)."""
+        r = self.rope_subheads or (self.rotate_num_heads if self.rotate_num_heads < self.heads else 0)
+        if not r:
+            return apply_rotary(t, angles)
+        return torch.cat((t[:, :-r], apply_rotary(t[:, -r:], angles)), dim=1)
+
+    @torch.no_grad()
+    def qk_clip_(self, pre_softmax_attn, tau: float = 100.0) -> None:
+        """MuonClip's qk-clip (Kimi K2, x-transformers' ``qk_clip_``): scale the query and key projections in place
+        so that no head's largest logit in ``pre_softmax_attn`` (the logits ``(b, h, i, j)``, or the
+        ``AttnIntermediate`` holding them) exceeds ``tau``; see ``attention_projections.qk_clip_``."""
+        qk_clip_(self, pre_softmax_attn, tau)
+
+    def muon_parameters(self) -> list[nn.Parameter]:
+        """The matrices Muon should optimise (x-transformers' ``muon_parameters``): the value and output projections'
+        weights (queries and keys are left to qk-clip and the other optimiser)."""
+        return [self.to_v.weight, self.to_out.weight]
+
+    @property
+    def extra_keys(self) -> int:
+        """Keys every query sees besides the inputs' own: the sink (if any) and the memory keys."""
+        return self.num_mem_kv + (self.head_attn_sink is not None) + self.add_zero_kv
+
+    @property
+    def packable(self) -> bool:
+        """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
+        return (self.extra_keys == 0 and not self.explicit and not self.l2_distance and not self.orthog
+                and self.to_forget_gates is None
+                and self.rel_proj_pos_bias is None and not self.rope_subheads and self.hybrid is None
+                and self.rotate_num_heads == self.heads)
+
+    @property
+    def orthog(self) -> bool:
+        """Whether the output is projected orthogonally to the values (x-transformers'
+        ``orthog_projected_values``): one projection over a sample's whole sequence, so it runs on the
+        padded path, in self-attention, without a KV cache."""
+        return self.orthog_projected_values or self.orthog_projected_values_per_head
+
+    # ------------------------------------------------------------------------------------------------
+    # the one projection seam and the one output seam, used by every path (padded, explicit, packed)
+    # ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _linear(linear: nn.Linear, x: Tensor, keep: Tensor | None) -> Tensor:
+        """``linear(x)``; with ``keep (...)`` the rows where it is False are selected to 0 first (saving x
+        itself for the backward, not the selected copy)."""
+        if keep is None:
+            return linear(x)
+        if not isinstance(linear, nn.Linear):  # a wrapped projection (e.g. a TTTModuleWrapper): the plain expression
+            return linear(torch.where(keep[..., None], x, 0.0))
+        return masked_linear(x, keep, linear)
+
+    def _project_q(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
+        """Queries ``(..., h, d)`` of ``x (..., c)``, q-normed (through the latent with ``use_latent_q``)."""
+        if self.to_latent_q is not None:  # bias-less: a selected (zero) row stays 0
+            q = self.to_q(self._linear(self.to_latent_q, x, keep))
+        else:
+            q = self._linear(self.to_q, x, keep)
+        return self.norm_q(q.unflatten(-1, (self.heads, self.dim_head)))
+
+    @property
+    def v_norm(self) -> nn.Module | None:
+        """The value heads' RMS norm (x-transformers' ``value_rmsnorm``), or ``None``."""
+        return self.value_rmsnorm
+
+    def norm_q(self, q: Tensor) -> Tensor:
+        """Queries ``(..., h, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_q_scale``), if on."""
+        return _qk_normed(self.q_norm, self.qk_norm_q_scale, q)
+
+    def norm_k(self, k: Tensor) -> Tensor:
+        """Keys ``(..., h_kv, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_k_scale``), if on."""
+        return _qk_normed(self.k_norm, self.qk_norm_k_scale, k)
+
+    def _project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated); with
+        ``use_latent_kv`` both come from one bias-less latent of ``source`` (the last ``latent_rope_subheads`` key
+        heads from ``source`` itself)."""
+        if self.to_latent_kv is not None:
+            latent = self._linear(self.to_latent_kv, source, keep)
+            k, v = self.to_k(latent), self.to_v(latent)
+            if self.to_rotateable_k is not None:
+                k = torch.cat((k, self._linear(self.to_rotateable_k, source, keep)), dim=-1)
+        else:
+            k, v = self._linear(self.to_k, source, keep), self._linear(self.to_v, source, keep)
+        k = k.unflatten(-1, (self.kv_heads, self.dim_head))
+        v = v.unflatten(-1, (self.kv_heads, self.dim_head))
+        if self.v_norm is not None:  # a selected (zero) source gives v = 0 (or the bias), finite
+            v = self.v_norm(v)
+        return self.norm_k(k), v
+
+    def _output(self, out: Tensor, x: Tensor, keep: Tensor | None = None, rows_ok: Tensor | None = None,
+                values: Tensor | None = None) -> Tensor:
+        """``out (..., h, d)`` -> ``(..., c)``: the output projection. ``x (..., c)`` is the queries' input (what
+        an output option such as a per-head gate reads); ``keep``: rows selected to 0 before the projection
+        (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that
+        are exactly 0 after it (a bias would move dead rows off 0). ``values (b, i, h_kv, d)``: with
+        ``orthog_projected_values``, the new values (masked ones selected to 0) that ``out`` is projected off."""
+        if self.head_scale_params is not None:  # x-transformers' head_scale (Normformer): one learned gain per head
+            out = out * self.head_scale_params.reshape(-1, 1).to(out.dtype)
+        if self.to_v_head_gate is not None:  # padded rows' x selected to 0 first; a dead row's out is 0 and stays 0
+            xs = x if keep is None else torch.where(keep[..., None], x, 0.0)
+            out = out * torch.sigmoid(self.to_v_head_gate(xs))[..., None].to(out.dtype)
+        if self.to_v_gate is not None or self.to_output_gate is not None:
+            out = gate(self, out, x, keep)
+        flat = out.flatten(-2) if values is None else orthog_project(self, out, values)
+        out = self._linear(self.to_out, flat, keep)
+        if self.sublayer_dropout is not None:
+            out = self.sublayer_dropout(out)
+        return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+
+    def project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values ``(b, h_kv, j, d)`` of ``source (b, j, c_ctx)`` (normed, not yet rotated);
+        ``keep (b|1, j)``: positions of ``source`` selected to 0 first where False."""
+        if source.shape[-1] != self.dim_context:
+            raise ValueError(
+                f"context must have feature size {self.dim_context} (dim_context), got shape {tuple(source.shape)}"
+            )
+        k, v = self._project_kv(source, keep)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    @checked_once
+    def forward(
+        self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None,
+        context_mask: Tensor | None = None, attn_mask: Tensor | None = None, *, causal: bool | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None, rotary_pos_emb: tuple[Tensor, object] | None = None,
+        bias: Tensor | None = None, attn_bias: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None,
+        past_kv: tuple[Tensor, Tensor] | None = None, cache: AttnIntermediate | None = None,
+        return_intermediates: bool = False, return_attn: bool = False, layout=None,
+        value_residual: Tensor | None = None, kv_input: tuple[Tensor, Tensor] | None = None, hybrid=None,
+        additional_key_values: tuple[Tensor, Tensor] | None = None, additional_key_value_mask: Tensor | None = None,
+        kv_input_residual: Tensor | None = None, positions: tuple[Tensor, Tensor] | None = None,
+        prev_attn: Tensor | None = None, _return_kv: bool = False, rel_pos=None, pos=None, mem=None, mem_mask=None,
+        context_rotary_pos_emb=None, polar_pos_emb=None, q_delta=None, k_delta=None, v_delta=None, o_delta=None,
+        attn_delta=None, flash_pack_seq_kwargs=None,
+    ):
+        """Attend from ``x (b, i, c)``; x-transformers' call: ``attn(x)`` returns the output tensor.
+
+        Args:
+            x: queries' input.
+            context: ``(b, j, c_ctx)`` for cross-attention; ``None`` for self-attention.
+            mask: bool attention mask as ``attend`` takes it (True = may attend); a ``SelectedMask`` from
+                the stack says ``x`` at dead rows and the source at masked keys are 0 already. In self-attention a
+                ``(b, j)`` (or ``(b, 1, 1, j)``) padding mask marks padding of ``x`` itself: a padded
+                position is neither a key nor a query, whatever it holds, and its output is exactly 0.
+                With ``context_mask`` given, ``mask (b, i)`` is the padding of ``x`` (its rows exactly 0).
+            context_mask: ``(b, j)`` padding of the context (x-transformers' keyword): an all-False row
+                makes the sample's output exactly 0.
+            attn_mask: an extra mask ``(i, j)``, ``(h, i, j)`` or ``(b|1, h|1, i, j)`` (True = may attend; a
+                3-d mask is per head, as in x-transformers), combined with the others.
+            causal: bottom-right causal masking; default the module's ``causal``.
+            rotary: ``(q_angles, k_angles)``, each ``(b|1, 1, n, d_rot)``, for the new queries and new keys.
+            rotary_pos_emb: x-transformers' form ``(freqs (b|1, n_k, d_rot), xpos_scale)`` as returned by
+                ``RotaryEmbedding.forward`` (``xpos_scale`` must be 1: xpos is not supported); the last
+                ``i`` rows rotate the queries, the last new-key rows the new keys.
+            bias: additive attention bias (ALiBi); ``attn_bias``: x-transformers' name for it.
+            kv: precomputed keys/values (cross-attention with a cache); ``context`` is then unused.
+            past_kv: cached self-attention keys/values to prepend (already rotated).
+                ``kv`` and ``past_kv`` come from ``return_intermediates`` (``cached_kv``); whatever they
+                hold at masked key positions (NaN, inf) reaches no output and no gradient.
+            cache: an ``AttnIntermediate`` from an earlier ``return_intermediates`` call (x-transformers'
+                decoding): its ``cached_kv`` are the past keys/values (self-attention) or the context's
+                (cross-attention, then ``context`` is not needed).
+            return_intermediates: also return an ``AttnIntermediate`` with ``cached_kv`` (the keys and
+                values used, rotated, without memory keys), ``post_softmax_attn`` (the weights, float32,
+                computed by the explicit path; ``None`` when the module was built with ``flash=True``, as
+                in x-transformers) and ``pre_softmax_attn`` (the logits they came from, what ``qk_clip_`` reads).
+            return_attn: also return the weights ``(b, h, i, M + j)`` in float32 (memory keys first; the
+                sink's weight left out): masked keys and dead rows are exactly 0 (and padded queries, in
+                self-attention).
+            value_residual: ``(b, h_kv, j_new, d)`` the first attention's values of the same positions
+                (x-transformers' ``add_value_residual``): the new values become ``lerp(value_residual, v, mix)``,
+                ``mix`` learned per position and head (``learned_value_residual_mix``) or 0.5; in the values' dtype.
+                Its slots at masked keys (NaN included) reach no output and no gradient. Keys/values
+                handed in (``kv``, a cross-attention cache) are used as they are (mixed when cached).
+            layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
+                ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
+                tokens, and the output too.
+            kv_input: ``(k_input, v_input)``, each ``(b, i, c)`` like ``x``: self-attention projects its new keys
+                from ``k_input`` and its new values from ``v_input`` (``x`` gives the queries; x-transformers'
+                ``qkv_receive_diff_residuals``, which the stack passes). Padded layout, no ``context``.
+            additional_key_values: ``(k, v)``, each ``(b, h_a, a, d)`` (x-transformers' keyword): ``a`` more keys
+                and values every query sees (not rotated, not normed; no causal limit), e.g. another model's
+                cached ones. ``h_a`` divides ``heads``: query head ``n`` uses added head ``n % h_a`` (x-transformers';
+                with ``kv_head_order="interleaved"`` and ``h_a == kv_heads``, ``n // g``). Not with ``data_dependent_alibi``, ``orthog_projected_values``
+                or the unpadded layouts; they come after the memory keys in ``return_attn``'s weights.
+            additional_key_value_mask: ``(b, a)`` bool, True = a real added key; masked ones (whatever they
+                hold, NaN included) reach no output and no gradient.
+            kv_input_residual: ``(b|1, j|1, c_src)`` added to the keys'/values' input (``x``, or ``context``)
+                before their projections (x-transformers' keyword), in its dtype; rows of masked keys are selected away.
+                Not with precomputed keys/values (``kv``).
+            positions: ``(q_pos (b|1, i), k_pos (b|1, j))`` integer positions of the queries and keys, for
+                ``use_rel_proj_pos_bias`` (the stack passes the real tokens' positions); default the index
+                positions, the queries the last ``i`` keys.
+            prev_attn: ``(b, h, i, j)`` the logits of the attention before (x-transformers' residual attention,
+                ``residual_attn``): added to this one's scaled logits before the bias; runs the explicit float32
+                path. Entries this call masks, and padded queries' rows, are selected away (the ``-inf`` the stack's
+                logits hold there included): they reach no output and no gradient.
+            _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights and logits with
+                ``return_attn``).
+            rel_pos, pos, mem, mem_mask, context_rotary_pos_emb, polar_pos_emb, q_delta, k_delta, v_delta, o_delta,
+                attn_delta, flash_pack_seq_kwargs: x-transformers' call keywords (its stack passes them), accepted at
+                ``None``; another value is a ``TypeError`` naming it (in safeformer the stack applies positions,
+                memories and biases; ``AttentionLayers`` takes ``mems``).
+
+        Returns:
+            ``out (b, i, c)``; ``(out, AttnIntermediate)`` with ``return_intermediates``; ``(out, weights)``
+            with ``return_attn``. Rows that may attend to no key are exactly 0 after the output projection,
+            and pass zero gradient (S2).
+        """
+        if not (rel_pos is None and pos is None and mem is None and mem_mask is None and context_rotary_pos_emb is None
+                and polar_pos_emb is None and q_delta is None and k_delta is None and v_delta is None
+                and o_delta is None and attn_delta is None and flash_pack_seq_kwargs is None):
+            refuse_xt_call("Attention.forward", rel_pos=rel_pos, pos=pos, mem=mem, mem_mask=mem_mask,
+                           context_rotary_pos_emb=context_rotary_pos_emb, polar_pos_emb=polar_pos_emb,
+                           q_delta=q_delta, k_delta=k_delta, v_delta=v_delta, o_delta=o_delta, attn_delta=attn_delta,
+                           flash_pack_seq_kwargs=flash_pack_seq_kwargs)
+        if layout is not None:
+            return unpadded_call(self, x, layout, additional_key_values, kv_input_residual, _return_kv)
+        causal = self.causal if causal is None else causal
+        pad = None
+        if (attn_bias is not None or cache is not None or context_mask is not None or attn_mask is not None
+                or rotary_pos_emb is not None):  # x-transformers' keywords
+            mask, pad, bias, kv, past_kv, rotary = fold_xt_call(self, x, context, mask, context_mask, attn_mask, bias,
+                                                                attn_bias, kv, past_kv, cache, rotary, rotary_pos_emb)
+        want_weights = return_attn or (return_intermediates and not self.flash)
+        res = self._forward(x, context, mask=mask, causal=causal, rotary=rotary, bias=bias, kv=kv,
+                            past_kv=past_kv, return_attn=want_weights, pad=pad, value_residual=value_residual,
+                            kv_input=kv_input, hybrid=hybrid,
+                            added=check_added(self, additional_key_values, additional_key_value_mask, x),
+                            kv_residual=kv_input_residual, positions=positions, prev_attn=prev_attn)
+        if _return_kv:
+            return res if return_attn else res[:2]
+        if return_intermediates:
+            return intermediates(res, want_weights, x, context, kv, value_residual)
+        if return_attn:
+            return res[0], res[2]
+        return res[0]
+
+    def _forward(self, x, context, *, mask=None, causal=False, rotary=None, bias=None, kv=None, past_kv=None,
+                 return_attn=False, pad=None, value_residual=None, kv_input=None, hybrid=None, positions=None,
+                 added=None, kv_residual=None, prev_attn=None):
+        """The attention itself, phase by phase (checks, biases, keys, projections, the attention call, output):
+        ``(out, (k, v))`` (and the weights and logits with ``return_attn``). ``pad (b, i)``: padding of ``x`` in
+        self-attention when ``mask`` no longer shows it (an ``attn_mask`` was folded in)."""
+        inputs_finite = isinstance(mask, SelectedMask)
+        if inputs_finite:  # the stack selected its padded inputs to 0: nothing to select again here
+            mask = mask.mask
+        check_call(self, x, context, kv, past_kv)
+        check_option_call(self, context, kv, past_kv, hybrid, added, kv_input, kv_residual)
+        b, i = x.shape[:2]
+        source = x if context is None else context
+        if kv_residual is not None:
+            check_kv_residual(kv_residual, x, source)
+        j = kv[0].shape[2] if kv is not None else source.shape[1] + (0 if past_kv is None else past_kv[0].shape[2])
+        self_pad = query_padding(mask, pad, not inputs_finite and context is None and kv is None, b, i, j)  # (b, i)
+        if self.rel_proj_pos_bias is not None or self.to_forget_gates is not None:
+            bias = option_bias(self, x, mask, bias, causal, self_pad, j, positions)
+        user_mask, j_user = mask, j
+        mask, bias, j, rows_ok, keys_ok = key_layout(self, x, mask, bias, causal, added, inputs_finite, self_pad, j)
+        q, k, v, v_orthog = project_qkv(self, x, source, context, kv, past_kv, kv_input, kv_residual, value_residual,
+                                        rotary, rows_ok, keys_ok, self_pad, j)
+        k, v, kv_out = all_keys(self, k, v, user_mask, j_user, self_pad, causal, added)
+        if return_attn or self.explicit or prev_attn is not None:
+            out, weights, logits = explicit_call(self, q, k, v, mask, causal, bias, self_pad, return_attn, prev_attn)
+        else:
+            weights = logits = None
+            selected = inputs_finite or (kv is None and past_kv is None and bias is None)  # see kernel_call
+            out = kernel_call(self, q, k, v, mask, causal, bias, keys_ok, selected)
+        out = output_phase(self, out, x, hybrid, self_pad, rows_ok, v_orthog)  # (b, i, c)
+        if return_attn:
+            return out, kv_out, weights, logits
+        return out, kv_out
+
+
+# the scorer's parameters, read where x-transformers keeps them (``attention.attend``: its Attend)
+for _name in ("head_attn_sink", "pre_softmax_talking_heads", "post_softmax_talking_heads",
+              "pre_scale_post_talking_heads", "cope"):
+    setattr(Attention, _name, property(lambda self, _n=_name: getattr(self.attend, _n),
+                                       doc=f"``attend.{_name}`` (where x-transformers keeps it), or ``None``."))
+
+
+def _qk_normed(norm: nn.Module | None, scale: Tensor | None, t: Tensor) -> Tensor:
+    """``t (..., heads, d)`` L2-normalised by ``norm`` and times the learned ``scale (heads, 1, d)``, if any."""
+    if norm is None:
+        return t
+    t = norm(t)
+    return t if scale is None else t * scale[:, 0].to(t.dtype)
+
+
+def _init_head_order(attn: Attention, heads: int, kv_heads: int, kv_head_order: str) -> None:
+    """Which key/value head each query head reads with grouped-query heads (``1 < kv_heads < heads``):
+    ``"tiled"`` (x-transformers': query head ``n`` reads ``n % kv_heads``) or ``"interleaved"`` (earlier
+    safeformer's, SDPA's ``enable_gqa``: ``n // (heads / kv_heads)``). The fused kernels pair heads interleaved:
+    with ``"tiled"`` the queries enter them in ``kernel_head_order`` and leave in ``kernel_head_restore``."""
+    if kv_head_order not in ("tiled", "interleaved"):
+        raise ValueError(f"kv_head_order must be 'tiled' (x-transformers') or 'interleaved', got {kv_head_order!r}")
+    attn.kv_head_order = kv_head_order
+    attn.kv_tiled = kv_head_order == "tiled" and 1 < kv_heads < heads
+    if attn.kv_tiled:
+        g = heads // kv_heads
+        order = torch.tensor([(m % g) * kv_heads + m // g for m in range(heads)])  # kernel head m: our head order[m]
+        attn.register_buffer("kernel_head_order", order, persistent=False)
+        attn.register_buffer("kernel_head_restore", torch.argsort(order), persistent=False)
+    else:
+        attn.kernel_head_order = attn.kernel_head_restore = None
+
+
+def _init_core(attn: Attention, dim: int, dim_head: int, dim_context: int | None, heads: int, causal: bool, flash: bool,
+               kv_heads: int | None, one_kv_head: bool, dropout: float, backend: str, num_mem_kv: int,
+               softclamp_logits: bool, logit_softclamp_value: float) -> int:
+    """``Attention``'s core keywords checked and set on ``attn`` (``causal``, ``flash``, ``heads``, ``kv_heads``,
+    ``dim_head``, ``dim_context``, ``dropout``, ``backend``, ``softclamp_value``), with the numbers the options check
+    first (``num_mem_kv``, ``logit_softclamp_value``). Returns ``kv_heads``, ``one_kv_head`` and the default
+    applied."""
+    if one_kv_head:  # x-transformers' spelling of kv_heads=1
+        if kv_heads not in (None, 1):
+            raise ValueError(f"one_kv_head=True means kv_heads=1, got kv_heads={kv_heads}")
+        kv_heads = 1
+    if not isinstance(causal, bool) or not isinstance(flash, bool):
+        raise TypeError(f"causal and flash must be bools, got causal={causal!r}, flash={flash!r}")
+    attn.causal = causal
+    attn.flash = flash
+    kv_heads = heads if kv_heads is None else kv_heads
+    if isinstance(num_mem_kv, bool) or not isinstance(num_mem_kv, int) or num_mem_kv < 0:
+        raise ValueError(f"num_mem_kv (attn_num_mem_kv) must be a non-negative integer, got {num_mem_kv!r}")
+    if softclamp_logits and not (isinstance(logit_softclamp_value, (int, float)) and not isinstance(
+            logit_softclamp_value, bool) and math.isfinite(logit_softclamp_value) and logit_softclamp_value > 0):
+        raise ValueError(f"logit_softclamp_value must be a positive finite number, got {logit_softclamp_value!r}")
+    if heads <= 0 or dim_head <= 0:
+        raise ValueError(f"heads and dim_head must be positive, got heads={heads}, dim_head={dim_head}")
+    if kv_heads <= 0 or heads % kv_heads != 0:
+        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"attention dropout must be in [0, 1), got {dropout}")
+    attn.heads, attn.kv_heads, attn.dim_head = heads, kv_heads, dim_head
+    attn.dim_context = dim if dim_context is None else dim_context
+    attn.dropout = dropout
+    attn.backend = backend
+    attn.softclamp_value = float(logit_softclamp_value) if softclamp_logits else None
+    return kv_heads

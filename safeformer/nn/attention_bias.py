@@ -1,0 +1,122 @@
+"""``Attention``'s additive-bias options, which run on the fused kernels (padded path, self-attention): the relative
+projection bias (``RelativeProjPositionalBias``) and x-transformers' data-dependent ALiBi (forget gates).
+
+Shape legend: b batch, h query heads, i queries, j keys, c model width, D distance curves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention_calls import AttentionModule, _positive_int
+from .attention_keys import alive
+from .modules import _rename_keys
+
+
+class RelativeProjPositionalBias(nn.Module):
+    """x-transformers' ``RelativeProjPositionalBias`` (the Inkling model's relative positions): per query and head
+    ``num_distance_basis`` weights ``Linear(x)`` mix learned distance curves ``distance_bank (D, max_dist)``; the
+    bias of query ``i`` and key ``j`` is the mixed curve at distance ``pos_i - pos_j``, and 0 outside
+    ``[0, max_dist)`` (keys after the query, or too far back).
+
+    ``forward(x, seq_len_k=None, positions=None)``: ``x (b, i, dim)`` the queries' input -> ``(b, h, i, j)``; the
+    queries are the last ``i`` of ``j = seq_len_k`` keys (default ``i``), at index positions, unless
+    ``positions = (q_pos (b|1, i), k_pos (b|1, j))`` gives them (the stack passes the real tokens' positions, so
+    padding between tokens adds no distance).
+    """
+
+    def __init__(self, dim: int, heads: int, num_distance_basis: int = 16, max_dist: int = 1024):
+        super().__init__()
+        for name, value in (("dim", dim), ("heads", heads), ("num_distance_basis", num_distance_basis),
+                            ("max_dist", max_dist)):
+            if not _positive_int(value):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.heads, self.num_distance_basis, self.max_dist = heads, num_distance_basis, max_dist
+        # x-transformers' Sequential(Linear, Rearrange): key to_distance_weights.0.*
+        self.to_distance_weights = nn.Sequential(nn.Linear(dim, heads * num_distance_basis))
+        self._register_load_state_dict_pre_hook(_rename_keys({"to_distance_weights.weight": "to_distance_weights.0.weight",
+                                                              "to_distance_weights.bias": "to_distance_weights.0.bias"}))
+        self.distance_bank = nn.Parameter(torch.randn(num_distance_basis, max_dist) * 0.02)
+
+    def forward(self, x: Tensor, seq_len_k: int | None = None, positions: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor (b, i, dim), got {getattr(x, 'shape', type(x))}")
+        b, i, device = x.shape[0], x.shape[1], x.device
+        if positions is None:
+            j = i if seq_len_k is None else int(seq_len_k)
+            if j < i:
+                raise ValueError(f"seq_len_k ({j}) must be at least the number of queries ({i})")
+            q_pos = (torch.arange(i, device=device) + (j - i))[None]
+            k_pos = torch.arange(j, device=device)[None]
+        else:
+            ok = isinstance(positions, (tuple, list)) and len(positions) == 2 and all(
+                isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] in (1, b) and not t.is_floating_point()
+                for t in positions)
+            if not ok or positions[0].shape[1] != i or (seq_len_k is not None and positions[1].shape[1] != seq_len_k):
+                raise ValueError(f"positions must be (q_pos (b|1, i={i}), k_pos (b|1, j)) integer tensors, got "
+                                 f"{[getattr(t, 'shape', type(t)) for t in positions] if isinstance(positions, (tuple, list)) else type(positions)}")
+            q_pos, k_pos = positions
+        dist = q_pos[:, :, None] - k_pos[:, None, :]  # (b|1, i, j)
+        valid = (dist >= 0) & (dist < self.max_dist)
+        w = self.to_distance_weights(x).unflatten(-1, (self.heads, self.num_distance_basis)).transpose(1, 2)
+        curves = w @ self.distance_bank.to(w.dtype)  # (b, h, i, max_dist)
+        idx = dist.clamp(0, self.max_dist - 1)[:, None].expand(b, self.heads, i, dist.shape[-1])
+        return torch.where(valid[:, None], curves.gather(-1, idx), 0.0)  # (b, h, i, j)
+
+
+def init_forget_gates(attn: AttentionModule, dim: int, heads: int, causal: bool, data_dependent_alibi: bool,
+                      data_dependent_alibi_kwargs: dict | None) -> None:
+    """x-transformers' ``data_dependent_alibi`` (forgetting transformer), checked and set on ``attn``: log forget
+    gates per position and head, summed between key and query as an additive bias (causal: one gate per head; else
+    two, one per direction). ``to_forget_gates``: ``Linear(dim, heads * (1|2))``, its bias ``bias_init`` (of
+    ``data_dependent_alibi_kwargs``, default 5); ``post_log_scale`` (default 1) scales the log gates."""
+    dd = dict(bias_init=5.0, post_log_scale=1.0)
+    unknown = set(data_dependent_alibi_kwargs or {}) - set(dd)
+    if unknown or (data_dependent_alibi_kwargs and not data_dependent_alibi):
+        raise ValueError(f"data_dependent_alibi_kwargs takes bias_init and post_log_scale with data_dependent_alibi=True, "
+                         f"got {data_dependent_alibi_kwargs!r}")
+    dd.update(data_dependent_alibi_kwargs or {})
+    attn.dd_alibi_causal = causal
+    attn.dd_alibi_post_log_scale = float(dd["post_log_scale"])
+    attn.to_forget_gates = None
+    if data_dependent_alibi:
+        attn.to_forget_gates = nn.Linear(dim, heads * (1 if causal else 2))
+        nn.init.constant_(attn.to_forget_gates.bias, float(dd["bias_init"]))
+
+
+def option_bias(attn: AttentionModule, x: Tensor, mask, bias, causal: bool, self_pad: Tensor | None, j: int,
+                positions) -> Tensor:
+    """``bias`` plus the bias options of ``attn`` (the relative projection bias, then the forget gates'), for the
+    queries' input ``x (b, i, c)`` and ``j`` keys: ``(b, h, i, j)``. ``self_pad (b, i)``: padded positions of ``x``
+    (their ``x`` selected to 0 first; no real position for the forget gates); ``positions``: ``forward``'s."""
+    b, i = x.shape[:2]
+    if attn.rel_proj_pos_bias is not None:  # from the queries' input, padded rows selected to 0 first
+        xs = x if self_pad is None else torch.where(self_pad[..., None], x, 0.0)
+        rp = attn.rel_proj_pos_bias(xs, seq_len_k=j, positions=positions).to(x.dtype)  # (b, h, i, j)
+        bias = rp if bias is None else bias + rp
+    if attn.to_forget_gates is not None:  # the forget-gate bias over the real positions, added to any bias
+        reach = None if bias is None else bias.to(x.dtype) != float("-inf")
+        _, real = alive(mask, causal, b, attn.heads, i, j, x.device, reach)
+        if self_pad is not None:
+            real = self_pad if real is None else real & self_pad
+        dd = forget_bias(attn, x, real)  # (b, h, i, i)
+        bias = dd if bias is None else bias + dd
+    return bias
+
+
+def forget_bias(attn: AttentionModule, x: Tensor, real: Tensor | None) -> Tensor:
+    """x-transformers' ``DataDependentAlibi``: ``F = cumsum(logsigmoid(Linear(x)) * post_log_scale)`` over the
+    positions (float32; masked positions add 0, their x selected to 0 first), then ``F[i] - F[j]`` (causal),
+    or that below the diagonal plus ``R[j] - R[i]`` of the second gates above it. ``(b, h, i, i)``."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    keep = None if real is None else real.expand(x.shape[0], x.shape[1])
+    g = F.logsigmoid(attn._linear(attn.to_forget_gates, x, keep).to(dtype)) * attn.dd_alibi_post_log_scale
+    if keep is not None:
+        g = torch.where(keep[..., None], g, 0.0)
+    g = g.transpose(1, 2).cumsum(dim=-1)  # (b, h * (1|2), i)
+    if attn.dd_alibi_causal:
+        return (g[..., :, None] - g[..., None, :]).to(x.dtype)
+    f, r = g.chunk(2, dim=1)
+    return ((f[..., :, None] - f[..., None, :]).tril() + (r[..., None, :] - r[..., :, None]).triu()).to(x.dtype)

@@ -1,0 +1,256 @@
+"""The door of ``Attention.forward``: the checks of a call's tensors and of the options it combines, x-transformers'
+call keywords (``cache``, ``context_mask``, ``attn_mask``, ``attn_bias``, ``rotary_pos_emb``) folded into
+safeformer's, and the ``AttnIntermediate`` a call returns.
+
+Shape legend: b batch, h query heads, h_kv key/value heads, i queries, j keys, d head dim, c model width,
+c_ctx context width, d_rot rotated features.
+
+A function that needs the ``Attention`` it serves takes it as ``attn`` and only reads it (heads, options).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..core.attend import SelectedMask
+from ..core.cache import AttnIntermediate, check_weight_dtype
+from ..core.masks import as_attention_mask, validate_mask
+
+# the ``Attention`` module these option families serve: they read its parts (typed as a module so that they need
+# not import the class, which imports them)
+AttentionModule = nn.Module
+
+
+
+def _positive_int(value) -> bool:
+    """Whether ``value`` is an ``int`` (not a ``bool``) above 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_call(attn: AttentionModule, x, context, kv, past_kv) -> None:
+    """The door's checks of ``forward``'s tensors (S9): ``x (b, i, c)``, ``context (b, j, c_ctx)`` and the keys/values
+    handed in (``kv`` or ``past_kv``); the masks are checked where they are read. Raises ``ValueError`` or
+    ``TypeError`` naming the argument."""
+    if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
+    check_weight_dtype(x, attn)
+    b = x.shape[0]
+    if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != b):
+        raise ValueError(f"context must have shape (b={b}, j, dim_context), got {getattr(context, 'shape', type(context))}")
+    mixed_ok = torch.is_autocast_enabled(x.device.type)  # autocast mixes dtypes on purpose
+    if context is not None and context.dtype != x.dtype and not mixed_ok:
+        raise TypeError(f"context has dtype {context.dtype}, expected {x.dtype} (the dtype of x)")
+    if kv is not None and past_kv is not None:
+        raise ValueError("pass kv (cross-attention keys/values) or past_kv (self-attention cache), not both")
+    if kv is not None:
+        check_kv(attn, kv, "kv", b, x, mixed_ok)
+    if past_kv is not None:
+        check_kv(attn, past_kv, "past_kv", b, x, mixed_ok)
+
+
+def check_kv(attn: AttentionModule, kv, name: str, b: int, x: Tensor, mixed_ok: bool = False) -> None:
+    """``kv`` (named ``name`` in errors) is a pair ``(k, v)``, each ``(b, h_kv, j, d)`` (PoPE keys ``2 d``), in
+    ``x``'s dtype (any float under autocast) and on its device."""
+    ok = isinstance(kv, (tuple, list)) and len(kv) == 2 and all(isinstance(t, Tensor) and t.dim() == 4 for t in kv)
+    if not ok:
+        raise ValueError(f"{name} must be a pair of tensors (k, v) of shape (b, h_kv, j, d), got {type(kv).__name__}")
+    k, v = kv
+    want = (b, attn.kv_heads, None, attn.dim_head)
+    for t, label in ((k, "keys"), (v, "values")):
+        # PoPE keys (the stack's polar_pos_emb, which sets polar_keys) carry 2 d features
+        d = attn.dim_head * (2 if label == "keys" and getattr(attn, "polar_keys", False) else 1)
+        if any(w is not None and w != s for w, s in zip(want[:3] + (d,), t.shape)):
+            raise ValueError(f"{name} {label} must have shape (b={b}, h_kv={attn.kv_heads}, j, d={d}), got {tuple(t.shape)}")
+        if (t.dtype != x.dtype and not mixed_ok) or not t.is_floating_point() or t.device != x.device:
+            raise ValueError(f"{name} {label} are {t.dtype} on {t.device}, expected {x.dtype} on {x.device} (those of x)")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{name} keys and values must have the same length, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def check_kv_input(kv_input, x: Tensor, context, kv) -> tuple[Tensor, Tensor]:
+    """``kv_input``, checked: a pair ``(k_input, v_input)`` shaped like ``x``, in self-attention only."""
+    if context is not None or kv is not None:
+        raise ValueError("kv_input (separate key and value inputs) is for self-attention only: pass no context")
+    if not (isinstance(kv_input, (tuple, list)) and len(kv_input) == 2
+            and all(isinstance(t, Tensor) and t.shape == x.shape for t in kv_input)):
+        raise ValueError(f"kv_input must be a pair (k_input, v_input) of tensors shaped like x {tuple(x.shape)}")
+    return kv_input
+
+
+def check_option_call(attn: AttentionModule, context, kv, past_kv, hybrid, added, kv_input, kv_residual) -> None:
+    """The calls the module's options cannot serve, refused by name (never computed as something else): the hybrid
+    module, orthogonal projected values and forget gates beside cross-attention or a cache, inverted attention in
+    self-attention or with a cache, the relative projection bias in cross-attention, added keys beside options over
+    the sequence's own keys, and ``kv_input_residual`` beside keys/values handed in."""
+    if attn.hybrid is not None and (context is not None or kv is not None or (past_kv is not None and hybrid is None)):
+        raise ValueError("hybrid_module runs beside self-attention, and continues its state through a layer "
+                         "stack's KV cache only (not cross-attention, not Attention(cache=...))")
+    if attn.orthog and (context is not None or kv is not None or past_kv is not None):
+        raise ValueError("orthog_projected_values projects onto the values of the sequence itself: it runs in "
+                         "self-attention without a KV cache (a cache would project the new positions alone, so "
+                         "cached and uncached results would differ); decode with cache_kv=False")
+    if attn.to_forget_gates is not None and (context is not None or kv is not None or past_kv is not None):
+        raise ValueError("data_dependent_alibi sums forget gates over the sequence itself: it runs in self-attention "
+                         "without a KV cache; decode with cache_kv=False")
+    cross = context is not None or kv is not None
+    if attn.inverted and not cross:
+        raise ValueError("inverted_attention normalises each key's weights over the queries: it is cross-attention "
+                         "only (x-transformers' cross_attn_inverted_attention)")
+    if attn.inverted and kv is not None:
+        raise ValueError("inverted_attention normalises over the queries of one call: it runs without a KV cache "
+                         "(a cached context would see the new queries alone)")
+    if attn.rel_proj_pos_bias is not None and cross:
+        raise ValueError("use_rel_proj_pos_bias gives relative positions within one sequence: self-attention only")
+    if added is not None and (attn.orthog or attn.to_forget_gates is not None):
+        raise ValueError("additional_key_values cannot be combined with orthog_projected_values or "
+                         "data_dependent_alibi (both are defined over the sequence's own keys)")
+    if kv_residual is not None and (kv is not None or kv_input is not None):
+        raise ValueError("kv_input_residual is added to the input of the keys/values: not with precomputed keys/"
+                         "values (kv, a cross-attention cache) or kv_input")
+
+
+def check_kv_residual(kv_residual, x: Tensor, source: Tensor) -> None:
+    """``kv_input_residual`` checked against the keys'/values' input ``source (b, j, c_src)`` (``x`` or the context):
+    a ``(b|1, j|1, c_src)`` float tensor in ``source``'s dtype (any float under autocast), on its device."""
+    b, j, c = source.shape
+    if not isinstance(kv_residual, Tensor):
+        raise TypeError(f"kv_input_residual must be a tensor (b|1, j|1, c_src), got {type(kv_residual).__name__}")
+    if not kv_residual.is_floating_point() or (kv_residual.dtype != source.dtype
+                                               and not torch.is_autocast_enabled(x.device.type)):
+        raise TypeError(f"kv_input_residual has dtype {kv_residual.dtype}, expected {source.dtype} (the dtype of the "
+                        f"keys'/values' input)")
+    shape = tuple(kv_residual.shape)
+    if len(shape) != 3 or shape[0] not in (1, b) or shape[1] not in (1, j) or shape[2] != c:
+        raise ValueError(f"kv_input_residual must have shape (b|1, j|1, c_src) = ({b}|1, {j}|1, {c}) (the keys'/values' "
+                         f"input), got {shape}")
+    if kv_residual.device != source.device:
+        raise ValueError(f"kv_input_residual is on {kv_residual.device}, expected {source.device}")
+
+
+def unpadded_call(attn: AttentionModule, x: Tensor, layout, additional_key_values, kv_input_residual, return_kv: bool):
+    """``attn`` on the unpadded path (``forward(layout=...)``): ``x (T, c)`` the packed real tokens -> ``(T, c)``
+    (``(out, None)`` with ``return_kv``), through the layout's own ``attend`` (the unpadded path's layouts, built by
+    the stack, know how to run an attention module on their arrangement); the keywords it cannot take refused."""
+    if not callable(getattr(layout, "attend", None)):
+        raise TypeError(f"layout must be an unpadded layout, got {type(layout).__name__}")
+    if additional_key_values is not None or kv_input_residual is not None:
+        raise ValueError("additional_key_values and kv_input_residual run on the padded layout only")
+    out = layout.attend(attn, x)
+    return (out, None) if return_kv else out
+
+
+def fold_xt_call(attn: AttentionModule, x: Tensor, context, mask, context_mask, attn_mask, bias, attn_bias, kv, past_kv,
+                 cache, rotary, rotary_pos_emb) -> tuple:
+    """x-transformers' call keywords folded into safeformer's, checked in this order: ``attn_bias`` (its name for
+    ``bias``), ``cache`` (an ``AttnIntermediate``: its ``cached_kv``), ``context_mask`` and ``attn_mask`` (into the
+    one ``mask``), ``rotary_pos_emb`` (its ``(freqs, xpos_scale)`` form). Returns ``(mask, pad, bias, kv, past_kv,
+    rotary)``; ``pad (b, i)``: in self-attention with an ``attn_mask`` beside a ``(b, j)`` padding mask, that
+    padding of ``x`` (its rows exactly 0), else ``None``."""
+    if attn_bias is not None:  # x-transformers' name
+        if bias is not None:
+            raise ValueError("pass bias or attn_bias (x-transformers' name for it), not both")
+        bias = attn_bias
+    if cache is not None:
+        kv, past_kv = from_cache(cache, context, kv, past_kv)
+    pad = None
+    if context_mask is not None or attn_mask is not None:
+        mask, pad = xt_masks(attn, x, context, kv, mask, context_mask, attn_mask)
+    if rotary_pos_emb is not None:
+        if rotary is not None:
+            raise ValueError("pass rotary or rotary_pos_emb (x-transformers' form), not both")
+        rotary = rotary_from_xt(rotary_pos_emb, x, context, kv)
+    return mask, pad, bias, kv, past_kv, rotary
+
+
+def from_cache(cache, context, kv, past_kv):
+    """``(kv, past_kv)`` from an ``AttnIntermediate`` passed as ``cache`` (x-transformers' decoding)."""
+    if kv is not None or past_kv is not None:
+        raise ValueError("pass cache (an AttnIntermediate) or kv / past_kv, not both")
+    cached = getattr(cache, "cached_kv", None)
+    if cached is None:
+        raise TypeError(f"cache must be what return_intermediates=True returned (an AttnIntermediate with "
+                        f"cached_kv), got {type(cache).__name__}")
+    if cache.layer_type == "c":
+        if context is not None:
+            raise ValueError("a cross-attention cache answers for its context: pass context only on the first call")
+        return cached, None
+    return None, cached
+
+
+def xt_masks(attn: AttentionModule, x, context, kv, mask, context_mask, attn_mask):
+    """x-transformers' ``context_mask`` and ``attn_mask`` folded into the one ``mask``; returns the mask
+    and, in self-attention with a ``(b, j)`` padding mask, that padding of ``x`` (its rows exactly 0)."""
+    b, i = x.shape[:2]
+    cross = context is not None or kv is not None
+    pad = None
+    if isinstance(mask, SelectedMask):
+        raise ValueError("context_mask and attn_mask are x-transformers' keywords; the stack passes one mask")
+    if context_mask is not None:
+        if not cross:
+            raise ValueError("context_mask was given without a context; pass context=... as well")
+        j = context.shape[1] if context is not None else kv[0].shape[2]
+        validate_mask(context_mask, "context_mask", shape=(b, j), device=x.device)
+        full = context_mask[:, None, None, :]  # (b, 1, 1, j)
+        if mask is not None:  # then mask is the padding of x: its rows are dead (exactly 0)
+            validate_mask(mask, "mask", shape=(b, i), device=x.device)
+            full = full & mask[:, None, :, None]  # (b, 1, i, j)
+        mask = full
+    if attn_mask is not None:
+        validate_mask(attn_mask, "attn_mask", device=x.device)
+        if attn_mask.dim() not in (2, 3, 4) or (attn_mask.dim() == 3 and attn_mask.shape[0] not in (1, attn.heads)):
+            raise ValueError(f"attn_mask must be (i, j), (h={attn.heads}, i, j) or (b|1, h|1, i, j) (x-transformers' "
+                             f"layouts: a 3-d mask is per head), got {tuple(attn_mask.shape)}")
+        extra = attn_mask if attn_mask.dim() == 4 else attn_mask[None] if attn_mask.dim() == 3 else attn_mask[None, None]
+        if mask is not None and not cross and isinstance(mask, Tensor) and mask.dim() == 2:
+            validate_mask(mask, "mask", device=x.device)
+            if mask.shape[0] == b and mask.shape[1] >= i:
+                pad = mask[:, mask.shape[1] - i:]  # padding of x itself: rows exactly 0
+            mask = mask[:, None, None, :]
+        mask = extra if mask is None else as_attention_mask(mask, b, attn.heads, i, extra.shape[-1]) & extra
+    return mask, pad
+
+
+def rotary_from_xt(rotary_pos_emb, x, context, kv):
+    """x-transformers' ``(freqs, xpos_scale)`` -> safeformer's ``(q_angles, k_angles)``."""
+    if not (isinstance(rotary_pos_emb, (tuple, list)) and len(rotary_pos_emb) == 2):
+        raise ValueError("rotary_pos_emb must be (freqs, xpos_scale) as RotaryEmbedding returns it")
+    freqs, scale = rotary_pos_emb
+    if isinstance(scale, Tensor) or scale != 1:
+        raise ValueError("rotary_pos_emb with an xpos scale (use_xpos=True) is not supported; use xpos-free rotary")
+    if not isinstance(freqs, Tensor) or freqs.dim() not in (2, 3):
+        raise ValueError(f"rotary_pos_emb freqs must be (b|1, n, d_rot), got {getattr(freqs, 'shape', type(freqs))}")
+    if context is not None or kv is not None:
+        raise ValueError("rotary_pos_emb rotates self-attention only (x-transformers' context_rotary_pos_emb "
+                         "is not supported)")
+    if freqs.dim() == 2:
+        freqs = freqs[None]
+    i = x.shape[1]
+    if freqs.shape[-2] < i:
+        raise ValueError(f"rotary_pos_emb covers {freqs.shape[-2]} positions, fewer than the {i} queries")
+    ang = freqs[:, None, -i:]  # (b|1, 1, i, d_rot): the new positions (queries and new keys alike)
+    return ang, ang
+
+
+def intermediates(res: tuple, want_weights: bool, x: Tensor, context, kv, value_residual) -> tuple:
+    """``(out, AttnIntermediate)`` of one call's result ``res = (out, (k, v)[, weights, logits])`` (the weights and
+    logits there when ``want_weights``): the keys and values used (``cached_kv``), the new positions' values
+    (x-transformers' ``values``; not with a ``value_residual``), the weights and the logits."""
+    out, kv_out = res[:2]
+    weights, logits = (res[2], res[3]) if want_weights else (None, None)
+    cross = context is not None or kv is not None
+    values = None
+    if kv_out is not None and value_residual is None:  # the new positions' values (x-transformers' values)
+        v_all = kv_out[1]
+        new = v_all.shape[2] if kv is not None else (context if context is not None else x).shape[1]
+        values = v_all[:, :, v_all.shape[2] - new:]
+    return out, AttnIntermediate(post_softmax_attn=weights, layer_type="c" if cross else "a", cached_kv=kv_out,
+                                 pre_softmax_attn=logits, values=values)
+
+
+def refuse_xt_call(owner: str, **given) -> None:
+    """x-transformers' call keywords safeformer does not take: a ``TypeError`` naming the first one given (not
+    ``None``); nothing when none is."""
+    for name, value in given.items():
+        if value is not None:
+            raise TypeError(f"{owner}: x-transformers' option {name} is not supported by safeformer")

@@ -1,0 +1,185 @@
+"""``Attention``'s output options: the output projection, the gates (value gates, per-head gates, output gates) and
+the values' orthogonal projection, built and checked here and applied by ``Attention._output`` (the one output seam)
+and ``output_phase``.
+
+Shape legend: b batch, i queries, h query heads, h_kv key/value heads, d head dim, c model width, r a gate's rank.
+
+A dead row's attention output is 0 before these options and stays exactly 0 after them (a gate multiplies it; the
+output projection's bias is selected away there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention_calls import AttentionModule, _positive_int
+
+
+def init_out(attn: AttentionModule, dim: int, heads: int, dim_head: int, bias: bool, *, dim_out: int | None,
+             zero_init_output: bool, orthog_projected_values: bool, orthog_projected_values_per_head: bool,
+             value_rmsnorm: bool, head_scale: bool = False, sublayer_dropout: float = 0.0,
+             output_proj_depth: int | None = None) -> None:
+    """The output projection ``to_out`` of ``attn`` (its width ``dim_out``), checked and set.
+
+    Args (``Attention``'s keywords):
+        dim_out: the output width (default ``dim``).
+        zero_init_output: ``to_out`` starts at zero (x-transformers' name).
+        orthog_projected_values, orthog_projected_values_per_head: x-transformers' orthogonal projected values:
+            the attention output minus its projection onto the values, over a sample's whole sequence, once per
+            option, concatenated before ``to_out`` (self-attention without a KV cache; not with ``value_rmsnorm``).
+    """
+    attn.orthog_projected_values = bool(orthog_projected_values)
+    attn.orthog_projected_values_per_head = bool(orthog_projected_values_per_head)
+    orthog_parts = int(attn.orthog_projected_values) + int(attn.orthog_projected_values_per_head)
+    if orthog_parts and value_rmsnorm:
+        raise ValueError("orthog_projected_values projects onto the values before value_rmsnorm: the two together "
+                         "are not supported")
+    if dim_out is not None and not _positive_int(dim_out):
+        raise ValueError(f"dim_out must be a positive integer, got {dim_out!r}")
+    attn.dim_out = dim if dim_out is None else dim_out
+    attn.to_out = nn.Linear(heads * dim_head * max(1, orthog_parts), attn.dim_out, bias=bias)
+    if not isinstance(head_scale, bool):
+        raise TypeError(f"head_scale must be True or False, got {head_scale!r}")
+    attn.head_scale_params = nn.Parameter(torch.ones(1, heads, 1, 1)) if head_scale else None
+    if isinstance(sublayer_dropout, bool) or not isinstance(sublayer_dropout, (int, float)) \
+            or not 0 <= sublayer_dropout < 1:
+        raise ValueError(f"sublayer_dropout must be a probability in [0, 1), got {sublayer_dropout!r}")
+    attn.sublayer_dropout = nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None
+    if output_proj_depth is not None and not _positive_int(output_proj_depth):
+        raise ValueError(f"output_proj_depth must be a positive integer, got {output_proj_depth!r}")
+    if zero_init_output:  # x-transformers' zero_init_output: the block starts as the identity of the residual
+        nn.init.zeros_(attn.to_out.weight)
+        if attn.to_out.bias is not None:
+            nn.init.zeros_(attn.to_out.bias)
+    elif output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
+        nn.init.normal_(attn.to_out.weight, std=(2 * attn.to_out.in_features * output_proj_depth) ** -0.5)
+
+
+def init_gates(attn: AttentionModule, dim: int, heads: int, dim_head: int, *, gate_values: bool, gate_values_rank,
+               gate_values_headwise: bool, gate_value_heads: bool, output_gate: bool, output_gate_rank,
+               output_gate_headwise: bool, swiglu_values: bool, low_rank_silu_gates: bool) -> None:
+    """The gates of ``attn``'s output (``to_v_gate``, ``to_v_head_gate``, ``to_output_gate``, ``gate_activation``),
+    checked and set.
+
+    Args (``Attention``'s keywords):
+        gate_values, output_gate: gated attention (x-transformers' options of these names, HyGA): the attention
+            output, before ``to_out``, times ``sigmoid(x_gate(x) + h_gate(out))`` (SiLU with ``swiglu_values``),
+            the x gate reading the queries' input, the h gate the attention output; ``*_headwise``: one
+            logit per head; ``*_rank``: a low-rank projection (``low_rank_silu_gates``: SiLU between). The
+            projections start at zero. A dead row stays exactly 0 (its output is 0 before the gate).
+        gate_value_heads: x-transformers' per-head gate: each head's output times ``sigmoid(Linear(x))`` (weight 0,
+            bias 10 at init), before the gates above; padded rows' ``x`` is selected to 0 first.
+    """
+    for name, on, rank, headwise in (("gate_values", gate_values, gate_values_rank, gate_values_headwise),
+                                     ("output_gate", output_gate, output_gate_rank, output_gate_headwise)):
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
+            raise ValueError(f"{name}_rank must be a positive integer, got {rank!r}")
+        if (rank is not None or headwise) and not on:
+            raise ValueError(f"{name}_rank / {name}_headwise were given but {name} is off; set {name}=True")
+        if rank is not None and headwise:
+            raise ValueError(f"{name}_rank cannot be set with {name}_headwise (the headwise gate projects to heads directly)")
+    if swiglu_values and not (gate_values or output_gate):
+        raise ValueError("swiglu_values changes the gate's activation: it needs gate_values or output_gate")
+    inner = heads * dim_head
+    act = nn.SiLU() if low_rank_silu_gates else None
+    attn.to_v_gate = _gate_linear(dim, heads if gate_values_headwise else inner, gate_values_rank, act) \
+        if gate_values else None
+    # x-transformers' gate_value_heads: each head's output times sigmoid(Linear(x)), open at init (bias 10)
+    attn.to_v_head_gate = None
+    if gate_value_heads:
+        attn.to_v_head_gate = nn.Linear(dim, heads)
+        nn.init.zeros_(attn.to_v_head_gate.weight)
+        nn.init.constant_(attn.to_v_head_gate.bias, 10.0)
+    attn.to_output_gate = _gate_linear(inner, heads if output_gate_headwise else inner, output_gate_rank, act) \
+        if output_gate else None
+    attn.gate_activation = F.silu if swiglu_values else torch.sigmoid
+
+
+class _LowRankLinear(nn.Module):
+    """``up(act(down(x)))`` without biases, ``up`` starting at zero (x-transformers' ``LoRALinear``; the same
+    parameter names, so its weights load as they are)."""
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int, activation: nn.Module | None):
+        super().__init__()
+        self.down = nn.Linear(dim_in, rank, bias=False)
+        self.up = nn.Linear(rank, dim_out, bias=False)
+        nn.init.zeros_(self.up.weight)
+        self.activation = activation if activation is not None else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.up(self.activation(self.down(x)))
+
+
+def _gate_linear(dim_in: int, dim_out: int, rank: int | None, activation: nn.Module | None) -> nn.Module:
+    """The gate's projection: a bias-less linear starting at zero, or a low-rank one of ``rank``."""
+    if rank is None:
+        linear = nn.Linear(dim_in, dim_out, bias=False)
+        nn.init.zeros_(linear.weight)
+        return linear
+    if not (rank < dim_in or rank < dim_out):
+        raise ValueError(f"the gate's rank ({rank}) must be below its input ({dim_in}) or output ({dim_out}) width")
+    return _LowRankLinear(dim_in, dim_out, rank, activation)
+
+
+def output_phase(attn: AttentionModule, out: Tensor, x: Tensor, hybrid, self_pad: Tensor | None, rows_ok: Tensor | None,
+                 v_orthog: Tensor | None) -> Tensor:
+    """One padded call's output ``(b, i, c)`` from the attention's ``out (b, h, i, d)``: dead rows and padded
+    queries 0 before the orthogonal projection (it sums over the sample), the hybrid module's output mixed in,
+    then ``attn._output``: padded queries (``self_pad (b, i)``) selected before ``to_out``, dead rows (``rows_ok
+    (b|1, i)`` False) exactly 0 after it where a bias, padding or the hybrid branch would move them."""
+    zero_rows = rows_ok if rows_ok is not None and (attn.to_out.bias is not None or self_pad is not None
+                                                    or attn.hybrid is not None) else None
+    values = None
+    out = out.transpose(1, 2)  # (b, i, h, d)
+    if attn.orthog:  # dead rows and padded queries are 0 before the projection (it sums over the sample)
+        values = v_orthog
+        if rows_ok is not None:
+            out = torch.where(rows_ok[:, :, None, None], out, 0.0)
+    if attn.hybrid is not None:  # the hybrid module's output mixed in (dead rows: 0 after to_out all the same)
+        out = attn.hybrid(out, x, hybrid, self_pad)
+    return attn._output(out, x, self_pad, zero_rows, values)  # (b, i, c)
+
+
+def gate(attn: AttentionModule, out: Tensor, x: Tensor, keep: Tensor | None) -> Tensor:
+    """Gated attention: ``out (..., h, d) * act(x gate + h gate)``. The x gate reads ``x`` with the rows
+    ``keep`` drops selected to 0 first; a dead row's ``out`` is 0, so it stays 0 whatever its gate."""
+    h, d = attn.heads, attn.dim_head
+
+    def heads_of(g: Tensor) -> Tensor:  # (..., h) -> (..., h, 1); (..., h * d) -> (..., h, d)
+        return g[..., None] if g.shape[-1] == h and h * d != h else g.unflatten(-1, (h, d))
+
+    logits = 0.0
+    if attn.to_v_gate is not None:
+        xs = x if keep is None else torch.where(keep[..., None], x, 0.0)
+        logits = logits + heads_of(attn.to_v_gate(xs))
+    if attn.to_output_gate is not None:
+        logits = logits + heads_of(attn.to_output_gate(out.flatten(-2)))
+    return out * attn.gate_activation(logits)
+
+
+def orthog_project(attn: AttentionModule, out: Tensor, values: Tensor) -> Tensor:
+    """x-transformers' ``orthog_project``: ``out (b, i, h, d)`` minus its projection onto the values
+    ``(b, i, h_kv, d)`` (each query head paired with its key/value head), both flattened over the whole
+    sample (positions, heads and features), in float64; once per option (``_per_head`` flattens the same
+    way), concatenated: ``(b, i, parts * h * d)``. Dead rows of ``out`` and masked values are 0 here, so
+    they add nothing to the dot product or the norm."""
+    g = attn.heads // attn.kv_heads
+    if g > 1:  # each query head beside the values of its key/value head (n % h_kv tiled, n // g interleaved)
+        vv = values.repeat(1, 1, g, 1) if attn.kv_head_order == "tiled" else values.repeat_interleave(g, dim=-2)
+    else:
+        vv = values
+    o, y = out.flatten(1).double(), vv.flatten(1).double()
+    unit = F.normalize(y, dim=-1)
+    proj = (o - (o * unit).sum(-1, keepdim=True) * unit).to(out.dtype).reshape(*out.shape[:2], -1)
+    parts = int(attn.orthog_projected_values) + int(attn.orthog_projected_values_per_head)
+    return proj if parts == 1 else torch.cat([proj] * parts, dim=-1)
+
+
+def check_head_scale(attn: AttentionModule) -> None:
+    """``head_scale`` beside a hybrid module is refused: x-transformers scales the heads before the hybrid output
+    is mixed in, safeformer's hybrid mix comes first."""
+    if attn.head_scale_params is not None and attn.hybrid is not None:
+        raise ValueError("head_scale scales the attention heads before the hybrid module's output is mixed in "
+                         "(x-transformers' order): the two together are not supported")
