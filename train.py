@@ -57,12 +57,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safeformer.decoding.generation import AutoregressiveWrapper
-from safeformer.checkpoints.training_state import STATE_NAME, load_training_state, save_training_state
 from torch import nn
 from tqdm import tqdm
 
 from safeformer import Decoder, Encoder, TransformerWrapper
+from safeformer.checkpoints.training_state import STATE_NAME, load_training_state, save_training_state
+from safeformer.decoding.generation import AutoregressiveWrapper
 
 LEVELS, CLASSES, PIXELS = 17, 10, 64  # grey levels 0..16 are the tokens 0..16
 BOS = LEVELS  # token 17 starts every image; the model never predicts it (logits_dim = 17)

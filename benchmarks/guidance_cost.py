@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import torch
-from safeformer.decoding.generation import generate_tokens
 
 from safeformer import Decoder, TransformerWrapper
+from safeformer.decoding.generation import generate_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results" / "guidance_cost.md"
 

@@ -21,9 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from safeformer.decoding.static import StaticDecoder, capacity_bucket  # noqa: E402
-
 import safeformer as sf  # noqa: E402
+from safeformer.decoding.static import StaticDecoder, capacity_bucket  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

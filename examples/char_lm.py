@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 import torch
-from safeformer.decoding.generation import AutoregressiveWrapper, min_p
 from tqdm import tqdm
 
 from safeformer import Decoder, TransformerWrapper
+from safeformer.decoding.generation import AutoregressiveWrapper, min_p
 
 
 def default_text() -> tuple[str, str]:

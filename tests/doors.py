@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import safeformer.nn.xt_modules as xt_modules
 import torch
 from helpers import INF, NAN
 from torch import Tensor
 
 import safeformer as sf
+import safeformer.nn.xt_modules as xt_modules
 
 PLANT_VALUES = (NAN, INF, -INF, 1e4)  # the garbage planted at masked positions of every probe
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safeformer.stack.layers import LAYER_ALIASES
-from safeformer.stack.wrappers import WRAPPER_ALIASES
 
 import safeformer as sf
+from safeformer.stack.layers import LAYER_ALIASES
+from safeformer.stack.wrappers import WRAPPER_ALIASES
 
 
 @pytest.mark.parametrize(("alias", "value", "name", "want"), [
@@ -28,13 +28,14 @@ def test_layer_alias_sets_the_canonical_option(alias, value, name, want):
 
 
 def test_every_alias_in_the_tables_is_tested_or_accepted():
-    from safeformer.stack.layers import ATTN_KWARGS, FF_KWARGS
     from safeformer.core.xt_defaults import XT_DEFAULT_ONLY
+    from safeformer.stack.layers import ATTENTION_FIELDS, FF_KWARGS
 
     tested = {"attn_dim_head", "attn_kv_heads", "attn_one_kv_head", "cross_attn_dim_context", "attn_flash"}
-    # tests/test_xt_keywords.py: the ff_* / attn_* keywords handed to each module (parity on the same weights),
+    # tests/test_xt_keywords.py: the ff_* keywords handed to each module (parity on the same weights); every
+    # attention field as attn_<field> (tests/test_attention_routing.py),
     # the default-only ones (refused by name at another value) and the two accepted with any value
-    tested |= {f"ff_{k}" for k in FF_KWARGS} | {f"attn_{k}" for k in ATTN_KWARGS} | set(XT_DEFAULT_ONLY)
+    tested |= {f"ff_{k}" for k in FF_KWARGS} | {f"attn_{k}" for k in ATTENTION_FIELDS} | set(XT_DEFAULT_ONLY)
     tested |= {"attn_onnxable", "verbose"}
     assert set(LAYER_ALIASES) == tested, f"untested aliases: {sorted(set(LAYER_ALIASES) - tested)}"
     neutral = {"emb_frac_gradient": (1.0, 0.5), "max_mem_len": (0, 8)}

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
-from safeformer.checkpoints.pretrained import CONFIG_NAME, WEIGHTS_NAME
-from safeformer.checkpoints.training_state import STATE_NAME, load_training_state, save_training_state
 
 import safeformer as sf
+from safeformer.checkpoints.pretrained import CONFIG_NAME, WEIGHTS_NAME
+from safeformer.checkpoints.training_state import STATE_NAME, load_training_state, save_training_state
 
 ROOT = Path(__file__).resolve().parents[1]
 

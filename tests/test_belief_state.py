@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_close, assert_finite, assert_zero
-from safeformer.research.belief_state import BeliefStateWrapper, belief_state_from_x_transformers, flip, reverse_real
 from test_dpo import check_probe
 
 import safeformer as sf
+from safeformer.research.belief_state import BeliefStateWrapper, belief_state_from_x_transformers, flip, reverse_real
 
 V, D = 13, 16
 

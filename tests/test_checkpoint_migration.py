@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safeformer.checkpoints.pretrained import load_pretrained, migrate_state_dict
 from safetensors.torch import load_file
 
 import safeformer as sf
+from safeformer.checkpoints.pretrained import load_pretrained, migrate_state_dict
 
 ROOT = Path(__file__).parent / "data" / "legacy_v1"
 NAMES = sorted(p.name for p in ROOT.iterdir() if p.is_dir())

@@ -23,9 +23,9 @@ from pathlib import Path
 import helpers as hp
 import pytest
 import torch
-from safeformer.core.conditions import VALUE_LIMIT
 
 import safeformer as sf
+from safeformer.core.conditions import VALUE_LIMIT
 
 NAN, INF = float("nan"), float("inf")
 GARBAGE = (NAN, INF, -INF, 1e4)

@@ -25,10 +25,10 @@ import torch
 from helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, NAN, VOCAB, Scenario, mask_from_lengths
 from hypothesis import example, given
 from hypothesis import strategies as st
-from safeformer.decoding.generation import AutoregressiveWrapper
 from torch import Tensor
 
 import safeformer as sf
+from safeformer.decoding.generation import AutoregressiveWrapper
 
 IGNORE = -100
 GARBAGE = (NAN, float("inf"), float("-inf"), 3.0e38)

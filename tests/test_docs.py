@@ -189,7 +189,7 @@ def test_architecture_names_exist():
         candidates = [importlib.import_module(".".join(("safeformer",) + f.relative_to(package).with_suffix("").parts))
                       for f in files]
 
-        def resolves(obj) -> bool:
+        def resolves(obj, attrs=tuple(attrs)) -> bool:
             for attr in attrs:
                 if not hasattr(obj, attr):
                     return False

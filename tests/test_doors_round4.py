@@ -267,8 +267,9 @@ def test_hybrid_bidirectional_rnn_under_torch_func_grad_equals_autograd(fold):
 def test_hybrid_rnn_steps_equal_the_packed_sequence(kind, bidirectional):
     """What runs under a transform (the module's cells step by step, padded steps moving no state) equals the
     packed sequence's outputs at real positions and its final states, with an initial state and an empty row."""
-    from safeformer.nn.hybrid import _run_rnn_stepwise
     from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    from safeformer.nn.hybrid import _run_rnn_stepwise
 
     torch.manual_seed(0)
     rnn = getattr(torch.nn, kind)(6, 5, num_layers=2, bidirectional=bidirectional, batch_first=True)

@@ -14,15 +14,15 @@ import helpers as hp
 import pytest
 import torch
 from doors import INF, NAN, PLANT_VALUES, Probe, _gen, _leaf, _lengths_mask
+from torch import Tensor, nn
+
+import safeformer as sf
 from safeformer.research.entropy_tokenizer import (
     EntropyBasedTokenizer,
     calc_entropy_from_logits,
     entropy_tokenizer_from_x_transformers,
     get_accumulated_threshold_mask,
 )
-from torch import Tensor, nn
-
-import safeformer as sf
 
 V = 12
 

@@ -7,9 +7,9 @@ import math
 import helpers as hp
 import pytest
 import torch
-from safeformer.core.losses import safe_cross_entropy
 
 import safeformer as sf
+from safeformer.core.losses import safe_cross_entropy
 
 V = 17
 

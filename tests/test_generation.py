@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 from helpers import ATTEND_TOL, NaNKernel, assert_bitwise, assert_close, assert_finite, assert_zero, ref_guidance
+
+from safeformer import ContinuousTransformerWrapper, Decoder, TransformerWrapper, XTransformer
 from safeformer.core.conditions import drop_condition
 from safeformer.decoding.generation import (
     AutoregressiveWrapper,
@@ -26,8 +28,6 @@ from safeformer.decoding.generation import (
     top_k,
     top_p,
 )
-
-from safeformer import ContinuousTransformerWrapper, Decoder, TransformerWrapper, XTransformer
 from safeformer.testing import substitute_kernel
 
 V, C, DIM = 24, 8, 32  # vocabulary, context width, model width

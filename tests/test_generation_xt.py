@@ -20,9 +20,9 @@ import torch
 from helpers import ATTEND_TOL, assert_bitwise, assert_close, assert_finite
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safeformer.decoding.generation import AutoregressiveWrapper, beam_search_tokens
 
 from safeformer import Decoder, TransformerWrapper
+from safeformer.decoding.generation import AutoregressiveWrapper, beam_search_tokens
 
 V, C, DIM = 16, 8, 32  # vocabulary, context width, model width
 NAN = float("nan")

@@ -12,9 +12,9 @@ import torch
 from helpers import examples
 from hypothesis import given
 from hypothesis import strategies as st
-from safeformer.core.conditions import compose_values
 
 import safeformer as sf
+from safeformer.core.conditions import compose_values
 
 HUGE = (3.0e38, 1e39, 1e150, 1e300, -1e39, -1e300)
 

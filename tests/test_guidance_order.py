@@ -15,10 +15,10 @@ import itertools
 import helpers as hp
 import pytest
 import torch
-from safeformer.core.conditions import compose_values
-from safeformer.decoding.generation import AutoregressiveWrapper
 
 import safeformer as sf
+from safeformer.core.conditions import compose_values
+from safeformer.decoding.generation import AutoregressiveWrapper
 
 VOCAB, DIM, CTX, K = 11, 16, 6, 3
 SCALE_SETS = (

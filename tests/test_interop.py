@@ -17,10 +17,9 @@ from torch import nn
 
 xt = pytest.importorskip("x_transformers")
 
-from safeformer.nn.modules import RMSNorm  # noqa: E402
-
 from safeformer import TransformerWrapper  # noqa: E402
 from safeformer.interop import from_x_transformers  # noqa: E402
+from safeformer.nn.modules import RMSNorm  # noqa: E402
 
 logging.getLogger("x_transformers").setLevel(logging.ERROR)
 try:  # x-transformers logs through loguru; silence its rotary-dim warning

@@ -13,10 +13,10 @@ pytest.importorskip("x_transformers")
 xt_free = pytest.importorskip("x_transformers.free_transformer")
 xt_up = pytest.importorskip("x_transformers.up_wrapper")
 import x_transformers as xt  # noqa: E402
-from safeformer.research.universal_pretrain import SyntheticDataGenerator, UniversalPretrainWrapper  # noqa: E402
 from test_free_transformer import assert_losses_match  # noqa: E402
 
 from safeformer.research.free_transformer import FreeTransformer, free_transformer_from_x_transformers  # noqa: E402
+from safeformer.research.universal_pretrain import SyntheticDataGenerator, UniversalPretrainWrapper  # noqa: E402
 
 V, C, H, DH, BITS = 13, 32, 4, 8, 3
 ATOL = 1e-5

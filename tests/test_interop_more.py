@@ -21,11 +21,11 @@ from torch import nn
 
 xt = pytest.importorskip("x_transformers")
 
-from safeformer.nn.modules import LayerNorm, alibi_slopes  # noqa: E402
 from x_transformers.autoregressive_wrapper import AutoregressiveWrapper as XTAutoregressiveWrapper  # noqa: E402
 
 from safeformer import AutoregressiveWrapper, TransformerWrapper, XTransformer  # noqa: E402
 from safeformer.interop import from_x_transformers  # noqa: E402
+from safeformer.nn.modules import LayerNorm, alibi_slopes  # noqa: E402
 
 logging.getLogger("x_transformers").setLevel(logging.ERROR)
 try:  # x-transformers logs through loguru; silence its rotary-dim warning

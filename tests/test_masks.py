@@ -26,6 +26,7 @@ from helpers import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
+
 from safeformer.core.losses import masked_mean, safe_cross_entropy
 from safeformer.core.masks import (
     _same_device,

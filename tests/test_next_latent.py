@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close, assert_finite, assert_zero
+from test_dpo import check_probe
+
+import safeformer as sf
 from safeformer.research.next_latent import (
     MSECosineSimLoss,
     NextLatentWrapper,
     ResidualDynamics,
     next_latent_from_x_transformers,
 )
-from test_dpo import check_probe
-
-import safeformer as sf
 
 V, D = 11, 16
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import helpers as hp
 import pytest
 import torch
-from safeformer.decoding.nonautoregressive import cosine_schedule, hidden_counts, linear_schedule
 
 import safeformer as sf
+from safeformer.decoding.nonautoregressive import cosine_schedule, hidden_counts, linear_schedule
 
 NAN, INF = float("nan"), float("inf")
 V, MASK_ID = 9, 8  # tokens 0..7 are real, 8 hides

@@ -18,10 +18,10 @@ import helpers as hp
 import pytest
 import torch
 from helpers import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, VOCAB
-from safeformer.checkpoints.pretrained import CONFIG_NAME, WEIGHTS_NAME
 from torch import nn
 
 import safeformer as sf
+from safeformer.checkpoints.pretrained import CONFIG_NAME, WEIGHTS_NAME
 
 
 @pytest.fixture(autouse=True)

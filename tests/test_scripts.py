@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safeformer.decoding.generation import AutoregressiveWrapper
 
 from safeformer import TransformerWrapper, XTransformer
+from safeformer.decoding.generation import AutoregressiveWrapper
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--dim", "32", "--depth", "1", "--heads", "2", "--dim_head", "16", "--batch_size", "16",

@@ -15,10 +15,10 @@ import math
 import helpers as hp
 import pytest
 import torch
-from safeformer.decoding.generation import beam_search_tokens
-from safeformer.decoding.static import StaticDecoder, StaticKVCache, capacity_bucket, compile_options, static_reason
 
 import safeformer as sf
+from safeformer.decoding.generation import beam_search_tokens
+from safeformer.decoding.static import StaticDecoder, StaticKVCache, capacity_bucket, compile_options, static_reason
 
 V, DIM, J = 23, 32, 3
 
@@ -494,8 +494,8 @@ def test_rotary_tables_give_apply_rotarys_values(dtype, dim_head, rot_dim):
     """The static step's rotary (complex pairs times ``cis`` eagerly, the real tables in the compiled step) gives
     ``apply_rotary``'s values exactly, at per-sample positions, partial rotary widths and a strided input (q and k
     sliced out of one fused projection)."""
-    from safeformer.nn.modules import apply_rotary
     from safeformer.decoding.static import _rotary_tables, _rotate
+    from safeformer.nn.modules import apply_rotary
 
     stack = sf.Decoder(dim=4 * dim_head, depth=1, heads=4, dim_head=dim_head, rotary_pos_emb=True,
                        rotary_emb_dim=rot_dim)

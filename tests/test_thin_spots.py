@@ -20,12 +20,12 @@ import logging
 
 import pytest
 import torch
-from safeformer.research.belief_state import BeliefStateWrapper, reverse_real
-from safeformer.decoding.generation import top_a
-from safeformer.core.masks import validate_mask, validation_scope
 from torch import nn
 
 import safeformer as sf
+from safeformer.core.masks import validate_mask, validation_scope
+from safeformer.decoding.generation import top_a
+from safeformer.research.belief_state import BeliefStateWrapper, reverse_real
 
 logging.getLogger("x_transformers").setLevel(logging.ERROR)
 try:  # x-transformers logs through loguru

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import safetensors.torch as st
 import torch
-from safeformer.checkpoints.training_state import load_training_state, save_training_state
 
 import safeformer as sf
+from safeformer.checkpoints.training_state import load_training_state, save_training_state
 
 V = 13
 

@@ -37,8 +37,9 @@ import safetensors.torch as safetensors
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from safeformer.checkpoints.training_state import load_training_state, save_training_state
 from test_training_state import OPT, RNG, STATE, WEIGHTS, assert_same, resign, snapshot, tiny, train_step
+
+from safeformer.checkpoints.training_state import load_training_state, save_training_state
 
 EXTRA = {"note": "x", "losses": [1.5, 2.25]}
 # a few dozen examples per kind of corruption by default (HYPOTHESIS_PROFILE=thorough: ten times more)

@@ -25,11 +25,11 @@ import helpers as hp
 import pytest
 import torch
 from helpers import ATTEND_TOL, NAN, assert_close, assert_finite, assert_zero
-from safeformer.core.varlen import VarlenPlan, substitute_varlen_kernel, varlen_attention, varlen_layout
 
 import safeformer as sf
 from safeformer import attend
 from safeformer.core.attend import SelectedMask, prepare_mask
+from safeformer.core.varlen import VarlenPlan, substitute_varlen_kernel, varlen_attention, varlen_layout
 
 A = sys.modules["safeformer.core.attend"]  # (the package's ``attend`` attribute is the function)
 KINDS = ("padding", "full", "causal_padding")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import helpers as hp
 import pytest
 import torch
-from safeformer.stack.unpadded import UNPADDED_THRESHOLD
 
 import safeformer as sf
+from safeformer.stack.unpadded import UNPADDED_THRESHOLD
 
 STACKS = {
     "encoder-alibi-qknorm-bias": lambda: sf.Encoder(dim=16, depth=2, heads=2, dim_head=8, alibi_pos_bias=True,

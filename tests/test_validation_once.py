@@ -5,10 +5,10 @@ from __future__ import annotations
 import collections
 
 import pytest
-import safeformer.core.masks as masks_mod
 import torch
 
 import safeformer as sf
+import safeformer.core.masks as masks_mod
 
 
 @pytest.fixture

@@ -10,11 +10,14 @@ Shape legend: T packed tokens, b segments, h query heads, h_kv key/value heads, 
 from __future__ import annotations
 
 import pytest
-import safeformer.core.varlen as varlen_mod
 import torch
 from helpers import ATTEND_TOL, DEVICES, NAN, assert_close, assert_finite, assert_zero, grads, ref_attend
 from hypothesis import given
 from hypothesis import strategies as st
+
+import safeformer as sf
+import safeformer.core.varlen as varlen_mod
+from safeformer import attend
 from safeformer.core.varlen import (
     VarlenLayout,
     VarlenPlan,
@@ -24,9 +27,6 @@ from safeformer.core.varlen import (
     varlen_kernel_available,
     varlen_layout,
 )
-
-import safeformer as sf
-from safeformer import attend
 
 HALF = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -15,8 +15,8 @@ from helpers import assert_finite
 from test_dpo import check_probe
 
 import safeformer as sf
-from safeformer.interop import from_x_transformers
 from safeformer.decoding.xl import TTTModuleWrapper, XLAutoregressiveWrapper
+from safeformer.interop import from_x_transformers
 
 xt = pytest.importorskip("x_transformers")
 from x_transformers.xl_autoregressive_wrapper import XLAutoregressiveWrapper as XtXL  # noqa: E402

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safeformer.nn.attention import Attention
 from torch import nn
 
 import safeformer as sf
+from safeformer.nn.attention import Attention
 
 xt = pytest.importorskip("x_transformers")
 from x_transformers.x_transformers import Attention as XAttention  # noqa: E402
@@ -336,9 +336,10 @@ def test_polar_matches_x_transformers_and_caches():
         steps.append(o)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     # the module's own call and apply_polar_pos_emb as x-transformers'
-    from safeformer.nn.modules import PolarEmbedding, apply_polar_pos_emb
     from x_transformers.x_transformers import PolarEmbedding as XPolar
     from x_transformers.x_transformers import apply_polar_pos_emb as x_apply
+
+    from safeformer.nn.modules import PolarEmbedding, apply_polar_pos_emb
 
     t, q = torch.arange(5), torch.randn(1, 2, 5, 8)
     (f1, b1), (f2, b2) = PolarEmbedding(8, 2)(t), XPolar(8, 2)(t)

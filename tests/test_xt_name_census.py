@@ -10,12 +10,12 @@ import inspect
 import pkgutil
 
 import pytest
-import safeformer.core.xt_helpers as xh
 import torch
-from safeformer.core.xt_helpers import NOT_PROVIDED
 
 import safeformer as sf
+import safeformer.core.xt_helpers as xh
 import safeformer.x_transformers as sfx
+from safeformer.core.xt_helpers import NOT_PROVIDED
 
 xt = pytest.importorskip("x_transformers")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import helpers as hp
 import pytest
 import torch
-from safeformer.nn.attention import _explicit_attention
 
 import safeformer as sf
+from safeformer.nn.attention import _explicit_attention
 
 NAN = float("nan")
 xt = pytest.importorskip("x_transformers")

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safeformer.decoding.static import static_reason
 
 import safeformer as sf
+from safeformer.decoding.static import static_reason
 
 NAN = float("nan")
 xt = pytest.importorskip("x_transformers")

@@ -4,9 +4,9 @@ safe under masks, with the KV cache and on the unpadded path."""
 
 import pytest
 import torch
-from safeformer.nn.relative_position import RelativePositionBias
 
 import safeformer as sf
+from safeformer.nn.relative_position import RelativePositionBias
 
 KW = dict(dim=32, depth=2, heads=4, dim_head=8, rel_pos_bias=True, rel_pos_num_buckets=8, rel_pos_max_distance=20)
 

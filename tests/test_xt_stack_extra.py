@@ -17,9 +17,9 @@ import torch
 import x_transformers as xt
 import x_transformers.x_transformers as xt_mod
 from helpers import check_padded_equals_alone, perturb_params
-from safeformer.decoding.static import StaticDecoder, static_reason
 
 import safeformer as sf
+from safeformer.decoding.static import StaticDecoder, static_reason
 
 DIM, HEADS, DIM_HEAD, VOCAB = 16, 2, 8, 40
 

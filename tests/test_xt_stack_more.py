@@ -19,10 +19,10 @@ import torch
 import x_transformers as xt
 import x_transformers.x_transformers as xt_mod
 from helpers import check_padded_equals_alone, perturb_params
-from safeformer.nn.block import sinkhorn
-from safeformer.decoding.static import static_reason
 
 import safeformer as sf
+from safeformer.decoding.static import static_reason
+from safeformer.nn.block import sinkhorn
 
 DIM, HEADS, DIM_HEAD, VOCAB = 32, 4, 8, 50
 

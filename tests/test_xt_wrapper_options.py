@@ -19,10 +19,10 @@ import helpers as hp
 import pytest
 import torch
 import torch.nn.functional as F
-from safeformer.decoding.nonautoregressive import SCHEDULES, mdlm_loss_weight
 from torch import nn
 
 import safeformer as sf
+from safeformer.decoding.nonautoregressive import SCHEDULES, mdlm_loss_weight
 
 NAN = float("nan")
 C, D = 16, 3

@@ -16,9 +16,9 @@ import pytest
 import torch
 import x_transformers as xt
 from helpers import perturb_params
-from safeformer.decoding.static import static_reason
 
 import safeformer as sf
+from safeformer.decoding.static import static_reason
 
 DIM, HEADS, DIM_HEAD, VOCAB = 32, 4, 8, 50
 

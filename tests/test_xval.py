@@ -11,7 +11,12 @@ import torch
 from helpers import assert_close, assert_finite, assert_zero
 
 import safeformer as sf
-from safeformer.research.xval import GenerateReturn, XValAutoregressiveWrapper, XValTransformerWrapper, xval_from_x_transformers
+from safeformer.research.xval import (
+    GenerateReturn,
+    XValAutoregressiveWrapper,
+    XValTransformerWrapper,
+    xval_from_x_transformers,
+)
 
 V, NUM, B, N, D = 10, 9, 4, 7, 16
 VALUES = [float("nan"), float("inf"), -float("inf"), 1e4]

@@ -179,7 +179,9 @@ def _constructor_fields(cls: type, source: str, where: str) -> tuple[dict[str, i
     """The keyword parameters that build ``cls`` and their resolved annotations.
 
     A constructor that only forwards ``**kwargs`` (``Encoder``) takes its parent's parameters too;
-    a class with no constructor of its own among the ``Configurable`` classes cannot be built.
+    a class with no constructor of its own among the ``Configurable`` classes cannot be built. A class's
+    ``config_fields()`` (a classmethod) adds keywords it takes beyond its signature, with their annotations
+    (``AttentionLayers``: every attention field as ``attn_<field>``).
     """
     params: dict[str, inspect.Parameter] = {}
     hints: dict[str, Any] = {}
@@ -205,6 +207,10 @@ def _constructor_fields(cls: type, source: str, where: str) -> tuple[dict[str, i
                 params[name] = p
                 hints[name] = own_hints.get(name, _Unchecked)
         if not forwards:
+            # keywords a class takes beyond its signature (a family's fields under a prefix), typed by their owner
+            for name, (p, hint) in getattr(cls, "config_fields", dict)().items():
+                params.setdefault(name, p)
+                hints.setdefault(name, hint)
             return params, hints
     raise _fail(source, where, f"names class {cls.__name__!r}, which cannot be built from a config")
 

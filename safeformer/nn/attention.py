@@ -106,6 +106,15 @@ class Attention(nn.Module):
     ``gate_value_heads``, ``output_gate*``, ``swiglu_values``, ``low_rank_silu_gates``).
     """
 
+    # options for self-attention only: a stack leaves them out of its cross-attention blocks (they read the
+    # sequence's own positions or values, or run a module beside self-attention)
+    SELF_ONLY = frozenset({
+        "orthog_projected_values", "orthog_projected_values_per_head", "data_dependent_alibi",
+        "data_dependent_alibi_kwargs", "hybrid_module", "hybrid_fold_axial_dim", "hybrid_mask_kwarg",
+        "hybrid_learned_mix", "use_cope", "cope_max_pos", "cope_soft_onehot_pos", "cope_talking_heads",
+        "use_rel_proj_pos_bias", "rel_proj_num_distance_basis", "rel_proj_max_dist", "rotate_num_heads",
+    })
+
     def __init__(
         self, dim: int, dim_head: int = 64, dim_context: int | None = None, heads: int = 8, causal: bool = False,
         flash: bool = False, *, kv_heads: int | None = None, one_kv_head: bool = False, qk_norm: bool = False,

@@ -264,6 +264,7 @@ Args:
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -320,14 +321,22 @@ def _into(family: str, key: str) -> Callable[[object], dict]:
     return lambda v: {family: {key: v}}
 
 
-# the keywords the stack hands on to each FeedForward / Attention (x-transformers' ff_* / attn_* spellings)
+# the keywords the stack hands on to each FeedForward (x-transformers' ff_* spellings)
 FF_KWARGS = ("no_bias", "relu_squared", "zero_init_output", "dim_out", "glu_mult_bias", "solu", "post_act_ln",
              "sublayer_dropout", "output_proj_depth")
-ATTN_KWARGS = ("gate_value_heads", "zero_init_output", "cope_talking_heads", "head_scale", "sublayer_dropout",
-               "output_proj_depth", "sparse_topk", "sparse_topk_straight_through", "hard", "pre_talking_heads",
-               "post_talking_heads", "pre_scale_post_talking_heads", "add_zero_kv", "qk_norm_groups", "qk_norm_scale")
-# safeformer's own Attention keywords a stack takes in attn_kwargs only (no attn_ spelling: not x-transformers')
-SF_ATTN_KWARGS = ("kv_head_order",)
+# Attention's keywords the stack sets itself on each block: its width, heads, causality and per-layer values
+_STACK_SETS = frozenset({"kv_heads", "one_kv_head", "dropout", "backend", "learned_value_residual_mix",
+                         "inverted_attention", "rotate_num_heads"})
+
+
+def _attention_fields() -> dict[str, inspect.Parameter]:
+    """The attention family's fields: ``Attention``'s keyword-only parameters the stack hands on unchanged to every
+    attention block (``attn_<field>`` at the stack; x-transformers' prefix routing, read from the signature)."""
+    params = inspect.signature(Attention.__init__).parameters
+    return {n: p for n, p in params.items() if p.kind == p.KEYWORD_ONLY and n not in _STACK_SETS}
+
+
+ATTENTION_FIELDS = _attention_fields()
 
 LAYER_ALIASES: dict[str, object] = {
     "attn_dim_head": "dim_head",
@@ -339,7 +348,7 @@ LAYER_ALIASES: dict[str, object] = {
     "attn_onnxable": None,
     "verbose": None,
     **{f"ff_{k}": _into("ff_kwargs", k) for k in FF_KWARGS},
-    **{f"attn_{k}": _into("attn_kwargs", k) for k in ATTN_KWARGS},
+    **{f"attn_{k}": _into("attn_kwargs", k) for k in ATTENTION_FIELDS},
     **{k: default_only(k, v) for k, v in XT_DEFAULT_ONLY.items()},
 }
 
@@ -432,25 +441,15 @@ class AttentionLayers(Configurable, nn.Module):
         rotary_pos_emb: bool = False, rotary_emb_dim: int | None = None, rotary_theta: float = 10000.0,
         rotary_interpolation_factor: float = 1.0, rotary_base_rescale_factor: float = 1.0,
         alibi_pos_bias: bool = False,
-        attn_qk_norm: bool = False, attn_dropout: float | tuple[float, ...] = 0.0,
+        attn_dropout: float | tuple[float, ...] = 0.0,
         ff_dropout: float | tuple[float, ...] = 0.0,
-        attn_bias: bool = False, backend: str = "auto",
+        backend: str = "auto",
         use_adaptive_layernorm: bool = False, use_adaptive_rmsnorm: bool = False,
         use_adaptive_layerscale: bool = False, dim_condition: int | None = None, adaptive_null: str = "zeros",
         layer_dropout: float = 0.0, cross_attn_tokens_dropout: float = 0.0,
         checkpoint_layers: bool = False, unpadded: bool | str = "auto",
-        attn_num_mem_kv: int = 0, attn_head_learned_sink: bool = False, attn_softclamp_logits: bool = False,
-        attn_logit_softclamp_value: float = 50.0, attn_qk_norm_eps: float | None = None,
         pre_norm_has_final_norm: bool = True,
-        attn_gate_values: bool = False, attn_gate_values_rank: int | None = None,
-        attn_gate_values_headwise: bool = False,
-        attn_output_gate: bool = False, attn_output_gate_rank: int | None = None,
-        attn_output_gate_headwise: bool = False,
-        attn_swiglu_values: bool = False, attn_low_rank_silu_gates: bool = True,
-        attn_qk_norm_dim_scale: bool = False, attn_value_rmsnorm: bool = False,
-        attn_orthog_projected_values: bool = False, attn_orthog_projected_values_per_head: bool = False,
         add_value_residual: bool = False, learned_value_residual_mix: bool = True,
-        attn_data_dependent_alibi: bool = False, attn_data_dependent_alibi_kwargs: dict | None = None,
         ff_softclamp_value: float | None = None,
         rotary_xpos: bool = False, rotary_xpos_scale_base: float = 512,
         use_dynamic_tanh: bool = False, dynamic_tanh_init_alpha: float = 1.0,
@@ -462,18 +461,7 @@ class AttentionLayers(Configurable, nn.Module):
         ff_custom_activation=None,
         ff_glu_softclamp: bool = False, ff_glu_gate_softclamp_value: float | None = None,
         ff_glu_up_softclamp_value: float | None = None,
-        attn_hybrid_module: nn.Module | None = None, attn_hybrid_fold_axial_dim: int | None = None,
-        attn_hybrid_mask_kwarg: str | None = None, attn_hybrid_learned_mix: bool = False,
         cross_attn_kwargs: dict | None = None,
-        attn_l2_distance: bool = False, attn_cog_signed: bool = False, attn_sigmoid: bool = False,
-        attn_gumbel_softmax: bool = False, attn_gumbel_softmax_temp: float = 1.0,
-        attn_gumbel_softmax_hard: bool = True,
-        attn_laser: bool = False, attn_laser_softclamp_value: float = 15.0,
-        attn_use_latent_q: bool = False, attn_dim_latent_q: int | None = None, attn_use_latent_kv: bool = False,
-        attn_dim_latent_kv: int | None = None, attn_latent_rope_subheads: int | None = None,
-        attn_use_cope: bool = False, attn_cope_max_pos: int = 16, attn_cope_soft_onehot_pos: bool = False,
-        attn_use_rel_proj_pos_bias: bool = False, attn_rel_proj_num_distance_basis: int = 16,
-        attn_rel_proj_max_dist: int = 1024,
         cross_attn_inverted_attention: bool | tuple = False,
         num_residual_streams: int = 1, qkv_receive_diff_residuals: bool = False,
         integrate_layers: bool = False, layer_integrate_use_softmax: bool = True, hyper_conn_sinkhorn_iters: int = 5,
@@ -507,7 +495,13 @@ class AttentionLayers(Configurable, nn.Module):
             return
         super().__init__()
         self._set_config_from(AttentionLayers.__init__, locals())
-        options = self._sf_config  # every keyword, by its own name (each family reads its own)
+        attention = _attention_options(attn_kwargs)  # the attention family's fields, checked once
+        # the config holds them in x-transformers' spelling, attn_<field> (typed on load by config_fields), those
+        # given only: however they were spelt, one model has one config
+        self._sf_config["attn_kwargs"] = None
+        self._sf_config.update({f"attn_{k}": v for k, v in attention.items() if v is not ATTENTION_FIELDS[k].default})
+        # every keyword by its own name (each family reads its own), the attention fields as attn_<field>
+        options = {**self._sf_config, **{f"attn_{k}": v for k, v in attention.items()}, "attention_fields": attention}
         _check_options(**options)
         _basics(self, **options)
         _positions(self, **options)
@@ -518,6 +512,15 @@ class AttentionLayers(Configurable, nn.Module):
         shifts = _blocks(self, layout, attention, norm, cond_width, **options)
         _routing_and_paths(self, layout, norm, shifts, **options)
         self._register_load_state_dict_pre_hook(_legacy_routing_keys)
+
+    @classmethod
+    def config_fields(cls) -> dict[str, tuple[inspect.Parameter, object]]:
+        """The keywords a saved config may hold beyond the signature: every attention field as ``attn_<field>``
+        (x-transformers' spelling; earlier configs stored them so), typed by ``Attention``'s annotations."""
+        import typing
+
+        hints = typing.get_type_hints(Attention.__init__)
+        return {f"attn_{k}": (p.replace(name=f"attn_{k}"), hints.get(k, object)) for k, p in ATTENTION_FIELDS.items()}
 
     def attn_qk_clip_(self, intermediates: LayerIntermediates, tau: float = 100.0) -> None:
         """MuonClip's qk-clip for every attention block (x-transformers' ``attn_qk_clip_``): pairs the
@@ -886,77 +889,41 @@ def _layout(stack: AttentionLayers, *, depth, only_cross, macaron, only_attn, cu
     return _Layout(types, len_block, ctor_order, depth, attn_dropouts, ff_mults, ff_dropouts)
 
 
-def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causal, only_cross, attn_qk_norm, attn_bias,
-                       backend, attn_num_mem_kv, attn_head_learned_sink, attn_softclamp_logits,
-                       attn_logit_softclamp_value, attn_qk_norm_eps, attn_gate_values, attn_gate_values_rank,
-                       attn_gate_values_headwise, attn_output_gate, attn_output_gate_rank, attn_output_gate_headwise,
-                       attn_swiglu_values, attn_low_rank_silu_gates, attn_qk_norm_dim_scale, attn_value_rmsnorm,
-                       attn_orthog_projected_values, attn_orthog_projected_values_per_head, add_value_residual,
-                       learned_value_residual_mix, attn_data_dependent_alibi, attn_data_dependent_alibi_kwargs,
-                       attn_hybrid_module, attn_hybrid_fold_axial_dim, attn_hybrid_mask_kwarg, attn_hybrid_learned_mix,
-                       cross_attn_kwargs, attn_l2_distance, attn_cog_signed, attn_sigmoid, attn_gumbel_softmax,
-                       attn_gumbel_softmax_temp, attn_gumbel_softmax_hard, attn_laser, attn_laser_softclamp_value,
-                       attn_use_latent_q, attn_dim_latent_q, attn_use_latent_kv, attn_dim_latent_kv,
-                       attn_latent_rope_subheads, attn_use_cope, attn_cope_max_pos, attn_cope_soft_onehot_pos,
-                       attn_use_rel_proj_pos_bias, attn_rel_proj_num_distance_basis, attn_rel_proj_max_dist,
-                       cross_attn_inverted_attention, attn_kwargs, rotate_num_heads,
-                       **_) -> Callable[[int | None, int], Attention]:
+def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causal, only_cross, backend,
+                       add_value_residual, learned_value_residual_mix, cross_attn_kwargs, cross_attn_inverted_attention,
+                       rotate_num_heads, attention_fields, **_) -> Callable[[int | None, int], Attention]:
     """The stack's ``attention(context_dim, layer)`` factory: the next attention block's ``Attention``, self-attention
     (``context_dim`` None) or cross-attention (over ``context_dim`` features), of layer ``layer``, with the stack's
-    attention options (``cross_attn_kwargs`` over them for cross-attention). Blocks are built in order: the
-    factory counts the self-attentions (``add_value_residual``) and the cross-attentions
-    (``cross_attn_inverted_attention``, checked here)."""
+    attention fields (``attention_fields``: every ``attn_<field>``; cross-attention leaves out ``Attention.SELF_ONLY``
+    and takes ``cross_attn_kwargs`` over them). Blocks are built in order: the factory counts the self-attentions
+    (``add_value_residual``) and the cross-attentions (``cross_attn_inverted_attention``, checked here)."""
     first_self = [True]
-    extra = _family_kwargs("attn_kwargs", attn_kwargs, ATTN_KWARGS + SF_ATTN_KWARGS)
-    extra_cross = {k: v for k, v in extra.items() if k != "cope_talking_heads"}  # CoPE: self-attention only
-    scoring = dict(l2_distance=attn_l2_distance, cog_signed=attn_cog_signed, sigmoid=attn_sigmoid,
-                   gumbel_softmax=attn_gumbel_softmax, gumbel_softmax_temp=attn_gumbel_softmax_temp,
-                   gumbel_softmax_hard=attn_gumbel_softmax_hard, laser=attn_laser,
-                   laser_softclamp_value=attn_laser_softclamp_value, use_latent_q=attn_use_latent_q,
-                   dim_latent_q=attn_dim_latent_q, use_latent_kv=attn_use_latent_kv, dim_latent_kv=attn_dim_latent_kv,
-                   latent_rope_subheads=attn_latent_rope_subheads)
-    self_only = dict(use_cope=attn_use_cope, cope_max_pos=attn_cope_max_pos, cope_soft_onehot_pos=attn_cope_soft_onehot_pos,
-                     use_rel_proj_pos_bias=attn_use_rel_proj_pos_bias,
-                     rel_proj_num_distance_basis=attn_rel_proj_num_distance_basis,
-                     rel_proj_max_dist=attn_rel_proj_max_dist)
+    given = {k: v for k, v in attention_fields.items() if v is not ATTENTION_FIELDS[k].default}  # the defaults: Attention's
+    shared_cross = {k: v for k, v in given.items() if k not in Attention.SELF_ONLY}
     inverted = _inverted_per_layer(cross_attn_inverted_attention, layout.types.count("c"), causal)
 
-    def scoring_options(self_attn: bool) -> dict:
-        """The scoring options of the next attention block (CoPE and the relative projection bias: self only)."""
-        if self_attn:
-            return {**scoring, **self_only}
-        return {**scoring, "inverted_attention": inverted.pop(0)}
-
-    def attention(context_dim: int | None, layer: int) -> Attention:
-        orthog = context_dim is None  # the projection onto the sequence's own values: self-attention only
-        learned_mix = bool(add_value_residual and learned_value_residual_mix and context_dim is None
+    def attention_block(context_dim: int | None, layer: int) -> Attention:
+        self_attn = context_dim is None
+        learned_mix = bool(add_value_residual and learned_value_residual_mix and self_attn
                            and not first_self[0])  # x-transformers: every self-attention but the first
-        first_self[0] = first_self[0] and context_dim is not None
-        return _overridden(Attention, cross_attn_kwargs if context_dim is not None else None)(
-            dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim,
-            qk_norm=attn_qk_norm, dropout=_layer_value(layout.attn_dropouts, layer, context_dim is None or only_cross),
-            bias=attn_bias, backend=backend,
-            num_mem_kv=attn_num_mem_kv, learned_sink=attn_head_learned_sink,
-            softclamp_logits=attn_softclamp_logits, logit_softclamp_value=attn_logit_softclamp_value,
-            qk_norm_eps=attn_qk_norm_eps, gate_values=attn_gate_values, gate_values_rank=attn_gate_values_rank,
-            gate_values_headwise=attn_gate_values_headwise, output_gate=attn_output_gate,
-            output_gate_rank=attn_output_gate_rank, output_gate_headwise=attn_output_gate_headwise,
-            swiglu_values=attn_swiglu_values, low_rank_silu_gates=attn_low_rank_silu_gates,
-            qk_norm_dim_scale=attn_qk_norm_dim_scale, value_rmsnorm=attn_value_rmsnorm,
-            orthog_projected_values=attn_orthog_projected_values and orthog,
-            orthog_projected_values_per_head=attn_orthog_projected_values_per_head and orthog,
-            learned_value_residual_mix=learned_mix, causal=causal if orthog else False,
-            data_dependent_alibi=attn_data_dependent_alibi and orthog,
-            hybrid_module=attn_hybrid_module if orthog else None,
-            hybrid_fold_axial_dim=attn_hybrid_fold_axial_dim if orthog else None,
-            hybrid_mask_kwarg=attn_hybrid_mask_kwarg if orthog else None,
-            hybrid_learned_mix=attn_hybrid_learned_mix and orthog,
-            data_dependent_alibi_kwargs=attn_data_dependent_alibi_kwargs if attn_data_dependent_alibi and orthog else None,
-            **scoring_options(orthog), **(extra if orthog else extra_cross),
-            **({"rotate_num_heads": rotate_num_heads} if orthog and rotate_num_heads is not None else {}),
-        )
+        first_self[0] = first_self[0] and not self_attn
+        if self_attn:
+            kind = dict(given, causal=causal, **({} if rotate_num_heads is None else {"rotate_num_heads": rotate_num_heads}))
+        else:
+            kind = dict(shared_cross, inverted_attention=inverted.pop(0))
+        return _overridden(Attention, None if self_attn else cross_attn_kwargs)(
+            dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim, backend=backend,
+            dropout=_layer_value(layout.attn_dropouts, layer, self_attn or only_cross),
+            learned_value_residual_mix=learned_mix, **kind)
 
-    return attention
+    return attention_block
+
+
+def _attention_options(attn_kwargs: dict | None) -> dict:
+    """Every attention field (``ATTENTION_FIELDS``) with its value: ``attn_kwargs``' (x-transformers' ``attn_<field>``
+    keywords land there) over ``Attention``'s default."""
+    given = _family_kwargs("attn_kwargs", attn_kwargs, tuple(ATTENTION_FIELDS))
+    return {k: given.get(k, p.default) for k, p in ATTENTION_FIELDS.items()}
 
 
 def _family_kwargs(name: str, given: dict | None, allowed: tuple[str, ...]) -> dict:
@@ -967,7 +934,11 @@ def _family_kwargs(name: str, given: dict | None, allowed: tuple[str, ...]) -> d
         raise TypeError(f"{name} must be a dict, got {type(given).__name__}")
     unknown = sorted(set(given) - set(allowed))
     if unknown:
-        raise TypeError(f"{name} takes {', '.join(allowed)}; got {', '.join(map(repr, unknown))}")
+        import difflib
+
+        close = [c for k in unknown for c in difflib.get_close_matches(k, allowed, n=2, cutoff=0.6)]
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else f" (it takes {', '.join(allowed)})"
+        raise TypeError(f"{name} got an unexpected keyword {', '.join(map(repr, unknown))}{hint}")
     return dict(given)
 
 

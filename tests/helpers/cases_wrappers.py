@@ -8,9 +8,9 @@ Each case subclasses a case of ``models.py`` (imported from there at the end of 
 from __future__ import annotations
 
 import torch
-from safeformer.stack.wrappers import intersperse_layout
 
 import safeformer as sf
+from safeformer.stack.wrappers import intersperse_layout
 
 from .masks import ctx_dead
 from .models import CTX_DIM, DIM, DIM_HEAD, HEADS, MAX_SEQ, VOCAB, TransformerWrapperCase

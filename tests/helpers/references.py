@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
-from safeformer.nn.modules import LayerNorm
 from torch import Tensor, nn
 
 import safeformer as sf
+from safeformer.nn.modules import LayerNorm
 
 from .numerics import INF
 
