@@ -35,13 +35,15 @@ Args:
     use_simple_rmsnorm: every norm is x-transformers' ``SimpleRMSNorm``: ``x / ||x|| * sqrt(c)``, no parameter.
     disable_abs_pos_emb: whether a wrapper leaves out its absolute position embedding (x-transformers'; the
         default ``None`` means: with rotary, PoPE or T5's relative bias; ALiBi and the other biases keep it).
-    attn_kwargs, ff_kwargs: further keywords of every ``Attention`` (``gate_value_heads``, ``zero_init_output``,
-        ``cope_talking_heads``, ``head_scale``, ``sublayer_dropout``, ``output_proj_depth``, ``sparse_topk``) and every ``FeedForward`` (``no_bias``, ``relu_squared``, ``solu``,
-        ``post_act_ln``, ``glu_mult_bias``, ``sublayer_dropout``, ``zero_init_output``, ``output_proj_depth``,
-        ``dim_out`` equal to ``dim``). x-transformers' spellings ``attn_<name>`` / ``ff_<name>`` land here
-        (``ff_no_bias=True`` is ``ff_kwargs={"no_bias": True}``); see ``FeedForward`` for their meaning.
-        ``attn_kwargs`` also takes safeformer's ``kv_head_order`` (``"tiled"``, x-transformers' grouped-query
-        pairing and the default, or ``"interleaved"``, earlier safeformer's), ``qk_norm_groups`` and
+    attn_kwargs, ff_kwargs: keywords of every ``Attention`` and every ``FeedForward``. Every keyword-only parameter of
+        ``Attention`` (``ATTENTION_FIELDS``: read from its signature, never listed here) is also a stack keyword
+        ``attn_<name>`` (x-transformers' prefix: ``attn_laser=True`` is ``attn_kwargs={"laser": True}``) and
+        ``cross_attn_<name>`` for the cross-attention blocks only; ``Attention.SELF_ONLY`` stay out of cross-attention.
+        The config stores them as ``attn_<name>``. ``ff_kwargs`` takes ``no_bias``, ``relu_squared``, ``solu``,
+        ``post_act_ln``, ``glu_mult_bias``, ``sublayer_dropout``, ``zero_init_output``, ``output_proj_depth`` and
+        ``dim_out`` equal to ``dim`` (``ff_<name>``: ``ff_no_bias=True`` is ``ff_kwargs={"no_bias": True}``); see
+        ``FeedForward`` for their meaning. Among ``Attention``'s: ``kv_head_order`` (``"tiled"``, x-transformers'
+        grouped-query pairing and the default, or ``"interleaved"``, earlier safeformer's), ``qk_norm_groups`` and
         ``qk_norm_scale``.
     attn_onnxable, verbose: accepted with any value, no effect on the numbers (x-transformers uses them to pick
         ONNX-friendly ops and to print construction warnings).
