@@ -299,74 +299,159 @@ def find_nonfinite(
         return _one_pass(model, args, kwargs, loss_fn, train, module_hooks=False)
 
 
+class _Probe:
+    """The hooks of one ``find_nonfinite`` pass and what they found."""
+
+    def __init__(self, model: nn.Module, module_hooks: bool):
+        self.model = model
+        self.module_hooks = module_hooks
+        self.names = {m: name for name, m in model.named_modules()}
+        self.forward_found: list[NonFiniteTensor] = []
+        self.backward_found: list[NonFiniteTensor] = []
+        self.incoming_found: list[NonFiniteTensor] = []
+        self.counts = {"outputs": 0, "grads": 0}
+        self.handles = []
+
+    def output_grad_hook(self, name: str, mtype: str, what: str):
+        """A tensor hook checking the gradient of one module output (the fallback without module hooks)."""
+        def hook(g):
+            self.counts["grads"] += 1
+            found = _describe(g, "backward", name, mtype, what)
+            if found is not None:
+                self.backward_found.append(found)
+
+        return hook
+
+    def forward_hook(self, module, _inputs, output):
+        """Check a module's outputs (and hook their gradients without module hooks)."""
+        name, mtype = self.names.get(module, "?"), type(module).__name__
+        found_here = False
+        for path, t in _tensors(output):
+            self.counts["outputs"] += 1
+            if not found_here:
+                found = _describe(t.detach(), "forward", name, mtype, "output" + path)
+                if found is not None:
+                    self.forward_found.append(found)
+                    found_here = True
+            if not self.module_hooks and t.requires_grad:
+                t.register_hook(self.output_grad_hook(name, mtype, "grad_output" + path))
+
+    def backward_hook(self, module, grad_input, grad_output):
+        """Check the gradients a module produced for its inputs."""
+        name = self.names.get(module, "?")
+        incoming = _all_finite(grad_output)
+        for k, g in enumerate(grad_input):
+            if g is None:
+                continue
+            self.counts["grads"] += 1
+            found = _describe(g, "backward", name, type(module).__name__, f"grad_input[{k}]", incoming)
+            if found is not None:
+                self.backward_found.append(found)
+                break
+
+    def param_hook(self, pname: str):
+        """A tensor hook checking the gradient of one parameter."""
+        mod_name, _, attr = pname.rpartition(".")
+        mod_type = type(self.model.get_submodule(mod_name)).__name__ if mod_name else type(self.model).__name__
+
+        def hook(g):
+            self.counts["grads"] += 1
+            found = _describe(g, "backward", mod_name, mod_type, f"grad of parameter {attr!r}")
+            if found is not None:
+                self.backward_found.append(found)
+
+        return hook
+
+    def incoming_hook(self, what: str):
+        """A tensor hook checking the gradient arriving at one of the model's outputs."""
+        def hook(g):
+            self.counts["grads"] += 1
+            found = _describe(g, "incoming", "", type(self.model).__name__, what, incoming=False)
+            if found is not None:
+                self.incoming_found.append(found)
+
+        return hook
+
+    def install(self, params: list[tuple[str, Tensor]]) -> None:
+        """Hook every module (forward, and backward with module hooks) and every parameter."""
+        for module in self.names:
+            self.handles.append(module.register_forward_hook(self.forward_hook))
+            if self.module_hooks:
+                self.handles.append(module.register_full_backward_hook(self.backward_hook))
+        for pname, p in params:
+            self.handles.append(p.register_hook(self.param_hook(pname)))
+            p.grad = None
+
+    def watch_outputs(self, output) -> None:
+        """Hook the gradient arriving at the model's outputs: if it is non-finite, the model is innocent."""
+        for path, t in _tensors(output):
+            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                self.handles.append(t.register_hook(self.incoming_hook("grad of output" + path)))
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for h in self.handles:
+            h.remove()
+
+    def report(self, loss_value, loss_finding, backward_ran: bool, bad_params: list[str]) -> NonFiniteReport:
+        """The report of this pass."""
+        incoming = self.incoming_found[0] if self.incoming_found else None
+        return NonFiniteReport(
+            forward=self.forward_found[0] if self.forward_found else None,
+            backward=incoming if incoming is not None else (self.backward_found[0] if self.backward_found else None),
+            loss=loss_value,
+            loss_finding=loss_finding,
+            nonfinite_parameters=tuple(bad_params),
+            forward_offenders=tuple(f.module for f in self.forward_found),
+            outputs_checked=self.counts["outputs"],
+            gradients_checked=self.counts["grads"],
+            backward_ran=backward_ran,
+            backward_hooks="module" if self.module_hooks else "output",
+            incoming=incoming,
+        )
+
+
+def _loss_of(output, loss_fn) -> Tensor | None:
+    """The scalar to backpropagate: ``loss_fn(output)``, else the sum of the output's finite entries."""
+    if loss_fn is not None:
+        loss = loss_fn(output)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
+        return loss.reshape(())
+    outs = [t for _, t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    loss = None
+    if outs:
+        zero = torch.zeros((), dtype=outs[0].dtype, device=outs[0].device)
+        loss = sum(torch.where(torch.isfinite(t), t, zero).sum().float() for t in outs)
+    return loss
+
+
+def _run_hooked(model: nn.Module, args, kwargs, loss_fn, probe: _Probe):
+    """The forward and the backward pass under the hooks: ``(loss value, loss finding, backward ran)``."""
+    loss_value = None
+    loss_finding = None
+    backward_ran = False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        output = model(*args, **kwargs)
+        probe.watch_outputs(output)
+        loss = _loss_of(output, loss_fn)
+        if loss is not None and loss.requires_grad:
+            loss_value = float(loss.detach())
+            loss_finding = _describe(loss.detach(), "loss", "", type(model).__name__, "loss")
+            loss.backward()
+            backward_ran = True
+    return loss_value, loss_finding, backward_ran
+
+
 def _one_pass(model: nn.Module, args, kwargs, loss_fn, train, *, module_hooks: bool) -> NonFiniteReport:
-    names = {m: name for name, m in model.named_modules()}
+    """One hooked forward and backward pass; the model (modes, gradients) is left as it was found."""
+    probe = _Probe(model, module_hooks)
     modes = {m: m.training for m in model.modules()}
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     saved_grads = {id(p): p.grad for _, p in params}
     leaf_inputs = [t for _, t in _tensors((args, kwargs)) if t.is_leaf and t.requires_grad]
     saved_input_grads = [t.grad for t in leaf_inputs]
-
-    forward_found: list[NonFiniteTensor] = []
-    backward_found: list[NonFiniteTensor] = []
-    incoming_found: list[NonFiniteTensor] = []
-    counts = {"outputs": 0, "grads": 0}
-    handles = []
-
-    def output_grad_hook(name: str, mtype: str, what: str):
-        def hook(g):
-            counts["grads"] += 1
-            found = _describe(g, "backward", name, mtype, what)
-            if found is not None:
-                backward_found.append(found)
-
-        return hook
-
-    def forward_hook(module, _inputs, output):
-        name, mtype = names.get(module, "?"), type(module).__name__
-        found_here = False
-        for path, t in _tensors(output):
-            counts["outputs"] += 1
-            if not found_here:
-                found = _describe(t.detach(), "forward", name, mtype, "output" + path)
-                if found is not None:
-                    forward_found.append(found)
-                    found_here = True
-            if not module_hooks and t.requires_grad:
-                t.register_hook(output_grad_hook(name, mtype, "grad_output" + path))
-
-    def backward_hook(module, grad_input, grad_output):
-        name = names.get(module, "?")
-        incoming = _all_finite(grad_output)
-        for k, g in enumerate(grad_input):
-            if g is None:
-                continue
-            counts["grads"] += 1
-            found = _describe(g, "backward", name, type(module).__name__, f"grad_input[{k}]", incoming)
-            if found is not None:
-                backward_found.append(found)
-                break
-
-    def param_hook(pname: str):
-        mod_name, _, attr = pname.rpartition(".")
-        mod_type = type(model.get_submodule(mod_name)).__name__ if mod_name else type(model).__name__
-
-        def hook(g):
-            counts["grads"] += 1
-            found = _describe(g, "backward", mod_name, mod_type, f"grad of parameter {attr!r}")
-            if found is not None:
-                backward_found.append(found)
-
-        return hook
-
-    def incoming_hook(what: str):
-        def hook(g):
-            counts["grads"] += 1
-            found = _describe(g, "incoming", "", type(model).__name__, what, incoming=False)
-            if found is not None:
-                incoming_found.append(found)
-
-        return hook
 
     loss_value = None
     loss_finding = None
@@ -375,62 +460,20 @@ def _one_pass(model: nn.Module, args, kwargs, loss_fn, train, *, module_hooks: b
     try:
         if train is not None:
             model.train(train)
-        for module in names:
-            handles.append(module.register_forward_hook(forward_hook))
-            if module_hooks:
-                handles.append(module.register_full_backward_hook(backward_hook))
-        for pname, p in params:
-            handles.append(p.register_hook(param_hook(pname)))
-            p.grad = None
+        probe.install(params)
         for t in leaf_inputs:
             t.grad = None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            output = model(*args, **kwargs)
-            # The gradient arriving at the model's outputs: if it is non-finite, the model is innocent.
-            for path, t in _tensors(output):
-                if t.requires_grad and (t.is_floating_point() or t.is_complex()):
-                    handles.append(t.register_hook(incoming_hook("grad of output" + path)))
-            if loss_fn is not None:
-                loss = loss_fn(output)
-                if not isinstance(loss, Tensor) or loss.numel() != 1:
-                    raise TypeError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
-                loss = loss.reshape(())
-            else:
-                outs = [t for _, t in _tensors(output) if t.is_floating_point() and t.requires_grad]
-                loss = None
-                if outs:
-                    zero = torch.zeros((), dtype=outs[0].dtype, device=outs[0].device)
-                    loss = sum(torch.where(torch.isfinite(t), t, zero).sum().float() for t in outs)
-            if loss is not None and loss.requires_grad:
-                loss_value = float(loss.detach())
-                loss_finding = _describe(loss.detach(), "loss", "", type(model).__name__, "loss")
-                loss.backward()
-                backward_ran = True
+        loss_value, loss_finding, backward_ran = _run_hooked(model, args, kwargs, loss_fn, probe)
         bad_params = [pname for pname, p in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     finally:
-        for h in handles:
-            h.remove()
+        probe.remove()
         for module, mode in modes.items():
             module.training = mode
         for _, p in params:
             p.grad = saved_grads[id(p)]
         for t, g in zip(leaf_inputs, saved_input_grads):
             t.grad = g
-    incoming = incoming_found[0] if incoming_found else None
-    return NonFiniteReport(
-        forward=forward_found[0] if forward_found else None,
-        backward=incoming if incoming is not None else (backward_found[0] if backward_found else None),
-        loss=loss_value,
-        loss_finding=loss_finding,
-        nonfinite_parameters=tuple(bad_params),
-        forward_offenders=tuple(f.module for f in forward_found),
-        outputs_checked=counts["outputs"],
-        gradients_checked=counts["grads"],
-        backward_ran=backward_ran,
-        backward_hooks="module" if module_hooks else "output",
-        incoming=incoming,
-    )
+    return probe.report(loss_value, loss_finding, backward_ran, bad_params)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -632,6 +675,21 @@ def mask_report(
         TypeError: a mask is not a bool tensor.
         ValueError: shapes disagree, or nothing was given.
     """
+    _check_report_args(mask, padding_mask, causal, context_mask, context_length)
+    sections = []
+    m4 = None
+    if mask is not None:
+        validate_mask(mask, "mask")
+        m4 = _as_4d(mask)
+    if mask is not None or causal or padding_mask is not None:
+        sections.append(_self_section(mask, m4, padding_mask, causal))
+    if context_mask is not None or context_length is not None:
+        sections.append(_cross_section(m4, padding_mask, context_mask, context_length))
+    return MaskReport(tuple(sections))
+
+
+def _check_report_args(mask, padding_mask, causal, context_mask, context_length) -> None:
+    """``mask_report``'s arguments: something given, the parts' shapes agreeing."""
     if mask is None and padding_mask is None and not causal and context_mask is None and context_length is None:
         raise ValueError("mask_report needs a mask, or the parts: padding_mask, causal, context_mask/context_length")
     if padding_mask is not None:
@@ -651,47 +709,46 @@ def mask_report(
     if context_length is not None and (not isinstance(context_length, int) or context_length < 0):
         raise ValueError(f"context_length must be a non-negative int, got {context_length!r}")
 
-    sections = []
-    m4 = None
-    if mask is not None:
-        validate_mask(mask, "mask")
-        m4 = _as_4d(mask)
-    has_self = mask is not None or causal or padding_mask is not None
-    if has_self:
-        factors: dict[str, Tensor] = {}
-        if m4 is not None:
-            _, h, i, j = m4.shape
-            b = m4.shape[0] if padding_mask is None else padding_mask.shape[0]
-            if padding_mask is not None and (padding_mask.shape[1] != i or padding_mask.shape[1] != j):
-                raise ValueError(f"mask {tuple(mask.shape)} and padding_mask {tuple(padding_mask.shape)} disagree on n")
-            if m4.shape[0] not in (1, b):
-                raise ValueError(f"mask {tuple(mask.shape)} and padding_mask {tuple(padding_mask.shape)} disagree on b")
-            factors["mask"] = m4
-        elif padding_mask is not None:
-            b, i = padding_mask.shape
-            h, j = 1, i
-        else:
-            raise ValueError("causal=True needs padding_mask (b, n) or mask to know the shape")
-        if padding_mask is not None:
-            factors["query_padding"] = padding_mask[:, None, :, None]
-            factors["key_padding"] = padding_mask[:, None, None, :]
-        if causal:
-            factors["causal"] = causal_mask(i, j, device=(m4 if m4 is not None else padding_mask).device)
-        rep = _explain(factors, b, h, i, j)
-        sections.append(DeadRowReport("mask" if set(factors) == {"mask"} else "self", i, j, rep.dead, rep.reasons))
-    if context_mask is not None or context_length is not None:
-        if context_mask is None:
-            b = padding_mask.shape[0] if padding_mask is not None else (m4.shape[0] if m4 is not None else 1)
-            device = padding_mask.device if padding_mask is not None else None
-            context_mask = torch.ones(b, context_length, dtype=torch.bool, device=device)
-        b, j = context_mask.shape
-        i = padding_mask.shape[1] if padding_mask is not None else 1
-        factors = {"context": context_mask[:, None, None, :]}
-        if padding_mask is not None:
-            factors["query_padding"] = padding_mask[:, None, :, None]
-        rep = _explain(factors, b, 1, i, j)
-        sections.append(DeadRowReport("cross", i, j, rep.dead, rep.reasons))
-    return MaskReport(tuple(sections))
+
+def _self_section(mask: Tensor | None, m4: Tensor | None, padding_mask: Tensor | None, causal: bool) -> DeadRowReport:
+    """The self-attention section (``"mask"`` when the given mask is its only factor)."""
+    factors: dict[str, Tensor] = {}
+    if m4 is not None:
+        _, h, i, j = m4.shape
+        b = m4.shape[0] if padding_mask is None else padding_mask.shape[0]
+        if padding_mask is not None and (padding_mask.shape[1] != i or padding_mask.shape[1] != j):
+            raise ValueError(f"mask {tuple(mask.shape)} and padding_mask {tuple(padding_mask.shape)} disagree on n")
+        if m4.shape[0] not in (1, b):
+            raise ValueError(f"mask {tuple(mask.shape)} and padding_mask {tuple(padding_mask.shape)} disagree on b")
+        factors["mask"] = m4
+    elif padding_mask is not None:
+        b, i = padding_mask.shape
+        h, j = 1, i
+    else:
+        raise ValueError("causal=True needs padding_mask (b, n) or mask to know the shape")
+    if padding_mask is not None:
+        factors["query_padding"] = padding_mask[:, None, :, None]
+        factors["key_padding"] = padding_mask[:, None, None, :]
+    if causal:
+        factors["causal"] = causal_mask(i, j, device=(m4 if m4 is not None else padding_mask).device)
+    rep = _explain(factors, b, h, i, j)
+    return DeadRowReport("mask" if set(factors) == {"mask"} else "self", i, j, rep.dead, rep.reasons)
+
+
+def _cross_section(m4: Tensor | None, padding_mask: Tensor | None, context_mask: Tensor | None,
+                   context_length: int | None) -> DeadRowReport:
+    """The cross-attention section (a ``context_length`` alone: every context position real)."""
+    if context_mask is None:
+        b = padding_mask.shape[0] if padding_mask is not None else (m4.shape[0] if m4 is not None else 1)
+        device = padding_mask.device if padding_mask is not None else None
+        context_mask = torch.ones(b, context_length, dtype=torch.bool, device=device)
+    b, j = context_mask.shape
+    i = padding_mask.shape[1] if padding_mask is not None else 1
+    factors = {"context": context_mask[:, None, None, :]}
+    if padding_mask is not None:
+        factors["query_padding"] = padding_mask[:, None, :, None]
+    rep = _explain(factors, b, 1, i, j)
+    return DeadRowReport("cross", i, j, rep.dead, rep.reasons)
 
 
 # ----------------------------------------------------------------------------------------------------

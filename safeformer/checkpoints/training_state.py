@@ -61,6 +61,7 @@ import os
 import random
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,25 @@ def save_training_state(
     if _dist_rank() != 0:
         _barrier()
         return path
+    subs = _pretrained_parts(model, weights, pretrained)
+    st = _st()
+    with atomic_folder(path, _not_state_files) as tmp:
+        _write_weights(st, tmp, model, weights, subs)
+        record: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "step": step,
+                                  "extra": _jsonable(extra or {}, "extra")}
+        if optim is not None:
+            record["optimizer"] = _write_optimizer(st, tmp, optim)
+        if scheduler is not None:
+            record["scheduler"] = _jsonable(scheduler.state_dict(), "scheduler state")
+        _write_rng(st, tmp, record)
+        _seal_record(tmp, record)
+    _barrier()
+    return path
+
+
+def _pretrained_parts(model: nn.Module, weights: dict[str, torch.Tensor],
+                      pretrained: dict[str, nn.Module] | None) -> dict[str, tuple[nn.Module, dict]]:
+    """``{folder: (submodule, its full state dict)}`` for ``save_training_state``'s ``pretrained``, checked."""
     names = {id(m): n for n, m in model.named_modules()}
     subs = {}
     for folder, sub in (pretrained or {}).items():
@@ -213,48 +233,56 @@ def save_training_state(
         # the model itself has the empty name: all of its weights
         subs[folder] = (sub, {k[len(prefix) + 1:]: v for k, v in weights.items() if k.startswith(prefix + ".")}
                         if prefix else weights)
-    st = _st()
-    with atomic_folder(path, _not_state_files) as tmp:
-        if isinstance(model, Configurable):
-            _write_pretrained(model, tmp, state_dict=weights)
-        else:
-            st.save_file(_unshared(weights), str(tmp / WEIGHTS_NAME))
-        for folder, (sub, sub_sd) in subs.items():
-            _write_pretrained(sub, tmp / folder, state_dict=sub_sd)
-        record: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "step": step,
-                                  "extra": _jsonable(extra or {}, "extra")}
-        if optim is not None:
-            tensors, scalars = {}, {}
-            for name, entry in optim["state"].items():
-                for key, value in entry.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
-                    else:
-                        scalars[f"{name}::{key}"] = _jsonable(value, f"optimizer state {name}::{key}")
-            st.save_file(tensors, str(tmp / _OPTIMIZER_NAME))
-            record["optimizer"] = {"param_groups": _jsonable(optim["param_groups"], "optimizer param_groups"),
-                                   "scalars": scalars}
-        if scheduler is not None:
-            record["scheduler"] = _jsonable(scheduler.state_dict(), "scheduler state")
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            for i, s in enumerate(torch.cuda.get_rng_state_all()):
-                rng[f"cuda.{i}"] = s
-        st.save_file(rng, str(tmp / _RNG_NAME))
-        record["python_random"] = _jsonable(random.getstate(), "python random state")
-        try:
-            import numpy as np
+    return subs
 
-            kind, keys, pos, has_gauss, gauss = np.random.get_state()
-            record["numpy_random"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-        except ImportError:  # pragma: no cover - numpy is optional
-            pass
-        record[_DIGESTS] = {name: _sha256(tmp / name) for name in (WEIGHTS_NAME, _OPTIMIZER_NAME, _RNG_NAME)
-                            if (tmp / name).is_file()}
-        record[_DIGESTS][STATE_NAME] = _record_digest(json.loads(json.dumps(record)))  # the record as read back
-        (tmp / STATE_NAME).write_text(json.dumps(record))
-    _barrier()
-    return path
+
+def _write_weights(st, tmp: Path, model: nn.Module, weights: dict[str, torch.Tensor],
+                   subs: dict[str, tuple[nn.Module, dict]]) -> None:
+    """The model's weights (with its config when it is a safeformer model) and the ``pretrained`` folders."""
+    if isinstance(model, Configurable):
+        _write_pretrained(model, tmp, state_dict=weights)
+    else:
+        st.save_file(_unshared(weights), str(tmp / WEIGHTS_NAME))
+    for folder, (sub, sub_sd) in subs.items():
+        _write_pretrained(sub, tmp / folder, state_dict=sub_sd)
+
+
+def _write_optimizer(st, tmp: Path, optim: dict) -> dict:
+    """The optimizer's state tensors to ``optimizer.safetensors``; returns the record's ``optimizer`` entry."""
+    tensors, scalars = {}, {}
+    for name, entry in optim["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                tensors[f"{name}::{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{name}::{key}"] = _jsonable(value, f"optimizer state {name}::{key}")
+    st.save_file(tensors, str(tmp / _OPTIMIZER_NAME))
+    return {"param_groups": _jsonable(optim["param_groups"], "optimizer param_groups"), "scalars": scalars}
+
+
+def _write_rng(st, tmp: Path, record: dict) -> None:
+    """torch's (and CUDA's) generator states to ``rng.safetensors``; Python's and NumPy's into ``record``."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"cuda.{i}"] = s
+    st.save_file(rng, str(tmp / _RNG_NAME))
+    record["python_random"] = _jsonable(random.getstate(), "python random state")
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        record["numpy_random"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    except ImportError:  # pragma: no cover - numpy is optional
+        pass
+
+
+def _seal_record(tmp: Path, record: dict) -> None:
+    """The files' SHA-256 and the record's own into ``record``, then ``training_state.json`` written."""
+    record[_DIGESTS] = {name: _sha256(tmp / name) for name in (WEIGHTS_NAME, _OPTIMIZER_NAME, _RNG_NAME)
+                        if (tmp / name).is_file()}
+    record[_DIGESTS][STATE_NAME] = _record_digest(json.loads(json.dumps(record)))  # the record as read back
+    (tmp / STATE_NAME).write_text(json.dumps(record))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -807,11 +835,8 @@ def load_training_state(
         FileNotFoundError: a file is missing. ValueError: a file is not a training state, is truncated or
         corrupted, or does not match the objects (names the file and what differs).
     """
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
     path = Path(directory)
-    state_file, w_file, o_file, r_file = (path / STATE_NAME, path / WEIGHTS_NAME, path / _OPTIMIZER_NAME,
-                                          path / _RNG_NAME)
+    state_file, w_file, r_file = path / STATE_NAME, path / WEIGHTS_NAME, path / _RNG_NAME
     for f in (state_file, w_file, r_file):
         if not f.is_file():
             raise FileNotFoundError(f"training state file {f} is missing (is {path} a save_training_state folder?)")
@@ -822,6 +847,29 @@ def load_training_state(
 
     # 1. the record
     record = _read_record(state_file)
+    step, extra, digests = _check_record_fields(record, state_file)
+    # 2.-5. every part that will be loaded
+    checked = _check_parts(model, optimizer, scheduler, record, path, device, restore_rng)
+    # 6. integrity: the record, then each file read
+    _check_integrity(digests, record, state_file, checked.reads)
+    # every check passed: load
+    _load_checked(path, model, optimizer, scheduler, checked)
+    return {"step": step, "extra": _unjson_float(extra)}
+
+
+@dataclass(frozen=True)
+class _CheckedParts:
+    """Everything ``load_training_state`` will load, checked: nothing of it is loaded yet."""
+
+    weights: dict[str, torch.Tensor]
+    plan: _OptimizerPlan | None
+    sched_state: Any | None
+    restore: list[Callable[[], None]]
+    reads: list[Path]  # the safetensors files read (their SHA-256 is checked)
+
+
+def _check_record_fields(record: dict, state_file: Path) -> tuple[int, dict, dict[str, str] | None]:
+    """The record's ``step``, ``extra`` and ``sha256`` record, checked."""
     step = record.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _INT64:
         raise ValueError(f"{state_file}: field 'step' must be an integer >= 0, got {_show(step)}")
@@ -829,9 +877,14 @@ def load_training_state(
     if not isinstance(extra, dict):
         raise ValueError(f"{state_file}: field 'extra' must be a mapping, got {_show(extra)}")
     needed = (STATE_NAME, WEIGHTS_NAME, _RNG_NAME) + ((_OPTIMIZER_NAME,) if "optimizer" in record else ())
-    digests = _check_digests(record, state_file, needed)
+    return step, extra, _check_digests(record, state_file, needed)
 
-    # 2.-5. every part that will be loaded
+
+def _check_parts(model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None, record: dict,
+                 path: Path, device: str, restore_rng: bool) -> _CheckedParts:
+    """The weights, the optimizer, the scheduler and (with ``restore_rng``) the random generators, checked."""
+    state_file, w_file, o_file, r_file = (path / STATE_NAME, path / WEIGHTS_NAME, path / _OPTIMIZER_NAME,
+                                          path / _RNG_NAME)
     weights = _read_tensors(w_file, device)
     _check_weights(model, weights, w_file)
     reads = [w_file]
@@ -849,27 +902,35 @@ def load_training_state(
     if restore_rng:
         restore = _check_rng(_read_tensors(r_file, "cpu"), record, r_file, state_file)
         reads.append(r_file)
+    return _CheckedParts(weights, plan, sched_state, restore, reads)
 
-    # 6. integrity: the record, then each file read
-    if digests is not None:
-        if digests[STATE_NAME] != _record_digest(record):
-            raise ValueError(f"{state_file} does not match the sha256 it records for itself: the file was corrupted "
-                             "or edited")
-        for f in reads:
-            if _sha256(f) != digests[f.name]:
-                raise ValueError(f"{f} does not match the sha256 recorded for it in {state_file}: the file was "
-                                 "corrupted or replaced")
 
-    # every check passed: load
+def _check_integrity(digests: dict[str, str] | None, record: dict, state_file: Path, reads: list[Path]) -> None:
+    """The SHA-256 of the record, then of each file read (nothing to check in a folder without them)."""
+    if digests is None:
+        return
+    if digests[STATE_NAME] != _record_digest(record):
+        raise ValueError(f"{state_file} does not match the sha256 it records for itself: the file was corrupted "
+                         "or edited")
+    for f in reads:
+        if _sha256(f) != digests[f.name]:
+            raise ValueError(f"{f} does not match the sha256 recorded for it in {state_file}: the file was "
+                             "corrupted or replaced")
+
+
+def _load_checked(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None,
+                  checked: _CheckedParts) -> None:
+    """Load the checked parts into the objects (every check has passed)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
     try:
-        if plan is not None:
-            _load_optimizer(model, optimizer, plan)
-        if sched_state is not None:
-            scheduler.load_state_dict(sched_state)
-        set_model_state_dict(model, weights, options=_full_options())
-        for fn in restore:
+        if checked.plan is not None:
+            _load_optimizer(model, optimizer, checked.plan)
+        if checked.sched_state is not None:
+            scheduler.load_state_dict(checked.sched_state)
+        set_model_state_dict(model, checked.weights, options=_full_options())
+        for fn in checked.restore:
             fn()
     except Exception as err:  # pragma: no cover - every check passed; this would be a bug
         raise ValueError(f"{path}: loading failed after every check passed ({type(err).__name__}: {err}); "
                          "the objects may be partly loaded") from err
-    return {"step": step, "extra": _unjson_float(extra)}

@@ -32,6 +32,8 @@ its own label; forward labels of pairs whose backward state is padding count the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from random import random
 
 import torch
@@ -105,6 +107,191 @@ def _check_decoder(dec, name: str) -> None:
         raise ValueError(f"{name} must be causal (attn_layers=Decoder(...))")
 
 
+def _check_decoders(forward_decoder, backward_decoder) -> int:
+    """Both decoders causal safeformer wrappers of one width and one vocabulary; returns the width."""
+    _check_decoder(forward_decoder, "forward_decoder")
+    _check_decoder(backward_decoder, "backward_decoder")
+    dim = forward_decoder.attn_layers.dim
+    if backward_decoder.attn_layers.dim != dim:
+        raise ValueError(f"backward_decoder must have the width of forward_decoder ({dim}), "
+                         f"got {backward_decoder.attn_layers.dim}")
+    if backward_decoder.num_tokens != forward_decoder.num_tokens:
+        raise ValueError(f"backward_decoder must have the vocabulary of forward_decoder ({forward_decoder.num_tokens}), "
+                         f"got {backward_decoder.num_tokens}")
+    return dim
+
+
+# ----------------------------------------------------------------------------------------------------
+# the phases of the loss
+# ----------------------------------------------------------------------------------------------------
+
+
+def _real_tokens(seq: Tensor, lens: Tensor | None, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``(seq, real, length)``: each sample's real tokens first (right padding, padded ids 0), the real
+    positions ``(b, n)`` (``None``: every position is real) and the real lengths ``(b,)``."""
+    b, n = seq.shape
+    device = seq.device
+    if lens is not None and mask is not None:
+        raise ValueError("pass lens or mask, not both")
+    if lens is not None:
+        lens = check_lengths(lens, "lens", b, max_len=n, device=device)
+        real = torch.arange(n, device=device)[None] < lens[:, None]
+    elif mask is not None:
+        validate_mask(mask, "mask", shape=(b, n), device=device)
+        real = mask
+    else:
+        return seq, None, torch.full((b,), n, device=device, dtype=torch.long)
+    seq = torch.where(real, seq, torch.zeros_like(seq))
+    seq = _compact(seq, real)  # each sample's real tokens first (the same sample, right-padded)
+    length = real.sum(1)  # (b,)
+    return seq, torch.arange(n, device=device)[None] < length[:, None], length
+
+
+def _fb_pairs(n: int, device, subsample: bool, frac: float, generator: torch.Generator | None) -> Tensor:
+    """``(P, 2)`` the (forward, backward) index pairs with ``bi - fi >= 2``; a random share ``frac`` of them
+    when ``subsample``."""
+    ar = torch.arange(n, device=device)
+    fb_pairs = torch.cartesian_prod(ar, ar + 1)
+    fb_pairs = fb_pairs[(fb_pairs[:, 1] - fb_pairs[:, 0]) >= 2]
+    if subsample:
+        num = fb_pairs.shape[0]
+        keep = max(int(num * frac), 1)
+        fb_pairs = fb_pairs[torch.randperm(num, device=device, generator=generator)[:keep]]
+    return fb_pairs
+
+
+def _pair_weights(loss_weight_by_fb_indices, fb_pairs: Tensor, backward_weight: float, dtype, device) -> Tensor:
+    """``(1, 2P)``: each label's weight (the direction's, times ``loss_weight_by_fb_indices``' when given)."""
+    P = fb_pairs.shape[0]
+    # the weights from the Python float (the float32 buffer would round 0.4 in a float64 model)
+    w = torch.tensor([1.0, backward_weight], dtype=dtype, device=device)[:, None].expand(2, P)
+    if loss_weight_by_fb_indices is not None:
+        lw = loss_weight_by_fb_indices(fb_pairs)
+        if not isinstance(lw, Tensor) or tuple(lw.shape) not in ((P,), (P, 2)):
+            raise ValueError(f"loss_weight_by_fb_indices must return weights of shape (P,) = ({P},) or (P, 2) = "
+                             f"({P}, 2), got {getattr(lw, 'shape', type(lw))}")
+        lw = lw.to(device=device, dtype=dtype)
+        w = w * (lw[None] if lw.dim() == 1 else lw.t())
+    return w.reshape(1, 2 * P)
+
+
+def _reduce_loss(ce: Tensor, dist: Tensor | None, counted: Tensor, counts: Tensor, w: Tensor,
+                 distance_weight: float, reduction: str) -> Tensor:
+    """The weighted losses ``ce (b, 2P)`` (plus the distance losses ``dist (b, P)``) over what counts:
+    the batch mean, or each sample's (``reduction="none"``)."""
+    zero = ce.new_zeros(())
+    if reduction == "none":
+        cnt = counted.sum(1).clamp(min=1).to(ce.dtype)  # (b,)
+        d_term = zero if dist is None else torch.where(counts, dist, 0.0).sum(1) / counts.sum(1).clamp(min=1).to(ce.dtype)
+        per = (ce + (d_term * distance_weight)[..., None] if dist is not None else ce) * w
+        return torch.where(counted, per, 0.0).sum(1) / cnt
+    cnt = counted.sum().clamp(min=1).to(ce.dtype)
+    d_term = zero if dist is None else torch.where(counts, dist, 0.0).sum() / counts.sum().clamp(min=1).to(ce.dtype)
+    per = (ce + d_term * distance_weight) * w
+    return torch.where(counted, per, 0.0).sum() / cnt
+
+
+# ----------------------------------------------------------------------------------------------------
+# the phases of sampling
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_sampling_args(filter_logits_fn, filter_kwargs: dict | None, seq_len, temperature,
+                         cond_scale) -> tuple[Callable, dict, float]:
+    """The filter (a name resolved; x-transformers' default keywords for ``min_p``), ``seq_len``,
+    ``temperature`` and ``cond_scale``; returns ``(filter function, its keywords, temperature)``."""
+    if filter_kwargs is None:  # x-transformers' default belongs to its default filter
+        filter_kwargs = dict(min_p=0.1) if filter_logits_fn in (min_p, "min_p") else {}
+    if isinstance(filter_logits_fn, str):
+        if filter_logits_fn not in FILTERS:
+            raise ValueError(f"filter_logits_fn must be one of {sorted(FILTERS)} or a callable, got {filter_logits_fn!r}")
+        filter_logits_fn = FILTERS[filter_logits_fn]
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+    temperature = _check_number(temperature, "temperature")
+    if isinstance(cond_scale, bool) or not isinstance(cond_scale, (int, float)) or cond_scale != cond_scale \
+            or abs(cond_scale) == float("inf"):
+        raise ValueError(f"cond_scale must be a finite number, got {cond_scale!r}")
+    return filter_logits_fn, filter_kwargs, temperature
+
+
+def _check_prompts(prompts, mask: Tensor | None) -> tuple[bool, Tensor, Tensor | None]:
+    """``(one, prompts (b, n), mask)``: a 1-d prompt (``one``) made a batch of one, every prompt with a real token."""
+    if not isinstance(prompts, Tensor) or prompts.dim() not in (1, 2):
+        raise ValueError(f"prompts must be token ids of shape (b, n) or (n,), got {getattr(prompts, 'shape', type(prompts))}")
+    one = prompts.dim() == 1
+    prompts = _check_ids(prompts[None] if one else prompts, "prompts")
+    if mask is not None:
+        mask = mask[None] if one and isinstance(mask, Tensor) and mask.dim() == 1 else mask
+        validate_mask(mask, "mask", shape=tuple(prompts.shape), device=prompts.device)
+    b, n = prompts.shape
+    if n == 0 or (mask is not None and b and not bool(mask.any(1).all())):
+        raise ValueError("every prompt needs at least one real token (mask has an all-False row or prompts is empty)")
+    return one, prompts, mask
+
+
+def _check_suffix(suffix, suffix_mask, b: int, device, decode_backwards: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The goal ``suffix (b, s)`` (a 1-d one repeated for every prompt; padded ids 0) and its mask."""
+    if suffix is None:
+        if suffix_mask is not None:
+            raise ValueError("suffix_mask was given without suffix")
+        return None, None
+    if decode_backwards:
+        raise ValueError("suffix is the goal of forward decoding; decode_backwards takes none")
+    if isinstance(suffix, Tensor) and suffix.dim() == 1:
+        suffix = suffix[None].expand(b, -1)
+        if isinstance(suffix_mask, Tensor) and suffix_mask.dim() == 1:
+            suffix_mask = suffix_mask[None].expand(b, -1)
+    suffix = _check_ids(suffix, "suffix")
+    if suffix.shape[0] != b:
+        raise ValueError(f"suffix must have the batch of prompts ({b}), got {tuple(suffix.shape)}")
+    if suffix_mask is not None:
+        validate_mask(suffix_mask, "suffix_mask", shape=tuple(suffix.shape), device=device)
+        suffix = torch.where(suffix_mask, suffix, torch.zeros_like(suffix))
+    return suffix, suffix_mask
+
+
+def _branches(conds: Conditions, suffix: Tensor | None, suffix_mask: Tensor | None,
+              guided: bool) -> list[tuple[Conditions, Tensor | None, Tensor | None]]:
+    """``(conditions, suffix, suffix_mask)`` per branch: the conditional one, then (guided) the
+    unconditional one (every condition dropped, the empty suffix)."""
+    branches = [(conds, suffix, suffix_mask)]
+    if guided:
+        null = conds
+        for kind in conds.kinds():
+            null = null.with_pair(kind, *null_of(conds, kind))
+        branches.append((null, None, None))
+    return branches
+
+
+@dataclass(frozen=True)
+class _SamplingPlan:
+    """What every step of ``generate_with_suffix_cond`` needs: the decoder sampled from, the branches'
+    stacked conditions and how a token is drawn."""
+
+    main: nn.Module
+    decode_backwards: bool
+    cache_kv: bool
+    guided: bool
+    cond_scale: float
+    guidance_rescale: float
+    temperature: float
+    filter_fn: Callable
+    filter_kwargs: dict
+    generator: torch.Generator | None
+    stacked: Conditions
+    r: int
+    dtype: torch.dtype
+
+    def draw(self, logits: Tensor) -> Tensor:
+        """``(b, 1)``: the token drawn from ``logits (b, v)`` (the argmax at temperature 0)."""
+        if self.temperature == 0.0:
+            return logits.argmax(-1, keepdim=True)
+        filtered = self.filter_fn(logits, **self.filter_kwargs)
+        probs = F.softmax(filtered / self.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator)
+
+
 class BeliefStateWrapper(nn.Module):
     """x-transformers' ``BeliefStateWrapper`` (figure 13 of arXiv 2410.23506).
 
@@ -136,15 +323,7 @@ class BeliefStateWrapper(nn.Module):
     ):
         super().__init__()
         backward_decoder = forward_decoder if backward_decoder is None else backward_decoder
-        _check_decoder(forward_decoder, "forward_decoder")
-        _check_decoder(backward_decoder, "backward_decoder")
-        dim = forward_decoder.attn_layers.dim
-        if backward_decoder.attn_layers.dim != dim:
-            raise ValueError(f"backward_decoder must have the width of forward_decoder ({dim}), "
-                             f"got {backward_decoder.attn_layers.dim}")
-        if backward_decoder.num_tokens != forward_decoder.num_tokens:
-            raise ValueError(f"backward_decoder must have the vocabulary of forward_decoder ({forward_decoder.num_tokens}), "
-                             f"got {backward_decoder.num_tokens}")
+        dim = _check_decoders(forward_decoder, backward_decoder)
         frac = _check_number(train_frac_forward_backward_pairs, "train_frac_forward_backward_pairs", low_open=True, high=1.0)
         self.backward_ar_loss_weight = _check_number(backward_ar_loss_weight, "backward_ar_loss_weight")
         self.pred_distance_loss_weight = _check_number(pred_distance_loss_weight, "pred_distance_loss_weight")
@@ -225,26 +404,7 @@ class BeliefStateWrapper(nn.Module):
         conditions = condition_kwargs("BeliefStateWrapper.forward", conditions)
         if reduction not in ("mean", "none"):
             raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-        seq = _check_ids(seq, "seq")
-        b, n = seq.shape
-        device = seq.device
-        if lens is not None and mask is not None:
-            raise ValueError("pass lens or mask, not both")
-        if lens is not None:
-            lens = check_lengths(lens, "lens", b, max_len=n, device=device)
-            real = torch.arange(n, device=device)[None] < lens[:, None]
-        elif mask is not None:
-            validate_mask(mask, "mask", shape=(b, n), device=device)
-            real = mask
-        else:
-            real = None
-        if real is not None:
-            seq = torch.where(real, seq, torch.zeros_like(seq))
-            seq = _compact(seq, real)  # each sample's real tokens first (the same sample, right-padded)
-            length = real.sum(1)  # (b,)
-            real = torch.arange(n, device=device)[None] < length[:, None]
-        else:
-            length = torch.full((b,), n, device=device, dtype=torch.long)
+        seq, real, length = _real_tokens(_check_ids(seq, "seq"), lens, mask)
         conds = Conditions.from_kwargs(conditions)
         net_kw = {k: v for k, v in conditions.items() if k not in ("prepend_embeds", "prepend_mask")}
         if conds.prepend_embeds is not None:
@@ -252,30 +412,38 @@ class BeliefStateWrapper(nn.Module):
             net_kw["excise_prepend_embeds"] = True
 
         fwd = self.forward_decoder(seq, mask=real, return_embeddings=True, **net_kw)  # (b, n, d)
+        bstate = self._backward_states(seq, real, length, conds, net_kw, fwd.dtype)  # (b, n + 1, d)
+        fb_pairs = _fb_pairs(seq.shape[1], seq.device, self.needs_subsample_fb_pairs, self.train_frac_fb_pairs,
+                             generator)
+        counts = fb_pairs[:, 1][None] <= length[:, None]  # (b, P): the backward state exists, so both labels are real
+        ce, counted, fb = self._text_losses(fwd, bstate, seq, fb_pairs, counts)
+        dist = self._distance_losses(fb, fb_pairs, counts)
+        w = _pair_weights(loss_weight_by_fb_indices, fb_pairs, self.backward_ar_loss_weight, ce.dtype, seq.device)
+        return _reduce_loss(ce, dist, counted, counts, w, self.pred_distance_loss_weight, reduction)
 
+    def _backward_states(self, seq: Tensor, real: Tensor | None, length: Tensor, conds: Conditions, net_kw: dict,
+                         dtype) -> Tensor:
+        """``(b, n + 1, d)``: backward state ``q`` knows the real tokens ``q .. L - 1`` (0 where ``q > L``)."""
+        b, n = seq.shape
         bwd_seq = reverse_real(seq, real)
-        prefix, prefix_mask, m = self._prefix(conds, b, fwd.dtype)
+        prefix, prefix_mask, m = self._prefix(conds, b, dtype)
         bwd_kw = {k: v for k, v in net_kw.items() if k not in ("prepend_embeds", "prepend_mask", "excise_prepend_embeds")}
         be = self.backward_decoder(bwd_seq, mask=real, prepend_embeds=prefix, prepend_mask=prefix_mask,
                                    return_embeddings=True, **bwd_kw)[:, m:]  # (b, 1 + n, d)
         # backward state q (0..n) knows the real tokens q .. L - 1: the output after L - q reversed tokens
-        q = torch.arange(n + 1, device=device)[None]
+        q = torch.arange(n + 1, device=seq.device)[None]
         has_state = q <= length[:, None]  # (b, n + 1)
         gi = (length[:, None] - q).clamp(min=0)
         bstate = be.gather(1, gi[..., None].expand(b, n + 1, be.shape[-1]))
-        bstate = torch.where(has_state[..., None], bstate, torch.zeros_like(bstate))
+        return torch.where(has_state[..., None], bstate, torch.zeros_like(bstate))
 
-        ar = torch.arange(n, device=device)
-        fb_pairs = torch.cartesian_prod(ar, ar + 1)
-        fb_pairs = fb_pairs[(fb_pairs[:, 1] - fb_pairs[:, 0]) >= 2]
-        if self.needs_subsample_fb_pairs:
-            num = fb_pairs.shape[0]
-            keep = max(int(num * self.train_frac_fb_pairs), 1)
-            fb_pairs = fb_pairs[torch.randperm(num, device=device, generator=generator)[:keep]]
+    def _text_losses(self, fwd: Tensor, bstate: Tensor, seq: Tensor, fb_pairs: Tensor,
+                     counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(ce (b, 2P), counted (b, 2P), fb (b, P, 2d))``: the next-token then the previous-token losses of
+        every pair, where they count, and the text head's input."""
+        b = seq.shape[0]
         fi, bi = fb_pairs.unbind(-1)
         P = fb_pairs.shape[0]
-        counts = bi[None] <= length[:, None]  # (b, P): the backward state exists, so both labels are real
-
         fb = torch.cat((fwd[:, fi], bstate[:, bi]), -1)  # (b, P, 2d)
         fb = torch.where(counts[..., None], fb, torch.zeros_like(fb))
         logits = self.text_head(fb)  # (b, P, 2v)
@@ -284,36 +452,18 @@ class BeliefStateWrapper(nn.Module):
         labels = torch.cat((seq[:, fi + 1], seq[:, bi - 1]), 1)  # (b, 2P)
         counted = counts.repeat(1, 2)  # (b, 2P)
         labels = torch.where(counted, labels, torch.full_like(labels, -1))
-        ce = safe_cross_entropy(logits, labels, ignore_index=-1, reduction="none")  # (b, 2P)
+        return safe_cross_entropy(logits, labels, ignore_index=-1, reduction="none"), counted, fb  # (b, 2P)
 
-        dist = None
+    def _distance_losses(self, fb: Tensor, fb_pairs: Tensor, counts: Tensor) -> Tensor | None:
+        """``(b, P)`` the distance losses, or ``None`` (no distance head, or skipped on this step)."""
         draw = self.cond_on_distance and random() < self.cond_on_distance_prob
-        if self.to_distance_logits is not None and not draw:
-            d_logits = self.to_distance_logits(fb)  # (b, P, max_pred_distance)
-            d_labels = (bi - fi).clamp(max=self.max_pred_distance - 1)[None].expand(b, P)
-            d_labels = torch.where(counts, d_labels, torch.full_like(d_labels, -1))
-            dist = safe_cross_entropy(d_logits, d_labels, ignore_index=-1, reduction="none")  # (b, P)
-
-        # the weights from the Python float (the float32 buffer would round 0.4 in a float64 model)
-        w = torch.tensor([1.0, self.backward_ar_loss_weight], dtype=ce.dtype, device=device)[:, None].expand(2, P)
-        if loss_weight_by_fb_indices is not None:
-            lw = loss_weight_by_fb_indices(fb_pairs)
-            if not isinstance(lw, Tensor) or tuple(lw.shape) not in ((P,), (P, 2)):
-                raise ValueError(f"loss_weight_by_fb_indices must return weights of shape (P,) = ({P},) or (P, 2) = "
-                                 f"({P}, 2), got {getattr(lw, 'shape', type(lw))}")
-            lw = lw.to(device=device, dtype=ce.dtype)
-            w = w * (lw[None] if lw.dim() == 1 else lw.t())
-        w = w.reshape(1, 2 * P)
-        zero = ce.new_zeros(())
-        if reduction == "none":
-            cnt = counted.sum(1).clamp(min=1).to(ce.dtype)  # (b,)
-            d_term = zero if dist is None else torch.where(counts, dist, 0.0).sum(1) / counts.sum(1).clamp(min=1).to(ce.dtype)
-            per = (ce + (d_term * self.pred_distance_loss_weight)[..., None] if dist is not None else ce) * w
-            return torch.where(counted, per, 0.0).sum(1) / cnt
-        cnt = counted.sum().clamp(min=1).to(ce.dtype)
-        d_term = zero if dist is None else torch.where(counts, dist, 0.0).sum() / counts.sum().clamp(min=1).to(ce.dtype)
-        per = (ce + d_term * self.pred_distance_loss_weight) * w
-        return torch.where(counted, per, 0.0).sum() / cnt
+        if self.to_distance_logits is None or draw:
+            return None
+        fi, bi = fb_pairs.unbind(-1)
+        d_logits = self.to_distance_logits(fb)  # (b, P, max_pred_distance)
+        d_labels = (bi - fi).clamp(max=self.max_pred_distance - 1)[None].expand(*counts.shape)
+        d_labels = torch.where(counts, d_labels, torch.full_like(d_labels, -1))
+        return safe_cross_entropy(d_logits, d_labels, ignore_index=-1, reduction="none")  # (b, P)
 
     # ------------------------------------------------------------------------------------------------
     # sampling
@@ -365,113 +515,88 @@ class BeliefStateWrapper(nn.Module):
         ``decode_backwards`` the tokens come in the order sampled (right to left).
         """
         conditions = condition_kwargs("BeliefStateWrapper.generate_with_suffix_cond", conditions)
-        if filter_kwargs is None:  # x-transformers' default belongs to its default filter
-            filter_kwargs = dict(min_p=0.1) if filter_logits_fn in (min_p, "min_p") else {}
-        if isinstance(filter_logits_fn, str):
-            if filter_logits_fn not in FILTERS:
-                raise ValueError(f"filter_logits_fn must be one of {sorted(FILTERS)} or a callable, got {filter_logits_fn!r}")
-            filter_logits_fn = FILTERS[filter_logits_fn]
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
-        temperature = _check_number(temperature, "temperature")
-        if isinstance(cond_scale, bool) or not isinstance(cond_scale, (int, float)) or cond_scale != cond_scale \
-                or abs(cond_scale) == float("inf"):
-            raise ValueError(f"cond_scale must be a finite number, got {cond_scale!r}")
-        if not isinstance(prompts, Tensor) or prompts.dim() not in (1, 2):
-            raise ValueError(f"prompts must be token ids of shape (b, n) or (n,), got {getattr(prompts, 'shape', type(prompts))}")
-        one = prompts.dim() == 1
-        prompts = _check_ids(prompts[None] if one else prompts, "prompts")
-        if mask is not None:
-            mask = mask[None] if one and isinstance(mask, Tensor) and mask.dim() == 1 else mask
-            validate_mask(mask, "mask", shape=tuple(prompts.shape), device=prompts.device)
+        filter_fn, filter_kwargs, temperature = _check_sampling_args(filter_logits_fn, filter_kwargs, seq_len,
+                                                                     temperature, cond_scale)
+        one, prompts, mask = _check_prompts(prompts, mask)
         b, n = prompts.shape
-        device = prompts.device
-        if n == 0 or (mask is not None and b and not bool(mask.any(1).all())):
-            raise ValueError("every prompt needs at least one real token (mask has an all-False row or prompts is empty)")
         conds = Conditions.from_kwargs(conditions)
         if conds.prepend_embeds is not None and decode_backwards:
             raise ValueError("prepend_embeds cannot be combined with decode_backwards (the backward decoder's prefix is "
                              "the suffix token)")
-        if suffix is not None:
-            if decode_backwards:
-                raise ValueError("suffix is the goal of forward decoding; decode_backwards takes none")
-            if isinstance(suffix, Tensor) and suffix.dim() == 1:
-                suffix = suffix[None].expand(b, -1)
-                if isinstance(suffix_mask, Tensor) and suffix_mask.dim() == 1:
-                    suffix_mask = suffix_mask[None].expand(b, -1)
-            suffix = _check_ids(suffix, "suffix")
-            if suffix.shape[0] != b:
-                raise ValueError(f"suffix must have the batch of prompts ({b}), got {tuple(suffix.shape)}")
-            if suffix_mask is not None:
-                validate_mask(suffix_mask, "suffix_mask", shape=tuple(suffix.shape), device=device)
-                suffix = torch.where(suffix_mask, suffix, torch.zeros_like(suffix))
-        elif suffix_mask is not None:
-            raise ValueError("suffix_mask was given without suffix")
+        suffix, suffix_mask = _check_suffix(suffix, suffix_mask, b, prompts.device, decode_backwards)
         guided = cond_scale != 1.0
         if guided and suffix is None and not conds.kinds():
             raise ValueError("cond_scale guides on the suffix and the conditions: pass a suffix or a condition")
         if b == 0:
             out = prompts.new_empty((0, seq_len))
             return out[0] if one else out
-        main = self.backward_decoder if decode_backwards else self.forward_decoder
-        dtype = self.suffix_token.dtype
         out = prompts if mask is None else torch.where(mask, prompts, torch.zeros_like(prompts))
         if decode_backwards:
             out = reverse_real(out, mask)
+        branches = _branches(conds, suffix, suffix_mask, guided)
+        other_all = self._other_states(branches, decode_backwards, b, prompts.device, generator)  # (r * b, 1, d)
+        r = len(branches)
+        plan = _SamplingPlan(
+            main=self.backward_decoder if decode_backwards else self.forward_decoder, decode_backwards=decode_backwards,
+            cache_kv=cache_kv, guided=guided, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
+            temperature=temperature, filter_fn=filter_fn, filter_kwargs=filter_kwargs, generator=generator,
+            stacked=stack_conditions([c for c, _, _ in branches]) if r > 1 else conds, r=r, dtype=self.suffix_token.dtype)
+        out = self._sample(plan, out, mask, other_all, seq_len)[:, n:]
+        return out[0] if one else out
 
-        branches = [(conds, suffix, suffix_mask)]
-        if guided:
-            null = conds
-            for kind in conds.kinds():
-                null = null.with_pair(kind, *null_of(conds, kind))
-            branches.append((null, None, None))
+    def _other_states(self, branches: list, decode_backwards: bool, b: int, device,
+                      generator: torch.Generator | None) -> Tensor:
+        """``(r * b, 1, d)``: each branch's state of the other decoder, under its conditions: the goal suffix's,
+        or with ``decode_backwards`` x-transformers' prefix state (a random token, one draw shared)."""
+        dtype = self.suffix_token.dtype
         other = []
-        if decode_backwards:  # x-transformers' prefix state: a random token (one draw, shared by the branches)
+        if decode_backwards:
             tok = torch.randint(0, self.num_tokens, (b, 1), device=device, generator=generator)
-        for br_conds, br_suffix, br_suffix_mask in branches:  # each branch's other state, under its conditions
+        for br_conds, br_suffix, br_suffix_mask in branches:
             if decode_backwards:
                 other.append(self.forward_decoder(tok, return_embeddings=True, **br_conds.kwargs()))  # (b, 1, d)
             else:
                 other.append(self._suffix_embed(br_suffix, br_suffix_mask, b, device, dtype, br_conds))
-        # every branch in one batched forward (the branches one after the other), sharing one KV cache
-        r = len(branches)
-        stacked = stack_conditions([c for c, _, _ in branches]) if r > 1 else conds
-        other_all = torch.cat(other, 0)  # (r * b, 1, d)
+        return torch.cat(other, 0)
+
+    def _sample(self, plan: _SamplingPlan, out: Tensor, mask: Tensor | None, other_all: Tensor,
+                seq_len: int) -> Tensor:
+        """``out (b, n)`` with ``seq_len`` sampled tokens appended; every branch (the branches one after the
+        other) in one batched forward, sharing one KV cache."""
+        b, r = out.shape[0], plan.r
         out_all = out.repeat(r, 1)
         mask_all = None if mask is None else mask.repeat(r, 1)
         cache = None
         for _ in range(seq_len):
-            if cache is not None:
-                h, cache = main(out_all[:, -1:], cache=cache, return_cache=True, return_embeddings=True)
-                last = h[:, -1:]
-            else:
-                kw = stacked.kwargs()
-                if decode_backwards:
-                    kw["prepend_embeds"] = self.suffix_token.to(dtype)[None, None].expand(r * b, 1, -1)
-                    kw["excise_prepend_embeds"] = True
-                res = main(out_all, mask=mask_all, return_embeddings=True, return_cache=cache_kv, **kw)
-                h, cache = res if cache_kv else (res, None)
-                last = h[:, -1:]
-                if mask_all is not None:  # the last real position (a padded prompt may end in padding)
-                    idx = (mask_all.long() * torch.arange(mask_all.shape[1], device=device)).amax(1)
-                    last = h.gather(1, idx[:, None, None].expand(r * b, 1, h.shape[-1]))
-            pair = torch.cat((other_all, last) if decode_backwards else (last, other_all), -1)
+            last, cache = self._last_state(plan, out_all, mask_all, cache)
+            pair = torch.cat((other_all, last) if plan.decode_backwards else (last, other_all), -1)
             fwd_logits, bwd_logits = self.text_head(pair).chunk(2, dim=-1)
-            all_logits = (bwd_logits if decode_backwards else fwd_logits)[:, -1]  # (r * b, v)
-            logits = all_logits if not guided else guided_logits(all_logits[:b], all_logits[b:], cond_scale,
-                                                                 guidance_rescale)
-            if temperature == 0.0:
-                sample = logits.argmax(-1, keepdim=True)
-            else:
-                filtered = filter_logits_fn(logits, **filter_kwargs)
-                probs = F.softmax(filtered / temperature, dim=-1)
-                sample = torch.multinomial(probs, 1, generator=generator)
+            all_logits = (bwd_logits if plan.decode_backwards else fwd_logits)[:, -1]  # (r * b, v)
+            logits = all_logits if not plan.guided else guided_logits(all_logits[:b], all_logits[b:], plan.cond_scale,
+                                                                      plan.guidance_rescale)
+            sample = plan.draw(logits)
             out = torch.cat((out, sample), -1)
             out_all = torch.cat((out_all, sample.repeat(r, 1)), -1)
             if mask_all is not None:
-                mask_all = torch.cat((mask_all, torch.ones(r * b, 1, dtype=torch.bool, device=device)), -1)
-        out = out[:, n:]
-        return out[0] if one else out
+                mask_all = torch.cat((mask_all, torch.ones(r * b, 1, dtype=torch.bool, device=out.device)), -1)
+        return out
+
+    def _last_state(self, plan: _SamplingPlan, out_all: Tensor, mask_all: Tensor | None, cache):
+        """``((r * b, 1, d), cache)``: the sampled decoder's state at each sequence's last real position."""
+        if cache is not None:
+            h, cache = plan.main(out_all[:, -1:], cache=cache, return_cache=True, return_embeddings=True)
+            return h[:, -1:], cache
+        kw = plan.stacked.kwargs()
+        if plan.decode_backwards:
+            kw["prepend_embeds"] = self.suffix_token.to(plan.dtype)[None, None].expand(out_all.shape[0], 1, -1)
+            kw["excise_prepend_embeds"] = True
+        res = plan.main(out_all, mask=mask_all, return_embeddings=True, return_cache=plan.cache_kv, **kw)
+        h, cache = res if plan.cache_kv else (res, None)
+        last = h[:, -1:]
+        if mask_all is not None:  # the last real position (a padded prompt may end in padding)
+            idx = (mask_all.long() * torch.arange(mask_all.shape[1], device=out_all.device)).amax(1)
+            last = h.gather(1, idx[:, None, None].expand(out_all.shape[0], 1, h.shape[-1]))
+        return last, cache
 
 
 class _AddUnitDim(nn.Module):

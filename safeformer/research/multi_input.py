@@ -40,6 +40,25 @@ def _check_vocabularies(num_tokens) -> dict[str, int]:
     return dict(num_tokens)
 
 
+def _check_no_xl(return_mems, mems, mem_masks, return_attn_z_loss) -> None:
+    """XL memories and the attention z-loss: not supported (a ``ValueError`` naming the argument)."""
+    for name, value in (("return_mems", return_mems), ("mems", mems), ("mem_masks", mem_masks),
+                        ("return_attn_z_loss", return_attn_z_loss)):
+        if value is not None and value is not False:
+            raise ValueError(f"{name}: XL memories and the attention z-loss are not supported by safeformer")
+
+
+def _check_sum_embeds(sum_embeds, b: int, n: int, dim: int, device) -> None:
+    """``sum_embeds``: a floating-point ``(b, n, dim)`` tensor on ``device``."""
+    if not isinstance(sum_embeds, Tensor) or tuple(sum_embeds.shape) != (b, n, dim):
+        raise ValueError(f"sum_embeds must have shape (b, n, dim) = ({b}, {n}, {dim}), got "
+                         f"{getattr(sum_embeds, 'shape', type(sum_embeds).__name__)}")
+    if not sum_embeds.is_floating_point():
+        raise TypeError(f"sum_embeds must be a floating-point tensor, got dtype {sum_embeds.dtype}")
+    if sum_embeds.device != device:
+        raise ValueError(f"sum_embeds is on {sum_embeds.device}, expected {device}")
+
+
 class MultiInputTransformerWrapper(_Wrapper):
     """Several token inputs in (summed embeddings), one logit head per input out.
 
@@ -197,24 +216,8 @@ class MultiInputTransformerWrapper(_Wrapper):
             positions are exactly 0.
         """
         conditions = condition_kwargs("MultiInputTransformerWrapper.forward", conditions)
-        for name, value in (("return_mems", return_mems), ("mems", mems), ("mem_masks", mem_masks),
-                            ("return_attn_z_loss", return_attn_z_loss)):
-            if value is not None and value is not False:
-                raise ValueError(f"{name}: XL memories and the attention z-loss are not supported by safeformer")
-        ids, b, n, device = self._inputs(x, mask)
-        if mask is not None:
-            validate_mask(mask, "mask", shape=(b, n), device=device)
-        if seq_start_pos is not None:
-            mask = _start_mask(seq_start_pos, mask, b, n, device)
-        if sum_embeds is not None:
-            dim = self.attn_layers.dim
-            if not isinstance(sum_embeds, Tensor) or tuple(sum_embeds.shape) != (b, n, dim):
-                raise ValueError(f"sum_embeds must have shape (b, n, dim) = ({b}, {n}, {dim}), got "
-                                 f"{getattr(sum_embeds, 'shape', type(sum_embeds).__name__)}")
-            if not sum_embeds.is_floating_point():
-                raise TypeError(f"sum_embeds must be a floating-point tensor, got dtype {sum_embeds.dtype}")
-            if sum_embeds.device != device:
-                raise ValueError(f"sum_embeds is on {sum_embeds.device}, expected {device}")
+        _check_no_xl(return_mems, mems, mem_masks, return_attn_z_loss)
+        ids, n, mask = self._checked_inputs(x, mask, seq_start_pos, sum_embeds)
         cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
         if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
             ids = {k: v[:, -keep:] for k, v in ids.items()}
@@ -226,6 +229,30 @@ class MultiInputTransformerWrapper(_Wrapper):
         conds = self._check_conditions(Conditions.from_kwargs(dict(  # named, not read from locals() (torch.compile)
             context=context, context_mask=context_mask, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
             condition=condition, condition_mask=condition_mask, **conditions)), check)
+        emb = self._embed(ids, sum_embeds, mask)
+        want_inter = return_intermediates or return_hiddens or return_attn
+        h, new_cache, _, m, _, inter, _ = self._run(emb, mask, conds, attn_mask, cache, return_cache,
+                                                    pos=pos, return_hiddens=want_inter)
+        if excise_prepend_embeds and m:
+            h = h[:, m:]
+        return self._outputs(h, new_cache, inter, return_embeddings=return_embeddings,
+                             return_logits_and_embeddings=return_logits_and_embeddings, return_cache=return_cache,
+                             return_inter=return_intermediates or return_hiddens, return_attn=return_attn)
+
+    def _checked_inputs(self, x, mask: Tensor | None, seq_start_pos: Tensor | None,
+                        sum_embeds: Tensor | None) -> tuple[dict[str, Tensor], int, Tensor | None]:
+        """The ids, their length ``n`` and the padding mask (with ``seq_start_pos``), ``sum_embeds`` checked."""
+        ids, b, n, device = self._inputs(x, mask)
+        if mask is not None:
+            validate_mask(mask, "mask", shape=(b, n), device=device)
+        if seq_start_pos is not None:
+            mask = _start_mask(seq_start_pos, mask, b, n, device)
+        if sum_embeds is not None:
+            _check_sum_embeds(sum_embeds, b, n, self.attn_layers.dim, device)
+        return ids, n, mask
+
+    def _embed(self, ids: dict[str, Tensor], sum_embeds: Tensor | None, mask: Tensor | None) -> Tensor:
+        """``(b, n, c)``: the inputs' embeddings summed, plus ``sum_embeds`` at real positions."""
         emb = None
         for name, t in ids.items():
             e = self.embeds[f"{name}_embed"](t)
@@ -233,11 +260,11 @@ class MultiInputTransformerWrapper(_Wrapper):
         if sum_embeds is not None:
             s = sum_embeds.to(emb.dtype)
             emb = emb + (s if mask is None else torch.where(mask[..., None], s, 0.0))
-        want_inter = return_intermediates or return_hiddens or return_attn
-        h, new_cache, _, m, _, inter, _ = self._run(emb, mask, conds, attn_mask, cache, return_cache,
-                                                    pos=pos, return_hiddens=want_inter)
-        if excise_prepend_embeds and m:
-            h = h[:, m:]
+        return emb
+
+    def _outputs(self, h: Tensor, new_cache, inter, *, return_embeddings: bool, return_logits_and_embeddings: bool,
+                 return_cache: bool, return_inter: bool, return_attn: bool):
+        """``forward``'s return value: the logits (or hidden states), then the cache and intermediates asked for."""
         embeddings_only = return_embeddings or self.to_logits is None
         logits = None if embeddings_only else {name: head(h) for name, head in self.to_logits.items()}
         if return_logits_and_embeddings and logits is not None:
@@ -245,7 +272,7 @@ class MultiInputTransformerWrapper(_Wrapper):
         else:
             out = h if embeddings_only else logits
         extra = ((new_cache,) if return_cache else ()) + (
-            (inter,) if return_intermediates or return_hiddens else (inter.attn_maps,) if return_attn else ())
+            (inter,) if return_inter else (inter.attn_maps,) if return_attn else ())
         return (out, *extra) if extra else out
 
 

@@ -106,6 +106,70 @@ def _masked_mean(t: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep, t, 0.0).sum() / keep.sum().clamp(min=1).to(t.dtype)
 
 
+def _check_wrapper_args(net, dim, num_rollouts, ignore_index, pad_value, **loss_weights) -> None:
+    """``NextLatentWrapper``'s net, width, rollout count, loss weights (finite, >= 0) and integer ids."""
+    if not isinstance(net, TransformerWrapper):
+        raise TypeError(f"net must be a safeformer TransformerWrapper, got {type(net).__name__} "
+                        "(convert an x-transformers NextLatentWrapper with next_latent_from_x_transformers)")
+    if not net.attn_layers.causal:
+        raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token prediction")
+    if dim != net.attn_layers.dim:
+        raise ValueError(f"dim must be the net's width {net.attn_layers.dim}, got {dim!r}")
+    if isinstance(num_rollouts, bool) or not isinstance(num_rollouts, int) or num_rollouts < 1:
+        raise ValueError(f"num_rollouts must be an integer > 0, got {num_rollouts!r}")
+    for name, value in loss_weights.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < float("inf")):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    for name, value in (("ignore_index", ignore_index), ("pad_value", pad_value)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def _loss_module(loss_type: str | nn.Module) -> nn.Module:
+    """The regression loss module named by ``loss_type`` (or ``loss_type`` itself)."""
+    if isinstance(loss_type, nn.Module):
+        return loss_type
+    if loss_type == "smooth_l1":
+        return nn.SmoothL1Loss(reduction="none")
+    if loss_type == "mse":
+        return nn.MSELoss(reduction="none")
+    if loss_type == "mse_and_cosine_sim":
+        return MSECosineSimLoss()
+    raise ValueError(f"loss_type must be 'smooth_l1', 'mse', 'mse_and_cosine_sim' or a module, got {loss_type!r}")
+
+
+def _rollout_weights(rollout_weights, num_rollouts: int) -> tuple[Tensor, tuple[float, ...]]:
+    """The rollout weights, checked and normalised: as a float32 tensor and as Python floats (float64)."""
+    if rollout_weights is None:
+        rollout_weights = (1.0,) * num_rollouts
+    if len(rollout_weights) != num_rollouts:
+        raise ValueError(f"rollout_weights must have num_rollouts={num_rollouts} weights, got {len(rollout_weights)}")
+    w = torch.tensor([float(x) for x in rollout_weights])
+    if not bool(torch.isfinite(w).all() & (w >= 0).all()) or float(w.sum()) <= 0:
+        raise ValueError(f"rollout_weights must be finite, >= 0 and not all 0, got {tuple(rollout_weights)!r}")
+    total_w = sum(float(x) for x in rollout_weights)  # the weights used, normalised in float64
+    return w / w.sum(), tuple(float(x) / total_w for x in rollout_weights)
+
+
+def _dynamics_model(dynamics_type: str, dynamics_network: nn.Module | None, dim: int, dynamics_hidden_dim: int | None,
+                    dynamics_num_layers: int) -> nn.Module:
+    """The latent dynamics model of ``dynamics_type``."""
+    if dynamics_type == "residual":
+        if dynamics_network is None:
+            hidden = dim if dynamics_hidden_dim is None else dynamics_hidden_dim
+            dynamics_network = nn.Sequential(nn.LayerNorm(dim * 2), MLP(dim * 2, dim, hidden, depth=dynamics_num_layers))
+            nn.init.zeros_(dynamics_network[-1][-1].weight)
+            nn.init.zeros_(dynamics_network[-1][-1].bias)
+        return ResidualDynamics(dynamics_network)
+    if dynamics_type == "gru":
+        return RolloutGRU(dim)
+    if dynamics_type == "custom":
+        if dynamics_network is None:
+            raise ValueError("dynamics_type='custom' needs dynamics_network (the whole dynamics model)")
+        return dynamics_network
+    raise ValueError(f"dynamics_type must be 'residual', 'gru' or 'custom', got {dynamics_type!r}")
+
+
 class NextLatentWrapper(nn.Module):
     """x-transformers' ``NextLatentWrapper(net, dim=, num_rollouts=, loss_type=, dynamics_type=, ...)``.
 
@@ -163,37 +227,15 @@ class NextLatentWrapper(nn.Module):
         dynamic_loss_decay: float = 1.0,
     ):
         super().__init__()
-        if not isinstance(net, TransformerWrapper):
-            raise TypeError(f"net must be a safeformer TransformerWrapper, got {type(net).__name__} "
-                            "(convert an x-transformers NextLatentWrapper with next_latent_from_x_transformers)")
-        if not net.attn_layers.causal:
-            raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token prediction")
-        if dim != net.attn_layers.dim:
-            raise ValueError(f"dim must be the net's width {net.attn_layers.dim}, got {dim!r}")
-        if isinstance(num_rollouts, bool) or not isinstance(num_rollouts, int) or num_rollouts < 1:
-            raise ValueError(f"num_rollouts must be an integer > 0, got {num_rollouts!r}")
-        for name, value in (("next_latent_loss_weight", next_latent_loss_weight), ("kl_loss_weight", kl_loss_weight),
-                            ("sigreg_loss_weight", sigreg_loss_weight), ("dynamic_loss_decay", dynamic_loss_decay)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < float("inf")):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        for name, value in (("ignore_index", ignore_index), ("pad_value", pad_value)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
+        _check_wrapper_args(net, dim, num_rollouts, ignore_index, pad_value, next_latent_loss_weight=next_latent_loss_weight,
+                            kl_loss_weight=kl_loss_weight, sigreg_loss_weight=sigreg_loss_weight,
+                            dynamic_loss_decay=dynamic_loss_decay)
         self.net = net
         self.ignore_index = ignore_index
         self.pad_value = pad_value
         self.num_rollouts = num_rollouts
         self.loss_type = loss_type
-        if isinstance(loss_type, nn.Module):
-            self.loss_fn = loss_type
-        elif loss_type == "smooth_l1":
-            self.loss_fn = nn.SmoothL1Loss(reduction="none")
-        elif loss_type == "mse":
-            self.loss_fn = nn.MSELoss(reduction="none")
-        elif loss_type == "mse_and_cosine_sim":
-            self.loss_fn = MSECosineSimLoss()
-        else:
-            raise ValueError(f"loss_type must be 'smooth_l1', 'mse', 'mse_and_cosine_sim' or a module, got {loss_type!r}")
+        self.loss_fn = _loss_module(loss_type)
         self.next_latent_loss_weight = float(next_latent_loss_weight)
         self.kl_loss_weight = float(kl_loss_weight)
         self.sigreg_loss_weight = float(sigreg_loss_weight)
@@ -204,31 +246,10 @@ class NextLatentWrapper(nn.Module):
         self.has_sigreg = sigreg_loss_weight > 0
         self.dynamic_rollout_loss_weight = bool(dynamic_rollout_loss_weight)
         self.dynamic_loss_decay = float(dynamic_loss_decay)
-        if rollout_weights is None:
-            rollout_weights = (1.0,) * num_rollouts
-        if len(rollout_weights) != num_rollouts:
-            raise ValueError(f"rollout_weights must have num_rollouts={num_rollouts} weights, got {len(rollout_weights)}")
-        w = torch.tensor([float(x) for x in rollout_weights])
-        if not bool(torch.isfinite(w).all() & (w >= 0).all()) or float(w.sum()) <= 0:
-            raise ValueError(f"rollout_weights must be finite, >= 0 and not all 0, got {tuple(rollout_weights)!r}")
-        self.register_buffer("rollout_loss_weights", w / w.sum(), persistent=False)
-        total_w = sum(float(x) for x in rollout_weights)  # the weights used, normalised in float64
-        self._rollout_weights = tuple(float(x) / total_w for x in rollout_weights)
-        if dynamics_type == "residual":
-            if dynamics_network is None:
-                hidden = dim if dynamics_hidden_dim is None else dynamics_hidden_dim
-                dynamics_network = nn.Sequential(nn.LayerNorm(dim * 2), MLP(dim * 2, dim, hidden, depth=dynamics_num_layers))
-                nn.init.zeros_(dynamics_network[-1][-1].weight)
-                nn.init.zeros_(dynamics_network[-1][-1].bias)
-            self.dynamics_model = ResidualDynamics(dynamics_network)
-        elif dynamics_type == "gru":
-            self.dynamics_model = RolloutGRU(dim)
-        elif dynamics_type == "custom":
-            if dynamics_network is None:
-                raise ValueError("dynamics_type='custom' needs dynamics_network (the whole dynamics model)")
-            self.dynamics_model = dynamics_network
-        else:
-            raise ValueError(f"dynamics_type must be 'residual', 'gru' or 'custom', got {dynamics_type!r}")
+        w, self._rollout_weights = _rollout_weights(rollout_weights, num_rollouts)
+        self.register_buffer("rollout_loss_weights", w, persistent=False)
+        self.dynamics_model = _dynamics_model(dynamics_type, dynamics_network, dim, dynamics_hidden_dim,
+                                              dynamics_num_layers)
         self.dynamics_type = dynamics_type
 
     @property
@@ -255,6 +276,31 @@ class NextLatentWrapper(nn.Module):
             generator: for SIGReg's random projections.
             kwargs: passed to the net (``context``, ``context_mask``, ``prepend_embeds``, ``condition``...).
         """
+        real = self._real_positions(x, mask)
+        inp = torch.where(real, x, torch.zeros_like(x))
+        if "prepend_embeds" in kwargs:
+            kwargs = {**kwargs, "excise_prepend_embeds": True}
+        hidden = self.net(inp, mask=real, return_embeddings=True, **kwargs)  # (b, n, d)
+
+        counted = real[:, 1:] & real[:, :-1]  # (b, n - 1)
+        logits = self.net._head(hidden[:, :-1])
+        target = torch.where(counted, x[:, 1:], torch.full_like(x[:, 1:], -100))
+        ce = safe_cross_entropy(logits, target, ignore_index=-100)
+
+        targets, next_embeds, masks = self._rollout_targets(inp, real, counted, hidden)
+        dyn = self.dynamics_model(next_embeds.detach(), hidden[:, :-1])  # (r, b, n - 1, d)
+        zero = hidden.new_zeros(())
+        next_latent, kl = self._rollout_losses(dyn, targets, masks, hidden, zero)
+        sigreg = zero
+        if self.has_sigreg:
+            sigreg = self.sigreg_loss(hidden[:, :-1][counted], generator=generator, **self.sigreg_loss_kwargs)
+        total = ce + self.next_latent_loss_weight * next_latent + self.kl_loss_weight * kl + self.sigreg_loss_weight * sigreg
+        if not return_loss_breakdown:
+            return total
+        return total, Losses(ce, next_latent, kl, sigreg)
+
+    def _real_positions(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """``(b, n)`` bool: the real positions of ``x`` (not ``ignore_index``, and ``mask``), after the checks."""
         if not isinstance(x, Tensor) or x.dim() != 2:
             raise ValueError(f"x must be token ids of shape (b, n), got {getattr(x, 'shape', type(x))}")
         if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
@@ -267,16 +313,13 @@ class NextLatentWrapper(nn.Module):
         if mask is not None:
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
             real = real & mask
-        inp = torch.where(real, x, torch.zeros_like(x))
-        if "prepend_embeds" in kwargs:
-            kwargs = {**kwargs, "excise_prepend_embeds": True}
-        hidden = self.net(inp, mask=real, return_embeddings=True, **kwargs)  # (b, n, d)
+        return real
 
-        counted = real[:, 1:] & real[:, :-1]  # (b, n - 1)
-        logits = self.net._head(hidden[:, :-1])
-        target = torch.where(counted, x[:, 1:], torch.full_like(x[:, 1:], -100))
-        ce = safe_cross_entropy(logits, target, ignore_index=-100)
-
+    def _rollout_targets(self, inp: Tensor, real: Tensor, counted: Tensor,
+                         hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per rollout step: the hidden states to reach ``(r, b, n - 1, d)``, the next-token embeddings fed
+        ``(r, b, n - 1, d)`` and where the step counts ``(r, b, n - 1)``."""
+        R, n = self.num_rollouts, inp.shape[1]
         emb = self.net.token_emb(inp)
         if self.net.l2norm_embed:
             emb = l2norm(emb)
@@ -293,10 +336,12 @@ class NextLatentWrapper(nn.Module):
             if k:
                 run = run & real_p[:, 1 + k: n + k]
             masks.append(run)
-        masks = torch.stack(masks)  # (r, b, n - 1)
+        return targets, next_embeds, torch.stack(masks)
 
-        dyn = self.dynamics_model(next_embeds.detach(), hidden[:, :-1])  # (r, b, n - 1, d)
-        zero = hidden.new_zeros(())
+    def _rollout_losses(self, dyn: Tensor, targets: Tensor, masks: Tensor, hidden: Tensor,
+                        zero: Tensor) -> tuple[Tensor, Tensor]:
+        """The next-latent regression and the KL terms of the rollout (``zero`` when switched off)."""
+        R = self.num_rollouts
         weights = torch.tensor(self._rollout_weights, dtype=hidden.dtype, device=hidden.device)
         unreduced = self.loss_fn(dyn, targets.detach())
         unreduced = torch.where(masks[..., None], unreduced, torch.zeros_like(unreduced))
@@ -320,13 +365,7 @@ class NextLatentWrapper(nn.Module):
             if self.dynamic_rollout_loss_weight:
                 step_kl = step_kl * dyn_w
             kl = sum(_masked_mean(step_kl[k], masks[k]) for k in range(R))
-        sigreg = zero
-        if self.has_sigreg:
-            sigreg = self.sigreg_loss(hidden[:, :-1][counted], generator=generator, **self.sigreg_loss_kwargs)
-        total = ce + self.next_latent_loss_weight * next_latent + self.kl_loss_weight * kl + self.sigreg_loss_weight * sigreg
-        if not return_loss_breakdown:
-            return total
-        return total, Losses(ce, next_latent, kl, sigreg)
+        return next_latent, kl
 
 
 def next_latent_from_x_transformers(xt_wrapper, *, drop_training_only: bool = False) -> NextLatentWrapper:

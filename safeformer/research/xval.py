@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -357,28 +358,15 @@ class XValAutoregressiveWrapper(Configurable, nn.Module):
         """
         conditions = condition_kwargs("XValAutoregressiveWrapper.generate", conditions, negatives=True)
         _xval_kwargs_ok(conditions)
-        if not isinstance(start_tokens, Tensor) or start_tokens.dim() != 2:
-            raise ValueError(f"start_tokens must be token ids of shape (b, n0), got {getattr(start_tokens, 'shape', type(start_tokens))}")
-        if not isinstance(start_numbers, Tensor) or start_numbers.shape != start_tokens.shape:
-            raise ValueError(f"start_numbers must have the shape of start_tokens {tuple(start_tokens.shape)}, "
-                             f"got {getattr(start_numbers, 'shape', type(start_numbers))}")
-        if not start_numbers.is_floating_point():
-            raise TypeError(f"start_numbers must be a floating-point tensor, got dtype {start_numbers.dtype}")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
-        filter_fn = check_sampling(temperature, filter_logits_fn, filter_kwargs)
+        filter_fn = _check_generate_args(start_tokens, start_numbers, seq_len, temperature, filter_logits_fn,
+                                         filter_kwargs, mask)
         b, n0 = start_tokens.shape
         device = start_tokens.device
-        if n0 == 0:
-            raise ValueError("start_tokens needs at least one position")
-        if mask is not None:
-            validate_mask(mask, "mask", shape=(b, n0), device=device)
-            if not bool(mask.any(1).all()):
-                raise ValueError("mask: every prompt needs at least one real token (a row of mask is all False)")
-        kw = {**locals(), **conditions}
-        conds = Conditions.from_kwargs(kw).check(self.net, b, device)
-        negatives = Conditions.from_kwargs(kw, prefix="negative_").expand_batch(b).check(self.net, b, device, prefix="negative_")
-        conds = conds.with_empty_for(negatives, b)
+        conds, negatives = self._generate_conditions(dict(
+            context=context, context_mask=context_mask, prepend_embeds=prepend_embeds, prepend_mask=prepend_mask,
+            condition=condition, condition_mask=condition_mask, negative_context=negative_context,
+            negative_context_mask=negative_context_mask, negative_prepend_embeds=negative_prepend_embeds,
+            negative_prepend_mask=negative_prepend_mask, negative_condition=negative_condition, **conditions), b, device)
         schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), has_uncond=bool(conds.kinds()), steps=seq_len)
         tokens = torch.full((b, seq_len), self.pad_value, dtype=torch.long, device=device)
         dtype = torch.promote_types(start_numbers.dtype, torch.float32)
@@ -390,42 +378,94 @@ class XValAutoregressiveWrapper(Configurable, nn.Module):
         seq = torch.stack((start_tokens.to(dtype), start_numbers.to(dtype)), -1)
         if mask is not None:
             seq = torch.where(mask[..., None], seq, torch.zeros((), dtype=dtype, device=device))
-        def combine(outs: dict[str, Tensor], t: int) -> tuple[Tensor, Tensor]:
-            if len(outs) == 1:
-                o = next(iter(outs.values()))
-                return o[:, :-1], o[:, -1]
-            uncond = outs.pop("uncond")
-            scales = schedule.at(t)
-            logits = compose_guidance(uncond[:, :-1], {k: o[:, :-1] for k, o in outs.items()}, scales)
-            num = compose_values(uncond[:, -1:], {k: o[:, -1:] for k, o in outs.items()}, scales)[:, 0]
-            return logits, num
-
         nothing = torch.zeros((), dtype=torch.bool, device=device)  # a row with no token to draw: raised at the end
-
-        def pick(guided: tuple[Tensor, Tensor], t: int) -> tuple[Tensor, bool]:
-            logits, num = guided
-            token = draw(logits, temperature, filter_fn, filter_kwargs, nothing)  # (b,)
-            num = num.to(dtype).clamp(-_VALUE_LIMIT, _VALUE_LIMIT)
-            tokens[:, t] = token
-            numbers[:, t] = num
-            return torch.stack((token.to(dtype), num), -1), False
-
-        engine_net = _EngineNet(self.net)
-        window = self.max_seq_len if self.net.pos_emb is not None and n0 + seq_len - 1 > self.max_seq_len else None
-        was_training = self.training
-        self.eval()
-        try:
-            engine = GuidedForward(engine_net, b, conds, negatives, schedule, combine, cache_kv=cache_kv,
-                                   steps=seq_len, window=window)
-            autoregress(engine, seq, mask, seq_len, pick)
-        finally:
-            self.train(was_training)
+        steps = _XValSteps(schedule, temperature, filter_fn, filter_kwargs, nothing, tokens, numbers, dtype)
+        self._decode(seq, mask, conds, negatives, steps, cache_kv)
         if bool(nothing):
             raise ValueError(NOTHING_TO_DRAW)
         is_number = tokens == self.net.numerical_token_id
         numbers = torch.where(is_number, numbers, torch.full((), non_number_value, dtype=dtype, device=device))
         return GenerateReturn(tokens, numbers, is_number)
 
+    def _generate_conditions(self, kw: dict, b: int, device) -> tuple[Conditions, Conditions]:
+        """``generate``'s conditions and negatives, checked (a kind only the negatives have: an empty one)."""
+        conds = Conditions.from_kwargs(kw).check(self.net, b, device)
+        negatives = Conditions.from_kwargs(kw, prefix="negative_").expand_batch(b).check(self.net, b, device, prefix="negative_")
+        return conds.with_empty_for(negatives, b), negatives
+
+    def _decode(self, seq: Tensor, mask: Tensor | None, conds: Conditions, negatives: Conditions,
+                steps: _XValSteps, cache_kv: bool) -> None:
+        """Run the decode engine in eval mode (the training flag restored after), filling ``steps``' outputs."""
+        n0, seq_len = seq.shape[1], steps.tokens.shape[1]
+        engine_net = _EngineNet(self.net)
+        window = self.max_seq_len if self.net.pos_emb is not None and n0 + seq_len - 1 > self.max_seq_len else None
+        b = seq.shape[0]
+        was_training = self.training
+        self.eval()
+        try:
+            engine = GuidedForward(engine_net, b, conds, negatives, steps.schedule, steps.combine, cache_kv=cache_kv,
+                                   steps=seq_len, window=window)
+            autoregress(engine, seq, mask, seq_len, steps.pick)
+        finally:
+            self.train(was_training)
+
+
+def _check_generate_args(start_tokens, start_numbers, seq_len, temperature, filter_logits_fn, filter_kwargs,
+                         mask) -> Callable | None:
+    """``generate``'s prompts, length, sampling arguments and prompt mask; returns the filter function."""
+    if not isinstance(start_tokens, Tensor) or start_tokens.dim() != 2:
+        raise ValueError(f"start_tokens must be token ids of shape (b, n0), got {getattr(start_tokens, 'shape', type(start_tokens))}")
+    if not isinstance(start_numbers, Tensor) or start_numbers.shape != start_tokens.shape:
+        raise ValueError(f"start_numbers must have the shape of start_tokens {tuple(start_tokens.shape)}, "
+                         f"got {getattr(start_numbers, 'shape', type(start_numbers))}")
+    if not start_numbers.is_floating_point():
+        raise TypeError(f"start_numbers must be a floating-point tensor, got dtype {start_numbers.dtype}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
+    filter_fn = check_sampling(temperature, filter_logits_fn, filter_kwargs)
+    b, n0 = start_tokens.shape
+    if n0 == 0:
+        raise ValueError("start_tokens needs at least one position")
+    if mask is not None:
+        validate_mask(mask, "mask", shape=(b, n0), device=start_tokens.device)
+        if not bool(mask.any(1).all()):
+            raise ValueError("mask: every prompt needs at least one real token (a row of mask is all False)")
+    return filter_fn
+
+
+@dataclass(frozen=True)
+class _XValSteps:
+    """One ``generate`` call's decode steps: how the branches combine, how a token and its number are drawn,
+    and where they are written (``tokens``, ``numbers`` and the ``nothing`` flag, filled in place)."""
+
+    schedule: GuidanceSchedule
+    temperature: float
+    filter_fn: Callable | None
+    filter_kwargs: dict | None
+    nothing: Tensor
+    tokens: Tensor
+    numbers: Tensor
+    dtype: torch.dtype
+
+    def combine(self, outs: dict[str, Tensor], t: int) -> tuple[Tensor, Tensor]:
+        """The guided ``(logits, number)`` of step ``t`` from the branches' outputs."""
+        if len(outs) == 1:
+            o = next(iter(outs.values()))
+            return o[:, :-1], o[:, -1]
+        uncond = outs.pop("uncond")
+        scales = self.schedule.at(t)
+        logits = compose_guidance(uncond[:, :-1], {k: o[:, :-1] for k, o in outs.items()}, scales)
+        num = compose_values(uncond[:, -1:], {k: o[:, -1:] for k, o in outs.items()}, scales)[:, 0]
+        return logits, num
+
+    def pick(self, guided: tuple[Tensor, Tensor], t: int) -> tuple[Tensor, bool]:
+        """Draw step ``t``'s token, keep it and its number; the ``[token id, number]`` row fed back."""
+        logits, num = guided
+        token = draw(logits, self.temperature, self.filter_fn, self.filter_kwargs, self.nothing)  # (b,)
+        num = num.to(self.dtype).clamp(-_VALUE_LIMIT, _VALUE_LIMIT)
+        self.tokens[:, t] = token
+        self.numbers[:, t] = num
+        return torch.stack((token.to(self.dtype), num), -1), False
 
 class _EngineNet(nn.Module):
     """The decode engine's net protocol over an ``XValTransformerWrapper``: a float sequence ``(b, n, 2)``
