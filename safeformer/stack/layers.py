@@ -262,6 +262,102 @@ Args:
         or feed-forward, and gate) keeps no activations and is recomputed in the backward pass
         (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): identical gradients,
         lower peak memory, about one more forward of compute.
+
+``AttentionLayers.forward``'s keywords:
+
+Args:
+    x: ``(b, n, c)``.
+    mask: ``(b, n)`` padding of ``x`` (True = real). Padded positions are selected to 0 at the
+        input and never reach another position.
+    context: ``(b, j, c_ctx)`` for cross-attention, or ``None`` to skip the cross-attention
+        blocks for the whole batch. ``j`` may be 0.
+    context_mask: ``(b, j)`` padding of the context; an all-False row drops the condition
+        of that sample exactly (its cross-attention adds exactly 0).
+    attn_mask: an extra self-attention mask ``(b, n, p + n)``, ``(n, p + n)`` or, per head as
+        x-transformers passes it, ``(b|1, h|1, n, p + n)`` (True = may attend). A 3-d mask is per sample
+        here (x-transformers reads a 3-d mask as ``(h, i, j)``: pass 4-d masks to mean per head).
+    positions: ``(b, n)``, ``(1, n)`` or ``(n,)`` integer token positions (for rotary and
+        ALiBi); by default the count of real tokens (see ``positions_from_mask``), continuing
+        from the cache.
+    condition: ``(b, K)`` for adaptive norms / layerscale (``use_adaptive_*``); ``None`` is the
+        null condition for every sample.
+    condition_mask: ``(b,)`` bool, False = this sample's condition is dropped (the null
+        condition replaces it, whatever the row holds: NaN included).
+    cache: a ``KVCache`` from an earlier call: ``x`` holds only the new positions; or
+        (x-transformers' protocol) the ``LayerIntermediates`` an earlier ``return_hiddens=True`` call
+        returned: ``x`` (and ``mask``, ``positions``) then holds the whole sequence so far or only the
+        new positions, the last ``cache_age`` (default 1) being new; only those are computed and
+        returned. The ``KVCache`` stays the canonical form (the intermediates carry one). The cache
+        keeps the context (its keys/values and ``context_mask``) and the condition of the call
+        that built it; they may be passed again only as the very same tensors (else
+        ``ValueError``).
+    return_cache: also return the updated cache.
+    pos: x-transformers' name for ``positions``.
+    context_pos: ``(b, j)``, ``(1, j)`` or ``(j,)`` integer positions of the context (x-transformers'
+        keyword): cross-attention then rotates its queries by the tokens' positions and its keys by
+        these (``rotary_pos_emb`` needed). Padded path, no KV cache.
+    unpadded_plan: the ``plan_unpadded`` of this call (a wrapper computes it once to run its output
+        head on the same real tokens); by default the stack plans itself.
+    causal: override the stack's causality for this call (x-transformers' ``forward(causal=...)``;
+        ``None``: the stack's own). An override runs the padded path, not with a KV cache, and not with
+        ``attn_data_dependent_alibi`` (its gates are built for one direction or two).
+    ff_deep_embeds: ``(b, n, L, c)`` multipliers of the ``L`` feed-forward blocks' outputs, per position
+        (``TransformerWrapper(ff_deep_embed=True)`` passes its per-token rows; padded positions'
+        multipliers are read as 1). Padded path only.
+    deep_embeds_and_ids: x-transformers' form of ``ff_deep_embeds``: ``(embeds (V, L, c), ids (b, n))``,
+        read as ``embeds[ids]``.
+    self_attn_additional_kv: more keys/values for the self-attention blocks (x-transformers' keyword; e.g.
+        a VLM's, for an action model): a list of ``(k, v)`` (each ``(b, h_a, a, d)``, ``h_a`` dividing
+        ``heads``) or ``None`` per block, or the ``LayerIntermediates`` of another safeformer model's
+        ``return_intermediates`` / ``return_hiddens`` call (its cache's self-attention keys, rotated as
+        cached, and values; its padding masks them too; x-transformers' intermediates hold unrotated keys).
+        With ``route_additional_kv_to_top`` (default) the last entries go to the top blocks, else the
+        first to the first. Every query sees them (see ``Attention(additional_key_values=...)``); the
+        cache does not keep them (pass them on every call). Padded path only.
+    additional_kv_mask: ``(b, a)`` bool, True = a real added key; masked slots (NaN included) reach no
+        output and no gradient. ``detach_additional_kv``: no gradient flows into the added keys/values.
+    self_attn_kv_residuals: ``(b|1, n|1, c)`` (the first self-attention block only, as x-transformers) or
+        ``(L, b|1, n|1, c)`` (one per block, the first ``L``): added to the normed input of the keys and
+        values (x-transformers' keyword, the Free Transformer's latent); padded rows selected away. With
+        a cache, for the new positions. ``cross_attn_kv_residuals``: the same for cross-attention,
+        ``(L, b, j, c_ctx)`` or ``(b, j, c_ctx)``, added to the context (not with a cached context).
+        Padded path only.
+    seq_pos_offset: the position of ``x``'s first real token (x-transformers' keyword; the real tokens are
+        counted from it); not with ``positions``.
+    repeat_blocks: x-transformers' depth extrapolation: ``((start, end), repeats)`` (or a tuple of them; an int
+        for ``start == end``) runs the layers ``start..end`` (layer = self [cross] feed-forward) ``repeats``
+        times in a row; ``layers_execute_order``: the blocks' indices in the order to run them. Padded path,
+        no KV cache (the cache holds one entry per attention block), not with ``integrate_layers``.
+    mems: Transformer-XL memories (x-transformers' keyword): one ``(b, m, c)`` tensor per self-attention
+        block (the stream that entered it in earlier segments, ``TransformerWrapper(return_mems=True)``'s
+        ``intermediates.mems``); each self-attention's keys/values then come from its block's normed memory
+        before the sequence's own (x-transformers' math: memory keys at positions ``-m .. -1``, every query
+        sees the whole memory). ``mem_masks``: ``None``, one ``(b, m)`` bool (True = a real memory slot) for
+        every block, or a list of them per block; masked slots (NaN included) reach no output and no
+        gradient. Padded path only; not with a KV cache, ``attn_mask``, ``repeat_blocks`` /
+        ``layers_execute_order``, residual routing (hyper-connections), ``shift_tokens``,
+        ``add_value_residual`` or ``rotary_xpos``; the returned intermediates carry no cache.
+    self_attn_kv_mask: ``(b, p + n)`` bool, True = a key self-attention may read (x-transformers' keyword):
+        a key mask beside ``mask`` (which masks queries and keys alike); a query left with no key is a dead
+        row (exactly 0). Read as ``attn_mask`` ``(b, 1, n, p + n)``: padded path. Not with x-transformers'
+        ``LayerIntermediates`` cache (pass ``attn_mask``).
+    seq_start_pos: ``(b,)`` integer: the first real position of each sample (x-transformers' keyword for
+        left padding): positions before it are padding, as if ``mask`` were False there.
+    input_not_include_cache: with x-transformers' ``LayerIntermediates`` cache, every position of ``x`` is
+        new (``cache_age = n``).
+    rotary_pos_emb, polar_pos_emb, attn_bias, in_attn_cond, flash_pack_seq_kwargs,
+        flash_pack_seq_context_kwargs, transform_block_inputs, return_gumbel_log_probs: x-transformers'
+        call keywords, accepted at their defaults (``None`` / ``False``); another value is a ``TypeError``
+        naming it (safeformer computes the positions itself, and has no in-attention conditioning, packed
+        flash masks, block-input hooks or Gumbel log-probabilities).
+    return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
+        layer, the attention weights of every attention block (explicit float32 attention:
+        slower, ``(b, h, i, j)`` memory), the final hidden states, and (x-transformers'
+        ``layer_hiddens``) the input of every block run, then the stream before the final norm.
+        Padded positions, dead rows and masked keys are exactly 0 in all of them.
+
+Returns:
+    ``(b, n, c)`` hidden states after the final norm, then the cache if ``return_cache``, then the ``LayerIntermediates`` if ``return_hiddens``.
 """
 
 from __future__ import annotations
@@ -497,13 +593,7 @@ class AttentionLayers(Configurable, nn.Module):
             return
         super().__init__()
         self._set_config_from(AttentionLayers.__init__, locals())
-        attention = _attention_options(attn_kwargs)  # the attention family's fields, checked once
-        # the config holds them in x-transformers' spelling, attn_<field> (typed on load by config_fields), those
-        # given only: however they were spelt, one model has one config
-        self._sf_config["attn_kwargs"] = None
-        self._sf_config.update({f"attn_{k}": v for k, v in attention.items() if v is not ATTENTION_FIELDS[k].default})
-        # every keyword by its own name (each family reads its own), the attention fields as attn_<field>
-        options = {**self._sf_config, **{f"attn_{k}": v for k, v in attention.items()}, "attention_fields": attention}
+        options = _options(self._sf_config)  # every keyword by its own name (each family reads its own)
         _check_options(**options)
         _basics(self, **options)
         _positions(self, **options)
@@ -596,103 +686,11 @@ class AttentionLayers(Configurable, nn.Module):
         in_attn_cond=None, flash_pack_seq_kwargs=None, flash_pack_seq_context_kwargs=None,
         transform_block_inputs=None, return_gumbel_log_probs: bool = False,
     ) -> Tensor | tuple:
-        """Run the stack.
-
-        Args:
-            x: ``(b, n, c)``.
-            mask: ``(b, n)`` padding of ``x`` (True = real). Padded positions are selected to 0 at the
-                input and never reach another position.
-            context: ``(b, j, c_ctx)`` for cross-attention, or ``None`` to skip the cross-attention
-                blocks for the whole batch. ``j`` may be 0.
-            context_mask: ``(b, j)`` padding of the context; an all-False row drops the condition
-                of that sample exactly (its cross-attention adds exactly 0).
-            attn_mask: an extra self-attention mask ``(b, n, p + n)``, ``(n, p + n)`` or, per head as
-                x-transformers passes it, ``(b|1, h|1, n, p + n)`` (True = may attend). A 3-d mask is per sample
-                here (x-transformers reads a 3-d mask as ``(h, i, j)``: pass 4-d masks to mean per head).
-            positions: ``(b, n)``, ``(1, n)`` or ``(n,)`` integer token positions (for rotary and
-                ALiBi); by default the count of real tokens (see ``positions_from_mask``), continuing
-                from the cache.
-            condition: ``(b, K)`` for adaptive norms / layerscale (``use_adaptive_*``); ``None`` is the
-                null condition for every sample.
-            condition_mask: ``(b,)`` bool, False = this sample's condition is dropped (the null
-                condition replaces it, whatever the row holds: NaN included).
-            cache: a ``KVCache`` from an earlier call: ``x`` holds only the new positions; or
-                (x-transformers' protocol) the ``LayerIntermediates`` an earlier ``return_hiddens=True`` call
-                returned: ``x`` (and ``mask``, ``positions``) then holds the whole sequence so far or only the
-                new positions, the last ``cache_age`` (default 1) being new; only those are computed and
-                returned. The ``KVCache`` stays the canonical form (the intermediates carry one). The cache
-                keeps the context (its keys/values and ``context_mask``) and the condition of the call
-                that built it; they may be passed again only as the very same tensors (else
-                ``ValueError``).
-            return_cache: also return the updated cache.
-            pos: x-transformers' name for ``positions``.
-            context_pos: ``(b, j)``, ``(1, j)`` or ``(j,)`` integer positions of the context (x-transformers'
-                keyword): cross-attention then rotates its queries by the tokens' positions and its keys by
-                these (``rotary_pos_emb`` needed). Padded path, no KV cache.
-            unpadded_plan: the ``plan_unpadded`` of this call (a wrapper computes it once to run its output
-                head on the same real tokens); by default the stack plans itself.
-            causal: override the stack's causality for this call (x-transformers' ``forward(causal=...)``;
-                ``None``: the stack's own). An override runs the padded path, not with a KV cache, and not with
-                ``attn_data_dependent_alibi`` (its gates are built for one direction or two).
-            ff_deep_embeds: ``(b, n, L, c)`` multipliers of the ``L`` feed-forward blocks' outputs, per position
-                (``TransformerWrapper(ff_deep_embed=True)`` passes its per-token rows; padded positions'
-                multipliers are read as 1). Padded path only.
-            deep_embeds_and_ids: x-transformers' form of ``ff_deep_embeds``: ``(embeds (V, L, c), ids (b, n))``,
-                read as ``embeds[ids]``.
-            self_attn_additional_kv: more keys/values for the self-attention blocks (x-transformers' keyword; e.g.
-                a VLM's, for an action model): a list of ``(k, v)`` (each ``(b, h_a, a, d)``, ``h_a`` dividing
-                ``heads``) or ``None`` per block, or the ``LayerIntermediates`` of another safeformer model's
-                ``return_intermediates`` / ``return_hiddens`` call (its cache's self-attention keys, rotated as
-                cached, and values; its padding masks them too; x-transformers' intermediates hold unrotated keys).
-                With ``route_additional_kv_to_top`` (default) the last entries go to the top blocks, else the
-                first to the first. Every query sees them (see ``Attention(additional_key_values=...)``); the
-                cache does not keep them (pass them on every call). Padded path only.
-            additional_kv_mask: ``(b, a)`` bool, True = a real added key; masked slots (NaN included) reach no
-                output and no gradient. ``detach_additional_kv``: no gradient flows into the added keys/values.
-            self_attn_kv_residuals: ``(b|1, n|1, c)`` (the first self-attention block only, as x-transformers) or
-                ``(L, b|1, n|1, c)`` (one per block, the first ``L``): added to the normed input of the keys and
-                values (x-transformers' keyword, the Free Transformer's latent); padded rows selected away. With
-                a cache, for the new positions. ``cross_attn_kv_residuals``: the same for cross-attention,
-                ``(L, b, j, c_ctx)`` or ``(b, j, c_ctx)``, added to the context (not with a cached context).
-                Padded path only.
-            seq_pos_offset: the position of ``x``'s first real token (x-transformers' keyword; the real tokens are
-                counted from it); not with ``positions``.
-            repeat_blocks: x-transformers' depth extrapolation: ``((start, end), repeats)`` (or a tuple of them; an int
-                for ``start == end``) runs the layers ``start..end`` (layer = self [cross] feed-forward) ``repeats``
-                times in a row; ``layers_execute_order``: the blocks' indices in the order to run them. Padded path,
-                no KV cache (the cache holds one entry per attention block), not with ``integrate_layers``.
-            mems: Transformer-XL memories (x-transformers' keyword): one ``(b, m, c)`` tensor per self-attention
-                block (the stream that entered it in earlier segments, ``TransformerWrapper(return_mems=True)``'s
-                ``intermediates.mems``); each self-attention's keys/values then come from its block's normed memory
-                before the sequence's own (x-transformers' math: memory keys at positions ``-m .. -1``, every query
-                sees the whole memory). ``mem_masks``: ``None``, one ``(b, m)`` bool (True = a real memory slot) for
-                every block, or a list of them per block; masked slots (NaN included) reach no output and no
-                gradient. Padded path only; not with a KV cache, ``attn_mask``, ``repeat_blocks`` /
-                ``layers_execute_order``, residual routing (hyper-connections), ``shift_tokens``,
-                ``add_value_residual`` or ``rotary_xpos``; the returned intermediates carry no cache.
-            self_attn_kv_mask: ``(b, p + n)`` bool, True = a key self-attention may read (x-transformers' keyword):
-                a key mask beside ``mask`` (which masks queries and keys alike); a query left with no key is a dead
-                row (exactly 0). Read as ``attn_mask`` ``(b, 1, n, p + n)``: padded path. Not with x-transformers'
-                ``LayerIntermediates`` cache (pass ``attn_mask``).
-            seq_start_pos: ``(b,)`` integer: the first real position of each sample (x-transformers' keyword for
-                left padding): positions before it are padding, as if ``mask`` were False there.
-            input_not_include_cache: with x-transformers' ``LayerIntermediates`` cache, every position of ``x`` is
-                new (``cache_age = n``).
-            rotary_pos_emb, polar_pos_emb, attn_bias, in_attn_cond, flash_pack_seq_kwargs,
-                flash_pack_seq_context_kwargs, transform_block_inputs, return_gumbel_log_probs: x-transformers'
-                call keywords, accepted at their defaults (``None`` / ``False``); another value is a ``TypeError``
-                naming it (safeformer computes the positions itself, and has no in-attention conditioning, packed
-                flash masks, block-input hooks or Gumbel log-probabilities).
-            return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
-                layer, the attention weights of every attention block (explicit float32 attention:
-                slower, ``(b, h, i, j)`` memory), the final hidden states, and (x-transformers'
-                ``layer_hiddens``) the input of every block run, then the stream before the final norm.
-                Padded positions, dead rows and masked keys are exactly 0 in all of them.
-
-        Returns:
-            ``(b, n, c)`` hidden states after the final norm, then the cache if ``return_cache``, then
-            the ``LayerIntermediates`` if ``return_hiddens``.
-        """
+        """Run the stack: ``x (b, n, c)`` -> ``(b, n, c)`` hidden states after the final norm, then the cache if
+        ``return_cache``, then the ``LayerIntermediates`` if ``return_hiddens``. Every keyword is x-transformers' (or
+        safeformer's beside it) and is documented in this module's docstring (``help(safeformer.stack.layers)``,
+        "``AttentionLayers.forward``'s keywords"); the call runs in phases (``stack_forward``: ``resolve_call``,
+        ``share_inputs``, ``run_blocks`` or the unpadded path, ``finish_call``)."""
         if not (rotary_pos_emb is None and polar_pos_emb is None and attn_bias is None and in_attn_cond is None
                 and flash_pack_seq_kwargs is None and flash_pack_seq_context_kwargs is None
                 and transform_block_inputs is None and not return_gumbel_log_probs):  # x-transformers' unsupported
@@ -919,6 +917,17 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
             learned_value_residual_mix=learned_mix, **kind)
 
     return attention_block
+
+
+def _options(config: dict) -> dict:
+    """The stack's keywords as its families read them, each by its own name, the attention fields (checked once) as
+    ``attn_<field>`` and together as ``attention_fields``. ``config`` then holds the fields in x-transformers'
+    spelling, ``attn_<field>`` (typed on load by ``config_fields``), those given only: however they were spelt, one
+    model has one config."""
+    attention = _attention_options(config["attn_kwargs"])
+    config["attn_kwargs"] = None
+    config.update({f"attn_{k}": v for k, v in attention.items() if v is not ATTENTION_FIELDS[k].default})
+    return {**config, **{f"attn_{k}": v for k, v in attention.items()}, "attention_fields": attention}
 
 
 def _attention_options(attn_kwargs: dict | None) -> dict:

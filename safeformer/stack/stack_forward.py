@@ -249,51 +249,71 @@ def _block_arguments(stack: StackModule, call: StackCall) -> tuple[dict, dict, d
     return self_args, cross_args, inverted_args
 
 
+@dataclass
+class _BlockRun:
+    """What ``run_blocks`` carries from block to block in one call: the keywords of the attention blocks, and
+    what the blocks leave (keys/values, hybrid states, the first values, the last logits)."""
+
+    self_args: dict
+    cross_args: dict
+    inverted_args: dict
+    self_kv: list
+    cross_kv: list
+    hybrid_states: list  # attn_hybrid_module: each self-attention's recurrent state after this call
+    first_values: dict  # add_value_residual: the first self- and cross-attention's values (new positions)
+    prev_logits: dict  # residual_attn / cross_residual_attn: the last self- / cross-attention's logits
+
+
+def _run_block(stack: StackModule, call: StackCall, run: _BlockRun, block: Block, x: Tensor, cond: Tensor | None,
+               past_kv=None, cached=None) -> tuple[Tensor, tuple]:
+    """One block on ``x`` with this call's keywords: ``(branch output, extra)``, ``extra`` the attention's
+    keys/values (and weights, logits) or ``()`` for a feed-forward."""
+    mask, per_block = call.mask, call.per_block
+    shift = {"shift_mask": mask} if block.shifts else {}  # shift_tokens: padded positions read as 0
+    if block.kind == "self":
+        at = len(run.self_kv)
+        hy = _hybrid_call(block.mixer, mask, call.cache, at)  # attn_hybrid_module's input and state
+        args = dict(run.self_args, return_attn=True, prev_attn=run.prev_logits.get("self")) if stack.residual_attn \
+            else run.self_args
+        if call.mem is not None:  # Transformer-XL: this block's memory keys/values before the sequence's own
+            past_kv, args = _mem_kv(stack, call.mem, block, at, cond, call.sa), _mem_args(call.mem, at, args)
+        res = block(x, cond, past_kv=past_kv, value_residual=run.first_values.get("self"), **shift,
+                    **({} if hy is None else {"hybrid": hy}), **args, **per_block.get(id(block), {}))
+        if stack.residual_attn:
+            run.prev_logits["self"] = res[1][2]
+        if hy is not None:
+            run.hybrid_states.append(hy.state_out)
+        return res
+    if block.kind == "cross":
+        vr = run.first_values.get("cross") if cached is None else None  # a cached context is mixed already
+        args = run.inverted_args if getattr(block.mixer, "inverted", False) else run.cross_args
+        if stack.cross_residual_attn:
+            args = dict(args, return_attn=True, prev_attn=run.prev_logits.get("cross"))
+        res = block(x, cond, None if cached is not None else call.context, kv=cached, value_residual=vr,
+                    **per_block.get(id(block), {}), **shift, **args)
+        if stack.cross_residual_attn:
+            run.prev_logits["cross"] = res[1][2]
+        return res
+    return block(x, cond, **shift)
+
+
 def run_blocks(stack: StackModule, call: StackCall) -> Tensor:
     """Phase 3, the padded path: the blocks in order (``call.order``, or each once), with the residual routing,
     stochastic depth and activation checkpointing. Returns the stream ``(b, n, c)`` before the final norm; leaves
     on ``call`` each attention block's keys/values, the hybrid modules' states and (``return_hiddens``) the
     hidden states and attention maps, padded positions 0."""
-    mask, cache, cond, mem, sa, per_block = call.mask, call.cache, call.cond, call.mem, call.sa, call.per_block
-    context, cached_cross, use_cross = call.context, call.ca.cached, call.ca.used
+    mask, cache, cond = call.mask, call.cache, call.cond
+    cached_cross, use_cross = call.ca.cached, call.ca.used
     return_hiddens, ff_deep_embeds, b, n, x = call.return_hiddens, call.ff_deep_embeds, call.b, call.n, call.x
-    device = x.device
-    self_args, cross_args, inverted_args = _block_arguments(stack, call)
-    recompute = stack.checkpoint_layers and stack.training and torch.is_grad_enabled() and not call.return_cache \
-        and cache is None and not return_hiddens
-    self_kv, cross_kv, hiddens, attn_maps, logit_maps = [], [], [], [], []
-    hybrid_states: list = []  # attn_hybrid_module: each self-attention's recurrent state after this call
+    state = _BlockRun(*_block_arguments(stack, call), self_kv=[], cross_kv=[], hybrid_states=[], first_values={},
+                      prev_logits={})
+    self_kv, cross_kv, first_values = state.self_kv, state.cross_kv, state.first_values
+    recompute = _recompute(stack, call)
+    hiddens, attn_maps, logit_maps = [], [], []
     ff_seen = 0  # feed-forward blocks run so far (ff_deep_embeds' index)
-    first_values: dict = {}  # add_value_residual: the first self- and cross-attention's values (new positions)
-
-    prev_logits: dict = {}  # residual_attn / cross_residual_attn: the last self- / cross-attention's logits
 
     def run(block: Block, x: Tensor, cond: Tensor | None, past_kv=None, cached=None) -> tuple[Tensor, tuple]:
-        shift = {"shift_mask": mask} if block.shifts else {}  # shift_tokens: padded positions read as 0
-        if block.kind == "self":
-            hy = _hybrid_call(block.mixer, mask, cache, len(self_kv))  # attn_hybrid_module's input and state
-            args = dict(self_args, return_attn=True, prev_attn=prev_logits.get("self")) if stack.residual_attn \
-                else self_args
-            if mem is not None:  # Transformer-XL: this block's memory keys/values before the sequence's own
-                past_kv, args = _mem_kv(stack, mem, block, len(self_kv), cond, sa), _mem_args(mem, len(self_kv), args)
-            res = block(x, cond, past_kv=past_kv, value_residual=first_values.get("self"), **shift,
-                        **({} if hy is None else {"hybrid": hy}), **args, **per_block.get(id(block), {}))
-            if stack.residual_attn:
-                prev_logits["self"] = res[1][2]
-            if hy is not None:
-                hybrid_states.append(hy.state_out)
-            return res
-        if block.kind == "cross":
-            vr = first_values.get("cross") if cached is None else None  # a cached context is mixed already
-            args = inverted_args if getattr(block.mixer, "inverted", False) else cross_args
-            if stack.cross_residual_attn:
-                args = dict(args, return_attn=True, prev_attn=prev_logits.get("cross"))
-            res = block(x, cond, None if cached is not None else context, kv=cached, value_residual=vr,
-                        **per_block.get(id(block), {}), **shift, **args)
-            if stack.cross_residual_attn:
-                prev_logits["cross"] = res[1][2]
-            return res
-        return block(x, cond, **shift)
+        return _run_block(stack, call, state, block, x, cond, past_kv, cached)
 
     hidden_kind = "self" if "self" in stack.layer_kinds else stack.layer_kinds[0]  # return_hiddens' hiddens
     route, layer_hiddens = None, []  # the residual routing's state (x-transformers' residual options)
@@ -302,8 +322,7 @@ def run_blocks(stack: StackModule, call: StackCall) -> Tensor:
     for idx in range(len(stack.layers)) if call.order is None else call.order:
         block = stack.layers[idx]
         if return_hiddens and block.kind == hidden_kind:  # the stream entering each self-attention (x-transformers)
-            h = x if route is None else stack.routing.view(x)
-            hiddens.append(h if mask is None else torch.where(mask[..., None], h, 0.0))
+            hiddens.append(_masked(x if route is None else stack.routing.view(x), mask))
         inp = x  # the block's input
         if route is not None:
             x, inp = stack.routing.enter(route, idx, x)
@@ -327,21 +346,42 @@ def run_blocks(stack: StackModule, call: StackCall) -> Tensor:
             (self_kv if block.kind == "self" else cross_kv).append(extra[0])
             if stack.add_value_residual and block.kind not in first_values:  # its values of the new positions
                 first_values[block.kind] = extra[0][1][:, :, -n:] if block.kind == "self" else extra[0][1]
-        if return_hiddens and len(extra) > 1:  # the attention weights: padded queries' rows are 0
-            attn_maps.append(extra[1] if mask is None else torch.where(mask[:, None, :, None], extra[1], 0.0))
-            if len(extra) > 2:  # the logits (pre_softmax_attn): padded queries' rows 0 too
-                logit_maps.append(extra[2] if mask is None else torch.where(mask[:, None, :, None], extra[2], 0.0))
-        if stack.training and stack.layer_dropout > 0:  # stochastic depth: a sample skips this branch
-            keep = torch.rand(b, 1, 1, device=device) >= stack.layer_dropout
-            out = torch.where(keep, out / (1.0 - stack.layer_dropout), 0.0)
+        if return_hiddens and len(extra) > 1:  # the attention weights and logits: padded queries' rows are 0
+            attn_maps.append(_masked_rows(extra[1], mask))
+            logit_maps.extend(_masked_rows(e, mask) for e in extra[2:3])
+        out = _stochastic_depth(stack, out, b)
         x = residual_update(block[2], out, x) if route is None else stack.routing.leave(route, idx, out)
     if route is not None:
         call.last_stream = x
         x = stack.routing.finish(x)  # the streams summed
         layer_hiddens = route.layer_hiddens
     call.self_kv, call.cross_kv, call.hiddens, call.layer_hiddens = self_kv, cross_kv, hiddens, layer_hiddens
-    call.attn_maps, call.logit_maps, call.hybrid_states = attn_maps, logit_maps, hybrid_states
+    call.attn_maps, call.logit_maps, call.hybrid_states = attn_maps, logit_maps, state.hybrid_states
     return x
+
+
+def _recompute(stack: StackModule, call: StackCall) -> bool:
+    """Whether the blocks run under activation checkpointing in this call (training, with gradients, no cache)."""
+    return stack.checkpoint_layers and stack.training and torch.is_grad_enabled() and not call.return_cache \
+        and call.cache is None and not call.return_hiddens
+
+
+def _masked(h: Tensor, mask: Tensor | None) -> Tensor:
+    """``h (b, n, ...)`` with padded positions exactly 0."""
+    return h if mask is None else torch.where(mask[..., None], h, 0.0)
+
+
+def _masked_rows(m: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention weights or logits ``(b, h, n, j)`` with padded queries' rows exactly 0."""
+    return m if mask is None else torch.where(mask[:, None, :, None], m, 0.0)
+
+
+def _stochastic_depth(stack: StackModule, out: Tensor, b: int) -> Tensor:
+    """A branch's output under ``layer_dropout`` in training: each sample skips it with that probability."""
+    if not (stack.training and stack.layer_dropout > 0):
+        return out
+    keep = torch.rand(b, 1, 1, device=out.device) >= stack.layer_dropout
+    return torch.where(keep, out / (1.0 - stack.layer_dropout), 0.0)
 
 
 def _last_hidden(x: Tensor, stream: Tensor | None) -> Tensor:
