@@ -15,6 +15,80 @@ The options live beside this module, each built and checked by its own builder a
 ``attention_bias`` (the relative projection bias, data-dependent ALiBi), ``attention_keys`` (live rows and keys;
 the sink, memory and added keys), ``attention_output`` (the output projection, gates, orthogonal projected values)
 and ``attention_calls`` (the door's checks, x-transformers' call keywords, the intermediates).
+
+``Attention.forward``: Attend from ``x (b, i, c)``; x-transformers' call: ``attn(x)`` returns the output tensor.
+
+Args:
+    x: queries' input.
+    context: ``(b, j, c_ctx)`` for cross-attention; ``None`` for self-attention.
+    mask: bool attention mask as ``attend`` takes it (True = may attend); a ``SelectedMask`` from
+        the stack says ``x`` at dead rows and the source at masked keys are 0 already. In self-attention a
+        ``(b, j)`` (or ``(b, 1, 1, j)``) padding mask marks padding of ``x`` itself: a padded
+        position is neither a key nor a query, whatever it holds, and its output is exactly 0.
+        With ``context_mask`` given, ``mask (b, i)`` is the padding of ``x`` (its rows exactly 0).
+    context_mask: ``(b, j)`` padding of the context (x-transformers' keyword): an all-False row
+        makes the sample's output exactly 0.
+    attn_mask: an extra mask ``(i, j)``, ``(h, i, j)`` or ``(b|1, h|1, i, j)`` (True = may attend; a
+        3-d mask is per head, as in x-transformers), combined with the others.
+    causal: bottom-right causal masking; default the module's ``causal``.
+    rotary: ``(q_angles, k_angles)``, each ``(b|1, 1, n, d_rot)``, for the new queries and new keys.
+    rotary_pos_emb: x-transformers' form ``(freqs (b|1, n_k, d_rot), xpos_scale)`` as returned by
+        ``RotaryEmbedding.forward`` (``xpos_scale`` must be 1: xpos is not supported); the last
+        ``i`` rows rotate the queries, the last new-key rows the new keys.
+    bias: additive attention bias (ALiBi); ``attn_bias``: x-transformers' name for it.
+    kv: precomputed keys/values (cross-attention with a cache); ``context`` is then unused.
+    past_kv: cached self-attention keys/values to prepend (already rotated).
+        ``kv`` and ``past_kv`` come from ``return_intermediates`` (``cached_kv``); whatever they
+        hold at masked key positions (NaN, inf) reaches no output and no gradient.
+    cache: an ``AttnIntermediate`` from an earlier ``return_intermediates`` call (x-transformers'
+        decoding): its ``cached_kv`` are the past keys/values (self-attention) or the context's
+        (cross-attention, then ``context`` is not needed).
+    return_intermediates: also return an ``AttnIntermediate`` with ``cached_kv`` (the keys and
+        values used, rotated, without memory keys), ``post_softmax_attn`` (the weights, float32,
+        computed by the explicit path; ``None`` when the module was built with ``flash=True``, as
+        in x-transformers) and ``pre_softmax_attn`` (the logits they came from, what ``qk_clip_`` reads).
+    return_attn: also return the weights ``(b, h, i, M + j)`` in float32 (memory keys first; the
+        sink's weight left out): masked keys and dead rows are exactly 0 (and padded queries, in
+        self-attention).
+    value_residual: ``(b, h_kv, j_new, d)`` the first attention's values of the same positions
+        (x-transformers' ``add_value_residual``): the new values become ``lerp(value_residual, v, mix)``,
+        ``mix`` learned per position and head (``learned_value_residual_mix``) or 0.5; in the values' dtype.
+        Its slots at masked keys (NaN included) reach no output and no gradient. Keys/values
+        handed in (``kv``, a cross-attention cache) are used as they are (mixed when cached).
+    layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
+        ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
+        tokens, and the output too.
+    kv_input: ``(k_input, v_input)``, each ``(b, i, c)`` like ``x``: self-attention projects its new keys
+        from ``k_input`` and its new values from ``v_input`` (``x`` gives the queries; x-transformers'
+        ``qkv_receive_diff_residuals``, which the stack passes). Padded layout, no ``context``.
+    additional_key_values: ``(k, v)``, each ``(b, h_a, a, d)`` (x-transformers' keyword): ``a`` more keys
+        and values every query sees (not rotated, not normed; no causal limit), e.g. another model's
+        cached ones. ``h_a`` divides ``heads``: query head ``n`` uses added head ``n % h_a`` (x-transformers';
+        with ``kv_head_order="interleaved"`` and ``h_a == kv_heads``, ``n // g``). Not with ``data_dependent_alibi``, ``orthog_projected_values``
+        or the unpadded layouts; they come after the memory keys in ``return_attn``'s weights.
+    additional_key_value_mask: ``(b, a)`` bool, True = a real added key; masked ones (whatever they
+        hold, NaN included) reach no output and no gradient.
+    kv_input_residual: ``(b|1, j|1, c_src)`` added to the keys'/values' input (``x``, or ``context``)
+        before their projections (x-transformers' keyword), in its dtype; rows of masked keys are selected away.
+        Not with precomputed keys/values (``kv``).
+    positions: ``(q_pos (b|1, i), k_pos (b|1, j))`` integer positions of the queries and keys, for
+        ``use_rel_proj_pos_bias`` (the stack passes the real tokens' positions); default the index
+        positions, the queries the last ``i`` keys.
+    prev_attn: ``(b, h, i, j)`` the logits of the attention before (x-transformers' residual attention,
+        ``residual_attn``): added to this one's scaled logits before the bias; runs the explicit float32
+        path. Entries this call masks, and padded queries' rows, are selected away (the ``-inf`` the stack's
+        logits hold there included): they reach no output and no gradient.
+    _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights and logits with
+        ``return_attn``).
+    rel_pos, pos, mem, mem_mask, context_rotary_pos_emb, polar_pos_emb, q_delta, k_delta, v_delta, o_delta,
+        attn_delta, flash_pack_seq_kwargs: x-transformers' call keywords (its stack passes them), accepted at
+        ``None``; another value is a ``TypeError`` naming it (in safeformer the stack applies positions,
+        memories and biases; ``AttentionLayers`` takes ``mems``).
+
+Returns:
+    ``out (b, i, c)``; ``(out, AttnIntermediate)`` with ``return_intermediates``; ``(out, weights)``
+    with ``return_attn``. Rows that may attend to no key are exactly 0 after the output projection,
+    and pass zero gradient (S2).
 """
 
 from __future__ import annotations
@@ -339,80 +413,10 @@ class Attention(nn.Module):
         context_rotary_pos_emb=None, polar_pos_emb=None, q_delta=None, k_delta=None, v_delta=None, o_delta=None,
         attn_delta=None, flash_pack_seq_kwargs=None,
     ):
-        """Attend from ``x (b, i, c)``; x-transformers' call: ``attn(x)`` returns the output tensor.
-
-        Args:
-            x: queries' input.
-            context: ``(b, j, c_ctx)`` for cross-attention; ``None`` for self-attention.
-            mask: bool attention mask as ``attend`` takes it (True = may attend); a ``SelectedMask`` from
-                the stack says ``x`` at dead rows and the source at masked keys are 0 already. In self-attention a
-                ``(b, j)`` (or ``(b, 1, 1, j)``) padding mask marks padding of ``x`` itself: a padded
-                position is neither a key nor a query, whatever it holds, and its output is exactly 0.
-                With ``context_mask`` given, ``mask (b, i)`` is the padding of ``x`` (its rows exactly 0).
-            context_mask: ``(b, j)`` padding of the context (x-transformers' keyword): an all-False row
-                makes the sample's output exactly 0.
-            attn_mask: an extra mask ``(i, j)``, ``(h, i, j)`` or ``(b|1, h|1, i, j)`` (True = may attend; a
-                3-d mask is per head, as in x-transformers), combined with the others.
-            causal: bottom-right causal masking; default the module's ``causal``.
-            rotary: ``(q_angles, k_angles)``, each ``(b|1, 1, n, d_rot)``, for the new queries and new keys.
-            rotary_pos_emb: x-transformers' form ``(freqs (b|1, n_k, d_rot), xpos_scale)`` as returned by
-                ``RotaryEmbedding.forward`` (``xpos_scale`` must be 1: xpos is not supported); the last
-                ``i`` rows rotate the queries, the last new-key rows the new keys.
-            bias: additive attention bias (ALiBi); ``attn_bias``: x-transformers' name for it.
-            kv: precomputed keys/values (cross-attention with a cache); ``context`` is then unused.
-            past_kv: cached self-attention keys/values to prepend (already rotated).
-                ``kv`` and ``past_kv`` come from ``return_intermediates`` (``cached_kv``); whatever they
-                hold at masked key positions (NaN, inf) reaches no output and no gradient.
-            cache: an ``AttnIntermediate`` from an earlier ``return_intermediates`` call (x-transformers'
-                decoding): its ``cached_kv`` are the past keys/values (self-attention) or the context's
-                (cross-attention, then ``context`` is not needed).
-            return_intermediates: also return an ``AttnIntermediate`` with ``cached_kv`` (the keys and
-                values used, rotated, without memory keys), ``post_softmax_attn`` (the weights, float32,
-                computed by the explicit path; ``None`` when the module was built with ``flash=True``, as
-                in x-transformers) and ``pre_softmax_attn`` (the logits they came from, what ``qk_clip_`` reads).
-            return_attn: also return the weights ``(b, h, i, M + j)`` in float32 (memory keys first; the
-                sink's weight left out): masked keys and dead rows are exactly 0 (and padded queries, in
-                self-attention).
-            value_residual: ``(b, h_kv, j_new, d)`` the first attention's values of the same positions
-                (x-transformers' ``add_value_residual``): the new values become ``lerp(value_residual, v, mix)``,
-                ``mix`` learned per position and head (``learned_value_residual_mix``) or 0.5; in the values' dtype.
-                Its slots at masked keys (NaN included) reach no output and no gradient. Keys/values
-                handed in (``kv``, a cross-attention cache) are used as they are (mixed when cached).
-            layout: the unpadded path's layout (``GroupedSelfLayout``, ``VarlenSelfLayout`` or
-                ``PackedCrossLayout``, built by ``unpadded.py``): ``x`` is then the ``(T, c)`` packed real
-                tokens, and the output too.
-            kv_input: ``(k_input, v_input)``, each ``(b, i, c)`` like ``x``: self-attention projects its new keys
-                from ``k_input`` and its new values from ``v_input`` (``x`` gives the queries; x-transformers'
-                ``qkv_receive_diff_residuals``, which the stack passes). Padded layout, no ``context``.
-            additional_key_values: ``(k, v)``, each ``(b, h_a, a, d)`` (x-transformers' keyword): ``a`` more keys
-                and values every query sees (not rotated, not normed; no causal limit), e.g. another model's
-                cached ones. ``h_a`` divides ``heads``: query head ``n`` uses added head ``n % h_a`` (x-transformers';
-                with ``kv_head_order="interleaved"`` and ``h_a == kv_heads``, ``n // g``). Not with ``data_dependent_alibi``, ``orthog_projected_values``
-                or the unpadded layouts; they come after the memory keys in ``return_attn``'s weights.
-            additional_key_value_mask: ``(b, a)`` bool, True = a real added key; masked ones (whatever they
-                hold, NaN included) reach no output and no gradient.
-            kv_input_residual: ``(b|1, j|1, c_src)`` added to the keys'/values' input (``x``, or ``context``)
-                before their projections (x-transformers' keyword), in its dtype; rows of masked keys are selected away.
-                Not with precomputed keys/values (``kv``).
-            positions: ``(q_pos (b|1, i), k_pos (b|1, j))`` integer positions of the queries and keys, for
-                ``use_rel_proj_pos_bias`` (the stack passes the real tokens' positions); default the index
-                positions, the queries the last ``i`` keys.
-            prev_attn: ``(b, h, i, j)`` the logits of the attention before (x-transformers' residual attention,
-                ``residual_attn``): added to this one's scaled logits before the bias; runs the explicit float32
-                path. Entries this call masks, and padded queries' rows, are selected away (the ``-inf`` the stack's
-                logits hold there included): they reach no output and no gradient.
-            _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights and logits with
-                ``return_attn``).
-            rel_pos, pos, mem, mem_mask, context_rotary_pos_emb, polar_pos_emb, q_delta, k_delta, v_delta, o_delta,
-                attn_delta, flash_pack_seq_kwargs: x-transformers' call keywords (its stack passes them), accepted at
-                ``None``; another value is a ``TypeError`` naming it (in safeformer the stack applies positions,
-                memories and biases; ``AttentionLayers`` takes ``mems``).
-
-        Returns:
-            ``out (b, i, c)``; ``(out, AttnIntermediate)`` with ``return_intermediates``; ``(out, weights)``
-            with ``return_attn``. Rows that may attend to no key are exactly 0 after the output projection,
-            and pass zero gradient (S2).
-        """
+        """Attend from ``x (b, i, c)``; x-transformers' call: ``attn(x)`` returns the output tensor ``(b, i, c)``
+        (``(out, AttnIntermediate)`` with ``return_intermediates``, ``(out, weights)`` with ``return_attn``); a row
+        that may attend to no key is exactly 0 with zero gradient (S2). Every keyword is documented in this module's
+        docstring (``help(safeformer.nn.attention)``, "``Attention.forward``")."""
         if not (rel_pos is None and pos is None and mem is None and mem_mask is None and context_rotary_pos_emb is None
                 and polar_pos_emb is None and q_delta is None and k_delta is None and v_delta is None
                 and o_delta is None and attn_delta is None and flash_pack_seq_kwargs is None):

@@ -13,6 +13,44 @@ dim, e value dim, P CoPE positions.
 
 Safe like ``attend``: what a masked key or a dead row holds reaches no output and no gradient, and a dead row
 outputs exactly 0.
+
+``init_scoring``: The options that change how logits become weights, checked, set on ``attn`` (``l2_distance``, ``cog_signed``,
+
+``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``, ``laser_value``, ``cope``).
+
+Args (``Attention``'s keywords):
+    l2_distance: logits ``-|q - k|^2 * d ** -0.5`` (x-transformers' l2 distance attention).
+    cog_signed: cog attention: the softmax of ``|logits|``, the weights given back the logits' signs (the sink's
+        logit too); weights may be negative.
+    sigmoid: weights ``sigmoid(logits)``, unnormalised (masked keys and dead rows 0).
+    gumbel_softmax, gumbel_softmax_temp, gumbel_softmax_hard: weights sampled by a gumbel softmax of temperature
+        ``gumbel_softmax_temp`` (hard: the one-hot of the sample with the soft weights' gradient); the noise is
+        drawn in evaluation too, as x-transformers; ``log_prob_from_hard_attend`` reads the picked keys' log
+        probabilities from the intermediates.
+    inverted_attention: (cross-attention) each key's weights are a softmax over the queries that may see it (a
+        padded query takes none), then each query's weights are L1-normalised over its keys; no KV cache, no
+        memory keys or sink (``num_mem_kv``, ``learned_sink``: the module's, refused beside it).
+    laser, laser_softclamp_value: LASER attention: ``log(weights @ exp(softclamp(v)))`` (a dead row stays 0, never
+        ``log(0)``); not with ``cog_signed``.
+    sparse_topk: x-transformers' sparse top-k attention: each query keeps its ``sparse_topk`` largest logits
+        among the keys it may see (ties kept; all of them when fewer are live) and softmaxes over those; the
+        others weigh exactly 0. Not with sigmoid, gumbel softmax, l2 distance or inverted attention.
+        ``sparse_topk_straight_through``: the backward pass goes through the softmax over every live key (the
+        forward stays the top-k one), as x-transformers'.
+    pre_talking_heads, post_talking_heads, pre_scale_post_talking_heads: x-transformers' talking heads, each a
+        learned ``(h, h)`` mix of the heads (``Conv2d(h, h, 1)``, the identity at init): of the logits before the
+        softmax (added to them), of the weights after it, and a scale of the weights made from the logits. They
+        mix only what a query may see: masked keys' logits enter as 0 and their weights stay 0, and a dead row
+        stays 0 (x-transformers mixes the raw logits of masked keys too, which only differs when heads are masked
+        differently).
+    hard: x-transformers' hard attention: each query's weights are the one-hot of its largest live logit (the
+        first on ties) forward, the softmax's gradient backward; a dead row stays 0.
+    use_cope, cope_max_pos: contextual positions (CoPE, causal attention): a key's position is the sum of
+        ``sigmoid(logit)`` over the visible keys from it on (masked keys count 0), its logit gains ``q . pos_emb``
+        at that position (interpolated). ``cope_talking_heads`` / ``cope_soft_onehot_pos`` are refused.
+
+These options (``cog_signed`` to ``use_cope``) run the explicit float32 attention: no fused kernel, padded path
+only; ``l2_distance`` alone runs the fused kernels (``[2q, 1] . [k, -|k|^2]``), padded path only.
 """
 
 from __future__ import annotations
@@ -37,42 +75,8 @@ def init_scoring(attn: AttentionModule, dim_head: int, causal: bool, *, num_mem_
                  hard: bool = False, heads: int = 1, pre_talking_heads: bool = False,
                  post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False) -> None:
     """The options that change how logits become weights, checked, set on ``attn`` (``l2_distance``, ``cog_signed``,
-    ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``, ``laser_value``, ``cope``).
-
-    Args (``Attention``'s keywords):
-        l2_distance: logits ``-|q - k|^2 * d ** -0.5`` (x-transformers' l2 distance attention).
-        cog_signed: cog attention: the softmax of ``|logits|``, the weights given back the logits' signs (the sink's
-            logit too); weights may be negative.
-        sigmoid: weights ``sigmoid(logits)``, unnormalised (masked keys and dead rows 0).
-        gumbel_softmax, gumbel_softmax_temp, gumbel_softmax_hard: weights sampled by a gumbel softmax of temperature
-            ``gumbel_softmax_temp`` (hard: the one-hot of the sample with the soft weights' gradient); the noise is
-            drawn in evaluation too, as x-transformers; ``log_prob_from_hard_attend`` reads the picked keys' log
-            probabilities from the intermediates.
-        inverted_attention: (cross-attention) each key's weights are a softmax over the queries that may see it (a
-            padded query takes none), then each query's weights are L1-normalised over its keys; no KV cache, no
-            memory keys or sink (``num_mem_kv``, ``learned_sink``: the module's, refused beside it).
-        laser, laser_softclamp_value: LASER attention: ``log(weights @ exp(softclamp(v)))`` (a dead row stays 0, never
-            ``log(0)``); not with ``cog_signed``.
-        sparse_topk: x-transformers' sparse top-k attention: each query keeps its ``sparse_topk`` largest logits
-            among the keys it may see (ties kept; all of them when fewer are live) and softmaxes over those; the
-            others weigh exactly 0. Not with sigmoid, gumbel softmax, l2 distance or inverted attention.
-            ``sparse_topk_straight_through``: the backward pass goes through the softmax over every live key (the
-            forward stays the top-k one), as x-transformers'.
-        pre_talking_heads, post_talking_heads, pre_scale_post_talking_heads: x-transformers' talking heads, each a
-            learned ``(h, h)`` mix of the heads (``Conv2d(h, h, 1)``, the identity at init): of the logits before the
-            softmax (added to them), of the weights after it, and a scale of the weights made from the logits. They
-            mix only what a query may see: masked keys' logits enter as 0 and their weights stay 0, and a dead row
-            stays 0 (x-transformers mixes the raw logits of masked keys too, which only differs when heads are masked
-            differently).
-        hard: x-transformers' hard attention: each query's weights are the one-hot of its largest live logit (the
-            first on ties) forward, the softmax's gradient backward; a dead row stays 0.
-        use_cope, cope_max_pos: contextual positions (CoPE, causal attention): a key's position is the sum of
-            ``sigmoid(logit)`` over the visible keys from it on (masked keys count 0), its logit gains ``q . pos_emb``
-            at that position (interpolated). ``cope_talking_heads`` / ``cope_soft_onehot_pos`` are refused.
-
-    These options (``cog_signed`` to ``use_cope``) run the explicit float32 attention: no fused kernel, padded path
-    only; ``l2_distance`` alone runs the fused kernels (``[2q, 1] . [k, -|k|^2]``), padded path only.
-    """
+    ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``, ``laser_value``, ``cope``); each keyword is documented
+    in this module's docstring ("``init_scoring``")."""
     if inverted_attention and (num_mem_kv or learned_sink):
         raise ValueError("inverted_attention with memory keys or a learned sink is not supported (every query, padded "
                          "ones too, would share their softmax over the queries)")
