@@ -523,6 +523,22 @@ def _offset_positions(positions, offset, x, mask) -> Tensor:
     return positions_from_mask(mask, x.shape[1], x.device) + offset
 
 
+def _intermediates_kv(additional, add_mask, x: Tensor) -> tuple:
+    """``self_attn_additional_kv`` given as another model's ``LayerIntermediates``: its cache's self-attention
+    keys/values (as the cache holds them) and their padding combined with ``add_mask``; anything else unchanged."""
+    if not isinstance(additional, LayerIntermediates):
+        return additional, add_mask
+    kv = additional.cache
+    if not isinstance(kv, KVCache):
+        raise TypeError("self_attn_additional_kv is a LayerIntermediates without a cache: pass the "
+                        "intermediates of a return_intermediates / return_hiddens call")
+    if kv.mask is not None:  # its padding: those slots are no keys
+        if add_mask is not None:
+            validate_mask(add_mask, "additional_kv_mask", shape=tuple(kv.mask.shape), device=x.device)
+        add_mask = kv.mask if add_mask is None else kv.mask & add_mask
+    return list(kv.self_kv), add_mask
+
+
 def _extra_kv_kwargs(stack, additional, add_mask, detach: bool, to_top: bool, self_res, cross_res, x: Tensor, mask,
                      context, context_mask, cache, n_given) -> dict:
     """x-transformers' ``self_attn_additional_kv`` and ``*_kv_residuals`` checked and split per attention block:
@@ -542,16 +558,7 @@ def _extra_kv_kwargs(stack, additional, add_mask, detach: bool, to_top: bool, se
         if add_mask is not None:
             raise ValueError("additional_kv_mask was given without self_attn_additional_kv")
     else:
-        if isinstance(additional, LayerIntermediates):  # another model's keys/values, as its cache holds them
-            kv = additional.cache
-            if not isinstance(kv, KVCache):
-                raise TypeError("self_attn_additional_kv is a LayerIntermediates without a cache: pass the "
-                                "intermediates of a return_intermediates / return_hiddens call")
-            if kv.mask is not None:  # its padding: those slots are no keys
-                if add_mask is not None:
-                    validate_mask(add_mask, "additional_kv_mask", shape=tuple(kv.mask.shape), device=x.device)
-                add_mask = kv.mask if add_mask is None else kv.mask & add_mask
-            additional = list(kv.self_kv)
+        additional, add_mask = _intermediates_kv(additional, add_mask, x)
         if not isinstance(additional, (list, tuple)):
             raise TypeError(f"self_attn_additional_kv must be a list of (k, v) pairs (or None) per self-attention "
                             f"block, or a LayerIntermediates; got {type(additional).__name__}")
