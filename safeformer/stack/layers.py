@@ -719,12 +719,12 @@ class AttentionLayers(Configurable, nn.Module):
                          cross_attn_kv_residuals=cross_attn_kv_residuals, seq_pos_offset=seq_pos_offset,
                          repeat_blocks=repeat_blocks, layers_execute_order=layers_execute_order, mems=mems,
                          mem_masks=mem_masks)
-        resolve_call(self, call)  # x-transformers' spellings resolved, every input checked
-        plan = share_inputs(self, call)  # the masks, positions, context and condition every block shares
-        if plan is not None:  # the real tokens only (unpadded.py)
-            return forward_unpadded(self, call.x, plan, call.positions, call.context if call.ca.used else None,
-                                    call.context_mask, call.cond)
-        return finish_call(self, call, run_blocks(self, call))
+        call = resolve_call(self, call)  # x-transformers' spellings resolved, every input checked
+        call = share_inputs(self, call)  # the masks, positions, context and condition every block shares
+        if call.unpadded_plan is not None:  # the real tokens only (unpadded.py)
+            return forward_unpadded(self, call.x, call.unpadded_plan, call.positions,
+                                    call.context if call.ca.used else None, call.context_mask, call.cond)
+        return finish_call(self, call, *run_blocks(self, call))
 
 
 def _xt_key_masks(x, mask, attn_mask, cache, self_attn_kv_mask, seq_start_pos) -> tuple:

@@ -14,7 +14,7 @@ c model width, c_ctx context width, h heads, h_kv key/value heads, d head dim, L
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -42,11 +42,12 @@ StackModule = nn.Module
 
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True)
 class StackCall:
-    """One call of ``AttentionLayers.forward``: its keywords as given (the first block of fields, documented on
-    ``forward``, which passes each one by name rather than reading ``locals()``, so that ``torch.compile`` traces
-    it whole), then what the phases derive from them, in order:
+    """One call of ``AttentionLayers.forward``, an immutable value: its keywords as given (the first block of fields,
+    documented on ``forward``, which passes each one by name rather than reading ``locals()``, so that
+    ``torch.compile`` traces it whole), then what the phases derive from them, each phase returning a new value
+    (``dataclasses.replace``) that the next one reads:
 
     - ``resolve_call``: ``x``, ``mask``, ``positions``, ``ff_deep_embeds`` and ``cache`` as resolved; ``b``, ``n``;
       ``call_causal`` (this call's causality); ``padded_only`` (an option the unpadded path does not run);
@@ -55,8 +56,7 @@ class StackCall:
     - ``share_inputs``: ``x`` (padded rows 0), ``positions``, ``context`` and ``context_mask`` as every block reads
       them; ``sa`` / ``ca`` (``SelfAttentionInputs`` / ``CrossAttentionInputs``); ``cond`` (``(b, K)`` or ``None``);
       ``cross_rotary`` (the angles of ``context_pos``); ``unpadded_plan``;
-    - ``run_blocks``: each attention block's keys/values (``self_kv``, ``cross_kv``, ``(b, h_kv, p + n, d)``), the
-      hybrid modules' states and, with ``return_hiddens``, the hidden states and attention maps.
+    ``run_blocks`` returns the stream and a ``BlocksOut``, which ``finish_call`` reads.
     """
 
     x: Tensor
@@ -101,20 +101,28 @@ class StackCall:
     ca: CrossAttentionInputs | None = None
     cond: Tensor | None = None
     cross_rotary: tuple | None = None
-    # run_blocks' outputs
-    self_kv: list | None = None
-    cross_kv: list | None = None
-    hiddens: list | None = None
-    layer_hiddens: list | None = None
-    last_stream: Tensor | None = None  # the residual routing's stream(s) before softclamp_output and the sum
-    attn_maps: list | None = None
-    logit_maps: list | None = None
-    hybrid_states: list | None = None
 
 
-def resolve_call(stack: StackModule, call: StackCall) -> None:
+@dataclass(frozen=True)
+class BlocksOut:
+    """What ``run_blocks`` leaves for ``finish_call``: each attention block's keys/values (``self_kv``, ``cross_kv``,
+    ``(b, h_kv, p + n, d)``), the hybrid modules' states and, with ``return_hiddens``, the hidden states and the
+    attention maps and logits; ``last_stream`` the residual routing's stream(s) before ``softclamp_output`` and the
+    sum."""
+
+    self_kv: list
+    cross_kv: list
+    hiddens: list
+    layer_hiddens: list
+    last_stream: Tensor | None
+    attn_maps: list
+    logit_maps: list
+    hybrid_states: list
+
+
+def resolve_call(stack: StackModule, call: StackCall) -> StackCall:
     """Phase 1 (the door): x-transformers' spellings (``pos``, ``deep_embeds_and_ids``, ``seq_pos_offset``) and
-    cache protocol resolved, then every input checked once. Sets ``call``'s ``x``, ``mask``, ``positions``,
+    cache protocol resolved, then every input checked once. Returns ``call`` with its ``x``, ``mask``, ``positions``,
     ``ff_deep_embeds``, ``cache``, ``b``, ``n``, ``call_causal``, ``order``, ``per_block``, ``mem``, ``xpos`` and
     ``padded_only`` (an option of this call that the unpadded path does not run)."""
     x, mask, positions, cache, ff_deep_embeds = call.x, call.mask, call.positions, call.cache, call.ff_deep_embeds
@@ -167,16 +175,16 @@ def resolve_call(stack: StackModule, call: StackCall) -> None:
         raise ValueError("rotary_xpos runs without a KV cache (its scales are centered on the positions of each "
                          "call: cached keys would keep an old center) and rotates self-attention only (no "
                          "context_pos); decode with cache_kv=False")
-    call.x, call.mask, call.positions, call.cache, call.ff_deep_embeds = x, mask, positions, cache, ff_deep_embeds
-    call.b, call.n, call.call_causal, call.padded_only, call.order = b, n, call_causal, padded_only, order
-    call.per_block, call.mem, call.xpos = per_block, mem, xpos
+    return replace(call, x=x, mask=mask, positions=positions, cache=cache, ff_deep_embeds=ff_deep_embeds, b=b, n=n,
+                   call_causal=call_causal, padded_only=padded_only, order=order, per_block=per_block, mem=mem,
+                   xpos=xpos)
 
 
-def share_inputs(stack: StackModule, call: StackCall) -> UnpaddedPlan | None:
+def share_inputs(stack: StackModule, call: StackCall) -> StackCall:
     """Phase 2: what every block of the call shares, built once: ``x`` with padded rows selected to 0, the
     self-attention inputs (``sa``: masks, positions, rotary angles, bias; the kernel masks of memories whose
     masks differ per block), the context (``ca``), the adaptive condition (``cond``, ``(b, K)``), the rotary
-    angles of ``context_pos`` and the unpadded plan. Returns the plan (``None``: the padded path)."""
+    angles of ``context_pos`` and the unpadded plan (``None``: the padded path), set on the returned value."""
     x, mask, cache, attn_mask, positions = call.x, call.mask, call.cache, call.attn_mask, call.positions
     mem, call_causal, b, n, return_cache = call.mem, call.call_causal, call.b, call.n, call.return_cache
     context_pos, unpadded_plan, padded_only = call.context_pos, call.unpadded_plan, call.padded_only
@@ -218,9 +226,8 @@ def share_inputs(stack: StackModule, call: StackCall) -> UnpaddedPlan | None:
     elif padded_only:
         raise ValueError("a causal override, ff_deep_embeds, additional keys/values and key/value residuals run "
                          "on the padded path: pass no unpadded_plan")
-    call.x, call.positions, call.context, call.context_mask, call.sa, call.ca = x, positions, context, context_mask, sa, ca
-    call.cond, call.cross_rotary, call.unpadded_plan = cond, cross_rotary, unpadded_plan
-    return unpadded_plan
+    return replace(call, x=x, positions=positions, context=context, context_mask=context_mask, sa=sa, ca=ca,
+                   cond=cond, cross_rotary=cross_rotary, unpadded_plan=unpadded_plan)
 
 
 def _block_arguments(stack: StackModule, call: StackCall) -> tuple[dict, dict, dict]:
@@ -297,10 +304,10 @@ def _run_block(stack: StackModule, call: StackCall, run: _BlockRun, block: Block
     return block(x, cond, **shift)
 
 
-def run_blocks(stack: StackModule, call: StackCall) -> Tensor:
+def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
     """Phase 3, the padded path: the blocks in order (``call.order``, or each once), with the residual routing,
-    stochastic depth and activation checkpointing. Returns the stream ``(b, n, c)`` before the final norm; leaves
-    on ``call`` each attention block's keys/values, the hybrid modules' states and (``return_hiddens``) the
+    stochastic depth and activation checkpointing. Returns the stream ``(b, n, c)`` before the final norm and the
+    ``BlocksOut``: each attention block's keys/values, the hybrid modules' states and (``return_hiddens``) the
     hidden states and attention maps, padded positions 0."""
     mask, cache, cond = call.mask, call.cache, call.cond
     cached_cross, use_cross = call.ca.cached, call.ca.used
@@ -351,13 +358,14 @@ def run_blocks(stack: StackModule, call: StackCall) -> Tensor:
             logit_maps.extend(_masked_rows(e, mask) for e in extra[2:3])
         out = _stochastic_depth(stack, out, b)
         x = residual_update(block[2], out, x) if route is None else stack.routing.leave(route, idx, out)
+    last_stream = None
     if route is not None:
-        call.last_stream = x
+        last_stream = x
         x = stack.routing.finish(x)  # the streams summed
         layer_hiddens = route.layer_hiddens
-    call.self_kv, call.cross_kv, call.hiddens, call.layer_hiddens = self_kv, cross_kv, hiddens, layer_hiddens
-    call.attn_maps, call.logit_maps, call.hybrid_states = attn_maps, logit_maps, state.hybrid_states
-    return x
+    return x, BlocksOut(self_kv=self_kv, cross_kv=cross_kv, hiddens=hiddens, layer_hiddens=layer_hiddens,
+                        last_stream=last_stream, attn_maps=attn_maps, logit_maps=logit_maps,
+                        hybrid_states=state.hybrid_states)
 
 
 def _recompute(stack: StackModule, call: StackCall) -> bool:
@@ -402,13 +410,13 @@ def _mask_hidden(h: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask[..., None], h, 0.0)
 
 
-def finish_call(stack: StackModule, call: StackCall, x: Tensor) -> Tensor | tuple:
+def finish_call(stack: StackModule, call: StackCall, x: Tensor, out: BlocksOut) -> Tensor | tuple:
     """Phase 4: the final norm of the stream ``x (b, n, c)`` (padded positions exact zeros), the intermediates
-    (``return_hiddens``) and the new cache (``return_cache``), in ``forward``'s return form."""
+    (``return_hiddens``) and the new cache (``return_cache``) from ``out``, in ``forward``'s return form."""
     mask, cache, cond, b, n = call.mask, call.cache, call.cond, call.b, call.n
-    layer_hiddens = call.layer_hiddens
+    layer_hiddens = out.layer_hiddens
     if call.return_hiddens:  # x-transformers' layer_hiddens: every block's input, then the stream before the final norm
-        layer_hiddens = [*layer_hiddens, _last_hidden(x, call.last_stream)]
+        layer_hiddens = [*layer_hiddens, _last_hidden(x, out.last_stream)]
         if mask is not None:
             layer_hiddens = [_mask_hidden(h, mask) for h in layer_hiddens]
     x = apply_norm(stack.final_norm, x, cond)
@@ -416,17 +424,17 @@ def finish_call(stack: StackModule, call: StackCall, x: Tensor) -> Tensor | tupl
         x = torch.where(mask[..., None], x, 0.0)
     intermediates = None
     if call.return_hiddens:
-        order, logit_maps = call.order, call.logit_maps
+        order, logit_maps = call.order, out.logit_maps
         ran = stack.layer_kinds if order is None else [stack.layer_kinds[i] for i in order]
         kinds = [k for k in ran if k != "ff" and (k == "self" or call.ca.used)]
         intermediates = LayerIntermediates(
-            hiddens=call.hiddens, last_hidden=x, layer_hiddens=layer_hiddens,
+            hiddens=out.hiddens, last_hidden=x, layer_hiddens=layer_hiddens,
             attn_intermediates=[AttnIntermediate(post_softmax_attn=w, layer_type="a" if k == "self" else "c",
                                                  pre_softmax_attn=logit_maps[t] if t < len(logit_maps) else None)
-                                for t, (w, k) in enumerate(zip(call.attn_maps, kinds))],
+                                for t, (w, k) in enumerate(zip(out.attn_maps, kinds))],
         )
-    cache_args = (cache, mask, b, n, x.device, call.self_kv, call.cross_kv, call.sa, call.ca, cond, call.condition,
-                  call.condition_mask, call.hybrid_states)
+    cache_args = (cache, mask, b, n, x.device, out.self_kv, out.cross_kv, call.sa, call.ca, cond, call.condition,
+                  call.condition_mask, out.hybrid_states)
     if intermediates is not None and call.call_causal == stack.causal and call.sa.all_positions.dim() == 2 \
             and not call.xpos and call.mem is None:  # the
         # cache (x-transformers' protocol; not with positions per head, which a cache does not keep;
