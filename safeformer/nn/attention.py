@@ -264,17 +264,30 @@ class Attention(nn.Module):
                                   fold_axial_dim=hybrid_fold_axial_dim, mask_kwarg=hybrid_mask_kwarg,
                                   learned_mix=hybrid_learned_mix)
         check_head_scale(self)
+        self._decide_paths()
 
-    @property
-    def explicit(self) -> bool:
-        """Whether every call runs the explicit float32 path (softclamped logits, cog, sigmoid, inverted, gumbel,
-        laser, CoPE: what no fused kernel does); such a module runs on the padded path only. (l2 distance alone runs
-        the fused kernels, through ``_l2_kernel_inputs``, on the padded path too.)"""
-        return (self.softclamp_value is not None or self.cog_signed or self.inverted or self.score != "softmax"
-                or self.laser_value is not None or self.cope is not None
-                or self.sparse_topk is not None or self.pre_softmax_talking_heads is not None
-                or self.post_softmax_talking_heads is not None or self.pre_scale_post_talking_heads is not None
-                or (self.l2_distance and self.head_attn_sink is not None))  # the sink's logit is no distance
+    def _decide_paths(self) -> None:
+        """Which paths this module runs, decided once from its parts:
+
+        - ``orthog``: the output is projected orthogonally to the values (x-transformers'
+          ``orthog_projected_values``): one projection over a sample's whole sequence, so it runs on the padded
+          path, in self-attention, without a KV cache;
+        - ``explicit``: every call runs the explicit float32 path (softclamped logits, cog, sigmoid, inverted,
+          gumbel, laser, CoPE, sparse top-k, talking heads: what no fused kernel does); such a module runs on the
+          padded path only (l2 distance alone runs the fused kernels, through ``_l2_kernel_inputs``, on the padded
+          path too);
+        - ``packable``: the unpadded (packed) path can run it (no extra keys, no explicit path, ...)."""
+        self.orthog = bool(self.orthog_projected_values or self.orthog_projected_values_per_head)
+        self.explicit = bool(
+            self.softclamp_value is not None or self.cog_signed or self.inverted or self.score != "softmax"
+            or self.laser_value is not None or self.cope is not None
+            or self.sparse_topk is not None or self.pre_softmax_talking_heads is not None
+            or self.post_softmax_talking_heads is not None or self.pre_scale_post_talking_heads is not None
+            or (self.l2_distance and self.head_attn_sink is not None))  # the sink's logit is no distance
+        self.packable = bool(self.extra_keys == 0 and not self.explicit and not self.l2_distance and not self.orthog
+                             and self.to_forget_gates is None and self.rel_proj_pos_bias is None
+                             and not self.rope_subheads and self.hybrid is None
+                             and self.rotate_num_heads == self.heads)
 
     def _rotate(self, t: Tensor, angles: Tensor) -> Tensor:
         """Rotary positions on ``t (b, h|h_kv, n, d)``; with ``latent_rope_subheads`` on its last that many heads only
@@ -300,21 +313,6 @@ class Attention(nn.Module):
     def extra_keys(self) -> int:
         """Keys every query sees besides the inputs' own: the sink (if any) and the memory keys."""
         return self.num_mem_kv + (self.head_attn_sink is not None) + self.add_zero_kv
-
-    @property
-    def packable(self) -> bool:
-        """Whether the unpadded (packed) path can run this module (no extra keys, no softclamp)."""
-        return (self.extra_keys == 0 and not self.explicit and not self.l2_distance and not self.orthog
-                and self.to_forget_gates is None
-                and self.rel_proj_pos_bias is None and not self.rope_subheads and self.hybrid is None
-                and self.rotate_num_heads == self.heads)
-
-    @property
-    def orthog(self) -> bool:
-        """Whether the output is projected orthogonally to the values (x-transformers'
-        ``orthog_projected_values``): one projection over a sample's whole sequence, so it runs on the
-        padded path, in self-attention, without a KV cache."""
-        return self.orthog_projected_values or self.orthog_projected_values_per_head
 
     # ------------------------------------------------------------------------------------------------
     # the one projection seam and the one output seam, used by every path (padded, explicit, packed)

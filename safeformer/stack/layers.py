@@ -1131,6 +1131,10 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
         stack.static_step_reason = stack.static_step_reason or \
             "residual_attn / cross_residual_attn carry logits between layers (the explicit attention path)"
     stack.final_norm = norm() if pre_norm_has_final_norm and not pre_and_post_norm and pre_norm else nn.Identity()
+    # what a forward would otherwise ask every block each call, decided once
+    stack.self_rel_proj = any(getattr(blk.mixer, "rel_proj_pos_bias", None) is not None
+                              for blk in stack.layers if blk.kind == "self")
+    stack.inverted_cross = any(getattr(blk.mixer, "inverted", False) for blk in stack.layers if blk.kind == "cross")
     # the unpadded path packs tokens; Attention.packable says which options run on the padded path only
     stack.packable = all(blk.mixer.packable for blk in stack.layers if blk.kind != "ff") \
         and not stack.add_value_residual and stack.routing is None and not rotary_xpos and not polar_pos_emb \

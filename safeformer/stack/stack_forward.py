@@ -244,10 +244,10 @@ def _block_arguments(stack: StackModule, call: StackCall) -> tuple[dict, dict, d
                      bias=sa.bias, return_attn=call.return_hiddens, _return_kv=True)
     cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, causal=False,
                       return_attn=call.return_hiddens, _return_kv=True, rotary=call.cross_rotary)
-    if any(getattr(blk.mixer, "rel_proj_pos_bias", None) is not None for blk in stack.layers if blk.kind == "self"):
+    if stack.self_rel_proj:
         self_args["positions"] = (call.positions, sa.all_positions)  # the real tokens' positions (rel_proj_pos_bias)
     inverted_args = cross_args
-    if mask is not None and use_cross and any(getattr(blk.mixer, "inverted", False) for blk in stack.layers):
+    if mask is not None and use_cross and stack.inverted_cross:
         # inverted cross-attention normalises over the queries: padded ones take none
         q_pad = mask[:, None, :, None]  # (b, 1, n, 1)
         j_ctx = context.shape[1] if context is not None else 0
