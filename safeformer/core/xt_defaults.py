@@ -17,9 +17,8 @@ XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_custom_attn_fn": None, "attn_data_dependent_alibi_per_row": False,
     "attn_data_dependent_alibi_per_row_dim_head": 8, "attn_dim_context": None, "attn_dim_out": None,
     "attn_flash_pack_seq": False, "attn_inverted_attention": False,
-    "attn_k_rmsnorm": False, "attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
+"attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
     "attn_on_attn": False, "attn_project_out": None,
-    "attn_qk_rmsnorm": False,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None, "attn_selective": False,
     "attn_value_dim_head": None, "gated_multi_residual": False,
 }

@@ -296,7 +296,7 @@ def _fused_qkv(mixer) -> _FusedQKV | None:
         weight = torch.cat([lin.weight for lin in lins])
         bias = None if biases[0] is None else torch.cat(biases)
     sizes = tuple(int(lin.out_features) for lin in lins)
-    return _FusedQKV(weight, bias, sizes, mixer.q_norm is None and mixer.k_norm is None)
+    return _FusedQKV(weight, bias, sizes, not mixer.qk_normed)
 
 
 def _plain_q(mixer) -> bool:

@@ -215,7 +215,8 @@ class Attention(nn.Module):
         pre_talking_heads: bool = False,
         post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
-        qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", **xt_options,
+        qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", qk_rmsnorm: bool = False, k_rmsnorm: bool = False,
+        **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -246,7 +247,7 @@ class Attention(nn.Module):
         init_norms(self, dim, heads, kv_heads, dim_head, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
                    qk_norm_dim_scale=qk_norm_dim_scale, value_rmsnorm=value_rmsnorm,
                    learned_value_residual_mix=learned_value_residual_mix, qk_norm_groups=qk_norm_groups,
-                   qk_norm_scale=qk_norm_scale)
+                   qk_norm_scale=qk_norm_scale, qk_rmsnorm=qk_rmsnorm, k_rmsnorm=k_rmsnorm)
         init_forget_gates(self, dim, heads, causal, data_dependent_alibi, data_dependent_alibi_kwargs)
         init_out(self, dim, heads, dim_head, bias, dim_out=dim_out, zero_init_output=zero_init_output,
                  head_scale=head_scale, sublayer_dropout=sublayer_dropout, output_proj_depth=output_proj_depth,
@@ -278,6 +279,8 @@ class Attention(nn.Module):
           path too);
         - ``packable``: the unpadded (packed) path can run it (no extra keys, no explicit path, ...)."""
         self.orthog = bool(self.orthog_projected_values or self.orthog_projected_values_per_head)
+        # a norm of queries or keys between the projection and the rotation (the decode step's fused plan reads it)
+        self.qk_normed = any(n is not None for n in (self.q_norm, self.k_norm, self.q_rmsnorm, self.k_rmsnorm))
         self.explicit = bool(
             self.softclamp_value is not None or self.cog_signed or self.inverted or self.score != "softmax"
             or self.laser_value is not None or self.cope is not None
@@ -342,12 +345,16 @@ class Attention(nn.Module):
         return self.value_rmsnorm
 
     def norm_q(self, q: Tensor) -> Tensor:
-        """Queries ``(..., h, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_q_scale``), if on."""
-        return _qk_normed(self.q_norm, self.qk_norm_q_scale, q)
+        """Queries ``(..., h, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_q_scale``) and ``qk_rmsnorm``,
+        each if on."""
+        q = _qk_normed(self.q_norm, self.qk_norm_q_scale, q)
+        return q if self.q_rmsnorm is None else _rms_normed(self.q_rmsnorm, self.q_norm, q)
 
-    def norm_k(self, k: Tensor) -> Tensor:
-        """Keys ``(..., h_kv, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_k_scale``), if on."""
-        return _qk_normed(self.k_norm, self.qk_norm_k_scale, k)
+    def norm_k(self, k: Tensor, memory: bool = False) -> Tensor:
+        """Keys ``(..., h_kv, d)`` through x-transformers' ``qk_norm`` (and ``qk_norm_k_scale``) and ``qk_rmsnorm`` /
+        ``k_rmsnorm``, each if on; ``memory`` keys take the first only, as there."""
+        k = _qk_normed(self.k_norm, self.qk_norm_k_scale, k)
+        return k if self.k_rmsnorm is None or memory else _rms_normed(self.k_rmsnorm, self.k_norm, k)
 
     def _project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated); with
@@ -485,6 +492,14 @@ for _name in ("head_attn_sink", "pre_softmax_talking_heads", "post_softmax_talki
               "pre_scale_post_talking_heads", "cope"):
     setattr(Attention, _name, property(lambda self, _n=_name: getattr(self.attend, _n),
                                        doc=f"``attend.{_name}`` (where x-transformers keeps it), or ``None``."))
+
+
+def _rms_normed(rms: nn.Module, l2: nn.Module | None, t: Tensor) -> Tensor:
+    """``t`` through x-transformers' ``q_rmsnorm`` / ``k_rmsnorm`` after its qk-norm: the L2 norm's multiplier (which
+    stands for x-transformers' logit scale ``qk_norm_scale``, the kernels scaling by ``d ** -0.5``) applied after it,
+    where x-transformers' logit scale applies too."""
+    out = rms(t)
+    return out if l2 is None else out * l2.mult
 
 
 def _qk_normed(norm: nn.Module | None, scale: Tensor | None, t: Tensor) -> Tensor:

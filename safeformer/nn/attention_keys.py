@@ -150,7 +150,7 @@ def prepend_extra(attn: AttentionModule, k: Tensor, v: Tensor, live: Tensor | No
     if attn.num_mem_kv:
         mk, mv = attn.mem_k.to(k.dtype), attn.mem_v.to(v.dtype)
         if attn.k_norm is not None:  # (h_kv, M, d): the norm reads heads second to last
-            mk = attn.norm_k(mk.transpose(0, 1)).transpose(0, 1)
+            mk = attn.norm_k(mk.transpose(0, 1), memory=True).transpose(0, 1)
         mk, mv = mk[None].expand(b, -1, -1, -1), mv[None].expand(b, -1, -1, -1)
         if live is not None:
             mk, mv = _grad_select(live[:, None, None, None], mk), _grad_select(live[:, None, None, None], mv)

@@ -63,7 +63,8 @@ def init_projections(attn: AttentionModule, dim: int, heads: int, kv_heads: int,
 
 def init_norms(attn: AttentionModule, dim: int, heads: int, kv_heads: int, dim_head: int, *, qk_norm: bool,
                qk_norm_eps: float | None, qk_norm_dim_scale: bool, value_rmsnorm: bool,
-               learned_value_residual_mix: bool, qk_norm_groups: int = 1, qk_norm_scale: float = 10.0) -> None:
+               learned_value_residual_mix: bool, qk_norm_groups: int = 1, qk_norm_scale: float = 10.0,
+               qk_rmsnorm: bool = False, k_rmsnorm: bool = False) -> None:
     """The norms of ``attn``'s queries, keys and values (``q_norm``, ``k_norm``, ``v_norm``), x-transformers'
     ``qk_norm_q_scale`` / ``qk_norm_k_scale`` and the learned mix of the value residual (``to_value_residual_mix``),
     checked and set.
@@ -80,7 +81,16 @@ def init_norms(attn: AttentionModule, dim: int, heads: int, kv_heads: int, dim_h
             kv head.
         learned_value_residual_mix: x-transformers' ``learned_value_residual_mix``: the value residual's mix per
             position and kv head, ``sigmoid(Linear(x))``; without it a given ``value_residual`` is mixed in at 0.5.
+        qk_rmsnorm, k_rmsnorm: x-transformers' ``MultiheadRMSNorm`` of the queries and keys (``q_rmsnorm``,
+            ``k_rmsnorm``: gain ``1 + gamma (h, 1, d)``), or of the keys only, after ``qk_norm``; memory keys are
+            not RMS-normed, as there. One of them at most.
     """
+    if qk_rmsnorm and k_rmsnorm:
+        raise ValueError("choose one of qk_rmsnorm and k_rmsnorm (qk_rmsnorm norms the keys too)")
+    rms_eps = 1e-6 if qk_norm_eps is None else qk_norm_eps
+    attn.q_rmsnorm = HeadRMSNorm(heads, dim_head, eps=rms_eps, unit_offset=True) if qk_rmsnorm else None
+    attn.k_rmsnorm = HeadRMSNorm(kv_heads, dim_head, eps=rms_eps, unit_offset=True) if qk_rmsnorm or k_rmsnorm \
+        else None
     if qk_norm_dim_scale and not qk_norm:
         raise ValueError("qk_norm_dim_scale scales the q/k norms per head and feature: it needs qk_norm=True")
     if isinstance(qk_norm_groups, bool) or not isinstance(qk_norm_groups, int) or qk_norm_groups < 1 \
