@@ -7,7 +7,7 @@ rounds of the per-round ratio ``after / before`` of the time (below 1: today's t
 
 Workloads (float32, CPU, one thread): a training step (forward and backward) of a decoder with a padding mask;
 greedy KV-cached generation, plain and guided with two branches (``cond_scale``), batch 1 and 16; ``attend`` with a
-padding mask, forward and backward.
+padding mask, forward and backward; the unpadded path (an encoder on a mostly padded batch, forward and backward).
 
     git worktree add /tmp/old <commit> && mkdir -p /tmp/oldpkg && cp -r /tmp/old/safeformer /tmp/oldpkg/sf_old
     python benchmarks/before_after.py --before /tmp/oldpkg --name sf_old
@@ -68,6 +68,16 @@ def _workloads(lib, quick: bool) -> dict:
         lib.attend(q, k, v, mask=pad).sum().backward()
 
     out["attend fwd+bwd (padding mask)"] = attend_step
+    # the unpadded path: an encoder on a mostly padded batch, forward and backward on the real tokens only
+    torch.manual_seed(0)
+    packed = lib.Encoder(dim=dim, depth=depth, heads=4, dim_head=dim // 4, rotary_pos_emb=True, unpadded=True)
+    xs = torch.randn(b, n, dim, generator=g)
+    sparse = torch.arange(n)[None] < torch.randint(1, n // 4 + 1, (b,), generator=g)[:, None]
+
+    def unpadded_step():
+        packed(xs, mask=sparse).sum().backward()
+
+    out[f"unpadded step (b {b}, n {n}, <= 25% real)"] = unpadded_step
     return out
 
 
