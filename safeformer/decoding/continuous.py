@@ -39,7 +39,8 @@ from ..core.masks import checked_once, validate_mask
 from ..core.xt_helpers import default_lazy_unless_module as default  # noqa: F401  (x-transformers' helper of this module)
 from ..core.xt_helpers import exists  # noqa: F401
 from ..stack.wrappers import ContinuousTransformerWrapper, capped_log_var, split_mean_log_var
-from .decode import GuidedForward, autoregress, last_real
+from .decode import GuidedForward, autoregress
+from .rollout import rollout_loss
 
 __all__ = ["ContinuousAutoregressiveWrapper", "ContinuousTransformerWrapper"]
 
@@ -107,6 +108,51 @@ XT_NLL_EPS = 1e-6
 XT_SAMPLE_EPS = 1e-5
 
 
+def _check_net_args(net, probabilistic, loss, min_variance, use_l1_loss,
+                    equal_loss_weight_batch) -> tuple[str, int, bool]:
+    """``ContinuousAutoregressiveWrapper``'s checks of its net and loss options, in order: returns ``(loss, dim_in,
+    net_probabilistic)`` (``loss`` is ``"l1"`` with x-transformers' ``use_l1_loss=True``)."""
+    for name, flag in (("use_l1_loss", use_l1_loss), ("equal_loss_weight_batch", equal_loss_weight_batch)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if use_l1_loss:  # x-transformers' spelling of loss="l1"
+        if loss not in ("mse", "l1"):
+            raise ValueError(f"use_l1_loss=True with loss={loss!r}: pass one of them")
+        loss = "l1"
+    if not isinstance(net, ContinuousTransformerWrapper):
+        raise TypeError(f"net must be a ContinuousTransformerWrapper, got {type(net).__name__}")
+    if not net.attn_layers.causal:
+        raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-step training and generation")
+    if not isinstance(probabilistic, bool):
+        raise TypeError(f"probabilistic must be a bool, got {probabilistic!r}")
+    if loss not in _LOSSES:
+        raise ValueError(f"loss must be one of {list(_LOSSES)}, got {loss!r}")
+    if probabilistic and loss != "mse":
+        raise ValueError(f"loss={loss!r} with probabilistic=True: a probabilistic model is trained with the "
+                         "Gaussian negative log-likelihood (leave loss at its default)")
+    if isinstance(min_variance, bool) or not (isinstance(min_variance, (int, float)) and math.isfinite(min_variance) and min_variance > 0):
+        raise ValueError(f"min_variance must be a finite number > 0, got {min_variance!r}")
+    dim_in = net.dim_in
+    net_probabilistic = bool(getattr(net, "probabilistic", False))
+    if net_probabilistic and probabilistic:
+        raise ValueError("probabilistic=True here and on the net: the net's probabilistic=True (x-transformers' "
+                         "spelling) already makes this wrapper probabilistic, with x-transformers' layout; "
+                         "leave probabilistic out here")
+    if net_probabilistic:
+        dim_out = net.dim_out
+        want = dim_in
+    else:
+        dim_out = net.project_out.out_features if isinstance(net.project_out, nn.Linear) else net.attn_layers.dim
+        want = 2 * dim_in if probabilistic else dim_in
+    if net_probabilistic and dim_out != want:
+        raise ValueError(f"a probabilistic net's dim_out must equal dim_in = {dim_in} (its mean is fed back as "
+                         f"input), got dim_out={dim_out}")
+    if dim_out != want:
+        what = "2 * dim_in (a mean and a log-variance per feature)" if probabilistic else "dim_in (it is fed back as input)"
+        raise ValueError(f"the net's dim_out must be {what} = {want} with probabilistic={probabilistic}, got dim_out={dim_out}")
+    return loss, dim_in, net_probabilistic
+
+
 # ----------------------------------------------------------------------------------------------------
 # the wrapper
 # ----------------------------------------------------------------------------------------------------
@@ -172,44 +218,8 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         equal_loss_weight_batch: bool = False,
     ):
         super().__init__()
-        for name, flag in (("use_l1_loss", use_l1_loss), ("equal_loss_weight_batch", equal_loss_weight_batch)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
-        if use_l1_loss:  # x-transformers' spelling of loss="l1"
-            if loss not in ("mse", "l1"):
-                raise ValueError(f"use_l1_loss=True with loss={loss!r}: pass one of them")
-            loss = "l1"
-        if not isinstance(net, ContinuousTransformerWrapper):
-            raise TypeError(f"net must be a ContinuousTransformerWrapper, got {type(net).__name__}")
-        if not net.attn_layers.causal:
-            raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-step training and generation")
-        if not isinstance(probabilistic, bool):
-            raise TypeError(f"probabilistic must be a bool, got {probabilistic!r}")
-        if loss not in _LOSSES:
-            raise ValueError(f"loss must be one of {list(_LOSSES)}, got {loss!r}")
-        if probabilistic and loss != "mse":
-            raise ValueError(f"loss={loss!r} with probabilistic=True: a probabilistic model is trained with the "
-                             "Gaussian negative log-likelihood (leave loss at its default)")
-        if isinstance(min_variance, bool) or not (isinstance(min_variance, (int, float)) and math.isfinite(min_variance) and min_variance > 0):
-            raise ValueError(f"min_variance must be a finite number > 0, got {min_variance!r}")
-        dim_in = net.dim_in
-        net_probabilistic = bool(getattr(net, "probabilistic", False))
-        if net_probabilistic and probabilistic:
-            raise ValueError("probabilistic=True here and on the net: the net's probabilistic=True (x-transformers' "
-                             "spelling) already makes this wrapper probabilistic, with x-transformers' layout; "
-                             "leave probabilistic out here")
-        if net_probabilistic:
-            dim_out = net.dim_out
-            want = dim_in
-        else:
-            dim_out = net.project_out.out_features if isinstance(net.project_out, nn.Linear) else net.attn_layers.dim
-            want = 2 * dim_in if probabilistic else dim_in
-        if net_probabilistic and dim_out != want:
-            raise ValueError(f"a probabilistic net's dim_out must equal dim_in = {dim_in} (its mean is fed back as "
-                             f"input), got dim_out={dim_out}")
-        if dim_out != want:
-            what = "2 * dim_in (a mean and a log-variance per feature)" if probabilistic else "dim_in (it is fed back as input)"
-            raise ValueError(f"the net's dim_out must be {what} = {want} with probabilistic={probabilistic}, got dim_out={dim_out}")
+        loss, dim_in, net_probabilistic = _check_net_args(net, probabilistic, loss, min_variance, use_l1_loss,
+                                                          equal_loss_weight_batch)
         probs = drop_probabilities(cond_drop_prob)
         check_drop_kinds(net.attn_layers, cond_drop_prob)
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
@@ -306,7 +316,7 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         inp_mask = None if mask is None else mask[:, :-1]
         counted = torch.ones(b, n - 1, dtype=torch.bool, device=x.device) if mask is None else mask[:, 1:] & mask[:, :-1]
         if rollout_steps > 1:
-            return self._rollout_loss(x, mask, conds, rollout_steps, reduction, generator)
+            return rollout_loss(self, x, mask, conds, rollout_steps, reduction, generator)
         out = self._model(inp, mask=inp_mask, **conds.kwargs())  # (b, n - 1, dim_out)
         per = self._per_target(out, target, counted)  # (b, n - 1); padded targets selected away first
         acc = torch.promote_types(out.dtype, torch.float32)
@@ -349,124 +359,51 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         std = torch.exp(0.5 * log_var.clamp(max=math.log(torch.finfo(log_var.dtype).max) / 2))  # finite
         return mean + std * math.sqrt(temperature) * noise
 
-    def _rollout_loss(self, x: Tensor, mask: Tensor | None, conds: Conditions, steps, reduction: str, generator) -> Tensor:
-        """The ``steps``-step rollout loss (see ``forward``)."""
-        b, n, d = x.shape
-        device = x.device
-        real = torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
-        lengths = real.sum(1)  # (b,)
-        # the real steps first, in order (any padding layout): x compacted to the left
-        order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices
-        xc = torch.where(real[..., None], x, 0.0).gather(1, order[..., None].expand(-1, -1, d))
-        valid = lengths > steps  # (b,): at least one history step and ``steps`` targets
-        span = (lengths - steps).clamp(min=1)  # cuts 1 .. L - k
-        u = torch.rand(b, generator=generator, device=device)
-        cut = torch.where(valid, 1 + (u * span).floor().long().clamp(max=span - 1), torch.ones_like(lengths))
-        hist = int(cut.max()) if b else 1
-        ar = torch.arange(hist, device=device)
-        seq, seq_mask = xc[:, :hist], ar[None] < cut[:, None]  # right-padded histories
-        tidx = (cut[:, None] + torch.arange(steps, device=device)[None]).clamp(max=n - 1)  # (b, k)
-        targets = xc.gather(1, tidx[..., None].expand(-1, -1, d))
-        counted = valid[:, None].expand(b, steps)
-        preds = []
-        kw = conds.kwargs()
-        for t in range(steps):
-            out = self._model(seq, mask=seq_mask, **kw)
-            last = last_real(out, seq_mask)  # (b, dim_out)
-            preds.append(last)
-            if t + 1 < steps:
-                mean, log_var = self._split(last)
-                nxt = mean if log_var is None else self._draw(mean, log_var, 1.0, generator).detach()
-                nxt = nxt.to(x.dtype)[:, None]
-                seq = torch.cat((seq, nxt), dim=1)
-                seq_mask = torch.cat((seq_mask, torch.ones(b, 1, dtype=torch.bool, device=device)), dim=1)
-        out = torch.stack(preds, dim=1)  # (b, k, dim_out)
-        per = self._per_target(out, targets, counted)
-        acc = torch.promote_types(out.dtype, torch.float32)
-        return self._reduce(per, counted, reduction, acc)
-
     # ------------------------------------------------------------------------------------------------
     # generation
     # ------------------------------------------------------------------------------------------------
 
-    def _check_generate_args(self, start, seq_len, mask, temperature, guidance_rescale) -> tuple[int, float, float]:
-        """``generate``'s checks of its start, length, mask and sampling options (S9)."""
-        if not isinstance(start, Tensor) or start.dim() != 3 or start.shape[-1] != self.dim_in:
-            raise ValueError(f"start must have shape (b, n0, dim_in={self.dim_in}), got {getattr(start, 'shape', type(start))}")
-        if not start.is_floating_point():
-            raise TypeError(f"start must be a floating-point tensor, got dtype {start.dtype}")
-        b, n0, _ = start.shape
-        if n0 == 0:
-            raise ValueError("start must hold at least one step per sample (got n0 = 0 positions)")
-        seq_len = _check_count(seq_len, "seq_len", 0)
-        if mask is not None:
-            validate_mask(mask, "mask", shape=(b, n0), device=start.device)
-            empty = ~mask.any(dim=1)
-            if bool(empty.any()):
-                raise ValueError(f"every start needs at least one real step; mask rows {empty.nonzero().flatten().tolist()} are all False")
-        temperature = _check_temperature(temperature)
-        guidance_rescale = _check_guidance_rescale(guidance_rescale)
-        if guidance_rescale > 0 and self.dim_in < 2:
-            raise ValueError(f"guidance_rescale needs dim_in >= 2 (a standard deviation over the features), got dim_in={self.dim_in}")
-        return seq_len, temperature, guidance_rescale
-
     @torch.no_grad()
     def generate(
-        self,
-        start: Tensor,
-        seq_len: int,
-        *,
-        mask: Tensor | None = None,
-        context: Tensor | None = None,
-        context_mask: Tensor | None = None,
-        prepend_embeds: Tensor | None = None,
-        prepend_mask: Tensor | None = None,
-        condition: Tensor | None = None,
-        condition_mask: Tensor | None = None,
+        self, start: Tensor, seq_len: int, *, mask: Tensor | None = None, context: Tensor | None = None,
+        context_mask: Tensor | None = None, prepend_embeds: Tensor | None = None, prepend_mask: Tensor | None = None,
+        condition: Tensor | None = None, condition_mask: Tensor | None = None,
         cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
-        guidance_rescale: float = 0.0,
-        guidance_interval: tuple[int, int] | None = None,
-        negative_context: Tensor | None = None,
-        negative_context_mask: Tensor | None = None,
-        negative_prepend_embeds: Tensor | None = None,
-        negative_prepend_mask: Tensor | None = None,
-        negative_condition: Tensor | None = None,
-        cache_kv: bool = True,
-        temperature: float = 1.0,
-        generator: torch.Generator | None = None,
-        **conditions,
+        guidance_rescale: float = 0.0, guidance_interval: tuple[int, int] | None = None,
+        negative_context: Tensor | None = None, negative_context_mask: Tensor | None = None,
+        negative_prepend_embeds: Tensor | None = None, negative_prepend_mask: Tensor | None = None,
+        negative_condition: Tensor | None = None, cache_kv: bool = True, temperature: float = 1.0,
+        generator: torch.Generator | None = None, **conditions,
     ) -> Tensor:
         """Generate ``seq_len`` new steps after ``start``, optionally with classifier-free guidance.
 
         Args:
-            start: ``(b, n0, d)`` the first steps (left-padded when their lengths differ), or ``(n0, d)``
-                for one sequence.
+            start: ``(b, n0, d)`` the first steps (left-padded when their lengths differ), or ``(n0, d)`` for one
+                sequence.
             seq_len: how many steps to generate (>= 0).
-            mask: ``(b, n0)`` padding of ``start`` (True = real; every sample needs a real step).
-                Padded steps may hold anything (NaN included).
-            context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask: the
-                conditions, as in ``forward``.
-            cond_scale: a number (joint guidance ``uncond + s * (joint - uncond)``; 1.0 is plain
-                conditional generation and runs one branch, 0.0 unconditional), a mapping ``{"joint": s,
-                "context": s_c, "prepend": s_p, "condition": s_a}`` (compositional guidance), or a
-                callable ``step -> number | mapping``. Every branch runs in one batched forward sharing
-                one KV cache.
-            guidance_rescale: phi in ``[0, 1]``: pull the guided vector's standard deviation (over its
-                ``d`` features; needs ``d >= 2``) toward the joint branch's.
-            guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``; the others
-                take the joint (fully conditional) branch.
+            mask: ``(b, n0)`` padding of ``start`` (True = real; every sample needs a real step). Padded steps may
+                hold anything (NaN included).
+            context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask: the conditions, as in
+                ``forward``.
+            cond_scale: a number (joint guidance ``uncond + s * (joint - uncond)``; 1.0 is plain conditional
+                generation and runs one branch, 0.0 unconditional), a mapping
+                ``{"joint": s, "context": s_c, "prepend": s_p, "condition": s_a}`` (compositional guidance), or a
+                callable ``step -> number | mapping``. Every branch runs in one batched forward sharing one KV cache.
+            guidance_rescale: phi in ``[0, 1]``: pull the guided vector's standard deviation (over its ``d`` features;
+                needs ``d >= 2``) toward the joint branch's.
+            guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``; the others take the joint
+                (fully conditional) branch.
             negative_context, negative_context_mask, negative_prepend_embeds, negative_prepend_mask,
-                negative_condition: the unconditional branch's conditions in place of the dropped
-                ones (batch ``b`` or 1).
-            cache_kv: decode with the KV cache (one new step per forward); the values equal those of
-                the uncached path to float tolerance.
-            temperature: a probabilistic model samples ``N(mean, var * temperature)`` (the guided mean,
-                the joint branch's variance); 0 gives the mean. A deterministic model returns its
-                (guided) prediction whatever the temperature. Guidance and sampling are computed in
-                float32 (float64 for float64 models); a value beyond the range of ``start``'s dtype (a
-                huge scale in float16) saturates at its largest finite value instead of becoming inf.
-            generator: the random source of probabilistic sampling (one ``(b, d)`` normal draw per
-                step).
+                negative_condition: the unconditional branch's conditions in place of the dropped ones (batch ``b`` or
+                1).
+            cache_kv: decode with the KV cache (one new step per forward); the values equal those of the uncached path
+                to float tolerance.
+            temperature: a probabilistic model samples ``N(mean, var * temperature)`` (the guided mean, the joint
+                branch's variance); 0 gives the mean. A deterministic model returns its (guided) prediction whatever
+                the temperature. Guidance and sampling are computed in float32 (float64 for float64 models); a value
+                beyond the range of ``start``'s dtype (a huge scale in float16) saturates at its largest finite value
+                instead of becoming inf.
+            generator: the random source of probabilistic sampling (one ``(b, d)`` normal draw per step).
 
         Returns:
             ``(b, seq_len, d)`` the new steps, in ``start``'s dtype; for an unbatched ``start (n0, d)``
@@ -479,35 +416,15 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
             if mask is not None:
                 validate_mask(mask, "mask", shape=(start.shape[0],), device=start.device)
             return self.generate(start[None], seq_len, mask=None if mask is None else mask[None], **kwargs)[0]
-        seq_len, temperature, guidance_rescale = self._check_generate_args(start, seq_len, mask, temperature,
-                                                                           guidance_rescale)
+        seq_len, temperature, guidance_rescale = _check_generate_args(self.dim_in, start, seq_len, mask, temperature,
+                                                                      guidance_rescale)
         b, n0, _ = start.shape
-        device = start.device
-        kw = {**locals(), **conditions}
-        conds, negatives = _conditions_of(self.net, b, device, kw), _negatives(self.net, b, device, kw)
-        conds = conds.with_empty_for(negatives, b)
-        if self.net.pos_emb is not None and n0 + seq_len - 1 > self.max_seq_len:  # a prefix takes no absolute position
-            raise ValueError(
-                f"a start of {n0} steps plus seq_len={seq_len} new steps needs "
-                f"{n0 + seq_len - 1} positions, more than the model's max_seq_len={self.max_seq_len}")
-        schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
-                                          has_uncond=bool(conds.kinds()), steps=seq_len)
+        conds, negatives, schedule = _guidance(self, {**locals(), **conditions}, b, n0, seq_len, start.device)
         out = start.new_zeros(b, seq_len, self.dim_in)
         if seq_len == 0 or b == 0:  # nothing to generate: empty in, empty out
             return out
         # a value beyond what the model takes back saturates instead of becoming inf (or NaN a step later)
         big = min(torch.finfo(start.dtype).max / 4, VALUE_LIMIT)
-
-        def combine(outs: dict[str, Tensor], t: int) -> tuple[Tensor, Tensor | None]:
-            """The guided mean and the joint branch's log-variance."""
-            split = {name: self._split(o) for name, o in outs.items()}
-            log_var = split[next(iter(split))][1]  # the joint branch comes first
-            if len(split) == 1:  # one branch (joint, or uncond at scale 0): its prediction, unguided
-                return next(iter(split.values()))[0], log_var
-            means = {name: m for name, (m, _) in split.items()}
-            uncond = means.pop("uncond")
-            return compose_values(uncond, means, schedule.at(t), guidance_rescale=guidance_rescale,
-                                  reference=means.get("joint")), log_var
 
         def pick(guided: tuple[Tensor, Tensor | None], t: int) -> tuple[Tensor, bool]:
             mean, log_var = guided
@@ -519,12 +436,70 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         was_training = self.training
         self.eval()
         try:
-            engine = GuidedForward(self._model, b, conds, negatives, schedule, combine, cache_kv=cache_kv, steps=seq_len,
-                                   need_joint=self.probabilistic or guidance_rescale > 0, static=True)
+            engine = GuidedForward(self._model, b, conds, negatives, schedule,
+                                   _combine_values(self._split, schedule, guidance_rescale), cache_kv=cache_kv,
+                                   steps=seq_len, need_joint=self.probabilistic or guidance_rescale > 0, static=True)
             autoregress(engine, start, mask, seq_len, pick)
         finally:
             self.train(was_training)
         return out
+
+
+def _check_generate_args(dim_in: int, start, seq_len, mask, temperature, guidance_rescale) -> tuple[int, float, float]:
+    """``generate``'s checks of its start, length, mask and sampling options (S9)."""
+    if not isinstance(start, Tensor) or start.dim() != 3 or start.shape[-1] != dim_in:
+        raise ValueError(f"start must have shape (b, n0, dim_in={dim_in}), got {getattr(start, 'shape', type(start))}")
+    if not start.is_floating_point():
+        raise TypeError(f"start must be a floating-point tensor, got dtype {start.dtype}")
+    b, n0, _ = start.shape
+    if n0 == 0:
+        raise ValueError("start must hold at least one step per sample (got n0 = 0 positions)")
+    seq_len = _check_count(seq_len, "seq_len", 0)
+    if mask is not None:
+        validate_mask(mask, "mask", shape=(b, n0), device=start.device)
+        empty = ~mask.any(dim=1)
+        if bool(empty.any()):
+            raise ValueError(f"every start needs at least one real step; mask rows {empty.nonzero().flatten().tolist()} are all False")
+    temperature = _check_temperature(temperature)
+    guidance_rescale = _check_guidance_rescale(guidance_rescale)
+    if guidance_rescale > 0 and dim_in < 2:
+        raise ValueError(f"guidance_rescale needs dim_in >= 2 (a standard deviation over the features), "
+                         f"got dim_in={dim_in}")
+    return seq_len, temperature, guidance_rescale
+
+
+def _guidance(wrapper, kw: Mapping, b: int, n0: int, seq_len: int,
+              device) -> tuple[Conditions, Conditions, GuidanceSchedule]:
+    """``generate``'s conditions, negatives and guidance schedule from its keywords ``kw``, checked (and the length
+    against a learned absolute position embedding)."""
+    net = wrapper.net
+    conds, negatives = _conditions_of(net, b, device, kw), _negatives(net, b, device, kw)
+    conds = conds.with_empty_for(negatives, b)
+    if net.pos_emb is not None and n0 + seq_len - 1 > wrapper.max_seq_len:  # a prefix takes no absolute position
+        raise ValueError(
+            f"a start of {n0} steps plus seq_len={seq_len} new steps needs "
+            f"{n0 + seq_len - 1} positions, more than the model's max_seq_len={wrapper.max_seq_len}")
+    schedule = GuidanceSchedule.build(kw["cond_scale"], conds.kinds(), kw["guidance_interval"], kw["guidance_rescale"],
+                                      has_uncond=bool(conds.kinds()), steps=seq_len)
+    return conds, negatives, schedule
+
+
+def _combine_values(split, schedule: GuidanceSchedule, guidance_rescale: float):
+    """The decode engine's combine function for continuous values: the guided mean and the joint branch's
+    log-variance (``split``: the wrapper's ``_split`` of a head's output)."""
+
+    def combine(outs: dict[str, Tensor], t: int) -> tuple[Tensor, Tensor | None]:
+        """The guided mean and the joint branch's log-variance."""
+        parts = {name: split(o) for name, o in outs.items()}
+        log_var = parts[next(iter(parts))][1]  # the joint branch comes first
+        if len(parts) == 1:  # one branch (joint, or uncond at scale 0): its prediction, unguided
+            return next(iter(parts.values()))[0], log_var
+        means = {name: m for name, (m, _) in parts.items()}
+        uncond = means.pop("uncond")
+        return compose_values(uncond, means, schedule.at(t), guidance_rescale=guidance_rescale,
+                              reference=means.get("joint")), log_var
+
+    return combine
 
 # x-transformers' names that its module of this path imports from another (the same objects as there)
 from ..core.xt_helpers import align_right, always  # noqa: E402, F401

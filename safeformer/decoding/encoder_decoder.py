@@ -51,6 +51,42 @@ def _split_side_options(options: dict, prefix: str) -> tuple[dict, dict]:
     return layers, wrapper
 
 
+def _route_options(enc_options, dec_options, aliases: dict, cross_attn_tokens_dropout) -> tuple[dict, dict]:
+    """Each side's options: ``enc_options`` / ``dec_options`` with x-transformers' ``enc_<option>`` / ``dec_<option>``
+    keywords (``aliases``) and ``cross_attn_tokens_dropout`` (the decoder's) added."""
+    enc_options, dec_options = dict(enc_options or {}), dict(dec_options or {})
+    for key, value in aliases.items():  # x-transformers' enc_<option> / dec_<option>
+        side = enc_options if key.startswith("enc_") else dec_options if key.startswith("dec_") else None
+        if side is None:
+            raise TypeError(f"XTransformer.__init__() got an unexpected keyword argument {key!r} (per-side "
+                            f"options are spelled enc_<option> / dec_<option>)")
+        side[key[4:]] = value
+    if cross_attn_tokens_dropout:  # x-transformers': the decoder drops encoder tokens it cross-attends to
+        if "cross_attn_tokens_dropout" in dec_options:
+            raise TypeError("XTransformer: cross_attn_tokens_dropout is given twice, as cross_attn_tokens_dropout "
+                            "and as dec_cross_attn_tokens_dropout")
+        dec_options["cross_attn_tokens_dropout"] = cross_attn_tokens_dropout
+    return enc_options, dec_options
+
+
+def _side_layer_options(shared: dict, own: dict, extra: dict) -> dict:
+    """One side's layer options: the shared ones, the side's ``own``, then its ``extra`` options, each overriding the
+    shared one of the same name (x-transformers' aliases translated, a module's keywords merged)."""
+    out = {**shared, **own}
+    for name, value in extra.items():  # a side's option overrides the shared one (aliases translated)
+        target = LAYER_ALIASES.get(name, name)
+        if target is None:
+            continue
+        updates = target(value) if callable(target) else {target: value}
+        if "_unsupported" in updates:
+            raise TypeError(f"XTransformer: x-transformers' option {updates['_unsupported']} is not supported")
+        for key in MODULE_KWARGS:  # one keyword of each module: merged
+            if key in updates:
+                updates[key] = merge_module_kwargs("XTransformer", out.get(key), updates[key], key, name)
+        out.update(updates)
+    return out
+
+
 class XTransformer(Configurable, nn.Module):
     """Encoder-decoder: ``model(src, tgt, mask=src_mask)`` returns the next-token loss on ``tgt``.
 
@@ -107,18 +143,7 @@ class XTransformer(Configurable, nn.Module):
         cross_attn_tokens_dropout: float = 0.0,
         **aliases,
     ):
-        enc_options, dec_options = dict(enc_options or {}), dict(dec_options or {})
-        for key, value in aliases.items():  # x-transformers' enc_<option> / dec_<option>
-            side = enc_options if key.startswith("enc_") else dec_options if key.startswith("dec_") else None
-            if side is None:
-                raise TypeError(f"XTransformer.__init__() got an unexpected keyword argument {key!r} (per-side "
-                                f"options are spelled enc_<option> / dec_<option>)")
-            side[key[4:]] = value
-        if cross_attn_tokens_dropout:  # x-transformers': the decoder drops encoder tokens it cross-attends to
-            if "cross_attn_tokens_dropout" in dec_options:
-                raise TypeError("XTransformer: cross_attn_tokens_dropout is given twice, as cross_attn_tokens_dropout "
-                                "and as dec_cross_attn_tokens_dropout")
-            dec_options["cross_attn_tokens_dropout"] = cross_attn_tokens_dropout
+        enc_options, dec_options = _route_options(enc_options, dec_options, aliases, cross_attn_tokens_dropout)
         enc_layer, enc_wrap = _split_side_options(enc_options, "enc_")
         dec_layer, dec_wrap = _split_side_options(dec_options, "dec_")
         super().__init__()
@@ -135,32 +160,12 @@ class XTransformer(Configurable, nn.Module):
         )
         shared = dict(dim=dim, dim_head=dim_head, kv_heads=kv_heads, rotary_pos_emb=rotary_pos_emb, ff_glu=ff_glu,
                       use_rmsnorm=use_rmsnorm, attn_dropout=attn_dropout, ff_dropout=ff_dropout)
-
-        def side(own: dict, extra: dict) -> dict:
-            out = {**shared, **own}
-            for name, value in extra.items():  # a side's option overrides the shared one (aliases translated)
-                target = LAYER_ALIASES.get(name, name)
-                if target is None:
-                    continue
-                updates = target(value) if callable(target) else {target: value}
-                if "_unsupported" in updates:
-                    raise TypeError(f"XTransformer: x-transformers' option {updates['_unsupported']} is not supported")
-                for key in MODULE_KWARGS:  # one keyword of each module: merged
-                    if key in updates:
-                        updates[key] = merge_module_kwargs("XTransformer", out.get(key), updates[key], key, name)
-                out.update(updates)
-            return out
-
-        self.encoder = TransformerWrapper(
-            num_tokens=enc_num_tokens, max_seq_len=enc_max_seq_len,
-            attn_layers=Encoder(**side(dict(depth=enc_depth, heads=enc_heads), enc_layer)), return_only_embed=True,
-            **enc_wrap,
-        )
-        net = TransformerWrapper(
-            num_tokens=dec_num_tokens, max_seq_len=dec_max_seq_len,
-            attn_layers=Decoder(**side(dict(depth=dec_depth, heads=dec_heads, cross_attend=True), dec_layer)),
-            **dec_wrap,
-        )
+        enc_layers = _side_layer_options(shared, dict(depth=enc_depth, heads=enc_heads), enc_layer)
+        self.encoder = TransformerWrapper(num_tokens=enc_num_tokens, max_seq_len=enc_max_seq_len,
+                                          attn_layers=Encoder(**enc_layers), return_only_embed=True, **enc_wrap)
+        dec_layers = _side_layer_options(shared, dict(depth=dec_depth, heads=dec_heads, cross_attend=True), dec_layer)
+        net = TransformerWrapper(num_tokens=dec_num_tokens, max_seq_len=dec_max_seq_len,
+                                 attn_layers=Decoder(**dec_layers), **dec_wrap)
         if tie_token_emb:
             if enc_num_tokens != dec_num_tokens:
                 raise ValueError("tie_token_emb=True needs enc_num_tokens == dec_num_tokens")

@@ -16,11 +16,12 @@ one KV cache.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checkpoints.pretrained import Configurable
@@ -36,10 +37,12 @@ from ..core.conditions import (
     drop_probabilities,
     guided_logits,
 )
-from ..core.losses import next_token_loss, safe_cross_entropy
+from ..core.losses import next_token_loss
 from ..core.masks import check_lengths, checked_once, validate_mask
 from ..stack.wrappers import TransformerWrapper
 from .decode import GuidedForward, autoregress
+from .looped import looped_call, looped_loss
+from .prompts import batch_prompts, left_pad
 
 __all__ = [
     "AutoregressiveWrapper",
@@ -322,10 +325,34 @@ def check_pad_value(pad_value) -> int:
     return pad_value
 
 
-def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditions, null_context, *, pad_value,
-             temperature, filter_logits_fn, filter_kwargs, eos_token, cond_scale, guidance_rescale,
-             guidance_interval, guidance_space, restrict_to_max_seq_len):
-    """Every check of a generation's arguments. Returns ``(conds, negatives, schedule, nulls, window)``."""
+@dataclass(frozen=True)
+class DecodeOptions:
+    """A generation's sampling, guidance and cache options as the doors take them (``from_kwargs`` reads them from a
+    door's keywords; an option the door lacks keeps its default); ``_prepare`` and ``_check_decode_flags`` check
+    them."""
+
+    temperature: float = 1.0
+    filter_logits_fn: Callable[..., Tensor] | str | None = None
+    filter_kwargs: dict[str, Any] | None = None
+    eos_token: int | None = None
+    cache_kv: bool = True
+    cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0
+    guidance_rescale: float = 0.0
+    guidance_interval: tuple[int, int] | None = None
+    guidance_space: str = "logits"
+    restrict_to_max_seq_len: bool = True
+    static_cache: bool = True
+    compile: bool = False
+    eos_check_every: int = 16
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping) -> DecodeOptions:
+        """The options among ``kwargs`` (a door's ``locals()``)."""
+        return cls(**{f.name: kwargs[f.name] for f in fields(cls) if f.name in kwargs})
+
+
+def _check_prompts(net, prompts, seq_len, mask, pad_value) -> None:
+    """The checks of the net, the prompts, their mask, ``seq_len`` and ``pad_value``."""
     if not isinstance(net, TransformerWrapper):
         raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
     if getattr(net, "num_output_heads", 1) > 1:
@@ -335,36 +362,39 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
     if prompts.dtype.is_floating_point or prompts.dtype == torch.bool or prompts.is_complex():
         raise TypeError(f"prompts must hold integer token ids, got dtype {prompts.dtype}")
     b, n = prompts.shape
-    device = prompts.device
     check_pad_value(pad_value)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
     if n == 0:
         raise ValueError("prompts must hold at least one token per sample (got n = 0 positions)")
     if mask is not None:
-        validate_mask(mask, "mask", shape=(b, n), device=device)
+        validate_mask(mask, "mask", shape=(b, n), device=prompts.device)
         empty = ~mask.any(dim=1)
         if bool(empty.any()):
             raise ValueError(
                 f"every prompt needs at least one real token; mask rows {empty.nonzero().flatten().tolist()} are all False"
             )
-    check_sampling(temperature, filter_logits_fn, filter_kwargs)
+
+
+def _check_options(net, o: DecodeOptions) -> None:
+    """The checks of the sampling and guidance options (the guidance scales are ``GuidanceSchedule.build``'s)."""
+    check_sampling(o.temperature, o.filter_logits_fn, o.filter_kwargs)
+    eos_token, guidance_rescale = o.eos_token, o.guidance_rescale
     if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
         raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
     if eos_token is not None and not 0 <= eos_token < net.num_tokens:  # it could never be drawn: no sample would stop
         raise ValueError(f"eos_token must be a token id in [0, num_tokens={net.num_tokens}), got {eos_token}")
     if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
         raise ValueError(f"guidance_rescale must be in [0, 1], got {guidance_rescale!r}")
-    if guidance_space not in ("logits", "logprobs"):
-        raise ValueError(f"guidance_space must be 'logits' or 'logprobs', got {guidance_space!r}")
-    if not isinstance(restrict_to_max_seq_len, bool):
-        raise TypeError(f"restrict_to_max_seq_len must be True or False, got {restrict_to_max_seq_len!r}")
-    layers = net.attn_layers
-    conds.check(net, b, device)
-    negatives = negatives.expand_batch(b).check(net, b, device, prefix="negative_")
-    if null_context is not None:
-        check_condition_args(Conditions(context=null_context), b, device, layers, prefix="null_")
-    m = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
+    if o.guidance_space not in ("logits", "logprobs"):
+        raise ValueError(f"guidance_space must be 'logits' or 'logprobs', got {o.guidance_space!r}")
+    if not isinstance(o.restrict_to_max_seq_len, bool):
+        raise TypeError(f"restrict_to_max_seq_len must be True or False, got {o.restrict_to_max_seq_len!r}")
+
+
+def _window(net, n: int, m: int, seq_len: int, restrict_to_max_seq_len: bool) -> int | None:
+    """The sliding window (``restrict_to_max_seq_len``) a prompt of ``n`` tokens after a prefix of ``m`` rows needs
+    for ``seq_len`` new tokens, or ``None``; a learned absolute position embedding cannot go that far: an error."""
     needed = m + n + seq_len - 1  # positions the last step's forward sees
     # a prefix takes no absolute position (x-transformers' convention): only the tokens count against the embedding
     if net.pos_emb is not None and n + seq_len - 1 > net.max_seq_len:
@@ -376,9 +406,25 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
             f"alibi_pos_bias=True), which can slide past max_seq_len"
         )
     # max_seq_len 0 or None (no absolute positions; x-transformers' 0): no bound, no window
-    window = net.max_seq_len if restrict_to_max_seq_len and net.max_seq_len and needed > net.max_seq_len else None
+    return net.max_seq_len if restrict_to_max_seq_len and net.max_seq_len and needed > net.max_seq_len else None
+
+
+def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditions, null_context, o: DecodeOptions,
+             pad_value):
+    """Every check of a generation's arguments. Returns ``(conds, negatives, schedule, nulls, window)``."""
+    _check_prompts(net, prompts, seq_len, mask, pad_value)
+    _check_options(net, o)
+    b, n = prompts.shape
+    device = prompts.device
+    layers = net.attn_layers
+    conds.check(net, b, device)
+    negatives = negatives.expand_batch(b).check(net, b, device, prefix="negative_")
+    if null_context is not None:
+        check_condition_args(Conditions(context=null_context), b, device, layers, prefix="null_")
+    m = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
+    window = _window(net, n, m, seq_len, o.restrict_to_max_seq_len)
     conds = conds.with_empty_for(negatives, b)  # a negative condition alone: the conditional branch sees it empty
-    schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
+    schedule = GuidanceSchedule.build(o.cond_scale, conds.kinds(), o.guidance_interval, o.guidance_rescale,
                                       has_uncond=bool(conds.kinds()), steps=seq_len)
     nulls = {} if null_context is None else {"context": (null_context, None)}
     return conds, negatives, schedule, nulls, window
@@ -386,39 +432,19 @@ def _prepare(net, prompts, seq_len, mask, conds: Conditions, negatives: Conditio
 
 @torch.no_grad()
 def generate_tokens(
-    net: TransformerWrapper,
-    prompts: Tensor,
-    seq_len: int,
-    *,
-    mask: Tensor | None = None,
-    context: Tensor | None = None,
-    context_mask: Tensor | None = None,
-    negative_context: Tensor | None = None,
-    negative_context_mask: Tensor | None = None,
-    temperature: float = 1.0,
-    filter_logits_fn: Callable[..., Tensor] | str | None = None,
-    filter_kwargs: dict[str, Any] | None = None,
-    eos_token: int | None = None,
-    cache_kv: bool = True,
+    net: TransformerWrapper, prompts: Tensor, seq_len: int, *, mask: Tensor | None = None,
+    context: Tensor | None = None, context_mask: Tensor | None = None,
+    negative_context: Tensor | None = None, negative_context_mask: Tensor | None = None,
+    temperature: float = 1.0, filter_logits_fn: Callable[..., Tensor] | str | None = None,
+    filter_kwargs: dict[str, Any] | None = None, eos_token: int | None = None, cache_kv: bool = True,
     cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
-    guidance_rescale: float = 0.0,
-    pad_value: int = 0,
-    prepend_embeds: Tensor | None = None,
-    prepend_mask: Tensor | None = None,
-    condition: Tensor | None = None,
-    condition_mask: Tensor | None = None,
-    negative_prepend_embeds: Tensor | None = None,
-    negative_prepend_mask: Tensor | None = None,
-    negative_condition: Tensor | None = None,
-    null_context: Tensor | None = None,
-    guidance_interval: tuple[int, int] | None = None,
-    guidance_space: str = "logits",
-    restrict_to_max_seq_len: bool = True,
-    static_cache: bool = True,
-    compile: bool = False,
-    eos_check_every: int = 16,
-    _two_pass: bool = False,
-    **conditions,
+    guidance_rescale: float = 0.0, pad_value: int = 0, prepend_embeds: Tensor | None = None,
+    prepend_mask: Tensor | None = None, condition: Tensor | None = None, condition_mask: Tensor | None = None,
+    negative_prepend_embeds: Tensor | None = None, negative_prepend_mask: Tensor | None = None,
+    negative_condition: Tensor | None = None, null_context: Tensor | None = None,
+    guidance_interval: tuple[int, int] | None = None, guidance_space: str = "logits",
+    restrict_to_max_seq_len: bool = True, static_cache: bool = True, compile: bool = False,
+    eos_check_every: int = 16, _two_pass: bool = False, **conditions,
 ) -> Tensor:
     """Sample ``seq_len`` tokens from a causal ``TransformerWrapper`` (the engine of every ``generate``).
 
@@ -426,95 +452,85 @@ def generate_tokens(
         net: a ``TransformerWrapper`` around a ``Decoder``.
         prompts: ``(b, n)`` token ids.
         seq_len: how many tokens to generate.
-        mask: ``(b, n)`` prompt padding mask (True = real). Prompts of different lengths are usually
-            left-padded; any padding works since positions count real tokens only. Every prompt
-            needs at least one real token.
+        mask: ``(b, n)`` prompt padding mask (True = real). Prompts of different lengths are usually left-padded; any
+            padding works since positions count real tokens only. Every prompt needs at least one real token.
         context, context_mask: the condition ``(b, j, c_ctx)`` / ``(b, j)`` for cross-attention.
-        negative_context, negative_context_mask: the unconditional branch's context (a negative prompt, a
-            learned null token); ``None``: the conditional context with an all-False mask (the
-            empty context).
+        negative_context, negative_context_mask: the unconditional branch's context (a negative prompt, a learned null
+            token); ``None``: the conditional context with an all-False mask (the empty context).
         temperature: softmax temperature; ``0.0`` is greedy.
-        filter_logits_fn, filter_kwargs: a logit filter (``top_k``, ``top_p``, ``min_p``, their names,
-            or any callable ``fn(logits, **filter_kwargs)``), applied after the temperature.
+        filter_logits_fn, filter_kwargs: a logit filter (``top_k``, ``top_p``, ``min_p``, their names, or any callable
+            ``fn(logits, **filter_kwargs)``), applied after the temperature.
         eos_token: each sample stops after producing it; its later positions hold ``pad_value``.
-        cache_kv: decode with the KV cache (one new token per step); the tokens equal those of the
-            uncached path (recomputing the whole sequence each step).
-        cond_scale: the guidance scales. A number s: ``uncond + s * (joint - uncond)`` (``1.0`` runs
-            the conditional branch only). A mapping ``{"joint": s, "context": s_c, "prepend": s_p,
-            "condition": s_a}`` (any subset of the conditions given): compositional guidance
-            ``uncond + sum_k s_k * (cond_k - uncond)``, where ``cond_k`` keeps only condition k and
-            ``joint`` keeps all. A callable ``step -> number | mapping``: a per-step schedule. Every
-            branch runs in one batched forward sharing one KV cache.
+        cache_kv: decode with the KV cache (one new token per step); the tokens equal those of the uncached path
+            (recomputing the whole sequence each step).
+        cond_scale: the guidance scales. A number s: ``uncond + s * (joint - uncond)`` (``1.0`` runs the conditional
+            branch only). A mapping ``{"joint": s, "context": s_c, "prepend": s_p, "condition": s_a}`` (any subset of
+            the conditions given): compositional guidance ``uncond + sum_k s_k * (cond_k - uncond)``, where ``cond_k``
+            keeps only condition k and ``joint`` keeps all. A callable ``step -> number | mapping``: a per-step
+            schedule. Every branch runs in one batched forward sharing one KV cache.
         guidance_rescale: phi of ``guided_logits`` (toward the joint branch's standard deviation).
         pad_value: token written after a sample's ``eos_token``.
         prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)`` (prefix conditioning).
         condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
-        negative_prepend_embeds, negative_prepend_mask, negative_condition: negative conditions for the
-            unconditional branch (like ``negative_context``); by default it sees every condition dropped.
-        null_context: ``(b, m, c_ctx)`` what a dropped context is in the per-condition branches (a
-            learned null token); default: the empty context.
-        guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``; the others sample
-            the joint (fully conditional) branch.
+        negative_prepend_embeds, negative_prepend_mask, negative_condition: negative conditions for the unconditional
+            branch (like ``negative_context``); by default it sees every condition dropped.
+        null_context: ``(b, m, c_ctx)`` what a dropped context is in the per-condition branches (a learned null
+            token); default: the empty context.
+        guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``; the others sample the joint
+            (fully conditional) branch.
         guidance_space: ``"logits"`` or ``"logprobs"`` (each branch log-softmaxed before combining).
-        restrict_to_max_seq_len: a sliding window (x-transformers' option of the same name) for nets
-            with relative positions (rotary, ALiBi, or none): once a sample's sequence (real prefix
-            rows, real prompt tokens and generated tokens) is longer than ``net.max_seq_len``, each
-            next token is predicted from its last ``max_seq_len`` real positions only, exactly as if
-            they were the whole input (the window counts real tokens, not padded slots, so a
-            left-padded batch equals each prompt alone; a prefix's rows are the oldest positions and
-            leave the window first). The KV cache serves every step up to ``max_seq_len``; past it,
-            each step re-encodes the window (a trimmed cache would differ from the second layer on,
-            whose cached keys saw tokens that have left the window), so the cached and uncached
-            paths give the same tokens. ``False``: every token sees the whole sequence, however
-            long. The cross-attention context and the adaptive condition are never cut.
-        static_cache: after the prompt, decode on a preallocated cache written in place, one
-            fixed-shape step per token that reads nothing back to the host (``static.py``); the same
-            tokens as the dynamic cache. Used where it applies (``cache_kv``, no sliding window
-            reached, no attention option that runs the explicit path); ``False``: the dynamic cache.
-        compile: compile the static step (``torch.compile(fullgraph=True)``, fixed shapes: one graph
-            per generation length); on a GPU the way to CUDA graphs. Compilation takes seconds, so it
-            pays only over long or repeated generations; on the CPU measure it first
-            (``benchmarks/generation_speed.py``).
-        eos_check_every: with ``eos_token``, look whether every sample has finished (a read of a device
-            value by the host) every this many steps; between checks no step waits for the device.
+        restrict_to_max_seq_len: a sliding window (x-transformers' option of the same name) for nets with relative
+            positions (rotary, ALiBi, or none): once a sample's sequence (real prefix rows, real prompt tokens and
+            generated tokens) is longer than ``net.max_seq_len``, each next token is predicted from its last
+            ``max_seq_len`` real positions only, exactly as if they were the whole input (the window counts real
+            tokens, not padded slots, so a left-padded batch equals each prompt alone; a prefix's rows are the oldest
+            positions and leave the window first). The KV cache serves every step up to ``max_seq_len``; past it, each
+            step re-encodes the window (a trimmed cache would differ from the second layer on, whose cached keys saw
+            tokens that have left the window), so the cached and uncached paths give the same tokens. ``False``: every
+            token sees the whole sequence, however long. The cross-attention context and the adaptive condition are
+            never cut.
+        static_cache: after the prompt, decode on a preallocated cache written in place, one fixed-shape step per
+            token that reads nothing back to the host (``static.py``); the same tokens as the dynamic cache. Used
+            where it applies (``cache_kv``, no sliding window reached, no attention option that runs the explicit
+            path); ``False``: the dynamic cache.
+        compile: compile the static step (``torch.compile(fullgraph=True)``, fixed shapes: one graph per generation
+            length); on a GPU the way to CUDA graphs. Compilation takes seconds, so it pays only over long or repeated
+            generations; on the CPU measure it first (``benchmarks/generation_speed.py``).
+        eos_check_every: with ``eos_token``, look whether every sample has finished (a read of a device value by the
+            host) every this many steps; between checks no step waits for the device.
 
     Returns:
         ``(b, seq_len)`` the new tokens (long).
 
     Raises:
-        ValueError: a bad shape, mask, value or option (named); a net with a learned absolute
-            position embedding asked for more than ``max_seq_len`` positions (either setting of
-            ``restrict_to_max_seq_len``).
+        ValueError: a bad shape, mask, value or option (named); a net with a learned absolute position embedding asked
+            for more than ``max_seq_len`` positions (either setting of ``restrict_to_max_seq_len``).
         TypeError: a tensor of the wrong dtype, a non-bool ``restrict_to_max_seq_len``.
     """
-    conditions = condition_kwargs("generate_tokens", conditions, negatives=True)
-    kw = {**locals(), **conditions}
+    kw = {**locals(), **condition_kwargs("generate_tokens", conditions, negatives=True)}
     return _generate(net, prompts, seq_len, Conditions.from_kwargs(kw), Conditions.from_kwargs(kw, "negative_"),
-                     null_context, mask=mask, temperature=temperature, filter_logits_fn=filter_logits_fn,
-                     filter_kwargs=filter_kwargs, eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale,
-                     guidance_rescale=guidance_rescale, pad_value=pad_value, guidance_interval=guidance_interval,
-                     guidance_space=guidance_space, restrict_to_max_seq_len=restrict_to_max_seq_len, two_pass=_two_pass,
-                     static_cache=static_cache, compile=compile, eos_check_every=eos_check_every)
+                     null_context, DecodeOptions.from_kwargs(kw), mask=mask, pad_value=pad_value, two_pass=_two_pass)
+
+
+def _check_decode_flags(o: DecodeOptions) -> None:
+    """The checks of the static cache, compile and EOS-check options."""
+    for name, flag in (("static_cache", o.static_cache), ("compile", o.compile)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if isinstance(o.eos_check_every, bool) or not isinstance(o.eos_check_every, int) or o.eos_check_every < 1:
+        raise ValueError(f"eos_check_every must be a positive integer, got {o.eos_check_every!r}")
 
 
 @torch.no_grad()
-def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, *, mask, temperature,
-              filter_logits_fn, filter_kwargs, eos_token, cache_kv, cond_scale, guidance_rescale, pad_value,
-              guidance_interval, guidance_space, restrict_to_max_seq_len, two_pass=False, static_cache=True,
-              compile=False, eos_check_every=16, call=None) -> Tensor:
+def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, o: DecodeOptions, *,
+              mask, pad_value, two_pass=False, call=None) -> Tensor:
     """``generate_tokens`` on conditions already gathered into ``Conditions`` (checked here, once)."""
-    conds, negatives, schedule, nulls, window = _prepare(
-        net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
-        filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token, cond_scale=cond_scale,
-        guidance_rescale=guidance_rescale, guidance_interval=guidance_interval, guidance_space=guidance_space,
-        restrict_to_max_seq_len=restrict_to_max_seq_len,
-    )
-    for name, flag in (("static_cache", static_cache), ("compile", compile)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if isinstance(eos_check_every, bool) or not isinstance(eos_check_every, int) or eos_check_every < 1:
-        raise ValueError(f"eos_check_every must be a positive integer, got {eos_check_every!r}")
-    filter_fn = _resolve_filter(filter_logits_fn)
+    conds, negatives, schedule, nulls, window = _prepare(net, prompts, seq_len, mask, conds, negatives, null_context,
+                                                         o, pad_value)
+    _check_decode_flags(o)
+    temperature, filter_kwargs, eos_token = o.temperature, o.filter_kwargs, o.eos_token
+    eos_check_every = o.eos_check_every
+    filter_fn = _resolve_filter(o.filter_logits_fn)
     b, device = prompts.shape[0], prompts.device
 
     out = torch.full((b, seq_len), pad_value, dtype=torch.long, device=device)
@@ -525,9 +541,10 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
     try:
         errors = torch.zeros((), dtype=torch.bool, device=device)  # NaN/+inf logits, read at the checks only
         engine = GuidedForward(net if call is None else call, b, conds, negatives, schedule,
-                               guided_logits_combine(schedule, guidance_rescale, guidance_space, errors, compile=compile),
-                               need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
-                               window=window, two_pass=two_pass, static=static_cache or compile, compile=compile)
+                               guided_logits_combine(schedule, o.guidance_rescale, o.guidance_space, errors,
+                                                     compile=o.compile),
+                               need_joint=o.guidance_rescale > 0, nulls=nulls, cache_kv=o.cache_kv, steps=seq_len,
+                               window=window, two_pass=two_pass, static=o.static_cache or o.compile, compile=o.compile)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         # a row left with no token to draw (a callable filter, or sampling from -inf / NaN logits): flagged on the
         # device, read at the checks; greedy decoding with the model's logits alone cannot come to that
@@ -566,29 +583,6 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
     return out
 
 
-class _NetCall:
-    """The net with fixed forward keywords (a looped net's settings) for the decode engine, keeping the last KV cache
-    it returned (``generate(return_intermediates=True)``). Not a ``TransformerWrapper``: the engine decodes it on the
-    dynamic cache, calling the net's forward."""
-
-    def __init__(self, net: TransformerWrapper, kwargs: dict, keep_cache: bool = True):
-        self.net, self.kwargs, self.cache, self.keep_cache = net, kwargs, None, keep_cache
-
-    def __call__(self, *args, **kwargs):
-        out = self.net(*args, **kwargs, **self.kwargs)
-        if kwargs.get("return_cache"):
-            self.cache = out[1]
-        return out
-
-    def __getattr__(self, name: str):
-        return getattr(self.net, name)
-
-    def intermediates(self) -> LayerIntermediates:
-        kv = self.cache
-        return LayerIntermediates(cache=kv, exit_indices=None if kv is None else kv.exit_indices,
-                                  looped_prompt_kv_cache=None if kv is None else kv.looped_prompt_kv)
-
-
 def _gumbel_like(t: Tensor) -> Tensor:
     """Gumbel(0, 1) noise, finite: the uniform draw is kept inside (0, 1)."""
     tiny = torch.finfo(t.dtype).tiny
@@ -623,37 +617,18 @@ def _beam_candidates(logits: Tensor, kc: int, done: Tensor, pad_value: int, stoc
 
 @torch.no_grad()
 def beam_search_tokens(
-    net: TransformerWrapper,
-    prompts: Tensor,
-    seq_len: int,
-    *,
-    beams: int = 4,
-    mask: Tensor | None = None,
-    context: Tensor | None = None,
-    context_mask: Tensor | None = None,
-    prepend_embeds: Tensor | None = None,
-    prepend_mask: Tensor | None = None,
-    condition: Tensor | None = None,
-    condition_mask: Tensor | None = None,
-    eos_token: int | None = None,
-    temperature: float = 1.0,
-    stochastic: bool = False,
-    filter_logits_fn: Callable[..., Tensor] | str | None = None,
-    filter_kwargs: dict[str, Any] | None = None,
-    cache_kv: bool = True,
-    restrict_to_max_seq_len: bool = True,
-    pad_value: int = 0,
+    net: TransformerWrapper, prompts: Tensor, seq_len: int, *, beams: int = 4, mask: Tensor | None = None,
+    context: Tensor | None = None, context_mask: Tensor | None = None,
+    prepend_embeds: Tensor | None = None, prepend_mask: Tensor | None = None,
+    condition: Tensor | None = None, condition_mask: Tensor | None = None,
+    eos_token: int | None = None, temperature: float = 1.0, stochastic: bool = False,
+    filter_logits_fn: Callable[..., Tensor] | str | None = None, filter_kwargs: dict[str, Any] | None = None,
+    cache_kv: bool = True, restrict_to_max_seq_len: bool = True, pad_value: int = 0,
     cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
-    guidance_rescale: float = 0.0,
-    guidance_interval: tuple[int, int] | None = None,
-    guidance_space: str = "logits",
-    negative_context: Tensor | None = None,
-    negative_context_mask: Tensor | None = None,
-    negative_prepend_embeds: Tensor | None = None,
-    negative_prepend_mask: Tensor | None = None,
-    negative_condition: Tensor | None = None,
-    null_context: Tensor | None = None,
-    **conditions,
+    guidance_rescale: float = 0.0, guidance_interval: tuple[int, int] | None = None, guidance_space: str = "logits",
+    negative_context: Tensor | None = None, negative_context_mask: Tensor | None = None,
+    negative_prepend_embeds: Tensor | None = None, negative_prepend_mask: Tensor | None = None,
+    negative_condition: Tensor | None = None, null_context: Tensor | None = None, **conditions,
 ) -> tuple[Tensor, Tensor]:
     """Beam search: the ``beams`` continuations of ``seq_len`` tokens with the largest summed log-probability.
 
@@ -697,14 +672,10 @@ def beam_search_tokens(
             ``filter_logits_fn``, ``filter_kwargs`` or a temperature other than 0 and 1 without
             ``stochastic`` (they would be ignored).
     """
-    conditions = condition_kwargs("beam_search_tokens", conditions, negatives=True)
-    kw = {**locals(), **conditions}
+    kw = {**locals(), **condition_kwargs("beam_search_tokens", conditions, negatives=True)}
     return _beam_search(net, prompts, seq_len, Conditions.from_kwargs(kw), Conditions.from_kwargs(kw, "negative_"),
-                        null_context, beams=beams, mask=mask, eos_token=eos_token, temperature=temperature,
-                        stochastic=stochastic, filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs,
-                        cache_kv=cache_kv, restrict_to_max_seq_len=restrict_to_max_seq_len, pad_value=pad_value,
-                        cond_scale=cond_scale, guidance_rescale=guidance_rescale, guidance_interval=guidance_interval,
-                        guidance_space=guidance_space)
+                        null_context, DecodeOptions.from_kwargs(kw), beams=beams, mask=mask, stochastic=stochastic,
+                        pad_value=pad_value)
 
 
 def _beam_search(*args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -714,29 +685,29 @@ def _beam_search(*args, **kwargs) -> tuple[Tensor, Tensor]:
     return tokens.clone(), scores.clone()
 
 
-@torch.inference_mode()
-def _search(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, *, beams, mask,
-            eos_token, temperature, stochastic, filter_logits_fn, filter_kwargs, cache_kv, restrict_to_max_seq_len,
-            pad_value, cond_scale, guidance_rescale, guidance_interval, guidance_space) -> tuple[Tensor, Tensor]:
-    """``beam_search_tokens`` on conditions already gathered into ``Conditions`` (checked here, once)."""
+def _check_beam_args(beams, stochastic, o: DecodeOptions) -> None:
+    """The checks of beam search's own options: ``beams``, ``stochastic``, and sampling options only with it."""
     if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
         raise ValueError(f"beams must be an integer >= 1, got {beams!r}")
     if not isinstance(stochastic, bool):
         raise TypeError(f"stochastic must be True or False, got {stochastic!r}")
-    if not stochastic and (filter_logits_fn is not None or filter_kwargs is not None):
+    if not stochastic and (o.filter_logits_fn is not None or o.filter_kwargs is not None):
         raise ValueError("filter_logits_fn / filter_kwargs shape the candidates of stochastic beam search only; "
                          "pass stochastic=True, or leave them out (deterministic beam search has no filter)")
+    temperature = o.temperature
     if not stochastic and isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
             and temperature not in (0.0, 1.0):
         raise ValueError(f"temperature={temperature!r} only applies with stochastic=True (deterministic beam search "
                          "ranks by the model's log-probabilities)")
-    conds, negatives, schedule, nulls, window = _prepare(
-        net, prompts, seq_len, mask, conds, negatives, null_context, pad_value=pad_value, temperature=temperature,
-        filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs, eos_token=eos_token, cond_scale=cond_scale,
-        guidance_rescale=guidance_rescale, guidance_interval=guidance_interval, guidance_space=guidance_space,
-        restrict_to_max_seq_len=restrict_to_max_seq_len,
-    )
-    filter_fn = _resolve_filter(filter_logits_fn)
+
+
+@torch.inference_mode()
+def _search(net, prompts, seq_len, conds: Conditions, negatives: Conditions, null_context, o: DecodeOptions, *,
+            beams, mask, stochastic, pad_value) -> tuple[Tensor, Tensor]:
+    """``beam_search_tokens`` on conditions already gathered into ``Conditions`` (checked here, once)."""
+    _check_beam_args(beams, stochastic, o)
+    conds, negatives, schedule, nulls, window = _prepare(net, prompts, seq_len, mask, conds, negatives, null_context,
+                                                         o, pad_value)
     b, device = prompts.shape[0], prompts.device
     k = beams
     out = torch.full((b * k, seq_len), pad_value, dtype=torch.long, device=device)
@@ -748,49 +719,115 @@ def _search(net, prompts, seq_len, conds: Conditions, negatives: Conditions, nul
     net.eval()
     try:
         step = GuidedForward(net, b, conds, negatives, schedule,
-                             guided_logits_combine(schedule, guidance_rescale, guidance_space),
-                             need_joint=guidance_rescale > 0, nulls=nulls, cache_kv=cache_kv, steps=seq_len,
+                             guided_logits_combine(schedule, o.guidance_rescale, o.guidance_space),
+                             need_joint=o.guidance_rescale > 0, nulls=nulls, cache_kv=o.cache_kv, steps=seq_len,
                              window=window, static=True)
-        logits = step(prompts, mask, None, 0)  # (b, v)
-        kc = min(k, logits.shape[-1])  # candidates per beam
-        rep = torch.arange(b, device=device).repeat_interleave(k)  # (b * k,): each sample's beams side by side
-        step.select(rep)
-        logits, seq = logits.index_select(0, rep), prompts.index_select(0, rep)
-        seq_mask = None if mask is None else mask.index_select(0, rep)
-        done = torch.zeros(b * k, dtype=torch.bool, device=device)
-        tok = torch.full((b * k,), pad_value, dtype=torch.long, device=device)
-        base = (torch.arange(b, device=device) * k)[:, None]  # (b, 1)
-        for t in range(seq_len):
-            if t > 0:
-                logits = step(seq, seq_mask, tok[:, None], t)  # (b * k, v)
-            cand, delta = _beam_candidates(logits, kc, done, pad_value, stochastic, temperature, filter_fn,
-                                           filter_kwargs)
-            total = (scores.view(b * k, 1) + delta).view(b, k * kc)  # -inf + finite is -inf, never NaN
-            scores, idx = total.topk(k, dim=-1)  # (b, k), best first
-            parent = (base + idx // kc).view(-1)  # (b * k,)
-            tok = cand.view(b, k * kc).gather(1, idx).view(-1)
-            out = out.index_select(0, parent)
-            out[:, t] = tok
-            done = done.index_select(0, parent) | ~torch.isfinite(scores.view(-1))
-            if eos_token is not None:
-                done = done | (tok == eos_token)
-            if t == seq_len - 1 or bool(done.all()):
-                break
-            step.select(parent)
-            tok = torch.where(done, 0, tok)  # a finished beam's pad_value (maybe -1) is never fed back
-            if step.needs_sequence:
-                seq = torch.cat((seq.index_select(0, parent), tok[:, None]), dim=1)
-                if seq_mask is not None:
-                    seq_mask = torch.cat((seq_mask.index_select(0, parent),
-                                          torch.ones_like(tok[:, None], dtype=torch.bool)), 1)
+        out, scores = _beam_loop(step, prompts, mask, out, scores, o, stochastic=stochastic, pad_value=pad_value)
     finally:
         net.train(was_training)
     return out.view(b, k, seq_len), scores
 
 
+def _beam_loop(step: GuidedForward, prompts: Tensor, mask: Tensor | None, out: Tensor, scores: Tensor,
+               o: DecodeOptions, *, stochastic: bool, pad_value: int) -> tuple[Tensor, Tensor]:
+    """The search itself on the engine ``step``: ``out (b * k, t)`` and ``scores (b, k)`` after the last step."""
+    (b, k), seq_len, device = scores.shape, out.shape[1], prompts.device
+    filter_fn = _resolve_filter(o.filter_logits_fn)
+    logits = step(prompts, mask, None, 0)  # (b, v)
+    kc = min(k, logits.shape[-1])  # candidates per beam
+    rep = torch.arange(b, device=device).repeat_interleave(k)  # (b * k,): each sample's beams side by side
+    step.select(rep)
+    logits, seq = logits.index_select(0, rep), prompts.index_select(0, rep)
+    seq_mask = None if mask is None else mask.index_select(0, rep)
+    done = torch.zeros(b * k, dtype=torch.bool, device=device)
+    tok = torch.full((b * k,), pad_value, dtype=torch.long, device=device)
+    base = (torch.arange(b, device=device) * k)[:, None]  # (b, 1)
+    for t in range(seq_len):
+        if t > 0:
+            logits = step(seq, seq_mask, tok[:, None], t)  # (b * k, v)
+        cand, delta = _beam_candidates(logits, kc, done, pad_value, stochastic, o.temperature, filter_fn,
+                                       o.filter_kwargs)
+        total = (scores.view(b * k, 1) + delta).view(b, k * kc)  # -inf + finite is -inf, never NaN
+        scores, idx = total.topk(k, dim=-1)  # (b, k), best first
+        parent = (base + idx // kc).view(-1)  # (b * k,)
+        tok = cand.view(b, k * kc).gather(1, idx).view(-1)
+        out = out.index_select(0, parent)
+        out[:, t] = tok
+        done = done.index_select(0, parent) | ~torch.isfinite(scores.view(-1))
+        if o.eos_token is not None:
+            done = done | (tok == o.eos_token)
+        if t == seq_len - 1 or bool(done.all()):
+            break
+        step.select(parent)
+        tok = torch.where(done, 0, tok)  # a finished beam's pad_value (maybe -1) is never fed back
+        if step.needs_sequence:
+            seq = torch.cat((seq.index_select(0, parent), tok[:, None]), dim=1)
+            if seq_mask is not None:
+                seq_mask = torch.cat((seq_mask.index_select(0, parent),
+                                      torch.ones_like(tok[:, None], dtype=torch.bool)), 1)
+    return out, scores
+
+
 # ----------------------------------------------------------------------------------------------------
 # The wrapper
 # ----------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode within, its training mode restored after (also on an error)."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def _door_inputs(wrapper, prompts, mask, prompt_lens, kw: Mapping):
+    """A wrapper's decoding door's inputs: ``(prompts (b, n), mask, conditions, negatives, null context)`` from its
+    keywords ``kw`` (``batch_prompts``, then ``AutoregressiveWrapper._negatives``)."""
+    prompts, mask = batch_prompts(prompts, mask, prompt_lens, wrapper.pad_value)
+    negatives, null = wrapper._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
+    return prompts, mask, Conditions.from_kwargs(kw), negatives, null
+
+
+def _check_wrapper_args(net, *, ignore_index, pad_value, cond_drop_prob, cond_drop_all_prob, null_context, mask_prob,
+                        next_embed_loss_weight, looped_loss_threshold_exit, looped_loss_slope, looped_exit_loss_weight,
+                        add_attn_z_loss) -> dict[str, float]:
+    """``AutoregressiveWrapper``'s checks of its arguments, in order; returns the drop probability of each kind."""
+    for name, v in (("looped_loss_threshold_exit", looped_loss_threshold_exit), ("looped_loss_slope", looped_loss_slope),
+                    ("looped_exit_loss_weight", looped_exit_loss_weight)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if not isinstance(net, TransformerWrapper):
+        raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
+    if isinstance(mask_prob, bool) or not (isinstance(mask_prob, (int, float)) and 0.0 <= mask_prob < 1.0):
+        raise ValueError(f"mask_prob must be in [0, 1), got {mask_prob!r}")
+    if isinstance(next_embed_loss_weight, bool) or not (isinstance(next_embed_loss_weight, (int, float))
+                                                         and math.isfinite(next_embed_loss_weight)
+                                                         and next_embed_loss_weight >= 0):
+        raise ValueError(f"next_embed_loss_weight must be a finite number >= 0, got {next_embed_loss_weight!r}")
+    if not net.attn_layers.causal:
+        raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token training and generation")
+    probs = drop_probabilities(cond_drop_prob)
+    if isinstance(cond_drop_all_prob, bool) or not (isinstance(cond_drop_all_prob, (int, float)) and 0.0 <= cond_drop_all_prob <= 1.0):
+        raise ValueError(f"cond_drop_all_prob must be in [0, 1], got {cond_drop_all_prob!r}")
+    if null_context not in ("empty", "learned"):
+        raise ValueError(f"null_context must be 'empty' or 'learned', got {null_context!r}")
+    check_pad_value(pad_value)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    layers = net.attn_layers
+    check_drop_kinds(layers, cond_drop_prob)
+    if null_context == "learned" and not layers.has_cross:
+        raise ValueError("null_context='learned' needs a net with cross-attention (Decoder(..., cross_attend=True))")
+    if not isinstance(add_attn_z_loss, bool):
+        raise TypeError(f"add_attn_z_loss must be True or False, got {add_attn_z_loss!r}")
+    if getattr(net, "num_output_heads", 1) > 1:
+        raise ValueError("net has num_output_heads > 1 (a tuple of logits): next-token training and generation "
+                         "need one head")
+    return probs
 
 
 class AutoregressiveWrapper(Configurable, nn.Module):
@@ -854,32 +891,12 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         add_attn_z_loss: bool = False,
     ):
         super().__init__()
-        for name, v in (("looped_loss_threshold_exit", looped_loss_threshold_exit), ("looped_loss_slope", looped_loss_slope),
-                        ("looped_exit_loss_weight", looped_exit_loss_weight)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
-        if not isinstance(net, TransformerWrapper):
-            raise TypeError(f"net must be a TransformerWrapper, got {type(net).__name__}")
-        if isinstance(mask_prob, bool) or not (isinstance(mask_prob, (int, float)) and 0.0 <= mask_prob < 1.0):
-            raise ValueError(f"mask_prob must be in [0, 1), got {mask_prob!r}")
-        if isinstance(next_embed_loss_weight, bool) or not (isinstance(next_embed_loss_weight, (int, float))
-                                                             and math.isfinite(next_embed_loss_weight)
-                                                             and next_embed_loss_weight >= 0):
-            raise ValueError(f"next_embed_loss_weight must be a finite number >= 0, got {next_embed_loss_weight!r}")
-        if not net.attn_layers.causal:
-            raise ValueError("net must be causal (attn_layers=Decoder(...)) for next-token training and generation")
-        probs = drop_probabilities(cond_drop_prob)
-        if isinstance(cond_drop_all_prob, bool) or not (isinstance(cond_drop_all_prob, (int, float)) and 0.0 <= cond_drop_all_prob <= 1.0):
-            raise ValueError(f"cond_drop_all_prob must be in [0, 1], got {cond_drop_all_prob!r}")
-        if null_context not in ("empty", "learned"):
-            raise ValueError(f"null_context must be 'empty' or 'learned', got {null_context!r}")
-        check_pad_value(pad_value)
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-        layers = net.attn_layers
-        check_drop_kinds(layers, cond_drop_prob)
-        if null_context == "learned" and not layers.has_cross:
-            raise ValueError("null_context='learned' needs a net with cross-attention (Decoder(..., cross_attend=True))")
+        probs = _check_wrapper_args(
+            net, ignore_index=ignore_index, pad_value=pad_value, cond_drop_prob=cond_drop_prob,
+            cond_drop_all_prob=cond_drop_all_prob, null_context=null_context, mask_prob=mask_prob,
+            next_embed_loss_weight=next_embed_loss_weight, looped_loss_threshold_exit=looped_loss_threshold_exit,
+            looped_loss_slope=looped_loss_slope, looped_exit_loss_weight=looped_exit_loss_weight,
+            add_attn_z_loss=add_attn_z_loss)
         self._set_config_from(AutoregressiveWrapper.__init__, locals())
         self.net = net
         self.ignore_index = ignore_index
@@ -893,15 +910,10 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         self.looped_loss_threshold_exit = float(looped_loss_threshold_exit)
         self.looped_loss_slope = float(looped_loss_slope)
         self.looped_exit_loss_weight = float(looped_exit_loss_weight)
-        if not isinstance(add_attn_z_loss, bool):
-            raise TypeError(f"add_attn_z_loss must be True or False, got {add_attn_z_loss!r}")
-        if getattr(net, "num_output_heads", 1) > 1:
-            raise ValueError("net has num_output_heads > 1 (a tuple of logits): next-token training and generation "
-                             "need one head")
         self.add_attn_z_loss = add_attn_z_loss
         self.max_seq_len = net.max_seq_len
         if null_context == "learned":
-            self.null_token = nn.Parameter(torch.randn(1, layers.dim_context) * 0.02)  # (1, c_ctx)
+            self.null_token = nn.Parameter(torch.randn(1, net.attn_layers.dim_context) * 0.02)  # (1, c_ctx)
         else:
             self.null_token = None
 
@@ -966,7 +978,7 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         if self.add_attn_z_loss:
             kwargs["return_attn_z_loss"] = True
         if getattr(self.net, "looped", False):
-            res = self._looped_loss(x, mask, return_outputs or self.add_attn_z_loss, kwargs)
+            res = looped_loss(self, x, mask, return_outputs or self.add_attn_z_loss, kwargs)
             loss, outs = res if isinstance(res, tuple) else (res, None)
         else:  # the intermediates (the explicit attention path) only when asked for, or for the z-loss
             res = next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, mask_prob=self.mask_prob,
@@ -976,42 +988,6 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         if self.add_attn_z_loss:
             loss = loss + outs[1].attn_z_loss
         return (loss, outs) if return_outputs else loss
-
-    def _looped_loss(self, x: Tensor, mask: Tensor | None, return_outputs: bool, kwargs: dict):
-        """x-transformers' looped loss (see ``looped_loss_threshold_exit``) over the net's ``all_pred_logits`` and
-        ``exit_logits``; uncounted targets are selected away before any arithmetic."""
-        if getattr(self.net, "add_continuous_pred_head", False):
-            raise ValueError("a looped net with add_continuous_pred_head: the looped loss does not take the continuous "
-                             "loss (train one or the other)")
-        found: dict = {}  # the runs' logits and exit logits, without the intermediates (the explicit path)
-        res = next_token_loss(self.net, x, mask, self.ignore_index, self.pad_value, mask_prob=self.mask_prob,
-                              return_outputs=return_outputs, looped_pred_all_logits=True, _loop_out=found, **kwargs)
-        logits, inter = res[1] if return_outputs else (None, None)
-        real = x != self.ignore_index
-        if mask is not None:
-            real = real & mask
-        counted = real[:, 1:] & real[:, :-1]  # (b, n - 1), as next_token_loss counts them
-        target = torch.where(counted, x[:, 1:], self.ignore_index)
-        k = counted.shape[1]
-        preds = torch.stack([t[:, :k] for t in found["all_pred_logits"]], dim=1)  # (b, L, n - 1, v)
-        exits = torch.stack([t[:, :k, 0] for t in found["exit_logits"]], dim=1).float()  # (b, L, n - 1)
-        steps = preds.shape[1]
-        targets = target[:, None].expand(-1, steps, -1)
-        losses = safe_cross_entropy(preds, targets, ignore_index=self.ignore_index, reduction="none")  # (b, L, n - 1)
-        sel = counted[:, None].expand(-1, steps, -1)
-        exits = torch.where(sel, exits, 0.0)
-        with torch.no_grad():
-            change = losses[:, 1:] - losses[:, :-1]
-            exit_target = torch.sigmoid(self.looped_loss_slope * (change + self.looped_loss_threshold_exit))
-            cont = F.logsigmoid(-exits)
-            cum_continue = torch.cat((torch.zeros_like(cont[:, :1]), cont[:, :-1]), dim=1).cumsum(dim=1)
-            step_exit = torch.cat((F.logsigmoid(exits[:, :-1]), torch.zeros_like(exits[:, :1])), dim=1)  # last: exit
-            exit_probs = (step_exit + cum_continue).exp()
-        exit_loss = F.binary_cross_entropy_with_logits(exits[:, :-1], exit_target, reduction="none")
-        exit_loss = torch.where(sel[:, 1:], exit_loss, 0.0).sum() / sel[:, 1:].sum().clamp(min=1)
-        loss = torch.where(sel, losses * exit_probs, 0.0).sum() / sel.sum().clamp(min=1)
-        loss = loss + exit_loss * self.looped_exit_loss_weight
-        return (loss, (logits, inter)) if return_outputs else loss
 
     def _negatives(self, prompts: Tensor, negatives: Conditions) -> tuple[Conditions, Tensor | None]:
         """The unconditional branch's conditions (the negative ones, else the learned null token for the
@@ -1037,80 +1013,32 @@ class AutoregressiveWrapper(Configurable, nn.Module):
         self.generate(prompts, 1, temperature=1.0, filter_logits_fn=capture, **kwargs)
         return found["logits"]
 
-    def _batch(self, prompts, mask, prompt_lens) -> tuple[Tensor, Tensor | None]:
-        """``(prompts (b, n), mask)`` from any form ``generate`` takes (x-transformers' included)."""
-        if isinstance(prompts, (list, tuple)):  # x-transformers' way: 1-D prompts of different lengths
-            if mask is not None:
-                raise ValueError("mask was given with a list of prompts: the list's lengths are the mask")
-            if prompt_lens is not None:
-                raise ValueError("prompt_lens was given with a list of prompts: the list's lengths are the lengths")
-            prompts, mask = left_pad(prompts, self.pad_value)
-            return prompts, mask
-        if prompt_lens is not None:  # x-transformers' way: right-padded prompts and their lengths
-            if mask is not None:
-                raise ValueError("pass mask or prompt_lens, not both (prompt_lens is the mask of right-padded prompts)")
-            if not isinstance(prompts, Tensor) or prompts.dim() != 2:
-                raise ValueError(f"prompts must be token ids of shape (b, n), got {getattr(prompts, 'shape', type(prompts))}")
-            b, n = prompts.shape
-            if not isinstance(prompt_lens, Tensor) or prompt_lens.shape != (b,):
-                raise ValueError(f"prompt_lens must be a tensor of shape (b={b},), got {getattr(prompt_lens, 'shape', type(prompt_lens))}")
-            if prompt_lens.dtype.is_floating_point or prompt_lens.dtype == torch.bool or prompt_lens.is_complex():
-                raise TypeError(f"prompt_lens must hold integer lengths, got dtype {prompt_lens.dtype}")
-            if prompt_lens.device != prompts.device:
-                raise ValueError(f"prompt_lens is on {prompt_lens.device}, expected {prompts.device} (the device of the prompts)")
-            if bool(((prompt_lens < 1) | (prompt_lens > n)).any()):
-                raise ValueError(f"prompt_lens must be in [1, n={n}] (every prompt needs a token), got {prompt_lens.tolist()}")
-            mask = torch.arange(n, device=prompts.device)[None, :] < prompt_lens[:, None]  # (b, n), right padding
-        return prompts, mask
-
     def generate(
-        self,
-        prompts: Tensor | list[Tensor],
-        seq_len: int,
-        *,
-        mask: Tensor | None = None,
-        prompt_lens: Tensor | None = None,
-        context: Tensor | None = None,
-        context_mask: Tensor | None = None,
-        prepend_embeds: Tensor | None = None,
-        prepend_mask: Tensor | None = None,
-        condition: Tensor | None = None,
-        condition_mask: Tensor | None = None,
-        temperature: float = 1.0,
-        filter_logits_fn: Callable[..., Tensor] | str | None = None,
-        filter_kwargs: dict[str, Any] | None = None,
-        eos_token: int | None = None,
-        cache_kv: bool = True,
-        restrict_to_max_seq_len: bool = True,
+        self, prompts: Tensor | list[Tensor], seq_len: int, *, mask: Tensor | None = None,
+        prompt_lens: Tensor | None = None, context: Tensor | None = None, context_mask: Tensor | None = None,
+        prepend_embeds: Tensor | None = None, prepend_mask: Tensor | None = None, condition: Tensor | None = None,
+        condition_mask: Tensor | None = None, temperature: float = 1.0,
+        filter_logits_fn: Callable[..., Tensor] | str | None = None, filter_kwargs: dict[str, Any] | None = None,
+        eos_token: int | None = None, cache_kv: bool = True, restrict_to_max_seq_len: bool = True,
         cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
-        guidance_rescale: float = 0.0,
-        guidance_interval: tuple[int, int] | None = None,
-        guidance_space: str = "logits",
-        negative_context: Tensor | None = None,
-        negative_context_mask: Tensor | None = None,
-        negative_prepend_embeds: Tensor | None = None,
-        negative_prepend_mask: Tensor | None = None,
-        negative_condition: Tensor | None = None,
-        static_cache: bool = True,
-        compile: bool = False,
-        eos_check_every: int = 16,
-        looped_steps: int | None = None,
-        max_looped_steps: int | None = None,
-        looped_exit_prob_threshold: float = 0.9,
-        return_intermediates: bool = False,
-        **conditions,
+        guidance_rescale: float = 0.0, guidance_interval: tuple[int, int] | None = None,
+        guidance_space: str = "logits", negative_context: Tensor | None = None,
+        negative_context_mask: Tensor | None = None, negative_prepend_embeds: Tensor | None = None,
+        negative_prepend_mask: Tensor | None = None, negative_condition: Tensor | None = None,
+        static_cache: bool = True, compile: bool = False, eos_check_every: int = 16, looped_steps: int | None = None,
+        max_looped_steps: int | None = None, looped_exit_prob_threshold: float = 0.9,
+        return_intermediates: bool = False, **conditions,
     ) -> Tensor | tuple[Tensor, LayerIntermediates]:
         """Generate ``seq_len`` new tokens after ``prompts``, optionally with classifier-free guidance.
 
         Args:
-            prompts: ``(b, n)`` token ids (padded when lengths differ, with ``mask`` or
-                ``prompt_lens``), or a list of ``b`` 1-D token tensors of any lengths (left-padded
-                here; ``mask`` and ``prompt_lens`` must be None). A single 1-D tensor is refused: write
-                ``prompt[None]``.
+            prompts: ``(b, n)`` token ids (padded when lengths differ, with ``mask`` or ``prompt_lens``), or a list
+                of ``b`` 1-D token tensors of any lengths (left-padded here; ``mask`` and ``prompt_lens`` must be
+                None). A single 1-D tensor is refused: write ``prompt[None]``.
             seq_len: how many tokens to generate.
             mask: ``(b, n)`` prompt padding mask (True = real); every prompt needs a real token.
-            prompt_lens: ``(b,)`` lengths of right-padded prompts (x-transformers' argument): the
-                same as ``mask = arange(n) < prompt_lens``. Not with ``mask``.
+            prompt_lens: ``(b,)`` lengths of right-padded prompts (x-transformers' argument): the same as
+                ``mask = arange(n) < prompt_lens``. Not with ``mask``.
             context, context_mask: the cross-attention condition ``(b, j, c_ctx)`` / ``(b, j)``.
             prepend_embeds, prepend_mask: a prefix ``(b, m, dim)`` / ``(b, m)``.
             condition, condition_mask: the adaptive-norm condition ``(b, K)`` / ``(b,)``.
@@ -1120,109 +1048,66 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             filter_kwargs: e.g. ``{"k": 10}``, ``{"p": 0.9}``, ``{"min_p": 0.05}``.
             eos_token: each sample stops after producing it; the rest of its row is ``pad_value``.
             cache_kv: use the KV cache (same tokens as without it).
-            restrict_to_max_seq_len: past ``max_seq_len``, condition each token on the last
-                ``max_seq_len`` real positions only (a sliding window, for rotary / ALiBi nets: past
-                ``max_seq_len`` each step re-encodes the window). ``False``: on the whole sequence.
-                See ``generate_tokens``.
-            cond_scale: a number (joint guidance: 1.0 is plain conditional sampling, the unconditional
-                branch never runs; 0.0 unconditional), a mapping ``{"joint": s, "context": s_c,
-                "prepend": s_p, "condition": s_a}`` (compositional guidance, one scale per condition),
-                or a callable ``step -> number | mapping`` (a schedule). All branches run as one batched
-                forward sharing one KV cache.
+            restrict_to_max_seq_len: past ``max_seq_len``, condition each token on the last ``max_seq_len`` real
+                positions only (a sliding window, for rotary / ALiBi nets: past ``max_seq_len`` each step
+                re-encodes the window). ``False``: on the whole sequence. See ``generate_tokens``.
+            cond_scale: a number (joint guidance: 1.0 is plain conditional sampling, the unconditional branch never
+                runs; 0.0 unconditional), a mapping ``{"joint": s, "context": s_c, "prepend": s_p, "condition":
+                s_a}`` (compositional guidance, one scale per condition), or a callable ``step -> number |
+                mapping`` (a schedule). All branches run as one batched forward sharing one KV cache.
             guidance_rescale: phi in ``[0, 1]``, see ``guided_logits``.
             guidance_interval: ``(start, stop)``: guide only steps ``start <= t < stop``.
             guidance_space: ``"logits"`` or ``"logprobs"``.
-            negative_context, negative_context_mask: the unconditional branch's context, in place of
-                the empty context (or the learned null token); batch ``b`` or 1.
-            negative_prepend_embeds, negative_prepend_mask, negative_condition: the unconditional
-                branch's prefix and adaptive condition, in place of the dropped ones.
-            static_cache: decode on a preallocated cache with one fixed-shape step per token, no read back
-                to the host (default, where it applies; same tokens as ``False``, the dynamic cache).
+            negative_context, negative_context_mask: the unconditional branch's context, in place of the empty
+                context (or the learned null token); batch ``b`` or 1.
+            negative_prepend_embeds, negative_prepend_mask, negative_condition: the unconditional branch's prefix
+                and adaptive condition, in place of the dropped ones.
+            static_cache: decode on a preallocated cache with one fixed-shape step per token, no read back to the
+                host (default, where it applies; same tokens as ``False``, the dynamic cache).
             compile: compile that step (``torch.compile(fullgraph=True)``); see ``generate_tokens``.
             eos_check_every: with ``eos_token``, how often (in steps) the host looks whether all finished.
             looped_steps, max_looped_steps, looped_exit_prob_threshold: a ``looped`` net decodes with
                 ``looped_inference`` (x-transformers' way): a fixed number of loop steps per token, or up to
-                ``max_looped_steps`` with early exit per sample (see ``TransformerWrapper.forward``); the dynamic KV
-                cache (no static step).
-            return_intermediates: also return a ``LayerIntermediates`` with the last KV cache (``cache``; all guidance
-                branches' rows) and, for a looped net, ``exit_indices (b, t)`` and ``looped_prompt_kv_cache``
-                (x-transformers' return). Decodes on the dynamic cache.
+                ``max_looped_steps`` with early exit per sample (see ``TransformerWrapper.forward``); the dynamic
+                KV cache (no static step).
+            return_intermediates: also return a ``LayerIntermediates`` with the last KV cache (``cache``; all
+                guidance branches' rows) and, for a looped net, ``exit_indices (b, t)`` and
+                ``looped_prompt_kv_cache`` (x-transformers' return). Decodes on the dynamic cache.
 
         Returns:
             ``(b, seq_len)`` new token ids (and the intermediates with ``return_intermediates``).
 
         Raises:
-            ValueError: a bad shape, mask, length or option, named; generation past ``max_seq_len``
-                with a learned absolute position embedding.
+            ValueError: a bad shape, mask, length or option, named; generation past ``max_seq_len`` with a learned
+                absolute position embedding.
             TypeError: a tensor of the wrong dtype.
 
         Example (two conditions, guided separately):
             >>> model.generate(prompt, 64, context=text, context_mask=text_mask, condition=style,
             ...                cond_scale={"context": 3.0, "condition": 1.5})
         """
-        conditions = condition_kwargs("AutoregressiveWrapper.generate", conditions, negatives=True)
-        kw = {**locals(), **conditions}
-        if not isinstance(return_intermediates, bool):
-            raise TypeError(f"return_intermediates must be True or False, got {return_intermediates!r}")
-        net_kwargs = {}
-        if getattr(self.net, "looped", False):
-            net_kwargs = dict(looped_inference=True, looped_steps=looped_steps, max_looped_steps=max_looped_steps,
-                              looped_exit_prob_threshold=looped_exit_prob_threshold)
-            self.net._loop_settings(looped_steps, max_looped_steps, None, True, looped_exit_prob_threshold)  # checks
-        elif looped_steps is not None or max_looped_steps is not None or looped_exit_prob_threshold != 0.9:
-            raise ValueError("looped_steps, max_looped_steps and looped_exit_prob_threshold are for a net built with "
-                             "looped=True")
-        call = _NetCall(self.net, net_kwargs, return_intermediates) if net_kwargs or return_intermediates else None
-        prompts, mask = self._batch(prompts, mask, prompt_lens)
-        negatives, null = self._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
-        was_training = self.training
-        self.eval()
-        try:
-            out = _generate(
-                self.net, prompts, seq_len, Conditions.from_kwargs(kw), negatives, null, mask=mask,
-                temperature=temperature, filter_logits_fn=filter_logits_fn, filter_kwargs=filter_kwargs,
-                eos_token=eos_token, cache_kv=cache_kv, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
-                guidance_interval=guidance_interval, guidance_space=guidance_space, pad_value=self.pad_value,
-                restrict_to_max_seq_len=restrict_to_max_seq_len, static_cache=static_cache, compile=compile,
-                eos_check_every=eos_check_every, call=call,
-            )
+        kw = {**locals(), **condition_kwargs("AutoregressiveWrapper.generate", conditions, negatives=True)}
+        call = looped_call(self.net, looped_steps, max_looped_steps, looped_exit_prob_threshold, return_intermediates)
+        prompts, mask, conds, negatives, null = _door_inputs(self, prompts, mask, prompt_lens, kw)
+        with _eval_mode(self):
+            out = _generate(self.net, prompts, seq_len, conds, negatives, null, DecodeOptions.from_kwargs(kw),
+                            mask=mask, pad_value=self.pad_value, call=call)
             return (out, call.intermediates()) if return_intermediates else out
-        finally:
-            self.train(was_training)
 
     def beam_search(
-        self,
-        prompts: Tensor | list[Tensor],
-        seq_len: int,
-        beams: int = 4,
-        return_beams_and_scores: bool = False,
-        eos_token: int | None = None,
-        temperature: float = 1.0,
-        stochastic: bool = False,
-        prompt_lens: Tensor | None = None,
-        filter_logits_fn: Callable[..., Tensor] | str | None = None,
-        restrict_to_max_seq_len: bool = True,
-        filter_kwargs: dict[str, Any] | None = None,
-        cache_kv: bool = True,
-        *,
-        mask: Tensor | None = None,
-        context: Tensor | None = None,
-        context_mask: Tensor | None = None,
-        prepend_embeds: Tensor | None = None,
-        prepend_mask: Tensor | None = None,
-        condition: Tensor | None = None,
-        condition_mask: Tensor | None = None,
+        self, prompts: Tensor | list[Tensor], seq_len: int, beams: int = 4, return_beams_and_scores: bool = False,
+        eos_token: int | None = None, temperature: float = 1.0, stochastic: bool = False,
+        prompt_lens: Tensor | None = None, filter_logits_fn: Callable[..., Tensor] | str | None = None,
+        restrict_to_max_seq_len: bool = True, filter_kwargs: dict[str, Any] | None = None, cache_kv: bool = True, *,
+        mask: Tensor | None = None, context: Tensor | None = None, context_mask: Tensor | None = None,
+        prepend_embeds: Tensor | None = None, prepend_mask: Tensor | None = None,
+        condition: Tensor | None = None, condition_mask: Tensor | None = None,
         cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
-        guidance_rescale: float = 0.0,
-        guidance_interval: tuple[int, int] | None = None,
-        guidance_space: str = "logits",
-        negative_context: Tensor | None = None,
-        negative_context_mask: Tensor | None = None,
-        negative_prepend_embeds: Tensor | None = None,
-        negative_prepend_mask: Tensor | None = None,
-        negative_condition: Tensor | None = None,
-        **conditions,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        guidance_rescale: float = 0.0, guidance_interval: tuple[int, int] | None = None, guidance_space: str = "logits",
+        negative_context: Tensor | None = None, negative_context_mask: Tensor | None = None,
+        negative_prepend_embeds: Tensor | None = None, negative_prepend_mask: Tensor | None = None,
+        negative_condition: Tensor | None = None, **conditions,
+) -> Tensor | tuple[Tensor, Tensor]:
         """Beam search (x-transformers' ``beam_search``, same arguments and return values).
 
         Keeps, per sample, the ``beams`` continuations with the largest summed log-probability
@@ -1259,51 +1144,16 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             ValueError / TypeError: as ``generate``; ``beams`` not a positive integer; sampling
                 options without ``stochastic``.
         """
-        conditions = condition_kwargs("AutoregressiveWrapper.beam_search", conditions, negatives=True)
-        kw = {**locals(), **conditions}
-        prompts, mask = self._batch(prompts, mask, prompt_lens)
-        negatives, null = self._negatives(prompts, Conditions.from_kwargs(kw, "negative_"))
+        kw = {**locals(), **condition_kwargs("AutoregressiveWrapper.beam_search", conditions, negatives=True)}
+        prompts, mask, conds, negatives, null = _door_inputs(self, prompts, mask, prompt_lens, kw)
         if not isinstance(return_beams_and_scores, bool):
             raise TypeError(f"return_beams_and_scores must be True or False, got {return_beams_and_scores!r}")
-        was_training = self.training
-        self.eval()
-        try:
+        with _eval_mode(self):
             tokens, scores = _beam_search(
-                self.net, prompts, seq_len, Conditions.from_kwargs(kw), negatives, null, beams=beams, mask=mask,
-                eos_token=eos_token, temperature=temperature, stochastic=stochastic, filter_logits_fn=filter_logits_fn,
-                filter_kwargs=filter_kwargs, cache_kv=cache_kv, restrict_to_max_seq_len=restrict_to_max_seq_len,
-                pad_value=self.pad_value, cond_scale=cond_scale, guidance_rescale=guidance_rescale,
-                guidance_interval=guidance_interval, guidance_space=guidance_space,
+                self.net, prompts, seq_len, conds, negatives, null, DecodeOptions.from_kwargs(kw),
+                beams=beams, mask=mask, stochastic=stochastic, pad_value=self.pad_value,
             )  # (b, beams, seq_len), (b, beams)
-        finally:
-            self.train(was_training)
         if not return_beams_and_scores:
             return tokens[:, 0]
         return tokens.transpose(0, 1), scores.transpose(0, 1)  # (beams, b, seq_len), (beams, b)
 
-
-def left_pad(prompts, pad_value: int = 0) -> tuple[Tensor, Tensor]:
-    """``(tokens (b, n), mask (b, n))`` from ``b`` 1-D token tensors of any lengths, left-padded.
-
-    Raises:
-        ValueError / TypeError: an empty list, a prompt that is not 1-D, empty or not integer, or
-        prompts on different devices.
-    """
-    if len(prompts) == 0:
-        raise ValueError("prompts is an empty list: nothing to generate (pass at least one prompt)")
-    for k, p in enumerate(prompts):
-        if not isinstance(p, Tensor) or p.dim() != 1:
-            raise ValueError(f"prompts[{k}] must be a 1-D tensor of token ids, got {getattr(p, 'shape', type(p))}")
-        if p.dtype.is_floating_point or p.dtype == torch.bool or p.is_complex():
-            raise TypeError(f"prompts[{k}] must hold integer token ids, got dtype {p.dtype}")
-        if p.numel() == 0:
-            raise ValueError(f"prompts[{k}] is empty: every prompt needs at least one token")
-        if p.device != prompts[0].device:
-            raise ValueError(f"prompts[{k}] is on {p.device}, prompts[0] on {prompts[0].device}")
-    n = max(p.numel() for p in prompts)
-    tokens = torch.full((len(prompts), n), pad_value, dtype=torch.long, device=prompts[0].device)
-    mask = torch.zeros(len(prompts), n, dtype=torch.bool, device=prompts[0].device)
-    for k, p in enumerate(prompts):
-        tokens[k, n - p.numel():] = p
-        mask[k, n - p.numel():] = True
-    return tokens, mask

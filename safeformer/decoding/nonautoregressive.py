@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -335,32 +336,16 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
 
     @torch.no_grad()
     def generate(
-        self,
-        batch_size: int | None = None,
-        seq_len: int | None = None,
-        *,
-        mask: Tensor | None = None,
-        context: Tensor | None = None,
-        context_mask: Tensor | None = None,
-        prepend_embeds: Tensor | None = None,
-        prepend_mask: Tensor | None = None,
-        condition: Tensor | None = None,
-        condition_mask: Tensor | None = None,
+        self, batch_size: int | None = None, seq_len: int | None = None, *, mask: Tensor | None = None,
+        context: Tensor | None = None, context_mask: Tensor | None = None, prepend_embeds: Tensor | None = None,
+        prepend_mask: Tensor | None = None, condition: Tensor | None = None, condition_mask: Tensor | None = None,
         cond_scale: float | Mapping[str, float] | Callable[[int], float | Mapping[str, float]] = 1.0,
-        guidance_rescale: float = 0.0,
-        guidance_interval: tuple[int, int] | None = None,
-        guidance_space: str = "logits",
-        negative_context: Tensor | None = None,
-        negative_context_mask: Tensor | None = None,
-        negative_prepend_embeds: Tensor | None = None,
-        negative_prepend_mask: Tensor | None = None,
-        negative_condition: Tensor | None = None,
-        temperature: float = 1.0,
-        choice_temperature: float = 0.0,
-        filter_logits_fn: Callable[..., Tensor] | str | None = None,
-        filter_kwargs: dict[str, Any] | None = None,
-        steps: int | None = None,
-        **conditions,
+        guidance_rescale: float = 0.0, guidance_interval: tuple[int, int] | None = None, guidance_space: str = "logits",
+        negative_context: Tensor | None = None, negative_context_mask: Tensor | None = None,
+        negative_prepend_embeds: Tensor | None = None, negative_prepend_mask: Tensor | None = None,
+        negative_condition: Tensor | None = None, temperature: float = 1.0, choice_temperature: float = 0.0,
+        filter_logits_fn: Callable[..., Tensor] | str | None = None, filter_kwargs: dict[str, Any] | None = None,
+        steps: int | None = None, **conditions,
     ) -> Tensor:
         """Iterative parallel decoding (MaskGIT), optionally with classifier-free guidance.
 
@@ -390,71 +375,108 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         """
         conditions = condition_kwargs("NonAutoregressiveWrapper.generate", conditions, negatives=True)
         device = next(self.net.parameters()).device
-        kw = {**locals(), **conditions}
-        given = Conditions.from_kwargs(kw)
-        sized = [(CONDITION_KINDS[k].value, t) for k, t in ((k, given.pair(k)[0]) for k in given.kinds())
-                 if isinstance(t, Tensor) and t.dim() >= 1]
-        b, source = (int(sized[0][1].shape[0]), sized[0][0]) if sized else (None, None)
-        if batch_size is None:
-            if b is None:
-                raise ValueError("batch_size is needed when no condition gives the batch size")
-            batch_size = b
-        batch_size = _check_count(batch_size, "batch_size", 0)
-        if b is not None and b != batch_size:
-            raise ValueError(f"batch_size={batch_size} but {source} holds {b} samples")
-        b = batch_size
-        n = self.max_seq_len if seq_len is None else _check_count(seq_len, "seq_len", 1)
-        if self.net.pos_emb is not None and n > self.max_seq_len:
-            raise ValueError(f"seq_len={n} is more than the model's max_seq_len={self.max_seq_len}")
-        steps = self.steps if steps is None else _check_count(steps, "steps", 1)
-        if mask is not None:
-            validate_mask(mask, "mask", shape=(b, n), device=device)
-        temperature = _check_temperature(temperature)
-        choice_temperature = _check_temperature(choice_temperature, "choice_temperature")
-        guidance_rescale = _check_guidance_rescale(guidance_rescale)
-        if guidance_space not in ("logits", "logprobs"):
-            raise ValueError(f"guidance_space must be 'logits' or 'logprobs', got {guidance_space!r}")
-        filter_fn = _resolve_filter(filter_logits_fn)
-        if filter_kwargs is not None and filter_fn is None:
-            raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
-        conds = _conditions_of(self.net, b, device, kw)
-        negatives = _negatives(self.net, b, device, kw)
-        conds = conds.with_empty_for(negatives, b)
-        schedule = GuidanceSchedule.build(cond_scale, conds.kinds(), guidance_interval, guidance_rescale,
-                                          has_uncond=bool(conds.kinds()), steps=steps)
-
-        if b == 0:  # nothing to generate: empty in, empty out
-            return torch.full((0, n), self.pad_value, dtype=torch.long, device=device)
-        real = torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
-        counts = hidden_counts(self.schedule_fn, steps, real.sum(1))  # (steps, b)
-        seq = torch.full((b, n), self.mask_id, dtype=torch.long, device=device)
-        hidden = real.clone()
+        d = _prepare_generate(self, {**locals(), **conditions}, device)
+        if d.b == 0:  # nothing to generate: empty in, empty out
+            return torch.full((0, d.n), self.pad_value, dtype=torch.long, device=device)
+        real = torch.ones(d.b, d.n, dtype=torch.bool, device=device) if mask is None else mask
+        counts = hidden_counts(self.schedule_fn, d.steps, real.sum(1))  # (steps, b)
         was_training = self.training
         self.eval()
         try:
-            engine = GuidedForward(self.net, b, conds, negatives, schedule,
-                                   guided_logits_combine(schedule, guidance_rescale, guidance_space),
-                                   need_joint=guidance_rescale > 0, cache_kv=False, read="all", steps=steps)
-            for s in range(steps):
-                logits = engine(seq, mask, None, s)  # (b, n, v), every branch in one batched forward
-                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-                if self.mask_id < logits.shape[-1]:
-                    logits[..., self.mask_id] = _NEG_INF  # the hidden token is never produced
-                flat = logits.reshape(b * n, -1)
-                sampled = sample_logits(flat, temperature, filter_fn, filter_kwargs).reshape(b, n)
-                # confidence: the guided probability of the token drawn (the most confident stay)
-                conf = flat.softmax(dim=-1).gather(1, sampled.reshape(-1, 1)).reshape(b, n)
-                if choice_temperature > 0:
-                    u = torch.rand(conf.shape, device=device, dtype=conf.dtype).clamp(1e-20, 1.0 - 1e-7)
-                    gumbel = -torch.log((-torch.log(u)).clamp(min=1e-20))  # finite: u in (0, 1)
-                    conf = torch.log(conf.clamp(min=1e-38)) + choice_temperature * (1.0 - (s + 1) / steps) * gumbel
-                conf = torch.where(hidden, conf, float("inf"))  # revealed tokens and padding stay
-                k = torch.minimum(counts[s], (hidden.sum(1) - 1).clamp(min=0))  # reveal at least one per step
-                rank = conf.argsort(dim=1, stable=True).argsort(dim=1)
-                still = (rank < k[:, None]) & hidden
-                seq = torch.where(hidden & ~still, sampled, seq)
-                seq = torch.where(still, torch.full_like(seq, self.mask_id), seq)
-                hidden = still
+            engine = GuidedForward(self.net, d.b, d.conds, d.negatives, d.schedule,
+                                   guided_logits_combine(d.schedule, d.guidance_rescale, d.guidance_space),
+                                   need_joint=d.guidance_rescale > 0, cache_kv=False, read="all", steps=d.steps)
+            seq = _reveal(self, engine, d, real, mask, counts)
         finally:
             self.train(was_training)
         return torch.where(real, seq, torch.full_like(seq, self.pad_value))
+
+
+@dataclass(frozen=True)
+class _Decoding:
+    """A checked ``NonAutoregressiveWrapper.generate`` call: its size, steps, sampling options and guidance."""
+
+    b: int
+    n: int
+    steps: int
+    temperature: float
+    choice_temperature: float
+    guidance_rescale: float
+    guidance_space: str
+    filter_fn: Callable[..., Tensor] | None
+    filter_kwargs: dict[str, Any] | None
+    conds: Conditions
+    negatives: Conditions
+    schedule: GuidanceSchedule
+
+
+def _batch_size(given: Conditions, batch_size) -> int:
+    """The batch size: ``batch_size``, or the conditions' when it is None (the two must agree), checked."""
+    sized = [(CONDITION_KINDS[k].value, t) for k, t in ((k, given.pair(k)[0]) for k in given.kinds())
+             if isinstance(t, Tensor) and t.dim() >= 1]
+    b, source = (int(sized[0][1].shape[0]), sized[0][0]) if sized else (None, None)
+    if batch_size is None:
+        if b is None:
+            raise ValueError("batch_size is needed when no condition gives the batch size")
+        batch_size = b
+    batch_size = _check_count(batch_size, "batch_size", 0)
+    if b is not None and b != batch_size:
+        raise ValueError(f"batch_size={batch_size} but {source} holds {b} samples")
+    return batch_size
+
+
+def _prepare_generate(wrapper, kw: Mapping, device) -> _Decoding:
+    """Every check of ``generate``'s arguments ``kw`` (its keywords), in order: the checked call."""
+    b = _batch_size(Conditions.from_kwargs(kw), kw["batch_size"])
+    seq_len, steps, mask = kw["seq_len"], kw["steps"], kw["mask"]
+    n = wrapper.max_seq_len if seq_len is None else _check_count(seq_len, "seq_len", 1)
+    if wrapper.net.pos_emb is not None and n > wrapper.max_seq_len:
+        raise ValueError(f"seq_len={n} is more than the model's max_seq_len={wrapper.max_seq_len}")
+    steps = wrapper.steps if steps is None else _check_count(steps, "steps", 1)
+    if mask is not None:
+        validate_mask(mask, "mask", shape=(b, n), device=device)
+    temperature = _check_temperature(kw["temperature"])
+    choice_temperature = _check_temperature(kw["choice_temperature"], "choice_temperature")
+    guidance_rescale = _check_guidance_rescale(kw["guidance_rescale"])
+    guidance_space = kw["guidance_space"]
+    if guidance_space not in ("logits", "logprobs"):
+        raise ValueError(f"guidance_space must be 'logits' or 'logprobs', got {guidance_space!r}")
+    filter_fn, filter_kwargs = _resolve_filter(kw["filter_logits_fn"]), kw["filter_kwargs"]
+    if filter_kwargs is not None and filter_fn is None:
+        raise ValueError("filter_kwargs was given without filter_logits_fn; name the filter it is for")
+    conds = _conditions_of(wrapper.net, b, device, kw)
+    negatives = _negatives(wrapper.net, b, device, kw)
+    conds = conds.with_empty_for(negatives, b)
+    schedule = GuidanceSchedule.build(kw["cond_scale"], conds.kinds(), kw["guidance_interval"], guidance_rescale,
+                                      has_uncond=bool(conds.kinds()), steps=steps)
+    return _Decoding(b, n, steps, temperature, choice_temperature, guidance_rescale, guidance_space, filter_fn,
+                     filter_kwargs, conds, negatives, schedule)
+
+
+def _reveal(wrapper, engine: GuidedForward, d: _Decoding, real: Tensor, mask: Tensor | None, counts: Tensor) -> Tensor:
+    """MaskGIT's loop: each step every hidden position is predicted (guided), the most confident predictions are kept
+    and the others hidden again, ``counts[s] (b,)`` of them (at least one revealed per step); returns ``(b, n)``."""
+    b, n, steps, device = d.b, d.n, d.steps, real.device
+    seq = torch.full((b, n), wrapper.mask_id, dtype=torch.long, device=device)
+    hidden = real.clone()
+    for s in range(steps):
+        logits = engine(seq, mask, None, s)  # (b, n, v), every branch in one batched forward
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if wrapper.mask_id < logits.shape[-1]:
+            logits[..., wrapper.mask_id] = _NEG_INF  # the hidden token is never produced
+        flat = logits.reshape(b * n, -1)
+        sampled = sample_logits(flat, d.temperature, d.filter_fn, d.filter_kwargs).reshape(b, n)
+        # confidence: the guided probability of the token drawn (the most confident stay)
+        conf = flat.softmax(dim=-1).gather(1, sampled.reshape(-1, 1)).reshape(b, n)
+        if d.choice_temperature > 0:
+            u = torch.rand(conf.shape, device=device, dtype=conf.dtype).clamp(1e-20, 1.0 - 1e-7)
+            gumbel = -torch.log((-torch.log(u)).clamp(min=1e-20))  # finite: u in (0, 1)
+            conf = torch.log(conf.clamp(min=1e-38)) + d.choice_temperature * (1.0 - (s + 1) / steps) * gumbel
+        conf = torch.where(hidden, conf, float("inf"))  # revealed tokens and padding stay
+        k = torch.minimum(counts[s], (hidden.sum(1) - 1).clamp(min=0))  # reveal at least one per step
+        rank = conf.argsort(dim=1, stable=True).argsort(dim=1)
+        still = (rank < k[:, None]) & hidden
+        seq = torch.where(hidden & ~still, sampled, seq)
+        seq = torch.where(still, torch.full_like(seq, wrapper.mask_id), seq)
+        hidden = still
+    return seq

@@ -469,6 +469,38 @@ class StaticDecoder:
         kernel = _attend_module._kernel
         x = self._embed(new)
         cond = c.condition
+        self_mask, n_keys, rot = self._step_inputs(slot, full)
+        i_self = i_cross = 0
+        for blk, plan in zip(stack.layers, self.plan):
+            norm, mixer, gate = blk._parts
+            h = _norm(norm, x, cond, plan.norm)
+            if blk.kind == "self":
+                out = self._self_attention(mixer, plan, h, rot, self_mask, i_self, slot, n_keys, full, kernel)
+                i_self += 1
+            elif blk.kind == "cross":
+                if c.cross is None:
+                    continue
+                k, v = c.cross[i_cross]
+                i_cross += 1
+                if k.shape[2] == 0:  # a zero-length context: cross-attention adds exactly 0
+                    continue
+                out = self._cross_attention(mixer, plan, h, k, v, kernel)
+            elif plan.plain_ff is not None:
+                pi, act, po = plan.plain_ff
+                out = F.linear(act(F.linear(h, pi.weight, pi.bias)), po.weight, po.bias)
+            else:
+                out = mixer(h)
+            if plan.finish:
+                out = blk.finish(out, cond)  # gate / layerscale, macaron's half step, sandwich norm
+            x = x + out
+        x = _norm(stack.final_norm, x, cond, self.final_norm_plan)
+        c.count.add_(1)
+        return self._head(x[:, 0])
+
+    def _step_inputs(self, slot, full: bool):
+        """The step's self-attention mask (an ALiBi bias in it), the number of key slots it reads, and the rotation
+        at each sample's position (``None`` without rotary), the new slot marked valid."""
+        c, stack = self.cache, self.stack
         if full:
             c.valid.index_fill_(1, slot[None], True)
             self_mask = c.valid[:, None, None, :]
@@ -493,67 +525,52 @@ class StaticDecoder:
             bias = -stack.alibi_slopes.to(dist.dtype)[None, :, None, None] * dist[:, None, None, :]  # (B, h, 1, n)
             bias = bias.to(self.dtype)
             self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
-        i_self = i_cross = 0
-        for blk, (fused, plain_q, plain_out, plain_ff, finish, norm_plan) in zip(stack.layers, self.plan):
-            norm, mixer, gate = blk._parts
-            h = _norm(norm, x, cond, norm_plan)
-            if blk.kind == "self":
-                if fused is not None:
-                    q, k, v = self._project_fused(mixer, fused, h, rot)
-                else:
-                    q = mixer._project_q(h).transpose(1, 2)  # (B, h, 1, d)
-                    k, v = mixer._project_kv(h)
-                    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, h_kv, 1, d)
-                    if rot is not None:
-                        q, k = _rotate(q, rot), _rotate(k, rot)
-                kb, vb = c.keys[i_self], c.values[i_self]
-                i_self += 1
-                if full:
-                    kb.index_copy_(2, slot[None], k)
-                    vb.index_copy_(2, slot[None], v)
-                else:
-                    kb.narrow(2, slot, 1).copy_(k)
-                    vb.narrow(2, slot, 1).copy_(v)
-                    kb, vb = kb.narrow(2, 0, n_keys), vb.narrow(2, 0, n_keys)
-                q, mask_h, _ = to_kernel_heads(mixer, q, self_mask)  # x-transformers' tiled kv heads: interleaved
-                out = from_kernel_heads(mixer, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=mixer.kv_heads != mixer.heads))
-                if plain_out:
-                    out = F.linear(out.transpose(1, 2).flatten(-2), mixer.to_out.weight, mixer.to_out.bias)
-                else:
-                    out = mixer._output(out.transpose(1, 2), h)
-            elif blk.kind == "cross":
-                if c.cross is None:
-                    continue
-                k, v = c.cross[i_cross]
-                i_cross += 1
-                if k.shape[2] == 0:  # a zero-length context: cross-attention adds exactly 0
-                    continue
-                if plain_q:
-                    q = F.linear(h, mixer.to_q.weight, mixer.to_q.bias).unflatten(-1, (mixer.heads, mixer.dim_head))
-                    q = mixer.norm_q(q).transpose(1, 2)
-                else:
-                    q = mixer._project_q(h).transpose(1, 2)
-                q, mask_h, _ = to_kernel_heads(mixer, q, c.cross_mask)
-                out = from_kernel_heads(mixer, kernel(q, k, v, attn_mask=mask_h, enable_gqa=mixer.kv_heads != mixer.heads))
-                if c.cross_live is not None:  # a sample with no context key: exactly 0 (after a bias too)
-                    out = torch.where(c.cross_live[..., None], out, 0.0)
-                rows_ok = None if c.cross_live is None or mixer.to_out.bias is None else c.cross_live[:, :, 0]
-                if plain_out:
-                    out = F.linear(out.transpose(1, 2).flatten(-2), mixer.to_out.weight, mixer.to_out.bias)
-                    out = out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
-                else:
-                    out = mixer._output(out.transpose(1, 2), h, None, rows_ok)
-            elif plain_ff is not None:
-                pi, act, po = plain_ff
-                out = F.linear(act(F.linear(h, pi.weight, pi.bias)), po.weight, po.bias)
-            else:
-                out = mixer(h)
-            if finish:
-                out = blk.finish(out, cond)  # gate / layerscale, macaron's half step, sandwich norm
-            x = x + out
-        x = _norm(stack.final_norm, x, cond, self.final_norm_plan)
-        c.count.add_(1)
-        return self._head(x[:, 0])
+        return self_mask, n_keys, rot
+
+    def _self_attention(self, mixer, plan: _BlockPlan, h: Tensor, rot, self_mask, i_self: int, slot, n_keys,
+                        full: bool, kernel) -> Tensor:
+        """A self-attention block's output for ``h (B, 1, c)``, its new key and value written at ``slot`` of its
+        buffers (the ``i_self``-th)."""
+        c = self.cache
+        if plan.fused is not None:
+            q, k, v = self._project_fused(mixer, plan.fused, h, rot)
+        else:
+            q = mixer._project_q(h).transpose(1, 2)  # (B, h, 1, d)
+            k, v = mixer._project_kv(h)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, h_kv, 1, d)
+            if rot is not None:
+                q, k = _rotate(q, rot), _rotate(k, rot)
+        kb, vb = c.keys[i_self], c.values[i_self]
+        if full:
+            kb.index_copy_(2, slot[None], k)
+            vb.index_copy_(2, slot[None], v)
+        else:
+            kb.narrow(2, slot, 1).copy_(k)
+            vb.narrow(2, slot, 1).copy_(v)
+            kb, vb = kb.narrow(2, 0, n_keys), vb.narrow(2, 0, n_keys)
+        q, mask_h, _ = to_kernel_heads(mixer, q, self_mask)  # x-transformers' tiled kv heads: interleaved
+        out = from_kernel_heads(mixer, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=mixer.kv_heads != mixer.heads))
+        if plan.plain_out:
+            return F.linear(out.transpose(1, 2).flatten(-2), mixer.to_out.weight, mixer.to_out.bias)
+        return mixer._output(out.transpose(1, 2), h)
+
+    def _cross_attention(self, mixer, plan: _BlockPlan, h: Tensor, k: Tensor, v: Tensor, kernel) -> Tensor:
+        """A cross-attention block's output for ``h (B, 1, c)`` over the cached context keys and values ``k, v``."""
+        c = self.cache
+        if plan.plain_q:
+            q = F.linear(h, mixer.to_q.weight, mixer.to_q.bias).unflatten(-1, (mixer.heads, mixer.dim_head))
+            q = mixer.norm_q(q).transpose(1, 2)
+        else:
+            q = mixer._project_q(h).transpose(1, 2)
+        q, mask_h, _ = to_kernel_heads(mixer, q, c.cross_mask)
+        out = from_kernel_heads(mixer, kernel(q, k, v, attn_mask=mask_h, enable_gqa=mixer.kv_heads != mixer.heads))
+        if c.cross_live is not None:  # a sample with no context key: exactly 0 (after a bias too)
+            out = torch.where(c.cross_live[..., None], out, 0.0)
+        rows_ok = None if c.cross_live is None or mixer.to_out.bias is None else c.cross_live[:, :, 0]
+        if plan.plain_out:
+            out = F.linear(out.transpose(1, 2).flatten(-2), mixer.to_out.weight, mixer.to_out.bias)
+            return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+        return mixer._output(out.transpose(1, 2), h, None, rows_ok)
 
     @staticmethod
     def _project_fused(mixer, fused: _FusedQKV, h: Tensor, rot) -> tuple[Tensor, Tensor, Tensor]:

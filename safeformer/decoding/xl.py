@@ -256,6 +256,77 @@ def _check_stack_takes_mems(stack) -> None:
                          f"return_mems), which cannot be combined with {reason}")
 
 
+def _ttt_path_maps(ttt_module_paths, ttt_low_rank_paths, has_episodic_mem: bool) -> tuple[tuple, dict]:
+    """``(paths_map, low_rank)``: the ``(source, target)`` pairs of the modules to test-time train (each low-rank
+    path its own pair, last) and the rank of each low-rank path; with episodic memories, a path is inside the
+    memory wrapper's ``net`` (``'episodic_mems'`` excepted)."""
+
+    def pair(item) -> tuple[str, str]:
+        if isinstance(item, str):
+            return item, item
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            return tuple(item)
+        raise ValueError(f"ttt_module_paths entries must be a path or a (source, target) pair, got {item!r}")
+
+    prefix = lambda p: p if not has_episodic_mem or p == "episodic_mems" else f"net.{p}"  # noqa: E731
+    paths = tuple(tuple(prefix(p) for p in pair(item)) for item in ttt_module_paths)
+    low_rank = {}
+    for item in ttt_low_rank_paths:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"ttt_low_rank_paths entries must be (path, low_rank_dim) pairs, got {item!r}")
+        low_rank[prefix(item[0])] = item[1]
+    return paths + tuple((p, p) for p in low_rank), low_rank
+
+
+def _wrap_ttt_modules(net: nn.Module, paths_map, low_rank: dict) -> dict[str, TTTModuleWrapper]:
+    """A ``TTTModuleWrapper`` put in place of the module each path of ``paths_map`` names (around a ``LowRankLinear``
+    for a low-rank path), keyed by the path as given."""
+    wrappers: dict[str, TTTModuleWrapper] = {}
+    for source, target in paths_map:
+        for path in (source, target):
+            if path in wrappers:
+                continue
+            real = _resolve_path(net, path)
+            mod = _get_module(net, real)
+            if isinstance(mod, TTTModuleWrapper):
+                raise ValueError(f"ttt module path {path!r} names a module wrapped already (two spellings of one "
+                                 "module?)")
+            if path in low_rank:
+                mod = LowRankLinear(mod, low_rank[path])
+            wrapper = TTTModuleWrapper(mod)
+            _set_module(net, real, wrapper)
+            wrappers[path] = wrapper
+    return wrappers
+
+
+def _fast_weights_step(xl, source: str, target: str, grads, stepped: Tensor, create_graph: bool) -> dict[str, Tensor]:
+    """The fast weights of ``target`` after one test-time step along the gradients ``grads`` of ``source``'s:
+    ``w - lr * g - lr * wd * w`` for the samples ``stepped (b,)`` (others keep theirs), matrix gradients
+    orthogonalised first with ``ttt_use_muon`` (and stepped with ``ttt_muon_lr``). ``xl``: the wrapper."""
+    src, tgt = xl.ttt_wrappers[source], xl.ttt_wrappers[target]
+    if len(src.batch_params) != len(tgt.batch_params):
+        raise ValueError(f"source module {source} and target module {target} must have the same number of "
+                         "parameters")
+    if xl.ttt_use_muon:
+        grads, muon = zip(*[newtonschulz5(g, steps=xl.ttt_muon_steps) if g is not None else (None, False)
+                            for g in grads])
+    else:
+        muon = (False,) * len(grads)
+    new = {}
+    for (s_name, s_p), (t_name, t_p), g, is_muon in zip(src.batch_params.items(), tgt.batch_params.items(),
+                                                       grads, muon):
+        if s_p.shape != t_p.shape:
+            raise ValueError(f"source parameter {source}.{s_name} {tuple(s_p.shape)} and target parameter "
+                             f"{target}.{t_name} {tuple(t_p.shape)} must have the same shape")
+        if g is not None:
+            lr = xl.ttt_muon_lr if is_muon else xl.ttt_lr
+            t_p = torch.where(stepped.view(-1, *[1] * (t_p.dim() - 1)), t_p - lr * g - lr * xl.ttt_wd * t_p, t_p)
+        if not create_graph:
+            t_p = t_p.detach().requires_grad_()
+        new[t_name] = t_p
+    return new
+
+
 class XLAutoregressiveWrapper(nn.Module):
     """Next-token loss and sampling over segments of ``net.max_seq_len`` tokens with Transformer-XL memories,
     optionally with test-time training (x-transformers' ``XLAutoregressiveWrapper``).
@@ -329,39 +400,11 @@ class XLAutoregressiveWrapper(nn.Module):
             net = EpisodicMemoryWrapper(net, episodic_mem_len)
         self.net = net
 
-        def pair(item) -> tuple[str, str]:
-            if isinstance(item, str):
-                return item, item
-            if isinstance(item, (tuple, list)) and len(item) == 2:
-                return tuple(item)
-            raise ValueError(f"ttt_module_paths entries must be a path or a (source, target) pair, got {item!r}")
-
-        prefix = lambda p: p if not self.has_episodic_mem or p == "episodic_mems" else f"net.{p}"  # noqa: E731
-        paths = tuple(tuple(prefix(p) for p in pair(item)) for item in ttt_module_paths)
-        low_rank = {}
-        for item in ttt_low_rank_paths:
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise ValueError(f"ttt_low_rank_paths entries must be (path, low_rank_dim) pairs, got {item!r}")
-            low_rank[prefix(item[0])] = item[1]
-        self.ttt_low_rank_paths_map = low_rank
-        self.ttt_paths_map = paths + tuple((p, p) for p in low_rank)
-
+        self.ttt_paths_map, self.ttt_low_rank_paths_map = _ttt_path_maps(ttt_module_paths, ttt_low_rank_paths,
+                                                                         self.has_episodic_mem)
         # one wrapper per path (keyed by the path as given), at the module it names
-        self.ttt_wrappers: dict[str, TTTModuleWrapper] = {}
-        for source, target in self.ttt_paths_map:
-            for path in (source, target):
-                if path in self.ttt_wrappers:
-                    continue
-                real = _resolve_path(net, path)
-                mod = _get_module(net, real)
-                if isinstance(mod, TTTModuleWrapper):
-                    raise ValueError(f"ttt module path {path!r} names a module wrapped already (two spellings of one "
-                                     "module?)")
-                if path in low_rank:
-                    mod = LowRankLinear(mod, low_rank[path])
-                wrapper = TTTModuleWrapper(mod)
-                _set_module(net, real, wrapper)
-                self.ttt_wrappers[path] = wrapper
+        self.ttt_wrappers: dict[str, TTTModuleWrapper] = _wrap_ttt_modules(net, self.ttt_paths_map,
+                                                                           self.ttt_low_rank_paths_map)
         if self.has_ttt and tbptt_steps <= 1:
             raise ValueError("tbptt_steps must be greater than 1 if ttt is turned on")
         stack = getattr(self.net.net if self.has_episodic_mem else self.net, "attn_layers", None)
@@ -403,31 +446,10 @@ class XLAutoregressiveWrapper(nn.Module):
                                     allow_unused=True)
         at = 0
         for source, target in self.ttt_paths_map:
-            src, tgt = self.ttt_wrappers[source], self.ttt_wrappers[target]
-            k = len(src.batch_params)
+            k = len(self.ttt_wrappers[source].batch_params)
             these, at = grads[at:at + k], at + k
-            if len(src.batch_params) != len(tgt.batch_params):
-                raise ValueError(f"source module {source} and target module {target} must have the same number of "
-                                 "parameters")
-            if self.ttt_use_muon:
-                these, muon = zip(*[newtonschulz5(g, steps=self.ttt_muon_steps) if g is not None else (None, False)
-                                    for g in these])
-            else:
-                muon = (False,) * len(these)
-            new = {}
-            for (s_name, s_p), (t_name, t_p), g, is_muon in zip(src.batch_params.items(), tgt.batch_params.items(),
-                                                               these, muon):
-                if s_p.shape != t_p.shape:
-                    raise ValueError(f"source parameter {source}.{s_name} {tuple(s_p.shape)} and target parameter "
-                                     f"{target}.{t_name} {tuple(t_p.shape)} must have the same shape")
-                if g is not None:
-                    lr = self.ttt_muon_lr if is_muon else self.ttt_lr
-                    t_p = torch.where(stepped.view(-1, *[1] * (t_p.dim() - 1)), t_p - lr * g - lr * self.ttt_wd * t_p,
-                                      t_p)
-                if not create_graph:
-                    t_p = t_p.detach().requires_grad_()
-                new[t_name] = t_p
-            tgt.batch_params = new
+            self.ttt_wrappers[target].batch_params = _fast_weights_step(self, source, target, these, stepped,
+                                                                        create_graph)
 
     def _segment(self, net, tokens: Tensor, mems, mask: Tensor | None, **kwargs):
         """``net`` on one segment with its memories (their padded slots moved first, see ``_compact_mems``):
@@ -440,26 +462,6 @@ class XLAutoregressiveWrapper(nn.Module):
     def _wrapper(self) -> nn.Module:
         """The ``TransformerWrapper`` (inside the episodic-memory wrapper, if any)."""
         return self.net.net if self.has_episodic_mem else self.net
-
-    def _check_generate(self, start_tokens, seq_len, eos_token, temperature, filter_logits_fn, filter_kwargs):
-        """``generate``'s arguments checked (``AutoregressiveWrapper.generate``'s checks, with this method's names):
-        returns the filter function."""
-        if not isinstance(start_tokens, Tensor) or start_tokens.dim() not in (1, 2):
-            raise ValueError(f"start_tokens must be token ids of shape (b, t) or (t,), got "
-                             f"{getattr(start_tokens, 'shape', type(start_tokens).__name__)}")
-        if start_tokens.dtype.is_floating_point or start_tokens.dtype == torch.bool or start_tokens.is_complex():
-            raise TypeError(f"start_tokens must hold integer token ids, got dtype {start_tokens.dtype}")
-        if start_tokens.shape[-1] == 0:
-            raise ValueError("start_tokens must hold at least one token per sample (got t = 0 positions)")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
-        fn = check_sampling(temperature, filter_logits_fn, filter_kwargs)
-        if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
-            raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
-        num_tokens = getattr(self._wrapper, "num_tokens", None)
-        if eos_token is not None and isinstance(num_tokens, int) and not 0 <= eos_token < num_tokens:
-            raise ValueError(f"eos_token must be a token id in [0, num_tokens={num_tokens}), got {eos_token}")
-        return fn
 
     @torch.no_grad()
     @eval_decorator
@@ -482,7 +484,8 @@ class XLAutoregressiveWrapper(nn.Module):
         if "mask" in kwargs or "cache" in kwargs:
             raise ValueError("XLAutoregressiveWrapper.generate takes unpadded prompts and keeps no KV cache: pass "
                              "neither mask nor cache")
-        fn = self._check_generate(start_tokens, seq_len, eos_token, temperature, filter_logits_fn, filter_kwargs)
+        fn = _check_generate(getattr(self._wrapper, "num_tokens", None), start_tokens, seq_len, eos_token, temperature,
+                             filter_logits_fn, filter_kwargs)
         mems = _with_masks(mems, kwargs.pop("mem_masks", None))
         squeeze = start_tokens.dim() == 1
         if squeeze:
@@ -641,6 +644,26 @@ class XLAutoregressiveWrapper(nn.Module):
                         wrapper.batch_params = {k: v.detach().requires_grad_(v.requires_grad)
                                                 for k, v in wrapper.batch_params.items()}
         return total_loss
+
+
+def _check_generate(num_tokens, start_tokens, seq_len, eos_token, temperature, filter_logits_fn, filter_kwargs):
+    """``XLAutoregressiveWrapper.generate``'s arguments checked (``AutoregressiveWrapper.generate``'s checks, with its
+    names; ``num_tokens``: the net's vocabulary, if it has one): returns the filter function."""
+    if not isinstance(start_tokens, Tensor) or start_tokens.dim() not in (1, 2):
+        raise ValueError(f"start_tokens must be token ids of shape (b, t) or (t,), got "
+                         f"{getattr(start_tokens, 'shape', type(start_tokens).__name__)}")
+    if start_tokens.dtype.is_floating_point or start_tokens.dtype == torch.bool or start_tokens.is_complex():
+        raise TypeError(f"start_tokens must hold integer token ids, got dtype {start_tokens.dtype}")
+    if start_tokens.shape[-1] == 0:
+        raise ValueError("start_tokens must hold at least one token per sample (got t = 0 positions)")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
+    fn = check_sampling(temperature, filter_logits_fn, filter_kwargs)
+    if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, int)):
+        raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
+    if eos_token is not None and isinstance(num_tokens, int) and not 0 <= eos_token < num_tokens:
+        raise ValueError(f"eos_token must be a token id in [0, num_tokens={num_tokens}), got {eos_token}")
+    return fn
 
 
 def _with_masks(mems, mem_masks):
