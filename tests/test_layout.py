@@ -174,3 +174,29 @@ def test_the_attend_function_keeps_its_name_after_the_module_path_is_imported():
 
     assert callable(safeformer.attend) and safeformer.attend is attend
     assert Attend.__name__ == "Attend"
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 350, 80
+
+
+def oversized(root: pathlib.Path = PACKAGE) -> list[str]:
+    """Classes over ``MAX_CLASS_LINES`` and functions over ``MAX_FUNCTION_LINES`` (docstrings included)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES or \
+                    isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
+                out.append(f"{path.relative_to(root.parent)}:{node.name} ({lines} lines)")
+    return out
+
+
+def test_no_class_over_350_lines_and_no_function_over_80():
+    assert oversized() == []
+
+
+def test_the_size_check_catches_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    root = _fake_package(tmp_path, {"__init__.py": "", "core/__init__.py": "",
+                                    "core/long.py": f"def long():\n{body}\n\n\nclass Short:\n    pass\n"})
+    assert oversized(root) == ["safeformer/core/long.py:long (81 lines)"]

@@ -89,6 +89,16 @@ Returns:
     ``out (b, i, c)``; ``(out, AttnIntermediate)`` with ``return_intermediates``; ``(out, weights)``
     with ``return_attn``. Rows that may attend to no key are exactly 0 after the output projection,
     and pass zero gradient (S2).
+
+Paths (``Attention._decide_paths``, once at construction):
+
+- ``orthog``: the output is projected orthogonally to the values (x-transformers' ``orthog_projected_values``): one
+  projection over a sample's whole sequence, so it runs on the padded path, in self-attention, without a KV cache;
+- ``qk_normed``: a norm of queries or keys sits between the projection and the rotation;
+- ``explicit``: every call runs the explicit float32 path (softclamped logits, cog, sigmoid, inverted, gumbel, laser,
+  CoPE, sparse top-k, talking heads: what no fused kernel does); such a module runs on the padded path only (l2
+  distance alone runs the fused kernels, through ``_l2_kernel_inputs``, on the padded path too);
+- ``packable``: the unpadded (packed) path can run it (no extra keys, no explicit path, ...).
 """
 
 from __future__ import annotations
@@ -268,16 +278,8 @@ class Attention(nn.Module):
         self._decide_paths()
 
     def _decide_paths(self) -> None:
-        """Which paths this module runs, decided once from its parts:
-
-        - ``orthog``: the output is projected orthogonally to the values (x-transformers'
-          ``orthog_projected_values``): one projection over a sample's whole sequence, so it runs on the padded
-          path, in self-attention, without a KV cache;
-        - ``explicit``: every call runs the explicit float32 path (softclamped logits, cog, sigmoid, inverted,
-          gumbel, laser, CoPE, sparse top-k, talking heads: what no fused kernel does); such a module runs on the
-          padded path only (l2 distance alone runs the fused kernels, through ``_l2_kernel_inputs``, on the padded
-          path too);
-        - ``packable``: the unpadded (packed) path can run it (no extra keys, no explicit path, ...)."""
+        """Which paths this module runs, decided once from its parts (``orthog``, ``qk_normed``, ``explicit``,
+        ``packable``: see "Paths" in this module's docstring)."""
         self.orthog = bool(self.orthog_projected_values or self.orthog_projected_values_per_head)
         # a norm of queries or keys between the projection and the rotation (the decode step's fused plan reads it)
         self.qk_normed = any(n is not None for n in (self.q_norm, self.k_norm, self.q_rmsnorm, self.k_rmsnorm))
