@@ -194,9 +194,8 @@ def test_converted_model_is_safe_where_the_context_is_empty():
 
 
 # what from_x_transformers still refuses (the options it converts have parity tests: test_interop_options.py,
-# test_xt_keywords.py)
+# test_xt_keywords.py, test_qk_rmsnorm.py)
 UNSUPPORTED = [
-    (dict(attn_qk_rmsnorm=True), "attn_qk_rmsnorm"),
     (dict(attn_gate_value_heads=True), "attn_gate_value_heads"),
     (dict(attn_on_attn=True), "attn_on_attn"),
     (dict(attn_value_dim_head=4), "attn_value_dim_head"),
@@ -224,14 +223,14 @@ def test_unsupported_options_raise_naming_them(kwargs, expected):
 
 def test_all_unsupported_options_listed_at_once():
     model = xt.TransformerWrapper(
-        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, attn_qk_rmsnorm=True,
+        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, attn_max_attend_past=3,
                                                              attn_on_attn=True),
         post_emb_norm=True,
     )
     with pytest.raises(ValueError) as info:
         from_x_transformers(model)
     text = str(info.value)
-    assert all(opt in text for opt in ("attn_qk_rmsnorm", "attn_on_attn", "post_emb_norm"))
+    assert all(opt in text for opt in ("attn_max_attend_past", "attn_on_attn", "post_emb_norm"))
 
 
 def test_drop_training_only_converts_and_matches_in_eval():

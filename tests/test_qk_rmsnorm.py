@@ -70,3 +70,21 @@ def test_both_norms_are_refused_and_the_default_builds_nothing():
         sf.Decoder(dim=16, depth=1, heads=2, attn_qk_rmsnorm=True, attn_k_rmsnorm=True)
     plain = sf.Decoder(dim=16, depth=1, heads=2)
     assert not any("rmsnorm" in k for k in plain.state_dict())
+
+
+@pytest.mark.parametrize("kw", [dict(attn_qk_rmsnorm=True), dict(attn_k_rmsnorm=True, attn_kv_heads=2),
+                                dict(attn_qk_rmsnorm=True, attn_qk_norm=True, attn_num_mem_kv=2)],
+                         ids=["qk", "k+gqa", "qk+l2+memory"])
+def test_from_x_transformers_converts_it(kw):
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    model = xt.TransformerWrapper(num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=32, depth=2, heads=4, **kw))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    net = sf.from_x_transformers(model).eval()
+    model.eval()
+    ids = torch.randint(0, V, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, 7:] = False
+    torch.testing.assert_close(net(ids, mask=mask)[mask], model(ids, mask=mask)[mask], rtol=1e-5, atol=2e-5)

@@ -269,6 +269,10 @@ def _copy_attention_options(c: _Copier, dst, blk, opts: _AttnOptions, lay: _Layo
         put(dst.to_value_residual_mix[0].bias, take(lin.bias)[perm])
     if opts.value_rmsnorm:  # gamma (h, 1, d), h == h_kv (checked): kv heads are not permuted
         put(dst.value_rmsnorm.gamma, take(blk.value_rmsnorm.gamma).reshape(lay.kv_heads, 1, lay.dim_head))
+    if opts.qk_rmsnorm:  # gamma (h, 1, d) per query head (permuted)
+        put(dst.q_rmsnorm.gamma, take(blk.q_rmsnorm.gamma)[perm])
+    if opts.qk_rmsnorm or opts.k_rmsnorm:  # gamma (h_kv, 1, d) per key head
+        put(dst.k_rmsnorm.gamma, take(blk.k_rmsnorm.gamma))
     if opts.qk_dim_scale:  # (h, 1, d) per query head (permuted), (h_kv, 1, d) per key head
         put(dst.qk_norm_q_scale, take(blk.qk_norm_q_scale)[perm])
         put(dst.qk_norm_k_scale, take(blk.qk_norm_k_scale))

@@ -154,6 +154,8 @@ class _AttnOptions:
     qk_groups: int = 1
     qk_scale: float = 10.0
     value_rmsnorm: bool = False
+    qk_rmsnorm: bool = False  # q_rmsnorm and k_rmsnorm (x-transformers' MultiheadRMSNorm)
+    k_rmsnorm: bool = False  # k_rmsnorm only
     orthog: tuple = ()  # the orthog_projected_values options, as AttentionLayers keywords
     value_mix: bool = False  # a learned value residual mix (every self-attention but the first: not in key())
     dd_alibi: tuple = ()  # data_dependent_alibi: (("attn_data_dependent_alibi", True), ("..._kwargs", {...}))
@@ -174,7 +176,8 @@ class _AttnOptions:
     sublayer_dropout: float = 0.0  # attn_sublayer_dropout
 
     def key(self) -> tuple:
-        return (self.qk_norm, self.qk_dim_scale, self.qk_groups, self.qk_scale, self.value_rmsnorm, self.orthog, self.mem_kv, self.sink,
+        return (self.qk_norm, self.qk_dim_scale, self.qk_groups, self.qk_scale, self.value_rmsnorm, self.qk_rmsnorm,
+                self.k_rmsnorm, self.orthog, self.mem_kv, self.sink,
                 self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid, self.head_scale,
                 self.sublayer_dropout, self.sparse_topk, self.hard, self.talking_heads, self.zero_kv)
         # (rotate_heads is left out: x-transformers' stack gives it to its self-attentions only, all alike)
@@ -256,10 +259,10 @@ def _check_attention_norms(name: str, attn, opts: _AttnOptions, problems: _Probl
     opts.gates = _gate_options(name, attn, problems)
     if getattr(attn, "max_attend_past", None) is not None:
         problems.add(f"attn_max_attend_past={attn.max_attend_past}", name)
+    opts.qk_rmsnorm = getattr(attn, "q_rmsnorm", None) is not None
+    opts.k_rmsnorm = not opts.qk_rmsnorm and getattr(attn, "k_rmsnorm", None) is not None
     for attr, option in (
         ("to_v_head_gate", "attn_gate_value_heads"),
-        ("q_rmsnorm", "attn_qk_rmsnorm"),
-        ("k_rmsnorm", "attn_k_rmsnorm"),
     ):
         if getattr(attn, attr, None) is not None:
             problems.add(f"{option}", name)
@@ -527,7 +530,7 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
         if tname in _ROUTING_TYPES and type(module).__module__ == xt.Residual.__module__:  # read by _check_stack
             flagged.append(mname)
             continue
-        if (tname == "MultiheadRMSNorm" and mname.endswith(".value_rmsnorm")) or (
+        if (tname == "MultiheadRMSNorm" and mname.endswith((".value_rmsnorm", ".q_rmsnorm", ".k_rmsnorm"))) or (
                 tname == "DataDependentAlibi" and mname.endswith(".data_dependent_alibi")) or (
                 tname == "CoPE" and mname.endswith(".attend.cope")) or (
                 tname == "RelativePositionBias" and mname == "attn_layers.rel_pos") or (

@@ -715,7 +715,7 @@ def _position_kwargs(stack_kwargs: dict, st: _StackInfo, ly: _LayersInfo, cross_
 
 def _qk_value_kwargs(stack_kwargs: dict, layers, opts0: _AttnOptions, attn_opts: dict[int, _AttnOptions]) -> None:
     """The qk-norm, value norm and value residual keywords."""
-    if opts0.qk_norm or opts0.value_rmsnorm:  # x-transformers l2-normalises (F.normalize, eps 1e-12)
+    if opts0.qk_norm or opts0.value_rmsnorm or opts0.qk_rmsnorm or opts0.k_rmsnorm:  # x-transformers l2-normalises
         stack_kwargs.update(attn_qk_norm_eps=_RMS_EPS)
     if opts0.qk_norm:
         stack_kwargs.update(attn_qk_norm=True)
@@ -727,6 +727,8 @@ def _qk_value_kwargs(stack_kwargs: dict, layers, opts0: _AttnOptions, attn_opts:
             stack_kwargs.update(attn_qk_norm_groups=opts0.qk_groups)
     if opts0.value_rmsnorm:
         stack_kwargs.update(attn_value_rmsnorm=True)
+    if opts0.qk_rmsnorm or opts0.k_rmsnorm:
+        stack_kwargs.update({"attn_qk_rmsnorm" if opts0.qk_rmsnorm else "attn_k_rmsnorm": True})
     if getattr(layers, "add_value_residual", False):
         stack_kwargs.update(add_value_residual=True,
                             learned_value_residual_mix=any(o.value_mix for o in attn_opts.values()))
