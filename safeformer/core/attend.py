@@ -425,50 +425,57 @@ def plan_attention(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if mask_kind not in ("none", "padding", "full"):
         raise ValueError(f"mask_kind must be 'none', 'padding' or 'full', got {mask_kind!r}")
+    mask_form = _mask_form(q_len=q_len, k_len=k_len, mask_kind=mask_kind, causal=causal, has_bias=has_bias)
+    if backend == "reference":
+        return AttentionPlan("reference", (), "reference", mask_form, expand_kv=True)
+    if device_type == "cuda":
+        return _cuda_plan(dtype, head_dim, mask_form, gqa=kv_heads != heads, backend=backend)
+    return _other_device_plan(device_type, mask_form, dropout_p, backend)
 
-    # The mask form: keep the flash kernel eligible by passing no mask tensor whenever we can.
+
+def _mask_form(*, q_len: int, k_len: int, mask_kind: str, causal: bool, has_bias: bool) -> str:
+    """The plan's ``mask_form``: keep the flash kernel eligible by passing no mask tensor whenever we can."""
     causal_noop = causal and q_len <= 1  # one query, bottom-right aligned, sees every key
     needs_causal_tensor = causal and not causal_noop and not (q_len == k_len and mask_kind == "none" and not has_bias)
     if has_bias:
-        mask_form = "bias"
-    elif mask_kind != "none" or needs_causal_tensor:
-        mask_form = "broadcast"
-    elif causal and not causal_noop:
-        mask_form = "is_causal"
-    else:
-        mask_form = "none"
+        return "bias"
+    if mask_kind != "none" or needs_causal_tensor:
+        return "broadcast"
+    if causal and not causal_noop:
+        return "is_causal"
+    return "none"
 
-    if backend == "reference":
-        return AttentionPlan("reference", (), "reference", mask_form, expand_kv=True)
 
-    gqa = kv_heads != heads
+def _cuda_plan(dtype: torch.dtype, head_dim: int, mask_form: str, *, gqa: bool, backend: str) -> AttentionPlan:
+    """The SDPA plan on CUDA: the fused kernels in order of preference (``"auto"``), or the one requested."""
     half = dtype in (torch.float16, torch.bfloat16)
     has_tensor = mask_form in ("broadcast", "bias")
+    flash_ok = half and head_dim % 8 == 0 and head_dim <= 256 and not has_tensor
+    efficient_ok = dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim % 8 == 0
+    cudnn_ok = half and head_dim % 8 == 0 and head_dim <= 128
+    if backend == "auto":
+        if flash_ok:
+            order = ("flash", "efficient", "math")
+        elif efficient_ok:
+            order = ("efficient", "math")
+        else:
+            order = ("math",)
+        expected = order[0]
+        # enable_gqa reaches flash and math; the memory-efficient kernel wants equal head counts.
+        return AttentionPlan("sdpa", order, expected, mask_form, expand_kv=gqa and expected == "efficient")
+    ok = {"math": True, "flash": flash_ok, "efficient": efficient_ok, "cudnn": cudnn_ok}[backend]
+    if not ok:
+        raise ValueError(
+            f"backend={backend!r} cannot run these inputs on cuda (dtype {dtype}, head_dim {head_dim}, "
+            f"mask form {mask_form!r}); flash needs float16/bfloat16, head_dim % 8 == 0 and <= 256 and no "
+            f"mask tensor; efficient needs head_dim % 8 == 0; cudnn float16/bfloat16, head_dim <= 128"
+        )
+    return AttentionPlan("sdpa", (backend,), backend, mask_form, expand_kv=gqa and backend in ("efficient", "cudnn"))
 
-    if device_type == "cuda":
-        flash_ok = half and head_dim % 8 == 0 and head_dim <= 256 and not has_tensor
-        efficient_ok = dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim % 8 == 0
-        cudnn_ok = half and head_dim % 8 == 0 and head_dim <= 128
-        if backend == "auto":
-            if flash_ok:
-                order = ("flash", "efficient", "math")
-            elif efficient_ok:
-                order = ("efficient", "math")
-            else:
-                order = ("math",)
-            expected = order[0]
-            # enable_gqa reaches flash and math; the memory-efficient kernel wants equal head counts.
-            return AttentionPlan("sdpa", order, expected, mask_form, expand_kv=gqa and expected == "efficient")
-        ok = {"math": True, "flash": flash_ok, "efficient": efficient_ok, "cudnn": cudnn_ok}[backend]
-        if not ok:
-            raise ValueError(
-                f"backend={backend!r} cannot run these inputs on cuda (dtype {dtype}, head_dim {head_dim}, "
-                f"mask form {mask_form!r}); flash needs float16/bfloat16, head_dim % 8 == 0 and <= 256 and no "
-                f"mask tensor; efficient needs head_dim % 8 == 0; cudnn float16/bfloat16, head_dim <= 128"
-            )
-        return AttentionPlan("sdpa", (backend,), backend, mask_form, expand_kv=gqa and backend in ("efficient", "cudnn"))
 
-    # CPU (and any other device): PyTorch has the math kernel and a CPU flash kernel, which takes masks.
+def _other_device_plan(device_type: str, mask_form: str, dropout_p: float, backend: str) -> AttentionPlan:
+    """The SDPA plan on the CPU (and any other device): PyTorch has the math kernel and a CPU flash kernel, which
+    takes masks."""
     if backend in ("efficient", "cudnn"):
         raise ValueError(f"backend={backend!r} runs on CUDA only; inputs are on {device_type!r}")
     if backend == "auto":
@@ -911,7 +918,25 @@ def attend(
     if inputs_finite:
         mask = mask.mask
     b, h, i, d = q.shape
-    hkv, j, e = k.shape[1], k.shape[2], v.shape[-1]
+    j = k.shape[2]
+    prepared, user = _user_mask(mask, causal, q, b, h, i, j)
+    plan = _call_plan(q, k, user, causal, bias, dropout_p, backend)
+    scale = d**-0.5 if scale is None else float(scale)
+
+    if j == 0 or i == 0:  # no keys (every row is dead) or no queries: no kernel call
+        return _empty_output(q, k, v, bias)
+
+    is_causal = plan.mask_form == "is_causal"
+    combined, bias, prepared = _combined_mask(user, prepared, bias, causal and not is_causal and i > 1, q, b, h, i, j)
+    if combined is not None:
+        return _masked_call(plan, q, k, v, combined, prepared, bias, is_causal, scale, dropout_p, inputs_finite)
+    attn_mask = bias.to(q.dtype) if bias is not None else None
+    return _kernel_call(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
+
+
+def _user_mask(mask, causal: bool, q: Tensor, b: int, h: int, i: int, j: int) -> tuple:
+    """``(prepared, user)``: the ``PreparedMask`` given (or ``None``) and the mask as a bool tensor in its broadcast
+    shape ``(b|1, h|1, i|1, j|1)`` (or ``None``), checked against q's device."""
     user = None
     prepared = mask if isinstance(mask, PreparedMask) else None
     if prepared is not None:
@@ -925,9 +950,16 @@ def attend(
             user = as_attention_mask(mask, b, h, i, j, name="mask")
         if not (user.is_cpu and q.is_cpu) and user.device != q.device:
             raise ValueError(f"mask is on {user.device}, expected {q.device} (the device of q)")
+    return prepared, user
+
+
+def _call_plan(q: Tensor, k: Tensor, user: Tensor | None, causal: bool, bias: Tensor | None, dropout_p: float,
+               backend: str) -> AttentionPlan:
+    """``plan_attention`` for one ``attend`` call; the reference math under ``torch.func`` transforms."""
+    b, h, i, d = q.shape
     mask_kind = "none" if user is None else ("padding" if user.shape[2] == 1 else "full")
     plan = plan_attention(
-        device_type=q.device.type, dtype=q.dtype, head_dim=d, q_len=i, k_len=j, heads=h, kv_heads=hkv,
+        device_type=q.device.type, dtype=q.dtype, head_dim=d, q_len=i, k_len=k.shape[2], heads=h, kv_heads=k.shape[1],
         mask_kind=mask_kind, causal=causal, has_bias=bias is not None, dropout_p=dropout_p, backend=backend,
     )
     if backend == "auto" and plan.path == "sdpa" and plan.expected != "math" and torch._C._are_functorch_transforms_active():
@@ -935,18 +967,24 @@ def attend(
         # second derivative anywhere; the reference math is plain differentiable ops that every transform
         # (and any nesting of them) takes
         plan = AttentionPlan("reference", (), "reference", plan.mask_form, expand_kv=True)
-    scale = d**-0.5 if scale is None else float(scale)
+    return plan
 
-    if j == 0 or i == 0:  # no keys (every row is dead) or no queries: no kernel call; keep the graph so
-        # that q, k, v (and the bias) get (zero) gradients
-        dead = torch.zeros((), dtype=torch.bool, device=q.device)
-        anchor = k.sum() + v.sum() + (bias.sum() if bias is not None else 0.0)  # empty sums: exactly 0
-        return torch.where(dead, q.sum(-1, keepdim=True), 0.0).expand(b, h, i, e) + anchor * 0
 
-    causal_tensor = None
-    is_causal = plan.mask_form == "is_causal"
-    if causal and not is_causal and i > 1:
-        causal_tensor = causal_mask(i, j, device=q.device)  # (1, 1, i, j)
+def _empty_output(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+    """``(b, h, i, e)`` zeros for a call with no keys or no queries; keeps the graph so that q, k, v (and the
+    bias) get (zero) gradients."""
+    b, h, i, _ = q.shape
+    dead = torch.zeros((), dtype=torch.bool, device=q.device)
+    anchor = k.sum() + v.sum() + (bias.sum() if bias is not None else 0.0)  # empty sums: exactly 0
+    return torch.where(dead, q.sum(-1, keepdim=True), 0.0).expand(b, h, i, v.shape[-1]) + anchor * 0
+
+
+def _combined_mask(user: Tensor | None, prepared: PreparedMask | None, bias: Tensor | None, causal_tensor: bool,
+                   q: Tensor, b: int, h: int, i: int, j: int) -> tuple:
+    """``(combined, bias, prepared)``: the user mask, the causal tensor (when ``causal_tensor``) and the keys the
+    bias reaches combined in their broadcast shape (4-d; never ``(b, h, i, j)`` for padding; ``None`` when there is
+    nothing to mask), the bias in q's dtype, and the ``PreparedMask`` still usable (``None`` with a bias)."""
+    causal_part = causal_mask(i, j, device=q.device) if causal_tensor else None  # (1, 1, i, j)
     reach = None
     if bias is not None:
         # a bias of -inf (or one so negative that it is -inf in the compute dtype, e.g. -1e9 in float16)
@@ -956,42 +994,42 @@ def attend(
         if prepared is not None:
             prepared, user = None, as_attention_mask(prepared.combined, b, h, i, j, name="mask")
     # broadcast shape, never (b, h, i, j) for padding
-    combined = user if causal_tensor is None and reach is None else combine_masks(user, causal_tensor, reach)
+    combined = user if causal_part is None and reach is None else combine_masks(user, causal_part, reach)
     if combined is not None and combined.dim() < 4:
         combined = combined.reshape((1,) * (4 - combined.dim()) + tuple(combined.shape))
+    return combined, bias, prepared
 
-    attn_mask: Tensor | None = None
-    row_ok = None
-    if combined is not None:
-        row_ok = prepared.row_ok if prepared is not None else combined.any(dim=-1, keepdim=True)
-        if _optimistic_ok(plan, q, k, v, bias, dropout_p):  # a CPU forward needing no gradient
-            out = _optimistic(plan, q, k, v, combined, prepared, bias, row_ok, is_causal, scale, check=not inputs_finite)
-            if out is not None:
-                return out
-        attn_mask = _kernel_mask(combined, prepared, bias, row_ok, j, q.dtype)
-        key_ok = _key_ok(combined, prepared, h, hkv, j)
-        if not inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
-            # the CPU flash kernel with the selections inside: no selected copy outlives the call
-            # dead rows: 0; a backward with create_graph=True runs the reference math (a gradient penalty)
-            plain = combined if bias is None and prepared is None else attn_mask  # dead rows not handed a key
-            return _flash_selected(q, k, v, row_ok, key_ok, attn_mask, plain, scale, is_causal)
-        if not inputs_finite:
-            q = _select(row_ok, q)  # the selections' backward also zeroes what a kernel sends back there
-            k = _select(key_ok, k)
-            v = _select(key_ok, v)
-        elif torch.is_grad_enabled():
-            # the inputs are finite there already; still, a kernel's backward may write NaN into the
-            # gradients of dead rows and masked keys (S6): select those gradients away (no forward copy)
-            q = _grad_select(row_ok, q)
-            k = _grad_select(key_ok, k)
-            v = _grad_select(key_ok, v)
-    elif bias is not None:
-        attn_mask = bias.to(q.dtype)
 
+def _masked_call(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, combined: Tensor,
+                 prepared: PreparedMask | None, bias: Tensor | None, is_causal: bool, scale: float, dropout_p: float,
+                 inputs_finite: bool) -> Tensor:
+    """``attend`` with a ``combined`` mask: the optimistic CPU forward, the fused CPU flash path, or q, k, v
+    selected at dead rows / masked keys, the kernel, and the output's dead rows selected to 0."""
+    h, hkv, j = q.shape[1], k.shape[1], k.shape[2]
+    row_ok = prepared.row_ok if prepared is not None else combined.any(dim=-1, keepdim=True)
+    if _optimistic_ok(plan, q, k, v, bias, dropout_p):  # a CPU forward needing no gradient
+        out = _optimistic(plan, q, k, v, combined, prepared, bias, row_ok, is_causal, scale, check=not inputs_finite)
+        if out is not None:
+            return out
+    attn_mask = _kernel_mask(combined, prepared, bias, row_ok, j, q.dtype)
+    key_ok = _key_ok(combined, prepared, h, hkv, j)
+    if not inputs_finite and _fused_select_ok(plan, q, k, v, attn_mask, is_causal, scale, dropout_p):
+        # the CPU flash kernel with the selections inside: no selected copy outlives the call
+        # dead rows: 0; a backward with create_graph=True runs the reference math (a gradient penalty)
+        plain = combined if bias is None and prepared is None else attn_mask  # dead rows not handed a key
+        return _flash_selected(q, k, v, row_ok, key_ok, attn_mask, plain, scale, is_causal)
+    if not inputs_finite:
+        q = _select(row_ok, q)  # the selections' backward also zeroes what a kernel sends back there
+        k = _select(key_ok, k)
+        v = _select(key_ok, v)
+    elif torch.is_grad_enabled():
+        # the inputs are finite there already; still, a kernel's backward may write NaN into the
+        # gradients of dead rows and masked keys (S6): select those gradients away (no forward copy)
+        q = _grad_select(row_ok, q)
+        k = _grad_select(key_ok, k)
+        v = _grad_select(key_ok, v)
     out = _kernel_call(plan, q, k, v, attn_mask, is_causal, scale, dropout_p)
-    if row_ok is not None:
-        out = _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned
-    return out
+    return _select(row_ok, out)  # dead rows: exactly 0, whatever the kernel returned
 
 
 def _key_padding_call(q, k, v, mask, causal: bool) -> Tensor | None:

@@ -447,6 +447,35 @@ def compose_guidance(
             reads nothing back to the host (a decode loop checks the flag now and then, and raises then).
             The result is then computed with the offending entries treated as banned (``-inf``).
     """
+    tensors = _check_guidance_args(uncond, conds, scales, guidance_rescale, space)
+    dtype = torch.promote_types(uncond.dtype, torch.float32)
+    for t in tensors.values():
+        dtype = torch.promote_types(dtype, t.dtype)
+    # branches are combined in the order of their names, so neither mapping's order can change the result
+    used = {k: _check_scale(scales[k], f"the scale of {k!r}") for k in sorted(scales) if scales[k] != 0}
+    checked = dict(tensors) if reference is None or guidance_rescale == 0 else {**tensors, "the reference": reference}
+    work = _work_dtype(uncond)
+    names = ["uncond", *used]
+    vals = _checked_branches(checked, names, work, errors)  # (uncond, used...)
+    if space == "logprobs":
+        vals = _log_softmax(vals)
+    banned = ~(vals < float("inf")) | (vals == _NEG_INF) if errors is not None else vals == _NEG_INF
+    banned = banned.any(dim=0)
+    clean = torch.where(banned, torch.zeros((), dtype=work, device=uncond.device), vals)  # -inf selected away, not subtracted
+    clean = dict(zip(names, clean.unbind(0)))
+    ref = None
+    if guidance_rescale > 0 and reference is not None:
+        r = reference.to(work)
+        r = _log_softmax(r) if space == "logprobs" else r
+        banned = banned | (r == _NEG_INF) | (~(r < float("inf")) if errors is not None else False)
+        ref = torch.where(banned, 0.0, r)
+        clean = {k: torch.where(banned, 0.0, t) for k, t in clean.items()}
+    guided = _combine(clean, used, guidance_rescale, ref, live=~banned, out_dtype=dtype)
+    return guided.masked_fill(banned, _NEG_INF)
+
+
+def _check_guidance_args(uncond: Tensor, conds, scales, guidance_rescale, space) -> dict[str, Tensor]:
+    """``compose_guidance``'s arguments checked; returns ``{"uncond": uncond, **conds}``."""
     if space not in ("logits", "logprobs"):
         raise ValueError(f"guidance space must be 'logits' or 'logprobs', got {space!r}")
     if isinstance(guidance_rescale, bool) or not (isinstance(guidance_rescale, (int, float)) and 0.0 <= guidance_rescale <= 1.0):
@@ -465,16 +494,14 @@ def compose_guidance(
             raise TypeError(f"{name} logits must be a floating-point tensor, got {getattr(t, 'dtype', type(t))}")
         if t.shape != uncond.shape:
             raise ValueError(f"{name} logits have shape {tuple(t.shape)}, expected {tuple(uncond.shape)} (those of uncond)")
-    dtype = torch.promote_types(uncond.dtype, torch.float32)
-    for t in tensors.values():
-        dtype = torch.promote_types(dtype, t.dtype)
-    # branches are combined in the order of their names, so neither mapping's order can change the result
-    used = {k: _check_scale(scales[k], f"the scale of {k!r}") for k in sorted(scales) if scales[k] != 0}
-    checked = dict(tensors) if reference is None or guidance_rescale == 0 else {**tensors, "the reference": reference}
-    work = _work_dtype(uncond)
-    names = ["uncond", *used]
+    return tensors
+
+
+def _checked_branches(checked: dict[str, Tensor], names: list[str], work: torch.dtype, errors: Tensor | None) -> Tensor:
+    """The branches ``names`` stacked in ``work`` ``(len(names), ..., v)``, after every branch in ``checked`` (whatever
+    its scale) is checked for NaN and ``+inf`` in one pass over one stacked tensor: a ``ValueError``, or with ``errors``
+    the flag set (no host read; those entries are computed as banned)."""
     given = list(checked.values())
-    # every branch given, whatever its scale, is checked in one pass over one stacked tensor
     same = all(t.dtype == given[0].dtype for t in given)
     stacked = torch.stack(given if same else [t.to(work) for t in given])  # (branches given, ..., v)
     bad = (torch.isnan(stacked) | (stacked == float("inf"))).flatten(1).any(dim=1)  # (branches given,)
@@ -484,22 +511,7 @@ def compose_guidance(
         name = list(checked)[int(bad.long().argmax())]
         raise ValueError(f"{name} logits hold NaN or +inf: only -inf (a banned token) is allowed besides finite values")
     index = [list(checked).index(k) for k in names]  # each used branch's row of ``stacked``, by name
-    vals = (stacked if index == list(range(len(given))) else stacked[index]).to(work)  # (uncond, used...)
-    if space == "logprobs":
-        vals = _log_softmax(vals)
-    banned = ~(vals < float("inf")) | (vals == _NEG_INF) if errors is not None else vals == _NEG_INF
-    banned = banned.any(dim=0)
-    clean = torch.where(banned, torch.zeros((), dtype=work, device=uncond.device), vals)  # -inf selected away, not subtracted
-    clean = dict(zip(names, clean.unbind(0)))
-    ref = None
-    if guidance_rescale > 0 and reference is not None:
-        r = reference.to(work)
-        r = _log_softmax(r) if space == "logprobs" else r
-        banned = banned | (r == _NEG_INF) | (~(r < float("inf")) if errors is not None else False)
-        ref = torch.where(banned, 0.0, r)
-        clean = {k: torch.where(banned, 0.0, t) for k, t in clean.items()}
-    guided = _combine(clean, used, guidance_rescale, ref, live=~banned, out_dtype=dtype)
-    return guided.masked_fill(banned, _NEG_INF)
+    return (stacked if index == list(range(len(given))) else stacked[index]).to(work)
 
 
 def _work_dtype(t: Tensor) -> torch.dtype:

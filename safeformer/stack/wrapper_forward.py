@@ -13,6 +13,10 @@ v vocabulary size, L feed-forward blocks.
 - ``head_call``: the output (pooled, class rows or per position) and the head's logits;
 - ``finish_call``: ``forward``'s return value (the next-embedding prediction, memories, cache, intermediates).
 
+``ContinuousTransformerWrapper.forward`` runs ``continuous_mask`` (the door: ``x``, the mask, ``lens``,
+``seq_start_pos``, ``sum_embeds``), ``continuous_new_rows`` (the cache protocol, the finite check, padded rows
+zeroed), the stack (``_Wrapper._run``) and ``continuous_output``.
+
 The module also holds the helpers a wrapper's forward shares (token ids, conditions, start masks, memories,
 added keys/values, logit entropies and the attention z-loss); ``wrappers.py`` re-exports them.
 """
@@ -25,9 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..core.cache import KVCache, LayerIntermediates, resolve_cache
+from ..core.cache import KVCache, LayerIntermediates, check_weight_dtype, resolve_cache
 from ..core.conditions import Conditions, condition_kwargs
 from ..core.losses import masked_mean
+from ..core.masks import check_finite as _check_finite
 from ..core.masks import check_lengths, check_token_ids, validate_mask
 from .layers import _last, mems_unsupported
 from .wrapper_options import _flag
@@ -596,3 +601,81 @@ def finish_call(net: WrapperModule, c: WrapperCall):
     extra = ((c.new_cache,) if c.return_cache else ()) + (
         (inter,) if c.give_inter else (inter.attn_maps,) if c.return_attn else ())
     return (out, *extra) if extra else out
+
+
+# ----------------------------------------------------------------------------------------------------
+# ContinuousTransformerWrapper.forward's phases
+# ----------------------------------------------------------------------------------------------------
+
+
+def continuous_mask(net: WrapperModule, x, mask: Tensor | None, lens, seq_start_pos, sum_embeds, mems, mem_masks,
+                    return_mems) -> Tensor | None:
+    """The continuous wrapper's door: ``x (b, n, dim_in)`` and ``sum_embeds`` checked, Transformer-XL memories
+    refused; returns the padding mask ``(b, n)`` (from ``mask`` or ``lens``, with ``seq_start_pos``) or ``None``."""
+    if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != net.dim_in:
+        raise ValueError(f"x must have shape (b, n, dim_in={net.dim_in}), got {getattr(x, 'shape', type(x))}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    check_weight_dtype(x, net.project_in)
+    b, n, _ = x.shape
+    if lens is not None:
+        if mask is not None:
+            raise ValueError("pass mask or lens, not both")
+        check_lengths(lens, "lens", b, max_len=n, device=x.device)
+        mask = torch.arange(n, device=x.device)[None] < lens.to(x.device)[:, None]
+    if mask is not None:
+        validate_mask(mask, "mask", shape=(b, n), device=x.device)
+    if mems is not None or mem_masks is not None or return_mems is not False:
+        raise TypeError("ContinuousTransformerWrapper: x-transformers' Transformer-XL memories (mems, mem_masks, "
+                        "return_mems) are not supported by safeformer's continuous wrapper (TransformerWrapper "
+                        "has them)")
+    if seq_start_pos is not None:
+        check_lengths(seq_start_pos, "seq_start_pos", b, max_len=n, device=x.device)
+        start = torch.arange(n, device=x.device)[None] >= seq_start_pos.to(x.device)[:, None]
+        mask = start if mask is None else mask & start
+    if sum_embeds is not None:
+        dim = net.attn_layers.dim
+        if not isinstance(sum_embeds, Tensor) or sum_embeds.shape != (b, n, dim) \
+                or not sum_embeds.is_floating_point() or sum_embeds.device != x.device:
+            raise ValueError(f"sum_embeds must be a float tensor of shape (b={b}, n={n}, dim={dim}) on "
+                             f"{x.device}, got {getattr(sum_embeds, 'dtype', type(sum_embeds).__name__)} "
+                             f"{tuple(getattr(sum_embeds, 'shape', ()))}")
+    return mask
+
+
+def continuous_new_rows(x: Tensor, mask: Tensor | None, pos, sum_embeds, cache, cache_age: int,
+                        input_not_include_cache: bool, check: bool) -> tuple:
+    """``(x, mask, pos, sum_embeds, cache)`` for the new positions only (x-transformers' ``LayerIntermediates``
+    cache protocol resolved), ``x`` checked finite at real positions (with ``check``) and its padded rows selected
+    to 0 (NaN or inf there reaches nothing)."""
+    n = x.shape[1]
+    _flag(input_not_include_cache, "input_not_include_cache")
+    if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1:
+        cache_age = n  # every position of x is new
+    cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
+    if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
+        x, mask, pos = x[:, -keep:], _last(mask, keep), _last(pos, keep)
+        sum_embeds = _last(sum_embeds, keep)
+    if check:
+        _check_finite(x, mask, "x")
+    if mask is not None:
+        x = torch.where(mask[..., None], x, 0.0)
+    return x, mask, pos, sum_embeds, cache
+
+
+def continuous_output(net: WrapperModule, h: Tensor, full_mask: Tensor | None, m: int, *, excise_prepend_embeds,
+                      return_pooled, return_embeddings) -> Tensor:
+    """The continuous wrapper's output from the stack's ``h (b, m + n, c)``: pooled ``(b, c)``, the hidden states,
+    or ``project_out`` of either (before the probabilistic head); the prefix cut when excised."""
+    if excise_prepend_embeds and m and not (return_pooled or net.average_pool_embed):
+        h = h[:, m:]
+    if return_pooled:
+        out = masked_mean(h, full_mask, dim=1)
+    elif net.average_pool_embed:
+        pooled = masked_mean(h, full_mask, dim=1)  # (b, c): a fully padded sample pools to 0
+        out = pooled if return_embeddings else net.project_out(pooled)
+    elif return_embeddings:
+        out = h
+    else:
+        out = net.project_out(h)
+    return out

@@ -189,11 +189,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checkpoints.pretrained import Configurable
-from ..core.cache import LayerIntermediates, attach_cached_kv, check_weight_dtype, resolve_cache
-from ..core.conditions import Conditions, check_condition_tensor, condition_kwargs
-from ..core.losses import masked_mean
-from ..core.masks import check_finite as _check_finite
-from ..core.masks import check_lengths, checked_once, validate_mask
+from ..core.cache import attach_cached_kv
+from ..core.conditions import Conditions, condition_kwargs
+from ..core.masks import checked_once, validate_mask
 from ..nn.modules import (
     AbsolutePositionalEmbedding,
     ScaledSinusoidalPositions,
@@ -201,7 +199,7 @@ from ..nn.modules import (
     l2norm,
     positions_from_mask,
 )
-from .layers import AttentionLayers, KVCache, _last, translate_aliases
+from .layers import AttentionLayers, KVCache, translate_aliases
 from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and tests import them from here)
     Mems,
     WrapperCall,
@@ -210,6 +208,9 @@ from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and te
     _start_mask,
     _token_ids,
     attn_z_loss,
+    continuous_mask,
+    continuous_new_rows,
+    continuous_output,
     embed_call,
     finish_call,
     head_call,
@@ -219,6 +220,7 @@ from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and te
     run_call,
 )
 from .wrapper_options import _flag, build_embeddings, build_fixed_rows, build_heads, build_recurrence, check_options
+from .wrapper_run import finish_run, place_rows, stack_runner
 
 __all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
 
@@ -448,102 +450,15 @@ class _Wrapper(Configurable, nn.Module):
             return self._run_interspersed(x, mask, conds, attn_mask, cache, return_cache, pos=pos,
                                           return_hiddens=return_hiddens, causal=causal, ff_deep=ff_deep,
                                           extra_kv=extra_kv, loop=loop)
-        b, n = x.shape[:2]
-        m = 0
-        prepend_embeds, prepend_mask = conds.prepend_embeds, conds.prepend_mask
-        if cache is not None:  # the cache is input: checked before the wrapper reads its rows (lead, positions)
-            kinds = getattr(self.attn_layers, "executed_kinds", self.attn_layers.layer_kinds)  # blocks run, repeats too
-            KVCache.check(cache, x, kinds.count("self"), kinds.count("cross"))
-        if pos is not None:
-            if prepend_embeds is not None or (cache is None and self.num_fixed_tokens):
-                raise ValueError("pos (custom positions) cannot be combined with prepend_embeds, memory tokens or "
-                                 "class tokens: it gives positions to the tokens only")
-            pos = self._check_pos(pos, b, n, x.device)
-        if prepend_mask is not None and prepend_embeds is None:
-            raise ValueError("prepend_mask was given without prepend_embeds; pass prepend_embeds=... as well")
-        if prepend_embeds is not None:
-            if cache is not None:
-                raise ValueError("prepend_embeds with a cache: the prefix belongs to the first call, the one that "
-                                 "builds the cache (the cache keeps it)")
-            if attn_mask is not None:
-                raise ValueError("prepend_embeds and attn_mask cannot be combined (attn_mask covers the tokens only)")
-            dim = self.attn_layers.dim
-            if getattr(self, "project_emb", None) is not None:
-                raise ValueError(f"prepend_embeds with emb_dim={self.emb_dim} != dim={dim} is not supported (x-transformers "
-                                 f"projects a prefix of width emb_dim; safeformer's conditions take the model width)")
-            check_condition_tensor(prepend_embeds, "prepend_embeds", (b, None, dim), x.device,
-                                   shape_text=f"(b={b}, m, dim={dim})")
-            m = prepend_embeds.shape[1]
-            if prepend_mask is not None:
-                validate_mask(prepend_mask, "prepend_mask", shape=(b, m), device=x.device)
-            if mask is not None or prepend_mask is not None:
-                ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=x.device)  # noqa: E731
-                mask = torch.cat((ones(m) if prepend_mask is None else prepend_mask, ones(n) if mask is None else mask), 1)
-            x = torch.cat((prepend_embeds.to(x.dtype), x), dim=1)  # (b, m + n, c): masked rows selected away below
-        fixed = self.num_fixed_tokens if cache is None else 0  # memory and class tokens: the first call only
-        if fixed:
-            if attn_mask is not None:
-                raise ValueError("attn_mask cannot be combined with memory or class tokens (it covers the tokens only)")
-            if mask is not None:
-                mask = torch.cat((torch.ones(b, fixed, dtype=torch.bool, device=x.device), mask), dim=1)
-        lead_slots = fixed + m  # memory, class and prefix rows: before the tokens, no absolute position
-        positions = self._positions(mask, b, lead_slots + n, x.device, cache, lead_slots)
-        if cache is None:  # the real rows before the tokens, per sample: the tokens' positions start after them
-            lead = positions.new_full((b,), lead_slots) if mask is None else mask[:, :lead_slots].sum(1)
-        else:
-            lead = cache.lead if cache.lead is not None else positions.new_zeros(b)
-        if pos is not None:
-            positions = pos
-        if self.pos_emb is not None:  # tokens only, numbered from 0 (x-transformers' convention)
-            abs_pos = positions if pos is not None else (positions - lead[:, None]).clamp(min=0)
-            pe = self.pos_emb(abs_pos).to(x.dtype)  # (b|1, F + m + n, C)
-            x = x + pe[:, lead_slots:] if not m else torch.cat((x[:, :m], x[:, m:] + pe[:, lead_slots:]), dim=1)
-        # x-transformers' order: dropout and the embedding projection (emb_dim) on the prefix and tokens, then the
-        # memory and class rows (model width) before them (dropped out too in its ContinuousTransformerWrapper)
-        x = self.emb_dropout(x)
-        if getattr(self, "project_emb", None) is not None:
-            x = self.project_emb(x)  # (b, m + n, c)
-        if fixed:
-            rows = [t for t in (getattr(self, "memory_tokens", None), getattr(self, "cls_token", None)) if t is not None]
-            rows = torch.cat(rows).to(x.dtype)[None].expand(b, -1, -1)  # (b, F, c)
-            x = torch.cat((self.emb_dropout(rows) if self.dropout_fixed_rows else rows, x), dim=1)  # (b, F + m + n, c)
-        stack_kw = {}
-        if causal is not None:
-            stack_kw["causal"] = causal
-        if ff_deep is not None:
-            if lead_slots:  # memory, class and prefix rows have no token: their multipliers are 1
-                ff_deep = torch.cat((ff_deep.new_ones(b, lead_slots, *ff_deep.shape[2:]), ff_deep), dim=1)
-            stack_kw["ff_deep_embeds"] = ff_deep
-        # the unpadded path decided once (one host sync): the stack runs it, the output head reuses it
-        if extra_kv:  # x-transformers' self_attn_additional_kv & co. (the stack checks them; padded path)
-            stack_kw.update(extra_kv)
-        padded_only = ff_deep is not None or (causal is not None and causal != self.attn_layers.causal) or bool(extra_kv)
-        plan = None if padded_only else self.attn_layers.plan_unpadded(
-            mask, cache=cache, return_cache=return_cache, attn_mask=attn_mask, return_hiddens=return_hiddens)
-        def stack(inp: Tensor, c, rc: bool):
-            out = self.attn_layers(
-                inp, mask=mask, attn_mask=attn_mask, positions=positions, cache=c, **conds.stack_kwargs(),
-                return_cache=rc, return_hiddens=return_hiddens, unpadded_plan=plan, **stack_kw,
-            )
-            out = out if isinstance(out, tuple) else (out,)
-            return out[0], out[1] if rc else None, out[-1] if return_hiddens else None
-
+        rows = place_rows(self, x, mask, conds, attn_mask, cache, pos)  # (b, F + m + n, c), in wrapper_run.py
+        stack, plan = stack_runner(self, rows, conds, attn_mask, cache, return_cache, return_hiddens=return_hiddens,
+                                   causal=causal, ff_deep=ff_deep, extra_kv=extra_kv)
         if loop is None:
-            h, new_cache, intermediates = stack(x, cache, return_cache)
+            h, new_cache, intermediates = stack(rows.x, cache, return_cache)
         else:
             loop["return_hiddens"] = return_hiddens
-            h, new_cache, intermediates = self._loop(stack, x, mask, cache, return_cache, n, loop)
-        for c in (new_cache, None if intermediates is None else intermediates.cache):
-            if c is not None:  # the cache remembers the rows before the tokens
-                c.lead = lead if lead.dim() == 1 else lead.expand(b)
-                c.lead_slots = lead_slots if cache is None else cache.lead_slots
-        fixed_out = None
-        if fixed:
-            fixed_out, h = h[:, :fixed], h[:, fixed:]
-            mask = None if mask is None else mask[:, fixed:]
-            if intermediates is not None and self.num_memory_tokens:
-                intermediates.memory_tokens = fixed_out[:, :self.num_memory_tokens]
-        return h, new_cache, mask, m, fixed_out, intermediates, plan
+            h, new_cache, intermediates = self._loop(stack, rows.x, rows.mask, cache, return_cache, rows.n, loop)
+        return finish_run(self, rows, cache, h, new_cache, intermediates, plan)
 
 
     def _run_interspersed(self, x, mask, conds: Conditions, attn_mask, cache, return_cache, *, pos, return_hiddens,
@@ -703,8 +618,7 @@ class TransformerWrapper(_Wrapper):
         max_seq_len: int,
         attn_layers: AttentionLayers,
         emb_dropout: float = 0.0,
-        use_abs_pos_emb: bool = True,
-        scaled_sinu_pos_emb: bool = False,
+        use_abs_pos_emb: bool = True, scaled_sinu_pos_emb: bool = False,
         tie_embedding: bool = False,
         logits_dim: int | None = None,
         return_only_embed: bool = False,
@@ -713,32 +627,23 @@ class TransformerWrapper(_Wrapper):
         num_memory_tokens: int | None = None,
         l2norm_embed: bool = False,
         average_pool_embed: bool = False,
-        use_cls_token: bool = False,
-        num_cls_tokens: int = 1,
-        token_emb: nn.Module | None = None,
-        to_logits: nn.Module | None = None,
+        use_cls_token: bool = False, num_cls_tokens: int = 1,
+        token_emb: nn.Module | None = None, to_logits: nn.Module | None = None,
         squeeze_out_last_dim: bool = False,
-        mixture_of_softmax: bool = False,
-        mixture_of_softmax_k: int = 4,
+        mixture_of_softmax: bool = False, mixture_of_softmax_k: int = 4,
         add_continuous_pred_head: bool = False,
-        recycling: bool = False,
-        train_max_recycle_steps: int = 4,
+        recycling: bool = False, train_max_recycle_steps: int = 4,
         input_not_include_cache: bool = False,
-        attn_pool: bool = False,
-        num_pooled_tokens: int = 1,
-        attn_pool_depth: int = 1,
-        dim_pooled_tokens: int | None = None,
+        attn_pool: bool = False, num_pooled_tokens: int = 1, attn_pool_depth: int = 1, dim_pooled_tokens: int | None = None,
         ff_deep_embed: bool = False,
-        looped: bool = False,
-        max_looped_steps: int = 4,
+        looped: bool = False, max_looped_steps: int = 4,
         embed_num_tokens: dict[str, int] | None = None,
         emb_dim: int | None = None,
         num_output_heads: int = 1,
         sigsoftmax_logits: bool = False,
         attn_z_loss_weight: float = 1e-4,
         memory_tokens_interspersed_every: int | None = None,
-        max_mem_len: int = 0,
-        shift_mem_down: int = 0,
+        max_mem_len: int = 0, shift_mem_down: int = 0,
         **aliases,
     ):
         if aliases:  # other spellings through the one table (unknown names get suggestions)
@@ -787,54 +692,32 @@ class TransformerWrapper(_Wrapper):
         x: Tensor,
         *,
         mask: Tensor | None = None,
-        context: Tensor | None = None,
-        context_mask: Tensor | None = None,
+        context: Tensor | None = None, context_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
-        return_embeddings: bool = False,
-        return_pooled: bool = False,
-        cache: KVCache | None = None,
-        return_cache: bool = False,
+        return_embeddings: bool = False, return_pooled: bool = False,
+        cache: KVCache | None = None, return_cache: bool = False,
         check_finite: bool | None = None,
-        prepend_embeds: Tensor | None = None,
-        prepend_mask: Tensor | None = None,
-        excise_prepend_embeds: bool = False,
-        condition: Tensor | None = None,
-        condition_mask: Tensor | None = None,
-        pos: Tensor | None = None,
-        seq_start_pos: Tensor | None = None,
-        return_intermediates: bool = False,
-        return_attn: bool = False,
-        return_hiddens: bool = False,
+        prepend_embeds: Tensor | None = None, prepend_mask: Tensor | None = None, excise_prepend_embeds: bool = False,
+        condition: Tensor | None = None, condition_mask: Tensor | None = None,
+        pos: Tensor | None = None, seq_start_pos: Tensor | None = None,
+        return_intermediates: bool = False, return_attn: bool = False, return_hiddens: bool = False,
         cache_age: int = 1,
-        token_emb_kwargs: dict | None = None,
-        to_logits_kwargs: dict | None = None,
+        token_emb_kwargs: dict | None = None, to_logits_kwargs: dict | None = None,
         return_next_embed_pred: bool = False,
         recycle_steps: int | None = None,
         input_not_include_cache: bool | None = None,
         causal: bool | None = None,
-        self_attn_additional_kv=None,
-        additional_kv_mask: Tensor | None = None,
-        detach_additional_kv: bool = False,
+        self_attn_additional_kv=None, additional_kv_mask: Tensor | None = None, detach_additional_kv: bool = False,
         route_additional_kv_to_top: bool = True,
-        looped_steps: int | None = None,
-        max_looped_steps: int | None = None,
-        looped_pred_all_logits: bool | None = None,
-        looped_inference: bool = False,
-        looped_exit_prob_threshold: float = 0.9,
-        return_logits_and_embeddings: bool = False,
-        return_embeddings_and_intermediates: bool = False,
+        looped_steps: int | None = None, max_looped_steps: int | None = None, looped_pred_all_logits: bool | None = None,
+        looped_inference: bool = False, looped_exit_prob_threshold: float = 0.9,
+        return_logits_and_embeddings: bool = False, return_embeddings_and_intermediates: bool = False,
         return_logit_entropies: bool = False,
-        sum_embeds: Tensor | None = None,
-        embed_ids: dict[str, Tensor] | None = None,
-        return_attn_z_loss: bool = False,
-        attn_z_loss_weight: float | None = None,
+        sum_embeds: Tensor | None = None, embed_ids: dict[str, Tensor] | None = None,
+        return_attn_z_loss: bool = False, attn_z_loss_weight: float | None = None,
         _loop_out: dict | None = None,
-        mems=None,
-        mem_masks=None,
-        return_mems: bool = False,
-        detach_mems: bool = True,
-        transform_token_embeds=None,
-        transform_block_inputs=None,
+        mems=None, mem_masks=None, return_mems: bool = False, detach_mems: bool = True,
+        transform_token_embeds=None, transform_block_inputs=None,
         **conditions,
     ):
         """Run the model on the token ids ``x (b, n)``. The keywords and the return forms are documented in this
@@ -1167,46 +1050,11 @@ class ContinuousTransformerWrapper(_Wrapper):
         inf there reaches no output and no gradient.
         """
         conditions = condition_kwargs("ContinuousTransformerWrapper.forward", conditions)
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim_in:
-            raise ValueError(f"x must have shape (b, n, dim_in={self.dim_in}), got {getattr(x, 'shape', type(x))}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-        check_weight_dtype(x, self.project_in)
-        b, n, _ = x.shape
+        # the phases run in wrapper_forward.py: the door, the new rows, the stack, the output
+        mask = continuous_mask(self, x, mask, lens, seq_start_pos, sum_embeds, mems, mem_masks, return_mems)
         check = self.check_finite if check_finite is None else check_finite
-        if lens is not None:
-            if mask is not None:
-                raise ValueError("pass mask or lens, not both")
-            check_lengths(lens, "lens", b, max_len=n, device=x.device)
-            mask = torch.arange(n, device=x.device)[None] < lens.to(x.device)[:, None]
-        if mask is not None:
-            validate_mask(mask, "mask", shape=(b, n), device=x.device)
-        if mems is not None or mem_masks is not None or return_mems is not False:
-            raise TypeError("ContinuousTransformerWrapper: x-transformers' Transformer-XL memories (mems, mem_masks, "
-                            "return_mems) are not supported by safeformer's continuous wrapper (TransformerWrapper "
-                            "has them)")
-        if seq_start_pos is not None:
-            check_lengths(seq_start_pos, "seq_start_pos", b, max_len=n, device=x.device)
-            start = torch.arange(n, device=x.device)[None] >= seq_start_pos.to(x.device)[:, None]
-            mask = start if mask is None else mask & start
-        if sum_embeds is not None:
-            dim = self.attn_layers.dim
-            if not isinstance(sum_embeds, Tensor) or sum_embeds.shape != (b, n, dim) \
-                    or not sum_embeds.is_floating_point() or sum_embeds.device != x.device:
-                raise ValueError(f"sum_embeds must be a float tensor of shape (b={b}, n={n}, dim={dim}) on "
-                                 f"{x.device}, got {getattr(sum_embeds, 'dtype', type(sum_embeds).__name__)} "
-                                 f"{tuple(getattr(sum_embeds, 'shape', ()))}")
-        _flag(input_not_include_cache, "input_not_include_cache")
-        if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1:
-            cache_age = n  # every position of x is new
-        cache, keep = resolve_cache(cache, n, cache_age, lead_slots=True)
-        if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
-            x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
-            sum_embeds = _last(sum_embeds, keep)
-        if check:
-            _check_finite(x, mask, "x")
-        if mask is not None:
-            x = torch.where(mask[..., None], x, 0.0)
+        x, mask, pos, sum_embeds, cache = continuous_new_rows(x, mask, pos, sum_embeds, cache, cache_age,
+                                                              input_not_include_cache, check)
         conds = self._check_conditions(_conditions(context, context_mask, prepend_embeds, prepend_mask, condition,
                                                    condition_mask, conditions), check)
         want_inter = return_intermediates or return_hiddens or return_attn
@@ -1217,17 +1065,8 @@ class ContinuousTransformerWrapper(_Wrapper):
             inp, mask, conds, attn_mask, cache, return_cache,
             pos=pos, return_hiddens=want_inter, causal=causal,
         )
-        if excise_prepend_embeds and m and not (return_pooled or self.average_pool_embed):
-            h = h[:, m:]
-        if return_pooled:
-            out = masked_mean(h, full_mask, dim=1)
-        elif self.average_pool_embed:
-            pooled = masked_mean(h, full_mask, dim=1)  # (b, c): a fully padded sample pools to 0
-            out = pooled if return_embeddings else self.project_out(pooled)
-        elif return_embeddings:
-            out = h
-        else:
-            out = self.project_out(h)
+        out = continuous_output(self, h, full_mask, m, excise_prepend_embeds=excise_prepend_embeds,
+                                return_pooled=return_pooled, return_embeddings=return_embeddings)
         if self.probabilistic and not return_embeddings and not return_pooled:
             out = gaussian_head(out)
         extra = ((new_cache,) if return_cache else ()) + (
