@@ -24,7 +24,7 @@ added keys/values, logit entropies and the attention z-loss); ``wrappers.py`` re
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -307,12 +307,13 @@ def pool_tokens(net, h: Tensor, full_mask: Tensor | None, cache, want_inter: boo
     return pooled
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class WrapperCall:
-    """One call of ``TransformerWrapper.forward``: its keywords as given (the first block of fields, documented in
-    ``wrappers.py``'s module docstring; ``forward`` passes each one by name rather than reading ``locals()``, so that
-    ``torch.compile`` traces it whole; ``loop_out`` is ``_loop_out``, ``conditions`` the further condition kinds),
-    then what the phases derive from them, in order:
+    """One call of ``TransformerWrapper.forward``, an immutable value: its keywords as given (the first block of
+    fields, documented in ``wrappers.py``'s module docstring; ``forward`` passes each one by name rather than reading
+    ``locals()``, so that ``torch.compile`` traces it whole; ``loop_out`` is ``_loop_out``, ``conditions`` the further
+    condition kinds), then what the phases derive from them, each phase returning a new value
+    (``dataclasses.replace``) that the next one reads:
 
     - ``resolve_call``: ``x`` (``(b, n)`` ids, padded ids 0), ``mask``, ``pos``, ``cache``, ``cache_age``,
       ``sum_embeds``, ``embed_ids``, ``mems``, ``mem_masks`` as resolved (the new positions only); ``b``, ``n``;
@@ -401,31 +402,29 @@ class WrapperCall:
     embeddings_only: bool = False
 
 
-def resolve_call(net: WrapperModule, c: WrapperCall) -> None:
+def resolve_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
     """The door: ``c``'s token ids, masks, cache protocol (x-transformers' ``LayerIntermediates`` cache cut to the
-    new positions), conditions, flags and looped settings checked and resolved in place (see ``WrapperCall``)."""
-    c.conditions = condition_kwargs("TransformerWrapper.forward", c.conditions)
+    new positions), conditions, flags and looped settings checked and resolved (see ``WrapperCall``)."""
+    conditions = condition_kwargs("TransformerWrapper.forward", c.conditions)
     x = _token_ids(c.x, "x")
     b, n = x.shape
     check_xt_call(net, c.token_emb_kwargs, c.to_logits_kwargs, c.return_next_embed_pred, c.recycle_steps, c.cache,
                   c.return_cache)
-    if c.input_not_include_cache is None:
-        c.input_not_include_cache = net.input_not_include_cache
-    _flag(c.input_not_include_cache, "input_not_include_cache")
-    if c.input_not_include_cache and isinstance(c.cache, LayerIntermediates) and c.cache_age == 1:
-        c.cache_age = n  # every position of x is new
-    mask, pos = c.mask, c.pos
+    incl = net.input_not_include_cache if c.input_not_include_cache is None else c.input_not_include_cache
+    _flag(incl, "input_not_include_cache")
+    cache_age = n if incl and isinstance(c.cache, LayerIntermediates) and c.cache_age == 1 else c.cache_age
+    mask, pos, sum_embeds, embed_ids = c.mask, c.pos, c.sum_embeds, c.embed_ids
     if mask is not None:
         validate_mask(mask, "mask", shape=(b, n), device=x.device)
     if c.seq_start_pos is not None:
-        mask = _start_mask(c.seq_start_pos, mask, b, n, x.device, offset=_cached_slots(c.cache, n, c.cache_age),
-                           incremental=c.input_not_include_cache)
-    cache, keep = resolve_cache(c.cache, n, c.cache_age, lead_slots=True)
+        mask = _start_mask(c.seq_start_pos, mask, b, n, x.device, offset=_cached_slots(c.cache, n, cache_age),
+                           incremental=incl)
+    cache, keep = resolve_cache(c.cache, n, cache_age, lead_slots=True)
     if keep is not None:  # x-transformers' protocol: the last cache_age positions are new
         whole = lambda t: _last(t, keep) if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == n else t  # noqa: E731
-        c.sum_embeds = whole(c.sum_embeds)
-        if isinstance(c.embed_ids, dict):
-            c.embed_ids = {k: whole(v) for k, v in c.embed_ids.items()}
+        sum_embeds = whole(sum_embeds)
+        if isinstance(embed_ids, dict):
+            embed_ids = {k: whole(v) for k, v in embed_ids.items()}
         x, mask, pos, n = x[:, -keep:], _last(mask, keep), _last(pos, keep), keep
     if mask is not None:
         x = torch.where(mask, x, torch.zeros_like(x))
@@ -434,10 +433,9 @@ def resolve_call(net: WrapperModule, c: WrapperCall) -> None:
         bad = ((x < 0) | (x >= net.num_tokens)).nonzero()[0].tolist()  # reached only on error
         raise ValueError(f"x holds token id {int(x[tuple(bad)])} at real position {tuple(bad)}, outside the "
                          f"vocabulary [0, num_tokens={net.num_tokens}); padded positions (mask False) may hold anything")
-    c.x, c.mask, c.pos, c.cache, c.b, c.n = x, mask, pos, cache, b, n
-    c.conds = net._check_conditions(_conditions(c.context, c.context_mask, c.prepend_embeds, c.prepend_mask,
-                                                c.condition, c.condition_mask, c.conditions),
-                                    net.check_finite if c.check_finite is None else c.check_finite)
+    conds = net._check_conditions(_conditions(c.context, c.context_mask, c.prepend_embeds, c.prepend_mask,
+                                              c.condition, c.condition_mask, conditions),
+                                  net.check_finite if c.check_finite is None else c.check_finite)
     for v, name in ((c.return_logits_and_embeddings, "return_logits_and_embeddings"),
                     (c.return_embeddings_and_intermediates, "return_embeddings_and_intermediates"),
                     (c.return_logit_entropies, "return_logit_entropies"), (c.return_attn_z_loss, "return_attn_z_loss")):
@@ -445,14 +443,17 @@ def resolve_call(net: WrapperModule, c: WrapperCall) -> None:
     z_weight = net.attn_z_loss_weight if c.attn_z_loss_weight is None else c.attn_z_loss_weight
     if isinstance(z_weight, bool) or not isinstance(z_weight, (int, float)) or not math.isfinite(z_weight):
         raise ValueError(f"attn_z_loss_weight must be a finite number, got {z_weight!r}")
-    c.z_weight = z_weight
-    c.give_inter = c.return_intermediates or c.return_hiddens or c.return_logit_entropies or c.return_attn_z_loss
-    want_inter = c.give_inter or c.return_attn or c.return_embeddings_and_intermediates
-    c.mems, c.mem_masks = _check_mems_call(net, c.mems, c.mem_masks, c.return_mems, c.detach_mems, cache,
-                                           c.return_cache, c.return_attn, c.prepend_embeds, c.conditions, pos)
-    c.want_inter = want_inter or c.return_mems  # the memories are the hiddens
-    c.loop = net._loop_settings(c.looped_steps, c.max_looped_steps, c.looped_pred_all_logits, c.looped_inference,
-                                c.looped_exit_prob_threshold)
+    give_inter = c.return_intermediates or c.return_hiddens or c.return_logit_entropies or c.return_attn_z_loss
+    want_inter = give_inter or c.return_attn or c.return_embeddings_and_intermediates
+    mems, mem_masks = _check_mems_call(net, c.mems, c.mem_masks, c.return_mems, c.detach_mems, cache,
+                                       c.return_cache, c.return_attn, c.prepend_embeds, conditions, pos)
+    loop = net._loop_settings(c.looped_steps, c.max_looped_steps, c.looped_pred_all_logits, c.looped_inference,
+                              c.looped_exit_prob_threshold)
+    return replace(c, conditions=conditions, input_not_include_cache=incl, cache_age=cache_age, sum_embeds=sum_embeds,
+                   embed_ids=embed_ids, x=x, mask=mask, pos=pos, cache=cache, b=b, n=n, conds=conds, z_weight=z_weight,
+                   give_inter=give_inter, mems=mems, mem_masks=mem_masks,
+                   want_inter=want_inter or c.return_mems,  # the memories are the hiddens
+                   loop=loop)
 
 
 def _transformed_embeds(fn, emb: Tensor, mask: Tensor | None) -> Tensor:
@@ -467,24 +468,24 @@ def _transformed_embeds(fn, emb: Tensor, mask: Tensor | None) -> Tensor:
     return out if mask is None else torch.where(mask[..., None], out, 0.0)
 
 
-def embed_call(net: WrapperModule, c: WrapperCall) -> None:
+def embed_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
     """``c.emb (b, n, e)``: the token embeddings plus the further and summed embeddings; ``c.ff_deep``: each
     token's deep-embedding rows ``(b, n, L, c)`` or ``None``; ``c.extra_kv``: the stack's added keys/values and
     Transformer-XL memories as stack keywords, or ``None``."""
     emb = net._embed(c.x, c.mask, c.token_emb_kwargs)
     if c.transform_token_embeds is not None:  # x-transformers' hook on the token embeddings; padded rows re-zeroed
         emb = _transformed_embeds(c.transform_token_embeds, emb, c.mask)
-    c.emb = add_embeds(net, emb, c.x, c.mask, c.sum_embeds, c.embed_ids)
+    emb = add_embeds(net, emb, c.x, c.mask, c.sum_embeds, c.embed_ids)
     # ff_deep_embed: each token's rows of multipliers, one per feed-forward block (padded ids were zeroed)
-    c.ff_deep = None if net.ff_deep_embed is None else net.ff_deep_embed[c.x].to(c.emb.dtype)  # (b, n, L, c)
+    ff_deep = None if net.ff_deep_embed is None else net.ff_deep_embed[c.x].to(emb.dtype)  # (b, n, L, c)
     extra_kv = _additional_kv(net, c.self_attn_additional_kv, c.additional_kv_mask, c.detach_additional_kv,
                               c.route_additional_kv_to_top)
     if c.mems is not None:  # Transformer-XL memories: stack keywords (padded path)
         extra_kv = dict(extra_kv or {}, mems=c.mems, mem_masks=c.mem_masks)
-    c.extra_kv = extra_kv
+    return replace(c, emb=emb, ff_deep=ff_deep, extra_kv=extra_kv)
 
 
-def run_call(net: WrapperModule, c: WrapperCall) -> None:
+def run_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
     """The stack on ``c.emb`` (recycled, or once / looped with the memory, class and prefix rows), then what the
     intermediates gather from its output: the looped runs' outputs, the pooled tokens, the z-loss and the initial
     embeddings (see ``WrapperCall`` for the fields set)."""
@@ -495,7 +496,7 @@ def run_call(net: WrapperModule, c: WrapperCall) -> None:
     else:
         out = net._run(c.emb, c.mask, c.conds, c.attn_mask, c.cache, c.return_cache, pos=c.pos, return_hiddens=hiddens,
                        causal=c.causal, ff_deep=c.ff_deep, extra_kv=c.extra_kv, loop=c.loop)
-    h, c.new_cache, full_mask, m, fixed_out, inter, c.plan = out
+    h, new_cache, full_mask, m, fixed_out, inter, plan = out
     if c.loop is not None and (inter is not None or c.loop_out is not None):
         found = net._loop_outputs(c.loop, fixed_out is not None, m if c.excise_prepend_embeds else 0, full_mask,
                                   c.to_logits_kwargs)
@@ -506,7 +507,7 @@ def run_call(net: WrapperModule, c: WrapperCall) -> None:
                 setattr(inter, key, value)
             if inter.cache is not None:
                 inter.looped_prompt_kv_cache = inter.cache.looped_prompt_kv
-    c.pooled_tokens = pool_tokens(net, h, full_mask, c.cache, c.return_intermediates or c.return_hiddens, inter)
+    pooled_tokens = pool_tokens(net, h, full_mask, c.cache, c.return_intermediates or c.return_hiddens, inter)
     if inter is not None:
         inter.last_layer_hiddens = h
     if c.return_attn_z_loss:  # over every row the stack ran (memory, class and prefix rows included)
@@ -517,6 +518,7 @@ def run_call(net: WrapperModule, c: WrapperCall) -> None:
         elif rows is not None and fixed_out is not None:
             rows = torch.cat((rows.new_ones(c.b, fixed_out.shape[1]), rows), dim=1)
         inter.attn_z_loss = attn_z_loss(inter, rows, c.z_weight)
+    init = None
     if inter is not None and inter.hiddens and net.memory_tokens_interspersed_every is None:
         # the embeddings entering the stack, for the tokens' rows
         init = inter.hiddens[0]
@@ -524,11 +526,12 @@ def run_call(net: WrapperModule, c: WrapperCall) -> None:
             init = init[:, net.num_fixed_tokens:]
         if c.excise_prepend_embeds and m:
             init = init[:, m:]
-        inter.initial_embeds = c.init = init
-    c.h, c.full_mask, c.m, c.fixed_out, c.inter = h, full_mask, m, fixed_out, inter
+        inter.initial_embeds = init
+    return replace(c, new_cache=new_cache, plan=plan, pooled_tokens=pooled_tokens, init=init, h=h, full_mask=full_mask,
+                   m=m, fixed_out=fixed_out, inter=inter)
 
 
-def head_call(net: WrapperModule, c: WrapperCall) -> None:
+def head_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
     """The call's output: ``c.emb_out`` (pooled ``(b, c)``, class rows ``(b, c)`` / ``(b, C, c)`` or per position
     ``(b, n, c)``, the prefix cut when excised), ``c.logits`` (the head on it, squeezed; ``None`` when not needed),
     ``c.pooled_out`` (an encoder's attention-pooled tokens) and the logit entropies on the intermediates."""
@@ -570,8 +573,8 @@ def head_call(net: WrapperModule, c: WrapperCall) -> None:
         inter = inter if inter is not None else LayerIntermediates()
         ent = lambda t: logit_entropies(t, entropy_mask if t.dim() == 3 else None)  # noqa: E731
         inter.logit_entropies = tuple(ent(t) for t in logits) if isinstance(logits, tuple) else ent(logits)
-    c.h, c.full_mask, c.inter, c.emb_out, c.logits, c.pooled_out = h, full_mask, inter, emb_out, logits, pooled_out
-    c.embeddings_only = embeddings_only
+    return replace(c, h=h, full_mask=full_mask, inter=inter, emb_out=emb_out, logits=logits, pooled_out=pooled_out,
+                   embeddings_only=embeddings_only)
 
 
 def finish_call(net: WrapperModule, c: WrapperCall):

@@ -753,10 +753,10 @@ class TransformerWrapper(_Wrapper):
         if transform_block_inputs is not None:
             raise TypeError("TransformerWrapper: x-transformers' option transform_block_inputs (a hook between "
                             "blocks) is not supported by safeformer; transform_token_embeds is")
-        resolve_call(self, call)
-        embed_call(self, call)
-        run_call(self, call)
-        head_call(self, call)
+        call = resolve_call(self, call)  # every phase returns a new immutable value
+        call = embed_call(self, call)
+        call = run_call(self, call)
+        call = head_call(self, call)
         return finish_call(self, call)
 
     @property
