@@ -39,10 +39,11 @@ Args:
         ``Attention`` (``ATTENTION_FIELDS``: read from its signature, never listed here) is also a stack keyword
         ``attn_<name>`` (x-transformers' prefix: ``attn_laser=True`` is ``attn_kwargs={"laser": True}``) and
         ``cross_attn_<name>`` for the cross-attention blocks only; ``Attention.SELF_ONLY`` stay out of cross-attention.
-        The config stores them as ``attn_<name>``. ``ff_kwargs`` takes ``no_bias``, ``relu_squared``, ``solu``,
-        ``post_act_ln``, ``glu_mult_bias``, ``sublayer_dropout``, ``zero_init_output``, ``output_proj_depth`` and
-        ``dim_out`` equal to ``dim`` (``ff_<name>``: ``ff_no_bias=True`` is ``ff_kwargs={"no_bias": True}``); see
-        ``FeedForward`` for their meaning. Among ``Attention``'s: ``kv_head_order`` (``"tiled"``, x-transformers'
+        The config stores them as ``attn_<name>``. ``ff_kwargs`` takes every parameter of ``FeedForward`` this
+        signature does not name as ``ff_<name>`` (``FF_KWARGS``, read from both signatures: ``no_bias``,
+        ``relu_squared``, ``solu``, ``post_act_ln``, ``glu_mult_bias``, ``sublayer_dropout``, ``zero_init_output``,
+        ``output_proj_depth`` and ``dim_out`` equal to ``dim``), also spelt ``ff_<name>`` (``ff_no_bias=True`` is
+        ``ff_kwargs={"no_bias": True}``); see ``FeedForward`` for their meaning. Among ``Attention``'s: ``kv_head_order`` (``"tiled"``, x-transformers'
         grouped-query pairing and the default, or ``"interleaved"``, earlier safeformer's), ``qk_norm_groups`` and
         ``qk_norm_scale``.
     attn_onnxable, verbose: accepted with any value, no effect on the numbers (x-transformers uses them to pick
@@ -419,9 +420,6 @@ def _into(family: str, key: str) -> Callable[[object], dict]:
     return lambda v: {family: {key: v}}
 
 
-# the keywords the stack hands on to each FeedForward (x-transformers' ff_* spellings)
-FF_KWARGS = ("no_bias", "relu_squared", "zero_init_output", "dim_out", "glu_mult_bias", "solu", "post_act_ln",
-             "sublayer_dropout", "output_proj_depth")
 # Attention's keywords the stack sets itself on each block: its width, heads, causality and per-layer values
 _STACK_SETS = frozenset({"kv_heads", "one_kv_head", "dropout", "backend", "learned_value_residual_mix",
                          "inverted_attention", "rotate_num_heads"})
@@ -445,7 +443,6 @@ LAYER_ALIASES: dict[str, object] = {
     # accepted with any value, no effect on the numbers: x-transformers' ONNX-friendly ops, its construction messages
     "attn_onnxable": None,
     "verbose": None,
-    **{f"ff_{k}": _into("ff_kwargs", k) for k in FF_KWARGS},
     **{f"attn_{k}": _into("attn_kwargs", k) for k in ATTENTION_FIELDS},
     **{k: default_only(k, v) for k, v in XT_DEFAULT_ONLY.items()},
 }
@@ -1548,3 +1545,17 @@ class TransformerBlock(AttentionLayers):
         kwargs.setdefault("depth", 1)
         kwargs.setdefault("pre_norm_has_final_norm", False)
         super().__init__(**kwargs)
+
+
+def _ff_fields() -> tuple[str, ...]:
+    """The feed-forward family's fields the stack hands on through ``ff_kwargs`` (``ff_<name>``): ``FeedForward``'s
+    parameters except its width and those the stack names itself (``ff_mult``, ``ff_glu``, ...: read from
+    ``AttentionLayers``' signature, never listed here)."""
+    own = inspect.signature(AttentionLayers.__init__).parameters
+    return tuple(n for n in inspect.signature(FeedForward.__init__).parameters
+                 if n not in ("self", "dim") and f"ff_{n}" not in own)
+
+
+FF_KWARGS = _ff_fields()
+# x-transformers' ff_<name> spellings, before the default-only keywords (which win on a shared name)
+LAYER_ALIASES.update({f"ff_{k}": _into("ff_kwargs", k) for k in FF_KWARGS if f"ff_{k}" not in XT_DEFAULT_ONLY})
