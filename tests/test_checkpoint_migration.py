@@ -69,3 +69,28 @@ def test_old_state_dict_into_a_model_built_today():
         dim=16, depth=2, heads=2, attn_dim_head=8))
     net2.load_state_dict(migrate_state_dict(net2, old), strict=True)
     torch.testing.assert_close(_run(net2, io), io["out"], rtol=0, atol=1e-5)
+
+
+FORMAT2 = Path(__file__).parent / "data" / "format2"
+FORMAT2_NAMES = sorted(p.name for p in FORMAT2.iterdir() if p.is_dir())
+
+
+def test_format_2_fixtures_list_every_attention_field():
+    assert len(FORMAT2_NAMES) == 3
+    for name in FORMAT2_NAMES:
+        config = json.loads((FORMAT2 / name / "config.json").read_text())
+        assert config["version"] == 2 and "attn_laser" in config["config"]["attn_layers"]["config"]
+
+
+@pytest.mark.parametrize("name", FORMAT2_NAMES)
+def test_format_2_with_every_attention_field_loads_with_its_outputs(name, tmp_path):
+    """Saved when the stack's signature named each attention option: the config's ``attn_<field>`` entries are
+    read (and type-checked) as the attention family's fields; the outputs are those of the saving code, and a
+    re-saved config keeps only the fields given."""
+    io = load_file(str(FORMAT2 / name / "io.safetensors"))
+    model = load_pretrained(FORMAT2 / name)
+    torch.testing.assert_close(_run(model, io), io["out"], rtol=0, atol=1e-5)
+    sf.save_pretrained(model, tmp_path / "m")
+    stack = json.loads((tmp_path / "m" / "config.json").read_text())["config"]["attn_layers"]["config"]
+    assert "attn_cope_max_pos" not in stack  # a default: not stored
+    torch.testing.assert_close(_run(load_pretrained(tmp_path / "m"), io), io["out"], rtol=0, atol=1e-5)
