@@ -76,6 +76,22 @@ def test_sdp_kwargs_other_than_the_default_are_refused():
         sf.Decoder(dim=16, depth=1, heads=2, attn_attend_sdp_kwargs=dict(enable_flash=False))
 
 
+@pytest.mark.parametrize("name", ["attn_dim_context", "attn_dim_out", "attn_learned_value_residual_mix",
+                                  "attn_qkv_receive_diff_residuals", "attn_rotate_num_heads"])
+def test_x_transformers_itself_refuses_another_value_of_these(name):
+    """``XT_REFUSES_TOO``: x-transformers' stack sets these on each block itself, so another value fails there too
+    (a duplicate keyword at construction, or shapes that no longer fit in the forward)."""
+    from safeformer.core.xt_defaults import XT_REFUSES_TOO
+
+    assert name in XT_REFUSES_TOO and set(XT_REFUSES_TOO) <= set(_XT_DEFAULT_ONLY)
+    xt = pytest.importorskip("x_transformers")
+    other = {"attn_dim_context": 3, "attn_dim_out": 3, "attn_rotate_num_heads": 1}.get(name, True)
+    with pytest.raises((TypeError, RuntimeError, AssertionError)):
+        net = xt.TransformerWrapper(num_tokens=10, max_seq_len=8, attn_layers=xt.Decoder(dim=16, depth=1, heads=2,
+                                                                                         **{name: other}))
+        net(torch.randint(0, 10, (1, 4)))
+
+
 def test_every_default_only_keyword_is_an_x_transformers_keyword_with_that_default():
     keywords = xt_stack_keywords()
     for name, default in _XT_DEFAULT_ONLY.items():

@@ -17,11 +17,17 @@ XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_custom_attn_fn": None, "attn_data_dependent_alibi_per_row": False,
     "attn_data_dependent_alibi_per_row_dim_head": 8, "attn_dim_context": None, "attn_dim_out": None,
     "attn_flash_pack_seq": False, "attn_inverted_attention": False,
-"attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
+    "attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
     "attn_on_attn": False, "attn_project_out": None,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None, "attn_selective": False,
     "attn_value_dim_head": None, "gated_multi_residual": False,
 }
+
+# among them, those x-transformers 2.31.10's own stack refuses at another value too (it sets them on each block
+# itself: a second value is a duplicate keyword, or the block's shapes no longer fit): here the default-only rule is
+# x-transformers' behaviour (tests/test_xt_keywords.py builds each in x-transformers and sees it fail)
+XT_REFUSES_TOO = ("attn_dim_context", "attn_dim_out", "attn_learned_value_residual_mix",
+                  "attn_qkv_receive_diff_residuals", "attn_rotate_num_heads")
 
 # Attention's own keywords among them (safeformer's Attention has dim_context, dim_out, inverted_attention and
 # learned_value_residual_mix itself); onnxable is accepted with any value (no effect on the numbers)
