@@ -167,7 +167,8 @@ def test_data_dependent_alibi_matches_float64_formula(causal):
     x = torch.randn(3, 6, 16)
     P = {n: p.detach().double() for n, p in attn.named_parameters()}
     xd = torch.where(MASK[..., None], x.double(), 0.0)
-    g = torch.nn.functional.logsigmoid(xd @ P["to_forget_gates.weight"].T + P["to_forget_gates.bias"]) * 0.7
+    g = torch.nn.functional.logsigmoid(xd @ P["data_dependent_alibi.to_forget_gates.0.weight"].T
+                                       + P["data_dependent_alibi.to_forget_gates.0.bias"]) * 0.7
     g = torch.where(MASK[..., None], g, 0.0).transpose(1, 2).cumsum(-1)
     bias = []
     for b in range(3):  # written out per pair: the sum of the real gates strictly after j up to i (or the reverse)

@@ -541,7 +541,7 @@ _XT_INTERNAL_MODULES = {
     "SoLU": "the SoLU activation (FeedForward(solu=True)) is not among safeformer's FeedForward options",
     "CoPE": "attn_use_cope is built into safeformer's attention; the module itself is not exposed",
     "DataDependentAlibi": "attn_data_dependent_alibi is built into safeformer's attention; the module is not exposed",
-    "PerRowDataDependentAlibi": "the per-row data-dependent ALiBi is not supported",
+    "PerRowDataDependentAlibi": "attn_data_dependent_alibi_per_row is built into safeformer's attention; the module is not exposed",
     "PolarEmbedding": "polar_pos_emb is built into safeformer's attention; the module is not exposed",
     "LoRALinear": "an internal low-rank linear of x-transformers' attention; not exposed",
     "AdaptiveLayerNorm": "use_adaptive_layernorm is built in; the module is not exposed (AdaptiveRMSNorm is)",

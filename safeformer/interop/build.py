@@ -259,10 +259,15 @@ def _copy_attention_options(c: _Copier, dst, blk, opts: _AttnOptions, lay: _Layo
     """Data-dependent ALiBi, the value mix and norm, qk scales, latents, CoPE and the relative projection bias."""
     put, take, perm, heads = c.put, c.take, lay.perm, lay.heads
     if opts.dd_alibi:  # Linear(dim, heads * (1|2)): the query heads permuted within each direction
-        lin = blk.data_dependent_alibi.to_forget_gates[0]
-        idx = torch.cat([perm + part * heads for part in range(lin.out_features // heads)])
-        put(dst.to_forget_gates.weight, take(lin.weight)[idx])
-        put(dst.to_forget_gates.bias, take(lin.bias)[idx])
+        lin, dst_lin = blk.data_dependent_alibi.to_forget_gates[0], dst.data_dependent_alibi.to_forget_gates[0]
+        if lin.bias is None:  # per row: Linear(dim, 2 * heads * d), heads permuted within q and k
+            d = lin.out_features // (2 * heads)
+            rows = (perm[:, None] * d + torch.arange(d, device=perm.device)[None, :]).reshape(-1)
+            put(dst_lin.weight, take(lin.weight)[torch.cat([rows, rows + heads * d])])
+        else:
+            idx = torch.cat([perm + part * heads for part in range(lin.out_features // heads)])
+            put(dst_lin.weight, take(lin.weight)[idx])
+            put(dst_lin.bias, take(lin.bias)[idx])
     if opts.value_mix:  # Linear(dim, heads) + sigmoid; heads == kv_heads (checked)
         lin = blk.to_value_residual_mix[0]
         put(dst.to_value_residual_mix[0].weight, take(lin.weight)[perm])

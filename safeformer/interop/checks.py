@@ -280,12 +280,17 @@ def _check_attention_modules(name: str, attn, opts: _AttnOptions, problems: _Pro
     dd = getattr(attn, "data_dependent_alibi", None)
     if dd is not None:
         lin = dd.to_forget_gates[0] if isinstance(getattr(dd, "to_forget_gates", None), nn.Sequential) else None
-        if type(dd).__name__ != "DataDependentAlibi" or not isinstance(lin, nn.Linear) or lin.bias is None:
-            problems.add(f"attn_data_dependent_alibi of type {type(dd).__name__} (per-row gates)", name)
+        per_row = type(dd).__name__ == "PerRowDataDependentAlibi"
+        if not (type(dd).__name__ == "DataDependentAlibi" or per_row) or not isinstance(lin, nn.Linear) \
+                or (lin.bias is None) != per_row:
+            problems.add(f"attn_data_dependent_alibi of type {type(dd).__name__}", name)
         else:
             opts.dd_alibi = (("attn_data_dependent_alibi", True),
                              ("attn_data_dependent_alibi_kwargs", dict(post_log_scale=float(dd.post_log_scale))))
-            if bool(dd.causal) != bool(attn.causal):
+            if per_row:  # its scale is dim_head ** -0.5
+                opts.dd_alibi += (("attn_data_dependent_alibi_per_row", True),
+                                  ("attn_data_dependent_alibi_per_row_dim_head", round(float(dd.scale) ** -2)))
+            if bool(getattr(dd, "causal", True)) != bool(attn.causal):  # per row: causal only
                 problems.add("attn_data_dependent_alibi whose causal differs from its attention's", name)
     if isinstance(attn.to_value_residual_mix, nn.Module):
         mix = attn.to_value_residual_mix
@@ -531,7 +536,7 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
             flagged.append(mname)
             continue
         if (tname == "MultiheadRMSNorm" and mname.endswith((".value_rmsnorm", ".q_rmsnorm", ".k_rmsnorm"))) or (
-                tname == "DataDependentAlibi" and mname.endswith(".data_dependent_alibi")) or (
+                tname in ("DataDependentAlibi", "PerRowDataDependentAlibi") and mname.endswith(".data_dependent_alibi")) or (
                 tname == "CoPE" and mname.endswith(".attend.cope")) or (
                 tname == "RelativePositionBias" and mname == "attn_layers.rel_pos") or (
                 tname == "DynamicPositionBias" and mname == "attn_layers.rel_pos") or (

@@ -194,10 +194,10 @@ class Attention(nn.Module):
     # sequence's own positions or values, or run a module beside self-attention)
     SELF_ONLY = frozenset({
         "orthog_projected_values", "orthog_projected_values_per_head", "data_dependent_alibi",
-        "data_dependent_alibi_kwargs", "hybrid_module", "hybrid_fold_axial_dim", "hybrid_mask_kwarg",
-        "hybrid_learned_mix", "use_cope", "cope_max_pos", "cope_soft_onehot_pos", "cope_talking_heads",
-        "use_rel_proj_pos_bias", "rel_proj_num_distance_basis", "rel_proj_max_dist", "rotate_num_heads",
-    })
+        "data_dependent_alibi_kwargs", "data_dependent_alibi_per_row", "data_dependent_alibi_per_row_dim_head",
+        "hybrid_module", "hybrid_fold_axial_dim", "hybrid_mask_kwarg", "hybrid_learned_mix", "use_cope",
+        "cope_max_pos", "cope_soft_onehot_pos", "cope_talking_heads", "use_rel_proj_pos_bias",
+        "rel_proj_num_distance_basis", "rel_proj_max_dist", "rotate_num_heads"})
 
     def __init__(
         self, dim: int, dim_head: int = 64, dim_context: int | None = None, heads: int = 8, causal: bool = False,
@@ -226,7 +226,7 @@ class Attention(nn.Module):
         post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
         qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", qk_rmsnorm: bool = False, k_rmsnorm: bool = False,
-        **xt_options,
+        data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -258,7 +258,8 @@ class Attention(nn.Module):
                    qk_norm_dim_scale=qk_norm_dim_scale, value_rmsnorm=value_rmsnorm,
                    learned_value_residual_mix=learned_value_residual_mix, qk_norm_groups=qk_norm_groups,
                    qk_norm_scale=qk_norm_scale, qk_rmsnorm=qk_rmsnorm, k_rmsnorm=k_rmsnorm)
-        init_forget_gates(self, dim, heads, causal, data_dependent_alibi, data_dependent_alibi_kwargs)
+        init_forget_gates(self, dim, heads, causal, data_dependent_alibi, data_dependent_alibi_kwargs,
+                          data_dependent_alibi_per_row, data_dependent_alibi_per_row_dim_head)
         init_out(self, dim, heads, dim_head, bias, dim_out=dim_out, zero_init_output=zero_init_output,
                  head_scale=head_scale, sublayer_dropout=sublayer_dropout, output_proj_depth=output_proj_depth,
                  orthog_projected_values=orthog_projected_values, value_rmsnorm=value_rmsnorm,
@@ -276,6 +277,11 @@ class Attention(nn.Module):
                                   learned_mix=hybrid_learned_mix)
         check_head_scale(self)
         self._decide_paths()
+
+    @property
+    def to_forget_gates(self) -> nn.Module | None:
+        """The data-dependent ALiBi's linear map (``data_dependent_alibi.to_forget_gates[0]``), or ``None``."""
+        return None if self.data_dependent_alibi is None else self.data_dependent_alibi.to_forget_gates[0]
 
     def _decide_paths(self) -> None:
         """Which paths this module runs, decided once from its parts (``orthog``, ``qk_normed``, ``explicit``,

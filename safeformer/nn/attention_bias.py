@@ -66,24 +66,50 @@ class RelativeProjPositionalBias(nn.Module):
         return torch.where(valid[:, None], curves.gather(-1, idx), 0.0)  # (b, h, i, j)
 
 
+class DataDependentAlibi(nn.Module):
+    """The parameters of x-transformers' ``DataDependentAlibi`` / ``PerRowDataDependentAlibi`` under its names (the
+    attention's ``data_dependent_alibi``): ``to_forget_gates``, a ``Sequential`` whose first layer is the linear map
+    of the queries' input: ``Linear(dim, heads * (1|2))`` with bias ``bias_init`` (a gate per position and head, two
+    without ``causal``), or per row ``Linear(dim, 2 * heads * per_row_dim_head, bias=False)`` (a small query and key
+    per head, whose scaled product is the gate of each query-key pair). The attention computes the bias
+    (``forget_bias``)."""
+
+    def __init__(self, dim: int, heads: int, causal: bool, bias_init: float = 5.0, post_log_scale: float = 1.0,
+                 per_row_dim_head: int | None = None):
+        super().__init__()
+        self.causal, self.post_log_scale, self.per_row_dim_head = causal, float(post_log_scale), per_row_dim_head
+        if per_row_dim_head is None:
+            lin = nn.Linear(dim, heads * (1 if causal else 2))
+            nn.init.constant_(lin.bias, float(bias_init))
+        else:
+            lin = nn.Linear(dim, 2 * heads * per_row_dim_head, bias=False)
+        self.to_forget_gates = nn.Sequential(lin)
+
+
 def init_forget_gates(attn: AttentionModule, dim: int, heads: int, causal: bool, data_dependent_alibi: bool,
-                      data_dependent_alibi_kwargs: dict | None) -> None:
-    """x-transformers' ``data_dependent_alibi`` (forgetting transformer), checked and set on ``attn``: log forget
-    gates per position and head, summed between key and query as an additive bias (causal: one gate per head; else
-    two, one per direction). ``to_forget_gates``: ``Linear(dim, heads * (1|2))``, its bias ``bias_init`` (of
-    ``data_dependent_alibi_kwargs``, default 5); ``post_log_scale`` (default 1) scales the log gates."""
-    dd = dict(bias_init=5.0, post_log_scale=1.0)
+                      data_dependent_alibi_kwargs: dict | None, per_row: bool = False, per_row_dim_head: int = 8) -> None:
+    """x-transformers' ``data_dependent_alibi`` (forgetting transformer), checked and set on ``attn`` as
+    ``data_dependent_alibi`` (``DataDependentAlibi``): log forget gates summed between key and query as an additive
+    bias, per position and head (causal: one gate per head; else two, one per direction), or with
+    ``data_dependent_alibi_per_row`` per query-key pair (causal only; ``data_dependent_alibi_per_row_dim_head``
+    features per small query and key). ``data_dependent_alibi_kwargs``: ``bias_init`` (default 5, not per row) and
+    ``post_log_scale`` (default 1), which scales the log gates."""
+    dd = dict(post_log_scale=1.0) if per_row else dict(bias_init=5.0, post_log_scale=1.0)
     unknown = set(data_dependent_alibi_kwargs or {}) - set(dd)
     if unknown or (data_dependent_alibi_kwargs and not data_dependent_alibi):
-        raise ValueError(f"data_dependent_alibi_kwargs takes bias_init and post_log_scale with data_dependent_alibi=True, "
+        raise ValueError(f"data_dependent_alibi_kwargs takes {' and '.join(dd)} with data_dependent_alibi=True, "
                          f"got {data_dependent_alibi_kwargs!r}")
+    if per_row and not (data_dependent_alibi and causal):
+        raise ValueError("data_dependent_alibi_per_row gates each query-key pair of data_dependent_alibi: it needs "
+                         "data_dependent_alibi=True and a causal attention (x-transformers' too)")
+    if per_row and not _positive_int(per_row_dim_head):
+        raise ValueError(f"data_dependent_alibi_per_row_dim_head must be a positive integer, got {per_row_dim_head!r}")
     dd.update(data_dependent_alibi_kwargs or {})
-    attn.dd_alibi_causal = causal
-    attn.dd_alibi_post_log_scale = float(dd["post_log_scale"])
-    attn.to_forget_gates = None
-    if data_dependent_alibi:
-        attn.to_forget_gates = nn.Linear(dim, heads * (1 if causal else 2))
-        nn.init.constant_(attn.to_forget_gates.bias, float(dd["bias_init"]))
+    attn.data_dependent_alibi = DataDependentAlibi(dim, heads, causal, **dd, per_row_dim_head=per_row_dim_head
+                                                   if per_row else None) if data_dependent_alibi else None
+    if data_dependent_alibi:  # earlier safeformer held the linear map as the attention's to_forget_gates
+        attn._register_load_state_dict_pre_hook(_rename_keys({"to_forget_gates.weight": "data_dependent_alibi.to_forget_gates.0.weight",
+                                                              "to_forget_gates.bias": "data_dependent_alibi.to_forget_gates.0.bias"}))
 
 
 def option_bias(attn: AttentionModule, x: Tensor, mask, bias, causal: bool, self_pad: Tensor | None, j: int,
@@ -111,12 +137,30 @@ def forget_bias(attn: AttentionModule, x: Tensor, real: Tensor | None) -> Tensor
     positions (float32; masked positions add 0, their x selected to 0 first), then ``F[i] - F[j]`` (causal),
     or that below the diagonal plus ``R[j] - R[i]`` of the second gates above it. ``(b, h, i, i)``."""
     dtype = torch.promote_types(x.dtype, torch.float32)
+    dd = attn.data_dependent_alibi
     keep = None if real is None else real.expand(x.shape[0], x.shape[1])
-    g = F.logsigmoid(attn._linear(attn.to_forget_gates, x, keep).to(dtype)) * attn.dd_alibi_post_log_scale
+    if dd.per_row_dim_head is not None:
+        return _per_row_bias(attn, dd, x, keep, dtype)
+    g = F.logsigmoid(attn._linear(dd.to_forget_gates[0], x, keep).to(dtype)) * dd.post_log_scale
     if keep is not None:
         g = torch.where(keep[..., None], g, 0.0)
     g = g.transpose(1, 2).cumsum(dim=-1)  # (b, h * (1|2), i)
-    if attn.dd_alibi_causal:
+    if dd.causal:
         return (g[..., :, None] - g[..., None, :]).to(x.dtype)
     f, r = g.chunk(2, dim=1)
     return ((f[..., :, None] - f[..., None, :]).tril() + (r[..., None, :] - r[..., :, None]).triu()).to(x.dtype)
+
+
+def _per_row_bias(attn: AttentionModule, dd: DataDependentAlibi, x: Tensor, keep: Tensor | None, dtype) -> Tensor:
+    """x-transformers' ``PerRowDataDependentAlibi``: per head a small query and key ``(d_g)`` of each position, the
+    gate of a pair ``logsigmoid(q_i . k_j / sqrt(d_g)) * post_log_scale`` for the keys before the query (a masked key
+    adds 0: its gate is selected away, whatever its input held), summed from each key up to the query. ``(b, h, i, i)``."""
+    d = dd.per_row_dim_head
+    qk = attn._linear(dd.to_forget_gates[0], x, keep).to(dtype).unflatten(-1, (2, attn.heads, d))  # (b, i, 2, h, d)
+    q, k = qk.permute(2, 0, 3, 1, 4)  # (b, h, i, d) each
+    g = F.logsigmoid((q @ k.transpose(-1, -2)) * d**-0.5) * dd.post_log_scale  # (b, h, i, i)
+    n = x.shape[1]
+    before = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)  # key j before query i
+    ok = before if keep is None else before & keep[:, None, None, :]
+    g = torch.where(ok, g, 0.0)
+    return g.flip(-1).cumsum(-1).flip(-1).to(x.dtype)  # sum over keys j..i-1
