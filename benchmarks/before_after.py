@@ -7,7 +7,8 @@ rounds of the per-round ratio ``after / before`` of the time (below 1: today's t
 
 Workloads (float32, CPU, one thread): a training step (forward and backward) of a decoder with a padding mask;
 greedy KV-cached generation, plain and guided with two branches (``cond_scale``), batch 1 and 16; ``attend`` with a
-padding mask, forward and backward; the unpadded path (an encoder on a mostly padded batch, forward and backward).
+padding mask, forward and backward; the unpadded path (an encoder on a mostly padded batch, forward and backward);
+with ``--compiled`` also generation with ``compile=True`` (``--only compiled`` times just those).
 
     git worktree add /tmp/old <commit> && mkdir -p /tmp/oldpkg && cp -r /tmp/old/safeformer /tmp/oldpkg/sf_old
     python benchmarks/before_after.py --before /tmp/oldpkg --name sf_old
@@ -30,7 +31,7 @@ def _build(lib, dim: int, depth: int, cross: bool):
     return lib.TransformerWrapper(num_tokens=256, max_seq_len=256, attn_layers=layers)
 
 
-def _workloads(lib, quick: bool) -> dict:
+def _workloads(lib, quick: bool, compiled: bool = False) -> dict:
     dim, depth = 256, 4
     g = torch.Generator().manual_seed(1)
     b, n = (4, 64) if quick else (8, 128)
@@ -59,6 +60,13 @@ def _workloads(lib, quick: bool) -> dict:
         out[f"generate CFG 2 branches, batch {batch}"] = (
             lambda p=prompt, c=ctx, m=ctx_mask: ar.generate(p, tokens, context=c, context_mask=m, temperature=0.0,
                                                           cond_scale=3.0))
+        if compiled:  # generate(compile=True): the decode step compiled (the warm-up compiles it)
+            out[f"generate plain, batch {batch}, compiled"] = (
+                lambda p=prompt, c=ctx, m=ctx_mask: ar.generate(p, tokens, context=c, context_mask=m, temperature=0.0,
+                                                              compile=True))
+            out[f"generate CFG 2 branches, batch {batch}, compiled"] = (
+                lambda p=prompt, c=ctx, m=ctx_mask: ar.generate(p, tokens, context=c, context_mask=m, temperature=0.0,
+                                                              cond_scale=3.0, compile=True))
     q = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)
     k = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)
     v = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)
@@ -93,12 +101,16 @@ def main(argv=None) -> dict:
     p.add_argument("--name", default="sf_old", help="the older package's name there")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--compiled", action="store_true", help="also time generate(compile=True), plain and CFG")
+    p.add_argument("--only", default=None, help="time only the workloads whose name contains this")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     sys.path.insert(0, args.before)
     old = importlib.import_module(args.name)
     new = importlib.import_module("safeformer")
-    work = {"before": _workloads(old, args.quick), "after": _workloads(new, args.quick)}
+    work = {"before": _workloads(old, args.quick, args.compiled), "after": _workloads(new, args.quick, args.compiled)}
+    if args.only:
+        work = {side: {k: v for k, v in w.items() if args.only in k} for side, w in work.items()}
     for side in work.values():  # warm-up
         for fn in side.values():
             fn()
