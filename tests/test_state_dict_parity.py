@@ -58,6 +58,7 @@ MORE: dict[str, Callable] = {
     "talking heads": lambda lib: dec(lib, attn_pre_talking_heads=True, attn_post_talking_heads=True),
     "head scale + value heads gate": lambda lib: dec(lib, attn_head_scale=True, attn_gate_value_heads=True),
     "qk rmsnorm": lambda lib: dec(lib, attn_qk_rmsnorm=True),
+    "selective attention + memory kv": lambda lib: dec(lib, heads=4, attn_selective=True, attn_num_mem_kv=2),
     "data-dependent ALiBi": lambda lib: dec(lib, attn_data_dependent_alibi=True),
     "data-dependent ALiBi per row": lambda lib: dec(lib, attn_data_dependent_alibi=True,
                                                     attn_data_dependent_alibi_per_row=True),

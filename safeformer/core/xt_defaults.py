@@ -18,7 +18,7 @@ XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_flash_pack_seq": False, "attn_inverted_attention": False,
     "attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
     "attn_on_attn": False, "attn_project_out": None,
-    "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None, "attn_selective": False,
+    "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None,
     "attn_value_dim_head": None, "gated_multi_residual": False,
 }
 

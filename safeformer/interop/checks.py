@@ -350,7 +350,6 @@ def _check_attend(name: str, attn, att, opts: _AttnOptions, problems: _Problems)
     if not opts.qk_norm and att.scale is not None and not math.isclose(att.scale, dim_head**-0.5, rel_tol=1e-12):
         problems.add(f"an attention scale {att.scale} != dim_head ** -0.5", name)
     for attr, option in (
-        ("selective", "attn_selective"),
         ("flash_pack_seq", "attn_flash_pack_seq"),
     ):
         if getattr(att, attr, False):
@@ -388,6 +387,8 @@ def _scoring_options(name: str, attn, att, sigmoid: bool, problems: _Problems) -
     if getattr(attn, "to_rotateable_k", None) is not None:
         out["attn_latent_rope_subheads"] = int(attn.to_rotateable_k.out_features // (attn.to_q.out_features // attn.heads))
     own: dict = {}
+    if getattr(att, "selective", False):  # self-attention only (x-transformers' needs causal)
+        own["attn_selective"] = True
     cope = getattr(att, "cope", None)
     if cope is not None:
         own.update(attn_use_cope=True, attn_cope_max_pos=int(cope.max_pos))

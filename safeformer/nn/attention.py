@@ -197,7 +197,7 @@ class Attention(nn.Module):
         "data_dependent_alibi_kwargs", "data_dependent_alibi_per_row", "data_dependent_alibi_per_row_dim_head",
         "hybrid_module", "hybrid_fold_axial_dim", "hybrid_mask_kwarg", "hybrid_learned_mix", "use_cope",
         "cope_max_pos", "cope_soft_onehot_pos", "cope_talking_heads", "use_rel_proj_pos_bias",
-        "rel_proj_num_distance_basis", "rel_proj_max_dist", "rotate_num_heads"})
+        "rel_proj_num_distance_basis", "rel_proj_max_dist", "rotate_num_heads", "selective"})
 
     def __init__(
         self, dim: int, dim_head: int = 64, dim_context: int | None = None, heads: int = 8, causal: bool = False,
@@ -226,7 +226,8 @@ class Attention(nn.Module):
         post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
         qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", qk_rmsnorm: bool = False, k_rmsnorm: bool = False,
-        data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8, **xt_options,
+        data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8,
+        selective: bool = False, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -250,7 +251,7 @@ class Attention(nn.Module):
                      cope_talking_heads=cope_talking_heads, sparse_topk=sparse_topk,
                      sparse_topk_straight_through=sparse_topk_straight_through, hard=hard, heads=heads,
                      pre_talking_heads=pre_talking_heads, post_talking_heads=post_talking_heads,
-                     pre_scale_post_talking_heads=pre_scale_post_talking_heads)
+                     pre_scale_post_talking_heads=pre_scale_post_talking_heads, selective=selective)
         self.rel_proj_pos_bias = RelativeProjPositionalBias(
             dim, heads, num_distance_basis=rel_proj_num_distance_basis, max_dist=rel_proj_max_dist,
         ) if use_rel_proj_pos_bias else None
@@ -276,29 +277,13 @@ class Attention(nn.Module):
                                   fold_axial_dim=hybrid_fold_axial_dim, mask_kwarg=hybrid_mask_kwarg,
                                   learned_mix=hybrid_learned_mix)
         check_head_scale(self)
-        self._decide_paths()
+        _decide_paths(self)
 
     @property
     def to_forget_gates(self) -> nn.Module | None:
         """The data-dependent ALiBi's linear map (``data_dependent_alibi.to_forget_gates[0]``), or ``None``."""
         return None if self.data_dependent_alibi is None else self.data_dependent_alibi.to_forget_gates[0]
 
-    def _decide_paths(self) -> None:
-        """Which paths this module runs, decided once from its parts (``orthog``, ``qk_normed``, ``explicit``,
-        ``packable``: see "Paths" in this module's docstring)."""
-        self.orthog = bool(self.orthog_projected_values or self.orthog_projected_values_per_head)
-        # a norm of queries or keys between the projection and the rotation (the decode step's fused plan reads it)
-        self.qk_normed = any(n is not None for n in (self.q_norm, self.k_norm, self.q_rmsnorm, self.k_rmsnorm))
-        self.explicit = bool(
-            self.softclamp_value is not None or self.cog_signed or self.inverted or self.score != "softmax"
-            or self.laser_value is not None or self.cope is not None
-            or self.sparse_topk is not None or self.pre_softmax_talking_heads is not None
-            or self.post_softmax_talking_heads is not None or self.pre_scale_post_talking_heads is not None
-            or (self.l2_distance and self.head_attn_sink is not None))  # the sink's logit is no distance
-        self.packable = bool(self.extra_keys == 0 and not self.explicit and not self.l2_distance and not self.orthog
-                             and self.to_forget_gates is None and self.rel_proj_pos_bias is None
-                             and not self.rope_subheads and self.hybrid is None
-                             and self.rotate_num_heads == self.heads)
 
     def _rotate(self, t: Tensor, angles: Tensor) -> Tensor:
         """Rotary positions on ``t (b, h|h_kv, n, d)``; with ``latent_rope_subheads`` on its last that many heads only
@@ -571,3 +556,26 @@ def _init_core(attn: Attention, dim: int, dim_head: int, dim_context: int | None
     attn.backend = backend
     attn.softclamp_value = float(logit_softclamp_value) if softclamp_logits else None
     return kv_heads
+
+
+def _decide_paths(attn: Attention) -> None:
+    """Which paths ``attn`` runs, decided once from its parts (``orthog``, ``qk_normed``, ``explicit``,
+    ``packable``: see "Paths" in this module's docstring)."""
+    attn.orthog = bool(attn.orthog_projected_values or attn.orthog_projected_values_per_head)
+    # a norm of queries or keys between the projection and the rotation (the decode step's fused plan reads it)
+    attn.qk_normed = any(n is not None for n in (attn.q_norm, attn.k_norm, attn.q_rmsnorm, attn.k_rmsnorm))
+    attn.explicit = bool(
+        attn.softclamp_value is not None or attn.cog_signed or attn.inverted or attn.score != "softmax"
+        or attn.laser_value is not None or attn.cope is not None
+        or attn.sparse_topk is not None or attn.pre_softmax_talking_heads is not None or attn.selective
+        or attn.post_softmax_talking_heads is not None or attn.pre_scale_post_talking_heads is not None
+        or (attn.l2_distance and attn.head_attn_sink is not None))  # the sink's logit is no distance
+    # why a call cannot continue from a KV cache (an option over the sequence's own positions), or None
+    attn.cache_refusal = (
+        "orthog_projected_values projects onto the values of the sequence itself" if attn.orthog else
+        "data_dependent_alibi sums forget gates over the sequence itself" if attn.data_dependent_alibi is not None
+        else "selective attention gates each query by the queries before it" if attn.selective else None)
+    attn.packable = bool(attn.extra_keys == 0 and not attn.explicit and not attn.l2_distance and not attn.orthog
+                         and attn.to_forget_gates is None and attn.rel_proj_pos_bias is None
+                         and not attn.rope_subheads and attn.hybrid is None
+                         and attn.rotate_num_heads == attn.heads)

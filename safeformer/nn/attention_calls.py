@@ -90,9 +90,10 @@ def check_option_call(attn: AttentionModule, context, kv, past_kv, hybrid, added
         raise ValueError("orthog_projected_values projects onto the values of the sequence itself: it runs in "
                          "self-attention without a KV cache (a cache would project the new positions alone, so "
                          "cached and uncached results would differ); decode with cache_kv=False")
-    if attn.to_forget_gates is not None and (context is not None or kv is not None or past_kv is not None):
-        raise ValueError("data_dependent_alibi sums forget gates over the sequence itself: it runs in self-attention "
-                         "without a KV cache; decode with cache_kv=False")
+    if attn.cache_refusal is not None and not attn.orthog and (context is not None or kv is not None
+                                                               or past_kv is not None):
+        raise ValueError(f"{attn.cache_refusal}: it runs in self-attention without a KV cache; decode with "
+                         f"cache_kv=False")
     cross = context is not None or kv is not None
     if attn.inverted and not cross:
         raise ValueError("inverted_attention normalises each key's weights over the queries: it is cross-attention "

@@ -45,6 +45,9 @@ Args (``Attention``'s keywords):
         differently).
     hard: x-transformers' hard attention: each query's weights are the one-hot of its largest live logit (the
         first on ties) forward, the softmax's gradient backward; a dead row stays 0.
+    selective: x-transformers' selective attention (causal self-attention): head 0's positive logits let each token
+        hide keys from the queries after it (``_selective``); padded queries hide nothing and a sample's first real
+        key is never hidden; no KV cache.
     use_cope, cope_max_pos: contextual positions (CoPE, causal attention): a key's position is the sum of
         ``sigmoid(logit)`` over the visible keys from it on (masked keys count 0), its logit gains ``q . pos_emb``
         at that position (interpolated). ``cope_talking_heads`` / ``cope_soft_onehot_pos`` are refused.
@@ -73,7 +76,8 @@ def init_scoring(attn: AttentionModule, dim_head: int, causal: bool, *, num_mem_
                  use_cope: bool, cope_max_pos: int, cope_soft_onehot_pos: bool, cope_talking_heads: bool,
                  sparse_topk: int | None = None, sparse_topk_straight_through: bool = False,
                  hard: bool = False, heads: int = 1, pre_talking_heads: bool = False,
-                 post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False) -> None:
+                 post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False,
+                 selective: bool = False) -> None:
     """The options that change how logits become weights, checked, set on ``attn`` (``l2_distance``, ``cog_signed``,
     ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``, ``laser_value``, ``cope``); each keyword is documented
     in this module's docstring ("``init_scoring``")."""
@@ -124,6 +128,10 @@ def init_scoring(attn: AttentionModule, dim_head: int, causal: bool, *, num_mem_
             conv = nn.Conv2d(heads, heads, 1, bias=False)
             nn.init.dirac_(conv.weight)
         setattr(attn.attend, name, conv)  # x-transformers keeps them in its Attend (keys attend.<name>.weight)
+    if selective and (not causal or inverted_attention):
+        raise ValueError("selective attention lets a token hide itself from later queries: it needs causal=True "
+                         "(x-transformers' too)")
+    attn.selective = bool(selective)
     attn.sparse_topk = sparse_topk
     attn.sparse_topk_straight_through = sparse_topk_straight_through
     attn.l2_distance = bool(l2_distance)
@@ -383,6 +391,8 @@ def _explicit_logits(qf: Tensor, kf: Tensor, combined: Tensor | None, reach: Ten
             allowed = allowed & (torch.arange(j, device=qf.device) > 0)
         pos_logits = opt.cope(qf, logits, allowed)
         logits = logits + pos_logits if combined is None else torch.where(combined, logits + pos_logits, float("-inf"))
+    if opt is not None and opt.selective:  # x-transformers' selective attention, after CoPE, before the sink
+        logits = _selective(logits, combined)
     if sink is not None:  # key 0 is the sink: its logit is the learned one, never clamped (x-transformers)
         s = sink.to(dtype)[None, :, None, None].expand(b, h, i, 1)
         if sign is not None:
@@ -390,6 +400,27 @@ def _explicit_logits(qf: Tensor, kf: Tensor, combined: Tensor | None, reach: Ten
             s = s.abs()
         logits = torch.cat((s, logits[..., 1:].expand(b, h, i, j - 1)), dim=-1)
     return logits, sign, pre_scale
+
+
+def _selective(logits: Tensor, combined: Tensor | None) -> Tensor:
+    """x-transformers' selective attention (https://arxiv.org/abs/2410.02703, 3.3): head 0's positive logits are
+    gates by which each query hides keys from the queries after it, summed down the queries and taken off every head's
+    logits. The first new key, a query's own key and keys before the new ones (memory, sink, cache) are never
+    hidden. Only what a query may see gates: masked entries and dead rows (padded queries) add nothing, whatever
+    their logits, so padding in front of a sequence hides nothing (x-transformers' padded queries gate too)."""
+    i, j = logits.shape[-2:]
+    head = logits[:, 0]  # (b, i, j)
+    seen = combined[:, 0] if combined is not None else None
+    gate = F.relu(head if seen is None else torch.where(seen, head, 0.0))
+    key = torch.arange(j, device=logits.device)[None, :]
+    own = torch.arange(i, device=logits.device)[:, None] + (j - i)  # each query's own key
+    first = torch.full((gate.shape[0], 1, 1), j - i, device=logits.device)  # the first new key (x-transformers' sos)
+    if seen is not None:  # a sample's first real new key: with padding in front, not column j - i
+        live = seen.any(dim=-2) & (key >= j - i)  # (b, j)
+        first = torch.where(live, key, j).amin(dim=-1).view(-1, 1, 1)
+    gate = torch.where((key >= j - i) & (key != first) & (key != own), gate, 0.0)  # not older keys, the first, its own
+    gate = F.pad(gate, (0, 0, 1, -1)).cumsum(dim=-2)  # a query is gated by the queries before it
+    return logits - gate[:, None]
 
 
 def _mix_heads(conv: nn.Conv2d, t: Tensor) -> Tensor:

@@ -48,7 +48,7 @@ Args:
         ``qk_norm_scale``.
     attn_onnxable, verbose: accepted with any value, no effect on the numbers (x-transformers uses them to pick
         ONNX-friendly ops and to print construction warnings).
-    Other x-transformers keywords (``xt_defaults.XT_DEFAULT_ONLY``: ``attn_on_attn``, ``attn_selective``,
+    Other x-transformers keywords (``xt_defaults.XT_DEFAULT_ONLY``: ``attn_on_attn``, ``attn_value_dim_head``,
         ``attn_max_attend_past``, ...) are accepted at x-transformers' default value, which is what safeformer
         does; any other value is a ``TypeError`` that names the keyword.
     norm_add_unit_offset: the norms' gains (and layerscale's) stored minus 1, as x-transformers' default (``True``;

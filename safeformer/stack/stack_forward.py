@@ -698,7 +698,9 @@ def mems_unsupported(stack: StackModule) -> str | None:
                        any(getattr(blk.mixer, "orthog", False) for blk in stack.layers if blk.kind == "self")),
                       ("attn_data_dependent_alibi (forget gates summed over the whole sequence)",
                        any(getattr(blk.mixer, "to_forget_gates", None) is not None
-                           for blk in stack.layers if blk.kind == "self"))):
+                           for blk in stack.layers if blk.kind == "self")),
+                      ("attn_selective (each query gated by the queries before it)",
+                       any(getattr(blk.mixer, "selective", False) for blk in stack.layers if blk.kind == "self"))):
         if bad:
             return what
     return None

@@ -368,12 +368,12 @@ class _Wrapper(Configurable, nn.Module):
     def can_cache_kv(self) -> bool:
         """x-transformers' flag: whether incremental decoding may pass a cache (safeformer's KV cache keeps
         memory, class and prefix rows; recycling, which reruns the stack, cannot, nor attention that sums over
-        the whole sequence: ``attn_orthog_projected_values``, ``attn_data_dependent_alibi``; nor a hybrid module
+        the whole sequence: ``Attention.cache_refusal``, e.g. ``attn_orthog_projected_values``, ``attn_selective``; nor a hybrid module
         whose state the cache cannot carry, nor ``rotary_xpos``). Generation then recomputes the sequence each step."""
         if getattr(self, "recycling", False) or not getattr(self.attn_layers, "can_cache_kv", True) \
                 or getattr(self, "memory_tokens_interspersed_every", None) is not None:
             return False
-        return not any(getattr(blk.mixer, "orthog", False) or getattr(blk.mixer, "to_forget_gates", None) is not None
+        return not any(getattr(blk.mixer, "cache_refusal", None) is not None
                        or not getattr(getattr(blk.mixer, "hybrid", None), "can_cache", True)
                        for blk in self.attn_layers.layers if blk.kind != "ff")
 
