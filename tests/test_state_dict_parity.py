@@ -58,6 +58,8 @@ MORE: dict[str, Callable] = {
     "talking heads": lambda lib: dec(lib, attn_pre_talking_heads=True, attn_post_talking_heads=True),
     "head scale + value heads gate": lambda lib: dec(lib, attn_head_scale=True, attn_gate_value_heads=True),
     "qk rmsnorm": lambda lib: dec(lib, attn_qk_rmsnorm=True),
+    "max attend past + memory kv + cross": lambda lib: dec(lib, attn_max_attend_past=3, attn_num_mem_kv=2,
+                                                           cross_attend=True),
     "selective attention + memory kv": lambda lib: dec(lib, heads=4, attn_selective=True, attn_num_mem_kv=2),
     "data-dependent ALiBi": lambda lib: dec(lib, attn_data_dependent_alibi=True),
     "data-dependent ALiBi per row": lambda lib: dec(lib, attn_data_dependent_alibi=True,

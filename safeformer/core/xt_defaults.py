@@ -16,7 +16,7 @@ XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_attend_sdp_kwargs": dict(enable_flash=True, enable_math=True, enable_mem_efficient=True),
     "attn_custom_attn_fn": None, "attn_dim_context": None, "attn_dim_out": None,
     "attn_flash_pack_seq": False, "attn_inverted_attention": False,
-    "attn_learned_value_residual_mix": False, "attn_max_attend_past": None,
+    "attn_learned_value_residual_mix": False,
     "attn_on_attn": False, "attn_project_out": None,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None,
     "attn_value_dim_head": None, "gated_multi_residual": False,

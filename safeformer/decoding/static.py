@@ -90,6 +90,8 @@ def static_reason(net) -> str | None:
         if blk.kind != "ff" and (blk.mixer.extra_keys or blk.mixer.explicit):
             return ("attention with memory keys, a learned sink, softclamped logits or another scoring option (cog, "
                     "sigmoid, gumbel, laser, CoPE, inverted) runs the explicit path")
+        if blk.kind != "ff" and blk.mixer.max_attend_past is not None:
+            return "attn_max_attend_past masks keys by their distance (the step's masks do not)"
         if blk.kind != "ff" and (blk.mixer.rel_proj_pos_bias is not None or blk.mixer.rope_subheads
                                  or blk.mixer.l2_distance or blk.mixer.rotate_num_heads != blk.mixer.heads):
             return ("attn_use_rel_proj_pos_bias, attn_latent_rope_subheads, rotate_num_heads and attn_l2_distance run "

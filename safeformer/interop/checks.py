@@ -257,8 +257,6 @@ def _check_attention_norms(name: str, attn, opts: _AttnOptions, problems: _Probl
         if attn.kv_heads != attn.heads:
             problems.add("attn_value_rmsnorm with grouped key/value heads (x-transformers' gains are per query head)", name)
     opts.gates = _gate_options(name, attn, problems)
-    if getattr(attn, "max_attend_past", None) is not None:
-        problems.add(f"attn_max_attend_past={attn.max_attend_past}", name)
     opts.qk_rmsnorm = getattr(attn, "q_rmsnorm", None) is not None
     opts.k_rmsnorm = not opts.qk_rmsnorm and getattr(attn, "k_rmsnorm", None) is not None
     for attr, option in (
@@ -371,6 +369,8 @@ def _scoring_options(name: str, attn, att, sigmoid: bool, problems: _Problems) -
     """x-transformers' attention scoring options of ``attn`` (its ``Attend`` ``att``) as safeformer's stack keywords:
     ``(shared by every attention, self-attention only)``, each sorted ``(keyword, value)`` pairs, defaults left out."""
     out: dict = {}
+    if getattr(attn, "max_attend_past", None) is not None:  # every attention of x-transformers' stack, cross too
+        out["attn_max_attend_past"] = int(attn.max_attend_past)
     for attr in ("l2_distance", "cog_signed"):
         if getattr(att, attr, False):
             out[f"attn_{attr}"] = True

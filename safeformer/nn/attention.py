@@ -113,7 +113,7 @@ from ..core.attend import BACKENDS, SelectedMask, masked_linear
 from ..core.cache import AttnIntermediate
 from ..core.masks import checked_once
 from ..core.xt_defaults import ATTENTION_ANY_VALUE, ATTENTION_DEFAULT_ONLY, check_xt_options
-from .attention_bias import RelativeProjPositionalBias, init_forget_gates, option_bias
+from .attention_bias import RelativeProjPositionalBias, init_forget_gates, init_window, option_bias
 from .attention_calls import (
     check_call,
     check_kv_residual,
@@ -227,7 +227,7 @@ class Attention(nn.Module):
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
         qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", qk_rmsnorm: bool = False, k_rmsnorm: bool = False,
         data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8,
-        selective: bool = False, **xt_options,
+        selective: bool = False, max_attend_past: int | None = None, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -259,6 +259,7 @@ class Attention(nn.Module):
                    qk_norm_dim_scale=qk_norm_dim_scale, value_rmsnorm=value_rmsnorm,
                    learned_value_residual_mix=learned_value_residual_mix, qk_norm_groups=qk_norm_groups,
                    qk_norm_scale=qk_norm_scale, qk_rmsnorm=qk_rmsnorm, k_rmsnorm=k_rmsnorm)
+        init_window(self, max_attend_past)
         init_forget_gates(self, dim, heads, causal, data_dependent_alibi, data_dependent_alibi_kwargs,
                           data_dependent_alibi_per_row, data_dependent_alibi_per_row_dim_head)
         init_out(self, dim, heads, dim_head, bias, dim_out=dim_out, zero_init_output=zero_init_output,
@@ -461,7 +462,7 @@ class Attention(nn.Module):
             check_kv_residual(kv_residual, x, source)
         j = kv[0].shape[2] if kv is not None else source.shape[1] + (0 if past_kv is None else past_kv[0].shape[2])
         self_pad = query_padding(mask, pad, not inputs_finite and context is None and kv is None, b, i, j)  # (b, i)
-        if self.rel_proj_pos_bias is not None or self.to_forget_gates is not None:
+        if self.rel_proj_pos_bias is not None or self.to_forget_gates is not None or self.max_attend_past is not None:
             bias = option_bias(self, x, mask, bias, causal, self_pad, j, positions)
         user_mask, j_user = mask, j
         mask, bias, j, rows_ok, keys_ok = key_layout(self, x, mask, bias, causal, added, inputs_finite, self_pad, j)
@@ -575,7 +576,10 @@ def _decide_paths(attn: Attention) -> None:
         "orthog_projected_values projects onto the values of the sequence itself" if attn.orthog else
         "data_dependent_alibi sums forget gates over the sequence itself" if attn.data_dependent_alibi is not None
         else "selective attention gates each query by the queries before it" if attn.selective else None)
+    # the keys' and queries' positions reach the bias options (the stack passes the real tokens')
+    attn.needs_positions = attn.rel_proj_pos_bias is not None or attn.max_attend_past is not None
     attn.packable = bool(attn.extra_keys == 0 and not attn.explicit and not attn.l2_distance and not attn.orthog
+                         and attn.max_attend_past is None
                          and attn.to_forget_gates is None and attn.rel_proj_pos_bias is None
                          and not attn.rope_subheads and attn.hybrid is None
                          and attn.rotate_num_heads == attn.heads)

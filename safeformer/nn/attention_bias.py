@@ -112,12 +112,29 @@ def init_forget_gates(attn: AttentionModule, dim: int, heads: int, causal: bool,
                                                               "to_forget_gates.bias": "data_dependent_alibi.to_forget_gates.0.bias"}))
 
 
+def init_window(attn: AttentionModule, max_attend_past: int | None) -> None:
+    """x-transformers' ``max_attend_past``, checked and set on ``attn``: a query sees no key more than that many
+    positions before it (an additive ``-inf`` over those keys; memory keys are always seen)."""
+    if max_attend_past is not None and (not _positive_int(max_attend_past)):
+        raise ValueError(f"max_attend_past must be a positive integer or None, got {max_attend_past!r}")
+    attn.max_attend_past = max_attend_past
+
+
 def option_bias(attn: AttentionModule, x: Tensor, mask, bias, causal: bool, self_pad: Tensor | None, j: int,
                 positions) -> Tensor:
-    """``bias`` plus the bias options of ``attn`` (the relative projection bias, then the forget gates'), for the
-    queries' input ``x (b, i, c)`` and ``j`` keys: ``(b, h, i, j)``. ``self_pad (b, i)``: padded positions of ``x``
-    (their ``x`` selected to 0 first; no real position for the forget gates); ``positions``: ``forward``'s."""
+    """``bias`` plus the bias options of ``attn`` (the window of ``max_attend_past``, the relative projection bias,
+    then the forget gates'), for the queries' input ``x (b, i, c)`` and ``j`` keys: ``(b, h, i, j)``. ``self_pad
+    (b, i)``: padded positions of ``x`` (their ``x`` selected to 0 first; no real position for the forget gates);
+    ``positions``: ``forward``'s ``(q_pos, k_pos)`` (the real tokens' from a stack; by default the index positions,
+    the queries the last ``i`` of the ``j`` keys)."""
     b, i = x.shape[:2]
+    if attn.max_attend_past is not None:  # x-transformers' window: keys too far back are masked (-inf)
+        q_pos, k_pos = positions if positions is not None else (
+            torch.arange(j - i, j, device=x.device), torch.arange(j, device=x.device))
+        far = (q_pos[..., :, None] - k_pos[..., None, :]) > attn.max_attend_past  # (b|1, i, j) or (i, j)
+        window = torch.zeros(far.shape, dtype=x.dtype, device=x.device).masked_fill(far, float("-inf"))
+        window = window.reshape((-1, 1) + tuple(far.shape[-2:]))  # (b|1, 1, i, j)
+        bias = window if bias is None else bias + window
     if attn.rel_proj_pos_bias is not None:  # from the queries' input, padded rows selected to 0 first
         xs = x if self_pad is None else torch.where(self_pad[..., None], x, 0.0)
         rp = attn.rel_proj_pos_bias(xs, seq_len_k=j, positions=positions).to(x.dtype)  # (b, h, i, j)

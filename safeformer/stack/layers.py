@@ -49,7 +49,7 @@ Args:
     attn_onnxable, verbose: accepted with any value, no effect on the numbers (x-transformers uses them to pick
         ONNX-friendly ops and to print construction warnings).
     Other x-transformers keywords (``xt_defaults.XT_DEFAULT_ONLY``: ``attn_on_attn``, ``attn_value_dim_head``,
-        ``attn_max_attend_past``, ...) are accepted at x-transformers' default value, which is what safeformer
+        ``attn_project_out``, ...) are accepted at x-transformers' default value, which is what safeformer
         does; any other value is a ``TypeError`` that names the keyword.
     norm_add_unit_offset: the norms' gains (and layerscale's) stored minus 1, as x-transformers' default (``True``;
         weight decay then pulls them towards the identity). The state dict is x-transformers' either way.
@@ -1129,8 +1129,7 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
             "residual_attn / cross_residual_attn carry logits between layers (the explicit attention path)"
     stack.final_norm = norm() if pre_norm_has_final_norm and not pre_and_post_norm and pre_norm else nn.Identity()
     # what a forward would otherwise ask every block each call, decided once
-    stack.self_rel_proj = any(getattr(blk.mixer, "rel_proj_pos_bias", None) is not None
-                              for blk in stack.layers if blk.kind == "self")
+    stack.self_positions = any(getattr(blk.mixer, "needs_positions", False) for blk in stack.layers if blk.kind == "self")
     stack.inverted_cross = any(getattr(blk.mixer, "inverted", False) for blk in stack.layers if blk.kind == "cross")
     # the unpadded path packs tokens; Attention.packable says which options run on the padded path only
     stack.packable = all(blk.mixer.packable for blk in stack.layers if blk.kind != "ff") \

@@ -244,8 +244,8 @@ def _block_arguments(stack: StackModule, call: StackCall) -> tuple[dict, dict, d
                      bias=sa.bias, return_attn=call.return_hiddens, _return_kv=True)
     cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, causal=False,
                       return_attn=call.return_hiddens, _return_kv=True, rotary=call.cross_rotary)
-    if stack.self_rel_proj:
-        self_args["positions"] = (call.positions, sa.all_positions)  # the real tokens' positions (rel_proj_pos_bias)
+    if stack.self_positions:  # the real tokens' positions (rel_proj_pos_bias, max_attend_past)
+        self_args["positions"] = (call.positions, sa.all_positions)
     inverted_args = cross_args
     if mask is not None and use_cross and stack.inverted_cross:
         # inverted cross-attention normalises over the queries: padded ones take none
@@ -699,6 +699,8 @@ def mems_unsupported(stack: StackModule) -> str | None:
                       ("attn_data_dependent_alibi (forget gates summed over the whole sequence)",
                        any(getattr(blk.mixer, "to_forget_gates", None) is not None
                            for blk in stack.layers if blk.kind == "self")),
+                      ("attn_max_attend_past", any(getattr(blk.mixer, "max_attend_past", None) is not None
+                                                   for blk in stack.layers if blk.kind != "ff")),
                       ("attn_selective (each query gated by the queries before it)",
                        any(getattr(blk.mixer, "selective", False) for blk in stack.layers if blk.kind == "self"))):
         if bad:
