@@ -41,7 +41,7 @@ def test_every_alias_in_the_tables_is_tested_or_accepted():
     neutral = {"emb_frac_gradient": (1.0, 0.5), "max_mem_len": (0, 8)}
     for key in WRAPPER_ALIASES:  # each is accepted at its neutral value and refused otherwise
         ok, other = neutral.get(key, (False, True))
-        if key == "max_mem_len":  # TransformerWrapper keeps XL memories itself: the continuous wrapper's alias
+        if key in ("max_mem_len", "post_emb_norm"):  # TransformerWrapper has them itself: the continuous wrapper's
             make = lambda **kw: sf.ContinuousTransformerWrapper(dim_in=4, attn_layers=sf.Encoder(dim=8, depth=1), **kw)  # noqa: E731
         else:
             make = lambda **kw: sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1), **kw)  # noqa: E731

@@ -202,7 +202,6 @@ UNSUPPORTED = [
     (dict(add_value_residual=True, attn_kv_heads=1), "learned_value_residual_mix with grouped"),
     (dict(num_residual_streams=2), "num_residual_streams"),
     (dict(layer_dropout=0.1), "layer_dropout"),
-    (dict(wrapper=dict(post_emb_norm=True)), "post_emb_norm"),
     (dict(wrapper=dict(emb_frac_gradient=0.5)), "emb_frac_gradient"),
 ]
 
@@ -224,12 +223,12 @@ def test_all_unsupported_options_listed_at_once():
     model = xt.TransformerWrapper(
         num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, attn_value_dim_head=4,
                                                              attn_on_attn=True),
-        post_emb_norm=True,
+        emb_frac_gradient=0.5,
     )
     with pytest.raises(ValueError) as info:
         from_x_transformers(model)
     text = str(info.value)
-    assert all(opt in text for opt in ("attn_value_dim_head", "attn_on_attn", "post_emb_norm"))
+    assert all(opt in text for opt in ("attn_value_dim_head", "attn_on_attn", "emb_frac_gradient"))
 
 
 def test_drop_training_only_converts_and_matches_in_eval():

@@ -58,6 +58,7 @@ MORE: dict[str, Callable] = {
     "talking heads": lambda lib: dec(lib, attn_pre_talking_heads=True, attn_post_talking_heads=True),
     "head scale + value heads gate": lambda lib: dec(lib, attn_head_scale=True, attn_gate_value_heads=True),
     "qk rmsnorm": lambda lib: dec(lib, attn_qk_rmsnorm=True),
+    "post_emb_norm + emb_dim": lambda lib: dec(lib, wrap_kw=dict(post_emb_norm=True, emb_dim=16)),
     "max attend past + memory kv + cross": lambda lib: dec(lib, attn_max_attend_past=3, attn_num_mem_kv=2,
                                                            cross_attend=True),
     "selective attention + memory kv": lambda lib: dec(lib, heads=4, attn_selective=True, attn_num_mem_kv=2),

@@ -459,6 +459,8 @@ class StaticDecoder:
             x = net.project_in(new[:, None].to(self.dtype))
         if net.pos_emb is not None:
             x = x + net.pos_emb((c.count - c.lead).clamp(min=0)[:, None]).to(x.dtype)
+        if getattr(net, "post_emb_norm", None) is not None:
+            x = net.post_emb_norm(x)
         return x
 
     def _head(self, h: Tensor) -> Tensor:

@@ -203,6 +203,8 @@ def _copy_stack_positions(c: _Copier, plan: _Plan, sf: TransformerWrapper, lay: 
 def _copy_wrapper_extras(c: _Copier, plan: _Plan, sf: TransformerWrapper) -> None:
     """The wrapper's deep embedding (``ff_deep_embed``) and attention pool."""
     model = plan.model
+    if plan.wrapper_kwargs.get("post_emb_norm"):
+        c.copy_norm(sf.post_emb_norm, model.post_emb_norm)
     if plan.wrapper_kwargs.get("ff_deep_embed"):
         c.put(sf.ff_deep_embed, c.take(model.ff_deep_embed))
     if plan.wrapper_kwargs.get("attn_pool"):  # the pool's heads are its own: nothing to permute

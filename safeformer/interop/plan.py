@@ -165,7 +165,10 @@ def _check_wrapper(model, xt, problems: _Problems, training_only: list[str], dim
         else:
             problems.add("embed_num_tokens with custom embedding tables")
     ff_deep = getattr(model, "ff_deep_embed", None) is not None  # the same table, copied as it is
-    if type(model.post_emb_norm).__name__ != "Identity":
+    if type(model.post_emb_norm).__name__ == "LayerNorm" and isinstance(getattr(model.post_emb_norm, "gamma", None),
+                                                                        nn.Parameter):
+        extra["post_emb_norm"] = True  # gamma copied by _build_wrapper (unit offset folded in)
+    elif type(model.post_emb_norm).__name__ != "Identity":
         problems.add("post_emb_norm")
     if getattr(model, "looped", False):  # the looped LM: its exit gate is copied by _build_wrapper
         extra.update(looped=True, max_looped_steps=int(model.train_max_looped_steps))

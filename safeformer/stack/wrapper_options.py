@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from ..nn.modules import TokenEmbedding
+from ..nn.modules import LayerNorm, TokenEmbedding
 from .layers import AttentionLayers
 from .xt_extras import AttentionPool
 
@@ -180,9 +180,10 @@ def check_options(attn_layers: AttentionLayers, *, num_tokens, logits_dim, tie_e
 
 def build_embeddings(net: WrapperModule, attn_layers: AttentionLayers, *, num_tokens: int, emb_dim: int,
                      token_emb, l2norm_embed, max_seq_len, use_abs_pos_emb, embed_num_tokens,
-                     scaled_sinu_pos_emb: bool = False) -> None:
+                     scaled_sinu_pos_emb: bool = False, post_emb_norm: bool = False) -> None:
     """The stack, the token embedding ``token_emb`` (``nn.Embedding(v, e)`` or the custom module), the absolute
-    positions ``pos_emb``, ``project_emb`` (``nn.Linear(e, c)`` when e != c, else ``None``) and the further
+    positions ``pos_emb``, x-transformers' ``post_emb_norm`` (a ``LayerNorm(e)`` of the summed embeddings, or
+    ``None``), ``project_emb`` (``nn.Linear(e, c)`` when e != c, else ``None``) and the further
     embeddings ``embeds`` (``{f"{name}_embed": nn.Embedding(count, e)}`` or ``None``), set on ``net`` with the
     stack ``attn_layers``."""
     dim = attn_layers.dim
@@ -198,6 +199,9 @@ def build_embeddings(net: WrapperModule, attn_layers: AttentionLayers, *, num_to
         else:
             nn.init.kaiming_normal_(net.token_emb.weight)  # std sqrt(2 / emb_dim), not nn.Embedding's 1
     net._init_positions(emb_dim, max_seq_len, use_abs_pos_emb, l2norm_embed, scaled_sinu_pos_emb)
+    if not isinstance(post_emb_norm, bool):
+        raise TypeError(f"post_emb_norm must be True or False, got {post_emb_norm!r}")
+    net.post_emb_norm = LayerNorm(emb_dim) if post_emb_norm else None
     # x-transformers' emb_dim: embeddings of another width, projected to the model width (prefix rows included)
     net.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
     # x-transformers' embed_num_tokens: further embeddings (a BERT-style type embedding) added per position

@@ -127,6 +127,9 @@ def place_rows(net: WrapperModule, x: Tensor, mask: Tensor | None, conds: Condit
         abs_pos = positions if pos is not None else (positions - lead[:, None]).clamp(min=0)
         pe = net.pos_emb(abs_pos).to(x.dtype)  # (b|1, F + m + n, C)
         x = x + pe[:, lead_slots:] if not m else torch.cat((x[:, :m], x[:, m:] + pe[:, lead_slots:]), dim=1)
+    norm = getattr(net, "post_emb_norm", None)
+    if norm is not None:  # x-transformers' post_emb_norm: the tokens' summed embeddings, before the prefix rows
+        x = norm(x) if not m else torch.cat((x[:, :m], norm(x[:, m:])), dim=1)
     # x-transformers' order: dropout and the embedding projection (emb_dim) on the prefix and tokens, then the
     # memory and class rows (model width) before them (dropped out too in its ContinuousTransformerWrapper)
     x = net.emb_dropout(x)

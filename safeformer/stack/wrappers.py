@@ -617,7 +617,7 @@ class TransformerWrapper(_Wrapper):
         num_tokens: int,
         max_seq_len: int,
         attn_layers: AttentionLayers,
-        emb_dropout: float = 0.0,
+        emb_dropout: float = 0.0, post_emb_norm: bool = False,
         use_abs_pos_emb: bool = True, scaled_sinu_pos_emb: bool = False,
         tie_embedding: bool = False,
         logits_dim: int | None = None,
@@ -668,7 +668,8 @@ class TransformerWrapper(_Wrapper):
         # built by option family, in this order: the order modules register (state-dict keys) and draw their weights
         build_embeddings(self, attn_layers, num_tokens=num_tokens, emb_dim=emb_dim, token_emb=token_emb,
                          l2norm_embed=l2norm_embed, max_seq_len=max_seq_len, use_abs_pos_emb=use_abs_pos_emb,
-                         embed_num_tokens=embed_num_tokens, scaled_sinu_pos_emb=scaled_sinu_pos_emb)
+                         embed_num_tokens=embed_num_tokens, scaled_sinu_pos_emb=scaled_sinu_pos_emb,
+                         post_emb_norm=post_emb_norm)
         build_fixed_rows(self, dim, memory_tokens_interspersed_every=memory_tokens_interspersed_every,
                          num_memory_tokens=num_memory_tokens, use_cls_token=use_cls_token,
                          num_cls_tokens=num_cls_tokens, max_mem_len=max_mem_len, shift_mem_down=shift_mem_down,
