@@ -591,15 +591,15 @@ class AttentionLayers(Configurable, nn.Module):
         super().__init__()
         self._set_config_from(AttentionLayers.__init__, locals())
         options = _options(self._sf_config)  # every keyword by its own name (each family reads its own)
-        _check_options(**options)
-        _basics(self, **options)
-        _positions(self, **options)
-        _check_attention_options(self, **options)
-        layout = _layout(self, **options)
-        attention = _attention_factory(layout, **options)
-        norm, cond_width = _norms(self, **options)
-        shifts = _blocks(self, layout, attention, norm, cond_width, **options)
-        _routing_and_paths(self, layout, norm, shifts, **options)
+        _family(_check_options, options)
+        _family(_basics, options, self)
+        _family(_positions, options, self)
+        _family(_check_attention_options, options, self)
+        layout = _family(_layout, options, self)
+        attention = _family(_attention_factory, options, layout)
+        norm, cond_width = _family(_norms, options, self)
+        shifts = _family(_blocks, options, self, layout, attention, norm, cond_width)
+        _family(_routing_and_paths, options, self, layout, norm, shifts)
         self._register_load_state_dict_pre_hook(_legacy_routing_keys)
 
     @classmethod
@@ -757,7 +757,7 @@ def _xt_key_masks(x, mask, attn_mask, cache, self_attn_kv_mask, seq_start_pos) -
 
 def _basics(stack: AttentionLayers, *, dim, causal, cross_attend, only_cross, dim_context, unpadded, checkpoint_layers,
             use_adaptive_layernorm, use_adaptive_rmsnorm, use_adaptive_layerscale, dim_condition, adaptive_null,
-            layer_dropout, cross_attn_tokens_dropout, **_) -> None:
+            layer_dropout, cross_attn_tokens_dropout) -> None:
     """The stack's width, causality and cross-attention, the path options and the adaptive condition (its null
     condition, a learned ``(K,)`` parameter or a zero buffer), set on ``stack`` (checked by ``_check_options``)."""
     stack.unpadded = unpadded
@@ -784,7 +784,7 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
                rotary_xpos_scale_base, polar_pos_emb, polar_bias_uniform_init, attn_num_mem_kv, alibi_pos_bias,
                alibi_num_heads, rel_pos_kwargs, rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance,
                attn_data_dependent_alibi, disable_abs_pos_emb, dynamic_pos_bias, dynamic_pos_bias_log_distance,
-               dynamic_pos_bias_mlp_depth, dynamic_pos_bias_norm, dim, **_) -> None:
+               dynamic_pos_bias_mlp_depth, dynamic_pos_bias_norm, dim) -> None:
     """The position schemes of self-attention, checked and set on ``stack``: ``rotary`` (``RotaryEmbedding``, xpos
     included), ``polar_pos_emb`` (PoPE), the ``alibi_slopes`` buffer ``(h,)``, ``rel_pos`` (T5's bucketed bias)
     and ``has_relative_positions``."""
@@ -837,7 +837,7 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
 
 def _check_attention_options(stack: AttentionLayers, *, add_value_residual, attn_value_rmsnorm, checkpoint_layers,
                              rotary_xpos, causal, alibi_pos_bias, attn_hybrid_module, cross_attend, only_cross,
-                             attn_data_dependent_alibi, **_) -> None:
+                             attn_data_dependent_alibi) -> None:
     """The attention options that must agree with the positions and the stack (sets ``add_value_residual``)."""
     if add_value_residual and (attn_value_rmsnorm or checkpoint_layers):
         raise ValueError("add_value_residual cannot be combined with attn_value_rmsnorm or checkpoint_layers")
@@ -870,8 +870,7 @@ class _Layout:
 
 
 def _layout(stack: AttentionLayers, *, depth, only_cross, macaron, only_attn, custom_layers, par_ratio, sandwich_coef,
-            weight_tie_layers, layers_execute_order, unet_skips, integrate_layers, ff_mult, attn_dropout, ff_dropout,
-            **_) -> _Layout:
+            weight_tie_layers, layers_execute_order, unet_skips, integrate_layers, ff_mult, attn_dropout, ff_dropout) -> _Layout:
     """The layout options checked (``_layer_types``) and the per-layer schedules read: the ``_Layout``."""
     types, len_block, ctor_order, depth = _layer_types(
         depth=depth, cross=stack.has_cross, only_cross=only_cross, macaron=macaron, only_attn=only_attn,
@@ -888,7 +887,7 @@ def _layout(stack: AttentionLayers, *, depth, only_cross, macaron, only_attn, cu
 
 def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causal, only_cross, backend,
                        add_value_residual, learned_value_residual_mix, cross_attn_kwargs, cross_attn_inverted_attention,
-                       rotate_num_heads, attention_fields, **_) -> Callable[[int | None, int], Attention]:
+                       rotate_num_heads, attention_fields) -> Callable[[int | None, int], Attention]:
     """The stack's ``attention(context_dim, layer)`` factory: the next attention block's ``Attention``, self-attention
     (``context_dim`` None) or cross-attention (over ``context_dim`` features), of layer ``layer``, with the stack's
     attention fields (``attention_fields``: every ``attn_<field>``; cross-attention leaves out ``Attention.SELF_ONLY``
@@ -914,6 +913,13 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
             learned_value_residual_mix=learned_mix, **kind)
 
     return attention_block
+
+
+def _family(build: Callable, options: dict, *args):
+    """``build(*args, **its keywords)``: an option family reads the options its signature names, by keyword, and
+    nothing else (a name it misspells is a missing argument, never swallowed)."""
+    params = inspect.signature(build).parameters
+    return build(*args, **{n: options[n] for n, p in params.items() if p.kind == p.KEYWORD_ONLY})
 
 
 def _options(config: dict) -> dict:
@@ -952,7 +958,7 @@ def _family_kwargs(name: str, given: dict | None, allowed: tuple[str, ...]) -> d
 
 def _norms(stack: AttentionLayers, *, dim, use_rmsnorm, norm_eps, use_adaptive_layernorm, use_adaptive_rmsnorm,
            use_dynamic_tanh, dynamic_tanh_init_alpha, use_derf, adaptive_condition_mlp, adaptive_condition_mlp_expansion,
-           use_scalenorm, use_simple_rmsnorm, norm_add_unit_offset, **_) -> tuple[Callable[[], nn.Module], int | None]:
+           use_scalenorm, use_simple_rmsnorm, norm_add_unit_offset) -> tuple[Callable[[], nn.Module], int | None]:
     """The norm options checked, the condition's MLP set on ``stack`` (``adaptive_mlp``), and ``(norm, cond_width)``:
     the factory of the stack's norms and the condition width the adaptive layers read (``None`` without them)."""
     adaptive_norm = use_adaptive_layernorm or use_adaptive_rmsnorm
@@ -1003,7 +1009,7 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
             softclamp_output_value, use_layerscale, use_adaptive_layerscale, layerscale_init_value,
             zero_init_branch_output, shift_tokens, ff_glu, ff_swish, ff_softclamp_value, ff_custom_activation,
             ff_glu_softclamp, ff_glu_gate_softclamp_value, ff_glu_up_softclamp_value, custom_layers, par_ratio,
-            sandwich_coef, polar_pos_emb, ff_kwargs, norm_add_unit_offset, **_) -> list[tuple[int, ...]]:
+            sandwich_coef, polar_pos_emb, ff_kwargs, norm_add_unit_offset) -> list[tuple[int, ...]]:
     """The branch options checked and the blocks built in order (``Block``: [norm, attention or feed-forward, gate]),
     set on ``stack`` with their layout (``layers``, ``layer_types``, ``layer_kinds``, the execution order). Returns
     each block's token shifts (``shift_tokens``)."""
@@ -1077,8 +1083,7 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
                        pre_and_post_norm, orthog_residual, mv_split_residual, residual_fn_kwargs,
                        use_adaptive_layernorm, use_adaptive_rmsnorm, pre_norm, scale_residual, scale_residual_constant,
                        gate_residual, softclamp_output, softclamp_output_value, unpadded, residual_attn,
-                       cross_residual_attn, checkpoint_layers, pre_norm_has_final_norm, rotary_xpos, polar_pos_emb,
-                       **_) -> None:
+                       cross_residual_attn, checkpoint_layers, pre_norm_has_final_norm, rotary_xpos, polar_pos_emb) -> None:
     """The residual routing (``routing``, x-transformers' residual options; ``None``: the plain residual), the
     final norm, residual attention, and which paths the options run on (``packable``: the unpadded path;
     ``static_step_reason``: off the static decode step; ``cache_refusal``: no KV cache), set on ``stack`` after
@@ -1417,7 +1422,7 @@ def _residual_routing(stack, dim: int, depth: int, norm, *, num_residual_streams
 def _check_options(*, dim, depth, dim_head, causal, cross_attend, only_cross, rotary_pos_emb, rotary_emb_dim,
                    alibi_pos_bias, use_adaptive_layernorm, use_adaptive_rmsnorm, use_adaptive_layerscale,
                    dim_condition, adaptive_null, layer_dropout, cross_attn_tokens_dropout, checkpoint_layers,
-                   unpadded, rotate_num_heads, rotary_xpos, **_) -> None:
+                   unpadded, rotate_num_heads, rotary_xpos) -> None:
     """``AttentionLayers``' options that must agree with each other (the modules check their own)."""
     if rotate_num_heads is not None and not (rotary_pos_emb or rotary_xpos):
         raise ValueError("rotate_num_heads chooses the heads rotary positions rotate: it needs rotary_pos_emb=True")
