@@ -56,7 +56,7 @@ def test_every_x_transformers_stack_keyword_is_accepted_at_its_default():
     assert not refused, refused
 
 
-@pytest.mark.parametrize("name", sorted(k for k in _XT_DEFAULT_ONLY if k != "attn_attend_sdp_kwargs"))
+@pytest.mark.parametrize("name", sorted(_XT_DEFAULT_ONLY))
 def test_default_only_keywords_refuse_another_value_by_name(name):
     default = _XT_DEFAULT_ONLY[name]
     if isinstance(default, bool):
@@ -71,9 +71,17 @@ def test_default_only_keywords_refuse_another_value_by_name(name):
         sf.Decoder(dim=16, depth=1, heads=2, **{name: other})
 
 
-def test_sdp_kwargs_other_than_the_default_are_refused():
-    with pytest.raises(TypeError, match="attn_attend_sdp_kwargs"):
-        sf.Decoder(dim=16, depth=1, heads=2, attn_attend_sdp_kwargs=dict(enable_flash=False))
+def test_sdp_kwargs_restrict_the_kernels_and_bad_ones_are_named():
+    net = sf.Decoder(dim=16, depth=1, heads=2, attn_attend_sdp_kwargs=dict(enable_flash=False))
+    assert net.layers[0][1].attend.sdpa_allowed == ("efficient", "math", "cudnn")
+    only_math = sf.Decoder(dim=16, depth=1, heads=2, attn_attend_sdp_kwargs=dict(enable_flash=False,
+                                                                                  enable_mem_efficient=False,
+                                                                                  enable_cudnn=False))
+    assert only_math.layers[0][1].attend.sdpa_allowed == ("math",)
+    for bad in (dict(enable_flash=1), dict(enable_fast=True), "flash",
+                dict(enable_flash=False, enable_math=False, enable_mem_efficient=False, enable_cudnn=False)):
+        with pytest.raises(ValueError, match="attend_sdp_kwargs"):
+            sf.Decoder(dim=16, depth=1, heads=2, attn_attend_sdp_kwargs=bad)
 
 
 @pytest.mark.parametrize("name", ["attn_dim_context", "attn_dim_out", "attn_learned_value_residual_mix",

@@ -547,8 +547,9 @@ def _config_text(model: nn.Module) -> str:
     try:
         return json.dumps(config, indent=2, sort_keys=True)
     except TypeError as err:  # a user's module or function as an option (attn_hybrid_module, ff_custom_activation)
-        raise ValueError(f"this model has an option with no JSON config ({err}; e.g. attn_hybrid_module or "
-                         f"ff_custom_activation): save its state_dict and rebuild the model in code") from err
+        raise ValueError(f"this model has an option with no JSON config ({err}; e.g. attn_hybrid_module, "
+                         f"attn_custom_attn_fn or ff_custom_activation): save its state_dict and rebuild the model "
+                         f"in code") from err
 
 
 def _write_pretrained(model: nn.Module, path: Path, text: str | None = None, state_dict: dict | None = None) -> None:

@@ -421,7 +421,11 @@ def plan_attention(
     Raises:
         ValueError: an unknown backend, or one that cannot run these inputs on this device.
     """
-    if backend not in BACKENDS:
+    allowed = None
+    if isinstance(backend, tuple):  # "auto" among these SDPA kernels only (x-transformers' sdp_kwargs)
+        allowed = check_sdpa_allowed(backend)
+        backend = "auto"
+    elif backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if mask_kind not in ("none", "padding", "full"):
         raise ValueError(f"mask_kind must be 'none', 'padding' or 'full', got {mask_kind!r}")
@@ -429,8 +433,53 @@ def plan_attention(
     if backend == "reference":
         return AttentionPlan("reference", (), "reference", mask_form, expand_kv=True)
     if device_type == "cuda":
-        return _cuda_plan(dtype, head_dim, mask_form, gqa=kv_heads != heads, backend=backend)
-    return _other_device_plan(device_type, mask_form, dropout_p, backend)
+        plan = _cuda_plan(dtype, head_dim, mask_form, gqa=kv_heads != heads, backend=backend, allowed=allowed)
+    else:
+        plan = _other_device_plan(device_type, mask_form, dropout_p, backend)
+    if allowed is not None and device_type != "cuda":
+        plan = _restricted_cpu_plan(plan, allowed, dropout_p, device_type)
+    return plan
+
+
+SDPA_KERNELS = ("flash", "efficient", "math", "cudnn")
+
+
+def check_sdpa_allowed(allowed) -> tuple[str, ...]:
+    """``allowed`` (the SDPA kernels ``attend`` may choose among) checked: a non-empty tuple of ``SDPA_KERNELS``."""
+    if not isinstance(allowed, tuple) or not allowed or any(a not in SDPA_KERNELS for a in allowed):
+        raise ValueError(f"the SDPA kernels allowed must be a non-empty tuple of {SDPA_KERNELS}, got {allowed!r}")
+    return allowed
+
+
+def sdpa_allowed_from_kwargs(sdp_kwargs, name: str = "sdp_kwargs") -> tuple[str, ...] | None:
+    """x-transformers' ``sdp_kwargs`` (``dict(enable_flash=..., enable_math=..., enable_mem_efficient=...,
+    enable_cudnn=...)``, ``torch.backends.cuda.sdp_kernel``'s keywords, a kernel not named enabled as there) as the
+    kernels ``attend`` may choose among;
+    ``None`` when flash, memory-efficient and math are all enabled (x-transformers' default: no restriction)."""
+    keys = {"enable_flash": "flash", "enable_mem_efficient": "efficient", "enable_math": "math",
+            "enable_cudnn": "cudnn"}
+    if not isinstance(sdp_kwargs, dict) or any(k not in keys for k in sdp_kwargs) \
+            or any(not isinstance(v, bool) for v in sdp_kwargs.values()):
+        raise ValueError(f"{name} must be a dict of bools with keys among {tuple(keys)}, got {sdp_kwargs!r}")
+    on = tuple(name for key, name in keys.items() if sdp_kwargs.get(key, True))  # unnamed: enabled (sdp_kernel's)
+    if not on:
+        raise ValueError(f"{name} enables no attention kernel: {sdp_kwargs!r}")
+    if {"flash", "efficient", "math"} <= set(on):
+        return None
+    return tuple(k for k in SDPA_KERNELS if k in on)
+
+
+def _restricted_cpu_plan(plan: AttentionPlan, allowed: tuple[str, ...], dropout_p: float,
+                         device_type: str) -> AttentionPlan:
+    """The CPU (other device) plan among ``allowed``: PyTorch's CPU flash kernel (no dropout) or math."""
+    usable = [k for k in ("flash", "math") if k in allowed and not (k == "flash" and (dropout_p > 0 or
+                                                                                       device_type != "cpu"))]
+    if not usable:
+        raise ValueError(f"none of the SDPA kernels allowed ({', '.join(allowed)}) runs on {device_type!r} here "
+                         f"(the CPU has flash without dropout, and math)")
+    if len(usable) == 2:
+        return plan  # PyTorch's own choice between the two
+    return AttentionPlan("sdpa", (usable[0],), usable[0], plan.mask_form, expand_kv=False)
 
 
 def _mask_form(*, q_len: int, k_len: int, mask_kind: str, causal: bool, has_bias: bool) -> str:
@@ -446,8 +495,10 @@ def _mask_form(*, q_len: int, k_len: int, mask_kind: str, causal: bool, has_bias
     return "none"
 
 
-def _cuda_plan(dtype: torch.dtype, head_dim: int, mask_form: str, *, gqa: bool, backend: str) -> AttentionPlan:
-    """The SDPA plan on CUDA: the fused kernels in order of preference (``"auto"``), or the one requested."""
+def _cuda_plan(dtype: torch.dtype, head_dim: int, mask_form: str, *, gqa: bool, backend: str,
+               allowed: tuple[str, ...] | None = None) -> AttentionPlan:
+    """The SDPA plan on CUDA: the fused kernels in order of preference (``"auto"``, among ``allowed`` when given),
+    or the one requested."""
     half = dtype in (torch.float16, torch.bfloat16)
     has_tensor = mask_form in ("broadcast", "bias")
     flash_ok = half and head_dim % 8 == 0 and head_dim <= 256 and not has_tensor
@@ -460,9 +511,15 @@ def _cuda_plan(dtype: torch.dtype, head_dim: int, mask_form: str, *, gqa: bool, 
             order = ("efficient", "math")
         else:
             order = ("math",)
+        if allowed is not None:
+            ok = {"math": True, "flash": flash_ok, "efficient": efficient_ok, "cudnn": cudnn_ok}
+            order = tuple(k for k in ("flash", "efficient", "cudnn", "math") if k in allowed and ok[k])
+            if not order:
+                raise ValueError(f"none of the SDPA kernels allowed ({', '.join(allowed)}) can run these inputs on "
+                                 f"cuda (dtype {dtype}, head_dim {head_dim}, mask form {mask_form!r})")
         expected = order[0]
         # enable_gqa reaches flash and math; the memory-efficient kernel wants equal head counts.
-        return AttentionPlan("sdpa", order, expected, mask_form, expand_kv=gqa and expected == "efficient")
+        return AttentionPlan("sdpa", order, expected, mask_form, expand_kv=gqa and expected in ("efficient", "cudnn"))
     ok = {"math": True, "flash": flash_ok, "efficient": efficient_ok, "cudnn": cudnn_ok}[backend]
     if not ok:
         raise ValueError(
@@ -962,7 +1019,8 @@ def _call_plan(q: Tensor, k: Tensor, user: Tensor | None, causal: bool, bias: Te
         device_type=q.device.type, dtype=q.dtype, head_dim=d, q_len=i, k_len=k.shape[2], heads=h, kv_heads=k.shape[1],
         mask_kind=mask_kind, causal=causal, has_bias=bias is not None, dropout_p=dropout_p, backend=backend,
     )
-    if backend == "auto" and plan.path == "sdpa" and plan.expected != "math" and torch._C._are_functorch_transforms_active():
+    if (backend == "auto" or isinstance(backend, tuple)) and plan.path == "sdpa" and plan.expected != "math" \
+            and torch._C._are_functorch_transforms_active():
         # torch.func (grad, vmap, jacrev, ...): the fused kernels have no batching rule on the CPU and no
         # second derivative anywhere; the reference math is plain differentiable ops that every transform
         # (and any nesting of them) takes

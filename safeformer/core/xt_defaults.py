@@ -13,8 +13,7 @@ from collections.abc import Callable, Iterable
 
 XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_aggregated_residuals": False, "attn_aggregated_residual_kwargs": {},
-    "attn_attend_sdp_kwargs": dict(enable_flash=True, enable_math=True, enable_mem_efficient=True),
-    "attn_custom_attn_fn": None, "attn_dim_context": None, "attn_dim_out": None,
+    "attn_dim_context": None, "attn_dim_out": None,
     "attn_flash_pack_seq": False, "attn_inverted_attention": False,
     "attn_learned_value_residual_mix": False,
     "attn_on_attn": False, "attn_project_out": None,

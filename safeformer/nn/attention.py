@@ -128,9 +128,8 @@ from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: t
 from .attention_output import check_head_scale, gate, init_gates, init_out, orthog_project, output_phase
 from .attention_projections import init_norms, init_projections, init_rotation, project_qkv, qk_clip_
 from .attention_scoring import (
-    AttentionScorer,
     explicit_call,
-    init_scoring,
+    init_attention_scoring,
     kernel_call,
     legacy_scorer_keys,
     log_prob_from_hard_attend,
@@ -138,6 +137,7 @@ from .attention_scoring import (
 from .attention_scoring import CoPE as CoPE  # re-exported: the module path it had
 from .attention_scoring import _explicit_attention as _explicit_attention  # re-exported (tests call it)
 from .hybrid import make_hybrid
+from .xt_attend import Attend
 from .modules import apply_rotary
 
 __all__ = ["Attention", "RelativeProjPositionalBias", "log_prob_from_hard_attend"]
@@ -173,15 +173,18 @@ class Attention(nn.Module):
         hybrid_module, hybrid_fold_axial_dim, hybrid_mask_kwarg, hybrid_learned_mix: a user's sequence module
             (a ``GRU`` say) beside self-attention, the two outputs RMS-normalised per head and averaged before
             ``to_out`` (x-transformers' names; see ``hybrid.HybridBranch`` for padding and the KV cache).
-        **xt_options: x-transformers' other ``Attention`` keywords (``qk_norm_groups``, ``value_dim_head``, ...:
+        **xt_options: x-transformers' other ``Attention`` keywords (``flash_pack_seq``, ``value_dim_head``, ...:
             ``xt_defaults.ATTENTION_DEFAULT_ONLY``) at their default value, which is what this module does;
             ``onnxable`` with any value. Another value, or an unknown keyword, is a ``TypeError`` naming it.
 
     The other keywords are x-transformers' options, each documented by the builder that checks it:
     ``attention_projections.init_projections`` (multi-latent attention: ``use_latent_*``, ``dim_latent_*``,
     ``latent_rope_subheads``; ``rotate_num_heads``: ``init_rotation``) and ``init_norms`` (``qk_norm*``, ``value_rmsnorm``, ``learned_value_residual_mix``),
-    ``attention_scoring.init_scoring`` (``l2_distance``, ``cog_signed``, ``sigmoid``, ``gumbel_softmax*``,
-    ``inverted_attention``, ``laser*``, ``use_cope``, ``cope_*``, ``sparse_topk*``, ``hard``, the talking heads),
+    the scoring part ``attend`` (x-transformers' ``Attend``, ``xt_attend.Attend``; checked by
+    ``attention_scoring.init_scoring``: ``l2_distance``, ``cog_signed``, ``sigmoid``, ``gumbel_softmax*``,
+    ``inverted_attention``, ``sparse_topk*``, ``hard``, ``selective``, the talking heads, ``custom_attn_fn`` (a
+    function of the logits in place of the softmax) and ``attend_sdp_kwargs`` (the SDPA kernels the fused path may
+    choose among)), ``attention_scoring.init_attention_scoring`` (``laser*``, ``use_cope``, ``cope_*``),
     ``attention_bias`` (``use_rel_proj_pos_bias``,
     ``rel_proj_*``: ``RelativeProjPositionalBias``; ``data_dependent_alibi*``: ``init_forget_gates``),
     ``attention_keys.init_extra_keys`` (``num_mem_kv``, ``learned_sink``, ``add_zero_kv``), ``attention_output.init_out``
@@ -227,7 +230,8 @@ class Attention(nn.Module):
         sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
         qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", qk_rmsnorm: bool = False, k_rmsnorm: bool = False,
         data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8,
-        selective: bool = False, max_attend_past: int | None = None, **xt_options,
+        selective: bool = False, max_attend_past: int | None = None, custom_attn_fn=None,
+        attend_sdp_kwargs: dict | None = None, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -237,21 +241,23 @@ class Attention(nn.Module):
         kv_heads = _init_core(self, dim, dim_head, dim_context, heads, causal, flash, kv_heads, one_kv_head, dropout,
                               backend, num_mem_kv, softclamp_logits, logit_softclamp_value)
         _init_head_order(self, heads, kv_heads, kv_head_order)
-        self.attend = AttentionScorer()  # x-transformers' Attend: the sink, talking heads and CoPE parameters
+        # x-transformers' Attend: the scoring options and their parameters (the sink, talking heads, CoPE)
+        self.attend = Attend(causal=causal, heads=heads, l2_distance=l2_distance, cog_signed=cog_signed,
+                             sigmoid=sigmoid, inverted_attention=inverted_attention, gumbel_softmax=gumbel_softmax,
+                             gumbel_softmax_temp=gumbel_softmax_temp, gumbel_softmax_hard=gumbel_softmax_hard,
+                             sparse_topk=sparse_topk, sparse_topk_straight_through=sparse_topk_straight_through,
+                             hard=hard, pre_talking_heads=pre_talking_heads, post_talking_heads=post_talking_heads,
+                             pre_scale_post_talking_heads=pre_scale_post_talking_heads, selective=selective,
+                             custom_attn_fn=custom_attn_fn, sdp_kwargs=attend_sdp_kwargs)
         self._register_load_state_dict_pre_hook(legacy_scorer_keys())
         # each option family built (and its keywords checked) in the order its parameters are registered
         init_projections(self, dim, heads, kv_heads, dim_head, bias, use_latent_q=use_latent_q,
                          dim_latent_q=dim_latent_q, use_latent_kv=use_latent_kv, dim_latent_kv=dim_latent_kv,
                          latent_rope_subheads=latent_rope_subheads)
-        init_scoring(self, dim_head, causal, num_mem_kv=num_mem_kv, learned_sink=learned_sink, l2_distance=l2_distance,
-                     cog_signed=cog_signed, sigmoid=sigmoid, inverted_attention=inverted_attention,
-                     gumbel_softmax=gumbel_softmax, gumbel_softmax_temp=gumbel_softmax_temp,
-                     gumbel_softmax_hard=gumbel_softmax_hard, laser=laser, laser_softclamp_value=laser_softclamp_value,
-                     use_cope=use_cope, cope_max_pos=cope_max_pos, cope_soft_onehot_pos=cope_soft_onehot_pos,
-                     cope_talking_heads=cope_talking_heads, sparse_topk=sparse_topk,
-                     sparse_topk_straight_through=sparse_topk_straight_through, hard=hard, heads=heads,
-                     pre_talking_heads=pre_talking_heads, post_talking_heads=post_talking_heads,
-                     pre_scale_post_talking_heads=pre_scale_post_talking_heads, selective=selective)
+        init_attention_scoring(self, dim_head, causal, num_mem_kv=num_mem_kv, learned_sink=learned_sink, laser=laser,
+                               laser_softclamp_value=laser_softclamp_value, use_cope=use_cope,
+                               cope_max_pos=cope_max_pos, cope_soft_onehot_pos=cope_soft_onehot_pos,
+                               cope_talking_heads=cope_talking_heads)
         self.rel_proj_pos_bias = RelativeProjPositionalBias(
             dim, heads, num_distance_basis=rel_proj_num_distance_basis, max_dist=rel_proj_max_dist,
         ) if use_rel_proj_pos_bias else None
@@ -482,10 +488,12 @@ class Attention(nn.Module):
 
 
 # the scorer's parameters, read where x-transformers keeps them (``attention.attend``: its Attend)
+# and the scoring options, which the part owns (``Attend``; read here by the paths that run them)
 for _name in ("head_attn_sink", "pre_softmax_talking_heads", "post_softmax_talking_heads",
-              "pre_scale_post_talking_heads", "cope"):
+              "pre_scale_post_talking_heads", "cope", "score", "inverted", "l2_distance", "cog_signed", "selective",
+              "sparse_topk", "sparse_topk_straight_through", "gumbel_temp", "gumbel_hard", "custom_attn_fn"):
     setattr(Attention, _name, property(lambda self, _n=_name: getattr(self.attend, _n),
-                                       doc=f"``attend.{_name}`` (where x-transformers keeps it), or ``None``."))
+                                       doc=f"``attend.{_name}`` (the scoring part, x-transformers' ``Attend``)."))
 
 
 def _rms_normed(rms: nn.Module, l2: nn.Module | None, t: Tensor) -> Tensor:

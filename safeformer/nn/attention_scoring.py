@@ -70,30 +70,87 @@ from .attention_calls import AttentionModule, _positive_int
 from .modules import _rename_keys
 
 
-def init_scoring(attn: AttentionModule, dim_head: int, causal: bool, *, num_mem_kv: int, learned_sink: bool,
-                 l2_distance: bool, cog_signed: bool, sigmoid: bool, inverted_attention: bool, gumbel_softmax: bool,
-                 gumbel_softmax_temp: float, gumbel_softmax_hard: bool, laser: bool, laser_softclamp_value: float,
-                 use_cope: bool, cope_max_pos: int, cope_soft_onehot_pos: bool, cope_talking_heads: bool,
-                 sparse_topk: int | None = None, sparse_topk_straight_through: bool = False,
-                 hard: bool = False, heads: int = 1, pre_talking_heads: bool = False,
-                 post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False,
-                 selective: bool = False) -> None:
-    """The options that change how logits become weights, checked, set on ``attn`` (``l2_distance``, ``cog_signed``,
-    ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``, ``laser_value``, ``cope``); each keyword is documented
-    in this module's docstring ("``init_scoring``")."""
-    if inverted_attention and (num_mem_kv or learned_sink):
-        raise ValueError("inverted_attention with memory keys or a learned sink is not supported (every query, padded "
-                         "ones too, would share their softmax over the queries)")
+def init_scoring(scorer: nn.Module, causal: bool, *, l2_distance: bool = False, cog_signed: bool = False,
+                 sigmoid: bool = False, inverted_attention: bool = False, gumbel_softmax: bool = False,
+                 gumbel_softmax_temp: float = 1.0, gumbel_softmax_hard: bool = True, sparse_topk: int | None = None,
+                 sparse_topk_straight_through: bool = False, hard: bool = False, heads: int | None = 1,
+                 pre_talking_heads: bool = False, post_talking_heads: bool = False,
+                 pre_scale_post_talking_heads: bool = False, selective: bool = False,
+                 custom_attn_fn=None) -> None:
+    """The options of x-transformers' ``Attend`` that change how logits become weights, checked and set on ``scorer``
+    (the ``Attend`` part: ``l2_distance``, ``cog_signed``, ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``,
+    ``sparse_topk``, ``selective``, ``custom_attn_fn`` and the talking heads' convs); each keyword is documented in
+    this module's docstring ("``init_scoring``")."""
+    for name, on in (("l2_distance", l2_distance), ("cog_signed", cog_signed), ("sigmoid", sigmoid),
+                     ("inverted_attention", inverted_attention), ("gumbel_softmax", gumbel_softmax),
+                     ("gumbel_softmax_hard", gumbel_softmax_hard), ("hard", hard), ("selective", selective),
+                     ("sparse_topk_straight_through", sparse_topk_straight_through),
+                     ("pre_talking_heads", pre_talking_heads), ("post_talking_heads", post_talking_heads),
+                     ("pre_scale_post_talking_heads", pre_scale_post_talking_heads)):
+        if not isinstance(on, bool):
+            raise TypeError(f"{name} must be True or False, got {on!r}")
+    if custom_attn_fn is not None and not callable(custom_attn_fn):
+        raise TypeError(f"custom_attn_fn must be a callable (logits -> weights), got {type(custom_attn_fn).__name__}")
     if sum(map(bool, (l2_distance, sigmoid, gumbel_softmax, hard, sparse_topk is not None))) > 1:
         raise ValueError("choose at most one of l2_distance, sigmoid, gumbel_softmax, hard and sparse_topk")
-    if not isinstance(hard, bool):
-        raise TypeError(f"hard must be True or False, got {hard!r}")
-    if laser and cog_signed:
+    if custom_attn_fn is not None and (sigmoid or gumbel_softmax or hard or sparse_topk is not None):
+        raise ValueError("custom_attn_fn replaces the softmax: not with sigmoid, gumbel_softmax, hard or sparse_topk "
+                         "(x-transformers would ignore them)")
+    if not (isinstance(gumbel_softmax_temp, (int, float)) and not isinstance(gumbel_softmax_temp, bool)
+            and math.isfinite(gumbel_softmax_temp) and gumbel_softmax_temp > 0):
+        raise ValueError(f"gumbel_softmax_temp must be a positive finite number, got {gumbel_softmax_temp!r}")
+    if sparse_topk is not None:
+        if not _positive_int(sparse_topk):
+            raise ValueError(f"sparse_topk must be a positive integer, got {sparse_topk!r}")
+        if sigmoid or gumbel_softmax or l2_distance or inverted_attention:
+            raise ValueError("sparse_topk keeps the top logits of a softmax: not with sigmoid, gumbel_softmax, "
+                             "l2_distance or inverted_attention")
+    if sparse_topk_straight_through and sparse_topk is None:
+        raise ValueError("sparse_topk_straight_through needs sparse_topk")
+    talking = pre_talking_heads or post_talking_heads or pre_scale_post_talking_heads
+    if talking and inverted_attention:
+        raise ValueError("talking heads mix the heads' logits over the keys: not with inverted_attention")
+    if talking and not _positive_int(heads):
+        raise ValueError(f"talking heads mix the heads: heads must be a positive integer, got {heads!r}")
+    for name, on in (("pre_softmax_talking_heads", pre_talking_heads),
+                     ("post_softmax_talking_heads", post_talking_heads),
+                     ("pre_scale_post_talking_heads", pre_scale_post_talking_heads)):
+        conv = None
+        if on:  # x-transformers' Conv2d(h, h, 1, bias=False), the identity (dirac) at init
+            conv = nn.Conv2d(heads, heads, 1, bias=False)
+            nn.init.dirac_(conv.weight)
+        setattr(scorer, name, conv)  # x-transformers' keys: attend.<name>.weight
+    if selective and (not causal or inverted_attention):
+        raise ValueError("selective attention lets a token hide itself from later queries: it needs causal=True "
+                         "(x-transformers' too)")
+    scorer.selective = selective
+    scorer.sparse_topk = sparse_topk
+    scorer.sparse_topk_straight_through = sparse_topk_straight_through
+    scorer.l2_distance = l2_distance
+    scorer.cog_signed = cog_signed
+    scorer.inverted = inverted_attention
+    scorer.custom_attn_fn = custom_attn_fn
+    scorer.score = ("custom" if custom_attn_fn is not None else "sigmoid" if sigmoid else "gumbel" if gumbel_softmax
+                    else "hard" if hard else "softmax")
+    scorer.gumbel_temp, scorer.gumbel_hard = float(gumbel_softmax_temp), gumbel_softmax_hard
+
+
+def init_attention_scoring(attn: AttentionModule, dim_head: int, causal: bool, *, num_mem_kv: int, learned_sink: bool,
+                           laser: bool, laser_softclamp_value: float, use_cope: bool, cope_max_pos: int,
+                           cope_soft_onehot_pos: bool, cope_talking_heads: bool) -> None:
+    """``Attention``'s own scoring keywords (x-transformers' ``Attention`` ones, beside its ``Attend``'s, which
+    ``attn.attend`` holds): LASER (``laser_value``) and CoPE (``attend.cope``), and how they and the memory keys or sink
+    sit with ``attn.attend``'s options; documented in this module's docstring ("``init_scoring``")."""
+    scorer = attn.attend
+    if scorer.inverted and (num_mem_kv or learned_sink):
+        raise ValueError("inverted_attention with memory keys or a learned sink is not supported (every query, padded "
+                         "ones too, would share their softmax over the queries)")
+    if laser and scorer.cog_signed:
         raise ValueError("laser takes the log of weights @ exp(values): cog_signed's negative weights can make it "
                          "0 or negative (NaN in x-transformers); use one of them")
-    for name, value in (("gumbel_softmax_temp", gumbel_softmax_temp), ("laser_softclamp_value", laser_softclamp_value)):
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if not (isinstance(laser_softclamp_value, (int, float)) and not isinstance(laser_softclamp_value, bool)
+            and math.isfinite(laser_softclamp_value) and laser_softclamp_value > 0):
+        raise ValueError(f"laser_softclamp_value must be a positive finite number, got {laser_softclamp_value!r}")
     if use_cope:
         if not causal:
             raise ValueError("use_cope (contextual positions) counts the keys up to each query: it needs causal=True")
@@ -104,57 +161,8 @@ def init_scoring(attn: AttentionModule, dim_head: int, causal: bool, *, num_mem_
             raise ValueError(f"cope_max_pos must be a positive integer, got {cope_max_pos!r}")
     elif cope_talking_heads or cope_soft_onehot_pos:
         raise ValueError("cope_talking_heads / cope_soft_onehot_pos were given but use_cope is off")
-    if sparse_topk is not None:
-        if not _positive_int(sparse_topk):
-            raise ValueError(f"sparse_topk must be a positive integer, got {sparse_topk!r}")
-        if sigmoid or gumbel_softmax or l2_distance or inverted_attention:
-            raise ValueError("sparse_topk keeps the top logits of a softmax: not with sigmoid, gumbel_softmax, "
-                             "l2_distance or inverted_attention")
-    if not isinstance(sparse_topk_straight_through, bool):
-        raise TypeError(f"sparse_topk_straight_through must be True or False, got {sparse_topk_straight_through!r}")
-    if sparse_topk_straight_through and sparse_topk is None:
-        raise ValueError("sparse_topk_straight_through needs sparse_topk")
-    for name, on in (("pre_talking_heads", pre_talking_heads), ("post_talking_heads", post_talking_heads),
-                     ("pre_scale_post_talking_heads", pre_scale_post_talking_heads)):
-        if not isinstance(on, bool):
-            raise TypeError(f"{name} must be True or False, got {on!r}")
-    if (pre_talking_heads or post_talking_heads or pre_scale_post_talking_heads) and inverted_attention:
-        raise ValueError("talking heads mix the heads' logits over the keys: not with inverted_attention")
-    for name, on in (("pre_softmax_talking_heads", pre_talking_heads),
-                     ("post_softmax_talking_heads", post_talking_heads),
-                     ("pre_scale_post_talking_heads", pre_scale_post_talking_heads)):
-        conv = None
-        if on:  # x-transformers' Conv2d(h, h, 1, bias=False), the identity (dirac) at init
-            conv = nn.Conv2d(heads, heads, 1, bias=False)
-            nn.init.dirac_(conv.weight)
-        setattr(attn.attend, name, conv)  # x-transformers keeps them in its Attend (keys attend.<name>.weight)
-    if selective and (not causal or inverted_attention):
-        raise ValueError("selective attention lets a token hide itself from later queries: it needs causal=True "
-                         "(x-transformers' too)")
-    attn.selective = bool(selective)
-    attn.sparse_topk = sparse_topk
-    attn.sparse_topk_straight_through = sparse_topk_straight_through
-    attn.l2_distance = bool(l2_distance)
-    attn.cog_signed = bool(cog_signed)
-    attn.inverted = bool(inverted_attention)
-    attn.score = "sigmoid" if sigmoid else "gumbel" if gumbel_softmax else "hard" if hard else "softmax"
-    attn.gumbel_temp, attn.gumbel_hard = float(gumbel_softmax_temp), bool(gumbel_softmax_hard)
     attn.laser_value = float(laser_softclamp_value) if laser else None
-    attn.attend.cope = CoPE(dim_head, cope_max_pos) if use_cope else None
-
-
-class AttentionScorer(nn.Module):
-    """The parameters x-transformers keeps in an ``Attention``'s ``attend`` (its ``Attend``): the per-head sink
-    logits ``head_attn_sink``, the talking-heads convs and CoPE's ``cope``, so that the state-dict keys are
-    x-transformers' (``attend.head_attn_sink``, ...). The attention reads them (``Attention.head_attn_sink``, ...);
-    this module computes nothing itself."""
-
-    def __init__(self):
-        super().__init__()
-        self.head_attn_sink = None
-        self.pre_softmax_talking_heads = self.post_softmax_talking_heads = None
-        self.pre_scale_post_talking_heads = None
-        self.cope = None
+    scorer.cope = CoPE(dim_head, cope_max_pos) if use_cope else None
 
 
 def legacy_scorer_keys():
@@ -231,6 +239,8 @@ def kernel_call(attn: AttentionModule, q: Tensor, k: Tensor, v: Tensor, mask, ca
     them (its own cache, a ``SelectedMask``); a bias can mask keys too, and then ``attend`` selects as well (its
     selections also guard the gradients)."""
     backend = attn.backend
+    if backend == "auto" and attn.attend.sdpa_allowed is not None:  # attend_sdp_kwargs: among these kernels only
+        backend = attn.attend.sdpa_allowed
     if backend in ("flash", "cudnn") and ((attn.head_attn_sink is not None and torch.is_grad_enabled())
                                           or attn.to_forget_gates is not None or k.shape[-1] != v.shape[-1]
                                           or (bias is not None and bias.requires_grad)):
@@ -274,7 +284,8 @@ def _l2_kernel_inputs(q: Tensor, k: Tensor, v: Tensor, keys_ok: Tensor | None) -
 def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = False, bias: Tensor | None = None,
                         softclamp: float | None = None, dropout_p: float = 0.0,
                         sink: Tensor | None = None, scoring: AttentionModule | None = None,
-                        return_logits: bool = False, prev_attn: Tensor | None = None) -> tuple[Tensor, ...]:
+                        return_logits: bool = False, prev_attn: Tensor | None = None, scale: float | None = None,
+                        attn_delta: Tensor | None = None) -> tuple[Tensor, ...]:
     """Attention written out in float32 (float64 for float64 inputs), returning its weights too.
 
     For what no fused kernel does: the weights themselves (``return_attn``), logit softclamping
@@ -293,6 +304,9 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
 
     ``prev_attn (b|1, h, i, j)``: x-transformers' residual attention, the logits of the layer before, added to the
     scaled logits before the bias (its masked entries selected to 0 first: a ``-inf`` there reaches nothing).
+
+    ``scale``: the logit scale (default ``d ** -0.5``). ``attn_delta (b|1, h, i, j)``: added to the weights after the
+    softmax (x-transformers' ``Attend``), at live entries only (a masked key or a dead row stays 0).
 
     Returns:
         ``out (b, h, i, e)`` in q's dtype and ``weights (b, h, i, j)`` in float32 (or float64); with
@@ -330,8 +344,10 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
         col_ok = key_ok.transpose(-1, -2)  # (b|1, h|1, 1, j)
         qf = torch.where(row_ok, qf, 0.0)
         kf, vf = torch.where(key_ok, kf, 0.0), torch.where(key_ok, vf, 0.0)
-    logits, sign, pre_scale = _explicit_logits(qf, kf, combined, reach, bias, softclamp, sink, scoring, prev_attn)
-    weights, live = _explicit_weights(logits, combined, row_ok, col_ok, sign, scoring, dropout_p, pre_scale)
+    logits, sign, pre_scale = _explicit_logits(qf, kf, combined, reach, bias, softclamp, sink, scoring, prev_attn,
+                                               scale)
+    weights, live = _explicit_weights(logits, combined, row_ok, col_ok, sign, scoring, dropout_p, pre_scale,
+                                      attn_delta)
     out = _explicit_values(weights, vf, row_ok, sink, scoring)
     if return_logits:
         if live is not None:
@@ -343,7 +359,7 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: b
 
 def _explicit_logits(qf: Tensor, kf: Tensor, combined: Tensor | None, reach: Tensor | None, bias: Tensor | None,
                      softclamp: float | None, sink: Tensor | None, opt: AttentionModule | None,
-                     prev_attn: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                     prev_attn: Tensor | None, scale: float | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The explicit path's logits ``(b, h, i, j)`` from ``qf (b, h, i, d)`` and ``kf (b, h, j, d)`` (float32 or
     float64, selected already): scaled dot products (or l2 distances), plus ``prev_attn`` and the bias (``reach``:
     where it is not ``-inf``), softclamped, cog's sign taken off, masked to ``-inf`` where ``combined`` is False,
@@ -352,7 +368,7 @@ def _explicit_logits(qf: Tensor, kf: Tensor, combined: Tensor | None, reach: Ten
     b, h, i, d = qf.shape
     j = kf.shape[2]
     dtype = qf.dtype
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
     if opt is not None and opt.l2_distance:  # -|q - k|^2 * scale (x-transformers' l2 distance attention)
         sq = (qf * qf).sum(-1, keepdim=True) + (kf * kf).sum(-1)[..., None, :] - 2 * (qf @ kf.transpose(-1, -2))
         logits = -sq.clamp_min(0.0) * scale  # (b, h, i, j)
@@ -430,7 +446,7 @@ def _mix_heads(conv: nn.Conv2d, t: Tensor) -> Tensor:
 
 def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | None, col_ok: Tensor | None,
                       sign: Tensor | None, opt: AttentionModule | None, dropout_p: float,
-                      pre_scale: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                      pre_scale: Tensor | None = None, attn_delta: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The explicit path's weights ``(b, h, i, j)`` from its ``logits``: softmax, sigmoid or gumbel softmax over the
     keys (over the queries with inverted attention, then L1 over the keys), 0 at masked keys and dead rows
     (``row_ok (b|1, h|1, i, 1)``; ``col_ok (b|1, h|1, 1, j)``: the keys some query sees), cog's ``sign`` put back,
@@ -452,6 +468,8 @@ def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | 
     score = "softmax" if opt is None else opt.score
     if score == "sigmoid":
         weights = torch.sigmoid(logits)
+    elif score == "custom":
+        weights = _custom_weights(opt.custom_attn_fn, logits)
     elif score == "gumbel":
         weights = _gumbel_softmax(logits, combined, dim, opt.gumbel_temp, opt.gumbel_hard)
     elif score == "hard":  # the one-hot of the largest logit forward, the softmax's gradient backward
@@ -467,6 +485,9 @@ def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | 
         weights = torch.where(live, weights, 0.0)
     if inverted:  # normalised over the queries first: now L1 over each query's keys (x-transformers' l1norm)
         weights = weights / weights.abs().sum(-1, keepdim=True).clamp_min(1e-8)
+    if attn_delta is not None:  # x-transformers' attention delta, after the softmax; nothing at masked entries
+        delta = attn_delta.to(weights.dtype)
+        weights = weights + (delta if live is None else torch.where(live, delta, 0.0))
     if sign is not None:
         weights = weights * sign
     if dropout_p > 0:
@@ -494,6 +515,18 @@ def _explicit_values(weights: Tensor, vf: Tensor, row_ok: Tensor | None, sink: T
         alive = torch.ones_like(wv[..., :1], dtype=torch.bool) if row_ok is None else row_ok.expand_as(wv[..., :1])
         return torch.where(alive, torch.log(torch.where(alive, wv, 1.0).clamp_min(torch.finfo(vf.dtype).tiny)), 0.0)
     return weights @ vf
+
+
+def _custom_weights(fn, logits: Tensor) -> Tensor:
+    """A custom attention function's weights: ``fn`` sees the logits with masked entries at ``-finfo.max`` (as in
+    x-transformers, where a ``-inf`` could make an ordinary function NaN); the caller sets the weights of masked
+    entries and dead rows to 0 afterwards."""
+    big = -torch.finfo(logits.dtype).max
+    weights = fn(torch.where(logits == float("-inf"), big, logits))
+    if not isinstance(weights, Tensor) or weights.shape != logits.shape or not weights.is_floating_point():
+        raise ValueError(f"custom_attn_fn must return float weights of the logits' shape {tuple(logits.shape)}, got "
+                         f"{tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__}")
+    return weights.to(logits.dtype)
 
 
 def _gumbel_softmax(logits: Tensor, allowed: Tensor | None, dim: int, temp: float, hard: bool) -> Tensor:

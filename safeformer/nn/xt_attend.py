@@ -1,72 +1,131 @@
-"""x-transformers' ``Attend`` module (``x_transformers.attend.Attend``) on safeformer's ``attend``.
+"""x-transformers' ``Attend`` (``x_transformers.attend.Attend``): the scoring part of an attention, on safeformer's
+``attend``.
 
-Projects that write their own attention (joint text-image attention, robotics heads) use x-transformers'
-``Attend`` for the softmax part alone: ``Attend(dropout=..., causal=...)(q, k, v, mask=...)`` returning
-``(out, intermediates)``. This module is that, with ``attend`` underneath: a query whose keys are all masked
-gives exactly 0 (x-transformers gives 0 there too, but NaN planted in a masked key or value reaches its
-output: ``0 * NaN``), masked keys and values never reach an output or a gradient, and the fused kernels stay.
+It is two things, as in x-transformers:
+
+- the part ``Attention.attend`` that owns the options turning logits into weights (sigmoid, hard, gumbel softmax,
+  sparse top-k, l2 distance, cog, inverted, selective, talking heads, a custom attention function, CoPE, the
+  learned sink) and their parameters, under x-transformers' state-dict keys (``attend.head_attn_sink``,
+  ``attend.pre_softmax_talking_heads.weight``, ``attend.cope.pos_emb``); ``Attention`` reads its options from it;
+- a module projects use on its own for the attention of their own blocks (joint text-image attention, robotics
+  heads): ``Attend(dropout=..., causal=...)(q, k, v, mask=...)`` returning ``(out, intermediates)``.
+
+Used alone, a query whose keys are all masked gives exactly 0 with zero gradient (x-transformers gives 0 there too,
+but NaN planted in a masked key or value reaches its output as ``0 * NaN``), masked keys and values never reach an
+output or a gradient, and plain softmax attention keeps the fused kernels (the scoring options run the explicit
+float32 path, ``attention_scoring._explicit_attention``).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
-from ..core.attend import attend
+from ..core.attend import attend, sdpa_allowed_from_kwargs
 from ..core.cache import AttnIntermediate
+from .attention_scoring import CoPE, _explicit_attention, init_scoring
 
 __all__ = ["Attend"]
 
-# x-transformers' Attend options this module does not implement: accepted only at their defaults
-_OFF = dict(pre_talking_heads=False, post_talking_heads=False, pre_scale_post_talking_heads=False, sparse_topk=None,
-            sparse_topk_straight_through=False, l2_distance=False, sigmoid=False, gumbel_softmax=False,
-            gumbel_softmax_temp=1.0, gumbel_softmax_hard=True, cog_signed=False, custom_attn_fn=None, softclamp_logits=False,
-            logit_softclamp_value=50.0, selective=False, hard=False, cope=None, inverted_attention=False,
-            flash_pack_seq=False)
+_SDP_DEFAULT = dict(enable_flash=True, enable_math=True, enable_mem_efficient=True)
 
 
 class Attend(nn.Module):
-    """Softmax attention over given queries, keys and values (x-transformers' ``Attend``).
+    """Attention over given queries, keys and values (x-transformers' ``Attend``), and ``Attention``'s scoring part.
 
-    Args:
+    Args (x-transformers' keywords and meanings):
         dropout: attention dropout (training only).
         causal: bottom-right aligned causal masking (a KV cache's alignment); a single query is not masked.
-        heads: accepted (x-transformers uses it for talking heads and sinks); with ``head_learned_sink`` the
-            number of query heads.
+        heads: the number of query heads (talking heads and the learned sink need it).
+        pre_talking_heads, post_talking_heads, pre_scale_post_talking_heads: learned ``(h, h)`` mixes of the heads'
+            logits / weights (``Conv2d(h, h, 1)``, the identity at init).
+        sparse_topk, sparse_topk_straight_through: each query keeps its ``sparse_topk`` largest live logits.
         scale: logit scale (default ``d ** -0.5``).
-        qk_norm, flash, onnxable, sdp_kwargs: accepted; the kernel is chosen by ``attend`` (``backend``).
+        qk_norm, flash, onnxable: accepted (the kernel is chosen by ``attend``; weights are float32 on the
+            explicit path either way).
+        l2_distance: logits ``-|q - k|^2 * scale``.
+        sigmoid, hard, gumbel_softmax (``gumbel_softmax_temp``, ``gumbel_softmax_hard``), cog_signed: how the
+            logits become weights (see ``attention_scoring``'s docstring).
+        custom_attn_fn: a callable ``logits (b, h, i, j) -> weights`` in place of the softmax. As in x-transformers,
+            masked logits reach it as ``-finfo.max``; here the weights of masked keys and of queries that may attend
+            to nothing are then set to exactly 0 (whatever the function gives there), so no masked value reaches the
+            output.
+        softclamp_logits, logit_softclamp_value: ``tanh(logits / v) * v`` before masking.
         add_zero_kv: one zero key and value before the others, seen by every query (no row is dead).
         head_learned_sink: a learned logit per head for a zero key/value (an attention sink).
+        selective: selective attention (causal only).
+        cope: a ``CoPE`` module (contextual positions), or ``None``.
+        inverted_attention: each key's weights are a softmax over the queries that may see it, then L1 over the keys.
+        sdp_kwargs: the SDPA kernels the fused path may choose among (``enable_flash``, ``enable_mem_efficient``,
+            ``enable_math``, ``enable_cudnn``), x-transformers' ``torch.backends.cuda.sdp_kernel`` keywords.
+        flash_pack_seq: accepted at ``False`` only (x-transformers' packed sequences need the flash-attn package on
+            CUDA; safeformer's packed path is ``Attention(layout=...)``, the unpadded stack).
         backend: ``attend``'s backend (``"auto"``).
-
-    Other x-transformers options (talking heads, sparse top-k, sigmoid / hard / gumbel / L2 / signed
-    attention, softclamp, inverted attention, custom score functions, packed sequences) are accepted at their
-    defaults only: anything else is a ``TypeError`` naming the option.
     """
 
     def __init__(self, *, dropout: float = 0.0, causal: bool = False, heads: int | None = None,
-                 scale: float | None = None, qk_norm: bool = False, flash: bool = False, add_zero_kv: bool = False,
-                 head_learned_sink: bool = False, onnxable: bool = False, sdp_kwargs: dict | None = None,
-                 backend: str = "auto", **options):
+                 pre_talking_heads: bool = False, post_talking_heads: bool = False,
+                 pre_scale_post_talking_heads: bool = False, sparse_topk: int | None = None,
+                 sparse_topk_straight_through: bool = False, scale: float | None = None, qk_norm: bool = False,
+                 l2_distance: bool = False, sigmoid: bool = False, gumbel_softmax: bool = False,
+                 gumbel_softmax_temp: float = 1.0, gumbel_softmax_hard: bool = True, cog_signed: bool = False,
+                 custom_attn_fn=None, flash: bool = False, softclamp_logits: bool = False,
+                 logit_softclamp_value: float = 50.0, add_zero_kv: bool = False, head_learned_sink: bool = False,
+                 selective: bool = False, hard: bool = False, cope: nn.Module | None = None, onnxable: bool = False,
+                 inverted_attention: bool = False, sdp_kwargs: dict | None = None, flash_pack_seq: bool = False,
+                 backend: str = "auto"):
         super().__init__()
-        for name, value in options.items():
-            if name not in _OFF:
-                raise TypeError(f"Attend.__init__() got an unexpected keyword argument {name!r}")
-            if value != _OFF[name]:
-                raise TypeError(f"Attend: x-transformers' option {name}={value!r} is not supported by safeformer's "
-                                f"Attend (use safeformer's Attention for the options it has)")
-        if not 0.0 <= float(dropout) < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be True or False, got {causal!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise ValueError(f"scale must be a finite number or None, got {scale!r}")
         if head_learned_sink and add_zero_kv:
             raise ValueError("choose one of add_zero_kv and head_learned_sink (each is one extra zero key)")
         if head_learned_sink and not heads:
             raise ValueError("head_learned_sink needs heads (the number of query heads)")
+        if head_learned_sink and inverted_attention:
+            raise ValueError("inverted_attention with a learned sink is not supported (the sink's weight would be "
+                             "normalised over the queries)")
+        if softclamp_logits and not (isinstance(logit_softclamp_value, (int, float)) and math.isfinite(
+                logit_softclamp_value) and logit_softclamp_value > 0 and not isinstance(logit_softclamp_value, bool)):
+            raise ValueError(f"logit_softclamp_value must be a positive finite number, got {logit_softclamp_value!r}")
+        if cope is not None and not isinstance(cope, CoPE):
+            raise TypeError(f"cope must be a safeformer CoPE module or None, got {type(cope).__name__}")
+        if flash_pack_seq is not False:
+            raise TypeError(f"Attend: x-transformers' option flash_pack_seq={flash_pack_seq!r} is not supported by "
+                            f"safeformer (packed sequences run through the unpadded stack: Attention(layout=...))")
+        init_scoring(self, causal, l2_distance=l2_distance, cog_signed=cog_signed, sigmoid=sigmoid,
+                     inverted_attention=inverted_attention, gumbel_softmax=gumbel_softmax,
+                     gumbel_softmax_temp=gumbel_softmax_temp, gumbel_softmax_hard=gumbel_softmax_hard,
+                     sparse_topk=sparse_topk, sparse_topk_straight_through=sparse_topk_straight_through, hard=hard,
+                     heads=heads, pre_talking_heads=pre_talking_heads, post_talking_heads=post_talking_heads,
+                     pre_scale_post_talking_heads=pre_scale_post_talking_heads, selective=selective,
+                     custom_attn_fn=custom_attn_fn)
+        self.sdpa_allowed = sdpa_allowed_from_kwargs(_SDP_DEFAULT if sdp_kwargs is None else sdp_kwargs,
+                                                     "sdp_kwargs (attend_sdp_kwargs)")
         self.dropout = float(dropout)
-        self.causal = bool(causal)
-        self.scale = scale
+        self.causal = causal
+        self.scale = None if scale is None else float(scale)
         self.add_zero_kv = bool(add_zero_kv)
         self.backend = backend
+        self.softclamp_value = float(logit_softclamp_value) if softclamp_logits else None
         self.head_attn_sink = nn.Parameter(torch.zeros(heads)) if head_learned_sink else None
+        self.cope = cope
+        self.kv_tiled = True  # x-transformers' grouped heads: query head n reads key/value head n % h_kv
+        self.laser_value = None  # LASER is an Attention option (its values)
+
+    @property
+    def explicit(self) -> bool:
+        """Whether a call runs the explicit float32 path (a scoring option no fused kernel has)."""
+        return bool(self.score != "softmax" or self.cog_signed or self.inverted or self.selective
+                    or self.sparse_topk is not None or self.cope is not None or self.softclamp_value is not None
+                    or self.pre_softmax_talking_heads is not None or self.post_softmax_talking_heads is not None
+                    or self.pre_scale_post_talking_heads is not None or self.l2_distance)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, attn_bias: Tensor | None = None,
                 prev_attn: Tensor | None = None, attn_delta: Tensor | None = None, row_mask: Tensor | None = None,
@@ -74,22 +133,23 @@ class Attend(nn.Module):
         """Attend.
 
         Args:
-            q: ``(b, h, i, d)``; k, v: ``(b, h_kv, j, d)`` (``h % h_kv == 0``).
+            q: ``(b, h, i, d)``; k: ``(b, h_kv, j, d)``; v: ``(b, h_kv, j, e)`` (``h % h_kv == 0``).
             mask: bool, True = may attend: ``(b, j)`` key padding or anything broadcastable to ``(b, h, i, j)``.
             attn_bias: additive float bias broadcastable to ``(b, h, i, j)``.
+            prev_attn: residual attention: the logits ``(b|1, h, i, j)`` of the attention before, added to these.
+            attn_delta: ``(b|1, h, i, j)`` added to the weights after the softmax (x-transformers'); at masked keys
+                and dead rows it adds nothing here.
             row_mask: ``(b, i)`` bool, False = this query attends to nothing (its output is exactly 0).
             causal: overrides the module's ``causal`` for this call.
-            prev_attn, attn_delta, flash_pack_seq_kwargs: x-transformers' residual attention, attention
-                deltas and packed sequences: only ``None`` is accepted.
+            flash_pack_seq_kwargs: only ``None`` (see ``flash_pack_seq``).
 
         Returns:
-            ``(out (b, h, i, d), intermediates)``; the intermediates hold no weights (as x-transformers' flash
-            path).
+            ``(out (b, h, i, e), intermediates)``: on the explicit path (a scoring option, ``prev_attn`` or
+            ``attn_delta``) the intermediates hold the weights and logits; on the fused path none (as x-transformers'
+            flash path).
         """
-        for name, value in (("prev_attn", prev_attn), ("attn_delta", attn_delta),
-                            ("flash_pack_seq_kwargs", flash_pack_seq_kwargs)):
-            if value is not None:
-                raise TypeError(f"Attend: {name} is not supported by safeformer's Attend (pass None)")
+        if flash_pack_seq_kwargs is not None:
+            raise TypeError("Attend: flash_pack_seq_kwargs is not supported by safeformer's Attend (pass None)")
         if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
             raise ValueError("q, k and v must be (b, h, n, d) tensors")
         b, h, i, _ = q.shape
@@ -102,20 +162,52 @@ class Attend(nn.Module):
             if not isinstance(row_mask, Tensor) or row_mask.dtype != torch.bool or row_mask.shape != (b, i):
                 raise ValueError(f"row_mask must be a (b, i) = ({b}, {i}) bool tensor")
             rows = row_mask[:, None, :, None]
-            if mask is None:
-                mask = rows
-            else:
-                mask = (mask[:, None, None, :] if mask.dim() == 2 else mask) & rows
-        if self.add_zero_kv or self.head_attn_sink is not None:
-            # the zero key goes first: bottom-right aligned causality keeps it visible to every query
-            k, v, mask, attn_bias = self._zero_key(q, k, v, mask, attn_bias)
-        if 1 < k.shape[1] < h and h % k.shape[1] == 0:  # x-transformers' pairing: query head n reads n % h_kv
+            mask = rows if mask is None else (mask[:, None, None, :] if mask.dim() == 2 else mask) & rows
+        if self.head_attn_sink is not None and self.head_attn_sink.shape[0] != h:
+            raise ValueError(f"head_learned_sink was built for {self.head_attn_sink.shape[0]} heads, got {h}")
+        if k.shape[1] != h and (h % k.shape[1] != 0):
+            raise ValueError(f"the query heads ({h}) must be a multiple of the key/value heads ({k.shape[1]})")
+        extra = self.add_zero_kv or self.head_attn_sink is not None
+        if self.explicit or prev_attn is not None or attn_delta is not None:
+            return self._explicit(q, k, v, mask, attn_bias, prev_attn, attn_delta, causal, extra)
+        if extra:  # the zero key goes first: bottom-right aligned causality keeps it visible to every query
+            k, v, mask, attn_bias = self._zero_key(q, k, v, mask, attn_bias, sink_bias=True)
+        if 1 < k.shape[1] < h:  # x-transformers' pairing: query head n reads n % h_kv
             k, v = k.repeat(1, h // k.shape[1], 1, 1), v.repeat(1, h // v.shape[1], 1, 1)
+        backend = self.sdpa_allowed if self.sdpa_allowed is not None and self.backend == "auto" else self.backend
         out = attend(q, k, v, mask=mask, causal=causal, bias=attn_bias, scale=self.scale,
-                     dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
+                     dropout_p=self.dropout if self.training else 0.0, backend=backend)
         return out, AttnIntermediate(post_softmax_attn=None, layer_type=None)
 
-    def _zero_key(self, q, k, v, mask, bias):
+    def _explicit(self, q, k, v, mask, bias, prev_attn, attn_delta, causal, extra):
+        """The explicit float32 path of a standalone call (``_explicit_attention`` with this module's options)."""
+        b, h, i, _ = q.shape
+        j = k.shape[2]
+        if extra:
+            k, v, mask, bias = self._zero_key(q, k, v, mask, bias, sink_bias=False)
+            if prev_attn is not None:  # the zero key's logit gains nothing (x-transformers pads after prev_attn)
+                prev_attn = torch.cat((torch.zeros_like(prev_attn[..., :1]), prev_attn), dim=-1)
+        if attn_delta is not None:
+            if not isinstance(attn_delta, Tensor) or not attn_delta.is_floating_point():
+                raise TypeError("attn_delta must be a float tensor")
+            try:
+                torch.broadcast_shapes(attn_delta.shape, (b, h, i, j))
+            except RuntimeError as err:
+                raise ValueError(f"attn_delta must broadcast to (b, h, i, j) = {(b, h, i, j)}, got "
+                                 f"{tuple(attn_delta.shape)}") from err
+            if extra:
+                attn_delta = torch.cat((attn_delta.new_zeros(torch.broadcast_shapes(attn_delta.shape, (b, h, i, j))
+                                                             [:-1] + (1,)), attn_delta.expand(
+                    torch.broadcast_shapes(attn_delta.shape, (b, h, i, j)))), dim=-1)
+        out, weights, logits = _explicit_attention(
+            q, k, v, mask=mask, causal=causal, bias=bias, softclamp=self.softclamp_value,
+            dropout_p=self.dropout if self.training else 0.0, sink=self.head_attn_sink, scoring=self,
+            return_logits=True, prev_attn=prev_attn, scale=self.scale, attn_delta=attn_delta)
+        return out, AttnIntermediate(post_softmax_attn=weights, layer_type=None, pre_softmax_attn=logits)
+
+    def _zero_key(self, q, k, v, mask, bias, *, sink_bias: bool):
+        """One zero key/value first (``add_zero_kv`` or the sink's), seen by every query; with ``sink_bias`` the
+        sink's logit goes into the bias (the fused path); the explicit path writes it itself."""
         b, h, i, _ = q.shape
         k = torch.cat((k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3]), k), dim=2)
         v = torch.cat((v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[3]), v), dim=2)
@@ -124,9 +216,7 @@ class Attend(nn.Module):
             while full.dim() < 4:
                 full = full[None]
             mask = torch.cat((torch.ones_like(full[..., :1]), full), dim=-1)
-        if self.head_attn_sink is not None:
-            if self.head_attn_sink.shape[0] != h:
-                raise ValueError(f"head_learned_sink was built for {self.head_attn_sink.shape[0]} heads, got {h}")
+        if self.head_attn_sink is not None and sink_bias:
             sink = self.head_attn_sink.to(q.dtype).view(1, h, 1, 1).expand(b, h, i, 1)
             rest = torch.zeros(b, h, i, k.shape[2] - 1, dtype=q.dtype, device=q.device) if bias is None else \
                 torch.broadcast_to(bias, (b, h, i, k.shape[2] - 1))
