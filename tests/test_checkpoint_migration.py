@@ -47,10 +47,10 @@ def test_format_1_loads_with_its_outputs(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_format_1_resaved_is_format_2(name, tmp_path):
+def test_format_1_resaved_is_the_current_format(name, tmp_path):
     io = load_file(str(ROOT / name / "io.safetensors"))
     sf.save_pretrained(load_pretrained(ROOT / name), tmp_path / "m")
-    assert json.loads((tmp_path / "m" / "config.json").read_text())["version"] == 2
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["version"] == 3
     torch.testing.assert_close(_run(load_pretrained(tmp_path / "m"), io), io["out"], rtol=0, atol=1e-5)
 
 

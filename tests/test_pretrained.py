@@ -112,7 +112,7 @@ def _header(file) -> dict:
 def test_files_are_json_and_safetensors_never_pickle(tmp_path, monkeypatch):
     model, run, path = saved(tmp_path, "Decoder")
     config = json.loads((path / CONFIG_NAME).read_text())
-    assert config["format"] == "safeformer" and config["version"] == 2 and config["class"] == "Decoder"
+    assert config["format"] == "safeformer" and config["version"] == 3 and config["class"] == "Decoder"
     assert config["config"]["cross_attend"] is True and config["config"]["dim_context"] == CTX_DIM
     assert "causal" not in config["config"]  # set by the class itself
     raw = (path / WEIGHTS_NAME).read_bytes()

@@ -345,8 +345,8 @@ def test_attention_takes_x_transformers_keywords_at_their_defaults():
         except Exception as err:  # noqa: BLE001
             refused[name] = f"{type(err).__name__}: {err}"
     assert not refused, refused
-    with pytest.raises(TypeError, match="x-transformers' option on_attn=True is not supported by safeformer"):
-        sf.Attention(16, on_attn=True)
+    with pytest.raises(TypeError, match="x-transformers' option flash_pack_seq=True is not supported by safeformer"):
+        sf.Attention(16, flash_pack_seq=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'sparse_topc'; did you mean 'sparse_topk'"):
         sf.Attention(16, sparse_topc=4)
     sf.Attention(16, onnxable=True)

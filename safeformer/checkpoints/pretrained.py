@@ -53,8 +53,9 @@ __all__ = ["Configurable", "save_pretrained", "load_pretrained", "CONFIG_NAME", 
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-_FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)  # 1: before the module tree became x-transformers' (migrated on load)
+_FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)  # 1: before the module tree became x-transformers' (migrated on load); 2: before
+# a single head of width dim lost its output projection (x-transformers' project_out rule)
 _REGISTRY: dict[str, type] = {}
 
 _MAX_CONFIG_BYTES = 16 * 2**20  # a real config is a few kB
@@ -700,6 +701,8 @@ def _read_config(cfg_file: Path) -> dict[str, Any]:
                          f"{list(_READABLE_VERSIONS)}")
     if config["version"] == 1:  # the top level's class and config, then every nested module's
         _migrate_config_v1({"class": config["class"], "config": config["config"]})
+    if config["version"] <= 2:
+        _migrate_config_v2({"class": config["class"], "config": config["config"]})
     if type(config["class"]) is not str:
         raise ValueError(f"{cfg_file}: class must be a class name, got {_show(config['class'])}")
     return config
@@ -734,6 +737,32 @@ def _migrate_config_v1(tree: Any) -> None:
                 _migrate_stack_v1(cfg[side], rotary=cfg.get("rotary_pos_emb") is True)
     for v in tree.values():
         _migrate_config_v1(v)
+
+
+def _migrate_config_v2(tree: Any) -> None:
+    """Formats 1 and 2, read with format 3's meanings: every attention had an output projection, so an ``Attention``
+    config gets ``project_out=True`` and a stack's (or an ``XTransformer`` side's) ``attn_project_out=True``
+    (format 3 follows x-transformers: one head of width ``dim`` has none)."""
+    if isinstance(tree, list):
+        for v in tree:
+            _migrate_config_v2(v)
+        return
+    if not isinstance(tree, dict):
+        return
+    cls = _REGISTRY.get(tree.get("class")) if isinstance(tree.get("class"), str) else None
+    cfg = tree.get("config")
+    if cls is not None and isinstance(cfg, dict):
+        params = {n for k in cls.__mro__ if "__init__" in vars(k) for n in inspect.signature(k.__init__).parameters}
+        if "norm_add_unit_offset" in params:  # a stack
+            cfg.setdefault("attn_project_out", True)
+        elif "kv_head_order" in params:  # an Attention
+            cfg.setdefault("project_out", True)
+        if "enc_options" in params:
+            for side in ("enc_options", "dec_options"):
+                cfg[side] = dict(cfg.get(side) or {})
+                cfg[side].setdefault("attn_project_out", True)
+    for v in tree.values():
+        _migrate_config_v2(v)
 
 
 def _migrate_stack_v1(options: dict, rotary: bool = False) -> None:

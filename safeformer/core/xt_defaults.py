@@ -12,13 +12,10 @@ import difflib
 from collections.abc import Callable, Iterable
 
 XT_DEFAULT_ONLY: dict[str, object] = {
-    "attn_aggregated_residuals": False, "attn_aggregated_residual_kwargs": {},
     "attn_dim_context": None, "attn_dim_out": None,
     "attn_flash_pack_seq": False, "attn_inverted_attention": False,
     "attn_learned_value_residual_mix": False,
-    "attn_on_attn": False, "attn_project_out": None,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None,
-    "attn_value_dim_head": None, "gated_multi_residual": False,
 }
 
 # among them, those x-transformers 2.31.10's own stack refuses at another value too (it sets them on each block

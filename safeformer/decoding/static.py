@@ -570,7 +570,7 @@ class StaticDecoder:
         out = from_kernel_heads(mixer, kernel(q, k, v, attn_mask=mask_h, enable_gqa=mixer.kv_heads != mixer.heads))
         if c.cross_live is not None:  # a sample with no context key: exactly 0 (after a bias too)
             out = torch.where(c.cross_live[..., None], out, 0.0)
-        rows_ok = None if c.cross_live is None or mixer.to_out.bias is None else c.cross_live[:, :, 0]
+        rows_ok = None if c.cross_live is None or mixer.out_bias is None else c.cross_live[:, :, 0]
         if plan.plain_out:
             out = F.linear(out.transpose(1, 2).flatten(-2), mixer.to_out.weight, mixer.to_out.bias)
             return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)

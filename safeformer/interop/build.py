@@ -253,6 +253,9 @@ def _copy_attention_projections(c: _Copier, dst, blk, lay: _Layout) -> None:
         parts = blk.to_out.in_features // (heads * dim_head)
         cols = torch.cat([rows + p * heads * dim_head for p in range(parts)])
         put(dst.to_out.weight, take(blk.to_out.weight)[:, cols])
+    elif isinstance(dst.to_out, nn.Identity):  # one head of width dim: no projection in either library
+        if not torch.equal(rows, torch.arange(len(rows), device=rows.device)):
+            raise ValueError("an attention without output projection cannot take a permutation of its heads")
     else:
         put(dst.to_out.weight, torch.eye(lay.dim, dtype=lay.ref.dtype, device=lay.ref.device)[:, rows])
 

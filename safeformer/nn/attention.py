@@ -115,6 +115,7 @@ from ..core.masks import checked_once
 from ..core.xt_defaults import ATTENTION_ANY_VALUE, ATTENTION_DEFAULT_ONLY, check_xt_options
 from .attention_bias import RelativeProjPositionalBias, init_forget_gates, init_window, option_bias
 from .attention_calls import (
+    _positive_int,
     check_call,
     check_kv_residual,
     check_option_call,
@@ -125,7 +126,7 @@ from .attention_calls import (
 )
 from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, query_padding
 from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
-from .attention_output import check_head_scale, gate, init_gates, init_out, orthog_project, output_phase
+from .attention_output import check_head_scale, gate, init_gates, init_out, orthog_project, out_linear, output_phase
 from .attention_projections import init_norms, init_projections, init_rotation, project_qkv, qk_clip_
 from .attention_scoring import (
     explicit_call,
@@ -231,7 +232,8 @@ class Attention(nn.Module):
         qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", qk_rmsnorm: bool = False, k_rmsnorm: bool = False,
         data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8,
         selective: bool = False, max_attend_past: int | None = None, custom_attn_fn=None,
-        attend_sdp_kwargs: dict | None = None, **xt_options,
+        attend_sdp_kwargs: dict | None = None, project_out: bool | None = None, on_attn: bool = False,
+        value_dim_head: int | None = None, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -241,6 +243,7 @@ class Attention(nn.Module):
         kv_heads = _init_core(self, dim, dim_head, dim_context, heads, causal, flash, kv_heads, one_kv_head, dropout,
                               backend, num_mem_kv, softclamp_logits, logit_softclamp_value)
         _init_head_order(self, heads, kv_heads, kv_head_order)
+        _init_value_width(self, dim_head, value_dim_head, hybrid_module)
         # x-transformers' Attend: the scoring options and their parameters (the sink, talking heads, CoPE)
         self.attend = Attend(causal=causal, heads=heads, l2_distance=l2_distance, cog_signed=cog_signed,
                              sigmoid=sigmoid, inverted_attention=inverted_attention, gumbel_softmax=gumbel_softmax,
@@ -271,7 +274,8 @@ class Attention(nn.Module):
         init_out(self, dim, heads, dim_head, bias, dim_out=dim_out, zero_init_output=zero_init_output,
                  head_scale=head_scale, sublayer_dropout=sublayer_dropout, output_proj_depth=output_proj_depth,
                  orthog_projected_values=orthog_projected_values, value_rmsnorm=value_rmsnorm,
-                 orthog_projected_values_per_head=orthog_projected_values_per_head)
+                 orthog_projected_values_per_head=orthog_projected_values_per_head, project_out=project_out,
+                 on_attn=on_attn, dim_value=self.dim_value)
         init_extra_keys(self, heads, kv_heads, dim_head, num_mem_kv, learned_sink, add_zero_kv)
         init_rotation(self, heads, kv_heads, rotate_num_heads)
         init_gates(self, dim, heads, dim_head, gate_values=gate_values, gate_values_rank=gate_values_rank,
@@ -310,7 +314,15 @@ class Attention(nn.Module):
     def muon_parameters(self) -> list[nn.Parameter]:
         """The matrices Muon should optimise (x-transformers' ``muon_parameters``): the value and output projections'
         weights (queries and keys are left to qk-clip and the other optimiser)."""
-        return [self.to_v.weight, self.to_out.weight]
+        out = out_linear(self)
+        return [self.to_v.weight] + ([] if out is None else [out.weight])
+
+    @property
+    def out_bias(self) -> Tensor | None:
+        """The output projection's bias (``None`` without one, or without a projection): a bias moves a dead row's
+        output off 0, so the paths select dead rows after the projection only when there is one."""
+        out = out_linear(self)
+        return None if out is None else out.bias
 
     @property
     def extra_keys(self) -> int:
@@ -368,7 +380,7 @@ class Attention(nn.Module):
         else:
             k, v = self._linear(self.to_k, source, keep), self._linear(self.to_v, source, keep)
         k = k.unflatten(-1, (self.kv_heads, self.dim_head))
-        v = v.unflatten(-1, (self.kv_heads, self.dim_head))
+        v = v.unflatten(-1, (self.kv_heads, self.dim_value))
         if self.v_norm is not None:  # a selected (zero) source gives v = 0 (or the bias), finite
             v = self.v_norm(v)
         return self.norm_k(k), v
@@ -567,6 +579,20 @@ def _init_core(attn: Attention, dim: int, dim_head: int, dim_context: int | None
     return kv_heads
 
 
+def _init_value_width(attn: Attention, dim_head: int, value_dim_head, hybrid_module) -> None:
+    """The value head width ``dim_value`` (x-transformers' ``value_dim_head``; default ``dim_head``): the values,
+    the attention output per head and the output projection's input are that wide, the queries and keys
+    ``dim_head``."""
+    if value_dim_head is not None and not _positive_int(value_dim_head):
+        raise ValueError(f"value_dim_head must be a positive integer, got {value_dim_head!r}")
+    attn.dim_value = dim_head if value_dim_head is None else value_dim_head
+    if attn.dim_value != dim_head:
+        if hybrid_module is not None:
+            raise ValueError("value_dim_head != dim_head with hybrid_module is not supported (the hybrid branch "
+                             "is mixed in per head of width dim_head)")
+        attn.static_step_refusal = "value_dim_head != dim_head (the decode step's buffers hold dim_head-wide values)"
+
+
 def _decide_paths(attn: Attention) -> None:
     """Which paths ``attn`` runs, decided once from its parts (``orthog``, ``qk_normed``, ``explicit``,
     ``packable``: see "Paths" in this module's docstring)."""
@@ -590,4 +616,4 @@ def _decide_paths(attn: Attention) -> None:
                          and attn.max_attend_past is None
                          and attn.to_forget_gates is None and attn.rel_proj_pos_bias is None
                          and not attn.rope_subheads and attn.hybrid is None
-                         and attn.rotate_num_heads == attn.heads)
+                         and attn.rotate_num_heads == attn.heads and attn.dim_value == attn.dim_head)

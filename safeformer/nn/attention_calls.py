@@ -59,7 +59,7 @@ def check_kv(attn: AttentionModule, kv, name: str, b: int, x: Tensor, mixed_ok: 
     want = (b, attn.kv_heads, None, attn.dim_head)
     for t, label in ((k, "keys"), (v, "values")):
         # PoPE keys (the stack's polar_pos_emb, which sets polar_keys) carry 2 d features
-        d = attn.dim_head * (2 if label == "keys" and getattr(attn, "polar_keys", False) else 1)
+        d = attn.dim_head * (2 if getattr(attn, "polar_keys", False) else 1) if label == "keys" else attn.dim_value
         if any(w is not None and w != s for w, s in zip(want[:3] + (d,), t.shape)):
             raise ValueError(f"{name} {label} must have shape (b={b}, h_kv={attn.kv_heads}, j, d={d}), got {tuple(t.shape)}")
         if (t.dtype != x.dtype and not mixed_ok) or not t.is_floating_point() or t.device != x.device:

@@ -43,7 +43,7 @@ def init_extra_keys(attn: AttentionModule, heads: int, kv_heads: int, dim_head: 
     attn.num_mem_kv = num_mem_kv
     if num_mem_kv > 0:
         attn.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
-        attn.mem_v = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))
+        attn.mem_v = nn.Parameter(torch.randn(kv_heads, num_mem_kv, attn.dim_value))
     attn.attend.head_attn_sink = nn.Parameter(torch.zeros(heads)) if learned_sink else None  # (h,), x-transformers' key
 
 
@@ -67,7 +67,7 @@ def key_layout(attn: AttentionModule, x: Tensor, mask, bias, causal: bool, added
     if ext:  # the sink and memory keys come first; every query sees them (bottom-right causal keeps that)
         mask, bias = extend(attn, mask, bias, b, i, j, x, sink_only)
         j = j + ext
-    if inputs_finite and attn.to_out.bias is None and self_pad is None and not attn.orthog and attn.hybrid is None:
+    if inputs_finite and attn.out_bias is None and self_pad is None and not attn.orthog and attn.hybrid is None:
         rows_ok, keys_ok = None, None  # nothing to select: attend zeroes dead rows itself
     else:
         reach = None
@@ -172,9 +172,10 @@ def check_added(attn: AttentionModule, added, added_mask, x: Tensor):
                          f"{type(added).__name__}")
     k, v = added
     b = x.shape[0]
-    if k.shape[0] != b or k.shape[3] != attn.dim_head or v.shape != k.shape or k.shape[1] == 0 \
-            or attn.heads % k.shape[1]:
-        raise ValueError(f"additional_key_values must be (k, v), each (b={b}, h_a, a, d={attn.dim_head}) with h_a "
+    if k.shape[0] != b or k.shape[3] != attn.dim_head or v.shape[:3] != k.shape[:3] or v.shape[3] != attn.dim_value \
+            or k.shape[1] == 0 or attn.heads % k.shape[1]:
+        raise ValueError(f"additional_key_values must be (k, v), each (b={b}, h_a, a, d={attn.dim_head}) (values "
+                         f"d={attn.dim_value}) with h_a "
                          f"dividing heads={attn.heads}, got {tuple(k.shape)} and {tuple(v.shape)}")
     mixed_ok = torch.is_autocast_enabled(x.device.type)
     for t, label in ((k, "keys"), (v, "values")):

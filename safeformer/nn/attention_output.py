@@ -20,11 +20,19 @@ from .attention_calls import AttentionModule, _positive_int
 def init_out(attn: AttentionModule, dim: int, heads: int, dim_head: int, bias: bool, *, dim_out: int | None,
              zero_init_output: bool, orthog_projected_values: bool, orthog_projected_values_per_head: bool,
              value_rmsnorm: bool, head_scale: bool = False, sublayer_dropout: float = 0.0,
-             output_proj_depth: int | None = None) -> None:
+             output_proj_depth: int | None = None, project_out: bool | None = None, on_attn: bool = False,
+             dim_value: int | None = None) -> None:
     """The output projection ``to_out`` of ``attn`` (its width ``dim_out``), checked and set.
 
     Args (``Attention``'s keywords):
         dim_out: the output width (default ``dim``).
+        project_out: whether there is an output projection (x-transformers' rule by default: with more than one
+            head, ``dim_out != dim`` or ``on_attn``; a single head whose width is already ``dim_out`` has none,
+            ``to_out`` is the identity). A single head of another width keeps its projection (x-transformers' model
+            would not run); ``project_out=False`` then is an error.
+        on_attn: x-transformers' attention on attention: ``to_out`` is ``Sequential(Linear(h * e, 2 * dim_out),
+            GLU())``, the output gated by a second projection of itself.
+        dim_value: the value head width e (``value_dim_head``; default ``dim_head``).
         zero_init_output: ``to_out`` starts at zero (x-transformers' name).
         orthog_projected_values, orthog_projected_values_per_head: x-transformers' orthogonal projected values:
             the attention output minus its projection onto the values, over a sample's whole sequence, once per
@@ -39,7 +47,8 @@ def init_out(attn: AttentionModule, dim: int, heads: int, dim_head: int, bias: b
     if dim_out is not None and not _positive_int(dim_out):
         raise ValueError(f"dim_out must be a positive integer, got {dim_out!r}")
     attn.dim_out = dim if dim_out is None else dim_out
-    attn.to_out = nn.Linear(heads * dim_head * max(1, orthog_parts), attn.dim_out, bias=bias)
+    _make_to_out(attn, heads * (dim_value or dim_head) * max(1, orthog_parts), dim, heads, bias, project_out,
+                 on_attn)
     if not isinstance(head_scale, bool):
         raise TypeError(f"head_scale must be True or False, got {head_scale!r}")
     attn.head_scale_params = nn.Parameter(torch.ones(1, heads, 1, 1)) if head_scale else None
@@ -49,12 +58,46 @@ def init_out(attn: AttentionModule, dim: int, heads: int, dim_head: int, bias: b
     attn.sublayer_dropout = nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None
     if output_proj_depth is not None and not _positive_int(output_proj_depth):
         raise ValueError(f"output_proj_depth must be a positive integer, got {output_proj_depth!r}")
+    linear = out_linear(attn)
+    if (zero_init_output or output_proj_depth is not None) and linear is None:
+        raise ValueError("zero_init_output / output_proj_depth initialise the output projection: this attention has "
+                         "none (project_out=False, or one head of width dim_out)")
     if zero_init_output:  # x-transformers' zero_init_output: the block starts as the identity of the residual
-        nn.init.zeros_(attn.to_out.weight)
-        if attn.to_out.bias is not None:
-            nn.init.zeros_(attn.to_out.bias)
+        nn.init.zeros_(linear.weight)
+        if linear.bias is not None:
+            nn.init.zeros_(linear.bias)
     elif output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
-        nn.init.normal_(attn.to_out.weight, std=(2 * attn.to_out.in_features * output_proj_depth) ** -0.5)
+        nn.init.normal_(linear.weight, std=(2 * linear.in_features * output_proj_depth) ** -0.5)
+
+
+def _make_to_out(attn: AttentionModule, inner: int, dim: int, heads: int, bias: bool, project_out, on_attn) -> None:
+    """``attn.to_out`` as x-transformers builds it: a linear map of the ``inner`` features to ``dim_out``, the
+    identity (no projection), or with ``on_attn`` a linear map to ``2 * dim_out`` and a GLU."""
+    if project_out is not None and not isinstance(project_out, bool):
+        raise TypeError(f"project_out must be True, False or None, got {project_out!r}")
+    if not isinstance(on_attn, bool):
+        raise TypeError(f"on_attn must be True or False, got {on_attn!r}")
+    if on_attn and project_out is False:
+        raise ValueError("on_attn gates the output projection: not with project_out=False")
+    need = project_out if project_out is not None else (heads > 1 or attn.dim_out != dim or on_attn)
+    if not need and inner != attn.dim_out:
+        if project_out is False:
+            raise ValueError(f"project_out=False leaves the heads' {inner} features as the output, but dim_out is "
+                             f"{attn.dim_out}: they must be equal")
+        need = True  # one head of another width: x-transformers' identity would not fit the residual
+    if on_attn:
+        attn.to_out = nn.Sequential(nn.Linear(inner, attn.dim_out * 2, bias=bias), nn.GLU())
+    else:
+        attn.to_out = nn.Linear(inner, attn.dim_out, bias=bias) if need else nn.Identity()
+
+
+def out_linear(attn: AttentionModule) -> nn.Linear | None:
+    """The linear map of ``attn``'s output projection (``to_out``, or its first part with ``on_attn``), or ``None``
+    when there is none (the identity)."""
+    out = attn.to_out
+    if isinstance(out, nn.Sequential):
+        out = out[0]
+    return out if isinstance(out, nn.Linear) else None
 
 
 def init_gates(attn: AttentionModule, dim: int, heads: int, dim_head: int, *, gate_values: bool, gate_values_rank,
@@ -82,7 +125,7 @@ def init_gates(attn: AttentionModule, dim: int, heads: int, dim_head: int, *, ga
             raise ValueError(f"{name}_rank cannot be set with {name}_headwise (the headwise gate projects to heads directly)")
     if swiglu_values and not (gate_values or output_gate):
         raise ValueError("swiglu_values changes the gate's activation: it needs gate_values or output_gate")
-    inner = heads * dim_head
+    inner = heads * attn.dim_value
     act = nn.SiLU() if low_rank_silu_gates else None
     attn.to_v_gate = _gate_linear(dim, heads if gate_values_headwise else inner, gate_values_rank, act) \
         if gate_values else None
@@ -129,7 +172,7 @@ def output_phase(attn: AttentionModule, out: Tensor, x: Tensor, hybrid, self_pad
     queries 0 before the orthogonal projection (it sums over the sample), the hybrid module's output mixed in,
     then ``attn._output``: padded queries (``self_pad (b, i)``) selected before ``to_out``, dead rows (``rows_ok
     (b|1, i)`` False) exactly 0 after it where a bias, padding or the hybrid branch would move them."""
-    zero_rows = rows_ok if rows_ok is not None and (attn.to_out.bias is not None or self_pad is not None
+    zero_rows = rows_ok if rows_ok is not None and (attn.out_bias is not None or self_pad is not None
                                                     or attn.hybrid is not None) else None
     values = None
     out = out.transpose(1, 2)  # (b, i, h, d)
@@ -145,7 +188,7 @@ def output_phase(attn: AttentionModule, out: Tensor, x: Tensor, hybrid, self_pad
 def gate(attn: AttentionModule, out: Tensor, x: Tensor, keep: Tensor | None) -> Tensor:
     """Gated attention: ``out (..., h, d) * act(x gate + h gate)``. The x gate reads ``x`` with the rows
     ``keep`` drops selected to 0 first; a dead row's ``out`` is 0, so it stays 0 whatever its gate."""
-    h, d = attn.heads, attn.dim_head
+    h, d = attn.heads, attn.dim_value
 
     def heads_of(g: Tensor) -> Tensor:  # (..., h) -> (..., h, 1); (..., h * d) -> (..., h, d)
         return g[..., None] if g.shape[-1] == h and h * d != h else g.unflatten(-1, (h, d))

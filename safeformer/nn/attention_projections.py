@@ -56,7 +56,7 @@ def init_projections(attn: AttentionModule, dim: int, heads: int, kv_heads: int,
     kv_in = dim_latent_kv if use_latent_kv else attn.dim_context
     attn.to_q = nn.Linear(q_in, heads * dim_head, bias=bias)
     attn.to_k = nn.Linear(kv_in, (kv_heads - attn.rope_subheads) * dim_head, bias=bias)
-    attn.to_v = nn.Linear(kv_in, kv_heads * dim_head, bias=bias)
+    attn.to_v = nn.Linear(kv_in, kv_heads * attn.dim_value, bias=bias)
     attn.to_rotateable_k = nn.Linear(attn.dim_context, attn.rope_subheads * dim_head, bias=False) \
         if attn.rope_subheads else None
 
@@ -115,7 +115,7 @@ def init_norms(attn: AttentionModule, dim: int, heads: int, kv_heads: int, dim_h
     else:
         attn.qk_norm_q_scale = attn.qk_norm_k_scale = None
     # x-transformers' value_rmsnorm: RMS-normalise each value head, gain (1 + weight) per kv head
-    attn.value_rmsnorm = HeadRMSNorm(kv_heads, dim_head, eps=1e-6 if qk_norm_eps is None else qk_norm_eps,
+    attn.value_rmsnorm = HeadRMSNorm(kv_heads, attn.dim_value, eps=1e-6 if qk_norm_eps is None else qk_norm_eps,
                                      unit_offset=True) if value_rmsnorm else None  # x-transformers' name
     if value_rmsnorm:  # earlier safeformer named it v_norm
         attn._register_load_state_dict_pre_hook(_rename_keys({"v_norm.weight": "value_rmsnorm.weight"}))

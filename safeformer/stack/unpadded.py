@@ -333,7 +333,7 @@ def attend_layout(attn, h: Tensor, layout) -> Tensor:
                                          backend=attn.backend))
     out = plan.pack(out.transpose(1, 2))  # (T, h, d)
     rows_ok = None
-    if attn.to_out.bias is not None:  # a bias would move dead rows off 0
+    if attn.out_bias is not None:  # a bias would move dead rows off 0
         if layout.j == 0:  # a zero-length context: every row is dead
             rows_ok = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
         elif layout.mask is not None:
