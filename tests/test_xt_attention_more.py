@@ -123,8 +123,8 @@ def test_cross_attender_inverted_per_layer_and_refusals():
         sf.Decoder(dim=DIM, depth=1, cross_attend=True, cross_attn_inverted_attention=True)
     with pytest.raises(ValueError, match="one per"):
         sf.CrossAttender(dim=DIM, depth=2, cross_attn_inverted_attention=(True,))
-    with pytest.raises(ValueError, match="cross-attention only"):
-        sf.Attention(DIM, inverted_attention=True)(x)
+    with pytest.raises(ValueError, match="future would leak"):
+        sf.Attention(DIM, inverted_attention=True, causal=True)(x)
     _, cache = ca(x, context=ctx, return_cache=True)
     with pytest.raises(ValueError, match="KV cache"):
         ca(x[:, :1], cache=cache)

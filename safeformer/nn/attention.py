@@ -474,6 +474,10 @@ class Attention(nn.Module):
             mask = mask.mask
         check_call(self, x, context, kv, past_kv)
         check_option_call(self, context, kv, past_kv, hybrid, added, kv_input, kv_residual)
+        if self.inverted and causal:
+            raise ValueError("inverted_attention normalises each key's weights over the queries: with causal "
+                             "masking a query would see later queries through it (the future would leak); use it "
+                             "without causal")
         b, i = x.shape[:2]
         source = x if context is None else context
         if kv_residual is not None:

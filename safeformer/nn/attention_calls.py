@@ -95,12 +95,9 @@ def check_option_call(attn: AttentionModule, context, kv, past_kv, hybrid, added
         raise ValueError(f"{attn.cache_refusal}: it runs in self-attention without a KV cache; decode with "
                          f"cache_kv=False")
     cross = context is not None or kv is not None
-    if attn.inverted and not cross:
-        raise ValueError("inverted_attention normalises each key's weights over the queries: it is cross-attention "
-                         "only (x-transformers' cross_attn_inverted_attention)")
-    if attn.inverted and kv is not None:
+    if attn.inverted and (kv is not None or past_kv is not None):
         raise ValueError("inverted_attention normalises over the queries of one call: it runs without a KV cache "
-                         "(a cached context would see the new queries alone)")
+                         "(a cache would see the new queries alone)")
     if attn.rel_proj_pos_bias is not None and cross:
         raise ValueError("use_rel_proj_pos_bias gives relative positions within one sequence: self-attention only")
     if added is not None and (attn.orthog or attn.to_forget_gates is not None):

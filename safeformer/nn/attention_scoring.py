@@ -212,6 +212,10 @@ def explicit_call(attn: AttentionModule, q: Tensor, k: Tensor, v: Tensor, mask, 
             and prev_attn.dim() == 4 and prev_attn.shape[0] in (1, q.shape[0]) and prev_attn.shape[2] == q.shape[2] \
             and prev_attn.device == q.device:  # (the checks themselves are _explicit_logits')
         prev_attn = torch.where(self_pad[:, None, :, None], prev_attn, 0.0)
+    if attn.inverted and self_pad is not None:  # a padded query takes no share of a key's weights over the queries
+        m = mask.combined if isinstance(mask, PreparedMask) else mask
+        rows = self_pad[:, None, :, None]
+        mask = rows if m is None else as_attention_mask(m, q.shape[0], q.shape[1], q.shape[2], k.shape[2]) & rows
     out, weights, *more = _explicit_attention(
         q, k, v, mask=mask, causal=causal, bias=bias, softclamp=attn.softclamp_value,
         dropout_p=attn.dropout if attn.training else 0.0, sink=attn.head_attn_sink, scoring=attn,
