@@ -128,6 +128,8 @@ from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, 
 from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
 from .attention_output import check_head_scale, gate, init_gates, init_out, orthog_project, out_linear, output_phase
 from .attention_projections import init_norms, init_projections, init_rotation, project_qkv, qk_clip_
+from .attention_scoring import CoPE as CoPE  # re-exported: the module path it had
+from .attention_scoring import _explicit_attention as _explicit_attention  # re-exported (tests call it)
 from .attention_scoring import (
     explicit_call,
     init_attention_scoring,
@@ -135,11 +137,9 @@ from .attention_scoring import (
     legacy_scorer_keys,
     log_prob_from_hard_attend,
 )
-from .attention_scoring import CoPE as CoPE  # re-exported: the module path it had
-from .attention_scoring import _explicit_attention as _explicit_attention  # re-exported (tests call it)
 from .hybrid import make_hybrid
-from .xt_attend import Attend
 from .modules import apply_rotary
+from .xt_attend import Attend
 
 __all__ = ["Attention", "RelativeProjPositionalBias", "log_prob_from_hard_attend"]
 
@@ -174,9 +174,8 @@ class Attention(nn.Module):
         hybrid_module, hybrid_fold_axial_dim, hybrid_mask_kwarg, hybrid_learned_mix: a user's sequence module
             (a ``GRU`` say) beside self-attention, the two outputs RMS-normalised per head and averaged before
             ``to_out`` (x-transformers' names; see ``hybrid.HybridBranch`` for padding and the KV cache).
-        **xt_options: x-transformers' other ``Attention`` keywords (``flash_pack_seq``, ``value_dim_head``, ...:
-            ``xt_defaults.ATTENTION_DEFAULT_ONLY``) at their default value, which is what this module does;
-            ``onnxable`` with any value. Another value, or an unknown keyword, is a ``TypeError`` naming it.
+        **xt_options: x-transformers' other ``Attention`` keywords (``xt_defaults.ATTENTION_DEFAULT_ONLY``) at their
+            default, ``onnxable`` at any value; another value, or an unknown keyword, is a ``TypeError`` naming it.
 
     The other keywords are x-transformers' options, each documented by the builder that checks it:
     ``attention_projections.init_projections`` (multi-latent attention: ``use_latent_*``, ``dim_latent_*``,
@@ -244,14 +243,8 @@ class Attention(nn.Module):
                               backend, num_mem_kv, softclamp_logits, logit_softclamp_value)
         _init_head_order(self, heads, kv_heads, kv_head_order)
         _init_value_width(self, dim_head, value_dim_head, hybrid_module)
-        # x-transformers' Attend: the scoring options and their parameters (the sink, talking heads, CoPE)
-        self.attend = Attend(causal=causal, heads=heads, l2_distance=l2_distance, cog_signed=cog_signed,
-                             sigmoid=sigmoid, inverted_attention=inverted_attention, gumbel_softmax=gumbel_softmax,
-                             gumbel_softmax_temp=gumbel_softmax_temp, gumbel_softmax_hard=gumbel_softmax_hard,
-                             sparse_topk=sparse_topk, sparse_topk_straight_through=sparse_topk_straight_through,
-                             hard=hard, pre_talking_heads=pre_talking_heads, post_talking_heads=post_talking_heads,
-                             pre_scale_post_talking_heads=pre_scale_post_talking_heads, selective=selective,
-                             custom_attn_fn=custom_attn_fn, sdp_kwargs=attend_sdp_kwargs)
+        given = locals()  # x-transformers' Attend: the scoring options and their parameters (sink, talking heads)
+        self.attend = Attend(causal=causal, heads=heads, sdp_kwargs=attend_sdp_kwargs, **{k: given[k] for k in _SCORER_FIELDS})
         self._register_load_state_dict_pre_hook(legacy_scorer_keys())
         # each option family built (and its keywords checked) in the order its parameters are registered
         init_projections(self, dim, heads, kv_heads, dim_head, bias, use_latent_q=use_latent_q,
@@ -581,6 +574,15 @@ def _init_core(attn: Attention, dim: int, dim_head: int, dim_context: int | None
     attn.backend = backend
     attn.softclamp_value = float(logit_softclamp_value) if softclamp_logits else None
     return kv_heads
+
+
+# the scoring part's keywords that Attention takes under the same names and hands on unchanged (read from the two
+# signatures; the core ones Attention keeps itself, or sets on the part, are left out)
+_SCORER_FIELDS = tuple(
+    n for n, p in inspect.signature(Attend.__init__).parameters.items()
+    if p.kind == p.KEYWORD_ONLY and n in inspect.signature(Attention.__init__).parameters
+    and n not in ("dropout", "causal", "heads", "flash", "softclamp_logits", "logit_softclamp_value", "add_zero_kv",
+                  "head_learned_sink", "backend"))
 
 
 def _init_value_width(attn: Attention, dim_head: int, value_dim_head, hybrid_module) -> None:
