@@ -119,4 +119,5 @@ __all__ = [
 # x-transformers' names that its module of this path imports from another (the same objects as there)
 from .decoding.generation import AutoregressiveWrapper  # noqa: E402, F401
 from .nn.attention_scoring import log_prob_from_hard_attend  # noqa: E402, F401
+from .nn.block import AttentionResidual  # noqa: E402, F401
 from .nn.xt_attend import Attend  # noqa: E402, F401

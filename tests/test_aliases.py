@@ -36,15 +36,13 @@ def test_every_alias_in_the_tables_is_tested_or_accepted():
     # attention field as attn_<field> (tests/test_attention_routing.py),
     # the default-only ones (refused by name at another value) and the two accepted with any value
     tested |= {f"ff_{k}" for k in FF_KWARGS} | {f"attn_{k}" for k in ATTENTION_FIELDS} | set(XT_DEFAULT_ONLY)
-    tested |= {"attn_onnxable", "verbose"}
+    tested |= {"attn_onnxable", "verbose", "attn_inverted_attention"}  # the last: tests/test_inverted_self_attention.py
     assert set(LAYER_ALIASES) == tested, f"untested aliases: {sorted(set(LAYER_ALIASES) - tested)}"
-    neutral = {"emb_frac_gradient": (1.0, 0.5), "max_mem_len": (0, 8)}
-    for key in WRAPPER_ALIASES:  # each is accepted at its neutral value and refused otherwise
+    neutral = {"emb_frac_gradient": (1.0, 0.5)}
+    for key in WRAPPER_ALIASES:  # each is accepted at its neutral value and refused otherwise (the continuous
+        # wrapper's: TransformerWrapper has them itself)
         ok, other = neutral.get(key, (False, True))
-        if key in ("max_mem_len", "post_emb_norm"):  # TransformerWrapper has them itself: the continuous wrapper's
-            make = lambda **kw: sf.ContinuousTransformerWrapper(dim_in=4, attn_layers=sf.Encoder(dim=8, depth=1), **kw)  # noqa: E731
-        else:
-            make = lambda **kw: sf.TransformerWrapper(num_tokens=5, max_seq_len=4, attn_layers=sf.Encoder(dim=8, depth=1), **kw)  # noqa: E731
+        make = lambda **kw: sf.ContinuousTransformerWrapper(dim_in=4, attn_layers=sf.Encoder(dim=8, depth=1), **kw)  # noqa: E731
         assert isinstance(make(**{key: ok}), torch.nn.Module)
         with pytest.raises(TypeError, match=key):
             make(**{key: other})

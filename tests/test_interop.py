@@ -197,12 +197,9 @@ def test_converted_model_is_safe_where_the_context_is_empty():
 # test_xt_keywords.py, test_qk_rmsnorm.py)
 UNSUPPORTED = [
     (dict(attn_gate_value_heads=True), "attn_gate_value_heads"),
-    (dict(attn_on_attn=True), "attn_on_attn"),
-    (dict(attn_value_dim_head=4), "attn_value_dim_head"),
     (dict(add_value_residual=True, attn_kv_heads=1), "learned_value_residual_mix with grouped"),
     (dict(num_residual_streams=2), "num_residual_streams"),
     (dict(layer_dropout=0.1), "layer_dropout"),
-    (dict(wrapper=dict(emb_frac_gradient=0.5)), "emb_frac_gradient"),
 ]
 
 
@@ -221,14 +218,13 @@ def test_unsupported_options_raise_naming_them(kwargs, expected):
 
 def test_all_unsupported_options_listed_at_once():
     model = xt.TransformerWrapper(
-        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, attn_value_dim_head=4,
-                                                             attn_on_attn=True),
-        emb_frac_gradient=0.5,
+        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1, heads=2, num_residual_streams=2,
+                                                             attn_gumbel_softmax=True),
     )
     with pytest.raises(ValueError) as info:
         from_x_transformers(model)
     text = str(info.value)
-    assert all(opt in text for opt in ("attn_value_dim_head", "attn_on_attn", "emb_frac_gradient"))
+    assert all(opt in text for opt in ("num_residual_streams", "attn_gumbel_softmax"))
 
 
 def test_drop_training_only_converts_and_matches_in_eval():

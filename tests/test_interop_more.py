@@ -141,7 +141,7 @@ def test_autoregressive_wrapper_loss_and_greedy_generation(name):
     [
         (lambda: XTAutoregressiveWrapper(xt_net(), mask_prob=0.15), "mask_prob"),
         (lambda: XTAutoregressiveWrapper(xt_net("Encoder")), "non-causal"),
-        (lambda: XTAutoregressiveWrapper(xt_net(attn_on_attn=True)), "attn_on_attn (at net"),
+        (lambda: XTAutoregressiveWrapper(xt_net(attn_gumbel_softmax=True)), "attn_gumbel_softmax (sampled) (at net"),
     ],
     ids=["mask_prob", "encoder", "net_option"],
 )
@@ -284,7 +284,7 @@ def test_xtransformer_per_side_options_survive_save_and_load(tmp_path):
     "kwargs,expected",
     [
         (dict(cross_attn_tokens_dropout=0.1), "drop_training_only"),
-        (dict(enc_attn_on_attn=True), "attn_on_attn (at encoder"),
+        (dict(enc_attn_gumbel_softmax=True), "attn_gumbel_softmax (sampled) (at encoder"),
         # what safeformer's XTransformer itself cannot express
         (dict(enc_part=dict(return_only_embed=False)), "an encoder with an output head"),
         (dict(dec_part=dict(logits_dim=5)), "logits_dim=5 != num_tokens=37"),

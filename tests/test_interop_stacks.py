@@ -95,9 +95,9 @@ def test_continuous_autoregressive_wrapper_converts(opts):
 
 
 def test_continuous_refusals_name_the_option():
-    with pytest.raises(ValueError, match="post_emb_norm"):
-        sf.from_x_transformers(xc.ContinuousTransformerWrapper(dim_in=8, max_seq_len=16, post_emb_norm=True,
-                                                               attn_layers=xt.Encoder(dim=16, depth=1, heads=2)))
+    with pytest.raises(ValueError, match="attn_gumbel_softmax"):
+        sf.from_x_transformers(xc.ContinuousTransformerWrapper(dim_in=8, max_seq_len=16, attn_layers=xt.Encoder(
+            dim=16, depth=1, heads=2, attn_gumbel_softmax=True)))
     custom = xc.ContinuousAutoregressiveWrapper(
         xc.ContinuousTransformerWrapper(dim_in=8, dim_out=8, max_seq_len=16, attn_layers=xt.Decoder(dim=16, depth=1)),
         loss_fn=torch.nn.SmoothL1Loss(reduction="none"))

@@ -139,3 +139,15 @@ def test_earlier_checkpoints_keep_their_output_projection(tmp_path):
     assert isinstance(loaded.attn_layers.layers[0][1].to_out, torch.nn.Linear)
     x = torch.randint(0, 20, (2, 5))
     torch.testing.assert_close(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("name", ["one_head_no_projection", "on_attn", "value_dim_head_gqa_gates",
+                                  "value_dim_head_on_attn_rotary", "value_dim_head_cross"])
+def test_from_x_transformers_converts_them(name):
+    opts = CASES[name]
+    theirs, _ = _pair(opts)
+    ours = sf.from_x_transformers(theirs)
+    x = torch.randint(0, 20, (2, 6))
+    mask = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
+    kw = dict(context=torch.randn(2, 4, 16)) if opts.get("cross_attend") else {}
+    torch.testing.assert_close(ours(x, mask=mask, **kw)[mask], theirs(x, mask=mask, **kw)[mask], atol=1e-5, rtol=1e-5)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 XT_DEFAULT_ONLY: dict[str, object] = {
     "attn_dim_context": None, "attn_dim_out": None,
-    "attn_flash_pack_seq": False, "attn_inverted_attention": False,
+    "attn_flash_pack_seq": False,
     "attn_learned_value_residual_mix": False,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None,
 }

@@ -505,9 +505,6 @@ NOT_PROVIDED: dict[str, str] = {
     # nonautoregressive_wrapper
     "x_transformers.nonautoregressive_wrapper.top_k": "its top_k(logits, thres=0.9) keeps ceil((1 - thres) * v) "
     "by a threshold; safeformer.autoregressive_wrapper.top_k is x-transformers' other top_k",
-    "x_transformers.nonautoregressive_wrapper.get_mask_subset_prob": "an internal of x-transformers' "
-    "NonAutoregressiveWrapper masking",
-    "x_transformers.nonautoregressive_wrapper.SelfCritic": "the token critic is not ported (critic_loss is None)",
     # xl_autoregressive_wrapper
     "x_transformers.xl_autoregressive_wrapper.get_module_by_path": "an internal of x-transformers' test-time "
     "training (safeformer maps x-transformers' paths itself)",
@@ -549,9 +546,9 @@ _XT_INTERNAL_MODULES = {
     "Derf": "use_derf is built into safeformer's norms; the module is not exposed",
     "OrthogonalResidualUpdate": "orthog_residual is built into safeformer's blocks; the module is not exposed",
     "MVSplitResidualUpdate": "safeformer.block.MVSplitResidualUpdate is safeformer's own (its call takes a mask); not re-exported",
-    "AttentionResidual": "an internal layer-integration module (attention over earlier hiddens); not ported",
     "HyperConnection": "safeformer.block.HyperConnection is safeformer's own (its call differs); not re-exported",
-    "GatedMultiResidual": "an internal gated multi-stream residual module of x-transformers' layers; not ported",
+    "GatedMultiResidual": "safeformer.nn.block.GatedMultiResidual (gated_multi_residual) is safeformer's own (its "
+    "prepare / forward calls differ); not re-exported",
     "DynamicLIMe": "safeformer.block.DynamicLIMe is safeformer's own (its call differs); not re-exported",
     "ShiftTokens": "shift_tokens is built into safeformer's blocks; the module is not exposed",
     "FoldAxially": "attn_hybrid_fold_axial_dim is built into safeformer's attention; the module is not exposed",

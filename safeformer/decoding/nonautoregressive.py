@@ -15,16 +15,27 @@ real tokens hidden: ``"cosine"`` is ``cos(pi r / 2)`` (MaskGIT), ``"linear"`` is
 on a float tensor with values in ``[0, 1]`` works. After step ``s`` of ``S``,
 ``floor(gamma((s + 1) / S) * n_real)`` tokens stay hidden (at least one token is revealed per step, and
 none stays hidden after the last).
+
+x-transformers' further options: BERT's corruption of the hidden tokens (``no_replace_prob``,
+``random_token_prob``), self-conditioning on the previous embeddings (``self_cond``), a token critic
+(``token_critic``, ``self_token_critic``) that learns which sampled tokens are wrong and, at generation,
+decides which tokens are hidden again, and re-hiding tokens already revealed (``can_mask_prev_unmasked``).
+Randomness follows x-transformers' draws: without a ``generator`` the coin flips come from Python's
+``random`` and the tensors from torch's global generator, in x-transformers' order; with one, everything
+is drawn from it.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checkpoints.pretrained import Configurable
@@ -51,7 +62,7 @@ from .continuous import (
 from .decode import GuidedForward
 from .generation import _resolve_filter, check_pad_value, guided_logits_combine, sample_logits
 
-__all__ = ["NonAutoregressiveWrapper", "Losses"]
+__all__ = ["NonAutoregressiveWrapper", "Losses", "SelfCritic"]
 
 _IGNORE = -100
 _NEG_INF = float("-inf")
@@ -61,9 +72,13 @@ class Losses(NamedTuple):
     """What ``NonAutoregressiveWrapper.forward`` returns (x-transformers' ``Losses`` namedtuple).
 
     Attributes:
-        loss: the loss to train on (``loss.backward()``).
-        generator_loss: the masked-token loss; the same tensor as ``loss`` (safeformer has no token critic).
-        critic_loss: x-transformers' token-critic loss; always ``None`` here.
+        loss: the loss to train on (``loss.backward()``): the masked-token loss, plus
+            ``critic_loss_weight * critic_loss`` with a token critic (the critic loss alone with
+            ``only_train_critic``).
+        generator_loss: the masked-token loss (the same tensor as ``loss`` without a critic); ``None`` with
+            ``only_train_critic``.
+        critic_loss: the token critic's binary cross-entropy; ``None`` without a critic or with
+            ``only_train_generator``.
     """
 
     loss: Tensor
@@ -132,6 +147,114 @@ def mdlm_loss_weight(schedule_fn: Callable[[Tensor], Tensor], r: Tensor) -> Tens
     return torch.nan_to_num(w, nan=0.0, posinf=MDLM_WEIGHT_MAX).clamp(0.0, MDLM_WEIGHT_MAX)
 
 
+def _uniform(generator: torch.Generator | None) -> float:
+    """One number in ``[0, 1)``: Python's ``random()`` (x-transformers' coin flips) without a generator."""
+    return random.random() if generator is None else float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def _rand(shape: tuple[int, ...], generator: torch.Generator | None, device, dtype=torch.float32) -> Tensor:
+    """``torch.rand`` of ``shape`` from ``generator`` (drawn on its device), or torch's global generator."""
+    draw_on = device if generator is None else generator.device
+    return torch.rand(shape, generator=generator, device=draw_on, dtype=dtype).to(device)
+
+
+def mask_subset(mask: Tensor, prob: float, min_mask: int = 0, *, generator: torch.Generator | None = None) -> Tensor:
+    """x-transformers' ``get_mask_subset_prob``: of each row's True positions of ``mask (b, n)``, a uniformly
+    chosen ``ceil(max(count * prob, min_mask))`` (at most all of them; the same draw and arithmetic as
+    x-transformers)."""
+    b, n = mask.shape
+    num = (mask.sum(dim=-1, keepdim=True) * prob).clamp(min=min_mask)
+    scores = _rand((b, n), generator, mask.device).masked_fill(~mask, -1)
+    randperm = scores.argsort(dim=-1).argsort(dim=-1).float() - (~mask).sum(dim=-1, keepdim=True)
+    return (randperm < num) & mask
+
+
+def gumbel_sample(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
+    """x-transformers' ``gumbel_sample``: ``argmax(logits / max(temperature, 1e-10) + gumbel)`` over the last
+    dimension, the noise ``-log(-log(u + 1e-10) + 1e-10)`` of ``u ~ U(0, 1)`` (finite for every ``u``)."""
+    u = _rand(tuple(logits.shape), generator, logits.device, logits.dtype)
+    noise = -torch.log(-torch.log(u + 1e-10) + 1e-10)
+    return (logits / max(temperature, 1e-10) + noise).argmax(dim=-1)
+
+
+class SelfCritic(nn.Module):
+    """x-transformers' self token critic (Nijkamp et al., NAACL 2021): the generator's own net, its embeddings
+    read by ``to_logits = nn.Linear(dim, 1)``: ``(b, n, 1)``, how likely each token is wrong.
+
+    Args:
+        net: the wrapper's ``TransformerWrapper`` (shared, not copied).
+    """
+
+    def __init__(self, net: TransformerWrapper):
+        super().__init__()
+        self.net = net
+        self.to_logits = nn.Linear(net.attn_layers.dim, 1)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``(b, n, 1)`` critic logits of token ids ``x (b, n)`` under the padding mask ``mask``."""
+        return self.to_logits(self.net(x, mask=mask, return_embeddings=True))
+
+
+def _check_options(net: TransformerWrapper, kw: Mapping[str, Any]) -> None:
+    """The x-transformers options of ``NonAutoregressiveWrapper.__init__`` (its keywords ``kw``), checked."""
+    for name in ("self_cond", "can_mask_prev_unmasked", "self_token_critic"):
+        if not isinstance(kw[name], bool):
+            raise TypeError(f"{name} must be a bool, got {kw[name]!r}")
+    for name in ("self_cond_train_prob", "no_replace_prob", "random_token_prob"):
+        _check_prob(kw[name], name)
+    w = kw["critic_loss_weight"]
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+        raise ValueError(f"critic_loss_weight must be a finite number, got {w!r}")
+    critic = kw["token_critic"]
+    if kw["self_token_critic"] and critic is not None:
+        raise ValueError("self_token_critic=True and token_critic are exclusive: give one critic")
+    if critic is not None:
+        if not isinstance(critic, TransformerWrapper):
+            raise TypeError(f"token_critic must be a TransformerWrapper, got {type(critic).__name__}")
+        if critic.return_only_embed or NonAutoregressiveWrapper._logits_dim(critic) != 1:
+            raise ValueError("token_critic must return one logit per position (logits_dim=1)")
+        if critic.num_tokens < NonAutoregressiveWrapper._logits_dim(net):
+            raise ValueError(f"token_critic's num_tokens={critic.num_tokens} cannot read every token the net "
+                             f"produces (logits_dim={NonAutoregressiveWrapper._logits_dim(net)})")
+    if kw["self_cond"] and net.emb_dim != net.attn_layers.dim:
+        raise ValueError(f"self_cond needs the net's emb_dim ({net.emb_dim}) equal to its width "
+                         f"({net.attn_layers.dim}): the embeddings are fed back as token embeddings")
+
+
+def _check_forward_options(wrapper, only_train_generator, only_train_critic, generator_sample_temperature) -> None:
+    """``NonAutoregressiveWrapper.forward``'s critic options, checked."""
+    for name, v in (("only_train_generator", only_train_generator), ("only_train_critic", only_train_critic)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
+    if only_train_generator and only_train_critic:
+        raise ValueError("only_train_generator and only_train_critic are exclusive: train one, or both (neither)")
+    if only_train_critic and wrapper.token_critic is None:
+        raise ValueError("only_train_critic needs a token critic (token_critic= or self_token_critic=True)")
+    if generator_sample_temperature is not None:
+        _check_temperature(generator_sample_temperature, "generator_sample_temperature")
+
+
+def _critic_loss(token_critic: nn.Module, logits: Tensor, x: Tensor, hidden: Tensor, mask: Tensor | None,
+                 temperature: float, reduction: str, generator) -> Tensor:
+    """The token critic's binary cross-entropy (x-transformers): the hidden tokens replaced by a Gumbel
+    sample of ``logits`` at ``temperature``, the label of each real position whether the sample there
+    differs from ``x``; padded positions never count (0 over none)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    sampled = gumbel_sample(logits, temperature, generator)
+    generated = torch.where(hidden, sampled, x)
+    critic = token_critic(generated, mask=mask)[..., 0]
+    critic = critic.to(torch.promote_types(critic.dtype, torch.float32))
+    labels = (sampled != x).to(critic.dtype)
+    per = F.binary_cross_entropy_with_logits(critic, labels, reduction="none")
+    if mask is not None:
+        per = torch.where(mask, per, 0.0)
+    if reduction == "none":
+        return per
+    total = per.sum()
+    count = max(x.numel(), 1) if mask is None else mask.sum().clamp(min=1)
+    return total if reduction == "sum" else total / count
+
+
 class NonAutoregressiveWrapper(Configurable, nn.Module):
     """Masked-token training and iterative parallel decoding (MaskGIT) around a bidirectional
     ``TransformerWrapper``, with every kind of condition droppable and guided.
@@ -153,6 +276,25 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             option of the same name (on by default there) computes ``gamma'(r) / (1 - gamma(r))``, which is
             negative for every decreasing schedule (its loss falls as the cross-entropy rises); safeformer
             keeps the paper's sign and denominator, and leaves it off by default.
+        self_cond: self-conditioning: the net's input embeddings get ``to_self_cond(e)`` added
+            (``nn.Linear(dim, dim, bias=False)``), ``e`` the previous prediction's embeddings: at generation
+            the last step's, in training (with probability ``self_cond_train_prob``) a first pass's, without
+            gradient; else the learned ``null_embed`` (``(dim,)``).
+        self_cond_train_prob: the probability, per training step, of self-conditioning on a first pass.
+        no_replace_prob: in training, the fraction of the hidden tokens left as they are (still scored), as in
+            BERT; applied on half of the steps (a coin flip), as in x-transformers. Default 0 here (0.15 there).
+        random_token_prob: in training, the fraction of the remaining hidden tokens replaced by a uniformly
+            random id in ``[0, num_tokens)`` instead of ``mask_id`` (still scored); on half of the steps.
+            Default 0 here (0.1 there).
+        can_mask_prev_unmasked: at generation, whether a token revealed at an earlier step may be hidden
+            again (judged by the model's probability of the token it holds, or by the critic).
+        token_critic: a ``TransformerWrapper`` with ``logits_dim=1`` that scores each token of a sampled
+            sequence: trained (binary cross-entropy) to tell where the generator's sample differs from the
+            data, and at generation it decides which tokens are hidden again (the highest scores, with
+            annealed Gumbel noise ``noise_level_scale``).
+        self_token_critic: use the net itself as the critic: ``token_critic = SelfCritic(net)`` (its
+            embeddings read by ``nn.Linear(dim, 1)``). Not together with ``token_critic``.
+        critic_loss_weight: the critic loss's weight in ``loss``.
 
     Example:
         >>> net = TransformerWrapper(num_tokens=18, logits_dim=17, max_seq_len=64,
@@ -173,6 +315,14 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         cond_drop_prob: float | dict[str, float] = 0.0,
         cond_drop_all_prob: float = 0.0,
         use_simple_mdlm_loss_weight: bool = False,
+        self_cond: bool = False,
+        self_cond_train_prob: float = 0.75,
+        no_replace_prob: float = 0.0,
+        random_token_prob: float = 0.0,
+        can_mask_prev_unmasked: bool = False,
+        token_critic: TransformerWrapper | None = None,
+        self_token_critic: bool = False,
+        critic_loss_weight: float = 1.0,
     ):
         super().__init__()
         if not isinstance(net, TransformerWrapper):
@@ -199,6 +349,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         probs = drop_probabilities(cond_drop_prob)
         check_drop_kinds(net.attn_layers, cond_drop_prob)
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
+        _check_options(net, locals())
         self._set_config_from(NonAutoregressiveWrapper.__init__, locals())
         self.net = net
         self.mask_id = mask_id
@@ -213,6 +364,17 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         self.cond_drop_prob = max(probs.values())
         self.cond_drop_all_prob = float(cond_drop_all_prob)
         self.max_seq_len = net.max_seq_len
+        self.dim = net.emb_dim
+        self.no_replace_prob = float(no_replace_prob)
+        self.random_token_prob = float(random_token_prob)
+        self.can_mask_prev_unmasked = can_mask_prev_unmasked
+        self.self_cond = self_cond
+        self.self_cond_train_prob = float(self_cond_train_prob)
+        if self_cond:  # x-transformers' parameters, in its order (the same draws from the same seed)
+            self.null_embed = nn.Parameter(torch.randn(self.dim))
+            self.to_self_cond = nn.Linear(self.dim, self.dim, bias=False)
+        self.token_critic = SelfCritic(net) if self_token_critic else token_critic
+        self.critic_loss_weight = float(critic_loss_weight)
 
     def get_config(self) -> dict[str, Any]:
         if not isinstance(self.schedule, str):
@@ -247,10 +409,13 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
 
         Per sample a time ``r ~ U(0, 1)`` is drawn, and ``max(1, ceil(gamma(r) * n_real))`` of its real
         tokens (all of them at most; none when it has none) are chosen uniformly and replaced by
-        ``mask_id``. Padded positions are never chosen.
+        ``mask_id`` (x-transformers' draws: ``r``, then a random permutation of the positions; without
+        padding the same tokens as x-transformers from the same numbers). Padded positions are never chosen.
+        With ``no_replace_prob`` / ``random_token_prob`` some chosen tokens keep their id or get a random one.
 
         Returns:
-            ``(hidden_x (b, n), hidden (b, n) bool)``: the corrupted ids and which positions were hidden.
+            ``(hidden_x (b, n), hidden (b, n) bool)``: the corrupted ids and which positions were chosen
+            (the positions the loss scores).
         """
         return self._hide(x, mask, generator)[:2]
 
@@ -263,21 +428,39 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             validate_mask(mask, "mask", shape=(b, n), device=x.device)
         real = torch.ones(b, n, dtype=torch.bool, device=x.device) if mask is None else mask
         n_real = real.sum(dim=1)  # (b,)
-        draw_on = x.device if generator is None else generator.device
-        r = torch.rand(b, generator=generator, device=draw_on).to(x.device)
+        r = _rand((b,), generator, x.device)
         frac = self.schedule_fn(r.double()).clamp(0.0, 1.0)
         k = torch.ceil(frac * n_real.double()).long().clamp(min=1)
         k = torch.minimum(k, n_real)
-        scores = torch.rand(b, n, generator=generator, device=draw_on).to(x.device)
-        scores = torch.where(real, scores, 2.0)  # padding ranks last, never chosen
-        rank = scores.argsort(dim=1).argsort(dim=1)
-        hidden = (rank < k[:, None]) & real
-        return torch.where(hidden, torch.full_like(x, self.mask_id), x), hidden, r.double()
+        perm = _rand((b, n), generator, x.device).argsort(dim=1)  # x-transformers' batched random permutation
+        if mask is not None:  # the real positions ranked 0..n_real-1 in the permutation's order; padding last
+            perm = torch.where(real, perm, perm + n).argsort(dim=1).argsort(dim=1)
+        hidden = (perm < k[:, None]) & real
+        return self._corrupt(x, hidden, generator), hidden, r.double()
+
+    def _corrupt(self, x: Tensor, hidden: Tensor, generator) -> Tensor:
+        """x-transformers' corruption of the ``hidden (b, n)`` tokens of ``x``: ``mask_id``, except (each on
+        a coin flip) a ``no_replace_prob`` fraction left as is and a ``random_token_prob`` fraction of the
+        rest replaced by random ids."""
+        replace, frac_left = hidden, 1.0
+        if self.no_replace_prob > 0 and _uniform(generator) < 0.5:
+            frac_left -= self.no_replace_prob
+            replace = replace & ~mask_subset(hidden, self.no_replace_prob, generator=generator)
+        if self.random_token_prob > 0 and _uniform(generator) < 0.5:
+            chosen = mask_subset(replace, self.random_token_prob * frac_left, generator=generator)
+            draw_on = x.device if generator is None else generator.device
+            ids = torch.randint(0, self.num_tokens, tuple(x.shape), generator=generator, device=draw_on).to(x.device)
+            x = torch.where(chosen, ids, x)
+            replace = replace & ~chosen
+        return torch.where(replace, torch.full_like(x, self.mask_id), x)
 
     @checked_once
     def forward(
         self,
         x: Tensor,
+        only_train_generator: bool = False,
+        only_train_critic: bool = False,
+        generator_sample_temperature: float | None = None,
         *,
         mask: Tensor | None = None,
         context: Tensor | None = None,
@@ -290,45 +473,74 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         generator: torch.Generator | None = None,
         **conditions,
     ) -> Losses:
-        """Masked-token cross-entropy of ``x (b, n)``.
+        """Masked-token cross-entropy of ``x (b, n)`` (and the token critic's loss, with one).
 
         Args:
             x: token ids; real ones in ``[0, logits_dim)`` and not ``mask_id``; padded positions may hold
                 anything (they are never looked up, hidden or scored).
+            only_train_generator: with a critic, return the masked-token loss alone (no critic pass).
+            only_train_critic: with a critic, the generator runs without gradient and ``loss`` is the
+                critic loss alone (``generator_loss`` is ``None``).
+            generator_sample_temperature: the temperature of the Gumbel sample the critic judges; ``None``
+                draws one uniformly in ``[0, 1)`` per call (x-transformers).
             mask: ``(b, n)`` padding mask (True = real).
             context, context_mask, prepend_embeds, prepend_mask, condition, condition_mask: the
                 conditions (see ``conditions.py``); in training mode each is dropped per sample
                 (``cond_drop_prob``, ``cond_drop_all_prob``).
             reduction: ``"mean"`` over hidden real positions (exactly 0 with zero gradient when none is
                 hidden: an all-padding batch), ``"sum"``, or ``"none"``: ``(b, n)``, exactly 0 at
-                positions not hidden.
-            generator: the random source of the hiding (``hide_tokens``) and of condition dropping.
+                positions not hidden. The critic loss is reduced over real positions the same way.
+            generator: the random source of the hiding (``hide_tokens``), of condition dropping and of the
+                critic's sample; without it x-transformers' sources (Python's ``random``, torch's global).
 
         Returns:
-            ``Losses(loss, generator_loss, critic_loss)`` (x-transformers' namedtuple): train on ``.loss``;
-            ``generator_loss`` is the same tensor and ``critic_loss`` is ``None`` (no token critic).
+            ``Losses(loss, generator_loss, critic_loss)`` (x-transformers' namedtuple): train on ``.loss``.
         """
         conditions = condition_kwargs("NonAutoregressiveWrapper.forward", conditions)
         self._check_tokens(x, mask)
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        _check_forward_options(self, only_train_generator, only_train_critic, generator_sample_temperature)
         b = x.shape[0]
         conds = _conditions_of(self.net, b, x.device, {**locals(), **conditions})
         if self.training and (self.cond_drop_prob > 0 or self.cond_drop_all_prob > 0):
             conds, _ = drop_conditions(conds, self.cond_drop_probs, all_prob=self.cond_drop_all_prob, generator=generator)
         inp, hidden, r = self._hide(x, mask, generator)
-        logits = self.net(inp, mask=mask, **conds.kwargs())  # (b, n, v)
+        with torch.no_grad() if only_train_critic else nullcontext():
+            logits = self.net(inp, mask=mask, **self._self_condition(inp, mask, conds.kwargs(), generator))
+            loss = self._generator_loss(logits, x, hidden, r, reduction)
+        if self.token_critic is None or only_train_generator:
+            return Losses(loss, loss, None)
+        temperature = _uniform(generator) if generator_sample_temperature is None else generator_sample_temperature
+        critic_loss = _critic_loss(self.token_critic, logits.detach(), x, hidden, mask, temperature, reduction,
+                                   generator)
+        if only_train_critic:
+            return Losses(critic_loss, None, critic_loss)
+        return Losses(loss + critic_loss * self.critic_loss_weight, loss, critic_loss)
+
+    def _self_condition(self, inp: Tensor, mask: Tensor | None, kwargs: dict, generator) -> dict:
+        """The net's keywords ``kwargs`` with self-conditioning's ``sum_embeds``: ``to_self_cond`` of a first
+        pass's embeddings (no gradient) with probability ``self_cond_train_prob``, else of ``null_embed``."""
+        if not self.self_cond:
+            return kwargs
+        b, n = inp.shape
+        embeds = self.null_embed
+        if _uniform(generator) < self.self_cond_train_prob:
+            with torch.no_grad():
+                embeds = self.net(inp, mask=mask, return_embeddings=True, **kwargs).detach()
+        return {**kwargs, "sum_embeds": self.to_self_cond(embeds).expand(b, n, self.dim)}
+
+    def _generator_loss(self, logits: Tensor, x: Tensor, hidden: Tensor, r: Tensor, reduction: str) -> Tensor:
+        """The cross-entropy of the ``hidden`` tokens of ``x`` (MDLM-weighted with the option)."""
         target = torch.where(hidden, x, torch.full_like(x, _IGNORE))
         if not self.use_simple_mdlm_loss_weight:
-            loss = safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction=reduction)
-            return Losses(loss, loss, None)
+            return safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction=reduction)
         per = safe_cross_entropy(logits, target, ignore_index=_IGNORE, reduction="none")  # (b, n), 0 where not hidden
         per = per * mdlm_loss_weight(self.schedule_fn, r).to(per.dtype)[:, None]
         if reduction == "none":
-            return Losses(per, per, None)
+            return per
         total = per.sum()
-        loss = total if reduction == "sum" else total / hidden.sum().clamp(min=1).to(per.dtype)
-        return Losses(loss, loss, None)
+        return total if reduction == "sum" else total / hidden.sum().clamp(min=1).to(per.dtype)
 
     # ------------------------------------------------------------------------------------------------
     # generation
@@ -345,7 +557,7 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         negative_prepend_embeds: Tensor | None = None, negative_prepend_mask: Tensor | None = None,
         negative_condition: Tensor | None = None, temperature: float = 1.0, choice_temperature: float = 0.0,
         filter_logits_fn: Callable[..., Tensor] | str | None = None, filter_kwargs: dict[str, Any] | None = None,
-        steps: int | None = None, **conditions,
+        steps: int | None = None, noise_level_scale: float = 1.0, **conditions,
     ) -> Tensor:
         """Iterative parallel decoding (MaskGIT), optionally with classifier-free guidance.
 
@@ -369,6 +581,8 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             filter_logits_fn, filter_kwargs: ``top_k`` / ``top_p`` / ``min_p`` (or a callable) on each
                 position's guided logits, after the temperature (see ``sample_logits``).
             steps: decoding steps (default: the wrapper's ``steps``).
+            noise_level_scale: with a token critic, the scale of the Gumbel noise added to its scores
+                (annealed to 0 over the steps), as in x-transformers.
 
         Returns:
             ``(b, seq_len)`` token ids; none is ``mask_id``.
@@ -383,7 +597,8 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         was_training = self.training
         self.eval()
         try:
-            engine = GuidedForward(self.net, d.b, d.conds, d.negatives, d.schedule,
+            net = _SelfConditioned(self) if self.self_cond else self.net
+            engine = GuidedForward(net, d.b, d.conds, d.negatives, d.schedule,
                                    guided_logits_combine(d.schedule, d.guidance_rescale, d.guidance_space),
                                    need_joint=d.guidance_rescale > 0, cache_kv=False, read="all", steps=d.steps)
             seq = _reveal(self, engine, d, real, mask, counts)
@@ -405,6 +620,7 @@ class _Decoding:
     guidance_space: str
     filter_fn: Callable[..., Tensor] | None
     filter_kwargs: dict[str, Any] | None
+    noise_level_scale: float
     conds: Conditions
     negatives: Conditions
     schedule: GuidanceSchedule
@@ -449,14 +665,64 @@ def _prepare_generate(wrapper, kw: Mapping, device) -> _Decoding:
     conds = conds.with_empty_for(negatives, b)
     schedule = GuidanceSchedule.build(kw["cond_scale"], conds.kinds(), kw["guidance_interval"], guidance_rescale,
                                       has_uncond=bool(conds.kinds()), steps=steps)
+    noise_level_scale = _check_temperature(kw["noise_level_scale"], "noise_level_scale")
     return _Decoding(b, n, steps, temperature, choice_temperature, guidance_rescale, guidance_space, filter_fn,
-                     filter_kwargs, conds, negatives, schedule)
+                     filter_kwargs, noise_level_scale, conds, negatives, schedule)
+
+
+class _SelfConditioned:
+    """The wrapper's net in the decode engine's protocol with self-conditioning: each call adds
+    ``to_self_cond`` of the previous step's embeddings (``null_embed`` at the first) to the input embeddings
+    and keeps the new ones, per run of the engine (every guidance branch's rows its own). Not a module."""
+
+    def __init__(self, wrapper: NonAutoregressiveWrapper):
+        self.wrapper = wrapper
+        self.embeds: dict[int, Tensor] = {}
+        self.calls = 0
+        self.period = 1  # the engine's runs per step (set once the engine is built)
+
+    def __call__(self, x: Tensor, *, mask: Tensor | None = None, return_cache: bool = False, **kwargs) -> Tensor:
+        w, key = self.wrapper, self.calls % self.period
+        self.calls += 1
+        b, n = x.shape
+        last = self.embeds.get(key, w.null_embed)
+        sum_embeds = w.to_self_cond(last).expand(b, n, w.dim)
+        logits, self.embeds[key] = w.net(x, mask=mask, sum_embeds=sum_embeds, return_logits_and_embeddings=True,
+                                         **kwargs)
+        return logits
+
+
+def _scores(wrapper, d: _Decoding, logits: Tensor, sampled: Tensor, seq: Tensor, hidden: Tensor, mask: Tensor | None,
+            s: int) -> Tensor:
+    """``(b, n)`` how sure step ``s`` is of each position (the least sure stay hidden): the guided probability
+    of the token drawn (of the token held, at a revealed position), with MaskGIT's annealed Gumbel noise
+    (``choice_temperature``); with a token critic, minus its score of the filled-in sequence, with
+    x-transformers' annealed Gumbel noise (``noise_level_scale``)."""
+    b, n, steps, device = d.b, d.n, d.steps, seq.device
+    filled = torch.where(hidden, sampled, seq)
+    anneal = 1.0 - (s + 1) / steps
+    if wrapper.token_critic is not None:
+        critic = wrapper.token_critic(filled, mask=mask)[..., 0]
+        critic = critic.to(torch.promote_types(critic.dtype, torch.float32))
+        u = torch.rand(critic.shape, device=device, dtype=critic.dtype)
+        noise = -torch.log(-torch.log(u + 1e-10) + 1e-10)
+        return -(critic + d.noise_level_scale * noise * anneal)
+    held = filled.clamp(max=logits.shape[-1] - 1).reshape(-1, 1)  # padding holds mask_id: read anything there
+    conf = logits.softmax(dim=-1).gather(1, held).reshape(b, n)
+    if d.choice_temperature > 0:
+        u = torch.rand(conf.shape, device=device, dtype=conf.dtype).clamp(1e-20, 1.0 - 1e-7)
+        gumbel = -torch.log((-torch.log(u)).clamp(min=1e-20))  # finite: u in (0, 1)
+        conf = torch.log(conf.clamp(min=1e-38)) + d.choice_temperature * anneal * gumbel
+    return conf
 
 
 def _reveal(wrapper, engine: GuidedForward, d: _Decoding, real: Tensor, mask: Tensor | None, counts: Tensor) -> Tensor:
     """MaskGIT's loop: each step every hidden position is predicted (guided), the most confident predictions are kept
-    and the others hidden again, ``counts[s] (b,)`` of them (at least one revealed per step); returns ``(b, n)``."""
+    and the others hidden again, ``counts[s] (b,)`` of them (at least one revealed per step; with
+    ``can_mask_prev_unmasked`` tokens revealed earlier compete too); returns ``(b, n)``."""
     b, n, steps, device = d.b, d.n, d.steps, real.device
+    if isinstance(engine.net, _SelfConditioned):
+        engine.net.period = len(engine.runs)
     seq = torch.full((b, n), wrapper.mask_id, dtype=torch.long, device=device)
     hidden = real.clone()
     for s in range(steps):
@@ -466,16 +732,12 @@ def _reveal(wrapper, engine: GuidedForward, d: _Decoding, real: Tensor, mask: Te
             logits[..., wrapper.mask_id] = _NEG_INF  # the hidden token is never produced
         flat = logits.reshape(b * n, -1)
         sampled = sample_logits(flat, d.temperature, d.filter_fn, d.filter_kwargs).reshape(b, n)
-        # confidence: the guided probability of the token drawn (the most confident stay)
-        conf = flat.softmax(dim=-1).gather(1, sampled.reshape(-1, 1)).reshape(b, n)
-        if d.choice_temperature > 0:
-            u = torch.rand(conf.shape, device=device, dtype=conf.dtype).clamp(1e-20, 1.0 - 1e-7)
-            gumbel = -torch.log((-torch.log(u)).clamp(min=1e-20))  # finite: u in (0, 1)
-            conf = torch.log(conf.clamp(min=1e-38)) + d.choice_temperature * (1.0 - (s + 1) / steps) * gumbel
-        conf = torch.where(hidden, conf, float("inf"))  # revealed tokens and padding stay
+        conf = _scores(wrapper, d, flat, sampled, seq, hidden, mask, s)
+        # revealed tokens stay (unless they may be hidden again), padding always
+        conf = torch.where((real if wrapper.can_mask_prev_unmasked else hidden), conf, float("inf"))
         k = torch.minimum(counts[s], (hidden.sum(1) - 1).clamp(min=0))  # reveal at least one per step
         rank = conf.argsort(dim=1, stable=True).argsort(dim=1)
-        still = (rank < k[:, None]) & hidden
+        still = (rank < k[:, None]) & real
         seq = torch.where(hidden & ~still, sampled, seq)
         seq = torch.where(still, torch.full_like(seq, wrapper.mask_id), seq)
         hidden = still

@@ -249,10 +249,14 @@ def _copy_attention_projections(c: _Copier, dst, blk, lay: _Layout) -> None:
     put(dst.to_q.weight, take(blk.to_q.weight)[rows])
     put(dst.to_k.weight, take(blk.to_k.weight))
     put(dst.to_v.weight, take(blk.to_v.weight))
-    if isinstance(blk.to_out, nn.Linear):  # orthog_projected_values: one copy of rows per part
-        parts = blk.to_out.in_features // (heads * dim_head)
+    src_out = blk.to_out[0] if isinstance(blk.to_out, nn.Sequential) else blk.to_out  # attn_on_attn: its Linear
+    dst_out = dst.to_out[0] if isinstance(dst.to_out, nn.Sequential) else dst.to_out
+    if isinstance(src_out, nn.Linear) and dst.dim_value != dim_head:  # attn_value_dim_head: heads in x-transformers'
+        put(dst_out.weight, take(src_out.weight))  # order (both libraries, tiled)
+    elif isinstance(src_out, nn.Linear):  # orthog_projected_values: one copy of rows per part
+        parts = src_out.in_features // (heads * dim_head)
         cols = torch.cat([rows + p * heads * dim_head for p in range(parts)])
-        put(dst.to_out.weight, take(blk.to_out.weight)[:, cols])
+        put(dst_out.weight, take(src_out.weight)[:, cols])
     elif isinstance(dst.to_out, nn.Identity):  # one head of width dim: no projection in either library
         if not torch.equal(rows, torch.arange(len(rows), device=rows.device)):
             raise ValueError("an attention without output projection cannot take a permutation of its heads")
@@ -326,6 +330,8 @@ def _copy_gates(c: _Copier, dst, blk, lay: _Layout) -> None:
     """Gate projections with the query heads permuted: per-feature outputs by ``rows``, per-head outputs by
     ``perm``, and the output gate's input (the attention output) by ``rows``."""
     put, take, perm, rows, heads, dim_head = c.put, c.take, lay.perm, lay.rows, lay.heads, lay.dim_head
+    if dst.dim_value != dim_head:  # value_dim_head: the gates act on the output, heads * dim_value wide (same order)
+        rows = torch.arange(heads * dst.dim_value, device=rows.device)
     for attr in ("to_v_gate", "to_output_gate"):
         src_gate, dst_gate = getattr(blk, attr, None), getattr(dst, attr)
         if src_gate is None:

@@ -174,12 +174,16 @@ class _AttnOptions:
     rotate_heads: int | None = None  # rotate_num_heads (the last heads rotary positions rotate)
     talking_heads: tuple = ()  # the Attend's talking-heads convs present: ("pre_softmax_talking_heads", ...)
     sublayer_dropout: float = 0.0  # attn_sublayer_dropout
+    on_attn: bool = False  # attn_on_attn: to_out is Sequential(Linear, GLU)
+    value_dim_head: int | None = None  # attn_value_dim_head (None: dim_head)
+    custom_fn: object = None  # attn_custom_attn_fn: the user's function itself
 
     def key(self) -> tuple:
         return (self.qk_norm, self.qk_dim_scale, self.qk_groups, self.qk_scale, self.value_rmsnorm, self.qk_rmsnorm,
                 self.k_rmsnorm, self.orthog, self.mem_kv, self.sink,
                 self.softclamp, self.gates, repr(self.dd_alibi), self.scoring, self.hybrid, self.head_scale,
-                self.sublayer_dropout, self.sparse_topk, self.hard, self.talking_heads, self.zero_kv)
+                self.sublayer_dropout, self.sparse_topk, self.hard, self.talking_heads, self.zero_kv, self.on_attn,
+                self.value_dim_head, self.custom_fn)
         # (rotate_heads is left out: x-transformers' stack gives it to its self-attentions only, all alike)
 
 
@@ -241,13 +245,7 @@ def _check_attention(name: str, attn, xt, xt_attend, problems: _Problems, traini
 
 def _check_attention_norms(name: str, attn, opts: _AttnOptions, problems: _Problems) -> None:
     """Head scale, qk-norm, value norm, orthogonal values and gates of ``attn`` into ``opts`` (the rest refused)."""
-    flags = {
-        "attn_on_attn": "attn_on_attn",
-    }
     opts.head_scale = bool(getattr(attn, "head_scale", False))
-    for attr, option in flags.items():
-        if getattr(attn, attr, False):
-            problems.add(f"{option}", name)
     if opts.qk_norm:
         opts.qk_dim_scale, opts.qk_groups, opts.qk_scale = _qk_options(attn)
     opts.orthog = tuple((f"attn_{attr}", True) for attr in ("orthog_projected_values", "orthog_projected_values_per_head")
@@ -311,10 +309,16 @@ def _check_attention_projections(name: str, attn, opts: _AttnOptions, problems: 
     for lin in ("to_q", "to_k", "to_v"):
         if getattr(attn, lin).bias is not None:
             problems.add(f"a bias in {lin}", name)
-    if isinstance(attn.to_out, nn.Linear) and attn.to_out.bias is not None:
+    out = attn.to_out
+    glu = isinstance(out, nn.Sequential) and len(out) == 2 and isinstance(out[0], nn.Linear) \
+        and isinstance(out[1], nn.GLU) and out[1].dim == -1
+    if glu:  # attn_on_attn
+        opts.on_attn = True
+        out = out[0]
+    if isinstance(out, nn.Linear) and out.bias is not None:
         problems.add("a bias in to_out", name)
-    elif not isinstance(attn.to_out, (nn.Linear, nn.Identity)) and type(attn.to_out).__name__ != "Identity":
-        problems.add("attn_on_attn or a custom output projection", name)
+    elif not isinstance(out, (nn.Linear, nn.Identity)) and type(out).__name__ != "Identity":
+        problems.add("a custom output projection", name)
 
 
 def _attend_function(name: str, att, opts: _AttnOptions, problems: _Problems) -> bool:
@@ -331,8 +335,10 @@ def _attend_function(name: str, att, opts: _AttnOptions, problems: _Problems) ->
         opts.sparse_topk = (int(fn.keywords["sparse_topk"]), bool(fn.keywords.get("straight_through", False)))
     elif hard:  # attn_hard
         opts.hard = True
-    elif not plain_softmax and not sigmoid:
-        problems.add("a non-softmax attention function (attn_gumbel_softmax / attn_custom_attn_fn)", name)
+    elif isinstance(fn, functools.partial) and fn.func is F.gumbel_softmax:
+        problems.add("attn_gumbel_softmax (sampled)", name)
+    elif not plain_softmax and not sigmoid:  # attn_custom_attn_fn: the same function
+        opts.custom_fn = fn
     return sigmoid
 
 
@@ -549,6 +555,7 @@ def _check_module_types(model, xt, xt_attend, problems: _Problems) -> None:
                 tname == "PolarEmbedding" and mname == "attn_layers.polar_pos_emb") or (
                 tname in ("ReluSquared", "SoLU") and re.search(r"\.ff\.0\.(1|act)$", mname)) or (
                 tname == "ScaledSinusoidalEmbedding" and mname == "pos_emb") or (
+                tname == "GLU" and mname.endswith(".to_out.1")) or (  # attn_on_attn (_check_attention_projections)
                 tname == "RelativeProjPositionalBias" and mname.endswith(".rel_proj_pos_bias")) or (
                 tname == "Lambda" and isinstance(getattr(module, "fn", None), functools.partial)
                 and getattr(module.fn.func, "__name__", "") == "softclamp"):  # converted (_check_attention, _parse_ff)

@@ -307,10 +307,6 @@ def _convert_continuous(model, xt, drop_training_only: bool):
     )
 
     problems = _Problems()
-    if getattr(model, "max_mem_len", 0):
-        problems.add(f"max_mem_len={model.max_mem_len} (Transformer-XL memories in the continuous wrapper)")
-    if not isinstance(getattr(model, "post_emb_norm", nn.Identity()), nn.Identity):
-        problems.add("post_emb_norm")
     pos = model.pos_emb
     sinu = type(pos).__name__ == "ScaledSinusoidalEmbedding"
     if isinstance(pos, nn.Module) and not sinu and type(pos).__name__ != "AbsolutePositionalEmbedding" \

@@ -193,8 +193,8 @@ def _check_wrapper(model, xt, problems: _Problems, training_only: list[str], dim
     if num_memory_tokens:
         if getattr(model, "memory_tokens_interspersed_every", None) is not None:  # memory rows before every segment
             extra["memory_tokens_interspersed_every"] = int(model.memory_tokens_interspersed_every)
-    if getattr(model, "emb_frac_gradient", 1.0) != 1.0:
-        training_only.append(f"emb_frac_gradient={model.emb_frac_gradient}")
+    if getattr(model, "emb_frac_gradient", 1.0) != 1.0:  # the same gradient scale (the forward is unchanged)
+        extra["emb_frac_gradient"] = float(model.emb_frac_gradient)
     tied = False
     if to_logits is None:
         pass  # return_only_embed: an encoder that returns hidden states
@@ -490,9 +490,12 @@ def _tally_attention(scan: _Scan, tally: _LayerTally, name: str, kind: str, k: i
     tally.attn_shapes.add((blk.heads, blk.kv_heads, dh))
     tally.attn_dropouts.add(blk.attend.dropout)
     tally.drops[kind].append(float(blk.attend.dropout))
-    if blk.to_v.out_features != blk.kv_heads * dh:
-        problems.add("attn_value_dim_head != dim_head", name)
-    out_features = blk.to_out.out_features if isinstance(blk.to_out, nn.Linear) else blk.heads * dh
+    dv = blk.to_v.out_features // blk.kv_heads
+    if dv != dh:  # attn_value_dim_head
+        opts.value_dim_head = dv
+    out = blk.to_out[0] if isinstance(blk.to_out, nn.Sequential) else blk.to_out
+    out_features = (out.out_features // (2 if out is not blk.to_out else 1)) if isinstance(out, nn.Linear) \
+        else blk.heads * dv
     if out_features != dim:
         problems.add(f"attn_dim_out={out_features} != dim", name)
     if kind == "a":
@@ -793,6 +796,10 @@ def _attention_kwargs(stack_kwargs: dict, st: _StackInfo, ly: _LayersInfo, opts0
             stack_kwargs.update(attn_sparse_topk_straight_through=True)
     if opts0.sublayer_dropout:
         stack_kwargs.update(attn_sublayer_dropout=opts0.sublayer_dropout)
+    for key, value in (("attn_on_attn", opts0.on_attn or None), ("attn_value_dim_head", opts0.value_dim_head),
+                       ("attn_custom_attn_fn", opts0.custom_fn)):
+        if value is not None:
+            stack_kwargs[key] = value
     if opts0.softclamp is not None:
         stack_kwargs.update(attn_softclamp_logits=True, attn_logit_softclamp_value=opts0.softclamp)
 

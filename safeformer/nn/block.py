@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from ..core.losses import masked_mean
 from .modules import AdaptiveNorm, RMSNorm, TorchLayerNorm, _rename_keys
 
-__all__ = ["Block", "apply_norm", "ShiftTokens", "AdaptiveLayerScale", "shift_tokens", "HyperConnection", "DynamicLIMe", "ConcatCombine", "MVSplitResidualUpdate",
+__all__ = ["Block", "apply_norm", "ShiftTokens", "AdaptiveLayerScale", "shift_tokens", "HyperConnection", "DynamicLIMe",
+           "AttentionResidual", "GatedMultiResidual", "ConcatCombine", "MVSplitResidualUpdate",
            "ResidualRouting", "sinkhorn", "orthog_residual_update", "OrthogonalResidualUpdate",
            "residual_update"]
 
@@ -352,6 +353,143 @@ class DynamicLIMe(nn.Module):
         return out[0] if self.num_views == 1 else out
 
 
+DEFAULT_ATTN_RESIDUAL_LORA_RANK = 64  # x-transformers' default rank of AttentionResidual's query delta
+
+_ROUTING_STEP_REFUSAL = ("{} runs in the stack's residual routing (its forward), which the static decode step does "
+                         "not run: generation decodes with the dynamic KV cache")
+
+
+class LoRALinear(nn.Module):
+    """x-transformers' ``LoRALinear(dim_in, dim_out, dim=rank, activation)``: ``up(activation(down(x)))`` without
+    biases, ``up`` starting at zero (so the low-rank delta starts at 0). Its parameter names are x-transformers'
+    (``down``, ``up``, and ``maybe_activation`` when the activation is a module)."""
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int, activation: Callable[[Tensor], Tensor] | None = None):
+        super().__init__()
+        self.down = nn.Linear(dim_in, rank, bias=False)
+        self.up = nn.Linear(rank, dim_out, bias=False)
+        nn.init.zeros_(self.up.weight)
+        self.maybe_activation = activation if activation is not None else _identity
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.up(self.maybe_activation(self.down(x)))
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+class AttentionResidual(nn.Module):
+    """x-transformers' ``attn_aggregated_residuals`` (https://arxiv.org/abs/2601.21582,
+    https://arxiv.org/abs/2603.15031): each block's input is an attention, per token, over the inputs of every
+    block so far (``hiddens (L, ..., c)``, the latest last): the query is the latest hidden plus a low-rank delta of
+    it (``norm(h_L + LoRA(RMSNorm(h_L)))``), the keys the RMS-normed hiddens, the values the hiddens themselves;
+    softmax over the ``L`` hiddens, scaled by ``c ** -0.5``. Positions never meet (a padded position reads only
+    itself). Module names are x-transformers' (``to_keys``, ``to_query``, ``norm``: torch ``nn.RMSNorm``).
+
+    Args:
+        dim: c.
+        num_views: V (3: separate query, key and value inputs for self-attention).
+        lora_rank: the rank of the query delta (x-transformers' default 64; below ``dim``).
+        lora_activation: an activation between the delta's two projections (``None``: none).
+    """
+
+    static_step_refusal = _ROUTING_STEP_REFUSAL.format("attn_aggregated_residuals (AttentionResidual)")
+
+    def __init__(self, dim: int, num_views: int = 1, lora_rank: int | None = DEFAULT_ATTN_RESIDUAL_LORA_RANK,
+                 lora_activation: Callable[[Tensor], Tensor] | None = None):
+        super().__init__()
+        rank = DEFAULT_ATTN_RESIDUAL_LORA_RANK if lora_rank is None else lora_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank < dim:
+            raise ValueError(f"attn_aggregated_residual_kwargs' lora_rank must be a positive integer below dim={dim} "
+                             f"(x-transformers' default is {DEFAULT_ATTN_RESIDUAL_LORA_RANK}), got {rank!r}")
+        if lora_activation is not None and not callable(lora_activation):
+            raise TypeError(f"attn_aggregated_residual_kwargs' lora_activation must be callable (a module or a "
+                            f"function) or None, got {type(lora_activation).__name__}")
+        self.scale = dim**-0.5
+        self.num_views = num_views
+        self.multiple_views = num_views > 1
+        self.to_keys = nn.RMSNorm(dim)
+        self.to_query = nn.Sequential(nn.RMSNorm(dim), LoRALinear(dim, dim * num_views, rank, lora_activation))
+        self.norm = nn.RMSNorm(dim)
+
+    def forward(self, past_deltas: list[Tensor] | Tensor | None = None, hiddens: list[Tensor] | Tensor | None = None,
+                ) -> Tensor:
+        """The mixture of the hiddens ``(L, ..., c)`` (a list of ``(..., c)`` or one stacked tensor): ``(..., c)``,
+        or ``(V, ..., c)`` with views. x-transformers' calls: ``(hiddens)``, ``(x, hiddens)`` (``x`` unread: the
+        latest hidden is the query) or ``(hiddens=...)``."""
+        if hiddens is None:
+            hiddens = past_deltas
+        if hiddens is None or (not isinstance(hiddens, Tensor) and len(hiddens) == 0):
+            raise ValueError("AttentionResidual needs at least one hidden to attend over")
+        stacked = hiddens if isinstance(hiddens, Tensor) else torch.stack(list(hiddens))  # (L, ..., c)
+        latest = stacked[-1]
+        delta = self.to_query(latest).unflatten(-1, (self.num_views, -1)).movedim(-2, 0)  # (V, ..., c)
+        query = self.norm(latest[None] + delta)
+        keys = self.to_keys(stacked)
+        logits = torch.einsum("v...d,l...d->vl...", query, keys) * self.scale  # (V, L, ...)
+        out = torch.einsum("vl...,l...d->v...d", logits.softmax(dim=1), stacked)
+        return out if self.multiple_views else out[0]
+
+
+class GatedMultiResidual(nn.Module):
+    """x-transformers' ``gated_multi_residual`` (https://qwen.ai/blog?id=qwen3.8-flash-next): ``S`` residual streams
+    ``(..., S, c)`` (``num_residual_streams``; 1 allowed) feed the branch ``sum_s gate_s * RMSNorm(stream_s) * gain_s
+    / S``, an elementwise read gate (``sigmoid`` of a static logit, anchored on the layer's own stream, plus a
+    low-rank data-dependent part), and each stream takes the branch output times its own write gate (``2 sigmoid``,
+    static plus dynamic). The streams themselves are not mixed. The read gate normalises, so the stack drops the
+    pre-norm of each block (x-transformers then norms the streams after every block and keeps the final norm).
+    Every gate is computed per token (positions never meet). Parameter names are x-transformers'.
+
+    Args:
+        dim: c.
+        layer_index: the layer's index in the stack (its static read gate opens on stream ``index % S``).
+        num_residual_streams: S.
+        num_input_views: V (3: separate query, key and value inputs for self-attention).
+        read_gate_rank: the rank of the shared bottleneck of the dynamic gates (``residual_fn_kwargs``' key).
+    """
+
+    static_step_refusal = _ROUTING_STEP_REFUSAL.format("gated_multi_residual (GatedMultiResidual)")
+
+    def __init__(self, dim: int, *, layer_index: int, num_residual_streams: int, num_input_views: int = 1,
+                 read_gate_rank: int | None = None):
+        super().__init__()
+        if isinstance(read_gate_rank, bool) or not isinstance(read_gate_rank, int) or read_gate_rank < 1:
+            raise ValueError("gated_multi_residual needs residual_fn_kwargs=dict(read_gate_rank=<positive int>) (the "
+                             f"rank of its gates' bottleneck), got read_gate_rank={read_gate_rank!r}")
+        s, v = num_residual_streams, num_input_views
+        self.num_residual_streams, self.num_input_views = s, v
+        self.read_norm = nn.RMSNorm(dim, elementwise_affine=False)
+        self.read_gain = nn.Parameter(torch.ones(s, dim))
+        static_read_logit = torch.zeros(v, s, dim)
+        static_read_logit[:, layer_index % s] = 1.0
+        self.static_read_logit = nn.Parameter(static_read_logit)
+        self.static_write_logit = nn.Parameter(torch.zeros(s))
+        self.to_bottleneck = nn.Linear(dim * s, read_gate_rank, bias=False)
+        self.to_read_gate = nn.Linear(read_gate_rank, dim * s * v, bias=False)
+        self.to_write_gate = nn.Linear(read_gate_rank, s, bias=False)
+        nn.init.zeros_(self.to_read_gate.weight)
+        nn.init.zeros_(self.to_write_gate.weight)
+        self.dynamic_gate_scale = nn.Parameter(torch.ones(()) * 1e-2)
+
+    def prepare(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``streams (..., S, c)`` -> ``(branch input (..., c) or (V, ..., c), the streams unchanged (..., S, c),
+        beta (..., S))``."""
+        s, v = self.num_residual_streams, self.num_input_views
+        normed = self.read_norm(streams) * self.read_gain  # (..., S, c)
+        dynamic = F.silu(self.to_bottleneck(normed.flatten(-2) / s)) * self.dynamic_gate_scale  # (..., rank)
+        read = self.to_read_gate(dynamic) + self.static_read_logit.flatten()  # (..., V S c)
+        read = read.sigmoid().unflatten(-1, (v, s, streams.shape[-1]))  # (..., V, S, c)
+        branch = (read * normed[..., None, :, :]).sum(dim=-2) / s  # (..., V, c)
+        branch = branch[..., 0, :] if v == 1 else branch.movedim(-2, 0)
+        beta = (self.to_write_gate(dynamic) + self.static_write_logit).sigmoid() * 2  # (..., S)
+        return branch, streams, beta
+
+    def forward(self, out: Tensor, streams: Tensor, beta: Tensor) -> Tensor:
+        """The streams after the branch: ``streams + out * beta`` per stream (``out (..., c)``)."""
+        return streams + out[..., None, :] * beta[..., None].to(out.dtype)
+
+
 class ConcatCombine(nn.Module):
     """U-Net skip (x-transformers' ``unet_skips``): ``Linear([skip, x])`` replaces the stream, the skip being
     the stream that entered layer ``prev_layer_ind`` (in execution order)."""
@@ -433,6 +571,40 @@ class OrthogonalResidualUpdate(nn.Module):
         return orthog_residual_update(out, residual, mask)
 
 
+def _unet_skips(stack: nn.Module, dim: int, len_block: int, depth: int) -> None:
+    """x-transformers' U-Net pairing: the first block of each latter-half layer takes a skip (``ConcatCombine``)."""
+    kinds = stack.layer_kinds
+    skip_indices = [i * len_block for i in range(depth // len_block)]
+    for i in range(len(kinds)):
+        if i % len_block == 0 and i // len_block >= depth / 2:
+            if not skip_indices:
+                raise ValueError(f"unet_skips pairs layers as x-transformers does ({depth // len_block} skips "
+                                 f"for depth={depth} with {len_block} blocks per layer): this depth leaves a "
+                                 "latter-half layer without a skip; use a deeper stack")
+            stack.skip_combines[i] = ConcatCombine(dim, skip_indices.pop())
+
+
+def _residual_module(dim: int, index: int, streams: int, views: int, *, hyper_conn_sinkhorn_iters: int,
+                     gated_multi_residual: bool, mv_split_residual: bool, orthog_residual: bool, gate_residual: bool,
+                     scale_residual: bool, scale_residual_constant: float, residual_fn_kwargs: dict | None) -> nn.Module:
+    """Layer ``index``'s residual update, as x-transformers picks it (``views``: the branch's input views)."""
+    from .xt_modules import GRUGating, Residual
+
+    if gated_multi_residual:
+        return GatedMultiResidual(dim, layer_index=index, num_residual_streams=streams, num_input_views=views,
+                                  **(residual_fn_kwargs or {}))
+    if streams > 1:
+        return HyperConnection(dim, layer_index=index, num_residual_streams=streams, num_input_views=views,
+                               sinkhorn_iters=hyper_conn_sinkhorn_iters)
+    if mv_split_residual:
+        return MVSplitResidualUpdate(dim, **(residual_fn_kwargs or {}))
+    if orthog_residual:
+        return OrthogonalResidualUpdate()
+    if gate_residual:
+        return GRUGating(dim, scale_residual=bool(scale_residual))
+    return Residual(dim, scale_residual=bool(scale_residual), scale_residual_constant=scale_residual_constant)
+
+
 @dataclass
 class RouteState:
     """One forward's routing state: the streams' pending residual (and gates), the layer hiddens (LIMe's and
@@ -455,7 +627,10 @@ class ResidualRouting(nn.Module):
     - U-Net skips: before layer ``i`` of the latter half, the stream becomes ``Linear([skip, stream])``.
     - hyper-connections (``num_residual_streams`` S > 1): the stream is ``S`` streams ``(b, n, S, c)``
       (``x + stream_emb``), mixed per token by each layer's ``HyperConnection`` and summed at the end.
-    - LIMe (``integrate_layers``): the branch input mixes the inputs of every layer so far, per token.
+    - ``gated_multi_residual``: ``S`` streams (``S`` may be 1) read through each layer's ``GatedMultiResidual`` (an
+      elementwise gate, no pre-norm), a post-norm of the streams after each layer, summed at the end.
+    - LIMe (``integrate_layers``): the branch input mixes the inputs of every layer so far, per token;
+      ``attn_aggregated_residuals``: it attends over them, per token (``AttentionResidual``).
     - separate query/key/value inputs (``qkv_receive_diff_residuals``): three views for self-attention.
     - ``reinject_input``: ``Linear(x_in)`` (gated with ``learned_reinject_input_gate``) added to each branch input.
     - residual update: ``stream + out`` (or per stream, gated), ``orthog_residual``, ``mv_split_residual``.
@@ -475,13 +650,15 @@ class ResidualRouting(nn.Module):
                  pre_and_post_norm: bool = False, orthog_residual: bool = False, mv_split_residual: bool = False,
                  residual_fn_kwargs: dict | None = None, post_norm: bool = False, scale_residual: bool = False,
                  scale_residual_constant: float = 1.0, gate_residual: bool = False,
-                 softclamp_output_value: float | None = None, norm: Callable[[], nn.Module] | None = None):
+                 softclamp_output_value: float | None = None, norm: Callable[[], nn.Module] | None = None,
+                 attn_aggregated_residuals: bool = False, attn_aggregated_residual_kwargs: dict | None = None,
+                 gated_multi_residual: bool = False):
         super().__init__()
-        from .xt_modules import GRUGating, Residual
-
         kinds = stack.layer_kinds
         s = num_residual_streams
-        views = qkv_receive_diff_residuals or integrate_layers  # LIMe always gives self-attention three views
+        # LIMe always gives self-attention three views; attn_aggregated_residuals and the residual streams do
+        # with qkv_receive_diff_residuals
+        views = qkv_receive_diff_residuals or integrate_layers
         first_self = kinds.index("self") if "self" in kinds else -1
         self.views = [3 if kind == "self" and views and not (integrate_layers and i == first_self) else 1
                       for i, kind in enumerate(kinds)]
@@ -489,42 +666,31 @@ class ResidualRouting(nn.Module):
         # every parameter lives where x-transformers keeps it: the stack (stream_emb, layer_integrators,
         # skip_combines, reinject_input_proj, learned_reinject_input_gate) and each layer's norms and residual
         stack.stream_emb = nn.Parameter(torch.zeros(s, dim)) if s > 1 else None
-        hc_views = qkv_receive_diff_residuals and not integrate_layers  # else LIMe makes the views
-        self.hyper = s > 1
+        self.hyper = s > 1 or bool(gated_multi_residual)  # the stream is (b, n, S, c): S streams (S may be 1)
         if integrate_layers:
             stack.layer_integrators = nn.ModuleList([
                 DynamicLIMe(dim, i + 1, num_views=v, use_softmax=layer_integrate_use_softmax)
                 for i, v in enumerate(self.views)])
-        self.integrate = bool(integrate_layers)
+        elif attn_aggregated_residuals:
+            stack.layer_integrators = nn.ModuleList([
+                AttentionResidual(dim, num_views=v, **(attn_aggregated_residual_kwargs or {})) for v in self.views])
+        self.lime = bool(integrate_layers)
+        self.integrate = bool(integrate_layers or attn_aggregated_residuals)
         self.unet = bool(unet_skips)
-        if unet_skips:  # x-transformers' pairing: the first block of each latter-half block takes a skip
-            skip_indices = [i * len_block for i in range(depth // len_block)]
-            for i in range(len(kinds)):
-                if i % len_block == 0 and i // len_block >= depth / 2:
-                    if not skip_indices:
-                        raise ValueError(f"unet_skips pairs layers as x-transformers does ({depth // len_block} skips "
-                                         f"for depth={depth} with {len_block} blocks per layer): this depth leaves a "
-                                         "latter-half layer without a skip; use a deeper stack")
-                    stack.skip_combines[i] = ConcatCombine(dim, skip_indices.pop())
+        if unet_skips:
+            _unet_skips(stack, dim, len_block, depth)
         stack.reinject_input_proj = nn.Linear(dim, dim, bias=False) if reinject_input else None
         stack.learned_reinject_input_gate = nn.Linear(dim, 1, bias=False) if learned_reinject_input_gate else None
-        self.post_norm = bool(pre_and_post_norm or post_norm)
+        self.post_norm = bool(pre_and_post_norm or post_norm or gated_multi_residual)
+        hc_views = qkv_receive_diff_residuals and not integrate_layers  # else LIMe makes the views
         for i, blk in enumerate(stack.layers):
             if self.post_norm:
                 blk.norms[2] = norm()
-            if s > 1:
-                blk[2] = HyperConnection(dim, layer_index=i, num_residual_streams=s,
-                                         num_input_views=self.views[i] if hc_views else 1,
-                                         sinkhorn_iters=hyper_conn_sinkhorn_iters)
-            elif mv_split_residual:
-                blk[2] = MVSplitResidualUpdate(dim, **(residual_fn_kwargs or {}))
-            elif orthog_residual:
-                blk[2] = OrthogonalResidualUpdate()
-            elif gate_residual:
-                blk[2] = GRUGating(dim, scale_residual=bool(scale_residual))
-            else:
-                blk[2] = Residual(dim, scale_residual=bool(scale_residual),
-                                  scale_residual_constant=scale_residual_constant)
+            blk[2] = _residual_module(
+                dim, i, s, self.views[i] if hc_views else 1, hyper_conn_sinkhorn_iters=hyper_conn_sinkhorn_iters,
+                gated_multi_residual=gated_multi_residual, mv_split_residual=mv_split_residual,
+                orthog_residual=orthog_residual, gate_residual=gate_residual, scale_residual=scale_residual,
+                scale_residual_constant=scale_residual_constant, residual_fn_kwargs=residual_fn_kwargs)
         self.scaled = bool(scale_residual) or scale_residual_constant != 1.0 or bool(gate_residual)
         self.softclamp_output_value = None if softclamp_output_value is None else float(softclamp_output_value)
         self.orthog_residual = bool(orthog_residual)
@@ -533,7 +699,9 @@ class ResidualRouting(nn.Module):
 
     @property
     def integrators(self):
-        return self._stack.layer_integrators if self.integrate else None
+        """LIMe's integrators (``integrate_layers``: one per block, each mixing a fixed number of hiddens), or
+        ``None`` (``attn_aggregated_residuals``' ``AttentionResidual`` attends over any number of hiddens)."""
+        return self._stack.layer_integrators if self.lime else None
 
     @property
     def sequence_wide(self) -> bool:
@@ -550,6 +718,8 @@ class ResidualRouting(nn.Module):
                 state.inject = state.inject * stack.learned_reinject_input_gate(x).sigmoid()
         if stack.stream_emb is not None:
             x = x[..., None, :] + stack.stream_emb.to(x.dtype)  # (b, n, S, c)
+        elif self.hyper:  # gated_multi_residual with one stream: (b, n, 1, c)
+            x = x[..., None, :]
         return x, state
 
     def view(self, x: Tensor) -> Tensor:
@@ -592,7 +762,9 @@ class ResidualRouting(nn.Module):
         else:
             x = residual_update(residual, out, inner)
         post = layer[0][2]
-        if post is not None:
+        if post is not None and self.hyper and state.condition is not None:  # one stream (S > 1 is refused)
+            x = apply_norm(post, x[..., 0, :], state.condition)[..., None, :]
+        elif post is not None:
             x = apply_norm(post, x, state.condition)
         return x
 

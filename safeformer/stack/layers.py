@@ -205,6 +205,22 @@ Args:
     integrate_layers: LIMe: each block's input is a per-token softmax mixture of the inputs of every block so
         far (``block.DynamicLIMe``; ``layer_integrate_use_softmax=False``: ReLU weights); self-attention after
         the first takes three mixtures (queries, keys, values).
+    attn_aggregated_residuals: each block's input is an attention, per token, over the inputs of every block run so
+        far (``block.AttentionResidual``: the query is the latest input plus a low-rank delta of it, the keys the
+        RMS-normed inputs, softmax over them); self-attention takes three (queries, keys, values) with
+        ``qkv_receive_diff_residuals``. Branch outputs are never scaled with it (a float ``scale_residual`` /
+        ``depth_scale_residual`` is refused: x-transformers ignores them there); not with ``integrate_layers``.
+        ``attn_aggregated_residual_kwargs``: ``lora_rank`` (the delta's rank, default 64, below ``dim``) and
+        ``lora_activation`` (a callable between its projections, or None).
+    gated_multi_residual: ``num_residual_streams`` streams (1 allowed; ``x + stream_emb`` when more), each block
+        reading ``sum_s sigmoid(gate_s) * RMSNorm(stream_s) * gain_s / S`` (an elementwise gate, static plus
+        low-rank dynamic) and each stream taking the branch output times its own write gate (``2 sigmoid``);
+        the streams are not mixed (``block.GatedMultiResidual``). As in x-transformers the blocks then have no
+        pre-norm, the streams are normed after every block and the final norm is kept (not with
+        ``sandwich_norm``, ``use_dynamic_tanh``, ``pre_norm_has_final_norm=False``, ``scale_residual`` /
+        ``scale_residual_constant``, or hyper-connections). ``residual_fn_kwargs=dict(read_gate_rank=r)``
+        (required): the rank of the gates' bottleneck. Both options are per token: padded path, KV cache, no
+        static decode step.
     unet_skips: U-Net skips: the first block of each layer of the latter half replaces the stream by
         ``Linear([stream entering its mirror layer, stream])`` (x-transformers' pairing).
     reinject_input: every block's input gets ``Linear(x_in)`` of the stack's input added (a learned gate
@@ -213,7 +229,8 @@ Args:
     orthog_residual: the stream gains only the part of each branch output orthogonal to it, over each sample's
         real positions and features (float64).
     mv_split_residual: ``stream + (out - mean(out)) * beta + (mean(out) - mean(stream)) * alpha``, means over
-        each sample's real positions (``residual_fn_kwargs``: ``learned``, ``init_alpha``, ``init_beta``).
+        each sample's real positions (``residual_fn_kwargs``: ``learned``, ``init_alpha``, ``init_beta``;
+        ``read_gate_rank`` for ``gated_multi_residual``).
         ``orthog_residual`` and ``mv_split_residual`` reduce over the whole sample, as in x-transformers (in a
         causal stack a position's update reads later positions too): no KV cache (``can_cache_kv`` False).
         These residual options run on the padded path and not on the static decode step; padding never
@@ -346,11 +363,21 @@ Args:
         left padding): positions before it are padding, as if ``mask`` were False there.
     input_not_include_cache: with x-transformers' ``LayerIntermediates`` cache, every position of ``x`` is
         new (``cache_age = n``).
-    rotary_pos_emb, polar_pos_emb, attn_bias, in_attn_cond, flash_pack_seq_kwargs,
-        flash_pack_seq_context_kwargs, transform_block_inputs, return_gumbel_log_probs: x-transformers'
-        call keywords, accepted at their defaults (``None`` / ``False``); another value is a ``TypeError``
-        naming it (safeformer computes the positions itself, and has no in-attention conditioning, packed
-        flash masks, block-input hooks or Gumbel log-probabilities).
+    attn_bias: an additive float bias of every self-attention block's logits (x-transformers' keyword), broadcastable
+        to ``(b, h, n, p + n)`` (``p`` cached positions or memory slots; memory keys ``attn_num_mem_kv`` take bias 0).
+        Masked keys stay masked whatever the bias holds there; a query whose keys all have bias ``-inf`` is a dead
+        row (exactly 0; x-transformers gives NaN). Not with ``alibi_pos_bias``, ``rel_pos_bias``,
+        ``dynamic_pos_bias`` (x-transformers asserts) or ``attn_data_dependent_alibi`` (x-transformers drops the
+        given bias there). Padded path, explicit or masked-kernel attention.
+    transform_block_inputs: x-transformers' hook between layers: a callable ``(depth, x) -> x`` or a dict ``{depth:
+        x -> x}``, applied to the stream entering layer ``depth`` (2, 3, ...; blocks counted in execution order,
+        ``(b S, n, c)`` with several residual streams). The hook sees padded positions as exact zeros and its
+        result's padded positions are selected to 0 (a hook that mixes positions reads those zeros where
+        x-transformers reads its padded stream). Padded path.
+    rotary_pos_emb, polar_pos_emb, in_attn_cond, flash_pack_seq_kwargs, flash_pack_seq_context_kwargs,
+        return_gumbel_log_probs: x-transformers' call keywords, accepted at their defaults (``None`` / ``False``);
+        another value is a ``TypeError`` naming it (safeformer computes the positions itself, and has no
+        in-attention conditioning, packed flash masks or Gumbel log-probabilities).
     return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
         layer, the attention weights of every attention block (explicit float32 attention:
         slower, ``(b, h, i, j)`` memory), the final hidden states, and (x-transformers'
@@ -365,6 +392,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -443,12 +471,23 @@ LAYER_ALIASES: dict[str, object] = {
     # accepted with any value, no effect on the numbers: x-transformers' ONNX-friendly ops, its construction messages
     "attn_onnxable": None,
     "verbose": None,
+    # x-transformers' stack drops attn_inverted_attention (inverted attention is cross_attn_inverted_attention)
+    "attn_inverted_attention": lambda v: _xt_drops("attn_inverted_attention", v, "cross_attn_inverted_attention"),
     **{f"attn_{k}": _into("attn_kwargs", k) for k in ATTENTION_FIELDS},
     **{k: default_only(k, v) for k, v in XT_DEFAULT_ONLY.items()},
 }
 
 
 _DEFAULT = object()
+
+
+def _xt_drops(name: str, value, instead: str) -> dict:
+    """A keyword x-transformers' stack accepts and drops: accepted with any value, no effect (as there), a warning
+    naming what does it when it is set."""
+    if value not in (False, None):
+        warnings.warn(f"{name}={value!r} has no effect: x-transformers' stack drops it, and so does safeformer's "
+                      f"(use {instead})", UserWarning, stacklevel=4)
+    return {}
 
 
 def owner_cls(owner: str):
@@ -564,6 +603,8 @@ class AttentionLayers(Configurable, nn.Module):
         reinject_input: bool = False, learned_reinject_input_gate: bool = False,
         pre_and_post_norm: bool = False, orthog_residual: bool = False, mv_split_residual: bool = False,
         residual_fn_kwargs: dict | None = None,
+        attn_aggregated_residuals: bool = False, attn_aggregated_residual_kwargs: dict | None = None,
+        gated_multi_residual: bool = False,
         custom_layers: tuple[str, ...] | None = None, par_ratio: int | None = None, sandwich_coef: int | None = None,
         macaron: bool = False, only_attn: bool = False,
         weight_tie_layers: bool = False, layers_execute_order: tuple[int, ...] | None = None,
@@ -592,6 +633,7 @@ class AttentionLayers(Configurable, nn.Module):
         self._set_config_from(AttentionLayers.__init__, locals())
         options = _options(self._sf_config)  # every keyword by its own name (each family reads its own)
         _family(_check_options, options)
+        _family(_check_residual_kinds, options)
         _family(_basics, options, self)
         _family(_positions, options, self)
         _family(_check_attention_options, options, self)
@@ -688,14 +730,13 @@ class AttentionLayers(Configurable, nn.Module):
         safeformer's beside it) and is documented in this module's docstring (``help(safeformer.stack.layers)``,
         "``AttentionLayers.forward``'s keywords"); the call runs in phases (``stack_forward``: ``resolve_call``,
         ``share_inputs``, ``run_blocks`` or the unpadded path, ``finish_call``)."""
-        if not (rotary_pos_emb is None and polar_pos_emb is None and attn_bias is None and in_attn_cond is None
+        if not (rotary_pos_emb is None and polar_pos_emb is None and in_attn_cond is None
                 and flash_pack_seq_kwargs is None and flash_pack_seq_context_kwargs is None
-                and transform_block_inputs is None and not return_gumbel_log_probs):  # x-transformers' unsupported
+                and not return_gumbel_log_probs):  # x-transformers' unsupported
             refuse_xt_call(f"{type(self).__name__}.forward", rotary_pos_emb=rotary_pos_emb,
-                           polar_pos_emb=polar_pos_emb, attn_bias=attn_bias, in_attn_cond=in_attn_cond,
+                           polar_pos_emb=polar_pos_emb, in_attn_cond=in_attn_cond,
                            flash_pack_seq_kwargs=flash_pack_seq_kwargs,
                            flash_pack_seq_context_kwargs=flash_pack_seq_context_kwargs,
-                           transform_block_inputs=transform_block_inputs,
                            return_gumbel_log_probs=return_gumbel_log_probs or None)
         if not isinstance(input_not_include_cache, bool):
             raise TypeError(f"input_not_include_cache must be True or False, got {input_not_include_cache!r}")
@@ -715,7 +756,7 @@ class AttentionLayers(Configurable, nn.Module):
                          self_attn_kv_residuals=self_attn_kv_residuals,
                          cross_attn_kv_residuals=cross_attn_kv_residuals, seq_pos_offset=seq_pos_offset,
                          repeat_blocks=repeat_blocks, layers_execute_order=layers_execute_order, mems=mems,
-                         mem_masks=mem_masks)
+                         mem_masks=mem_masks, attn_bias=attn_bias, transform_block_inputs=transform_block_inputs)
         call = resolve_call(self, call)  # x-transformers' spellings resolved, every input checked
         call = share_inputs(self, call)  # the masks, positions, context and condition every block shares
         if call.unpadded_plan is not None:  # the real tokens only (unpadded.py)
@@ -1009,7 +1050,8 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
             softclamp_output_value, use_layerscale, use_adaptive_layerscale, layerscale_init_value,
             zero_init_branch_output, shift_tokens, ff_glu, ff_swish, ff_softclamp_value, ff_custom_activation,
             ff_glu_softclamp, ff_glu_gate_softclamp_value, ff_glu_up_softclamp_value, custom_layers, par_ratio,
-            sandwich_coef, polar_pos_emb, ff_kwargs, norm_add_unit_offset) -> list[tuple[int, ...]]:
+            sandwich_coef, polar_pos_emb, ff_kwargs, norm_add_unit_offset,
+            gated_multi_residual) -> list[tuple[int, ...]]:
     """The branch options checked and the blocks built in order (``Block``: [norm, attention or feed-forward, gate]),
     set on ``stack`` with their layout (``layers``, ``layer_types``, ``layer_kinds``, the execution order). Returns
     each block's token shifts (``shift_tokens``)."""
@@ -1044,7 +1086,8 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
             branch = LayerScale(branch, dim, layerscale_init_value, unit_offset=norm_add_unit_offset)
         if branch_scale != 1.0:
             branch = Scale(branch_scale, branch)
-        norms = (norm() if pre_norm else None, norm() if sandwich_norm else None, None)
+        # gated_multi_residual's read gate normalises: no pre-norm (x-transformers)
+        norms = (norm() if pre_norm and not gated_multi_residual else None, norm() if sandwich_norm else None, None)
         return Block(kind, norms, branch, Residual(dim))
 
     blocks = []
@@ -1083,7 +1126,8 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
                        pre_and_post_norm, orthog_residual, mv_split_residual, residual_fn_kwargs,
                        use_adaptive_layernorm, use_adaptive_rmsnorm, pre_norm, scale_residual, scale_residual_constant,
                        gate_residual, softclamp_output, softclamp_output_value, unpadded, residual_attn,
-                       cross_residual_attn, checkpoint_layers, pre_norm_has_final_norm, rotary_xpos, polar_pos_emb) -> None:
+                       cross_residual_attn, checkpoint_layers, pre_norm_has_final_norm, rotary_xpos, polar_pos_emb,
+                       attn_aggregated_residuals, attn_aggregated_residual_kwargs, gated_multi_residual) -> None:
     """The residual routing (``routing``, x-transformers' residual options; ``None``: the plain residual), the
     final norm, residual attention, and which paths the options run on (``packable``: the unpadded path;
     ``static_step_reason``: off the static decode step; ``cache_refusal``: no KV cache), set on ``stack`` after
@@ -1102,14 +1146,19 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
                                       post_norm=not pre_norm,
                                       scale_residual=scale_residual is not False and bool(scale_residual),
                                       scale_residual_constant=scale_residual_constant, gate_residual=gate_residual,
-                                      softclamp_output_value=softclamp_output_value if softclamp_output else None)
+                                      softclamp_output_value=softclamp_output_value if softclamp_output else None,
+                                      attn_aggregated_residuals=attn_aggregated_residuals,
+                                      attn_aggregated_residual_kwargs=attn_aggregated_residual_kwargs,
+                                      gated_multi_residual=gated_multi_residual)
     if stack.routing is not None and unpadded is True:
         raise ValueError("unpadded=True cannot run the residual routing options (num_residual_streams, "
-                         "integrate_layers, unet_skips, reinject_input, pre_and_post_norm, orthog_residual, "
+                         "integrate_layers, attn_aggregated_residuals, gated_multi_residual, unet_skips, "
+                         "reinject_input, pre_and_post_norm, orthog_residual, "
                          "mv_split_residual, pre_norm=False, scale_residual, scale_residual_constant, gate_residual, "
                          "softclamp_output): they run on the padded path; use unpadded='auto' or False")
     stack.static_step_reason = None if stack.routing is None else \
-        "a residual routing option (num_residual_streams, integrate_layers, unet_skips, reinject_input, " \
+        "a residual routing option (num_residual_streams, integrate_layers, attn_aggregated_residuals, " \
+        "gated_multi_residual, unet_skips, reinject_input, " \
         "pre_and_post_norm, orthog_residual, mv_split_residual, pre_norm=False, scale_residual, " \
         "scale_residual_constant, gate_residual or softclamp_output) runs in the stack's forward only"
     # what runs without a KV cache, on the padded path, off the static step (besides the routing)
@@ -1132,7 +1181,9 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
     if residual_attn or cross_residual_attn:
         stack.static_step_reason = stack.static_step_reason or \
             "residual_attn / cross_residual_attn carry logits between layers (the explicit attention path)"
-    stack.final_norm = norm() if pre_norm_has_final_norm and not pre_and_post_norm and pre_norm else nn.Identity()
+    # x-transformers keeps the final norm with gated_multi_residual, whatever the norm options
+    stack.final_norm = norm() if (pre_norm_has_final_norm and not pre_and_post_norm and pre_norm) or gated_multi_residual \
+        else nn.Identity()
     # what a forward would otherwise ask every block each call, decided once
     stack.self_positions = any(getattr(blk.mixer, "needs_positions", False) for blk in stack.layers if blk.kind == "self")
     stack.inverted_cross = any(getattr(blk.mixer, "inverted", False) for blk in stack.layers if blk.kind == "cross")
@@ -1373,15 +1424,20 @@ def _residual_routing(stack, dim: int, depth: int, norm, *, num_residual_streams
                       integrate_layers, reinject_input, pre_and_post_norm, orthog_residual, mv_split_residual,
                       residual_fn_kwargs, adaptive_norm, unet_skips, learned_reinject_input_gate, post_norm=False,
                       scale_residual=False, scale_residual_constant=1.0, gate_residual=False,
-                      softclamp_output_value=None, **kwargs):
+                      softclamp_output_value=None, attn_aggregated_residuals=False, gated_multi_residual=False,
+                      **kwargs):
     """The stack's ``ResidualRouting`` for x-transformers' residual options (``None`` when none is on: the
     plain residual), after checking that they agree."""
     s = num_residual_streams
     if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         raise ValueError(f"num_residual_streams must be a positive integer, got {s!r}")
-    if qkv_receive_diff_residuals and s == 1 and not integrate_layers:
+    if qkv_receive_diff_residuals and s == 1 and not (integrate_layers or attn_aggregated_residuals
+                                                       or gated_multi_residual):
         raise ValueError("qkv_receive_diff_residuals mixes the residual streams three ways: it needs "
-                         "num_residual_streams > 1 (hyper-connections) or integrate_layers")
+                         "num_residual_streams > 1 (hyper-connections), integrate_layers, attn_aggregated_residuals "
+                         "or gated_multi_residual")
+    streams = s > 1 or gated_multi_residual  # the stream is S streams (S may be 1 with gated_multi_residual)
+    post_norm = post_norm or gated_multi_residual  # x-transformers norms the streams after every gated block
     if sum(map(bool, (orthog_residual, mv_split_residual, s > 1))) > 1:
         raise ValueError("choose one of num_residual_streams > 1, orthog_residual and mv_split_residual")
     if reinject_input and s > 1:
@@ -1391,21 +1447,24 @@ def _residual_routing(stack, dim: int, depth: int, norm, *, num_residual_streams
     if pre_and_post_norm and adaptive_norm and s > 1:
         raise ValueError("pre_and_post_norm with adaptive norms normalises one stream: not with num_residual_streams > 1")
     if residual_fn_kwargs:
-        allowed = {"learned", "init_alpha", "init_beta"} if mv_split_residual else set()
+        allowed = {"learned", "init_alpha", "init_beta"} if mv_split_residual else \
+            {"read_gate_rank"} if gated_multi_residual else set()
         bad = set(residual_fn_kwargs) - allowed
         if bad:
             raise ValueError(f"residual_fn_kwargs {sorted(bad)} are not read: residual_fn_kwargs takes learned, "
-                             "init_alpha and init_beta, for mv_split_residual only")
+                             "init_alpha and init_beta for mv_split_residual, read_gate_rank for gated_multi_residual")
     if sum(map(bool, (orthog_residual, mv_split_residual, s > 1, gate_residual))) > 1:
         raise ValueError("choose one of num_residual_streams > 1, orthog_residual, mv_split_residual and gate_residual")
-    if (scale_residual or scale_residual_constant != 1.0) and (orthog_residual or mv_split_residual or s > 1):
+    if (scale_residual or scale_residual_constant != 1.0) and (orthog_residual or mv_split_residual or streams):
         raise ValueError("scale_residual / scale_residual_constant scale the plain residual: not with orthog_residual, "
-                         "mv_split_residual or num_residual_streams > 1 (x-transformers ignores them there)")
+                         "mv_split_residual, gated_multi_residual or num_residual_streams > 1 (x-transformers "
+                         "ignores them there)")
     if gate_residual and scale_residual_constant != 1.0:
         raise ValueError("gate_residual does not read scale_residual_constant (as in x-transformers): leave it at 1")
     if post_norm and adaptive_norm and s > 1:
-        raise ValueError("pre_norm=False with adaptive norms normalises one stream: not with num_residual_streams > 1")
-    if not (s > 1 or integrate_layers or unet_skips or reinject_input or pre_and_post_norm or orthog_residual
+        raise ValueError("pre_norm=False (or gated_multi_residual, which norms the streams after every block) with "
+                         "adaptive norms normalises one stream: not with num_residual_streams > 1")
+    if not (streams or integrate_layers or attn_aggregated_residuals or unet_skips or reinject_input or pre_and_post_norm or orthog_residual
             or mv_split_residual or post_norm or scale_residual or scale_residual_constant != 1.0 or gate_residual
             or softclamp_output_value is not None):
         return None
@@ -1416,7 +1475,56 @@ def _residual_routing(stack, dim: int, depth: int, norm, *, num_residual_streams
         pre_and_post_norm=pre_and_post_norm, orthog_residual=orthog_residual, mv_split_residual=mv_split_residual,
         residual_fn_kwargs=residual_fn_kwargs, post_norm=post_norm, scale_residual=scale_residual,
         scale_residual_constant=scale_residual_constant, gate_residual=gate_residual,
-        softclamp_output_value=softclamp_output_value, **kwargs)
+        softclamp_output_value=softclamp_output_value, attn_aggregated_residuals=attn_aggregated_residuals,
+        gated_multi_residual=gated_multi_residual, **kwargs)
+
+
+_AGGREGATED_KWARGS = ("lora_rank", "lora_activation")  # AttentionResidual's keywords besides dim and num_views
+
+
+def _check_residual_kinds(*, attn_aggregated_residuals, attn_aggregated_residual_kwargs, gated_multi_residual,
+                          integrate_layers, gate_residual, orthog_residual, mv_split_residual,
+                          qkv_receive_diff_residuals, num_residual_streams, scale_residual, depth_scale_residual,
+                          sandwich_norm, use_dynamic_tanh, pre_norm_has_final_norm) -> None:
+    """``attn_aggregated_residuals`` and ``gated_multi_residual`` against the other residual options: what
+    x-transformers asserts against, and what it would silently ignore or fail on, raises ``ValueError``."""
+    for name, v in (("attn_aggregated_residuals", attn_aggregated_residuals),
+                    ("gated_multi_residual", gated_multi_residual)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be True or False, got {v!r}")
+    kwargs = attn_aggregated_residual_kwargs
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"attn_aggregated_residual_kwargs must be a dict, got {type(kwargs).__name__}")
+    if kwargs and not attn_aggregated_residuals:
+        raise ValueError("attn_aggregated_residual_kwargs configures attn_aggregated_residuals: set it to True")
+    bad = sorted(set(kwargs or {}) - set(_AGGREGATED_KWARGS))
+    if bad:
+        raise TypeError(f"attn_aggregated_residual_kwargs got unexpected keys {bad}: it takes "
+                        f"{', '.join(_AGGREGATED_KWARGS)}")
+    chosen = [k for k, v in (("gate_residual", gate_residual), ("attn_aggregated_residuals", attn_aggregated_residuals),
+                             ("orthog_residual", orthog_residual), ("mv_split_residual", mv_split_residual),
+                             ("gated_multi_residual", gated_multi_residual)) if v]
+    if len(chosen) > 1:
+        raise ValueError(f"{', '.join(chosen)} are mutually exclusive (x-transformers: choose one of gate_residual, "
+                         "attn_aggregated_residuals, orthog_residual, mv_split_residual and gated_multi_residual)")
+    if attn_aggregated_residuals and integrate_layers:
+        raise ValueError("attn_aggregated_residuals and integrate_layers both mix the earlier blocks' inputs: choose "
+                         "one (x-transformers builds LIMe and ignores attn_aggregated_residuals)")
+    if attn_aggregated_residuals and qkv_receive_diff_residuals and num_residual_streams > 1:
+        raise ValueError("attn_aggregated_residuals with qkv_receive_diff_residuals and num_residual_streams > 1 "
+                         "would attend over hiddens of different shapes (x-transformers fails there): drop one")
+    if attn_aggregated_residuals and not (scale_residual is False or scale_residual is True) \
+            or attn_aggregated_residuals and depth_scale_residual is not False:
+        raise ValueError("attn_aggregated_residuals leaves the branch outputs unscaled (x-transformers ignores a float "
+                         "scale_residual and depth_scale_residual there): not with them")
+    if gated_multi_residual and sandwich_norm:
+        raise ValueError("sandwich_norm normalises a pre-norm stack's branch output: not with gated_multi_residual "
+                         "(it has no pre-norm)")
+    if gated_multi_residual and use_dynamic_tanh:
+        raise ValueError("use_dynamic_tanh is for pre-norm stacks (x-transformers): not with gated_multi_residual")
+    if gated_multi_residual and not pre_norm_has_final_norm:
+        raise ValueError("gated_multi_residual always ends with the final norm (x-transformers ignores "
+                         "pre_norm_has_final_norm=False there): leave it True")
 
 
 def _check_options(*, dim, depth, dim_head, causal, cross_attend, only_cross, rotary_pos_emb, rotary_emb_dim,

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..core.attend import SelectedMask, prepare_mask
+from ..core.attend import PreparedMask, SelectedMask, prepare_mask
 from ..core.cache import (
     AttnIntermediate,
     KVCache,
@@ -31,7 +31,7 @@ from ..core.cache import (
     resolve_cache,
 )
 from ..core.conditions import adaptive_condition
-from ..core.masks import causal_mask, validate_mask
+from ..core.masks import as_attention_mask, causal_mask, combine_masks, validate_mask
 from ..nn.block import Block, apply_norm, residual_update
 from ..nn.hybrid import HybridCall
 from ..nn.modules import alibi_bias, positions_from_mask
@@ -88,6 +88,8 @@ class StackCall:
     layers_execute_order: tuple | None
     mems: list | None
     mem_masks: Tensor | list | None
+    attn_bias: Tensor | None = None
+    transform_block_inputs: object = None
     # derived
     b: int = 0
     n: int = 0
@@ -165,6 +167,10 @@ def resolve_call(stack: StackModule, call: StackCall) -> StackCall:
     padded_only = padded_only or bool(per_block)
     mem = _check_mems(stack, call.mems, call.mem_masks, x, mask, cache, return_cache, call.attn_mask, order, positions)
     padded_only = padded_only or mem is not None
+    if call.attn_bias is not None:
+        _check_attn_bias(stack, call.attn_bias, x, cache, mem)
+    _check_transform_block_inputs(call.transform_block_inputs)
+    padded_only = padded_only or call.attn_bias is not None or call.transform_block_inputs is not None
     if isinstance(positions, Tensor) and positions.dim() == 3:  # per-head ALiBi positions (x-transformers')
         if cache is not None or return_cache:
             raise ValueError("positions per head (b, h, n) run without a KV cache (the cache keeps one position "
@@ -241,7 +247,8 @@ def _block_arguments(stack: StackModule, call: StackCall) -> tuple[dict, dict, d
     self_clean = call.attn_mask is None and (cache is None or cache.mask is None)
     cross_clean = not ca.cached or call.context_mask is None  # a new context was selected above
     self_args = dict(mask=SelectedMask(sa.mask) if self_clean else sa.mask, causal=sa.causal, rotary=sa.rotary,
-                     bias=sa.bias, return_attn=call.return_hiddens, _return_kv=True)
+                     bias=sa.bias if call.attn_bias is None else _selected_bias(stack, call),  # one or the other
+                     return_attn=call.return_hiddens, _return_kv=True)
     cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, causal=False,
                       return_attn=call.return_hiddens, _return_kv=True, rotary=call.cross_rotary)
     if stack.self_positions:  # the real tokens' positions (rel_proj_pos_bias, max_attend_past)
@@ -326,8 +333,10 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
     route, layer_hiddens = None, []  # the residual routing's state (x-transformers' residual options)
     if stack.routing is not None:
         x, route = stack.routing.begin(x, mask, cond)
-    for idx in range(len(stack.layers)) if call.order is None else call.order:
+    for ind, idx in enumerate(range(len(stack.layers)) if call.order is None else call.order):
         block = stack.layers[idx]
+        if call.transform_block_inputs is not None and ind % stack.len_default_block == 0 and ind > 0:
+            x = _transform_block_input(call.transform_block_inputs, ind // stack.len_default_block + 1, x, mask)
         if return_hiddens and block.kind == hidden_kind:  # the stream entering each self-attention (x-transformers)
             hiddens.append(_masked(x if route is None else stack.routing.view(x), mask))
         inp = x  # the block's input
@@ -366,6 +375,80 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
     return x, BlocksOut(self_kv=self_kv, cross_kv=cross_kv, hiddens=hiddens, layer_hiddens=layer_hiddens,
                         last_stream=last_stream, attn_maps=attn_maps, logit_maps=logit_maps,
                         hybrid_states=state.hybrid_states)
+
+
+def _check_attn_bias(stack: StackModule, attn_bias, x: Tensor, cache, mem) -> None:
+    """x-transformers' ``forward(attn_bias=...)``: an additive float bias of every self-attention's logits,
+    broadcastable to ``(b, h, n, p + n)`` (``p`` cached positions or memory slots).
+
+    Raises:
+        TypeError: not a floating tensor.
+        ValueError: its shape does not broadcast, or the stack has its own position bias (x-transformers asserts
+            against ALiBi / T5 / dynamic position bias with it, and its data-dependent ALiBi replaces it).
+    """
+    if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
+        raise TypeError(f"attn_bias must be a floating tensor (an additive bias of the self-attention logits), got "
+                        f"{getattr(attn_bias, 'dtype', type(attn_bias).__name__)}")
+    if stack.alibi_slopes is not None or stack.rel_pos is not None:
+        raise ValueError("attn_bias is an additive self-attention bias: not with alibi_pos_bias, rel_pos_bias or "
+                         "dynamic_pos_bias (the stack's own position bias; x-transformers asserts against both)")
+    if any(blk.kind == "self" and blk.mixer.to_forget_gates is not None for blk in stack.layers):
+        raise ValueError("attn_bias with attn_data_dependent_alibi: x-transformers replaces the given bias by the "
+                         "forget gates' (it would be silently dropped); pass one of them")
+    b, n = x.shape[:2]
+    j = n + (cache.length if cache is not None else mem.length if mem is not None else 0)
+    h = next((blk.mixer.heads for blk in stack.layers if blk.kind == "self"), None)
+    if h is None:
+        raise ValueError("attn_bias biases self-attention: this stack has none")
+    if attn_bias.device != x.device or attn_bias.dim() > 4 or any(
+            s not in (1, f) for s, f in zip(attn_bias.shape[::-1], (j, n, h, b))):
+        raise ValueError(f"attn_bias must broadcast to (b, h, n, p + n) = ({b}, {h}, {n}, {j}) on {x.device}, got "
+                         f"{tuple(attn_bias.shape)} on {attn_bias.device}")
+
+
+def _selected_bias(stack: StackModule, call: StackCall) -> Tensor:
+    """``attn_bias`` with 0 wherever a query may not attend (padded queries, masked keys, causal, ``attn_mask``):
+    what it holds there (NaN, inf) reaches no output and no gradient. ``(b|1, h|1, n, j)``."""
+    bias, sa, b, n = call.attn_bias, call.sa, call.b, call.n
+    j = n + (call.cache.length if call.cache is not None else call.mem.length if call.mem is not None else 0)
+    m = sa.mask.combined if isinstance(sa.mask, PreparedMask) else sa.mask
+    h = next(blk.mixer.heads for blk in stack.layers if blk.kind == "self")
+    keep = None if m is None else as_attention_mask(m, b, h, n, j)
+    if sa.causal or call.call_causal:
+        keep = combine_masks(keep, causal_mask(n, j, device=bias.device))
+    if call.mask is not None:
+        keep = combine_masks(keep, call.mask[:, None, :, None])
+    return bias if keep is None else torch.where(keep, bias, 0.0)
+
+
+def _check_transform_block_inputs(hook) -> None:
+    """x-transformers' ``transform_block_inputs``: ``None``, a callable ``(depth, x) -> x`` or a dict ``{depth:
+    x -> x}`` (``depth`` counted from 1: layers 2, 3, ... of the stack)."""
+    if hook is None or (callable(hook) and not isinstance(hook, dict)):
+        return
+    if not isinstance(hook, dict) or not all(isinstance(k, int) and not isinstance(k, bool) and callable(v)
+                                             for k, v in hook.items()):
+        raise TypeError("transform_block_inputs must be a callable (depth, x) -> x or a dict {depth (int): "
+                        f"callable x -> x}}, got {type(hook).__name__}")
+
+
+def _transform_block_input(hook, depth: int, x: Tensor, mask: Tensor | None) -> Tensor:
+    """The stream entering layer ``depth`` (from 2) through x-transformers' ``transform_block_inputs``. The hook sees
+    the stream as x-transformers holds it (``(b S, n, c)`` with several residual streams) with padded positions
+    exactly 0, and its result's padded positions are selected to 0 again (whatever it put there reaches nothing)."""
+    fn = hook.get(depth) if isinstance(hook, dict) else (lambda t: hook(depth, t))
+    if fn is None:
+        return x
+    streams = x.dim() == 4  # (b, n, S, c): the residual streams
+    keep = None if mask is None else (mask[..., None, None] if streams else mask[..., None])
+    t = x if keep is None else torch.where(keep, x, 0.0)
+    t = t.movedim(-2, 1).flatten(0, 1) if streams else t  # (b S, n, c), x-transformers' layout
+    out = fn(t)
+    if not isinstance(out, Tensor) or out.shape != t.shape:
+        raise ValueError(f"transform_block_inputs at depth {depth} must return a tensor of the stream's shape "
+                         f"{tuple(t.shape)}, got {tuple(getattr(out, 'shape', ())) or type(out).__name__}")
+    out = out.unflatten(0, (x.shape[0], x.shape[2])).movedim(1, -2) if streams else out
+    return out if keep is None else torch.where(keep, out, 0.0)
 
 
 def _recompute(stack: StackModule, call: StackCall) -> bool:

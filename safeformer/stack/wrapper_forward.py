@@ -118,6 +118,13 @@ def _additional_kv(net, additional, mask, detach, to_top) -> dict | None:
                 route_additional_kv_to_top=to_top)
 
 
+class ContinuousMems(tuple):
+    """Transformer-XL memories of a ``ContinuousTransformerWrapper`` (``return_mems=True``): a tuple (x-transformers'
+    type there) of one ``(b, m, c)`` tensor per self-attention block, with ``masks`` as ``Mems`` has them."""
+
+    masks: list | None = None
+
+
 class Mems(list):
     """Transformer-XL memories (``TransformerWrapper(return_mems=True)``): a list of one ``(b, m, c)`` tensor per
     self-attention block, as x-transformers returns them, with ``masks``: their padding (one ``(b, m)`` bool per
@@ -138,8 +145,9 @@ def _check_mems_call(net, mems, mem_masks, return_mems, detach_mems, cache, retu
         return None, None
     for what, bad in (("a KV cache (cache / return_cache)", cache is not None or return_cache),
                       ("prepend_embeds", prepend_embeds is not None or conditions.get("prepend_embeds") is not None),
-                      ("memory or class tokens", net.num_fixed_tokens or net.memory_tokens_interspersed_every),
-                      ("recycling", net.recycling), ("a looped model", getattr(net, "looped", False)),
+                      ("memory or class tokens",
+                       net.num_fixed_tokens or getattr(net, "memory_tokens_interspersed_every", None)),
+                      ("recycling", getattr(net, "recycling", False)), ("a looped model", getattr(net, "looped", False)),
                       ("return_attn (ask return_intermediates)", return_attn and return_mems),
                       ("pos (custom positions; the memories sit at -m .. -1 before the counted real tokens)",
                        pos is not None),
@@ -148,7 +156,7 @@ def _check_mems_call(net, mems, mem_masks, return_mems, detach_mems, cache, retu
             raise ValueError(f"mems / return_mems (Transformer-XL memories) cannot be combined with {what}")
     if mems is not None and mem_masks is None:
         mem_masks = getattr(mems, "masks", None)
-    if mems is not None and net.shift_mem_down:
+    if mems is not None and getattr(net, "shift_mem_down", 0):
         mems = list(mems)
         k = net.shift_mem_down
         mems = [*mems[k:], *mems[:k]]
@@ -611,10 +619,9 @@ def finish_call(net: WrapperModule, c: WrapperCall):
 # ----------------------------------------------------------------------------------------------------
 
 
-def continuous_mask(net: WrapperModule, x, mask: Tensor | None, lens, seq_start_pos, sum_embeds, mems, mem_masks,
-                    return_mems) -> Tensor | None:
-    """The continuous wrapper's door: ``x (b, n, dim_in)`` and ``sum_embeds`` checked, Transformer-XL memories
-    refused; returns the padding mask ``(b, n)`` (from ``mask`` or ``lens``, with ``seq_start_pos``) or ``None``."""
+def continuous_mask(net: WrapperModule, x, mask: Tensor | None, lens, seq_start_pos, sum_embeds) -> Tensor | None:
+    """The continuous wrapper's door: ``x (b, n, dim_in)`` and ``sum_embeds`` checked; returns the padding mask
+    ``(b, n)`` (from ``mask`` or ``lens``, with ``seq_start_pos``) or ``None``."""
     if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != net.dim_in:
         raise ValueError(f"x must have shape (b, n, dim_in={net.dim_in}), got {getattr(x, 'shape', type(x))}")
     if not x.is_floating_point():
@@ -628,10 +635,6 @@ def continuous_mask(net: WrapperModule, x, mask: Tensor | None, lens, seq_start_
         mask = torch.arange(n, device=x.device)[None] < lens.to(x.device)[:, None]
     if mask is not None:
         validate_mask(mask, "mask", shape=(b, n), device=x.device)
-    if mems is not None or mem_masks is not None or return_mems is not False:
-        raise TypeError("ContinuousTransformerWrapper: x-transformers' Transformer-XL memories (mems, mem_masks, "
-                        "return_mems) are not supported by safeformer's continuous wrapper (TransformerWrapper "
-                        "has them)")
     if seq_start_pos is not None:
         check_lengths(seq_start_pos, "seq_start_pos", b, max_len=n, device=x.device)
         start = torch.arange(n, device=x.device)[None] >= seq_start_pos.to(x.device)[:, None]
@@ -682,3 +685,32 @@ def continuous_output(net: WrapperModule, h: Tensor, full_mask: Tensor | None, m
     else:
         out = net.project_out(h)
     return out
+
+
+def continuous_mems(net: WrapperModule, mems, mem_masks, return_mems, cache, return_cache: bool, return_attn: bool,
+                    prepend_embeds, pos) -> dict | None:
+    """The continuous wrapper's Transformer-XL keywords checked as ``TransformerWrapper`` checks them (no cache,
+    prefix, memory tokens, custom ``pos`` or ``return_attn`` beside them); returns the stack's keywords for the
+    memories (``mems``, ``mem_masks``: a ``ContinuousMems`` or ``Mems`` brings its masks) or ``None``."""
+    mems, mem_masks = _check_mems_call(net, mems, mem_masks, return_mems, True, cache, return_cache, return_attn,
+                                       prepend_embeds, {}, pos)
+    return None if mems is None else dict(mems=mems, mem_masks=mem_masks)
+
+
+def continuous_returns(net: WrapperModule, out, new_cache, inter, full_mask: Tensor | None, *, return_cache: bool,
+                       give_inter: bool, return_attn: bool, return_mems: bool):
+    """The continuous wrapper's return value, x-transformers' forms: ``out``, then the cache, the intermediates or
+    the attention maps; with ``return_mems`` and no intermediates ``(out, mems)``, the new memories a
+    ``ContinuousMems`` of this segment's stream entering each self-attention block, the last ``max_mem_len``
+    positions, detached (x-transformers' continuous wrapper keeps no older memory in them); with the
+    intermediates, they go on it (``mems``, ``mem_masks``)."""
+    if return_mems:
+        made = _new_mems(net, None, None, inter.hiddens, full_mask, True)
+        new_mems = ContinuousMems(made)
+        new_mems.masks = made.masks
+        if not give_inter:
+            return out, new_mems
+        inter.mems, inter.mem_masks = new_mems, new_mems.masks
+    extra = ((new_cache,) if return_cache else ()) + (
+        (inter,) if give_inter else (inter.attn_maps,) if return_attn else ())
+    return (out, *extra) if extra else out

@@ -46,6 +46,16 @@ def _positive_int(v, name: str, none_ok: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer{' or None' if none_ok else ''}, got {v!r}")
 
 
+def check_emb_frac_gradient(v) -> float:
+    """x-transformers' ``emb_frac_gradient`` checked: the fraction in ``(0, 1]`` of the gradient that reaches the
+    embeddings (GLM-130B and CogView used 0.1); 1 leaves it whole. x-transformers ignores a value above 1 and
+    asserts on one at or below 0; safeformer refuses both (S9)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.0 < v <= 1.0:
+        raise ValueError(f"emb_frac_gradient must be a number in (0, 1] (the fraction of the gradient reaching the "
+                         f"embeddings; 1 = all of it), got {v!r}")
+    return float(v)
+
+
 def _build_attn_pool(attn_layers: AttentionLayers, attn_pool, num_pooled_tokens, depth, dim_pooled_tokens,
                      use_cls_token: bool, average_pool_embed: bool) -> AttentionPool | None:
     """x-transformers' ``attn_pool``: an ``AttentionPool`` over the stack's output with the stack's heads and head
@@ -178,12 +188,42 @@ def check_options(attn_layers: AttentionLayers, *, num_tokens, logits_dim, tie_e
     return emb_dim
 
 
+def check_continuous_options(*, dim_in, dim_out, probabilistic, project_in, project_out, use_identity_if_same_dim,
+                             post_emb_norm, max_mem_len) -> tuple:
+    """``ContinuousTransformerWrapper``'s options checked (S9). Returns ``(dim_in, dim_out)``, read from ``nn.Linear``
+    projections when not given."""
+    _flag(probabilistic, "probabilistic")
+    if probabilistic and dim_out is None:
+        raise ValueError("probabilistic=True needs dim_out (the head gives a mean and a variance per output feature)")
+    for name, mod in (("project_in", project_in), ("project_out", project_out)):
+        if mod is not None and not isinstance(mod, nn.Module):
+            raise TypeError(f"{name} must be an nn.Module, got {type(mod).__name__}")
+    if project_in is not None and dim_in is None:
+        if not isinstance(project_in, nn.Linear):
+            raise ValueError("project_in that is not an nn.Linear needs dim_in: the width of the inputs it reads "
+                             "(checked on every call)")
+        dim_in = project_in.in_features
+    if project_out is not None and dim_out is None and isinstance(project_out, nn.Linear):
+        dim_out = project_out.out_features // (2 if probabilistic else 1)
+    if probabilistic and isinstance(project_out, nn.Linear) and project_out.out_features != 2 * dim_out:
+        raise ValueError(f"probabilistic=True: project_out must give 2 * dim_out = {2 * dim_out} features "
+                         f"(a mean and a log-variance per feature), got {project_out.out_features}")
+    for v, name in ((use_identity_if_same_dim, "use_identity_if_same_dim"), (post_emb_norm, "post_emb_norm")):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be True or False, got {v!r}")
+    if isinstance(max_mem_len, bool) or not isinstance(max_mem_len, int) or max_mem_len < 0:
+        raise ValueError(f"max_mem_len must be a non-negative integer, got {max_mem_len!r}")
+    return dim_in, dim_out
+
+
 def build_embeddings(net: WrapperModule, attn_layers: AttentionLayers, *, num_tokens: int, emb_dim: int,
                      token_emb, l2norm_embed, max_seq_len, use_abs_pos_emb, embed_num_tokens,
-                     scaled_sinu_pos_emb: bool = False, post_emb_norm: bool = False) -> None:
+                     scaled_sinu_pos_emb: bool = False, post_emb_norm: bool = False,
+                     emb_frac_gradient: float = 1.0) -> None:
     """The stack, the token embedding ``token_emb`` (``nn.Embedding(v, e)`` or the custom module), the absolute
     positions ``pos_emb``, x-transformers' ``post_emb_norm`` (a ``LayerNorm(e)`` of the summed embeddings, or
-    ``None``), ``project_emb`` (``nn.Linear(e, c)`` when e != c, else ``None``) and the further
+    ``None``), x-transformers' ``emb_frac_gradient`` (the fraction of the gradient reaching the embeddings),
+    ``project_emb`` (``nn.Linear(e, c)`` when e != c, else ``None``) and the further
     embeddings ``embeds`` (``{f"{name}_embed": nn.Embedding(count, e)}`` or ``None``), set on ``net`` with the
     stack ``attn_layers``."""
     dim = attn_layers.dim
@@ -202,6 +242,7 @@ def build_embeddings(net: WrapperModule, attn_layers: AttentionLayers, *, num_to
     if not isinstance(post_emb_norm, bool):
         raise TypeError(f"post_emb_norm must be True or False, got {post_emb_norm!r}")
     net.post_emb_norm = LayerNorm(emb_dim) if post_emb_norm else None
+    net.emb_frac_gradient = check_emb_frac_gradient(emb_frac_gradient)
     # x-transformers' emb_dim: embeddings of another width, projected to the model width (prefix rows included)
     net.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
     # x-transformers' embed_num_tokens: further embeddings (a BERT-style type embedding) added per position

@@ -30,6 +30,48 @@ from ..core.masks import validate_mask
 WrapperModule = nn.Module
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity in the forward (the same values, bit for bit); the backward multiplies the incoming gradient by
+    ``frac``. x-transformers writes it ``x * frac + x.detach() * (1 - frac)``: the same gradient, and values equal
+    up to rounding."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, frac: float) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.frac = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.frac, None
+
+
+def embedding_gradient(net: WrapperModule, x: Tensor) -> Tensor:
+    """x-transformers' ``emb_frac_gradient``: ``x`` (the summed, normalised embeddings and the prefix rows) unchanged,
+    the gradient flowing back into them scaled by ``net.emb_frac_gradient`` (1: untouched)."""
+    frac = getattr(net, "emb_frac_gradient", 1.0)
+    if frac == 1.0 or not torch.is_grad_enabled() or not x.requires_grad:
+        return x
+    return _ScaleGradient.apply(x, frac)
+
+
+def embed_rows(net: WrapperModule, x: Tensor, m: int) -> Tensor:
+    """x-transformers' order after the absolute positions: ``post_emb_norm`` on the tokens' rows (after the ``m``
+    prefix rows), ``emb_frac_gradient`` on every row, the embedding dropout, then the projection to the model width
+    (``emb_dim``)."""
+    norm = getattr(net, "post_emb_norm", None)
+    if norm is not None:  # x-transformers' post_emb_norm: the tokens' summed embeddings, before the prefix rows
+        x = norm(x) if not m else torch.cat((x[:, :m], norm(x[:, m:])), dim=1)
+    x = net.emb_dropout(embedding_gradient(net, x))
+    if getattr(net, "project_emb", None) is not None:
+        x = net.project_emb(x)  # (b, m + n, c)
+    return x
+
+
 @dataclass(frozen=True)
 class RunRows:
     """The rows of one ``_run`` call, as the stack gets them.
@@ -127,14 +169,10 @@ def place_rows(net: WrapperModule, x: Tensor, mask: Tensor | None, conds: Condit
         abs_pos = positions if pos is not None else (positions - lead[:, None]).clamp(min=0)
         pe = net.pos_emb(abs_pos).to(x.dtype)  # (b|1, F + m + n, C)
         x = x + pe[:, lead_slots:] if not m else torch.cat((x[:, :m], x[:, m:] + pe[:, lead_slots:]), dim=1)
-    norm = getattr(net, "post_emb_norm", None)
-    if norm is not None:  # x-transformers' post_emb_norm: the tokens' summed embeddings, before the prefix rows
-        x = norm(x) if not m else torch.cat((x[:, :m], norm(x[:, m:])), dim=1)
-    # x-transformers' order: dropout and the embedding projection (emb_dim) on the prefix and tokens, then the
-    # memory and class rows (model width) before them (dropped out too in its ContinuousTransformerWrapper)
-    x = net.emb_dropout(x)
-    if getattr(net, "project_emb", None) is not None:
-        x = net.project_emb(x)  # (b, m + n, c)
+    # x-transformers' order: the norm, the gradient fraction, dropout and the embedding projection (emb_dim) on
+    # the prefix and tokens, then the memory and class rows (model width) before them (dropped out too in its
+    # ContinuousTransformerWrapper)
+    x = embed_rows(net, x, m)
     if fixed:
         rows = [t for t in (getattr(net, "memory_tokens", None), getattr(net, "cls_token", None)) if t is not None]
         rows = torch.cat(rows).to(x.dtype)[None].expand(b, -1, -1)  # (b, F, c)

@@ -12,6 +12,12 @@ Args:
     max_seq_len: longest sequence (for the absolute position embedding).
     attn_layers: an ``Encoder``, ``Decoder``, ``CrossAttender`` or ``AttentionLayers``.
     emb_dropout: dropout on the embeddings.
+    post_emb_norm: x-transformers' ``LayerNorm(emb_dim)`` (``post_emb_norm.gamma``) of the tokens' summed embeddings
+        (token, absolute position, further and summed embeddings), before the prefix rows join.
+    emb_frac_gradient: x-transformers' option (CogView, GLM-130B: 0.1): the fraction in ``(0, 1]`` of the gradient
+        that flows back into the embeddings (after ``post_emb_norm``, prefix rows included; memory and class tokens
+        not): the forward is unchanged (exactly), the gradient there is multiplied by it. x-transformers ignores a
+        value above 1; safeformer refuses it, like one at or below 0.
     use_abs_pos_emb: learned absolute positions (skipped when the stack's ``disable_abs_pos_emb`` is set: by
         default with rotary, PoPE or T5's relative bias, as in x-transformers; ALiBi keeps them).
     tie_embedding: the output projection shares the token embedding's weights.
@@ -194,6 +200,7 @@ from ..core.conditions import Conditions, condition_kwargs
 from ..core.masks import checked_once, validate_mask
 from ..nn.modules import (
     AbsolutePositionalEmbedding,
+    LayerNorm,
     ScaledSinusoidalPositions,
     grow_linear_biases,
     l2norm,
@@ -201,6 +208,7 @@ from ..nn.modules import (
 )
 from .layers import AttentionLayers, KVCache, translate_aliases
 from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and tests import them from here)
+    ContinuousMems,
     Mems,
     WrapperCall,
     _check_tokens,
@@ -209,8 +217,10 @@ from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and te
     _token_ids,
     attn_z_loss,
     continuous_mask,
+    continuous_mems,
     continuous_new_rows,
     continuous_output,
+    continuous_returns,
     embed_call,
     finish_call,
     head_call,
@@ -219,8 +229,16 @@ from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and te
     resolve_call,
     run_call,
 )
-from .wrapper_options import _flag, build_embeddings, build_fixed_rows, build_heads, build_recurrence, check_options
-from .wrapper_run import finish_run, place_rows, stack_runner
+from .wrapper_options import (
+    _flag,
+    build_embeddings,
+    build_fixed_rows,
+    build_heads,
+    build_recurrence,
+    check_continuous_options,
+    check_options,
+)
+from .wrapper_run import embed_rows, finish_run, place_rows, stack_runner
 
 __all__ = ["TransformerWrapper", "ContinuousTransformerWrapper"]
 
@@ -249,7 +267,8 @@ def xt_continuous_wrapper_kwargs(model) -> dict:
     """The safeformer ``ContinuousTransformerWrapper`` keywords (all but ``attn_layers``) of an x-transformers
     ``ContinuousTransformerWrapper``: ``dim_in`` / ``dim_out`` from its projections (``project_in`` /
     ``project_out`` as given when they are not ``nn.Linear`` or ``nn.Identity``), ``probabilistic``,
-    ``max_seq_len`` (``None`` when it has no absolute position embedding), memory tokens, pooling.
+    ``max_seq_len`` (``None`` when it has no absolute position embedding), memory tokens, pooling, ``post_emb_norm``
+    and ``max_mem_len``.
     ``copy_xt_continuous_projections`` then copies the projections (x-transformers' have no bias: safeformer's
     are zeroed). For ``from_x_transformers``, which converts the stack."""
     pin, pout = model.project_in, model.project_out
@@ -260,6 +279,8 @@ def xt_continuous_wrapper_kwargs(model) -> dict:
     kw["use_abs_pos_emb"] = has_abs
     mem = getattr(model, "memory_tokens", None)
     kw["num_memory_tokens"] = int(mem.shape[0]) if mem is not None else None
+    kw["post_emb_norm"] = not isinstance(getattr(model, "post_emb_norm", None), (nn.Identity, type(None)))
+    kw["max_mem_len"] = int(getattr(model, "max_mem_len", 0) or 0)
     if isinstance(pin, nn.Linear):
         kw["dim_in"] = pin.in_features
     elif not isinstance(pin, nn.Identity):
@@ -286,6 +307,8 @@ def copy_xt_continuous_projections(sf_model: nn.Module, xt_model: nn.Module) -> 
         sf_model.pos_emb.emb.weight.copy_(xt_model.pos_emb.emb.weight)
     if getattr(sf_model, "memory_tokens", None) is not None:
         sf_model.memory_tokens.copy_(xt_model.memory_tokens)
+    if getattr(sf_model, "post_emb_norm", None) is not None:  # x-transformers' LayerNorm: the same gamma
+        sf_model.post_emb_norm.gamma.copy_(xt_model.post_emb_norm.gamma)
 
 
 @torch.no_grad()
@@ -300,10 +323,10 @@ def copy_xt_wrapper_option_weights(sf_model: nn.Module, xt_model: nn.Module) -> 
 # x-transformers' spelling -> safeformer's name for the wrappers (see layers.LAYER_ALIASES); None: accepted
 # and ignored. Names the same in both libraries need no entry.
 WRAPPER_ALIASES: dict[str, object] = {
-    # TransformerWrapper has Transformer-XL memories (max_mem_len); the continuous wrapper takes none
-    "max_mem_len": lambda v: {} if v == 0 and not isinstance(v, bool) else {"_unsupported": f"max_mem_len={v!r}"},
-    "emb_frac_gradient": lambda v: {} if v == 1.0 else {"_unsupported": f"emb_frac_gradient={v}"},
-    "post_emb_norm": lambda v: {} if not v else {"_unsupported": "post_emb_norm=True"},
+    # a TransformerWrapper keyword (x-transformers' ContinuousTransformerWrapper has none): refused there unless 1
+    "emb_frac_gradient": lambda v: {} if v == 1.0 and not isinstance(v, bool) else {
+        "_unsupported": f"emb_frac_gradient={v!r} (a TransformerWrapper option; x-transformers' "
+                        f"ContinuousTransformerWrapper has no such keyword)"},
 }
 
 
@@ -481,9 +504,7 @@ class _Wrapper(Configurable, nn.Module):
         positions = self._positions(mask, b, n, x.device, None)  # (b|1, n): the tokens' ranks (length checked)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions).to(x.dtype)
-        x = self.emb_dropout(x)
-        if getattr(self, "project_emb", None) is not None:
-            x = self.project_emb(x)
+        x = embed_rows(self, x, 0)  # post_emb_norm, emb_frac_gradient, dropout, project_emb
         c = x.shape[-1]
         M = self.num_memory_tokens
         slot, start, blocks, N, rows = intersperse_layout(mask, b, n, self.memory_tokens_interspersed_every, M, x.device)
@@ -617,7 +638,7 @@ class TransformerWrapper(_Wrapper):
         num_tokens: int,
         max_seq_len: int,
         attn_layers: AttentionLayers,
-        emb_dropout: float = 0.0, post_emb_norm: bool = False,
+        emb_dropout: float = 0.0, post_emb_norm: bool = False, emb_frac_gradient: float = 1.0,
         use_abs_pos_emb: bool = True, scaled_sinu_pos_emb: bool = False,
         tie_embedding: bool = False,
         logits_dim: int | None = None,
@@ -669,7 +690,7 @@ class TransformerWrapper(_Wrapper):
         build_embeddings(self, attn_layers, num_tokens=num_tokens, emb_dim=emb_dim, token_emb=token_emb,
                          l2norm_embed=l2norm_embed, max_seq_len=max_seq_len, use_abs_pos_emb=use_abs_pos_emb,
                          embed_num_tokens=embed_num_tokens, scaled_sinu_pos_emb=scaled_sinu_pos_emb,
-                         post_emb_norm=post_emb_norm)
+                         post_emb_norm=post_emb_norm, emb_frac_gradient=emb_frac_gradient)
         build_fixed_rows(self, dim, memory_tokens_interspersed_every=memory_tokens_interspersed_every,
                          num_memory_tokens=num_memory_tokens, use_cls_token=use_cls_token,
                          num_cls_tokens=num_cls_tokens, max_mem_len=max_mem_len, shift_mem_down=shift_mem_down,
@@ -872,16 +893,19 @@ class TransformerWrapper(_Wrapper):
             steps = int(torch.randint(1, self.train_max_recycle_steps + 1, ()).item())
         if self.num_fixed_tokens or conds.prepend_embeds is not None:
             raise ValueError("recycling with memory, class tokens or prepend_embeds is not supported")
-        out = None
+        # the embedded rows once (positions, post_emb_norm, emb_frac_gradient, dropout, projection: x-transformers'
+        # x), then each run on them plus the recycled projection
+        rows = place_rows(self, emb, mask, conds, attn_mask, None, pos)
+        h = inter = plan = None
         for i in range(steps):
-            with torch.no_grad() if i < steps - 1 else contextlib.nullcontext():
-                inp = emb
-                if out is not None:
-                    prev = out[0].detach()  # padded rows of the stack's output are exact zeros
-                    inp = emb + self.recycled_proj(prev)
-                out = self._run(inp, mask, conds, attn_mask, None, False, pos=pos,
-                                return_hiddens=want_inter and i == steps - 1, causal=causal, ff_deep=ff_deep)
-        return out
+            last = i == steps - 1
+            with torch.no_grad() if not last else contextlib.nullcontext():
+                stack, plan = stack_runner(self, rows, conds, attn_mask, None, False, return_hiddens=want_inter and last,
+                                           causal=causal, ff_deep=ff_deep, extra_kv=None)
+                # padded rows of the stack's output are exact zeros
+                inp = rows.x if h is None else rows.x + self.recycled_proj(h.detach())
+                h, _, inter = stack(inp, None, False)
+        return finish_run(self, rows, None, h, None, inter, plan)
 
 
 def split_mean_log_var(raw: Tensor) -> tuple[Tensor, Tensor]:
@@ -927,6 +951,10 @@ class ContinuousTransformerWrapper(_Wrapper):
             decode step run them one position at a time). ``dim_in`` is read from an ``nn.Linear``
             ``project_in`` and needed otherwise (safeformer checks the input width); ``dim_out`` likewise
             from an ``nn.Linear`` ``project_out``. Padded positions are zeroed before ``project_in`` runs.
+        post_emb_norm: x-transformers' ``LayerNorm(dim)`` (``post_emb_norm.gamma``) of the projected inputs plus
+            the absolute positions and ``sum_embeds``, before the memory tokens and the prefix rows join.
+        max_mem_len: Transformer-XL: the most positions per self-attention block that ``forward(return_mems=True)``
+            keeps (x-transformers' option; 0 keeps none). See ``forward``.
     """
 
     def __init__(
@@ -946,6 +974,8 @@ class ContinuousTransformerWrapper(_Wrapper):
         project_in: nn.Module | None = None,
         project_out: nn.Module | None = None,
         use_identity_if_same_dim: bool = False,
+        post_emb_norm: bool = False,
+        max_mem_len: int = 0,
         **aliases,
     ):
         if aliases:
@@ -954,28 +984,10 @@ class ContinuousTransformerWrapper(_Wrapper):
             return
         super().__init__()
         _check_layers(attn_layers)
-        if not isinstance(probabilistic, bool):
-            raise TypeError(f"probabilistic must be a bool, got {probabilistic!r}")
-        if probabilistic and dim_out is None:
-            raise ValueError("probabilistic=True needs dim_out (the head gives a mean and a variance per output feature)")
-        for name, mod in (("project_in", project_in), ("project_out", project_out)):
-            if mod is not None and not isinstance(mod, nn.Module):
-                raise TypeError(f"{name} must be an nn.Module, got {type(mod).__name__}")
-        if project_in is not None and dim_in is None:
-            if not isinstance(project_in, nn.Linear):
-                raise ValueError("project_in that is not an nn.Linear needs dim_in: the width of the inputs it reads "
-                                 "(checked on every call)")
-            dim_in = project_in.in_features
-        if project_out is not None and dim_out is None and isinstance(project_out, nn.Linear):
-            dim_out = project_out.out_features // (2 if probabilistic else 1)
-        if probabilistic and project_out is not None and isinstance(project_out, nn.Linear) \
-                and project_out.out_features != 2 * dim_out:
-            raise ValueError(f"probabilistic=True: project_out must give 2 * dim_out = {2 * dim_out} features "
-                             f"(a mean and a log-variance per feature), got {project_out.out_features}")
-        if probabilistic and dim_out is None:
-            raise ValueError("probabilistic=True needs dim_out (the head gives a mean and a variance per output feature)")
-        if not isinstance(use_identity_if_same_dim, bool):
-            raise TypeError(f"use_identity_if_same_dim must be True or False, got {use_identity_if_same_dim!r}")
+        dim_in, dim_out = check_continuous_options(dim_in=dim_in, dim_out=dim_out, probabilistic=probabilistic,
+                                                   project_in=project_in, project_out=project_out,
+                                                   use_identity_if_same_dim=use_identity_if_same_dim,
+                                                   post_emb_norm=post_emb_norm, max_mem_len=max_mem_len)
         self._set_config_from(ContinuousTransformerWrapper.__init__, locals())
         dim = attn_layers.dim
         if use_identity_if_same_dim:  # x-transformers': no projection where the widths already agree
@@ -999,6 +1011,8 @@ class ContinuousTransformerWrapper(_Wrapper):
         self._register_load_state_dict_pre_hook(grow_linear_biases("project_in", "project_out"), with_module=True)
         # x-transformers: no max_seq_len (or 0) means no absolute position embedding
         self._init_positions(dim, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb=scaled_sinu_pos_emb)
+        self.post_emb_norm = LayerNorm(dim) if post_emb_norm else None  # x-transformers' key: post_emb_norm.gamma
+        self.max_mem_len = max_mem_len  # Transformer-XL: the most memory positions forward(return_mems=True) keeps
         self._init_fixed_tokens(dim, num_memory_tokens)
         self.average_pool_embed = average_pool_embed
         self.emb_dropout = nn.Dropout(emb_dropout)
@@ -1044,15 +1058,22 @@ class ContinuousTransformerWrapper(_Wrapper):
         ``seq_start_pos (b,)`` the first real position of left-padded samples (ANDed into the mask);
         ``sum_embeds (b, n, dim)`` is added to the projected inputs (padded rows selected away);
         ``input_not_include_cache``: with a ``LayerIntermediates`` cache every position of ``x`` is new.
-        ``mems`` / ``mem_masks`` / ``return_mems``: x-transformers' Transformer-XL memories, which this wrapper
-        does not keep (``TransformerWrapper`` does): accepted at ``None`` / ``False`` only.
+        ``mems`` / ``mem_masks``: Transformer-XL memories, as in ``TransformerWrapper.forward`` (one ``(b, m, c)`` per
+        self-attention block; a ``ContinuousMems`` brings its masks). ``return_mems``: also return the new memories
+        as x-transformers' continuous wrapper does, ``(out, mems)``: a ``ContinuousMems`` tuple of this segment's
+        stream entering each self-attention block (the last ``max_mem_len`` positions, detached; unlike
+        ``TransformerWrapper``'s, the memories passed in are not kept), its ``masks`` their padding; with
+        ``return_intermediates`` the intermediates are returned and carry them (``mems``, ``mem_masks``). Not with
+        a cache, ``prepend_embeds``, memory tokens, ``pos`` or ``return_attn``.
 
         Values at padded positions of ``x`` (mask False) are selected away before any use: NaN or
         inf there reaches no output and no gradient.
         """
         conditions = condition_kwargs("ContinuousTransformerWrapper.forward", conditions)
         # the phases run in wrapper_forward.py: the door, the new rows, the stack, the output
-        mask = continuous_mask(self, x, mask, lens, seq_start_pos, sum_embeds, mems, mem_masks, return_mems)
+        mask = continuous_mask(self, x, mask, lens, seq_start_pos, sum_embeds)
+        mem_kw = continuous_mems(self, mems, mem_masks, return_mems, cache, return_cache, return_attn,
+                                 prepend_embeds, pos)
         check = self.check_finite if check_finite is None else check_finite
         x, mask, pos, sum_embeds, cache = continuous_new_rows(x, mask, pos, sum_embeds, cache, cache_age,
                                                               input_not_include_cache, check)
@@ -1064,12 +1085,12 @@ class ContinuousTransformerWrapper(_Wrapper):
             inp = inp + (sum_embeds if mask is None else torch.where(mask[..., None], sum_embeds, 0.0)).to(inp.dtype)
         h, new_cache, full_mask, m, _, inter, _ = self._run(
             inp, mask, conds, attn_mask, cache, return_cache,
-            pos=pos, return_hiddens=want_inter, causal=causal,
+            pos=pos, return_hiddens=want_inter or return_mems, causal=causal, extra_kv=mem_kw,
         )
         out = continuous_output(self, h, full_mask, m, excise_prepend_embeds=excise_prepend_embeds,
                                 return_pooled=return_pooled, return_embeddings=return_embeddings)
         if self.probabilistic and not return_embeddings and not return_pooled:
             out = gaussian_head(out)
-        extra = ((new_cache,) if return_cache else ()) + (
-            (inter,) if return_intermediates or return_hiddens else (inter.attn_maps,) if return_attn else ())
-        return (out, *extra) if extra else out
+        return continuous_returns(self, out, new_cache, inter, full_mask, return_cache=return_cache,
+                                  give_inter=return_intermediates or return_hiddens, return_attn=return_attn,
+                                  return_mems=return_mems)
