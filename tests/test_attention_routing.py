@@ -126,7 +126,9 @@ def test_the_config_holds_the_fields_given_in_x_transformers_spelling_and_rebuil
                        **given)
     config = stack.get_config()
     assert {k: v for k, v in config.items() if k.startswith("attn_")} == {
-        "attn_gate_values": True, "attn_num_mem_kv": 2, "attn_kwargs": None, "attn_dropout": 0.0}
+        "attn_gate_values": True, "attn_num_mem_kv": 2, "attn_kwargs": None, "attn_dropout": 0.0,
+        # the stack's own keywords spelt with the prefix (not attention fields)
+        "attn_aggregated_residuals": False, "attn_aggregated_residual_kwargs": None}
     assert config["cross_attn_kwargs"] == {"num_mem_kv": 1}
     rebuilt = sf.Decoder.from_config(config)
     assert _shapes(rebuilt) == _shapes(stack) and rebuilt.get_config() == config

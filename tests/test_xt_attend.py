@@ -119,6 +119,13 @@ def test_equals_x_transformers_attend(causal):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+_PROBE_OPTIONS = (
+    {}, dict(sigmoid=True), dict(custom_attn_fn=lambda t: torch.relu(t) ** 2), dict(sparse_topk=2),
+    dict(cog_signed=True), dict(pre_talking_heads=True, post_talking_heads=True, heads=H), dict(hard=True),
+    dict(l2_distance=True), dict(softclamp_logits=True, logit_softclamp_value=1.0), dict(inverted_attention=True),
+)
+
+
 def probe_attend_module(seed: int, value: float):
     """``Attend`` with key padding (sample 0 sees no key) and ``value`` planted in masked keys and values."""
     from doors import Probe
@@ -130,7 +137,7 @@ def probe_attend_module(seed: int, value: float):
     k = k.masked_fill(where, value).requires_grad_()
     v = v.masked_fill(where, value).requires_grad_()
     q = q.requires_grad_()
-    m = Attend()
+    m = Attend(**_PROBE_OPTIONS[seed % len(_PROBE_OPTIONS)])  # each seed one of x-transformers' Attend options
     out, _ = m(q, k, v, mask=mask)
     dead = torch.zeros_like(out, dtype=torch.bool)
     dead[0] = True

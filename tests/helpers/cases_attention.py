@@ -75,4 +75,31 @@ class EncoderL2Case(EncoderCase):
         return dict(super().config(), attn_l2_distance=True, attn_bias=True)
 
 
-CASES: list = [DecoderScoringCase(), CrossAttenderInvertedCase(), EncoderL2Case()]
+class DecoderOutputProjectionCase(DecoderCase):
+    """``Decoder`` with x-transformers' output-projection options: ``attn_on_attn`` (a GLU-gated ``to_out``, with
+    biases: a dead row must still come out 0) and ``attn_value_dim_head`` (values 6 wide, queries and keys 8). Decodes
+    with the dynamic KV cache (the static step refuses the value width); padded path only."""
+
+    name = "Decoder-output-projection"
+    padded_only = True
+
+    def config(self):
+        return dict(super().config(), attn_on_attn=True, attn_value_dim_head=6, attn_bias=True)
+
+
+class EncoderSigmoidTalkingHeadsCase(EncoderCase):
+    """``Encoder`` with the scoring part's options through the stack: sigmoid weights and talking heads after them
+    (``attn_post_talking_heads``), and ``attn_attend_sdp_kwargs`` restricting the fused kernels (unused here: the
+    explicit path runs)."""
+
+    name = "Encoder-sigmoid-talking-heads"
+    padded_only = True
+    explicit_attention = True
+
+    def config(self):
+        return dict(super().config(), attn_sigmoid=True, attn_post_talking_heads=True,
+                    attn_attend_sdp_kwargs=dict(enable_flash=False))
+
+
+CASES: list = [DecoderScoringCase(), CrossAttenderInvertedCase(), EncoderL2Case(), DecoderOutputProjectionCase(),
+               EncoderSigmoidTalkingHeadsCase()]

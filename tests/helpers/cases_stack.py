@@ -167,6 +167,49 @@ class DecoderResidualAttnCase(DecoderCase):
         return dict(super().config(), depth=3, residual_attn=True, cross_residual_attn=True)
 
 
+def _perturb_modules(model: nn.Module, kinds: tuple, seed: int = 7) -> nn.Module:
+    """The parameters of the modules of ``kinds`` (zero-initialised gates, unit gains) moved off their init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, kinds):
+                for p in m.parameters():
+                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+class DecoderAggregatedResidualCase(DecoderCase):
+    """``Decoder`` with x-transformers' ``attn_aggregated_residuals``: each block's input attends, per token, over the
+    inputs of every block before it (``AttentionResidual``); padding stays out, the KV cache decodes as the full
+    forward. Padded path only."""
+
+    name = "Decoder-aggregated-residuals"
+    padded_only = True
+
+    def config(self):
+        return dict(super().config(), attn_aggregated_residuals=True,
+                    attn_aggregated_residual_kwargs=dict(lora_rank=4))
+
+    def make(self, backend="auto"):
+        return _perturb_modules(super().make(backend), (sf.nn.block.AttentionResidual,))
+
+
+class EncoderGatedMultiResidualCase(EncoderCase):
+    """``Encoder`` with x-transformers' ``gated_multi_residual`` over two residual streams (``GatedMultiResidual``: a
+    low-rank read gate per feature and stream, a write gate per stream), its gates moved off their init. Padded
+    path only."""
+
+    name = "Encoder-gated-multi-residual"
+    padded_only = True
+
+    def config(self):
+        return dict(super().config(), gated_multi_residual=True, num_residual_streams=2,
+                    residual_fn_kwargs=dict(read_gate_rank=4))
+
+    def make(self, backend="auto"):
+        return _perturb_modules(super().make(backend), (sf.nn.block.GatedMultiResidual,))
+
+
 CASES: list = [DecoderHyperCase(), EncoderLimeSkipsCase(), EncoderMVSplitCase(), EncoderOrthogResidualCase(),
                DecoderLayoutCase(), DecoderResidualGateCase(), DecoderShiftRepeatCase(), EncoderTiedShiftCase(),
-               DecoderResidualAttnCase()]
+               DecoderResidualAttnCase(), DecoderAggregatedResidualCase(), EncoderGatedMultiResidualCase()]
