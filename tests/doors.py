@@ -428,7 +428,7 @@ def probe_abs_pos(seed: int, value: float) -> Probe:
     torch.manual_seed(0)
     emb = sf.AbsolutePositionalEmbedding(4, 8)
     pos = torch.tensor([[0, 3, 7, 7]])
-    return Probe(emb(pos), {"weight": emb.emb.weight})
+    return Probe(emb.embed_positions(pos), {"weight": emb.emb.weight})
 
 
 def probe_generate_tokens(seed: int, value: float) -> Probe:

@@ -92,7 +92,7 @@ def test_embeddings_and_pooled_outputs():
     ids, ctx = data()
     kw = dict(mask=MASK, context=ctx, context_mask=CTX_MASK)
     emb = model(ids, return_embeddings=True, **kw)
-    hp.assert_close(emb, model.attn_layers(model.token_emb(torch.where(MASK, ids, 0)) + model.pos_emb(sf.positions_from_mask(MASK, 5, "cpu")), **kw),
+    hp.assert_close(emb, model.attn_layers(model.token_emb(torch.where(MASK, ids, 0)) + model.pos_emb.embed_positions(sf.positions_from_mask(MASK, 5, "cpu")), **kw),
                     "return_embeddings = the stack's output", torch.float64)
     pooled = model(ids, return_pooled=True, **kw)
     assert pooled.shape == (4, DIM)

@@ -159,7 +159,7 @@ def test_return_intermediates_hiddens_and_maps():
     logits, inter = net(x, mask=mask, context=ctx, context_mask=ctx_mask, return_intermediates=True)
     assert torch.isfinite(logits).all()
     assert len(inter.hiddens) == 3 and inter.memory_tokens.shape == (2, 2, 16)
-    first = net.token_emb(torch.where(mask, x, 0)) + net.pos_emb(sf.positions_from_mask(mask, 5, "cpu"))
+    first = net.token_emb(torch.where(mask, x, 0)) + net.pos_emb.embed_positions(sf.positions_from_mask(mask, 5, "cpu"))
     torch.testing.assert_close(inter.hiddens[0][:, 2:][mask], first[mask])
     assert bool((inter.hiddens[1][:, 2:][~mask] == 0).all())
     kinds = [a.layer_type for a in inter.attn_intermediates]

@@ -352,7 +352,7 @@ def test_continuous_pred_head():
     h = model(x, mask=mask, return_embeddings=True)
     hp.assert_close(pred, model.to_next_embed_pred(h), what="next-embedding prediction")
     pos = sf.nn.modules.positions_from_mask(mask, 6, x.device)
-    ref = model.token_emb(x) + model.pos_emb(pos)
+    ref = model.token_emb(x) + model.pos_emb.embed_positions(pos)
     hp.assert_close(init[mask], ref[mask], what="initial embeddings")
     with pytest.raises(ValueError, match="add_continuous_pred_head"):
         _tok_net()(x, return_next_embed_pred=True)

@@ -182,6 +182,35 @@ class AttnIntermediate:
     values: Tensor | None = None
 
 
+class _CacheLength:
+    """``LayerIntermediates.cache_length`` (a dataclass field, as in x-transformers): the positions the carried
+    ``cache`` holds, read from it; without a cache, the value given (default 0). With a cache it can only be set to
+    the cache's own length: safeformer continues from the ``KVCache``, so another value would mean nothing."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = f"_{name}_given"
+
+    def __get__(self, obj, objtype=None) -> int | None:
+        if obj is None:  # the dataclass' default: "not given"
+            return None
+        cache = obj.__dict__.get("cache")
+        if cache is not None:
+            return cache.length
+        return obj.__dict__.get(self._slot) or 0
+
+    def __set__(self, obj, value) -> None:
+        if value is None:
+            obj.__dict__[self._slot] = None
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"cache_length must be a non-negative integer (or None), got {value!r}")
+        cache = obj.__dict__.get("cache")
+        if cache is not None and value != cache.length:
+            raise ValueError(f"cache_length is the length of the carried KVCache ({cache.length}); safeformer "
+                             f"continues from that cache, so it cannot be set to {value} (trim the cache instead)")
+        obj.__dict__[self._slot] = value
+
+
 @dataclass
 class LayerIntermediates:
     """What ``return_hiddens`` / ``return_intermediates`` returns besides the output.
@@ -215,6 +244,11 @@ class LayerIntermediates:
         looped_prompt_kv_cache: a ``looped`` model's prompt keys/values of every loop step (from a
             ``looped_inference`` call on a prompt), in safeformer's form: per step, per self-attention block,
             ``(k, v)`` ``(b, h_kv, p, d)``.
+        block_hiddens: x-transformers' field: the stream at the end of each default block (``depth`` entries of
+            ``(b, n, c)``, the last after the final norm). ``None``: safeformer's stacks do not fill it.
+        cache_length: x-transformers' field: the positions the cache holds after this call (the earlier ones and
+            the new ones), read from ``cache`` (0 without one); it can be set only to that value (see
+            ``_CacheLength``).
     """
 
     hiddens: list[Tensor] = field(default_factory=list)
@@ -235,11 +269,8 @@ class LayerIntermediates:
     looped_prompt_kv_cache: tuple | None = None
     mems: list[Tensor] | None = None
     mem_masks: list[Tensor] | None = None
-
-    @property
-    def cache_length(self) -> int:
-        """x-transformers' name: the positions the carried ``cache`` holds (0 without one)."""
-        return 0 if self.cache is None else self.cache.length
+    block_hiddens: list[Tensor] | None = None
+    cache_length: int | None = _CacheLength()  # noqa: RUF009  (a descriptor: read from the cache)
 
     @property
     def attn_maps(self) -> list[Tensor]:

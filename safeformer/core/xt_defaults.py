@@ -30,7 +30,8 @@ ATTENTION_DEFAULT_ONLY: dict[str, object] = {
     k.removeprefix("attn_"): v for k, v in XT_DEFAULT_ONLY.items()
     if k.startswith("attn_") and k not in ("attn_dim_context", "attn_dim_out", "attn_inverted_attention",
                                            "attn_learned_value_residual_mix", "attn_aggregated_residuals",
-                                           "attn_aggregated_residual_kwargs", "attn_rotate_num_heads")
+                                           "attn_aggregated_residual_kwargs", "attn_rotate_num_heads",
+                                           "attn_qkv_receive_diff_residuals")
 }
 ATTENTION_ANY_VALUE = ("onnxable",)
 

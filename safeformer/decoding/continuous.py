@@ -38,7 +38,7 @@ from ..core.conditions import (
 from ..core.masks import checked_once, validate_mask
 from ..core.xt_helpers import default_lazy_unless_module as default  # noqa: F401  (x-transformers' helper of this module)
 from ..core.xt_helpers import exists  # noqa: F401
-from ..stack.wrappers import ContinuousTransformerWrapper, capped_log_var, split_mean_log_var
+from ..stack.wrappers import ContinuousTransformerWrapper, capped_log_var, gaussian_head, split_mean_log_var
 from .decode import GuidedForward, autoregress
 from .rollout import rollout_loss
 
@@ -153,6 +153,58 @@ def _check_net_args(net, probabilistic, loss, min_variance, use_l1_loss,
     return loss, dim_in, net_probabilistic
 
 
+def _check_loss_fn(loss_fn, probabilistic: bool, loss: str, use_l1_loss: bool) -> None:
+    """``loss_fn`` is ``None`` or a module / function, and not given together with a loss it would replace."""
+    if loss_fn is None:
+        return
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a module or a function (pred, target) -> loss, got {type(loss_fn).__name__}")
+    if probabilistic:
+        raise ValueError("loss_fn with probabilistic=True: that option trains with its own Gaussian likelihood "
+                         "(a net with probabilistic=True hands loss_fn x-transformers' stack((mean, variance)))")
+    if use_l1_loss or loss != "mse":
+        raise ValueError("loss_fn replaces the built-in loss: pass it or use_l1_loss / loss, not both")
+
+
+def _custom_loss(wrapper, out: Tensor, target: Tensor, counted: Tensor) -> Tensor:
+    """``wrapper.loss_fn(pred, target)`` with x-transformers' ``pred``: the net's output ``(b, t, d)`` (for a
+    probabilistic net ``stack((mean, variance))``, ``(2, b, t, d)``), in float32 (float64 for float64 models). Where
+    a target does not count, ``pred`` and ``target`` are 0 (whatever the padding held); the result is unchecked."""
+    acc = torch.promote_types(out.dtype, torch.float32)
+    zero = torch.zeros((), dtype=acc, device=out.device)
+    sel = counted[..., None]
+    pred = torch.where(sel, out.to(acc), zero)
+    pred = gaussian_head(pred) if wrapper.net_probabilistic else pred
+    loss = wrapper.loss_fn(pred, torch.where(sel, target.to(acc), zero))
+    if not isinstance(loss, Tensor) or not loss.is_floating_point():
+        raise TypeError(f"loss_fn must return a floating-point tensor, got "
+                        f"{getattr(loss, 'dtype', type(loss).__name__)}")
+    return loss
+
+
+def _custom_per_target(wrapper, loss: Tensor, counted: Tensor) -> Tensor:
+    """``(b, t)`` from ``loss_fn``'s unreduced ``loss (b, t, ...)``: the mean over its trailing dims, exactly 0
+    where a target does not count (x-transformers' ``loss[mask]``, then the mean, as ``_reduce`` sums)."""
+    b, t = counted.shape
+    if loss.dim() < 2 or tuple(loss.shape[:2]) != (b, t):
+        raise ValueError(f"loss_fn must return unreduced losses of shape (b, n - 1, ...) = ({b}, {t}, ...) (e.g. "
+                         f"nn.MSELoss(reduction='none')) so that targets that do not count are left out, got "
+                         f"{tuple(loss.shape)}")
+    width = loss[0, 0].numel() if b * t else 0
+    if wrapper.equal_loss_weight_batch and b * t and width != wrapper.dim_in:
+        raise ValueError(f"loss_fn with equal_loss_weight_batch=True must return (b, n - 1, dim_in={wrapper.dim_in}) "
+                         f"losses (x-transformers sums them over the features), got {tuple(loss.shape)}")
+    acc = torch.promote_types(loss.dtype, torch.float32)
+    per = loss.to(acc) if loss.dim() == 2 else loss.to(acc).flatten(2).mean(-1)
+    return torch.where(counted, per, torch.zeros((), dtype=acc, device=loss.device))
+
+
+def _legacy_model_keys(state_dict, prefix, *_args) -> None:
+    """Earlier safeformer registered the net a second time as ``_model``: those duplicate keys are dropped."""
+    for key in [k for k in state_dict if k.startswith(prefix + "_model.")]:
+        del state_dict[key]
+
+
 # ----------------------------------------------------------------------------------------------------
 # the wrapper
 # ----------------------------------------------------------------------------------------------------
@@ -168,6 +220,15 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
     Args:
         net: a ``ContinuousTransformerWrapper`` whose layers are a ``Decoder`` (``cross_attend=True``
             for a context, ``use_adaptive_layernorm=True`` for a condition).
+        loss_fn: x-transformers' custom loss: a module (registered, its parameters in the state dict) or function
+            ``loss_fn(pred, target)`` called with the net's prediction ``(b, n - 1, dim_out)`` (a probabilistic net:
+            ``stack((mean, variance))``, ``(2, b, n - 1, d)``) and the targets ``(b, n - 1, d)``, returning
+            unreduced losses ``(b, n - 1, ...)`` (e.g. ``nn.SmoothL1Loss(reduction="none")``); the loss is their
+            mean over the counted targets (``reduction="none"``: the mean over the trailing dims per target). As
+            in x-transformers, without a mask a reduced (0-d) result is accepted and returned as it is. Where a
+            target does not count, both arguments hold 0 whatever the padding held, and its loss is selected
+            away. It must map finite inputs to finite outputs. ``None`` (default): x-transformers' default, the
+            mean squared error (``use_l1_loss``: absolute error; a probabilistic net: Gaussian NLL).
         probabilistic: predict a Gaussian per feature and train with its negative log-likelihood
             ``0.5 * (log var + (x - mean)^2 / var)`` (the constant ``0.5 log 2 pi`` left out, as in
             ``F.gaussian_nll_loss``), computed in float32 as ``0.5 * (lv + (x - mean)^2 * exp(-lv))``
@@ -208,16 +269,18 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
     def __init__(
         self,
         net: ContinuousTransformerWrapper,
+        loss_fn: nn.Module | Callable[[Tensor, Tensor], Tensor] | None = None,
+        use_l1_loss: bool = False,
+        equal_loss_weight_batch: bool = False,
         *,
         probabilistic: bool = False,
         loss: str = "mse",
         min_variance: float = 1e-6,
         cond_drop_prob: float | dict[str, float] = 0.0,
         cond_drop_all_prob: float = 0.0,
-        use_l1_loss: bool = False,
-        equal_loss_weight_batch: bool = False,
     ):
         super().__init__()
+        _check_loss_fn(loss_fn, probabilistic, loss, use_l1_loss)
         loss, dim_in, net_probabilistic = _check_net_args(net, probabilistic, loss, min_variance, use_l1_loss,
                                                           equal_loss_weight_batch)
         probs = drop_probabilities(cond_drop_prob)
@@ -225,9 +288,10 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         _check_prob(cond_drop_all_prob, "cond_drop_all_prob")
         self._set_config_from(ContinuousAutoregressiveWrapper.__init__, locals())
         self.net = net
+        self._register_load_state_dict_pre_hook(_legacy_model_keys)
+        self.loss_fn = loss_fn
         self.net_probabilistic = net_probabilistic
         self.probabilistic = probabilistic or net_probabilistic
-        self._model = _RawHead(net) if net_probabilistic else net  # what the loss and the decode engine call
         self.loss = loss
         self.min_variance = float(min_variance)
         self.dim_in = dim_in
@@ -236,6 +300,12 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         self.cond_drop_all_prob = float(cond_drop_all_prob)
         self.equal_loss_weight_batch = equal_loss_weight_batch
         self.max_seq_len = net.max_seq_len
+
+    @property
+    def _model(self):
+        """What the loss and the decode engine call: the net (its raw head for x-transformers' probabilistic net).
+        Not a registered submodule: the net's parameters are in the state dict once, under ``net``."""
+        return _RawHead(self.net) if self.net_probabilistic else self.net
 
     # ------------------------------------------------------------------------------------------------
     # the distribution of the next step
@@ -318,8 +388,16 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
         if rollout_steps > 1:
             return rollout_loss(self, x, mask, conds, rollout_steps, reduction, generator)
         out = self._model(inp, mask=inp_mask, **conds.kwargs())  # (b, n - 1, dim_out)
-        per = self._per_target(out, target, counted)  # (b, n - 1); padded targets selected away first
         acc = torch.promote_types(out.dtype, torch.float32)
+        if self.loss_fn is not None and mask is None:  # x-transformers: no mask, loss_fn's result averaged as it is
+            loss = _custom_loss(self, out, target, counted)
+            if loss.dim() < 2:
+                if reduction != "mean":
+                    raise ValueError(f"reduction={reduction!r} needs loss_fn to return unreduced losses (b, n - 1, ...)")
+                return loss.mean().to(acc)
+            per = _custom_per_target(self, loss, counted)
+        else:
+            per = self._per_target(out, target, counted)  # (b, n - 1); padded targets selected away first
         return self._reduce(per, counted, reduction, acc, masked=mask is not None)
 
     def _reduce(self, per: Tensor, counted: Tensor, reduction: str, acc, masked: bool = True) -> Tensor:
@@ -335,6 +413,8 @@ class ContinuousAutoregressiveWrapper(Configurable, nn.Module):
 
     def _per_target(self, out: Tensor, target: Tensor, counted: Tensor) -> Tensor:
         """``(b, t)`` the loss of each target (the mean over features), exactly 0 where not ``counted``."""
+        if self.loss_fn is not None:
+            return _custom_per_target(self, _custom_loss(self, out, target, counted), counted)
         sel = counted[..., None]
         acc = torch.promote_types(out.dtype, torch.float32)
         zero = torch.zeros((), dtype=acc, device=out.device)

@@ -178,15 +178,17 @@ class XTransformer(Configurable, nn.Module):
         self.cond_drop_prob = float(cond_drop_prob)
 
     def encode(self, src: Tensor, mask: Tensor | None = None, *, src_prepend_embeds: Tensor | None = None,
-               src_prepend_mask: Tensor | None = None) -> Tensor:
+               src_prepend_mask: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:
         """Encoder hidden states ``(b, j, c)`` of ``src (b, j)`` (``(b, m + j, c)`` after a prefix of
-        embeddings ``src_prepend_embeds (b, m, c)``, x-transformers' name, e.g. image features)."""
-        return self._source(src, mask, src_prepend_embeds, src_prepend_mask)[0]
+        embeddings ``src_prepend_embeds (b, m, c)``, x-transformers' name, e.g. image features); ``attn_mask``:
+        the encoder's self-attention mask, as in ``forward``."""
+        return self._source(src, mask, src_prepend_embeds, src_prepend_mask, attn_mask)[0]
 
-    def _source(self, src, mask, src_prepend_embeds, src_prepend_mask) -> tuple[Tensor, Tensor | None]:
+    def _source(self, src, mask, src_prepend_embeds, src_prepend_mask,
+                attn_mask=None) -> tuple[Tensor, Tensor | None]:
         """The encoding and its mask (the prefix's rows first)."""
-        enc = self.encoder(src, mask=mask, return_embeddings=True, prepend_embeds=src_prepend_embeds,
-                           prepend_mask=src_prepend_mask)
+        enc = self.encoder(src, mask=mask, attn_mask=attn_mask, return_embeddings=True,
+                           prepend_embeds=src_prepend_embeds, prepend_mask=src_prepend_mask)
         if src_prepend_embeds is not None and (mask is not None or src_prepend_mask is not None):
             b, m = src_prepend_embeds.shape[:2]
             ones = lambda k: torch.ones(b, k, dtype=torch.bool, device=enc.device)  # noqa: E731
@@ -195,8 +197,9 @@ class XTransformer(Configurable, nn.Module):
         return enc, mask
 
     @checked_once
-    def forward(self, src: Tensor, tgt: Tensor, *, mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                src_prepend_embeds: Tensor | None = None, src_prepend_mask: Tensor | None = None) -> Tensor:
+    def forward(self, src: Tensor, tgt: Tensor, mask: Tensor | None = None, attn_mask: Tensor | None = None,
+                src_prepend_embeds: Tensor | None = None, *, tgt_mask: Tensor | None = None,
+                src_prepend_mask: Tensor | None = None) -> Tensor:
         """Next-token cross-entropy of ``tgt (b, n)`` given ``src (b, j)``.
 
         Args:
@@ -206,13 +209,19 @@ class XTransformer(Configurable, nn.Module):
             mask: ``(b, j)`` source padding mask (True = real). An all-False row or ``j == 0`` is an
                 empty source: the decoder runs unconditioned for that sample. In training mode each
                 sample's source is dropped this way with probability ``cond_drop_prob``.
+            attn_mask: x-transformers' keyword: the encoder's self-attention mask (True = query i may attend to
+                key j), ``(j, j)``, ``(b, j, j)`` or ``(b|1, heads|1, j, j)`` (the encoder ``TransformerWrapper``'s
+                ``attn_mask``; a 3-d mask is per sample there, where x-transformers reads ``(heads, j, j)``),
+                combined with ``mask``. A real source position left with no key to attend to
+                gets exactly 0 from its attention (not NaN, not a mean over padding). Not with
+                ``src_prepend_embeds`` (it covers the source tokens only).
             tgt_mask: ``(b, n)`` target padding mask (True = real).
             src_prepend_embeds: ``(b, m, dim)`` embeddings placed before the source tokens in the encoder
                 (x-transformers' name; PaLI-style image features); ``src_prepend_mask (b, m)`` marks
                 padded prefix rows.
         """
         _check_tokens(src, "src")
-        enc, mask = self._source(src, mask, src_prepend_embeds, src_prepend_mask)
+        enc, mask = self._source(src, mask, src_prepend_embeds, src_prepend_mask, attn_mask)
         context_mask = mask
         if self.training and self.cond_drop_prob > 0:
             b, j = enc.shape[:2]
@@ -235,6 +244,7 @@ class XTransformer(Configurable, nn.Module):
         negative_mask: Tensor | None = None,
         src_prepend_embeds: Tensor | None = None,
         src_prepend_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
         **options,
     ) -> Tensor:
         """Generate ``seq_len`` target tokens after ``start_tokens (b, n)`` given ``src (b, j)``.
@@ -250,6 +260,8 @@ class XTransformer(Configurable, nn.Module):
             negative_src, negative_mask: source token ids ``(b, j')`` or ``(1, j')`` (and mask) whose
                 encoding is the unconditional branch's context.
             src_prepend_embeds, src_prepend_mask: a prefix of the source, as in ``forward``.
+            attn_mask: the encoder's self-attention mask on ``src``, as in ``forward`` (x-transformers' keyword;
+                ``negative_src`` is encoded without it).
             **options: as in ``AutoregressiveWrapper.generate``: ``temperature``, ``filter_logits_fn``,
                 ``filter_kwargs``, ``eos_token``, ``cache_kv``, ``guidance_rescale``.
 
@@ -261,7 +273,7 @@ class XTransformer(Configurable, nn.Module):
         was_training = self.training
         self.eval()
         try:
-            enc, mask = self._source(src, mask, src_prepend_embeds, src_prepend_mask)
+            enc, mask = self._source(src, mask, src_prepend_embeds, src_prepend_mask, attn_mask)
             uncond, uncond_mask = None, None
             if negative_src is not None and cond_scale != 1.0:
                 uncond, uncond_mask = self.encode(negative_src, negative_mask), negative_mask

@@ -458,7 +458,7 @@ class StaticDecoder:
         else:
             x = net.project_in(new[:, None].to(self.dtype))
         if net.pos_emb is not None:
-            x = x + net.pos_emb((c.count - c.lead).clamp(min=0)[:, None]).to(x.dtype)
+            x = x + net.pos_emb.embed_positions((c.count - c.lead).clamp(min=0)[:, None]).to(x.dtype)
         if getattr(net, "post_emb_norm", None) is not None:
             x = net.post_emb_norm(x)
         return x

@@ -180,17 +180,15 @@ class Attention(nn.Module):
     The other keywords are x-transformers' options, each documented by the builder that checks it:
     ``attention_projections.init_projections`` (multi-latent attention: ``use_latent_*``, ``dim_latent_*``,
     ``latent_rope_subheads``; ``rotate_num_heads``: ``init_rotation``) and ``init_norms`` (``qk_norm*``, ``value_rmsnorm``, ``learned_value_residual_mix``),
-    the scoring part ``attend`` (x-transformers' ``Attend``, ``xt_attend.Attend``; checked by
-    ``attention_scoring.init_scoring``: ``l2_distance``, ``cog_signed``, ``sigmoid``, ``gumbel_softmax*``,
-    ``inverted_attention``, ``sparse_topk*``, ``hard``, ``selective``, the talking heads, ``custom_attn_fn`` (a
-    function of the logits in place of the softmax) and ``attend_sdp_kwargs`` (the SDPA kernels the fused path may
-    choose among)), ``attention_scoring.init_attention_scoring`` (``laser*``, ``use_cope``, ``cope_*``),
+    the scoring part ``attend`` (``xt_attend.Attend``, checked by ``attention_scoring.init_scoring``: ``l2_distance``,
+    ``cog_signed``, ``sigmoid``, ``gumbel_softmax*``, ``inverted_attention``, ``sparse_topk*``, ``hard``, ``selective``,
+    talking heads, ``custom_attn_fn``, ``attend_sdp_kwargs``), ``init_attention_scoring`` (``laser*``, ``use_cope*``),
     ``attention_bias`` (``use_rel_proj_pos_bias``,
     ``rel_proj_*``: ``RelativeProjPositionalBias``; ``data_dependent_alibi*``: ``init_forget_gates``),
     ``attention_keys.init_extra_keys`` (``num_mem_kv``, ``learned_sink``, ``add_zero_kv``), ``attention_output.init_out``
-    (``dim_out``, ``zero_init_output``, ``orthog_projected_values*``, ``head_scale``, ``sublayer_dropout``,
-    ``output_proj_depth``) and ``init_gates`` (``gate_values*``,
-    ``gate_value_heads``, ``output_gate*``, ``swiglu_values``, ``low_rank_silu_gates``).
+    (``dim_out``, ``project_out``, ``on_attn``, ``zero_init_output``, ``orthog_projected_values*``, ``head_scale``,
+    ``sublayer_dropout``, ``output_proj_depth``), ``init_gates`` (``gate_values*``, ``gate_value_heads``, ``output_gate*``,
+    ``swiglu_values``, ``low_rank_silu_gates``) and ``_init_inputs`` (``value_dim_head``, ``qkv_receive_diff_residuals``).
     """
 
     # options for self-attention only: a stack leaves them out of its cross-attention blocks (they read the
@@ -232,7 +230,7 @@ class Attention(nn.Module):
         data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8,
         selective: bool = False, max_attend_past: int | None = None, custom_attn_fn=None,
         attend_sdp_kwargs: dict | None = None, project_out: bool | None = None, on_attn: bool = False,
-        value_dim_head: int | None = None, **xt_options,
+        value_dim_head: int | None = None, qkv_receive_diff_residuals: bool = False, **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -242,7 +240,7 @@ class Attention(nn.Module):
         kv_heads = _init_core(self, dim, dim_head, dim_context, heads, causal, flash, kv_heads, one_kv_head, dropout,
                               backend, num_mem_kv, softclamp_logits, logit_softclamp_value)
         _init_head_order(self, heads, kv_heads, kv_head_order)
-        _init_value_width(self, dim_head, value_dim_head, hybrid_module)
+        _init_inputs(self, dim_head, value_dim_head, hybrid_module, qkv_receive_diff_residuals)
         given = locals()  # x-transformers' Attend: the scoring options and their parameters (sink, talking heads)
         self.attend = Attend(causal=causal, heads=heads, sdp_kwargs=attend_sdp_kwargs, **{k: given[k] for k in _SCORER_FIELDS})
         self._register_load_state_dict_pre_hook(legacy_scorer_keys())
@@ -434,6 +432,8 @@ class Attention(nn.Module):
                            context_rotary_pos_emb=context_rotary_pos_emb, polar_pos_emb=polar_pos_emb,
                            q_delta=q_delta, k_delta=k_delta, v_delta=v_delta, o_delta=o_delta, attn_delta=attn_delta,
                            flash_pack_seq_kwargs=flash_pack_seq_kwargs)
+        if self.qkv_receive_diff_residuals:  # x-transformers': x stacks the queries', keys' and values' inputs
+            x, kv_input = _split_qkv_inputs(x, context, kv_input)
         if layout is not None:
             return unpadded_call(self, x, layout, additional_key_values, kv_input_residual, _return_kv)
         causal = self.causal if causal is None else causal
@@ -585,10 +585,24 @@ _SCORER_FIELDS = tuple(
                   "head_learned_sink", "backend"))
 
 
-def _init_value_width(attn: Attention, dim_head: int, value_dim_head, hybrid_module) -> None:
+def _split_qkv_inputs(x, context, kv_input) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """``x (3, b, n, c)`` of an ``Attention(qkv_receive_diff_residuals=True)``: the queries' input and ``kv_input``."""
+    if not isinstance(x, Tensor) or x.dim() != 4 or x.shape[0] != 3:
+        raise ValueError("with qkv_receive_diff_residuals, x must be (3, b, n, c): the queries', keys' and values' "
+                         f"inputs stacked, got {tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    if context is not None or kv_input is not None:
+        raise ValueError("qkv_receive_diff_residuals reads keys and values from x: not with context or kv_input")
+    return x[0], (x[1], x[2])
+
+
+def _init_inputs(attn: Attention, dim_head: int, value_dim_head, hybrid_module, qkv_receive_diff_residuals) -> None:
     """The value head width ``dim_value`` (x-transformers' ``value_dim_head``; default ``dim_head``): the values,
     the attention output per head and the output projection's input are that wide, the queries and keys
-    ``dim_head``."""
+    ``dim_head``; with ``qkv_receive_diff_residuals`` the call's ``x`` is ``(3, b, n, c)``, the queries', keys' and
+    values' inputs (x-transformers' hyper-connection views)."""
+    if not isinstance(qkv_receive_diff_residuals, bool):
+        raise TypeError(f"qkv_receive_diff_residuals must be True or False, got {qkv_receive_diff_residuals!r}")
+    attn.qkv_receive_diff_residuals = qkv_receive_diff_residuals
     if value_dim_head is not None and not _positive_int(value_dim_head):
         raise ValueError(f"value_dim_head must be a positive integer, got {value_dim_head!r}")
     attn.dim_value = dim_head if value_dim_head is None else value_dim_head

@@ -440,7 +440,26 @@ class FeedForward(nn.Module):
         """The matrices Muon should optimise (x-transformers' ``muon_parameters``): every linear layer's weight."""
         return [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, deep_embed: Tensor | None = None) -> Tensor:
+        """The feed-forward of ``x (..., dim)``.
+
+        Args:
+            x: the input.
+            deep_embed: x-transformers' deep embedding of this block: a multiplier of the output (after the output
+                projection and its dropout), any floating shape that broadcasts to the output's without growing it,
+                e.g. ``(b, n, dim_out)``: the wrapper's ``ff_deep_embed`` rows of this block for the tokens. The
+                product follows torch's type promotion, as in x-transformers.
+        """
+        h = self._hidden(x)
+        for i, m in enumerate(self.ff):  # after the input part: [LayerNorm], dropout, projection, [dropout]
+            if i:
+                h = m(h)
+        if deep_embed is not None:
+            h = h * _checked_deep_embed(deep_embed, h)
+        return h
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        """The input part of ``ff`` (``ff[0]``): the projection, the activation or gate, ``mult_bias``."""
         h = self.proj_in(x)
         if self.glu:
             h, gate = h.chunk(2, dim=-1)
@@ -457,10 +476,26 @@ class FeedForward(nn.Module):
             for i, m in enumerate(self.ff[0]):  # after the projection: the soft clamp, then the activation
                 if i:
                     h = m(h)
-        for i, m in enumerate(self.ff):  # after the input part: [LayerNorm], dropout, projection, [dropout]
-            if i:
-                h = m(h)
         return h
+
+
+def _checked_deep_embed(deep_embed, out: Tensor) -> Tensor:
+    """``FeedForward.forward``'s ``deep_embed`` checked against the block's output ``out``: a floating tensor on its
+    device whose shape broadcasts to ``out``'s without growing it."""
+    if not isinstance(deep_embed, Tensor):
+        raise TypeError(f"FeedForward deep_embed must be a tensor, got {type(deep_embed).__name__}")
+    if not deep_embed.is_floating_point():
+        raise TypeError(f"FeedForward deep_embed must be a floating-point tensor, got dtype {deep_embed.dtype}")
+    try:
+        fits = torch.broadcast_shapes(deep_embed.shape, out.shape) == out.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"FeedForward deep_embed of shape {tuple(deep_embed.shape)} does not broadcast to the "
+                         f"output's shape {tuple(out.shape)} (e.g. (b, n, dim_out))")
+    if deep_embed.device != out.device:
+        raise ValueError(f"FeedForward deep_embed is on {deep_embed.device}, expected {out.device}")
+    return deep_embed
 
 
 def _legacy_feed_forward(ff: FeedForward, state_dict, prefix, *_args) -> None:
@@ -574,10 +609,12 @@ class TokenEmbedding(nn.Module):
 
 
 class AbsolutePositionalEmbedding(nn.Module):
-    """Learned absolute positions, scaled by ``dim ** -0.5``; takes per-sample positions ``(b, n)``.
+    """Learned absolute positions (x-transformers' module): ``emb`` (``nn.Embedding(max_seq_len, dim)``), scaled by
+    ``dim ** -0.5``; with ``l2norm_embed`` each position's vector is L2-normalised instead of scaled (the wrapper
+    initialises the table with std 1e-5 then, as x-transformers' ``TransformerWrapper`` does).
 
-    With ``l2norm_embed`` each position's vector is L2-normalised instead of scaled (x-transformers'
-    ``l2norm_embed``, initialised with std 1e-5).
+    ``forward(x, pos=None, seq_start_pos=None, offset=0)`` is x-transformers' call; ``embed_positions(positions)``
+    is the stacks' (per-sample positions, e.g. real tokens counted under left padding).
     """
 
     def __init__(self, dim: int, max_seq_len: int, l2norm_embed: bool = False):
@@ -589,9 +626,59 @@ class AbsolutePositionalEmbedding(nn.Module):
         if l2norm_embed:
             nn.init.normal_(self.emb.weight, std=1e-5)
 
-    def forward(self, positions: Tensor) -> Tensor:
-        out = self.emb(positions.clamp(max=self.max_seq_len - 1)) * self.scale  # (b, n, c)
+    def forward(self, x: Tensor, pos: Tensor | None = None, seq_start_pos: Tensor | None = None,
+                offset: int = 0) -> Tensor:
+        """x-transformers' call: the embeddings of the positions of ``x``'s ``n = x.shape[1]`` positions.
+
+        Args:
+            x: the sequence (token ids ``(b, n)`` or embeddings ``(b, n, c)``): only its length ``n`` (at most
+                ``max_seq_len``) and device are read.
+            pos: integer positions (e.g. ``(b, n)`` or ``(n,)``), each in ``[0, max_seq_len)``; default
+                ``arange(n) + offset``.
+            seq_start_pos: ``(b,)`` integer: each sample starts at this index (left padding before it):
+                positions become ``max(pos - seq_start_pos, 0)``.
+            offset: added to the default positions (ignored when ``pos`` is given, as in x-transformers).
+
+        Returns:
+            ``emb(pos) * scale`` (L2-normalised with ``l2norm_embed``): ``(n, dim)`` for the default positions,
+            ``pos``'s shape plus ``dim`` otherwise (``(b, n, dim)`` with ``seq_start_pos``).
+        """
+        if not isinstance(x, Tensor) or x.dim() < 2:
+            raise ValueError(f"x must be a tensor of shape (b, n, ...), got {getattr(x, 'shape', type(x))}")
+        n = x.shape[1]
+        if n > self.max_seq_len:
+            raise ValueError(f"x has {n} positions but the absolute positional embedding has max_seq_len "
+                             f"{self.max_seq_len}")
+        if pos is None:
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ValueError(f"offset must be a non-negative integer, got {offset!r}")
+            if offset + n > self.max_seq_len:
+                raise ValueError(f"offset {offset} + {n} positions exceeds max_seq_len {self.max_seq_len}")
+            pos = torch.arange(n, device=x.device) + offset
+        else:
+            _check_int_tensor(pos, "pos")
+        if seq_start_pos is not None:
+            _check_int_tensor(seq_start_pos, "seq_start_pos")
+            pos = (pos - seq_start_pos[..., None]).clamp(min=0)
+        if pos.numel() and bool(((pos < 0) | (pos >= self.max_seq_len)).any()):
+            raise ValueError(f"{'pos' if seq_start_pos is None else 'pos - seq_start_pos'} must lie in "
+                             f"[0, max_seq_len={self.max_seq_len}), got values from {int(pos.min())} to {int(pos.max())}")
+        return self._embed(pos)
+
+    def embed_positions(self, positions: Tensor) -> Tensor:
+        """The stacks' call: the embeddings ``(b, n, dim)`` of per-sample ``positions (b|1, n)``; positions past
+        the table take its last row."""
+        return self._embed(positions.clamp(max=self.max_seq_len - 1))
+
+    def _embed(self, pos: Tensor) -> Tensor:
+        out = self.emb(pos) * self.scale
         return l2norm(out) if self.l2norm_embed else out
+
+
+def _check_int_tensor(t, name: str) -> None:
+    """``t`` is an integer (not bool) tensor, else a ``TypeError`` naming ``name``."""
+    if not isinstance(t, Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
 
 
 class ScaledSinusoidalPositions(nn.Module):
@@ -610,6 +697,10 @@ class ScaledSinusoidalPositions(nn.Module):
     def forward(self, positions: Tensor) -> Tensor:
         angles = positions.to(torch.float32)[..., None] * self.inv_freq  # (b|1, n, dim / 2)
         return torch.cat((angles.sin(), angles.cos()), dim=-1) * self.scale
+
+    def embed_positions(self, positions: Tensor) -> Tensor:
+        """The stacks' call (as ``AbsolutePositionalEmbedding.embed_positions``): per-sample positions ``(b|1, n)``."""
+        return self.forward(positions)
 
 
 def l2norm(t: Tensor, eps: float = 1e-12) -> Tensor:
