@@ -121,12 +121,21 @@ from .attention_calls import (
     check_option_call,
     fold_xt_call,
     intermediates,
+    plus_kept,
     refuse_xt_call,
     unpadded_call,
+    xt_modulations,
 )
 from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, query_padding
 from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
-from .attention_output import check_head_scale, gate, init_gates, init_out, orthog_project, out_linear, output_phase
+from .attention_output import (
+    attention_output,
+    check_head_scale,
+    init_gates,
+    init_out,
+    out_linear,
+    output_phase,
+)
 from .attention_projections import init_norms, init_projections, init_rotation, project_qkv, qk_clip_
 from .attention_scoring import CoPE as CoPE  # re-exported: the module path it had
 from .attention_scoring import _explicit_attention as _explicit_attention  # re-exported (tests call it)
@@ -334,13 +343,14 @@ class Attention(nn.Module):
             return linear(torch.where(keep[..., None], x, 0.0))
         return masked_linear(x, keep, linear)
 
-    def _project_q(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
-        """Queries ``(..., h, d)`` of ``x (..., c)``, q-normed (through the latent with ``use_latent_q``)."""
+    def _project_q(self, x: Tensor, keep: Tensor | None = None, delta: Tensor | None = None) -> Tensor:
+        """Queries ``(..., h, d)`` of ``x (..., c)``, q-normed (through the latent with ``use_latent_q``); ``delta``:
+        x-transformers' ``q_delta``, added before the heads are split (selected to 0 where ``keep`` is False)."""
         if self.to_latent_q is not None:  # bias-less: a selected (zero) row stays 0
             q = self.to_q(self._linear(self.to_latent_q, x, keep))
         else:
             q = self._linear(self.to_q, x, keep)
-        return self.norm_q(q.unflatten(-1, (self.heads, self.dim_head)))
+        return self.norm_q(plus_kept(q, delta, keep).unflatten(-1, (self.heads, self.dim_head)))
 
     @property
     def v_norm(self) -> nn.Module | None:
@@ -359,51 +369,34 @@ class Attention(nn.Module):
         k = _qk_normed(self.k_norm, self.qk_norm_k_scale, k)
         return k if self.k_rmsnorm is None or memory else _rms_normed(self.k_rmsnorm, self.k_norm, k)
 
-    def _project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _project_kv(self, source: Tensor, keep: Tensor | None = None, deltas: tuple = (None, None)) -> tuple:
         """Keys and values ``(..., h_kv, d)`` of ``source (..., c_ctx)``, k-normed (not rotated); with
         ``use_latent_kv`` both come from one bias-less latent of ``source`` (the last ``latent_rope_subheads`` key
         heads from ``source`` itself)."""
         if self.to_latent_kv is not None:
             latent = self._linear(self.to_latent_kv, source, keep)
-            k, v = self.to_k(latent), self.to_v(latent)
+            k, v = plus_kept(self.to_k(latent), deltas[0], keep), plus_kept(self.to_v(latent), deltas[1], keep)
             if self.to_rotateable_k is not None:
                 k = torch.cat((k, self._linear(self.to_rotateable_k, source, keep)), dim=-1)
         else:
-            k, v = self._linear(self.to_k, source, keep), self._linear(self.to_v, source, keep)
+            k, v = (plus_kept(self._linear(lin, source, keep), d, keep) for lin, d in zip((self.to_k, self.to_v), deltas))
         k = k.unflatten(-1, (self.kv_heads, self.dim_head))
         v = v.unflatten(-1, (self.kv_heads, self.dim_value))
         if self.v_norm is not None:  # a selected (zero) source gives v = 0 (or the bias), finite
             v = self.v_norm(v)
         return self.norm_k(k), v
 
-    def _output(self, out: Tensor, x: Tensor, keep: Tensor | None = None, rows_ok: Tensor | None = None,
-                values: Tensor | None = None) -> Tensor:
-        """``out (..., h, d)`` -> ``(..., c)``: the output projection. ``x (..., c)`` is the queries' input (what
-        an output option such as a per-head gate reads); ``keep``: rows selected to 0 before the projection
-        (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that
-        are exactly 0 after it (a bias would move dead rows off 0). ``values (b, i, h_kv, d)``: with
-        ``orthog_projected_values``, the new values (masked ones selected to 0) that ``out`` is projected off."""
-        if self.head_scale_params is not None:  # x-transformers' head_scale (Normformer): one learned gain per head
-            out = out * self.head_scale_params.reshape(-1, 1).to(out.dtype)
-        if self.to_v_head_gate is not None:  # padded rows' x selected to 0 first; a dead row's out is 0 and stays 0
-            xs = x if keep is None else torch.where(keep[..., None], x, 0.0)
-            out = out * torch.sigmoid(self.to_v_head_gate(xs))[..., None].to(out.dtype)
-        if self.to_v_gate is not None or self.to_output_gate is not None:
-            out = gate(self, out, x, keep)
-        flat = out.flatten(-2) if values is None else orthog_project(self, out, values)
-        out = self._linear(self.to_out, flat, keep)
-        if self.sublayer_dropout is not None:
-            out = self.sublayer_dropout(out)
-        return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+    _output = attention_output  # the one output seam (attention_output.attention_output)
 
-    def project_kv(self, source: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def project_kv(self, source: Tensor, keep: Tensor | None = None, deltas: tuple = (None, None)) -> tuple:
         """Keys and values ``(b, h_kv, j, d)`` of ``source (b, j, c_ctx)`` (normed, not yet rotated);
-        ``keep (b|1, j)``: positions of ``source`` selected to 0 first where False."""
+        ``keep (b|1, j)``: positions of ``source`` selected to 0 first where False; ``deltas``: x-transformers'
+        ``(k_delta, v_delta)``."""
         if source.shape[-1] != self.dim_context:
             raise ValueError(
                 f"context must have feature size {self.dim_context} (dim_context), got shape {tuple(source.shape)}"
             )
-        k, v = self._project_kv(source, keep)
+        k, v = self._project_kv(source, keep, deltas)
         return k.transpose(1, 2), v.transpose(1, 2)
 
     @checked_once
@@ -425,13 +418,10 @@ class Attention(nn.Module):
         (``(out, AttnIntermediate)`` with ``return_intermediates``, ``(out, weights)`` with ``return_attn``); a row
         that may attend to no key is exactly 0 with zero gradient (S2). Every keyword is documented in this module's
         docstring (``help(safeformer.nn.attention)``, "``Attention.forward``")."""
-        if not (rel_pos is None and pos is None and mem is None and mem_mask is None and context_rotary_pos_emb is None
-                and polar_pos_emb is None and q_delta is None and k_delta is None and v_delta is None
-                and o_delta is None and attn_delta is None and flash_pack_seq_kwargs is None):
-            refuse_xt_call("Attention.forward", rel_pos=rel_pos, pos=pos, mem=mem, mem_mask=mem_mask,
-                           context_rotary_pos_emb=context_rotary_pos_emb, polar_pos_emb=polar_pos_emb,
-                           q_delta=q_delta, k_delta=k_delta, v_delta=v_delta, o_delta=o_delta, attn_delta=attn_delta,
-                           flash_pack_seq_kwargs=flash_pack_seq_kwargs)
+        if not (rel_pos is None and pos is None and context_rotary_pos_emb is None and polar_pos_emb is None
+                and flash_pack_seq_kwargs is None):  # the stack's own inputs, which it computes itself here
+            refuse_xt_call("Attention.forward", rel_pos=rel_pos, pos=pos, context_rotary_pos_emb=context_rotary_pos_emb,
+                           polar_pos_emb=polar_pos_emb, flash_pack_seq_kwargs=flash_pack_seq_kwargs)
         if self.qkv_receive_diff_residuals:  # x-transformers': x stacks the queries', keys' and values' inputs
             x, kv_input = _split_qkv_inputs(x, context, kv_input)
         if layout is not None:
@@ -442,12 +432,19 @@ class Attention(nn.Module):
                 or rotary_pos_emb is not None):  # x-transformers' keywords
             mask, pad, bias, kv, past_kv, rotary = fold_xt_call(self, x, context, mask, context_mask, attn_mask, bias,
                                                                 attn_bias, kv, past_kv, cache, rotary, rotary_pos_emb)
+        mods = None
+        if not (mem is None and mem_mask is None and q_delta is None and k_delta is None and v_delta is None
+                and o_delta is None and attn_delta is None):
+            mods, additional_key_values, additional_key_value_mask = xt_modulations(
+                self, x, context, kv, past_kv, layout, rotary, mem, mem_mask, additional_key_values,
+                additional_key_value_mask, dict(q_delta=q_delta, k_delta=k_delta, v_delta=v_delta, o_delta=o_delta,
+                                                attn_delta=attn_delta))
         want_weights = return_attn or (return_intermediates and not self.flash)
         res = self._forward(x, context, mask=mask, causal=causal, rotary=rotary, bias=bias, kv=kv,
                             past_kv=past_kv, return_attn=want_weights, pad=pad, value_residual=value_residual,
                             kv_input=kv_input, hybrid=hybrid,
                             added=check_added(self, additional_key_values, additional_key_value_mask, x),
-                            kv_residual=kv_input_residual, positions=positions, prev_attn=prev_attn)
+                            kv_residual=kv_input_residual, positions=positions, prev_attn=prev_attn, mods=mods)
         if _return_kv:
             return res if return_attn else res[:2]
         if return_intermediates:
@@ -458,7 +455,7 @@ class Attention(nn.Module):
 
     def _forward(self, x, context, *, mask=None, causal=False, rotary=None, bias=None, kv=None, past_kv=None,
                  return_attn=False, pad=None, value_residual=None, kv_input=None, hybrid=None, positions=None,
-                 added=None, kv_residual=None, prev_attn=None):
+                 added=None, kv_residual=None, prev_attn=None, mods=None):
         """The attention itself, phase by phase (checks, biases, keys, projections, the attention call, output):
         ``(out, (k, v))`` (and the weights and logits with ``return_attn``). ``pad (b, i)``: padding of ``x`` in
         self-attention when ``mask`` no longer shows it (an ``attn_mask`` was folded in)."""
@@ -482,15 +479,17 @@ class Attention(nn.Module):
         user_mask, j_user = mask, j
         mask, bias, j, rows_ok, keys_ok = key_layout(self, x, mask, bias, causal, added, inputs_finite, self_pad, j)
         q, k, v, v_orthog = project_qkv(self, x, source, context, kv, past_kv, kv_input, kv_residual, value_residual,
-                                        rotary, rows_ok, keys_ok, self_pad, j)
+                                        rotary, rows_ok, keys_ok, self_pad, j, mods)
         k, v, kv_out = all_keys(self, k, v, user_mask, j_user, self_pad, causal, added)
-        if return_attn or self.explicit or prev_attn is not None:
-            out, weights, logits = explicit_call(self, q, k, v, mask, causal, bias, self_pad, return_attn, prev_attn)
+        attn_delta = None if mods is None else mods.attn
+        if return_attn or self.explicit or prev_attn is not None or attn_delta is not None:
+            out, weights, logits = explicit_call(self, q, k, v, mask, causal, bias, self_pad, return_attn, prev_attn,
+                                                 attn_delta)
         else:
             weights = logits = None
             selected = inputs_finite or (kv is None and past_kv is None and bias is None)  # see kernel_call
             out = kernel_call(self, q, k, v, mask, causal, bias, keys_ok, selected)
-        out = output_phase(self, out, x, hybrid, self_pad, rows_ok, v_orthog)  # (b, i, c)
+        out = output_phase(self, out, x, hybrid, self_pad, rows_ok, v_orthog, None if mods is None else mods.o)
         if return_attn:
             return out, kv_out, weights, logits
         return out, kv_out

@@ -10,6 +10,8 @@ A function that needs the ``Attention`` it serves takes it as ``attn`` and only 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -252,3 +254,74 @@ def refuse_xt_call(owner: str, **given) -> None:
     for name, value in given.items():
         if value is not None:
             raise TypeError(f"{owner}: x-transformers' option {name} is not supported by safeformer")
+
+
+@dataclass(frozen=True)
+class Modulations:
+    """x-transformers' per-call modulations of one attention call (``q_delta``, ``k_delta``, ``v_delta`` added to the
+    projections before the heads are split, ``o_delta`` to the output, ``attn_delta`` to the weights), checked."""
+
+    q: Tensor | None = None
+    k: Tensor | None = None
+    v: Tensor | None = None
+    o: Tensor | None = None
+    attn: Tensor | None = None
+
+
+def _check_delta(name: str, t, shape: tuple, x: Tensor) -> Tensor | None:
+    """``t`` (named ``name``) a float tensor on ``x``'s device broadcasting to ``shape`` without growing it."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device}, expected {x.device} (the device of x)")
+    try:
+        ok = torch.broadcast_shapes(t.shape, shape) == torch.Size(shape)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must broadcast to {shape}, got {tuple(t.shape)}")
+    return t
+
+
+def xt_modulations(attn: AttentionModule, x: Tensor, context, kv, past_kv, layout, rotary, mem, mem_mask, added,
+                   added_mask, deltas: dict) -> tuple:
+    """x-transformers' ``mem`` / ``mem_mask`` and ``*_delta`` call keywords checked: ``(Modulations or None, added,
+    added_mask)``. ``mem (b, m, c)``: memories whose keys and values every query sees before the sequence's own
+    (self-attention; ``mem_mask (b, m)``, True = real, selected to 0 before their projections), handed on as
+    ``additional_key_values``."""
+    if layout is not None or kv is not None:
+        raise ValueError("mem, mem_mask and the *_delta keywords act on the projections of this call: not with "
+                         "layout (the unpadded path) or precomputed kv")
+    b, i = x.shape[:2]
+    if mem_mask is not None and mem is None:
+        raise ValueError("mem_mask was given without mem")
+    if mem is not None:
+        if context is not None or rotary is not None or past_kv is not None or added is not None:
+            raise ValueError("mem (x-transformers' memories) is self-attention without rotary positions, a KV cache "
+                             "or additional_key_values here")
+        if not isinstance(mem, Tensor) or mem.dim() != 3 or mem.shape[0] != b or mem.shape[2] != x.shape[2]:
+            raise ValueError(f"mem must be (b={b}, m, c={x.shape[2]}), got "
+                             f"{tuple(mem.shape) if isinstance(mem, Tensor) else type(mem).__name__}")
+        if mem_mask is not None:
+            validate_mask(mem_mask, "mem_mask", shape=(b, mem.shape[1]), device=x.device)
+        added, added_mask = attn.project_kv(mem, mem_mask), mem_mask
+    n_src = (x if context is None else context).shape[1]
+    mods = Modulations(
+        q=_check_delta("q_delta", deltas["q_delta"], (b, i, attn.to_q.out_features), x),
+        k=_check_delta("k_delta", deltas["k_delta"], (b, n_src, attn.to_k.out_features), x),
+        v=_check_delta("v_delta", deltas["v_delta"], (b, n_src, attn.to_v.out_features), x),
+        o=_check_delta("o_delta", deltas["o_delta"], (b, i, attn.heads * attn.dim_value), x),
+        attn=deltas["attn_delta"])
+    if all(t is None for t in (mods.q, mods.k, mods.v, mods.o, mods.attn)):
+        mods = None
+    return mods, added, added_mask
+
+
+def plus_kept(t: Tensor, delta: Tensor | None, keep: Tensor | None) -> Tensor:
+    """``t + delta``, the delta selected to 0 where ``keep (..)`` is False (a masked row's delta reaches nothing)."""
+    if delta is None:
+        return t
+    delta = delta.to(t.dtype)
+    return t + (delta if keep is None else torch.where(keep[..., None], delta, 0.0))

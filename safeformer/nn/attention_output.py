@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention_calls import AttentionModule, _positive_int
+from .attention_calls import AttentionModule, _positive_int, plus_kept
 
 
 def init_out(attn: AttentionModule, dim: int, heads: int, dim_head: int, bias: bool, *, dim_out: int | None,
@@ -167,13 +167,14 @@ def _gate_linear(dim_in: int, dim_out: int, rank: int | None, activation: nn.Mod
 
 
 def output_phase(attn: AttentionModule, out: Tensor, x: Tensor, hybrid, self_pad: Tensor | None, rows_ok: Tensor | None,
-                 v_orthog: Tensor | None) -> Tensor:
+                 v_orthog: Tensor | None, o_delta: Tensor | None = None) -> Tensor:
     """One padded call's output ``(b, i, c)`` from the attention's ``out (b, h, i, d)``: dead rows and padded
     queries 0 before the orthogonal projection (it sums over the sample), the hybrid module's output mixed in,
     then ``attn._output``: padded queries (``self_pad (b, i)``) selected before ``to_out``, dead rows (``rows_ok
-    (b|1, i)`` False) exactly 0 after it where a bias, padding or the hybrid branch would move them."""
+    (b|1, i)`` False) exactly 0 after it where a bias, padding, the hybrid branch or ``o_delta`` (x-transformers'
+    output modulation ``(b, i, h * e)``) would move them."""
     zero_rows = rows_ok if rows_ok is not None and (attn.out_bias is not None or self_pad is not None
-                                                    or attn.hybrid is not None) else None
+                                                    or attn.hybrid is not None or o_delta is not None) else None
     values = None
     out = out.transpose(1, 2)  # (b, i, h, d)
     if attn.orthog:  # dead rows and padded queries are 0 before the projection (it sums over the sample)
@@ -182,7 +183,33 @@ def output_phase(attn: AttentionModule, out: Tensor, x: Tensor, hybrid, self_pad
             out = torch.where(rows_ok[:, :, None, None], out, 0.0)
     if attn.hybrid is not None:  # the hybrid module's output mixed in (dead rows: 0 after to_out all the same)
         out = attn.hybrid(out, x, hybrid, self_pad)
-    return attn._output(out, x, self_pad, zero_rows, values)  # (b, i, c)
+    return attn._output(out, x, self_pad, zero_rows, values, o_delta)  # (b, i, c)
+
+
+def attention_output(attn: AttentionModule, out: Tensor, x: Tensor, keep: Tensor | None = None,
+                     rows_ok: Tensor | None = None, values: Tensor | None = None,
+                     o_delta: Tensor | None = None) -> Tensor:
+    """``Attention._output``: ``out (..., h, d)`` -> ``(..., c)``, the output projection. ``x (..., c)`` is the
+    queries' input (what an output option such as a per-head gate reads); ``keep``: rows selected to 0 before the
+    projection (whatever a kernel returned for padded queries never reaches ``to_out``); ``rows_ok``: rows that are
+    exactly 0 after it (a bias would move dead rows off 0). ``values (b, i, h_kv, d)``: with
+    ``orthog_projected_values``, the new values (masked ones selected to 0) that ``out`` is projected off.
+    ``o_delta (..., h * d)``: x-transformers' output modulation, added to the merged heads before the gates (selected
+    to 0 where ``keep`` is False)."""
+    if attn.head_scale_params is not None:  # x-transformers' head_scale (Normformer): one learned gain per head
+        out = out * attn.head_scale_params.reshape(-1, 1).to(out.dtype)
+    if attn.to_v_head_gate is not None:  # padded rows' x selected to 0 first; a dead row's out is 0 and stays 0
+        xs = x if keep is None else torch.where(keep[..., None], x, 0.0)
+        out = out * torch.sigmoid(attn.to_v_head_gate(xs))[..., None].to(out.dtype)
+    if o_delta is not None:
+        out = plus_kept(out.flatten(-2), o_delta, keep).unflatten(-1, out.shape[-2:])
+    if attn.to_v_gate is not None or attn.to_output_gate is not None:
+        out = gate(attn, out, x, keep)
+    flat = out.flatten(-2) if values is None else orthog_project(attn, out, values)
+    out = attn._linear(attn.to_out, flat, keep)
+    if attn.sublayer_dropout is not None:
+        out = attn.sublayer_dropout(out)
+    return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
 
 
 def gate(attn: AttentionModule, out: Tensor, x: Tensor, keep: Tensor | None) -> Tensor:

@@ -161,18 +161,19 @@ class QKL2Norm(nn.Module):
 
 
 def project_qkv(attn: AttentionModule, x: Tensor, source: Tensor, context, kv, past_kv, kv_input, kv_residual,
-                value_residual, rotary, rows_ok, keys_ok, self_pad, j: int) -> tuple:
+                value_residual, rotary, rows_ok, keys_ok, self_pad, j: int, mods=None) -> tuple:
     """One call's queries, keys and values: ``q (b, h, i, d)`` of ``x (b, i, c)``, and ``k, v (b, h_kv, j', d)``:
     ``kv`` as handed in, or the new ones of ``source`` (``x`` or the context; ``kv_input``: separate key and value
     inputs; ``kv_residual`` added to the input), the ``value_residual`` mixed in, rotated (``rotary``), after
     ``past_kv``. ``rows_ok (b|1, i)`` / ``keys_ok (b|1, j)`` (``j`` counting the extra keys): the rows and keys
     selected to 0 before the projections; ``self_pad (b, i)``: padded queries, whose gradient the kernel's backward
     does not reach. Returns ``(q, k, v, v_orthog)``, ``v_orthog (b, i, h_kv, d)`` the new values (masked ones 0)
-    with ``orthog_projected_values``, else ``None``."""
+    with ``orthog_projected_values``, else ``None``. ``mods``: x-transformers' ``q_delta`` / ``k_delta`` / ``v_delta``
+    (``attention_calls.Modulations``), added to the new projections."""
     # select masked inputs away *before* the projections: a NaN there would otherwise reach the
     # projection weights' gradients (0 * NaN) even though attend() never uses it
     # (masked_linear: the projection of the selected input, saving x itself rather than the copy)
-    q = attn._project_q(x, rows_ok).transpose(1, 2)  # (b, h, i, d)
+    q = attn._project_q(x, rows_ok, None if mods is None else mods.q).transpose(1, 2)  # (b, h, i, d)
     if self_pad is not None:  # the kernel sees padded queries as live rows: keep its backward there out
         q = _grad_select(self_pad[:, None, :, None], q)
     v_orthog = None
@@ -180,11 +181,12 @@ def project_qkv(attn: AttentionModule, x: Tensor, source: Tensor, context, kv, p
         k, v = kv
     else:
         new_keep = None if keys_ok is None else keys_ok[:, j - source.shape[1]:]
+        deltas = (None, None) if mods is None else (mods.k, mods.v)
         if kv_input is None:  # new keys (kv_input_residual: x-transformers' residual added to their input)
-            k, v = attn.project_kv(source if kv_residual is None else source + kv_residual, new_keep)
+            k, v = attn.project_kv(source if kv_residual is None else source + kv_residual, new_keep, deltas)
         else:  # qkv_receive_diff_residuals: keys and values of their own inputs
-            k, v = attn.project_kv(check_kv_input(kv_input, x, context, kv)[0], new_keep)[0], \
-                attn.project_kv(kv_input[1], new_keep)[1]
+            k, v = attn.project_kv(check_kv_input(kv_input, x, context, kv)[0], new_keep, deltas)[0], \
+                attn.project_kv(kv_input[1], new_keep, deltas)[1]
         if value_residual is not None:
             v = mix_values(attn, v, value_residual, source, new_keep, context is None)
         if rotary is not None:

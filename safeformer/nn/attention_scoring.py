@@ -202,7 +202,7 @@ class CoPE(nn.Module):
 
 
 def explicit_call(attn: AttentionModule, q: Tensor, k: Tensor, v: Tensor, mask, causal: bool, bias, self_pad,
-                  return_attn: bool, prev_attn) -> tuple[Tensor, Tensor, Tensor | None]:
+                  return_attn: bool, prev_attn, attn_delta: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """``attn``'s attention on the explicit path: ``q (b, h, i, d)``, ``k, v (b, h_kv, j, d)`` (the sink's key first,
     if any) -> ``(out (b, h, i, e), weights (b, h, i, j'), logits or None)``, the sink's column left out of the
     weights and logits (``j' = j - 1`` with a sink), and padded queries' rows (``self_pad (b, i)`` False) 0 in both;
@@ -219,7 +219,7 @@ def explicit_call(attn: AttentionModule, q: Tensor, k: Tensor, v: Tensor, mask, 
     out, weights, *more = _explicit_attention(
         q, k, v, mask=mask, causal=causal, bias=bias, softclamp=attn.softclamp_value,
         dropout_p=attn.dropout if attn.training else 0.0, sink=attn.head_attn_sink, scoring=attn,
-        return_logits=return_attn, prev_attn=prev_attn,
+        return_logits=return_attn, prev_attn=prev_attn, attn_delta=attn_delta,
     )
     logits = more[0] if more else None
     if attn.head_attn_sink is not None:
@@ -490,6 +490,15 @@ def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | 
     if inverted:  # normalised over the queries first: now L1 over each query's keys (x-transformers' l1norm)
         weights = weights / weights.abs().sum(-1, keepdim=True).clamp_min(1e-8)
     if attn_delta is not None:  # x-transformers' attention delta, after the softmax; nothing at masked entries
+        if not isinstance(attn_delta, Tensor) or not attn_delta.is_floating_point():
+            raise TypeError(f"attn_delta must be a float tensor, got {getattr(attn_delta, 'dtype', type(attn_delta))}")
+        try:
+            fits = torch.broadcast_shapes(attn_delta.shape, weights.shape) == weights.shape
+        except RuntimeError:
+            fits = False
+        if not fits or attn_delta.device != weights.device:
+            raise ValueError(f"attn_delta must broadcast to the weights {tuple(weights.shape)} (b, h, i, j; the sink, "
+                             f"memory and added keys first) on {weights.device}, got {tuple(attn_delta.shape)}")
         delta = attn_delta.to(weights.dtype)
         weights = weights + (delta if live is None else torch.where(live, delta, 0.0))
     if sign is not None:
