@@ -94,14 +94,14 @@ def test_zero_kv_and_sink():
 
 def test_unsupported_options_are_named():
     with pytest.raises(TypeError, match="flash_pack_seq"):
-        Attend(flash_pack_seq=True)
+        Attend(flash_pack_seq=1)
     with pytest.raises(TypeError, match="bogus"):
         Attend(bogus=1)
     Attend(sigmoid=False, flash=True, qk_norm=True)  # defaults and kernel choices are accepted
     q = torch.randn(1, 1, 2, 4)
     with pytest.raises(ValueError, match="prev_attn"):
         Attend()(q, q, q, prev_attn=torch.zeros(1, 1, 3, 2))
-    with pytest.raises(TypeError, match="flash_pack_seq_kwargs"):
+    with pytest.raises(TypeError, match="flash_pack_seq=True"):
         Attend()(q, q, q, flash_pack_seq_kwargs=dict(cu_seqlens_q=None))
     with pytest.raises(TypeError, match="mask"):
         Attend()(q, q, q, mask=torch.ones(1, 2))

@@ -16,7 +16,7 @@ xt = pytest.importorskip("x_transformers")
 # (module path, class, method) -> the x-transformers parameters taken through **kwargs, and where that is tested
 THROUGH_KWARGS = {
     ("x_transformers", "Attention", "__init__"): (
-        {"onnxable", "flash_pack_seq"},
+        {"onnxable"},
         "xt_defaults.ATTENTION_DEFAULT_ONLY / ATTENTION_ANY_VALUE "
         "(tests/test_xt_keywords.py::test_attention_takes_x_transformers_keywords_at_their_defaults)"),
     ("x_transformers", "TransformerBlock", "__init__"): (

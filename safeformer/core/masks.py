@@ -308,3 +308,38 @@ def check_finite(x: Tensor, mask: Tensor | None, name: str) -> None:
             f"{name} holds a non-finite value (NaN or inf) at real position {tuple(where)}; "
             f"{int(bad.sum())} real position(s) in all. Padded positions (mask False) may hold anything."
         )
+
+
+def packed_sequence_mask(kwargs, n_q: int, n_k: int, device, name: str = "flash_pack_seq_kwargs") -> Tensor:
+    """x-transformers' packed sequences (``flash_pack_seq_kwargs``: flash-attn's ``flash_attn_varlen_func``
+    keywords ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``) as a bool mask ``(1, 1, n_q,
+    n_k)``: query ``t`` of document ``d`` (``cu_seqlens_q[d] <= t < cu_seqlens_q[d + 1]``) may attend to the keys of
+    document ``d`` only. Positions after the last document belong to none (their rows are dead: 0).
+
+    Raises:
+        TypeError, ValueError: ``kwargs`` not such a dict (named ``name``), offsets not 1-d integer tensors starting
+            at 0, decreasing, past the sequence, or with different numbers of documents.
+    """
+    if not isinstance(kwargs, dict) or not {"cu_seqlens_q", "cu_seqlens_k"} <= set(kwargs) \
+            or set(kwargs) - {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}:
+        raise TypeError(f"{name} must be a dict of cu_seqlens_q, cu_seqlens_k (and max_seqlen_q, max_seqlen_k), got "
+                        f"{kwargs if not isinstance(kwargs, dict) else sorted(kwargs)!r}")
+    docs = []
+    for key, n in (("cu_seqlens_q", n_q), ("cu_seqlens_k", n_k)):
+        cu = kwargs[key]
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.dtype == torch.bool \
+                or cu.numel() < 2:
+            raise TypeError(f"{name}[{key!r}] must be a 1-d integer tensor of document offsets, got "
+                            f"{getattr(cu, 'dtype', type(cu).__name__)}")
+        cu = cu.to(device=device, dtype=torch.long)
+        if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > n:
+            raise ValueError(f"{name}[{key!r}] must start at 0, never decrease and end at most at the sequence "
+                             f"length {n}, got {cu.tolist()}")
+        docs.append(torch.searchsorted(cu[1:], torch.arange(n, device=device), right=True))  # (n,): doc index
+    if kwargs["cu_seqlens_q"].numel() != kwargs["cu_seqlens_k"].numel():
+        raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k must hold the same number of documents")
+    n_docs = kwargs["cu_seqlens_q"].numel() - 1
+    for key in ("max_seqlen_q", "max_seqlen_k"):
+        if key in kwargs and (isinstance(kwargs[key], bool) or not isinstance(kwargs[key], int) or kwargs[key] < 0):
+            raise ValueError(f"{name}[{key!r}] must be a non-negative int, got {kwargs[key]!r}")
+    return ((docs[0][:, None] == docs[1][None, :]) & (docs[0][:, None] < n_docs))[None, None]

@@ -31,7 +31,7 @@ ATTENTION_DEFAULT_ONLY: dict[str, object] = {
     if k.startswith("attn_") and k not in ("attn_dim_context", "attn_dim_out", "attn_inverted_attention",
                                            "attn_learned_value_residual_mix", "attn_aggregated_residuals",
                                            "attn_aggregated_residual_kwargs", "attn_rotate_num_heads",
-                                           "attn_qkv_receive_diff_residuals")
+                                           "attn_qkv_receive_diff_residuals", "attn_flash_pack_seq")
 }
 ATTENTION_ANY_VALUE = ("onnxable",)
 

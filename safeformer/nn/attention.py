@@ -121,6 +121,7 @@ from .attention_calls import (
     check_option_call,
     fold_xt_call,
     intermediates,
+    packed_call_mask,
     plus_kept,
     refuse_xt_call,
     unpadded_call,
@@ -239,7 +240,8 @@ class Attention(nn.Module):
         data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8,
         selective: bool = False, max_attend_past: int | None = None, custom_attn_fn=None,
         attend_sdp_kwargs: dict | None = None, project_out: bool | None = None, on_attn: bool = False,
-        value_dim_head: int | None = None, qkv_receive_diff_residuals: bool = False, **xt_options,
+        value_dim_head: int | None = None, qkv_receive_diff_residuals: bool = False, flash_pack_seq: bool = False,
+        **xt_options,
     ):
         if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
             check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
@@ -248,12 +250,11 @@ class Attention(nn.Module):
         learned_sink = learned_sink or head_learned_sink  # x-transformers' spelling
         kv_heads = _init_core(self, dim, dim_head, dim_context, heads, causal, flash, kv_heads, one_kv_head, dropout,
                               backend, num_mem_kv, softclamp_logits, logit_softclamp_value)
-        _init_head_order(self, heads, kv_heads, kv_head_order)
-        _init_inputs(self, dim_head, value_dim_head, hybrid_module, qkv_receive_diff_residuals)
+        _init_inputs(self, (heads, kv_heads, kv_head_order), dim_head, value_dim_head, hybrid_module,
+                     qkv_receive_diff_residuals, flash_pack_seq)
         given = locals()  # x-transformers' Attend: the scoring options and their parameters (sink, talking heads)
         self.attend = Attend(causal=causal, heads=heads, sdp_kwargs=attend_sdp_kwargs, **{k: given[k] for k in _SCORER_FIELDS})
-        self._register_load_state_dict_pre_hook(legacy_scorer_keys())
-        # each option family built (and its keywords checked) in the order its parameters are registered
+        self._register_load_state_dict_pre_hook(legacy_scorer_keys())  # then each family, in its parameters' order
         init_projections(self, dim, heads, kv_heads, dim_head, bias, use_latent_q=use_latent_q,
                          dim_latent_q=dim_latent_q, use_latent_kv=use_latent_kv, dim_latent_kv=dim_latent_kv,
                          latent_rope_subheads=latent_rope_subheads)
@@ -418,10 +419,11 @@ class Attention(nn.Module):
         (``(out, AttnIntermediate)`` with ``return_intermediates``, ``(out, weights)`` with ``return_attn``); a row
         that may attend to no key is exactly 0 with zero gradient (S2). Every keyword is documented in this module's
         docstring (``help(safeformer.nn.attention)``, "``Attention.forward``")."""
-        if not (rel_pos is None and pos is None and context_rotary_pos_emb is None and polar_pos_emb is None
-                and flash_pack_seq_kwargs is None):  # the stack's own inputs, which it computes itself here
+        if not (rel_pos is None and pos is None and context_rotary_pos_emb is None and polar_pos_emb is None):
             refuse_xt_call("Attention.forward", rel_pos=rel_pos, pos=pos, context_rotary_pos_emb=context_rotary_pos_emb,
-                           polar_pos_emb=polar_pos_emb, flash_pack_seq_kwargs=flash_pack_seq_kwargs)
+                           polar_pos_emb=polar_pos_emb)  # the stack's own inputs, which it computes itself here
+        if flash_pack_seq_kwargs is not None:  # packed documents: a block-diagonal attn_mask
+            attn_mask = packed_call_mask(self, x, context, mask, context_mask, attn_mask, cache, flash_pack_seq_kwargs)
         if self.qkv_receive_diff_residuals:  # x-transformers': x stacks the queries', keys' and values' inputs
             x, kv_input = _split_qkv_inputs(x, context, kv_input)
         if layout is not None:
@@ -594,14 +596,18 @@ def _split_qkv_inputs(x, context, kv_input) -> tuple[Tensor, tuple[Tensor, Tenso
     return x[0], (x[1], x[2])
 
 
-def _init_inputs(attn: Attention, dim_head: int, value_dim_head, hybrid_module, qkv_receive_diff_residuals) -> None:
-    """The value head width ``dim_value`` (x-transformers' ``value_dim_head``; default ``dim_head``): the values,
+def _init_inputs(attn: Attention, head_order: tuple, dim_head: int, value_dim_head, hybrid_module,
+                 qkv_receive_diff_residuals, flash_pack_seq) -> None:
+    """The grouped heads' pairing (``head_order``: ``_init_head_order``'s arguments), the value head width ``dim_value`` (x-transformers' ``value_dim_head``; default ``dim_head``): the values,
     the attention output per head and the output projection's input are that wide, the queries and keys
     ``dim_head``; with ``qkv_receive_diff_residuals`` the call's ``x`` is ``(3, b, n, c)``, the queries', keys' and
-    values' inputs (x-transformers' hyper-connection views)."""
-    if not isinstance(qkv_receive_diff_residuals, bool):
-        raise TypeError(f"qkv_receive_diff_residuals must be True or False, got {qkv_receive_diff_residuals!r}")
-    attn.qkv_receive_diff_residuals = qkv_receive_diff_residuals
+    values' inputs (x-transformers' hyper-connection views); with ``flash_pack_seq`` a call takes
+    ``flash_pack_seq_kwargs``, one sequence of packed documents (``masks.packed_sequence_mask``)."""
+    _init_head_order(attn, *head_order)
+    for name, on in (("qkv_receive_diff_residuals", qkv_receive_diff_residuals), ("flash_pack_seq", flash_pack_seq)):
+        if not isinstance(on, bool):
+            raise TypeError(f"{name} must be True or False, got {on!r}")
+    attn.qkv_receive_diff_residuals, attn.flash_pack_seq = qkv_receive_diff_residuals, flash_pack_seq
     if value_dim_head is not None and not _positive_int(value_dim_head):
         raise ValueError(f"value_dim_head must be a positive integer, got {value_dim_head!r}")
     attn.dim_value = dim_head if value_dim_head is None else value_dim_head

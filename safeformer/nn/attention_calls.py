@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..core.attend import SelectedMask
 from ..core.cache import AttnIntermediate, check_weight_dtype
-from ..core.masks import as_attention_mask, validate_mask
+from ..core.masks import as_attention_mask, packed_sequence_mask, validate_mask
 
 # the ``Attention`` module these option families serve: they read its parts (typed as a module so that they need
 # not import the class, which imports them)
@@ -325,3 +325,15 @@ def plus_kept(t: Tensor, delta: Tensor | None, keep: Tensor | None) -> Tensor:
         return t
     delta = delta.to(t.dtype)
     return t + (delta if keep is None else torch.where(keep[..., None], delta, 0.0))
+
+
+def packed_call_mask(attn: AttentionModule, x: Tensor, context, mask, context_mask, attn_mask, cache, kwargs) -> Tensor:
+    """x-transformers' ``flash_pack_seq_kwargs`` of one ``Attention(flash_pack_seq=True)`` call (one sequence of
+    packed documents, flash-attn's ``cu_seqlens_q`` / ``cu_seqlens_k``) as its ``attn_mask (1, 1, i, j)``: each query
+    sees the keys of its own document (causally with ``causal``), a position after the last document none."""
+    if not attn.flash_pack_seq:
+        raise TypeError("flash_pack_seq_kwargs needs Attention(flash_pack_seq=True) (attn_flash_pack_seq=True)")
+    if x.shape[0] != 1 or any(m is not None for m in (mask, context_mask, attn_mask, cache)):
+        raise ValueError("flash_pack_seq_kwargs describe one packed sequence (batch 1): not with mask, context_mask, "
+                         "attn_mask or a cache")
+    return packed_sequence_mask(kwargs, x.shape[1], (x if context is None else context).shape[1], x.device)

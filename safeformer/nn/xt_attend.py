@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..core.attend import attend, sdpa_allowed_from_kwargs
 from ..core.cache import AttnIntermediate
+from ..core.masks import packed_sequence_mask
 from .attention_scoring import CoPE, _explicit_attention, init_scoring
 
 __all__ = ["Attend"]
@@ -60,8 +61,9 @@ class Attend(nn.Module):
         inverted_attention: each key's weights are a softmax over the queries that may see it, then L1 over the keys.
         sdp_kwargs: the SDPA kernels the fused path may choose among (``enable_flash``, ``enable_mem_efficient``,
             ``enable_math``, ``enable_cudnn``), x-transformers' ``torch.backends.cuda.sdp_kernel`` keywords.
-        flash_pack_seq: accepted at ``False`` only (x-transformers' packed sequences need the flash-attn package on
-            CUDA; safeformer's packed path is ``Attention(layout=...)``, the unpadded stack).
+        flash_pack_seq: calls take ``flash_pack_seq_kwargs`` (flash-attn's ``cu_seqlens_q`` / ``cu_seqlens_k``): one
+            sequence of packed documents, each query seeing the keys of its own document (a block-diagonal mask on
+            safeformer's kernels; x-transformers needs the flash-attn package on CUDA).
         backend: ``attend``'s backend (``"auto"``).
     """
 
@@ -96,9 +98,9 @@ class Attend(nn.Module):
             raise ValueError(f"logit_softclamp_value must be a positive finite number, got {logit_softclamp_value!r}")
         if cope is not None and not isinstance(cope, CoPE):
             raise TypeError(f"cope must be a safeformer CoPE module or None, got {type(cope).__name__}")
-        if flash_pack_seq is not False:
-            raise TypeError(f"Attend: x-transformers' option flash_pack_seq={flash_pack_seq!r} is not supported by "
-                            f"safeformer (packed sequences run through the unpadded stack: Attention(layout=...))")
+        if not isinstance(flash_pack_seq, bool):
+            raise TypeError(f"flash_pack_seq must be True or False, got {flash_pack_seq!r}")
+        self.flash_pack_seq = flash_pack_seq
         init_scoring(self, causal, l2_distance=l2_distance, cog_signed=cog_signed, sigmoid=sigmoid,
                      inverted_attention=inverted_attention, gumbel_softmax=gumbel_softmax,
                      gumbel_softmax_temp=gumbel_softmax_temp, gumbel_softmax_hard=gumbel_softmax_hard,
@@ -141,7 +143,7 @@ class Attend(nn.Module):
                 and dead rows it adds nothing here.
             row_mask: ``(b, i)`` bool, False = this query attends to nothing (its output is exactly 0).
             causal: overrides the module's ``causal`` for this call.
-            flash_pack_seq_kwargs: only ``None`` (see ``flash_pack_seq``).
+            flash_pack_seq_kwargs: with ``flash_pack_seq``, the packed documents' offsets (batch 1, no ``mask``).
 
         Returns:
             ``(out (b, h, i, e), intermediates)``: on the explicit path (a scoring option, ``prev_attn`` or
@@ -149,7 +151,11 @@ class Attend(nn.Module):
             flash path).
         """
         if flash_pack_seq_kwargs is not None:
-            raise TypeError("Attend: flash_pack_seq_kwargs is not supported by safeformer's Attend (pass None)")
+            if not self.flash_pack_seq:
+                raise TypeError("flash_pack_seq_kwargs needs Attend(flash_pack_seq=True)")
+            if q.shape[0] != 1 or mask is not None:
+                raise ValueError("flash_pack_seq_kwargs describe one packed sequence (batch 1): not with mask")
+            mask = packed_sequence_mask(flash_pack_seq_kwargs, q.shape[2], k.shape[2], q.device)
         if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
             raise ValueError("q, k and v must be (b, h, n, d) tensors")
         b, h, i, _ = q.shape

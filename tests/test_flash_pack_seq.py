@@ -1,0 +1,77 @@
+"""x-transformers' packed sequences (``flash_pack_seq=True`` and ``flash_pack_seq_kwargs``, flash-attn's
+``cu_seqlens_q`` / ``cu_seqlens_k``) on ``Attention`` and ``Attend``: one sequence of documents, each query seeing its
+own document's keys. x-transformers runs them on flash-attn (CUDA only), so the reference here is each document run
+alone; positions after the last document are dead rows (0); bad offsets are named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import safeformer as sf
+from safeformer.core.masks import packed_sequence_mask
+
+
+def _kw(offsets):
+    cu = torch.tensor(offsets)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("opts", [{}, dict(kv_heads=1, qk_norm=True), dict(num_mem_kv=2)])
+def test_attention_packed_equals_each_document_alone(causal, opts):
+    torch.manual_seed(0)
+    attn = sf.Attention(16, heads=2, dim_head=8, causal=causal, flash_pack_seq=True, **opts)
+    x = torch.randn(1, 9, 16, requires_grad=True)
+    out = attn(x, flash_pack_seq_kwargs=_kw([0, 2, 6, 8]))
+    ref = torch.cat([attn(x[:, a:b]) for a, b in ((0, 2), (2, 6), (6, 8))], dim=1)
+    torch.testing.assert_close(out[:, :8], ref, atol=1e-5, rtol=1e-5)
+    if not opts.get("num_mem_kv"):
+        assert (out[:, 8] == 0).all()  # after the last document: no key
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_attend_packed_equals_each_document_alone():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 7, 8, generator=g) for _ in range(3))
+    att = sf.Attend(causal=True, flash_pack_seq=True)
+    out, _ = att(q, k, v, flash_pack_seq_kwargs=_kw([0, 4, 7]))
+    ref = torch.cat([att(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])[0] for a, b in ((0, 4), (4, 7))], dim=2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mask_is_block_diagonal():
+    m = packed_sequence_mask(_kw([0, 2, 3]), 4, 4, "cpu")[0, 0]
+    want = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(m, want)
+
+
+@pytest.mark.parametrize("kwargs,exc,word", [
+    (dict(cu_seqlens_q=torch.tensor([0, 3])), TypeError, "flash_pack_seq_kwargs"),
+    (dict(cu_seqlens_q=torch.tensor([0.0, 3.0]), cu_seqlens_k=torch.tensor([0, 3])), TypeError, "cu_seqlens_q"),
+    (dict(cu_seqlens_q=torch.tensor([1, 3]), cu_seqlens_k=torch.tensor([1, 3])), ValueError, "start at 0"),
+    (dict(cu_seqlens_q=torch.tensor([0, 4, 3]), cu_seqlens_k=torch.tensor([0, 4, 3])), ValueError, "never decrease"),
+    (dict(cu_seqlens_q=torch.tensor([0, 9]), cu_seqlens_k=torch.tensor([0, 9])), ValueError, "at most"),
+    (dict(cu_seqlens_q=torch.tensor([0, 2, 4]), cu_seqlens_k=torch.tensor([0, 4])), ValueError, "same number"),
+    (dict(cu_seqlens_q=torch.tensor([0, 4]), cu_seqlens_k=torch.tensor([0, 4]), max_seqlen_q=-1), ValueError,
+     "max_seqlen_q"),
+])
+def test_bad_offsets_are_named(kwargs, exc, word):
+    attn = sf.Attention(16, heads=2, flash_pack_seq=True)
+    with pytest.raises(exc, match=word):
+        attn(torch.randn(1, 5, 16), flash_pack_seq_kwargs=kwargs)
+
+
+def test_calls_that_cannot_be_packed_are_refused():
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(TypeError, match="flash_pack_seq=True"):
+        sf.Attention(16, heads=2)(x[:1], flash_pack_seq_kwargs=_kw([0, 5]))
+    attn = sf.Attention(16, heads=2, flash_pack_seq=True)
+    with pytest.raises(ValueError, match="batch 1"):
+        attn(x, flash_pack_seq_kwargs=_kw([0, 5]))
+    with pytest.raises(ValueError, match="batch 1"):
+        attn(x[:1], mask=torch.ones(1, 5, dtype=torch.bool), flash_pack_seq_kwargs=_kw([0, 5]))
+    with pytest.raises(TypeError, match="flash_pack_seq"):
+        sf.Attention(16, flash_pack_seq=1)
