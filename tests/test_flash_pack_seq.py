@@ -75,3 +75,21 @@ def test_calls_that_cannot_be_packed_are_refused():
         attn(x[:1], mask=torch.ones(1, 5, dtype=torch.bool), flash_pack_seq_kwargs=_kw([0, 5]))
     with pytest.raises(TypeError, match="flash_pack_seq"):
         sf.Attention(16, flash_pack_seq=1)
+
+
+def test_stack_packed_equals_each_document_alone_and_refuses_what_cannot_pack():
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=20, max_seq_len=16,
+                                attn_layers=sf.Decoder(dim=16, depth=2, heads=2, rotary_pos_emb=True,
+                                                       attn_flash_pack_seq=True))
+    x = torch.randint(0, 20, (1, 10))
+    emb = net.token_emb(x).detach().requires_grad_()
+    out = net.attn_layers(emb, flash_pack_seq_kwargs=_kw([0, 4, 9]))
+    ref = torch.cat([net.attn_layers(emb[:, :4]), net.attn_layers(emb[:, 4:9])], dim=1)
+    torch.testing.assert_close(out[:, :9], ref, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert torch.isfinite(emb.grad).all()
+    with pytest.raises(ValueError, match="batch 1"):
+        net.attn_layers(emb.detach(), mask=torch.ones(1, 10, dtype=torch.bool), flash_pack_seq_kwargs=_kw([0, 10]))
+    with pytest.raises(TypeError, match="attn_flash_pack_seq=True"):
+        sf.Decoder(dim=16, depth=1, heads=2)(torch.randn(1, 4, 16), flash_pack_seq_kwargs=_kw([0, 4]))

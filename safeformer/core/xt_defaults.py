@@ -12,9 +12,7 @@ import difflib
 from collections.abc import Callable, Iterable
 
 XT_DEFAULT_ONLY: dict[str, object] = {
-    "attn_dim_context": None, "attn_dim_out": None,
-    "attn_flash_pack_seq": False,
-    "attn_learned_value_residual_mix": False,
+    "attn_dim_context": None, "attn_dim_out": None, "attn_learned_value_residual_mix": False,
     "attn_qkv_receive_diff_residuals": False, "attn_rotate_num_heads": None,
 }
 
@@ -31,7 +29,7 @@ ATTENTION_DEFAULT_ONLY: dict[str, object] = {
     if k.startswith("attn_") and k not in ("attn_dim_context", "attn_dim_out", "attn_inverted_attention",
                                            "attn_learned_value_residual_mix", "attn_aggregated_residuals",
                                            "attn_aggregated_residual_kwargs", "attn_rotate_num_heads",
-                                           "attn_qkv_receive_diff_residuals", "attn_flash_pack_seq")
+                                           "attn_qkv_receive_diff_residuals")
 }
 ATTENTION_ANY_VALUE = ("onnxable",)
 

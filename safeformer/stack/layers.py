@@ -374,10 +374,22 @@ Args:
         ``(b S, n, c)`` with several residual streams). The hook sees padded positions as exact zeros and its
         result's padded positions are selected to 0 (a hook that mixes positions reads those zeros where
         x-transformers reads its padded stream). Padded path.
-    rotary_pos_emb, polar_pos_emb, in_attn_cond, flash_pack_seq_kwargs, flash_pack_seq_context_kwargs,
-        return_gumbel_log_probs: x-transformers' call keywords, accepted at their defaults (``None`` / ``False``);
-        another value is a ``TypeError`` naming it (safeformer computes the positions itself, and has no
-        in-attention conditioning, packed flash masks or Gumbel log-probabilities).
+    rotary_pos_emb: x-transformers' ``(freqs, xpos_scale)`` (``RotaryEmbedding.forward``'s form: ``freqs (b|1, N,
+        d_rot)`` or ``(N, d_rot)``, the last ``n`` rows used; ``xpos_scale`` 1, ``None`` or ``(b|1, N, d_rot)``
+        positive scales of the queries, their inverse scaling the keys): the rotary positions of every
+        self-attention, in place of the stack's own (with or without ``rotary_pos_emb=True``; cross-attention with
+        ``context_pos`` rotates its queries with them). Angles at padded positions are never read. Padded path, no
+        KV cache (the returned intermediates carry none), no ``mems``, not with ``polar_pos_emb``.
+    in_attn_cond: x-transformers' in-attention conditioning: ``(b, c)`` or ``(b|1, n|1, c)`` added to the input of
+        every block's branch (after its residual is taken, before its pre-norm; the stream itself is not changed).
+        Padded positions are never read. Padded path; not with ``reinject_input`` (x-transformers asserts).
+    return_gumbel_log_probs: return the ``LayerIntermediates`` (as ``return_hiddens``) with each attention
+        intermediate's ``log_probs (b, h, i)``: the log probability, under the softmax of its logits, of the key each
+        query picked (the arg-max of its weights; meant for ``attn_gumbel_softmax``'s hard picks;
+        ``log_prob_from_hard_attend``). Padded queries and dead rows pick nothing: 0.
+    polar_pos_emb, flash_pack_seq_kwargs, flash_pack_seq_context_kwargs: x-transformers' call keywords, accepted
+        at ``None``; another value is a ``TypeError`` naming it (safeformer computes PoPE's angles itself and has
+        no packed flash masks).
     return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
         layer, the attention weights of every attention block (explicit float32 attention:
         slower, ``(b, h, i, j)`` memory), the final hidden states, and (x-transformers'
@@ -401,7 +413,7 @@ from torch import Tensor, nn
 
 from ..checkpoints.pretrained import Configurable
 from ..core.cache import AttnIntermediate, KVCache, LayerIntermediates
-from ..core.masks import causal_mask, checked_once, validate_mask
+from ..core.masks import causal_mask, checked_once, packed_sequence_mask, validate_mask
 from ..core.xt_defaults import XT_DEFAULT_ONLY, default_only
 from ..nn.attention import Attention
 from ..nn.attention_calls import refuse_xt_call
@@ -450,7 +462,7 @@ def _into(family: str, key: str) -> Callable[[object], dict]:
 
 # Attention's keywords the stack sets itself on each block: its width, heads, causality and per-layer values
 _STACK_SETS = frozenset({"kv_heads", "one_kv_head", "dropout", "backend", "learned_value_residual_mix",
-                         "inverted_attention", "rotate_num_heads"})
+                         "inverted_attention", "rotate_num_heads", "qkv_receive_diff_residuals"})
 
 
 def _attention_fields() -> dict[str, inspect.Parameter]:
@@ -479,6 +491,20 @@ LAYER_ALIASES: dict[str, object] = {
 
 
 _DEFAULT = object()
+
+
+def packed_stack_mask(stack, x: Tensor, mask, attn_mask, cache, kwargs) -> Tensor:
+    """x-transformers' ``flash_pack_seq_kwargs`` (flash-attn's ``cu_seqlens_q`` / ``cu_seqlens_k``) of a stack built
+    with ``attn_flash_pack_seq=True``: one sequence of packed documents as the ``attn_mask (1, 1, n, n)`` of every
+    self-attention (each query sees its own document; positions after the last one see nothing)."""
+    blocks = [blk.mixer for blk in stack.layers if blk.kind == "self"]
+    if not blocks or not all(m.flash_pack_seq for m in blocks):
+        raise TypeError("flash_pack_seq_kwargs needs a stack built with attn_flash_pack_seq=True")
+    if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[0] != 1 or any(m is not None for m in (mask, attn_mask,
+                                                                                                  cache)):
+        raise ValueError("flash_pack_seq_kwargs describe one packed sequence (x of batch 1): not with mask, "
+                         "attn_mask or a cache (x-transformers asserts the same)")
+    return packed_sequence_mask(kwargs, x.shape[1], x.shape[1], x.device)
 
 
 def _xt_drops(name: str, value, instead: str) -> dict:
@@ -730,14 +756,13 @@ class AttentionLayers(Configurable, nn.Module):
         safeformer's beside it) and is documented in this module's docstring (``help(safeformer.stack.layers)``,
         "``AttentionLayers.forward``'s keywords"); the call runs in phases (``stack_forward``: ``resolve_call``,
         ``share_inputs``, ``run_blocks`` or the unpadded path, ``finish_call``)."""
-        if not (rotary_pos_emb is None and polar_pos_emb is None and in_attn_cond is None
-                and flash_pack_seq_kwargs is None and flash_pack_seq_context_kwargs is None
-                and not return_gumbel_log_probs):  # x-transformers' unsupported
-            refuse_xt_call(f"{type(self).__name__}.forward", rotary_pos_emb=rotary_pos_emb,
-                           polar_pos_emb=polar_pos_emb, in_attn_cond=in_attn_cond,
-                           flash_pack_seq_kwargs=flash_pack_seq_kwargs,
-                           flash_pack_seq_context_kwargs=flash_pack_seq_context_kwargs,
-                           return_gumbel_log_probs=return_gumbel_log_probs or None)
+        if not (polar_pos_emb is None and flash_pack_seq_context_kwargs is None):  # x-transformers' unsupported
+            refuse_xt_call(f"{type(self).__name__}.forward", polar_pos_emb=polar_pos_emb,
+                           flash_pack_seq_context_kwargs=flash_pack_seq_context_kwargs)
+        if flash_pack_seq_kwargs is not None:  # packed documents (attn_flash_pack_seq): a block-diagonal attn_mask
+            attn_mask = packed_stack_mask(self, x, mask, attn_mask, cache, flash_pack_seq_kwargs)
+        if not isinstance(return_gumbel_log_probs, bool):
+            raise TypeError(f"return_gumbel_log_probs must be True or False, got {return_gumbel_log_probs!r}")
         if not isinstance(input_not_include_cache, bool):
             raise TypeError(f"input_not_include_cache must be True or False, got {input_not_include_cache!r}")
         if input_not_include_cache and isinstance(cache, LayerIntermediates) and cache_age == 1 \
@@ -747,7 +772,7 @@ class AttentionLayers(Configurable, nn.Module):
             mask, attn_mask = _xt_key_masks(x, mask, attn_mask, cache, self_attn_kv_mask, seq_start_pos)
         call = StackCall(x=x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
                          positions=positions, condition=condition, condition_mask=condition_mask, cache=cache,
-                         return_cache=return_cache, return_hiddens=return_hiddens, pos=pos,
+                         return_cache=return_cache, return_hiddens=return_hiddens or return_gumbel_log_probs, pos=pos,
                          unpadded_plan=unpadded_plan, cache_age=cache_age, context_pos=context_pos, causal=causal,
                          ff_deep_embeds=ff_deep_embeds, deep_embeds_and_ids=deep_embeds_and_ids,
                          self_attn_additional_kv=self_attn_additional_kv, additional_kv_mask=additional_kv_mask,
@@ -756,7 +781,9 @@ class AttentionLayers(Configurable, nn.Module):
                          self_attn_kv_residuals=self_attn_kv_residuals,
                          cross_attn_kv_residuals=cross_attn_kv_residuals, seq_pos_offset=seq_pos_offset,
                          repeat_blocks=repeat_blocks, layers_execute_order=layers_execute_order, mems=mems,
-                         mem_masks=mem_masks, attn_bias=attn_bias, transform_block_inputs=transform_block_inputs)
+                         mem_masks=mem_masks, attn_bias=attn_bias, transform_block_inputs=transform_block_inputs,
+                         rotary_pos_emb=rotary_pos_emb, in_attn_cond=in_attn_cond,
+                         gumbel_log_probs=return_gumbel_log_probs)
         call = resolve_call(self, call)  # x-transformers' spellings resolved, every input checked
         call = share_inputs(self, call)  # the masks, positions, context and condition every block shares
         if call.unpadded_plan is not None:  # the real tokens only (unpadded.py)

@@ -32,6 +32,7 @@ from ..core.cache import (
 )
 from ..core.conditions import adaptive_condition
 from ..core.masks import as_attention_mask, causal_mask, combine_masks, validate_mask
+from ..nn.attention_scoring import log_prob_from_hard_attend
 from ..nn.block import Block, apply_norm, residual_update
 from ..nn.hybrid import HybridCall
 from ..nn.modules import alibi_bias, positions_from_mask
@@ -52,7 +53,8 @@ class StackCall:
     - ``resolve_call``: ``x``, ``mask``, ``positions``, ``ff_deep_embeds`` and ``cache`` as resolved; ``b``, ``n``;
       ``call_causal`` (this call's causality); ``padded_only`` (an option the unpadded path does not run);
       ``order`` (the blocks' indices, ``None``: each once); ``per_block`` (extra keywords per attention block,
-      by ``id(block)``); ``mem`` (the checked Transformer-XL memories); ``xpos``;
+      by ``id(block)``); ``mem`` (the checked Transformer-XL memories); ``xpos``; ``user_rotary`` (x-transformers'
+      ``rotary_pos_emb`` in the stack's ``(q, k)`` form); ``inject`` (``in_attn_cond``, padded rows 0);
     - ``share_inputs``: ``x`` (padded rows 0), ``positions``, ``context`` and ``context_mask`` as every block reads
       them; ``sa`` / ``ca`` (``SelfAttentionInputs`` / ``CrossAttentionInputs``); ``cond`` (``(b, K)`` or ``None``);
       ``cross_rotary`` (the angles of ``context_pos``); ``unpadded_plan``;
@@ -90,6 +92,9 @@ class StackCall:
     mem_masks: Tensor | list | None
     attn_bias: Tensor | None = None
     transform_block_inputs: object = None
+    rotary_pos_emb: tuple | None = None
+    in_attn_cond: Tensor | None = None
+    gumbel_log_probs: bool = False
     # derived
     b: int = 0
     n: int = 0
@@ -103,6 +108,8 @@ class StackCall:
     ca: CrossAttentionInputs | None = None
     cond: Tensor | None = None
     cross_rotary: tuple | None = None
+    user_rotary: tuple | None = None
+    inject: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -169,8 +176,11 @@ def resolve_call(stack: StackModule, call: StackCall) -> StackCall:
     padded_only = padded_only or mem is not None
     if call.attn_bias is not None:
         _check_attn_bias(stack, call.attn_bias, x, cache, mem)
-    _check_transform_block_inputs(call.transform_block_inputs)
-    padded_only = padded_only or call.attn_bias is not None or call.transform_block_inputs is not None
+    check_transform_block_inputs(call.transform_block_inputs)
+    user_rotary = user_rotary_pos_emb(stack, call.rotary_pos_emb, x, mask, cache, return_cache, mem)
+    inject = in_attn_condition(stack, call.in_attn_cond, x, mask)
+    padded_only = padded_only or call.attn_bias is not None or call.transform_block_inputs is not None \
+        or user_rotary is not None or inject is not None
     if isinstance(positions, Tensor) and positions.dim() == 3:  # per-head ALiBi positions (x-transformers')
         if cache is not None or return_cache:
             raise ValueError("positions per head (b, h, n) run without a KV cache (the cache keeps one position "
@@ -183,7 +193,7 @@ def resolve_call(stack: StackModule, call: StackCall) -> StackCall:
                          "context_pos); decode with cache_kv=False")
     return replace(call, x=x, mask=mask, positions=positions, cache=cache, ff_deep_embeds=ff_deep_embeds, b=b, n=n,
                    call_causal=call_causal, padded_only=padded_only, order=order, per_block=per_block, mem=mem,
-                   xpos=xpos)
+                   xpos=xpos, user_rotary=user_rotary, inject=inject)
 
 
 def share_inputs(stack: StackModule, call: StackCall) -> StackCall:
@@ -199,6 +209,8 @@ def share_inputs(stack: StackModule, call: StackCall) -> StackCall:
     sa = self_attention_inputs(stack, x, mask, cache, attn_mask, positions, causal=call_causal,
                                mem_len=0 if mem is None else mem.length,
                                mem_mask=None if mem is None else mem.masks[0])
+    if call.user_rotary is not None:  # x-transformers' rotary_pos_emb: the given angles replace the stack's
+        sa = replace(sa, rotary=call.user_rotary)
     if mem is not None:  # the kernel masks of the blocks whose memory mask differs from the first's
         mem.kernel_masks = {}
         first = mem.masks[0]
@@ -333,10 +345,11 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
     route, layer_hiddens = None, []  # the residual routing's state (x-transformers' residual options)
     if stack.routing is not None:
         x, route = stack.routing.begin(x, mask, cond)
+        route.inject = call.inject if call.inject is not None else route.inject  # in_attn_cond (not reinject_input)
     for ind, idx in enumerate(range(len(stack.layers)) if call.order is None else call.order):
         block = stack.layers[idx]
         if call.transform_block_inputs is not None and ind % stack.len_default_block == 0 and ind > 0:
-            x = _transform_block_input(call.transform_block_inputs, ind // stack.len_default_block + 1, x, mask)
+            x = transform_block_input(call.transform_block_inputs, ind // stack.len_default_block + 1, x, mask)
         if return_hiddens and block.kind == hidden_kind:  # the stream entering each self-attention (x-transformers)
             hiddens.append(_masked(x if route is None else stack.routing.view(x), mask))
         inp = x  # the block's input
@@ -344,6 +357,8 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
             x, inp = stack.routing.enter(route, idx, x)
         elif return_hiddens:
             layer_hiddens.append(x)
+        if route is None and call.inject is not None:  # in_attn_cond: added to the branch input, not the stream
+            inp = x + call.inject
         if block.kind == "cross" and not use_cross:
             if route is not None:  # the routing runs on, the branch adding nothing (as for a dropped context)
                 x = stack.routing.leave(route, idx, None)
@@ -421,7 +436,7 @@ def _selected_bias(stack: StackModule, call: StackCall) -> Tensor:
     return bias if keep is None else torch.where(keep, bias, 0.0)
 
 
-def _check_transform_block_inputs(hook) -> None:
+def check_transform_block_inputs(hook) -> None:
     """x-transformers' ``transform_block_inputs``: ``None``, a callable ``(depth, x) -> x`` or a dict ``{depth:
     x -> x}`` (``depth`` counted from 1: layers 2, 3, ... of the stack)."""
     if hook is None or (callable(hook) and not isinstance(hook, dict)):
@@ -432,7 +447,7 @@ def _check_transform_block_inputs(hook) -> None:
                         f"callable x -> x}}, got {type(hook).__name__}")
 
 
-def _transform_block_input(hook, depth: int, x: Tensor, mask: Tensor | None) -> Tensor:
+def transform_block_input(hook, depth: int, x: Tensor, mask: Tensor | None) -> Tensor:
     """The stream entering layer ``depth`` (from 2) through x-transformers' ``transform_block_inputs``. The hook sees
     the stream as x-transformers holds it (``(b S, n, c)`` with several residual streams) with padded positions
     exactly 0, and its result's padded positions are selected to 0 again (whatever it put there reaches nothing)."""
@@ -449,6 +464,96 @@ def _transform_block_input(hook, depth: int, x: Tensor, mask: Tensor | None) -> 
                          f"{tuple(t.shape)}, got {tuple(getattr(out, 'shape', ())) or type(out).__name__}")
     out = out.unflatten(0, (x.shape[0], x.shape[2])).movedim(1, -2) if streams else out
     return out if keep is None else torch.where(keep, out, 0.0)
+
+
+def user_rotary_pos_emb(stack: StackModule, rotary_pos_emb, x: Tensor, mask: Tensor | None, cache,
+                        return_cache: bool, mem) -> tuple | None:
+    """x-transformers' ``forward(rotary_pos_emb=(freqs, xpos_scale))``: the rotary angles every self-attention uses in
+    place of the stack's own (x-transformers' ``RotaryEmbedding.forward`` form: ``freqs (b|1, N, d_rot)`` or ``(N,
+    d_rot)``, of which the last ``n`` rotate the queries and keys; ``xpos_scale`` 1, ``None`` or a positive
+    ``(b|1, N, d_rot)`` multiplying queries, its inverse multiplying keys). Returns the stack's ``(q, k)`` form
+    ``(b|1, 1, n, d_rot)`` with padded positions' angles 0 and scales 1 (what they hold reaches nothing), or ``None``.
+
+    Raises:
+        TypeError: not a pair.
+        ValueError: a bad shape, dtype, device or scale; with a KV cache, Transformer-XL memories or PoPE.
+    """
+    if rotary_pos_emb is None:
+        return None
+    if not (isinstance(rotary_pos_emb, (tuple, list)) and len(rotary_pos_emb) == 2):
+        raise TypeError(f"rotary_pos_emb must be a pair (freqs, xpos_scale) as RotaryEmbedding returns it, got "
+                        f"{type(rotary_pos_emb).__name__}")
+    freqs, scale = rotary_pos_emb
+    b, n = x.shape[:2]
+    dims = [blk.mixer.dim_head for blk in stack.layers if blk.kind == "self"]
+    if not isinstance(freqs, Tensor) or not freqs.is_floating_point() or freqs.dim() not in (2, 3) \
+            or freqs.device != x.device:
+        raise ValueError(f"rotary_pos_emb's freqs must be a float tensor (b|1, N, d_rot) or (N, d_rot) on {x.device}, "
+                         f"got {getattr(freqs, 'dtype', type(freqs).__name__)} {tuple(getattr(freqs, 'shape', ()))}")
+    freqs = freqs[None] if freqs.dim() == 2 else freqs
+    rot = freqs.shape[-1]
+    if not dims or freqs.shape[0] not in (1, b) or freqs.shape[1] < n or rot == 0 or rot % 2 or rot > min(dims):
+        raise ValueError(f"rotary_pos_emb's freqs must have shape (b|1, N >= n, d_rot) with (b, n) = ({b}, {n}) and an "
+                         f"even d_rot <= dim_head ({min(dims) if dims else 'no self-attention'}), got "
+                         f"{tuple(freqs.shape)}")
+    if cache is not None or return_cache or mem is not None or stack.polar_pos_emb is not None:
+        raise ValueError("rotary_pos_emb runs without a KV cache or Transformer-XL memories (x-transformers rotates "
+                         "every cached key again with the freqs of each call; safeformer's cache holds keys rotated "
+                         "once) and not with polar_pos_emb")
+    keep = None if mask is None else mask[:, None, :, None]  # (b, 1, n, 1)
+    ang = freqs[:, None, -n:]  # (b|1, 1, n, d_rot)
+    ang = ang if keep is None else torch.where(keep, ang, 0.0)
+    if scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale == 1):
+        return ang, ang
+    if not isinstance(scale, Tensor) or not scale.is_floating_point() or scale.dim() != 3 \
+            or scale.shape[0] not in (1, b) or scale.shape[1] < n or scale.shape[2] not in (1, rot) \
+            or scale.device != x.device:
+        raise ValueError(f"rotary_pos_emb's xpos_scale must be 1, None or a float tensor (b|1, N >= {n}, d_rot) on "
+                         f"{x.device}, got {getattr(scale, 'dtype', scale)} {tuple(getattr(scale, 'shape', ()))}")
+    sc = scale[:, None, -n:]
+    sc = sc if keep is None else torch.where(keep, sc, 1.0)
+    if not bool(((sc > 0) & torch.isfinite(sc) & torch.isfinite(1.0 / sc)).all()):  # one host read
+        raise ValueError("rotary_pos_emb's xpos_scale must be positive and finite, with a finite inverse, at every "
+                         "real position (keys are divided by it)")
+    return (ang, sc), (ang, sc ** -1.0)
+
+
+def in_attn_condition(stack: StackModule, cond, x: Tensor, mask: Tensor | None) -> Tensor | None:
+    """x-transformers' ``forward(in_attn_cond=...)`` (in-attention conditioning): ``(b, c)`` or ``(b|1, n|1, c)``
+    added to the input of every block's branch (after its residual is taken, before its pre-norm), as
+    ``reinject_input``'s projection is. Returns it as ``(b|1, n|1, c)``, ``(b, n, c)`` with padded positions 0
+    (what it holds there reaches nothing), or ``None``.
+
+    Raises:
+        TypeError: not a floating tensor of the stream's dtype.
+        ValueError: a bad shape or device, or with ``reinject_input`` (x-transformers asserts).
+    """
+    if cond is None:
+        return None
+    b, n, c = x.shape
+    if not isinstance(cond, Tensor) or not cond.is_floating_point() or _dtype_differs(cond, x):
+        raise TypeError(f"in_attn_cond must be a float tensor (b, dim) or (b, n|1, dim) of dtype {x.dtype}, got "
+                        f"{getattr(cond, 'dtype', type(cond).__name__)}")
+    cond = cond[:, None] if cond.dim() == 2 else cond
+    if cond.dim() != 3 or cond.shape[0] not in (1, b) or cond.shape[1] not in (1, n) or cond.shape[2] != c \
+            or cond.device != x.device:
+        raise ValueError(f"in_attn_cond must have shape (b, dim) or (b|1, n|1, dim) with (b, n, dim) = ({b}, {n}, "
+                         f"{c}) on {x.device}, got {tuple(cond.shape)} on {cond.device}")
+    if getattr(stack, "reinject_input_proj", None) is not None:
+        raise ValueError("in_attn_cond takes the place of reinject_input's projection: not with reinject_input=True "
+                         "(x-transformers asserts)")
+    return cond if mask is None else torch.where(mask[..., None], cond, 0.0)
+
+
+def set_log_probs(attn_intermediates: list) -> None:
+    """x-transformers' ``forward(return_gumbel_log_probs=True)``: each attention block's intermediate gets
+    ``log_probs (b, h, i)``, the log probability of the key each query picked (``log_prob_from_hard_attend``; 0 for
+    padded queries and dead rows, which pick nothing)."""
+    for inter in attn_intermediates:
+        if inter.pre_softmax_attn is None or inter.post_softmax_attn is None:
+            raise ValueError("return_gumbel_log_probs reads each attention's logits and weights: not with "
+                             "attention blocks built with flash=True (they keep neither)")
+        inter.log_probs = log_prob_from_hard_attend(inter)
 
 
 def _recompute(stack: StackModule, call: StackCall) -> bool:
@@ -516,10 +621,12 @@ def finish_call(stack: StackModule, call: StackCall, x: Tensor, out: BlocksOut) 
                                                  pre_softmax_attn=logit_maps[t] if t < len(logit_maps) else None)
                                 for t, (w, k) in enumerate(zip(out.attn_maps, kinds))],
         )
+        if call.gumbel_log_probs:
+            set_log_probs(intermediates.attn_intermediates)
     cache_args = (cache, mask, b, n, x.device, out.self_kv, out.cross_kv, call.sa, call.ca, cond, call.condition,
                   call.condition_mask, out.hybrid_states)
     if intermediates is not None and call.call_causal == stack.causal and call.sa.all_positions.dim() == 2 \
-            and not call.xpos and call.mem is None:  # the
+            and not call.xpos and call.mem is None and call.user_rotary is None:  # the
         # cache (x-transformers' protocol; not with positions per head, which a cache does not keep;
         # not after a causal override: its keys/values are not what the stack's own causality continues from)
         intermediates.cache = _new_cache(*cache_args)

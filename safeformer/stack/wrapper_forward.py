@@ -35,6 +35,7 @@ from ..core.losses import masked_mean
 from ..core.masks import check_finite as _check_finite
 from ..core.masks import check_lengths, check_token_ids, validate_mask
 from .layers import _last, mems_unsupported
+from .stack_forward import check_transform_block_inputs, transform_block_input
 from .wrapper_options import _flag
 
 # the ``TransformerWrapper`` these phases serve (typed as a module: the class imports this file)
@@ -384,6 +385,7 @@ class WrapperCall:
     detach_mems: bool
     conditions: dict
     transform_token_embeds: object = None
+    transform_block_inputs: object = None
     # derived by the phases
     b: int = 0
     n: int = 0
@@ -478,11 +480,15 @@ def _transformed_embeds(fn, emb: Tensor, mask: Tensor | None) -> Tensor:
 
 def embed_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
     """``c.emb (b, n, e)``: the token embeddings plus the further and summed embeddings; ``c.ff_deep``: each
-    token's deep-embedding rows ``(b, n, L, c)`` or ``None``; ``c.extra_kv``: the stack's added keys/values and
-    Transformer-XL memories as stack keywords, or ``None``."""
+    token's deep-embedding rows ``(b, n, L, c)`` or ``None``; ``c.extra_kv``: the stack's added keys/values,
+    Transformer-XL memories and ``transform_block_inputs`` (its depth 1 applied here) as stack keywords, or
+    ``None``."""
     emb = net._embed(c.x, c.mask, c.token_emb_kwargs)
+    check_transform_block_inputs(c.transform_block_inputs)
     if c.transform_token_embeds is not None:  # x-transformers' hook on the token embeddings; padded rows re-zeroed
         emb = _transformed_embeds(c.transform_token_embeds, emb, c.mask)
+    elif c.transform_block_inputs is not None:  # x-transformers: its depth 1 is the token embeddings
+        emb = transform_block_input(c.transform_block_inputs, 1, emb, c.mask)
     emb = add_embeds(net, emb, c.x, c.mask, c.sum_embeds, c.embed_ids)
     # ff_deep_embed: each token's rows of multipliers, one per feed-forward block (padded ids were zeroed)
     ff_deep = None if net.ff_deep_embed is None else net.ff_deep_embed[c.x].to(emb.dtype)  # (b, n, L, c)
@@ -490,6 +496,8 @@ def embed_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
                               c.route_additional_kv_to_top)
     if c.mems is not None:  # Transformer-XL memories: stack keywords (padded path)
         extra_kv = dict(extra_kv or {}, mems=c.mems, mem_masks=c.mem_masks)
+    if c.transform_block_inputs is not None:  # depths 2, 3, ...: the stack's (padded path)
+        extra_kv = dict(extra_kv or {}, transform_block_inputs=c.transform_block_inputs)
     return replace(c, emb=emb, ff_deep=ff_deep, extra_kv=extra_kv)
 
 
@@ -500,7 +508,7 @@ def run_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
     hiddens = c.want_inter or c.return_next_embed_pred
     if net.recycling:
         out = net._recycle(c.emb, c.mask, c.conds, c.attn_mask, c.recycle_steps, c.pos, hiddens, causal=c.causal,
-                           ff_deep=c.ff_deep)
+                           ff_deep=c.ff_deep, extra_kv=c.extra_kv)
     else:
         out = net._run(c.emb, c.mask, c.conds, c.attn_mask, c.cache, c.return_cache, pos=c.pos, return_hiddens=hiddens,
                        causal=c.causal, ff_deep=c.ff_deep, extra_kv=c.extra_kv, loop=c.loop)

@@ -167,7 +167,7 @@ def place_rows(net: WrapperModule, x: Tensor, mask: Tensor | None, conds: Condit
         positions = pos
     if net.pos_emb is not None:  # tokens only, numbered from 0 (x-transformers' convention)
         abs_pos = positions if pos is not None else (positions - lead[:, None]).clamp(min=0)
-        pe = net.pos_emb(abs_pos).to(x.dtype)  # (b|1, F + m + n, C)
+        pe = net.pos_emb.embed_positions(abs_pos).to(x.dtype)  # (b|1, F + m + n, C)
         x = x + pe[:, lead_slots:] if not m else torch.cat((x[:, :m], x[:, m:] + pe[:, lead_slots:]), dim=1)
     # x-transformers' order: the norm, the gradient fraction, dropout and the embedding projection (emb_dim) on
     # the prefix and tokens, then the memory and class rows (model width) before them (dropped out too in its

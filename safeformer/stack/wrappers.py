@@ -172,6 +172,13 @@ Args:
         (``mems``, ``mem_masks``) with ``return_intermediates``. ``detach_mems`` (default True): no gradient
         flows back through them. Memories run the padded path, and not with a KV cache, prepend_embeds,
         memory / class tokens, recycling or a looped model.
+    transform_token_embeds: a callable ``(b, n, emb_dim) -> (b, n, emb_dim)`` applied to the token embeddings
+        (before the absolute positions and further embeddings are added); padded rows of its result are 0.
+    transform_block_inputs: x-transformers' hook per depth: a callable ``(depth, x) -> x`` or a dict ``{depth:
+        x -> x}``. Depth 1 is the token embeddings (as ``transform_token_embeds``, which wins when both are
+        given); depths 2, 3, ... the stream entering each later layer of the stack (``AttentionLayers.forward``;
+        memory, class and prefix rows included, as there). The hook sees padded positions as exact zeros and
+        what it writes there reaches nothing. Padded path.
     _loop_out: (internal, for ``AutoregressiveWrapper``'s looped loss) a dict a looped model fills with the
         runs' ``exit_logits``, ``all_pred_logits`` and ``exit_indices`` without building the intermediates
         (which run the explicit attention path).
@@ -503,7 +510,7 @@ class _Wrapper(Configurable, nn.Module):
         b, n = x.shape[:2]
         positions = self._positions(mask, b, n, x.device, None)  # (b|1, n): the tokens' ranks (length checked)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions).to(x.dtype)
+            x = x + self.pos_emb.embed_positions(positions).to(x.dtype)
         x = embed_rows(self, x, 0)  # post_emb_norm, emb_frac_gradient, dropout, project_emb
         c = x.shape[-1]
         M = self.num_memory_tokens
@@ -770,11 +777,8 @@ class TransformerWrapper(_Wrapper):
             return_logit_entropies=return_logit_entropies, sum_embeds=sum_embeds, embed_ids=embed_ids,
             return_attn_z_loss=return_attn_z_loss, attn_z_loss_weight=attn_z_loss_weight, loop_out=_loop_out,
             mems=mems, mem_masks=mem_masks, return_mems=return_mems, detach_mems=detach_mems, conditions=conditions,
-            transform_token_embeds=transform_token_embeds,
+            transform_token_embeds=transform_token_embeds, transform_block_inputs=transform_block_inputs,
         )
-        if transform_block_inputs is not None:
-            raise TypeError("TransformerWrapper: x-transformers' option transform_block_inputs (a hook between "
-                            "blocks) is not supported by safeformer; transform_token_embeds is")
         call = resolve_call(self, call)  # every phase returns a new immutable value
         call = embed_call(self, call)
         call = run_call(self, call)
@@ -886,9 +890,11 @@ class TransformerWrapper(_Wrapper):
                              f"({x.shape[0]}, {x.shape[1]}, {dim}), got {getattr(emb, 'shape', type(emb))}")
         return emb if mask is None else torch.where(mask[..., None], emb, 0.0)
 
-    def _recycle(self, emb, mask, conds, attn_mask, steps, pos, want_inter, causal=None, ff_deep=None):
+    def _recycle(self, emb, mask, conds, attn_mask, steps, pos, want_inter, causal=None, ff_deep=None,
+                 extra_kv=None):
         """x-transformers' recycling: the stack runs ``steps`` times, each run's input the embeddings plus
-        ``recycled_proj`` of the previous run's (detached) output; only the last run takes gradients."""
+        ``recycled_proj`` of the previous run's (detached) output; only the last run takes gradients. ``extra_kv``:
+        further stack keywords of every run (``transform_block_inputs``)."""
         if steps is None:
             steps = int(torch.randint(1, self.train_max_recycle_steps + 1, ()).item())
         if self.num_fixed_tokens or conds.prepend_embeds is not None:
@@ -901,7 +907,7 @@ class TransformerWrapper(_Wrapper):
             last = i == steps - 1
             with torch.no_grad() if not last else contextlib.nullcontext():
                 stack, plan = stack_runner(self, rows, conds, attn_mask, None, False, return_hiddens=want_inter and last,
-                                           causal=causal, ff_deep=ff_deep, extra_kv=None)
+                                           causal=causal, ff_deep=ff_deep, extra_kv=extra_kv)
                 # padded rows of the stack's output are exact zeros
                 inp = rows.x if h is None else rows.x + self.recycled_proj(h.detach())
                 h, _, inter = stack(inp, None, False)
