@@ -708,21 +708,30 @@ def _read_config(cfg_file: Path) -> dict[str, Any]:
     return config
 
 
-def _migrate_config_v1(tree: Any) -> None:
-    """Format 1's configs, read with format 2's meanings (see ``_migrate_stack_v1``; a tied embedding's logits had
-    no scale, ``tie_embedding_scale=1``; an ``Attention``'s grouped-query heads were interleaved and its qk-norm an
-    RMS norm with gains, ``qk_norm_dim_scale=True``). The keys of format 1's weights move to format 2's names by
-    the modules' load hooks."""
+def _walk_configs(tree: Any, visit: Callable[[dict, set], None]) -> None:
+    """``visit(config, parameter names)`` for every registered class's config in ``tree`` (a config and the modules'
+    configs nested in it, outermost first)."""
     if isinstance(tree, list):
         for v in tree:
-            _migrate_config_v1(v)
+            _walk_configs(v, visit)
         return
     if not isinstance(tree, dict):
         return
     cls = _REGISTRY.get(tree.get("class")) if isinstance(tree.get("class"), str) else None
     cfg = tree.get("config")
     if cls is not None and isinstance(cfg, dict):
-        params = {n for k in cls.__mro__ if "__init__" in vars(k) for n in inspect.signature(k.__init__).parameters}
+        visit(cfg, {n for k in cls.__mro__ if "__init__" in vars(k) for n in inspect.signature(k.__init__).parameters})
+    for v in tree.values():
+        _walk_configs(v, visit)
+
+
+def _migrate_config_v1(tree: Any) -> None:
+    """Format 1's configs, read with format 2's meanings (see ``_migrate_stack_v1``; a tied embedding's logits had
+    no scale, ``tie_embedding_scale=1``; an ``Attention``'s grouped-query heads were interleaved and its qk-norm an
+    RMS norm with gains, ``qk_norm_dim_scale=True``). The keys of format 1's weights move to format 2's names by
+    the modules' load hooks."""
+
+    def visit(cfg: dict, params: set) -> None:
         if "tie_embedding_scale" in params and cfg.get("tie_embedding") is True and cfg.get("tie_embedding_scale") is None:
             cfg["tie_embedding_scale"] = 1.0
         if "norm_add_unit_offset" in params:  # a stack
@@ -735,24 +744,16 @@ def _migrate_config_v1(tree: Any) -> None:
             for side in ("enc_options", "dec_options"):
                 cfg[side] = dict(cfg.get(side) or {})
                 _migrate_stack_v1(cfg[side], rotary=cfg.get("rotary_pos_emb") is True)
-    for v in tree.values():
-        _migrate_config_v1(v)
+
+    _walk_configs(tree, visit)
 
 
 def _migrate_config_v2(tree: Any) -> None:
     """Formats 1 and 2, read with format 3's meanings: every attention had an output projection, so an ``Attention``
     config gets ``project_out=True`` and a stack's (or an ``XTransformer`` side's) ``attn_project_out=True``
     (format 3 follows x-transformers: one head of width ``dim`` has none)."""
-    if isinstance(tree, list):
-        for v in tree:
-            _migrate_config_v2(v)
-        return
-    if not isinstance(tree, dict):
-        return
-    cls = _REGISTRY.get(tree.get("class")) if isinstance(tree.get("class"), str) else None
-    cfg = tree.get("config")
-    if cls is not None and isinstance(cfg, dict):
-        params = {n for k in cls.__mro__ if "__init__" in vars(k) for n in inspect.signature(k.__init__).parameters}
+
+    def visit(cfg: dict, params: set) -> None:
         if "norm_add_unit_offset" in params:  # a stack
             cfg.setdefault("attn_project_out", True)
         elif "kv_head_order" in params:  # an Attention
@@ -761,8 +762,8 @@ def _migrate_config_v2(tree: Any) -> None:
             for side in ("enc_options", "dec_options"):
                 cfg[side] = dict(cfg.get(side) or {})
                 cfg[side].setdefault("attn_project_out", True)
-    for v in tree.values():
-        _migrate_config_v2(v)
+
+    _walk_configs(tree, visit)
 
 
 def _migrate_stack_v1(options: dict, rotary: bool = False) -> None:
