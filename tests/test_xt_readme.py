@@ -33,13 +33,9 @@ x_transformers.TransformerWrapper, AutoregressiveWrapper, XTransformer, Continuo
 ContinuousAutoregressiveWrapper or a layer stack, got XLAutoregressiveWrapper")
 nor for ``AutoregressiveWrapper(mask_prob=)`` (refused: the hidden keys are drawn at random, differently).
 
-README examples NOT covered (safeformer does not build the option: each fails at construction with
-"TypeError: Decoder: x-transformers' option <name>=<value> is not supported by safeformer" (``Encoder`` for
-``attn_on_attn``), or, for ``resi_dual``, which x-transformers 2.31.10 itself refuses ("AssertionError:
-unrecognized kwargs passed in dict_keys(['resi_dual'])"), "unexpected keyword argument"):
-    attn_on_attn; resi_dual (+ resi_dual_scale); attn_qk_norm_groups; attn_qk_norm_scale;
-    post_emb_norm=True on a TransformerWrapper: "TypeError: TransformerWrapper: x-transformers' option
-    post_emb_norm=True is not supported by safeformer".
+README example NOT covered: ``resi_dual`` (+ ``resi_dual_scale``), which x-transformers 2.31.10 itself refuses
+("AssertionError: unrecognized kwargs passed in dict_keys(['resi_dual'])"); safeformer: "unexpected keyword
+argument".
 """
 
 # the README's import lines are kept as written (unsorted)
@@ -2167,3 +2163,93 @@ def test_shift_mem_down_rotate_num_heads_parity():
             sf_logits, _ = sf_model(seg, mems=mems, return_mems=True)
             _assert_parity(f"shift_mem_down + rotate_num_heads segment {i + 1}", xt_logits, sf_logits)
             mems = new_mems
+
+
+def test_post_emb_norm():
+    """README "post_emb_norm" (layernorm of the summed token and position embeddings)."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        post_emb_norm = True,    # set this to True to layernorm summed token + pos embeddings
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 256))  # added
+    out = model(x)  # added
+    assert out.shape == (1, 256, 20000)
+    _finite(out)
+
+
+def test_post_emb_norm_parity():
+    xt_model = xt.TransformerWrapper(num_tokens=20000, max_seq_len=1024, post_emb_norm=True,
+                                     attn_layers=xt.Decoder(dim=64, depth=2, heads=8))
+    _token_parity("post_emb_norm", xt_model)
+
+
+def test_attn_on_attn():
+    """README "Attention on Attention"."""
+    import torch
+    from safeformer import TransformerWrapper, Encoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Encoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            attn_on_attn = True  # gate output of attention layer, by queries
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 256))  # added
+    out = model(x)  # added
+    assert out.shape == (1, 256, 20000)
+    _finite(out)
+
+
+def test_attn_on_attn_parity():
+    xt_model = xt.TransformerWrapper(num_tokens=20000, max_seq_len=1024,
+                                     attn_layers=xt.Encoder(dim=64, depth=2, heads=8, attn_on_attn=True))
+    _token_parity("attn_on_attn", xt_model)
+
+
+@pytest.mark.parametrize("option", [dict(attn_qk_norm_groups=8), dict(attn_qk_norm_scale=10)])
+def test_attn_qk_norm_groups_and_scale(option):
+    """README "Query-Key Normalization" (groups of the feature dimension; a fixed scale with groups of 1)."""
+    import torch
+    from safeformer import TransformerWrapper, Decoder
+
+    model = TransformerWrapper(
+        num_tokens = 20000,
+        max_seq_len = 1024,
+        attn_layers = Decoder(
+            dim = 64,       # README: 512
+            depth = 2,      # README: 6
+            heads = 8,
+            attn_qk_norm = True,       # set this to True
+            **option
+        )
+    )
+
+    x = torch.randint(0, 20000, (1, 256))  # README: 1024
+    out = model(x)
+    assert out.shape == (1, 256, 20000)
+    _finite(out)
+    xt_model = xt.TransformerWrapper(num_tokens=20000, max_seq_len=1024,
+                                     attn_layers=xt.Decoder(dim=64, depth=2, heads=8, attn_qk_norm=True, **option))
+    sf_model = _convert(xt_model)
+    x = torch.randint(0, 20000, (1, N_PARITY))
+    with torch.no_grad():
+        theirs, ours = xt_model(x), sf_model(x)
+    # 8 groups bound the logits by 8 * 10 = 80: float32 rounding (x-transformers' softmax runs in float32 even for
+    # float64 inputs) grows with that scale, to ~4e-5 on these logits (1 group: ~2.5e-6, 4 groups: ~1.1e-5)
+    tol = 1e-4 if option.get("attn_qk_norm_groups", 1) > 1 else 1e-5
+    torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
