@@ -321,3 +321,28 @@ def test_in_attn_cond_padding_cache_and_refusals():
     reinject = sf.Decoder(dim=DIM, depth=1, heads=HEADS, dim_head=DIM_HEAD, reinject_input=True)
     with pytest.raises(ValueError, match="in_attn_cond"):
         reinject(torch.randn(2, 7, DIM), in_attn_cond=torch.randn(2, DIM))
+
+
+def test_wrapper_hands_rotary_pos_emb_and_in_attn_cond_to_the_stack_as_x_transformers():
+    """``TransformerWrapper.forward(rotary_pos_emb=, in_attn_cond=)``: x-transformers hands its extra keywords to
+    the stack; the same numbers on the same weights, padded positions reaching nothing."""
+    torch.manual_seed(0)
+    theirs = xt.TransformerWrapper(num_tokens=20, max_seq_len=16,
+                                   attn_layers=xt.Decoder(dim=16, depth=2, heads=2, rotary_pos_emb=True))
+    ours = sf.TransformerWrapper(num_tokens=20, max_seq_len=16,
+                                 attn_layers=sf.Decoder(dim=16, depth=2, heads=2, rotary_pos_emb=True))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.2 * torch.randn(p.shape))
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randint(0, 20, (2, 6))
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    freqs = theirs.attn_layers.rotary_pos_emb(torch.arange(6) * 2.0)  # not the stack's own positions
+    cond = torch.randn(2, 16)
+    for kw in (dict(rotary_pos_emb=freqs), dict(in_attn_cond=cond)):
+        torch.testing.assert_close(ours(x, mask=mask, **kw)[mask], theirs(x, mask=mask, **kw)[mask], atol=1e-5,
+                                   rtol=1e-5)
+    bad = torch.randn(2, 6, 16)
+    bad[~mask] = float("nan")
+    out = ours(x, mask=mask, in_attn_cond=bad)
+    assert torch.isfinite(out[mask]).all()

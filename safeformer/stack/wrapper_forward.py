@@ -24,7 +24,7 @@ added keys/values, logit entropies and the attention z-loss); ``wrappers.py`` re
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -386,6 +386,7 @@ class WrapperCall:
     conditions: dict
     transform_token_embeds: object = None
     transform_block_inputs: object = None
+    stack_extra: dict = field(default_factory=dict)  # AttentionLayers.forward keywords handed on (rotary_pos_emb, ...)
     # derived by the phases
     b: int = 0
     n: int = 0
@@ -498,6 +499,8 @@ def embed_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
         extra_kv = dict(extra_kv or {}, mems=c.mems, mem_masks=c.mem_masks)
     if c.transform_block_inputs is not None:  # depths 2, 3, ...: the stack's (padded path)
         extra_kv = dict(extra_kv or {}, transform_block_inputs=c.transform_block_inputs)
+    if c.stack_extra:  # x-transformers' keywords of the stack, handed on (padded path)
+        extra_kv = dict(extra_kv or {}, **c.stack_extra)
     return replace(c, emb=emb, ff_deep=ff_deep, extra_kv=extra_kv)
 
 

@@ -179,6 +179,9 @@ Args:
         given); depths 2, 3, ... the stream entering each later layer of the stack (``AttentionLayers.forward``;
         memory, class and prefix rows included, as there). The hook sees padded positions as exact zeros and
         what it writes there reaches nothing. Padded path.
+    rotary_pos_emb, in_attn_cond: handed to the stack (``AttentionLayers.forward``'s, x-transformers' ``**kwargs``
+        of the wrapper): given rotary angles for every self-attention (covering the memory, class and prefix rows
+        too), an in-attention condition. Padded path.
     _loop_out: (internal, for ``AutoregressiveWrapper``'s looped loss) a dict a looped model fills with the
         runs' ``exit_logits``, ``all_pred_logits`` and ``exit_indices`` without building the intermediates
         (which run the explicit attention path).
@@ -746,7 +749,7 @@ class TransformerWrapper(_Wrapper):
         return_attn_z_loss: bool = False, attn_z_loss_weight: float | None = None,
         _loop_out: dict | None = None,
         mems=None, mem_masks=None, return_mems: bool = False, detach_mems: bool = True,
-        transform_token_embeds=None, transform_block_inputs=None,
+        transform_token_embeds=None, transform_block_inputs=None, rotary_pos_emb=None, in_attn_cond=None,
         **conditions,
     ):
         """Run the model on the token ids ``x (b, n)``. The keywords and the return forms are documented in this
@@ -778,6 +781,8 @@ class TransformerWrapper(_Wrapper):
             return_attn_z_loss=return_attn_z_loss, attn_z_loss_weight=attn_z_loss_weight, loop_out=_loop_out,
             mems=mems, mem_masks=mem_masks, return_mems=return_mems, detach_mems=detach_mems, conditions=conditions,
             transform_token_embeds=transform_token_embeds, transform_block_inputs=transform_block_inputs,
+            stack_extra={k: v for k, v in (("rotary_pos_emb", rotary_pos_emb), ("in_attn_cond", in_attn_cond))
+                         if v is not None},
         )
         call = resolve_call(self, call)  # every phase returns a new immutable value
         call = embed_call(self, call)
