@@ -117,3 +117,46 @@ def test_bad_values_are_named(kw, exc, word):
     _, ours = _pair({})
     with pytest.raises(exc, match=word):
         ours(torch.randn(2, 5, 16), **kw)
+
+
+def _bias_modules():
+    import safeformer.x_transformers as S
+
+    X = xt.x_transformers
+    return {"t5": (X.RelativePositionBias(scale=8**0.5, causal=True, heads=2),
+                   S.RelativePositionBias(scale=8**0.5, causal=True, heads=2)),
+            "alibi": (X.AlibiPositionalBias(heads=2, total_heads=2), S.AlibiPositionalBias(heads=2, total_heads=2)),
+            "dynamic": (X.DynamicPositionBias(dim=16, heads=2, depth=2), S.DynamicPositionBias(dim=16, heads=2, depth=2))}
+
+
+@pytest.mark.parametrize("kind", ["t5", "alibi", "dynamic"])
+def test_rel_pos_modules_as_x_transformers(kind):
+    """``Attention.forward(rel_pos=)``: x-transformers' position-bias modules (safeformer's of the same names) give
+    this call's bias, memory keys at 0; with a right-padded mask the real positions agree too."""
+    theirs, ours = _pair(dict(num_mem_kv=2), causal=True)
+    a, b = _bias_modules()[kind]
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(0.2 * torch.randn(p.shape))
+    b.load_state_dict(a.state_dict(), strict=True)
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    torch.testing.assert_close(ours(x, rel_pos=b, mask=mask)[mask], theirs(x, rel_pos=a, mask=mask)[mask],
+                               atol=1e-5, rtol=1e-5)
+    if kind == "alibi":  # custom positions
+        pos = torch.arange(5)[None].expand(2, 5).float() * 2
+        torch.testing.assert_close(ours(x, rel_pos=b, pos=pos), theirs(x, rel_pos=a, pos=pos), atol=1e-5, rtol=1e-5)
+
+
+def test_rel_pos_bad_calls_are_named():
+    _, ours = _pair({})
+    a, b = _bias_modules()["t5"]
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="pos"):
+        ours(x, pos=torch.arange(3)[None].float())
+    with pytest.raises(TypeError, match="AlibiPositionalBias"):
+        ours(x, rel_pos=b, pos=torch.arange(3)[None].float())
+    with pytest.raises(ValueError, match="rel_pos or attn_bias"):
+        ours(x, rel_pos=b, attn_bias=torch.zeros(1, 2, 3, 3))
+    with pytest.raises(TypeError, match="rel_pos"):
+        ours(x, rel_pos=3)

@@ -126,6 +126,7 @@ from .attention_calls import (
     refuse_xt_call,
     unpadded_call,
     xt_modulations,
+    xt_rel_pos_bias,
 )
 from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, query_padding
 from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
@@ -419,9 +420,10 @@ class Attention(nn.Module):
         (``(out, AttnIntermediate)`` with ``return_intermediates``, ``(out, weights)`` with ``return_attn``); a row
         that may attend to no key is exactly 0 with zero gradient (S2). Every keyword is documented in this module's
         docstring (``help(safeformer.nn.attention)``, "``Attention.forward``")."""
-        if not (rel_pos is None and pos is None and context_rotary_pos_emb is None and polar_pos_emb is None):
-            refuse_xt_call("Attention.forward", rel_pos=rel_pos, pos=pos, context_rotary_pos_emb=context_rotary_pos_emb,
-                           polar_pos_emb=polar_pos_emb)  # the stack's own inputs, which it computes itself here
+        if not (context_rotary_pos_emb is None and polar_pos_emb is None):  # the stack's own inputs here
+            refuse_xt_call("Attention.forward", context_rotary_pos_emb=context_rotary_pos_emb, polar_pos_emb=polar_pos_emb)
+        if rel_pos is not None or pos is not None:  # x-transformers' position bias module (T5, dynamic, ALiBi)
+            attn_bias = xt_rel_pos_bias(x, context, cache, rel_pos, pos, attn_bias)
         if flash_pack_seq_kwargs is not None:  # packed documents: a block-diagonal attn_mask
             attn_mask = packed_call_mask(self, x, context, mask, context_mask, attn_mask, cache, flash_pack_seq_kwargs)
         if self.qkv_receive_diff_residuals:  # x-transformers': x stacks the queries', keys' and values' inputs

@@ -337,3 +337,22 @@ def packed_call_mask(attn: AttentionModule, x: Tensor, context, mask, context_ma
         raise ValueError("flash_pack_seq_kwargs describe one packed sequence (batch 1): not with mask, context_mask, "
                          "attn_mask or a cache")
     return packed_sequence_mask(kwargs, x.shape[1], (x if context is None else context).shape[1], x.device)
+
+
+def xt_rel_pos_bias(x: Tensor, context, cache, rel_pos, pos, attn_bias) -> Tensor:
+    """x-transformers' ``Attention.forward(rel_pos=, pos=)``: the bias of a position-bias module (its
+    ``RelativePositionBias``, ``DynamicPositionBias`` or ``AlibiPositionalBias``: ``rel_pos(i, j)``, queries and keys
+    at their indices, the last ``i`` queries of ``j`` keys), or ALiBi's at custom positions
+    (``rel_pos.forward_custom_pos(pos)``), as this call's ``attn_bias`` (memory keys and the sink get 0)."""
+    if rel_pos is None:
+        raise ValueError("pos (custom positions) needs rel_pos, an AlibiPositionalBias")
+    if attn_bias is not None:
+        raise ValueError("pass rel_pos or attn_bias, not both (x-transformers asserts the same)")
+    if pos is not None:
+        if not hasattr(rel_pos, "forward_custom_pos"):
+            raise TypeError(f"pos (custom positions) needs an AlibiPositionalBias as rel_pos, got {type(rel_pos).__name__}")
+        return rel_pos.forward_custom_pos(pos)
+    if not callable(rel_pos):
+        raise TypeError(f"rel_pos must be a position-bias module called as rel_pos(i, j), got {type(rel_pos).__name__}")
+    past = 0 if cache is None or getattr(cache, "cached_kv", None) is None else cache.cached_kv[0].shape[2]
+    return rel_pos(x.shape[1], (x if context is None else context).shape[1] + past)
