@@ -160,3 +160,23 @@ def test_rel_pos_bad_calls_are_named():
         ours(x, rel_pos=b, attn_bias=torch.zeros(1, 2, 3, 3))
     with pytest.raises(TypeError, match="rel_pos"):
         ours(x, rel_pos=3)
+
+
+def test_context_rotary_pos_emb_as_x_transformers():
+    """Rotary cross-attention of ``Attention`` alone: the queries rotated by ``rotary_pos_emb``, the context's keys by
+    ``context_rotary_pos_emb`` (x-transformers needs both); a padded context key reaches nothing."""
+    theirs, ours = _pair({})
+    rot = xt.x_transformers.RotaryEmbedding(8)
+    g = torch.Generator().manual_seed(4)
+    x, ctx = torch.randn(2, 5, 16, generator=g), torch.randn(2, 4, 16, generator=g)
+    cmask = torch.tensor([[True] * 4, [True] * 2 + [False] * 2])
+    fq, fk = rot(torch.arange(5).float() + 4), rot(torch.arange(4).float())
+    kw = dict(context=ctx, context_mask=cmask, rotary_pos_emb=fq, context_rotary_pos_emb=fk)
+    torch.testing.assert_close(ours(x, **kw), theirs(x, **kw), atol=1e-5, rtol=1e-5)
+    planted = ctx.clone()
+    planted[~cmask] = float("nan")
+    assert torch.isfinite(ours(x, **dict(kw, context=planted))).all()
+    with pytest.raises(ValueError, match="context_rotary_pos_emb"):
+        ours(x, context=ctx, rotary_pos_emb=fq)
+    with pytest.raises(ValueError, match="context_rotary_pos_emb"):
+        ours(x, rotary_pos_emb=fq, context_rotary_pos_emb=fk)

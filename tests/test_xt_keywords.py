@@ -424,7 +424,7 @@ def test_unsupported_stack_call_arguments_are_refused_by_name(name, value):
         enc(torch.randn(1, 3, 16), **{name: value})
 
 
-@pytest.mark.parametrize("name", ["context_rotary_pos_emb", "polar_pos_emb"])
+@pytest.mark.parametrize("name", ["polar_pos_emb"])
 def test_unsupported_attention_call_arguments_are_refused_by_name(name):
     with pytest.raises(TypeError, match=f"option {name} is not supported"):
         sf.Attention(16, heads=2)(torch.randn(1, 3, 16), **{name: torch.zeros(1)})

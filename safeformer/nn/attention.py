@@ -124,6 +124,7 @@ from .attention_calls import (
     packed_call_mask,
     plus_kept,
     refuse_xt_call,
+    rotary_from_xt,
     unpadded_call,
     xt_modulations,
     xt_rel_pos_bias,
@@ -420,8 +421,10 @@ class Attention(nn.Module):
         (``(out, AttnIntermediate)`` with ``return_intermediates``, ``(out, weights)`` with ``return_attn``); a row
         that may attend to no key is exactly 0 with zero gradient (S2). Every keyword is documented in this module's
         docstring (``help(safeformer.nn.attention)``, "``Attention.forward``")."""
-        if not (context_rotary_pos_emb is None and polar_pos_emb is None):  # the stack's own inputs here
-            refuse_xt_call("Attention.forward", context_rotary_pos_emb=context_rotary_pos_emb, polar_pos_emb=polar_pos_emb)
+        if polar_pos_emb is not None:  # the stack's own input here
+            refuse_xt_call("Attention.forward", polar_pos_emb=polar_pos_emb)
+        if context_rotary_pos_emb is not None:  # x-transformers' rotary cross-attention: query and context angles
+            rotary, rotary_pos_emb = rotary_from_xt(rotary_pos_emb, x, context, kv, context_rotary_pos_emb), None
         if rel_pos is not None or pos is not None:  # x-transformers' position bias module (T5, dynamic, ALiBi)
             attn_bias = xt_rel_pos_bias(x, context, cache, rel_pos, pos, attn_bias)
         if flash_pack_seq_kwargs is not None:  # packed documents: a block-diagonal attn_mask

@@ -211,25 +211,34 @@ def xt_masks(attn: AttentionModule, x, context, kv, mask, context_mask, attn_mas
     return mask, pad
 
 
-def rotary_from_xt(rotary_pos_emb, x, context, kv):
-    """x-transformers' ``(freqs, xpos_scale)`` -> safeformer's ``(q_angles, k_angles)``."""
+def _xt_angles(rotary_pos_emb, name: str, n: int, what: str) -> Tensor:
+    """The angles ``(b|1, 1, n, d_rot)`` of the last ``n`` positions of x-transformers' ``(freqs, xpos_scale)``."""
     if not (isinstance(rotary_pos_emb, (tuple, list)) and len(rotary_pos_emb) == 2):
-        raise ValueError("rotary_pos_emb must be (freqs, xpos_scale) as RotaryEmbedding returns it")
+        raise ValueError(f"{name} must be (freqs, xpos_scale) as RotaryEmbedding returns it")
     freqs, scale = rotary_pos_emb
     if isinstance(scale, Tensor) or scale != 1:
-        raise ValueError("rotary_pos_emb with an xpos scale (use_xpos=True) is not supported; use xpos-free rotary")
+        raise ValueError(f"{name} with an xpos scale (use_xpos=True) is not supported; use xpos-free rotary")
     if not isinstance(freqs, Tensor) or freqs.dim() not in (2, 3):
-        raise ValueError(f"rotary_pos_emb freqs must be (b|1, n, d_rot), got {getattr(freqs, 'shape', type(freqs))}")
-    if context is not None or kv is not None:
-        raise ValueError("rotary_pos_emb rotates self-attention only (x-transformers' context_rotary_pos_emb "
-                         "is not supported)")
+        raise ValueError(f"{name} freqs must be (b|1, n, d_rot), got {getattr(freqs, 'shape', type(freqs))}")
     if freqs.dim() == 2:
         freqs = freqs[None]
-    i = x.shape[1]
-    if freqs.shape[-2] < i:
-        raise ValueError(f"rotary_pos_emb covers {freqs.shape[-2]} positions, fewer than the {i} queries")
-    ang = freqs[:, None, -i:]  # (b|1, 1, i, d_rot): the new positions (queries and new keys alike)
-    return ang, ang
+    if freqs.shape[-2] < n:
+        raise ValueError(f"{name} covers {freqs.shape[-2]} positions, fewer than the {n} {what}")
+    return freqs[:, None, -n:]
+
+
+def rotary_from_xt(rotary_pos_emb, x, context, kv, context_rotary_pos_emb=None):
+    """x-transformers' ``(freqs, xpos_scale)`` -> safeformer's ``(q_angles, k_angles)``: the queries' and new keys'
+    angles; in cross-attention the context keys' from ``context_rotary_pos_emb`` (x-transformers needs both)."""
+    ang = _xt_angles(rotary_pos_emb, "rotary_pos_emb", x.shape[1], "queries")
+    if context is None and kv is None:
+        if context_rotary_pos_emb is not None:
+            raise ValueError("context_rotary_pos_emb rotates the context's keys: it needs context")
+        return ang, ang  # (b|1, 1, i, d_rot): the new positions (queries and new keys alike)
+    if context is None or context_rotary_pos_emb is None:
+        raise ValueError("rotary_pos_emb in cross-attention rotates the queries; the context's keys need "
+                         "context_rotary_pos_emb (x-transformers' too), and precomputed kv cannot be rotated here")
+    return ang, _xt_angles(context_rotary_pos_emb, "context_rotary_pos_emb", context.shape[1], "context keys")
 
 
 def intermediates(res: tuple, want_weights: bool, x: Tensor, context, kv, value_residual) -> tuple:
