@@ -189,3 +189,38 @@ def test_sdp_kwargs_choose_among_the_kernels_named():
     a, _ = sf.Attend(sdp_kwargs=dict(enable_flash=False, enable_mem_efficient=False))(q, k, v, mask=mask)
     b, _ = sf.Attend()(q, k, v, mask=mask)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+_SMOOTH = sorted(k for k in OPTIONS if "topk" not in k and k != "hard")  # ties may flip a hard choice in half types
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", _SMOOTH)
+def test_half_and_single_precision_against_float64(name, dtype):
+    """Each option in a lower dtype against the same call in float64 on the same (rounded) inputs, within the
+    dtype's attention tolerance; masked content still reaches nothing."""
+    from helpers.numerics import ATTEND_TOL, assert_close
+
+    _, ours = _pair(OPTIONS[name])
+    q, k, v, mask = _inputs(8)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    k = k.masked_fill(~mask[:, None, :, None], float("nan"))
+    low, _ = ours.to(dtype)(q, k, v, mask=mask)
+    ref, _ = ours.double()(q.double(), k.double(), v.double(), mask=mask)
+    assert_close(low, ref, f"Attend({name})", dtype, table=ATTEND_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_new_attention_keywords_in_half_precision_against_float64(dtype):
+    """``on_attn``, ``value_dim_head`` and the deltas in a half type against float64 on the same weights."""
+    from helpers.numerics import MODEL_TOL, assert_close
+
+    torch.manual_seed(0)
+    attn = sf.Attention(16, heads=2, dim_head=8, on_attn=True, value_dim_head=6, custom_attn_fn=lambda t: t.softmax(-1))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 5, 16, generator=g).to(dtype)
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    d = dict(q_delta=0.1 * torch.randn(2, 5, 16, generator=g), o_delta=0.1 * torch.randn(2, 5, 12, generator=g))
+    low = attn.to(dtype)(x, mask=mask, **{k: t.to(dtype) for k, t in d.items()})
+    ref = attn.double()(x.double(), mask=mask, **{k: t.to(dtype).double() for k, t in d.items()})
+    assert_close(low[mask], ref[mask], "Attention(on_attn, value_dim_head, deltas)", dtype, table=MODEL_TOL)

@@ -277,7 +277,7 @@ class Modulations:
     attn: Tensor | None = None
 
 
-def _check_delta(name: str, t, shape: tuple, x: Tensor) -> Tensor | None:
+def check_delta(name: str, t, shape: tuple, x: Tensor) -> Tensor | None:
     """``t`` (named ``name``) a float tensor on ``x``'s device broadcasting to ``shape`` without growing it."""
     if t is None:
         return None
@@ -318,10 +318,10 @@ def xt_modulations(attn: AttentionModule, x: Tensor, context, kv, past_kv, layou
         added, added_mask = attn.project_kv(mem, mem_mask), mem_mask
     n_src = (x if context is None else context).shape[1]
     mods = Modulations(
-        q=_check_delta("q_delta", deltas["q_delta"], (b, i, attn.to_q.out_features), x),
-        k=_check_delta("k_delta", deltas["k_delta"], (b, n_src, attn.to_k.out_features), x),
-        v=_check_delta("v_delta", deltas["v_delta"], (b, n_src, attn.to_v.out_features), x),
-        o=_check_delta("o_delta", deltas["o_delta"], (b, i, attn.heads * attn.dim_value), x),
+        q=check_delta("q_delta", deltas["q_delta"], (b, i, attn.to_q.out_features), x),
+        k=check_delta("k_delta", deltas["k_delta"], (b, n_src, attn.to_k.out_features), x),
+        v=check_delta("v_delta", deltas["v_delta"], (b, n_src, attn.to_v.out_features), x),
+        o=check_delta("o_delta", deltas["o_delta"], (b, i, attn.heads * attn.dim_value), x),
         attn=deltas["attn_delta"])
     if all(t is None for t in (mods.q, mods.k, mods.v, mods.o, mods.attn)):
         mods = None

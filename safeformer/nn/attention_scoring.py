@@ -66,7 +66,7 @@ from torch import Tensor, nn
 
 from ..core.attend import PreparedMask, SelectedMask, attend, from_kernel_heads, to_kernel_heads
 from ..core.masks import as_attention_mask, causal_mask, combine_masks
-from .attention_calls import AttentionModule, _positive_int
+from .attention_calls import AttentionModule, _positive_int, check_delta
 from .modules import _rename_keys
 
 
@@ -490,16 +490,8 @@ def _explicit_weights(logits: Tensor, combined: Tensor | None, row_ok: Tensor | 
     if inverted:  # normalised over the queries first: now L1 over each query's keys (x-transformers' l1norm)
         weights = weights / weights.abs().sum(-1, keepdim=True).clamp_min(1e-8)
     if attn_delta is not None:  # x-transformers' attention delta, after the softmax; nothing at masked entries
-        if not isinstance(attn_delta, Tensor) or not attn_delta.is_floating_point():
-            raise TypeError(f"attn_delta must be a float tensor, got {getattr(attn_delta, 'dtype', type(attn_delta))}")
-        try:
-            fits = torch.broadcast_shapes(attn_delta.shape, weights.shape) == weights.shape
-        except RuntimeError:
-            fits = False
-        if not fits or attn_delta.device != weights.device:
-            raise ValueError(f"attn_delta must broadcast to the weights {tuple(weights.shape)} (b, h, i, j; the sink, "
-                             f"memory and added keys first) on {weights.device}, got {tuple(attn_delta.shape)}")
-        delta = attn_delta.to(weights.dtype)
+        delta = check_delta("attn_delta (over the sink, memory and added keys first)", attn_delta,
+                            tuple(weights.shape), weights).to(weights.dtype)
         weights = weights + (delta if live is None else torch.where(live, delta, 0.0))
     if sign is not None:
         weights = weights * sign

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.attend import attend, sdpa_allowed_from_kwargs
@@ -186,25 +187,11 @@ class Attend(nn.Module):
         return out, AttnIntermediate(post_softmax_attn=None, layer_type=None)
 
     def _explicit(self, q, k, v, mask, bias, prev_attn, attn_delta, causal, extra):
-        """The explicit float32 path of a standalone call (``_explicit_attention`` with this module's options)."""
-        b, h, i, _ = q.shape
-        j = k.shape[2]
-        if extra:
+        """The explicit float32 path of a standalone call (``_explicit_attention`` with this module's options; it
+        checks ``prev_attn`` and ``attn_delta`` against the logits' shape)."""
+        if extra:  # the zero key first; its logit gains no prev_attn and its weight no delta (x-transformers pads too)
             k, v, mask, bias = self._zero_key(q, k, v, mask, bias, sink_bias=False)
-            if prev_attn is not None:  # the zero key's logit gains nothing (x-transformers pads after prev_attn)
-                prev_attn = torch.cat((torch.zeros_like(prev_attn[..., :1]), prev_attn), dim=-1)
-        if attn_delta is not None:
-            if not isinstance(attn_delta, Tensor) or not attn_delta.is_floating_point():
-                raise TypeError("attn_delta must be a float tensor")
-            try:
-                torch.broadcast_shapes(attn_delta.shape, (b, h, i, j))
-            except RuntimeError as err:
-                raise ValueError(f"attn_delta must broadcast to (b, h, i, j) = {(b, h, i, j)}, got "
-                                 f"{tuple(attn_delta.shape)}") from err
-            if extra:
-                attn_delta = torch.cat((attn_delta.new_zeros(torch.broadcast_shapes(attn_delta.shape, (b, h, i, j))
-                                                             [:-1] + (1,)), attn_delta.expand(
-                    torch.broadcast_shapes(attn_delta.shape, (b, h, i, j)))), dim=-1)
+            prev_attn, attn_delta = _zero_first(prev_attn, k.shape[2] - 1), _zero_first(attn_delta, k.shape[2] - 1)
         out, weights, logits = _explicit_attention(
             q, k, v, mask=mask, causal=causal, bias=bias, softclamp=self.softclamp_value,
             dropout_p=self.dropout if self.training else 0.0, sink=self.head_attn_sink, scoring=self,
@@ -231,3 +218,11 @@ class Attend(nn.Module):
             bias = torch.cat((torch.zeros_like(torch.broadcast_to(bias, (b, h, i, bias.shape[-1]))[..., :1]),
                               torch.broadcast_to(bias, (b, h, i, bias.shape[-1]))), dim=-1)
         return k, v, mask, bias
+
+
+def _zero_first(t, j: int):
+    """``t (..., j|1)`` over the keys, with a 0 for the zero key put first; anything else as it is (the explicit path
+    names a wrong shape)."""
+    if not isinstance(t, Tensor) or t.dim() != 4 or t.shape[-1] not in (1, j):
+        return t
+    return F.pad(t.expand(*t.shape[:-1], j), (1, 0))
