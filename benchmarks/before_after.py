@@ -8,7 +8,9 @@ rounds of the per-round ratio ``after / before`` of the time (below 1: today's t
 Workloads (float32, CPU, one thread): a training step (forward and backward) of a decoder with a padding mask;
 greedy KV-cached generation, plain and guided with two branches (``cond_scale``), batch 1 and 16; ``attend`` with a
 padding mask, forward and backward; the unpadded path (an encoder on a mostly padded batch, forward and backward);
-with ``--compiled`` also generation with ``compile=True`` (``--only compiled`` times just those).
+greedy generation with options an earlier decode step could not run (softclamped logits, sparse top-k, talking
+heads, a forward hook); with ``--compiled`` also generation with ``compile=True`` (``--only compiled`` times just
+those).
 
     git worktree add /tmp/old <commit> && mkdir -p /tmp/oldpkg && cp -r /tmp/old/safeformer /tmp/oldpkg/sf_old
     python benchmarks/before_after.py --before /tmp/oldpkg --name sf_old
@@ -67,6 +69,20 @@ def _workloads(lib, quick: bool, compiled: bool = False) -> dict:
             out[f"generate CFG 2 branches, batch {batch}, compiled"] = (
                 lambda p=prompt, c=ctx, m=ctx_mask: ar.generate(p, tokens, context=c, context_mask=m, temperature=0.0,
                                                               cond_scale=3.0, compile=True))
+    # options the earlier decode step could not run (it fell back to the dynamic cache): plain generation with each
+    for label, kw in (("softclamped logits", dict(attn_softclamp_logits=True)), ("sparse top-k", dict(attn_sparse_topk=8)),
+                      ("talking heads", dict(attn_pre_talking_heads=True, attn_post_talking_heads=True))):
+        torch.manual_seed(0)
+        opt_net = lib.TransformerWrapper(num_tokens=256, max_seq_len=256, attn_layers=lib.Decoder(
+            dim=dim, depth=depth, heads=4, dim_head=dim // 4, rotary_pos_emb=True, **kw)).eval()
+        prompt1 = torch.randint(0, 256, (1, 8), generator=g)
+        out[f"generate with {label}, batch 1"] = (
+            lambda m=lib.AutoregressiveWrapper(opt_net), p=prompt1: m.generate(p, tokens, temperature=0.0))
+    hooked = _build(lib, dim, depth, cross=False).eval()
+    hooked.attn_layers.layers[0].register_forward_hook(lambda *a: None)  # a probe (FSDP2 hooks every block)
+    out["generate with a forward hook, batch 1"] = (
+        lambda m=lib.AutoregressiveWrapper(hooked), p=torch.randint(0, 256, (1, 8), generator=g):
+        m.generate(p, tokens, temperature=0.0))
     q = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)
     k = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)
     v = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import safeformer as sf  # noqa: E402
-from safeformer.decoding.static import StaticDecoder, capacity_bucket  # noqa: E402
+from safeformer.decoding.static import StaticStep, capacity_bucket  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,20 +107,20 @@ def cases(device: str, dim: int = 256, b: int = 4, n: int = 128):
     def static_step(compile: bool):
         cache = prefill()
         need = cache.length + 8
-        dec = StaticDecoder(net, cache, capacity_bucket(need) if compile else need, compile=compile)
+        dec = StaticStep(net, cache, capacity_bucket(need) if compile else need, compile=compile)
         with torch.no_grad():
-            dec.step(new[:, 0])  # warm-up step (and the compilation)
+            dec.step(new)  # warm-up step (and the compilation)
         return dec
 
     decoders = {}
 
     def static_eager():
         with torch.no_grad():
-            decoders.setdefault("eager", static_step(False)).step(new[:, 0])
+            decoders.setdefault("eager", static_step(False)).step(new)
 
     def static_compiled():
         with torch.no_grad():
-            decoders.setdefault("compiled", static_step(True)).step(new[:, 0])
+            decoders.setdefault("compiled", static_step(True)).step(new)
 
     wrapper = sf.AutoregressiveWrapper(net)
 

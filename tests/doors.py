@@ -515,6 +515,48 @@ def probe_cache(seed: int, value: float) -> Probe:
     ])
 
 
+def probe_static_cache(seed: int, value: float) -> Probe:
+    """The decode step on a ``StaticKVCache`` (``net(new, cache=static)``, its stack's ``forward(x, cache=static)``):
+    built from a prefill whose masked slots (left padding, padded and dropped contexts) hold ``value``, one step
+    equals the dynamic cache's step on the clean cache; anything but the new position is refused by name."""
+    from safeformer.decoding.static import build_static_cache
+
+    g = _gen(seed)
+    b, n, j, c = 3, 4, 3, 8
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=11, max_seq_len=16, attn_layers=sf.Decoder(
+        dim=c, depth=2, heads=2, dim_head=4, kv_heads=1, cross_attend=True, rotary_pos_emb=seed % 2 == 0,
+        alibi_pos_bias=seed % 2 == 1))
+    mask = _lengths_mask(g, b, n, left=True, empty=False)
+    ctx_mask = _lengths_mask(g, b, j)  # sample 0: a dropped context
+    ctx = torch.randn(b, j, c, generator=g)
+    tokens = torch.randint(0, 11, (b, n), generator=g)
+    with torch.no_grad():
+        _, cache = net(tokens, mask=mask, context=ctx, context_mask=ctx_mask, return_cache=True)
+    x_new = torch.randn(b, 1, c, generator=g)
+    clean = net.attn_layers(x_new, cache=cache)
+    for k, v in cache.self_kv:
+        k.data[~mask[:, None, :, None].expand_as(k)] = value
+        v.data[~mask[:, None, :, None].expand_as(v)] = value
+    for k, v in cache.cross_kv:
+        k.data[~ctx_mask[:, None, :, None].expand_as(k)] = value
+        v.data[~ctx_mask[:, None, :, None].expand_as(v)] = value
+    static = build_static_cache(net, cache, cache.length + 1)
+    x_new = x_new.clone().requires_grad_()
+    out = net.attn_layers(x_new, cache=static)
+    torch.testing.assert_close(out, clean, rtol=1e-5, atol=1e-6)
+    return Probe(out, {"x": x_new}, bad_calls=[
+        ("a step given a context", lambda: net.attn_layers(x_new, cache=static, context=ctx), ValueError, "context"),
+        ("two positions", lambda: net.attn_layers(torch.cat([x_new, x_new], 1), cache=static), ValueError, "shape"),
+        ("another batch", lambda: net(tokens[:2, :1], cache=static), ValueError, "shape"),
+        ("a full cache", lambda: net(tokens[:, :1], cache=static), ValueError, "full"),
+        ("room for fewer slots than the prefill", lambda: build_static_cache(net, cache, 1), ValueError, "capacity"),
+        ("a net the step cannot run", lambda: build_static_cache(
+            sf.TransformerWrapper(num_tokens=11, max_seq_len=16, attn_layers=sf.Encoder(dim=c, depth=1)), cache, 9),
+         ValueError, "causal"),
+    ])
+
+
 def probe_compose_guidance(seed: int, value: float) -> Probe:
     """``compose_guidance`` over three branches in float16: banned tokens stay ``-inf``, the rest is the
     float64 formula; a scale that overflows float16 stays finite."""
@@ -830,6 +872,8 @@ DOORS: dict[str, Door] = {d.name: d for d in [
     Door("alive_keys", probe_mask_helpers),
     Door("causal_mask", probe_mask_helpers),
     Door("padding_mask", probe_positions_from_mask),
+    Door("StaticKVCache", probe_static_cache, note="the decode step: tests/test_static_cache.py"),
+    Door("build_static_cache", probe_static_cache, note="the decode step: tests/test_static_cache.py"),
     Door("KVCache", probe_cache, cases=("Decoder", "CrossAttender", "TransformerWrapper", "XTransformer")),
     Door("Attention", cases=("Attention-self", "Attention-self-padding", "Attention-cross", "Attention-past-kv",
                               "Attention-memkv-sink")),
@@ -904,6 +948,9 @@ PUBLIC: dict[str, object] = {
     **{name: getattr(sf, name) for name in sf.__all__},
     **{name: getattr(sf.testing, name) for name in sf.testing.__all__},
     "drop_condition": sf.core.conditions.drop_condition,
+    # the decode step's cache (safeformer.decoding.static): generate builds it, users may too
+    "StaticKVCache": sf.decoding.static.StaticKVCache,
+    "build_static_cache": sf.decoding.static.build_static_cache,
     # x-transformers' small parts, importable from safeformer.x_transformers (safeformer/xt_modules.py)
     **{name: getattr(xt_modules, name) for name in xt_modules.__all__},
 }

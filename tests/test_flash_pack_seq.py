@@ -93,3 +93,54 @@ def test_stack_packed_equals_each_document_alone_and_refuses_what_cannot_pack():
         net.attn_layers(emb.detach(), mask=torch.ones(1, 10, dtype=torch.bool), flash_pack_seq_kwargs=_kw([0, 10]))
     with pytest.raises(TypeError, match="attn_flash_pack_seq=True"):
         sf.Decoder(dim=16, depth=1, heads=2)(torch.randn(1, 4, 16), flash_pack_seq_kwargs=_kw([0, 4]))
+
+
+def _kw2(q_offsets, k_offsets):
+    """``flash_pack_seq_context_kwargs``: the query documents' offsets and the context documents'."""
+    q, k = torch.tensor(q_offsets), torch.tensor(k_offsets)
+    return dict(cu_seqlens_q=q, cu_seqlens_k=k, max_seqlen_q=int((q[1:] - q[:-1]).max()),
+                max_seqlen_k=int((k[1:] - k[:-1]).max()))
+
+
+@pytest.mark.parametrize("self_packed", [True, False])
+def test_stack_packed_context_equals_each_document_alone(self_packed):
+    """``flash_pack_seq_context_kwargs``: query document ``d`` cross-attends to context document ``d`` only (with
+    packed self-attention too: each document with its own context, alone). x-transformers runs it on flash-attn
+    (CUDA only): the reference is each document alone. NaN in context positions after the last context document
+    reaches nothing; queries after the last document see no context."""
+    torch.manual_seed(2)
+    dec = sf.Decoder(dim=16, depth=2, heads=2, rotary_pos_emb=True, cross_attend=True, attn_flash_pack_seq=True)
+    dec = dec.eval()
+    x = torch.randn(1, 10, 16, requires_grad=True)
+    ctx = torch.cat((torch.randn(1, 8, 16), torch.full((1, 1, 16), float("nan"))), 1).requires_grad_()
+    q_docs, k_docs = [0, 4, 9], [0, 3, 8]
+    kw = dict(flash_pack_seq_kwargs=_kw(q_docs)) if self_packed else {}
+    out = dec(x, context=ctx, flash_pack_seq_context_kwargs=_kw2(q_docs, k_docs), **kw)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all() and torch.isfinite(ctx.grad).all()
+    assert (ctx.grad[:, 8] == 0).all()
+    with torch.no_grad():
+        spans = list(zip(zip(q_docs, q_docs[1:]), zip(k_docs, k_docs[1:])))
+        if self_packed:
+            ref = torch.cat([dec(x[:, a:b], context=ctx[:, c:d]) for (a, b), (c, d) in spans], dim=1)
+            torch.testing.assert_close(out[:, :9].detach(), ref, atol=1e-5, rtol=1e-5)
+        else:  # causal self-attention over the whole sequence: document 0 alone, the others see it
+            torch.testing.assert_close(out[:, :4].detach(), dec(x[:, :4], context=ctx[:, :3]), atol=1e-5, rtol=1e-5)
+            whole = dec(x[:, :9], context=ctx[:, 3:8])
+            assert not torch.allclose(out[:, 4:9].detach(), whole[:, 4:9])
+
+
+def test_stack_packed_context_refusals_are_named():
+    dec = sf.Decoder(dim=16, depth=1, heads=2, cross_attend=True, attn_flash_pack_seq=True)
+    x, ctx, kw = torch.randn(1, 5, 16), torch.randn(1, 4, 16), _kw2([0, 2, 5], [0, 1, 4])
+    with pytest.raises(ValueError, match="flash_pack_seq_context_kwargs"):
+        dec(x, context=ctx, context_mask=torch.ones(1, 4, dtype=torch.bool), flash_pack_seq_context_kwargs=kw)
+    with pytest.raises(ValueError, match="flash_pack_seq_context_kwargs"):
+        dec(x.expand(2, -1, -1), context=ctx.expand(2, -1, -1), flash_pack_seq_context_kwargs=kw)
+    with pytest.raises(ValueError, match="flash_pack_seq_context_kwargs"):
+        dec(x, context=ctx, flash_pack_seq_context_kwargs=_kw2([0, 2, 5], [0, 4]))
+    with pytest.raises(TypeError, match="flash_pack_seq_context_kwargs"):
+        dec(x, context=ctx, flash_pack_seq_context_kwargs={"cu_seqlens_q": kw["cu_seqlens_q"]})
+    for plain in (sf.Decoder(dim=16, depth=1, heads=2, cross_attend=True), sf.Decoder(dim=16, depth=1, heads=2)):
+        with pytest.raises(TypeError, match="attn_flash_pack_seq=True"):
+            plain(x, context=ctx, flash_pack_seq_context_kwargs=kw)

@@ -52,7 +52,8 @@ def _net(*, dtype=torch.float64, cross=True, adaptive=True, logits_dim=V - 1, se
 
 
 def _model(**kw):
-    wrapper_kw = {k: kw.pop(k) for k in ("cond_drop_prob", "cond_drop_all_prob", "steps", "schedule", "pad_value") if k in kw}
+    wrapper_kw = {k: kw.pop(k) for k in ("cond_drop_prob", "cond_drop_all_prob", "steps", "schedule", "pad_value",
+                                         "no_replace_prob", "random_token_prob") if k in kw}
     return sf.NonAutoregressiveWrapper(_net(**kw), mask_id=MASK_ID, **wrapper_kw)
 
 
@@ -87,7 +88,7 @@ def _tokens(b=3, n=8, seed=2, left=False):
 
 @pytest.mark.parametrize("left", [False, True], ids=["right-pad", "left-pad"])
 def test_loss_is_the_cross_entropy_of_the_hidden_real_tokens(left):
-    model = _model()
+    model = _model(no_replace_prob=0.0, random_token_prob=0.0)  # plain hiding: every hidden token holds mask_id
     x, mask = _tokens(left=left)
     conds = _conds()
     losses = model(x, mask=mask, generator=torch.Generator().manual_seed(5), **conds)

@@ -35,7 +35,7 @@ V, MASK_ID, N, D, CC = 9, 8, 8, 16, 5  # tokens 0..7 are real, 8 hides; the net 
 NAN = float("nan")
 TOL = dict(atol=1e-5, rtol=1e-5)
 
-# x-transformers' defaults of these two are 0.15 and 0.1, safeformer's 0: parity calls name them
+# the plain corruption (every hidden token holds mask_id): both libraries default to 0.15 and 0.1
 PLAIN = dict(no_replace_prob=0.0, random_token_prob=0.0)
 
 
@@ -134,6 +134,30 @@ def test_losses_and_gradients_equal_x_transformers(name, call):
             assert (g is None) == (got_grads[k] is None), f"seed {seed}: gradient presence of {k}"
             if g is not None:
                 torch.testing.assert_close(got_grads[k], g, **TOL, msg=lambda m, k=k, s=seed: f"seed {s} grad {k}: {m}")
+
+
+def test_the_bare_call_corrupts_and_trains_as_x_transformers():
+    """``no_replace_prob`` / ``random_token_prob`` not given: both libraries use x-transformers' defaults (0.15 / 0.1),
+    so the same bare call hides, keeps and randomises the same tokens: losses and every gradient equal for seeds
+    0..7 (``_pair`` names ``use_simple_mdlm_loss_weight=False``, a documented difference of defaults). The defaults
+    do corrupt: some seed's loss differs from the plain corruption's (the test can fail)."""
+    theirs, ours = _pair()
+    assert (ours.no_replace_prob, ours.random_token_prob) == (theirs.no_replace_prob, theirs.random_token_prob)
+    assert (ours.no_replace_prob, ours.random_token_prob) == (0.15, 0.1)
+    _, plain = _pair(**PLAIN)
+    x = torch.randint(0, V - 1, (3, N), generator=torch.Generator().manual_seed(7))
+    differs = 0
+    for seed in range(8):
+        got, got_grads = _run(ours, x, seed)
+        want, want_grads = _run(theirs, x, seed)
+        torch.testing.assert_close(got.loss, want.loss, **TOL, msg=lambda m, s=seed: f"seed {s} loss: {m}")
+        assert got.critic_loss is None and want.critic_loss is None and set(got_grads) == set(want_grads)
+        for k, g in want_grads.items():
+            assert (g is None) == (got_grads[k] is None), f"seed {seed}: gradient presence of {k}"
+            if g is not None:
+                torch.testing.assert_close(got_grads[k], g, **TOL, msg=lambda m, k=k, s=seed: f"seed {s} grad {k}: {m}")
+        differs += not torch.allclose(got.loss, _run(plain, x, seed)[0].loss)
+    assert differs > 0
 
 
 def test_mask_subset_is_x_transformers_get_mask_subset_prob():

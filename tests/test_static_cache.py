@@ -1,6 +1,6 @@
-"""The static KV cache and its fixed-shape decode step (``safeformer/static.py``).
+"""The static KV cache and the decode step on it: the net's own forward at one position (``decode_step.py``).
 
-What must hold: the static step computes what the net's own ``forward`` with a dynamic ``KVCache``
+What must hold: ``net(new, cache=static)`` computes what the net's ``forward`` with a dynamic ``KVCache``
 computes (float64: to rounding; every dtype: to its tolerance against float64), for every option it
 runs; the generation APIs give the same tokens with and without it (plain, padded context, left-padded
 prompts, CFG with two and three branches, beam search, the continuous wrapper, compiled); NaN/inf planted
@@ -18,7 +18,7 @@ import torch
 
 import safeformer as sf
 from safeformer.decoding.generation import beam_search_tokens
-from safeformer.decoding.static import StaticDecoder, StaticKVCache, capacity_bucket, compile_options, static_reason
+from safeformer.decoding.static import StaticStep, build_static_cache, capacity_bucket, compile_options, static_reason
 
 V, DIM, J = 23, 32, 3
 
@@ -97,8 +97,8 @@ def _dynamic_and_static(net, prompts, kw, steps: int, dtype=torch.float64, poiso
             dyn.append(lg[:, -1])
         if poison is not None:
             cache = poison(cache)
-        dec = StaticDecoder(net, cache, cache.length + steps)
-        stat = [dec.step(feed[:, t]) for t in range(steps)]
+        static = build_static_cache(net, cache, cache.length + steps)
+        stat = [net(feed[:, t:t + 1], cache=static)[:, -1] for t in range(steps)]
     return torch.stack(dyn, 1), torch.stack(stat, 1)
 
 
@@ -124,9 +124,9 @@ FAST_CONFIGS = CONFIGS + [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("name,layer_kw,input_kw", FAST_CONFIGS, ids=[c[0] for c in FAST_CONFIGS])
 def test_fast_plan_equals_the_seams_bit_for_bit(name, layer_kw, input_kw, dtype):
-    """The step's fast plan (one fused q/k/v product, q and k rotated together, the plain output projection and
-    feed-forward as functions) computes what the blocks' seams (``_project_q``, ``_project_kv``, ``_output``, the
-    feed-forward module) compute, bit for bit; blocks with options the plan does not cover keep the seams."""
+    """The attention's step plan (one fused q/k/v product, q and k rotated together, the plain query and output
+    projections as functions) computes what its seams (``_project_q``, ``_project_kv``, ``_output``) compute, bit
+    for bit; attentions with options the plan does not cover keep the seams."""
     net = _net(**dict(layer_kw)).to(dtype)
     prompts, kw = _inputs(**input_kw)
     kw = _cast(kw, dtype)
@@ -135,20 +135,18 @@ def test_fast_plan_equals_the_seams_bit_for_bit(name, layer_kw, input_kw, dtype)
     with torch.no_grad():
         for fast in (True, False):
             _, cache = net(prompts, return_cache=True, **kw)
-            dec = StaticDecoder(net, cache, cache.length + 5, fast=fast)
-            outs[fast] = torch.stack([dec.step(feed[:, t]) for t in range(5)], 1)
+            static = build_static_cache(net, cache, cache.length + 5, fast=fast)
+            outs[fast] = torch.stack([net(feed[:, t:t + 1], cache=static)[:, -1] for t in range(5)], 1)
             if fast:
-                plan = dec.plan
+                plan = [None if slots is None else slots.plan for slots in static.layers]
     assert torch.isfinite(outs[True]).all()
     assert torch.equal(outs[True], outs[False]), name
     kinds = [blk.kind for blk in net.attn_layers.layers]
     fused = [p.fused is not None for p, k in zip(plan, kinds) if k == "self"]
     assert all(fused), name  # every config here has plain q/k/v projections
-    plain_out = [p.plain_out for p, k in zip(plan, kinds) if k != "ff"]
+    plain_out = [p.plain_out for p, k in zip(plan, kinds) if k != "ff" and p is not None]
     assert all(plain_out) != ("gated" in name), name
-    assert all(p.plain_q for p, k in zip(plan, kinds) if k == "cross"), name
-    plain_ff = [p.plain_ff for p, k in zip(plan, kinds) if k == "ff"]
-    assert all(plain_ff) == ("glu" not in name and "relu" not in name), name
+    assert all(p.plain_q for p, k in zip(plan, kinds) if k == "cross" and p is not None), name
 
 
 def test_fast_plan_keeps_latent_projections_on_the_seams():
@@ -156,8 +154,8 @@ def test_fast_plan_keeps_latent_projections_on_the_seams():
     prompts, kw = _inputs()
     with torch.no_grad():
         _, cache = net(prompts, return_cache=True, **kw)
-        dec = StaticDecoder(net, cache, cache.length + 2)
-    assert all(p.fused is None for p, blk in zip(dec.plan, net.attn_layers.layers) if blk.kind == "self")
+        static = build_static_cache(net, cache, cache.length + 2)
+    assert all(s.plan.fused is None for s, blk in zip(static.layers, net.attn_layers.layers) if blk.kind == "self")
 
 
 @pytest.mark.parametrize("dtype", hp.dtypes_for("cpu"), ids=str)
@@ -221,13 +219,13 @@ def test_kernel_writing_nan_into_dead_rows_changes_nothing(bias):
 
 def _count_static_steps(monkeypatch) -> list[int]:
     calls = [0]
-    orig = StaticDecoder.step
+    orig = StaticStep.step
 
     def step(self, new):
         calls[0] += 1
         return orig(self, new)
 
-    monkeypatch.setattr(StaticDecoder, "step", step)
+    monkeypatch.setattr(StaticStep, "step", step)
     return calls
 
 
@@ -302,8 +300,8 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     assert float((static - dynamic).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(attn_softclamp_logits=True)],
-                         ids=["memory kv", "sink", "softclamp"])
+@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(attn_max_attend_past=3)],
+                         ids=["memory kv", "sink", "max attend past"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -313,6 +311,23 @@ def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, mo
     a = model.generate(prompts, 5, temperature=0.0)
     b = model.generate(prompts, 5, temperature=0.0, cache_kv=False)
     assert calls[0] == 0 and torch.equal(a, b)
+
+
+EXPLICIT_OPTIONS = [dict(attn_softclamp_logits=True), dict(attn_sigmoid=True), dict(attn_sparse_topk=2),
+                    dict(attn_pre_talking_heads=True, attn_post_talking_heads=True), dict(attn_laser=True),
+                    dict(attn_cog_signed=True), dict(attn_use_cope=True), dict(attn_hard=True)]
+
+
+@pytest.mark.parametrize("input_kw", [dict(left_pad=True), dict(context=J, dead_context=True)], ids=["left pad", "context"])
+@pytest.mark.parametrize("option", EXPLICIT_OPTIONS, ids=[next(iter(o)) for o in EXPLICIT_OPTIONS])
+def test_explicit_scoring_options_run_on_the_step(option, input_kw):
+    """The scoring options of the explicit path are per query: the step runs them over the slots and gives the
+    dynamic cache's logits (float64, to rounding), alibi or rotary, self- and cross-attention."""
+    net = _net(rotary_pos_emb=True, cross_attend="context" in input_kw, **option)
+    assert static_reason(net) is None
+    prompts, kw = _inputs(**input_kw)
+    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=4)
+    assert float((stat - dyn).abs().max()) < 1e-10
 
 
 def test_logits_wider_than_the_vocabulary_keep_the_dynamic_path():
@@ -331,20 +346,28 @@ def test_generation_under_autocast_same_tokens():
     assert torch.equal(a, b)
 
 
-def test_forward_hooks_keep_the_dynamic_path(monkeypatch):
-    """The step calls the modules' parts, not their forward: a net with hooks (FSDP2's, a user's probes)
-    decodes on the dynamic cache, so its hooks run on every step."""
+def test_forward_hooks_run_on_every_static_step(monkeypatch):
+    """The step is the modules' own forward: hooks on them (FSDP2's all-gathers, a user's probes) run on every
+    step, and such a net keeps the static cache, with the dynamic cache's tokens; its attention blocks then run
+    their seams (no fused weights copied while the hooks may hold the parameters as shards)."""
     net = _net(rotary_pos_emb=True)
     seen = []
     handle = net.attn_layers.layers[0].mixer.register_forward_hook(lambda *a: seen.append(1))
     try:
-        assert "hooks" in static_reason(net)
+        assert static_reason(net) is None
         calls = _count_static_steps(monkeypatch)
-        sf.AutoregressiveWrapper(net).generate(_inputs()[0], 4, temperature=0.0)
-        assert calls[0] == 0 and len(seen) == 4  # the prompt, then one forward per new token
+        model = sf.AutoregressiveWrapper(net)
+        static = model.generate(_inputs()[0], 4, temperature=0.0)
+        assert calls[0] == 3 and len(seen) == 4  # the prompt, then one forward per new token
+        with torch.no_grad():
+            _, cache = net(_inputs()[0], return_cache=True)
+            assert all(s is None or s.plan.fused is None for s in build_static_cache(net, cache, cache.length + 1).layers)
+        dynamic = model.generate(_inputs()[0], 4, temperature=0.0, static_cache=False)
+        assert torch.equal(static, dynamic)
     finally:
         handle.remove()
-    assert static_reason(net) is None
+    with torch.no_grad():
+        assert any(s is not None and s.plan.fused is not None for s in build_static_cache(net, cache, cache.length + 1).layers)
 
 
 def test_nan_logits_in_guidance_raise_after_the_loop():
@@ -381,20 +404,41 @@ def test_generation_options_are_checked(kw, err):
 
 
 def test_static_cache_checks_its_input_and_its_room():
-    net = _net(rotary_pos_emb=True)
-    prompts, _ = _inputs()
+    net = _net(rotary_pos_emb=True, cross_attend=True).float()
+    prompts, kw = _inputs(context=J)
+    kw = _cast(kw, torch.float32)
     with torch.no_grad():
-        _, cache = net(prompts, return_cache=True)
+        _, cache = net(prompts, return_cache=True, **kw)
         with pytest.raises(ValueError, match="capacity"):
-            StaticDecoder(net, cache, cache.length - 1)
-        with pytest.raises(ValueError, match="batch"):
-            StaticKVCache.from_cache(cache.index_select(torch.tensor([0, 1])), 10, torch.zeros(3, 0, DIM), 2, 0)
-        dec = StaticDecoder(net, cache, cache.length + 1)
-        dec.step(prompts[:, 0])
+            build_static_cache(net, cache, cache.length - 1)
+        bad = cache.index_select(torch.tensor([0, 1]))
+        bad.count = cache.count  # a batch of 3 counted, its keys, values and context for 2
+        with pytest.raises(ValueError, match=r"cache\.\w+ .*2"):
+            build_static_cache(net, bad, 10)
+        static = build_static_cache(net, cache, cache.length + 1)
+        with pytest.raises(ValueError, match="new position only.*context"):  # the prefill's context is in the cache
+            net(prompts[:, :1], cache=static, context=kw["context"])
+        for extra in (dict(rotary_pos_emb=torch.zeros(1)), dict(transform_block_inputs=lambda *a: a[1]),
+                      dict(return_gumbel_log_probs=True), dict(cache_age=2), dict(some_condition=torch.zeros(3, 2))):
+            with pytest.raises(ValueError, match=f"new position only.*{next(iter(extra))}"):  # every argument, by name
+                net(prompts[:, :1], cache=static, **extra)
+        with pytest.raises(ValueError, match="new position only.*mask"):
+            net.attn_layers(torch.zeros(prompts.shape[0], 1, DIM), cache=static, mask=torch.ones(3, 1, dtype=torch.bool))
+        with pytest.raises(ValueError, match="shape"):
+            net(prompts[:, :2], cache=static)
+        with pytest.raises(RuntimeError, match="num_tokens"):  # an asynchronous check: no host read on a GPU
+            net(torch.full_like(prompts[:, :1], V), cache=static)
+        with pytest.raises(TypeError, match="token ids"):
+            net(prompts[:, :1].float(), cache=static)
+        with pytest.raises(ValueError, match="shape"):
+            net.attn_layers(torch.zeros(prompts.shape[0], 2, DIM), cache=static)
+        assert static.length == cache.length  # refused calls advance nothing (the range check runs last)
+        out, same = net(prompts[:, :1], cache=static, return_cache=True)
+        assert same is static and static.length == cache.length + 1 and out.shape == (prompts.shape[0], 1, V)
         with pytest.raises(ValueError, match="full"):
-            dec.step(prompts[:, 0])
+            net(prompts[:, :1], cache=static)
     with pytest.raises(ValueError, match="static decode step cannot run"):
-        StaticDecoder(_net(attn_num_mem_kv=1), cache, 20)
+        build_static_cache(_net(attn_num_mem_kv=1), cache, 20)
 
 
 def test_compile_plan_and_capacity_buckets():
@@ -494,20 +538,20 @@ def test_rotary_tables_give_apply_rotarys_values(dtype, dim_head, rot_dim):
     """The static step's rotary (complex pairs times ``cis`` eagerly, the real tables in the compiled step) gives
     ``apply_rotary``'s values exactly, at per-sample positions, partial rotary widths and a strided input (q and k
     sliced out of one fused projection)."""
-    from safeformer.decoding.static import _rotary_tables, _rotate
+    from safeformer.nn.attention_step import rotary_tables, rotate
     from safeformer.nn.modules import apply_rotary
 
     stack = sf.Decoder(dim=4 * dim_head, depth=1, heads=4, dim_head=dim_head, rotary_pos_emb=True,
                        rotary_emb_dim=rot_dim)
     cap = 40
     positions = torch.tensor([0, 7, 39])
-    cis = _rotary_tables(stack, cap, dtype, "cpu")
-    cos, sin, swap = _rotary_tables(stack, cap, dtype, "cpu", compiled=True)
+    cis = rotary_tables(stack.rotary, dim_head, cap, dtype, "cpu")
+    cos, sin, swap = rotary_tables(stack.rotary, dim_head, cap, dtype, "cpu", fixed=True)
     g = torch.Generator().manual_seed(0)
     fused = (torch.randn(3, 1, 3 * 4 * dim_head, generator=g, dtype=torch.float64) * 8).to(dtype)
     t = fused[..., : 2 * 4 * dim_head].unflatten(-1, (8, dim_head))  # (B, 1, heads, d), strided
-    eager = _rotate(t, cis.index_select(0, positions)[:, None, None, :])
-    tables = _rotate(t, (cos.index_select(0, positions)[:, None, None, :],
+    eager = rotate(t, cis.index_select(0, positions)[:, None, None, :])
+    tables = rotate(t, (cos.index_select(0, positions)[:, None, None, :],
                          sin.index_select(0, positions)[:, None, None, :], swap))
     angles = stack.rotary.angles(positions[:, None], dtype=dtype)  # (B, 1, 1, rot)
     want = apply_rotary(t.transpose(1, 2), angles).transpose(1, 2)  # (B, heads, 1, d) as the stack rotates

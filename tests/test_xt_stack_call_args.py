@@ -5,7 +5,8 @@ Each is checked against x-transformers itself: the same keyword call on both mod
 x-transformers' (perturbed) weights strictly (and back), outputs and gradients at the real positions of a
 right-padded batch (float32, 1e-5). Safety: NaN planted at padded positions (inputs, and what the argument holds
 there) reaches no output and no gradient, a padded sample equals itself alone, and bad values raise errors naming the
-argument. ``polar_pos_emb`` and the packed flash masks stay refused by name.
+argument. ``polar_pos_emb`` is tested in tests/test_xt_polar_call.py, the packed flash masks in
+tests/test_flash_pack_seq.py.
 
 Shape legend: b batch, n positions, c model width, h heads, N rotary positions given, r rotary dims.
 """
@@ -194,9 +195,9 @@ def test_return_gumbel_log_probs_padding_dead_rows_and_refusals():
     enc = sf.Encoder(dim=DIM, depth=1, heads=HEADS)
     with pytest.raises(TypeError, match="return_gumbel_log_probs"):
         enc(torch.randn(1, 3, DIM), return_gumbel_log_probs="yes")
-    for name, value in (("polar_pos_emb", (torch.zeros(1), torch.zeros(1))),
-                        ("flash_pack_seq_context_kwargs", {})):
-        with pytest.raises(TypeError, match=f"x-transformers' option {name} is not supported"):
+    for name, value, exc in (("polar_pos_emb", (torch.zeros(1), torch.zeros(1)), ValueError),
+                             ("flash_pack_seq_context_kwargs", {}, TypeError)):  # bad values, named
+        with pytest.raises(exc, match=name):
             enc(torch.randn(1, 3, DIM), **{name: value})
 
 

@@ -19,7 +19,7 @@ import x_transformers.x_transformers as xt_mod
 from helpers import check_padded_equals_alone, perturb_params
 
 import safeformer as sf
-from safeformer.decoding.static import StaticDecoder, static_reason
+from safeformer.decoding.static import build_static_cache, static_reason
 
 DIM, HEADS, DIM_HEAD, VOCAB = 16, 2, 8, 40
 
@@ -213,8 +213,8 @@ def test_block_side_options_run_unpadded_and_on_the_static_step(opts):
         for t in range(3):
             lg, c = net(feed[:, t: t + 1], cache=c, return_cache=True)
             dyn.append(lg[:, -1])
-        dec = StaticDecoder(net, cache, cache.length + 3)
-        stat = [dec.step(feed[:, t]) for t in range(3)]
+        static = build_static_cache(net, cache, cache.length + 3)
+        stat = [net(feed[:, t: t + 1], cache=static)[:, -1] for t in range(3)]
     torch.testing.assert_close(torch.stack(stat, 1), torch.stack(dyn, 1), atol=1e-10, rtol=1e-10)
 
 

@@ -244,8 +244,10 @@ class LayerIntermediates:
         looped_prompt_kv_cache: a ``looped`` model's prompt keys/values of every loop step (from a
             ``looped_inference`` call on a prompt), in safeformer's form: per step, per self-attention block,
             ``(k, v)`` ``(b, h_kv, p, d)``.
-        block_hiddens: x-transformers' field: the stream at the end of each default block (``depth`` entries of
-            ``(b, n, c)``, the last after the final norm). ``None``: safeformer's stacks do not fill it.
+        block_hiddens: x-transformers' field, filled by the stacks' ``return_hiddens``: the stream at the end of
+            each default block (every ``len_default_block`` layers run, and at the index of the stack's last
+            layer, as x-transformers counts), ``(b, n, c)`` each (``(b S, n, c)`` with several residual streams),
+            the last replaced by the output after the final norm; padded positions 0. ``None`` otherwise.
         cache_length: x-transformers' field: the positions the cache holds after this call (the earlier ones and
             the new ones), read from ``cache`` (0 without one); it can be set only to that value (see
             ``_CacheLength``).

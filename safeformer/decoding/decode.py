@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..core.conditions import Conditions, GuidanceSchedule, guidance_branches, stack_conditions
-from .static import StaticDecoder, capacity_bucket, static_reason
+from .static import StaticStep, capacity_bucket, static_reason
 
 __all__ = ["GuidedForward", "autoregress", "last_real", "repeat_batch"]
 
@@ -121,7 +121,7 @@ class GuidedForward:
         else:
             self.runs = [(stack_conditions(branches), len(branches))]
         self.caches: list[Any] = [None] * len(self.runs)
-        self.decoders: list[StaticDecoder | None] = [None] * len(self.runs)
+        self.decoders: list[StaticStep | None] = [None] * len(self.runs)
 
     @property
     def needs_sequence(self) -> bool:
@@ -148,7 +148,7 @@ class GuidedForward:
             prefix = 0 if conds.prepend_embeds is None else conds.prepend_embeds.shape[1]
             windowed = self.window is not None and prefix + seq.shape[1] > self.window  # may be longer: re-encode
             if self.decoders[i] is not None and new is not None:
-                outs.append(self.decoders[i].step(repeat_batch(new[:, 0], r)))
+                outs.append(self.decoders[i].step(repeat_batch(new, r)))
                 continue
             if self.cache_kv and new is not None and not windowed:
                 res, self.caches[i] = self.net(repeat_batch(new, r), cache=self.caches[i], return_cache=True)
@@ -163,7 +163,7 @@ class GuidedForward:
                 res, self.caches[i] = res
                 if self.static:  # one static cache from the prefill's: room for every step's position
                     need = self.caches[i].length + self.steps
-                    self.decoders[i] = StaticDecoder(self.net, self.caches[i],
+                    self.decoders[i] = StaticStep(self.net, self.caches[i],
                                                      capacity_bucket(need) if self.compile else need, compile=self.compile)
                     self.caches[i] = None
             else:

@@ -282,10 +282,10 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
             gradient; else the learned ``null_embed`` (``(dim,)``).
         self_cond_train_prob: the probability, per training step, of self-conditioning on a first pass.
         no_replace_prob: in training, the fraction of the hidden tokens left as they are (still scored), as in
-            BERT; applied on half of the steps (a coin flip), as in x-transformers. Default 0 here (0.15 there).
+            BERT; applied on half of the steps (a coin flip), as in x-transformers. Default 0.15, as there.
         random_token_prob: in training, the fraction of the remaining hidden tokens replaced by a uniformly
             random id in ``[0, num_tokens)`` instead of ``mask_id`` (still scored); on half of the steps.
-            Default 0 here (0.1 there).
+            Default 0.1, as in x-transformers (0 turns either off).
         can_mask_prev_unmasked: at generation, whether a token revealed at an earlier step may be hidden
             again (judged by the model's probability of the token it holds, or by the critic).
         token_critic: a ``TransformerWrapper`` with ``logits_dim=1`` that scores each token of a sampled
@@ -317,8 +317,8 @@ class NonAutoregressiveWrapper(Configurable, nn.Module):
         use_simple_mdlm_loss_weight: bool = False,
         self_cond: bool = False,
         self_cond_train_prob: float = 0.75,
-        no_replace_prob: float = 0.0,
-        random_token_prob: float = 0.0,
+        no_replace_prob: float = 0.15,
+        random_token_prob: float = 0.1,
         can_mask_prev_unmasked: bool = False,
         token_critic: TransformerWrapper | None = None,
         self_token_critic: bool = False,

@@ -80,10 +80,17 @@ Args:
         logits hold there included): they reach no output and no gradient.
     _return_kv: safeformer's own stack: return ``(out, (k, v))`` (and the weights and logits with
         ``return_attn``).
-    rel_pos, pos, mem, mem_mask, context_rotary_pos_emb, polar_pos_emb, q_delta, k_delta, v_delta, o_delta,
-        attn_delta, flash_pack_seq_kwargs: x-transformers' call keywords (its stack passes them), accepted at
-        ``None``; another value is a ``TypeError`` naming it (in safeformer the stack applies positions,
-        memories and biases; ``AttentionLayers`` takes ``mems``).
+    rel_pos, pos: x-transformers' position-bias module (``RelativePositionBias``, ``DynamicPositionBias``,
+        ``AlibiPositionalBias``) and ALiBi's custom positions: the call's bias at the tokens' indices.
+    mem, mem_mask: memories ``(b, m, c)`` (and their mask) whose keys and values every query also sees.
+    context_rotary_pos_emb: the context's rotary angles (rotary cross-attention; ``rotary_pos_emb`` the queries').
+    polar_pos_emb: x-transformers' PoPE ``(freqs (1, N, d), bias)``: PoPE on this call's queries and keys
+        (``attention_calls.polar_from_xt``; not with a cache).
+    q_delta, k_delta, v_delta, o_delta, attn_delta: additive modulations of the queries, keys, values, output
+        heads and logits; at padded rows and masked keys they reach nothing.
+    flash_pack_seq_kwargs: packed documents (flash-attn's ``cu_seqlens_*``) as a block-diagonal mask.
+    cache: also an ``AttentionStep`` (``attention_step.py``): one decode step over the slots of a ``StaticKVCache``,
+        ``x (B, 1, c)``; the stack passes it, every other argument at its default.
 
 Returns:
     ``out (b, i, c)``; ``(out, AttnIntermediate)`` with ``return_intermediates``; ``(out, weights)``
@@ -123,7 +130,7 @@ from .attention_calls import (
     intermediates,
     packed_call_mask,
     plus_kept,
-    refuse_xt_call,
+    polar_from_xt,
     rotary_from_xt,
     unpadded_call,
     xt_modulations,
@@ -149,6 +156,7 @@ from .attention_scoring import (
     legacy_scorer_keys,
     log_prob_from_hard_attend,
 )
+from .attention_step import AttentionStep, attention_step
 from .hybrid import make_hybrid
 from .modules import apply_rotary
 from .xt_attend import Attend
@@ -421,8 +429,12 @@ class Attention(nn.Module):
         (``(out, AttnIntermediate)`` with ``return_intermediates``, ``(out, weights)`` with ``return_attn``); a row
         that may attend to no key is exactly 0 with zero gradient (S2). Every keyword is documented in this module's
         docstring (``help(safeformer.nn.attention)``, "``Attention.forward``")."""
-        if polar_pos_emb is not None:  # the stack's own input here
-            refuse_xt_call("Attention.forward", polar_pos_emb=polar_pos_emb)
+        if type(cache) is AttentionStep:  # one decode step over the slots of a StaticKVCache (attention_step.py)
+            return attention_step(self, x, cache)
+        if polar_pos_emb is not None:  # x-transformers' PoPE (freqs, bias): the stack's rotary pair, PoPE's form
+            rotary = polar_from_xt(self, polar_pos_emb, x, context, mask, context_mask, dict(
+                rotary=rotary, rotary_pos_emb=rotary_pos_emb, context_rotary_pos_emb=context_rotary_pos_emb, kv=kv,
+                past_kv=past_kv, cache=cache, mem=mem, additional_key_values=additional_key_values, layout=layout))
         if context_rotary_pos_emb is not None:  # x-transformers' rotary cross-attention: query and context angles
             rotary, rotary_pos_emb = rotary_from_xt(rotary_pos_emb, x, context, kv, context_rotary_pos_emb), None
         if rel_pos is not None or pos is not None:  # x-transformers' position bias module (T5, dynamic, ALiBi)

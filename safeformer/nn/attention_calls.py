@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..core.attend import SelectedMask
 from ..core.cache import AttnIntermediate, check_weight_dtype
 from ..core.masks import as_attention_mask, packed_sequence_mask, validate_mask
+from .modules import PolarAngles
 
 # the ``Attention`` module these option families serve: they read its parts (typed as a module so that they need
 # not import the class, which imports them)
@@ -365,3 +366,114 @@ def xt_rel_pos_bias(x: Tensor, context, cache, rel_pos, pos, attn_bias) -> Tenso
         raise TypeError(f"rel_pos must be a position-bias module called as rel_pos(i, j), got {type(rel_pos).__name__}")
     past = 0 if cache is None or getattr(cache, "cached_kv", None) is None else cache.cached_kv[0].shape[2]
     return rel_pos(x.shape[1], (x if context is None else context).shape[1] + past)
+
+
+def check_polar_pos_emb(polar_pos_emb, heads: int, dim_head: int, n_needed: int, device,
+                        owner: str = "polar_pos_emb") -> tuple[Tensor, Tensor]:
+    """x-transformers' PoPE call argument ``polar_pos_emb = (freqs, bias)`` as ``PolarEmbedding.forward`` returns it,
+    checked: ``freqs (1, N, d)`` float angles of ``N >= n_needed`` positions (the last ones used, as
+    x-transformers' ``apply_polar_pos_emb`` takes them), ``bias`` the keys' extra angles (a float tensor or number
+    broadcasting to ``(h|1, N, d)``, ``PolarEmbedding``'s ``(h, 1, d)``). Returns ``(freqs (1, N, d), key angles
+    (1|h, N, d))``.
+
+    Raises:
+        TypeError: not a pair, or not float tensors.
+        ValueError: a bad shape, device or length. ``freqs`` with a leading dimension other than 1 is refused:
+            x-transformers broadcasts it against the heads, not the samples (per-sample angles of ``(b, n)``
+            positions would be read as per-head ones), so its meaning is not what it looks like.
+    """
+    if not (isinstance(polar_pos_emb, (tuple, list)) and len(polar_pos_emb) == 2):
+        raise TypeError(f"{owner} must be a pair (freqs, bias) as PolarEmbedding returns it, got "
+                        f"{type(polar_pos_emb).__name__}")
+    freqs, bias = polar_pos_emb
+    if not isinstance(freqs, Tensor) or not freqs.is_floating_point():
+        raise TypeError(f"{owner}'s freqs must be a float tensor (1, N, d), got "
+                        f"{getattr(freqs, 'dtype', type(freqs).__name__)}")
+    if freqs.dim() != 3 or freqs.shape[0] != 1 or freqs.shape[2] != dim_head or freqs.shape[1] < n_needed \
+            or freqs.device != torch.device(device):
+        raise ValueError(f"{owner}'s freqs must have shape (1, N >= {n_needed}, d={dim_head}) on {device} (one set "
+                         f"of angles for the batch: x-transformers broadcasts a leading dimension against the heads), "
+                         f"got {tuple(freqs.shape)} on {freqs.device}")
+    if isinstance(bias, (int, float)) and not isinstance(bias, bool):
+        bias = torch.tensor(float(bias), device=freqs.device, dtype=freqs.dtype)
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        raise TypeError(f"{owner}'s bias must be a float tensor (h|1, 1|N, d) or a number, got "
+                        f"{getattr(bias, 'dtype', type(bias).__name__)}")
+    full = (heads, freqs.shape[1], dim_head)
+    try:
+        ok = bias.dim() <= 3 and torch.broadcast_shapes(bias.shape, full) == torch.Size(full)
+    except RuntimeError:
+        ok = False
+    if not ok or bias.device != freqs.device:
+        raise ValueError(f"{owner}'s bias must broadcast to (h, N, d) = {full} on {freqs.device}, got "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    return freqs, freqs + bias
+
+
+def check_polar_module(attn: AttentionModule, key_angles: Tensor, owner: str = "polar_pos_emb") -> None:
+    """The attention options a PoPE call argument cannot run with, refused by name: memory keys and the decoupled
+    or partial rotary heads (keys of ``d`` features beside PoPE's ``2 d``), l2-distance logits and qk_norm's fixed
+    scale (safeformer applies PoPE's query gain and that scale as multipliers of q and k), and a per-head ``bias`` with grouped-query heads (one key per group, x-transformers would widen it)."""
+    if attn.num_mem_kv:
+        raise ValueError(f"{owner} (PoPE) gives keys 2 d features: not with num_mem_kv (memory keys have d)")
+    if attn.rope_subheads or attn.rotate_num_heads < attn.heads:
+        raise ValueError(f"{owner} (PoPE) applies to every head: not with latent_rope_subheads or rotate_num_heads")
+    if attn.l2_distance or any(n is not None and n.mult != 1.0 for n in (attn.q_norm, attn.k_norm)):
+        raise ValueError(f"{owner} (PoPE) is not supported with l2-distance attention or qk_norm's fixed logit scale "
+                         f"(qk_norm_scale; use qk_norm_dim_scale=True): the scale would reach PoPE's softplus")
+    if key_angles.shape[0] != 1 and attn.kv_heads != attn.heads:
+        raise ValueError(f"{owner}'s bias is per head ({key_angles.shape[0]}): not with grouped-query heads "
+                         f"(kv_heads={attn.kv_heads} < heads={attn.heads}); pass a bias shared by the heads")
+
+
+def polar_angles(freqs: Tensor, key_angles: Tensor, i: int, j: int, keep_q: Tensor | None, keep_k: Tensor | None,
+                 owner: str = "polar_pos_emb") -> tuple:
+    """The ``(query, key)`` PoPE forms ``apply_rotary`` takes (``modules.PolarAngles``) from the checked
+    ``freqs (1, N, d)`` and ``key_angles (1|h, N, d)``: the last ``i`` rows for the queries, the last ``j`` for the
+    keys (as x-transformers' ``apply_polar_pos_emb``). ``keep_q (b, i)`` / ``keep_k (b, j)``: positions whose angles
+    are selected to 0 where False (what they hold there reaches nothing). The queries carry a gain ``sqrt(2)``:
+    the kernels scale logits by ``(2 d) ** -0.5`` for PoPE's ``2 d`` features, x-transformers by ``d ** -0.5``.
+
+    Raises:
+        ValueError: an angle at a kept position is not finite (one host read).
+    """
+    qf = freqs[:, None, freqs.shape[1] - i:]  # (1, 1, i, d)
+    kf = key_angles[None, :, key_angles.shape[1] - j:]  # (1, 1|h, j, d)
+    if keep_q is not None:
+        qf = torch.where(keep_q[:, None, :, None], qf, 0.0)  # (b, 1, i, d)
+    if keep_k is not None:
+        kf = torch.where(keep_k[:, None, :, None], kf, 0.0)  # (b, 1|h, j, d)
+    if not bool(torch.isfinite(qf).all() & torch.isfinite(kf).all()):
+        raise ValueError(f"{owner} holds a non-finite angle (freqs or freqs + bias) at a position it is used for")
+    return PolarAngles(qf, 2.0 ** 0.5), PolarAngles(kf)
+
+
+def polar_from_xt(attn: AttentionModule, polar_pos_emb, x: Tensor, context, mask, context_mask, others: dict) -> tuple:
+    """x-transformers' ``Attention.forward(polar_pos_emb=(freqs, bias))``: PoPE on this call's queries (the last
+    ``i`` angles of ``freqs``) and keys (the last ``j`` of ``freqs + bias``; in cross-attention the context's), as
+    the stack's ``rotary`` pair. ``others``: the call's keywords PoPE cannot meet (refused by name when given).
+    Angles at padded positions (a ``(b, i)`` self-attention ``mask``; ``context_mask``, and ``mask`` beside it, in
+    cross-attention) are selected to 0."""
+    for name, value in others.items():
+        if value is not None:
+            raise ValueError(f"polar_pos_emb (PoPE given to the call) cannot be combined with {name} (safeformer "
+                             f"keeps keys after PoPE, x-transformers before it; PoPE replaces rotary positions)")
+    if context is not None and (not isinstance(context, Tensor) or context.dim() != 3):
+        raise ValueError(f"context must have shape (b, j, dim_context), got {getattr(context, 'shape', type(context))}")
+    if attn.qkv_receive_diff_residuals and isinstance(x, Tensor) and x.dim() == 4:
+        x = x[0]  # the queries' input of the (3, b, i, c) stack
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a floating-point tensor of shape (b, i, dim), got {getattr(x, 'shape', type(x))}")
+    b, i = x.shape[:2]
+    j = i if context is None else context.shape[1]
+    freqs, key_angles = check_polar_pos_emb(polar_pos_emb, attn.heads, attn.dim_head, max(i, j), x.device)
+    check_polar_module(attn, key_angles)
+    keep_q = keep_k = None
+    plain = isinstance(mask, Tensor) and not isinstance(mask, SelectedMask) and mask.dtype == torch.bool \
+        and mask.shape == (b, i)
+    if context is None and plain:
+        keep_q = keep_k = mask
+    elif context is not None and isinstance(context_mask, Tensor) and context_mask.dtype == torch.bool \
+            and context_mask.shape == (b, j):
+        keep_k, keep_q = context_mask, mask if plain else None
+    return polar_angles(freqs, key_angles, i, j, keep_q, keep_k)

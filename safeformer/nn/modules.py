@@ -211,6 +211,8 @@ class LayerNorm(nn.Module):
         return self.gamma + float(self.unit_offset) if self.unit_offset else self.gamma
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and not self.unit_offset and self.gamma.dtype == torch.float32:  # the same bits
+            return F.layer_norm(x, self.normalized_shape, self.gamma, self.bias, self.eps)
         dtype = torch.promote_types(x.dtype, torch.float32)
         b = None if self.bias is None else self.bias.to(dtype)
         return F.layer_norm(x.to(dtype), self.normalized_shape, self.weight.to(dtype), b, self.eps).to(x.dtype)

@@ -387,13 +387,28 @@ Args:
         intermediate's ``log_probs (b, h, i)``: the log probability, under the softmax of its logits, of the key each
         query picked (the arg-max of its weights; meant for ``attn_gumbel_softmax``'s hard picks;
         ``log_prob_from_hard_attend``). Padded queries and dead rows pick nothing: 0.
-    polar_pos_emb, flash_pack_seq_kwargs, flash_pack_seq_context_kwargs: x-transformers' call keywords, accepted
-        at ``None``; another value is a ``TypeError`` naming it (safeformer computes PoPE's angles itself and has
-        no packed flash masks).
+    polar_pos_emb: x-transformers' PoPE angles ``(freqs, bias)`` as ``PolarEmbedding.forward`` returns them
+        (``freqs (1, N, d)``, the last ``n`` rows used; ``bias`` broadcasting to ``(h, N, d)``, the keys' extra
+        angles ``freqs + bias``): PoPE in every self-attention, in place of the stack's own (with or without
+        ``polar_pos_emb=True``). Angles at padded positions are never read; a non-finite one at a real position is
+        a ``ValueError``. Padded path, no KV cache (the returned intermediates carry none), no ``mems`` or extra
+        keys/values, not with rotary positions (x-transformers would apply both), memory keys, l2-distance
+        attention or ``qk_norm``'s fixed scale; a per-sample ``freqs (b > 1, N, d)`` is refused (x-transformers
+        broadcasts it against the heads).
+    flash_pack_seq_kwargs: x-transformers' packed documents of self-attention (a stack built with
+        ``attn_flash_pack_seq=True``; flash-attn's ``cu_seqlens_q`` / ``cu_seqlens_k``, ``max_seqlen_q`` /
+        ``max_seqlen_k``): ``x`` of batch 1 holds several documents, each query seeing its own document's keys
+        (causally in a causal stack), a position after the last document none (its attention output is 0). Not
+        with ``mask``, ``attn_mask`` or a cache.
+    flash_pack_seq_context_kwargs: the same for cross-attention: ``cu_seqlens_q`` the documents of ``x``,
+        ``cu_seqlens_k`` those of the context (batch 1, as many), query document ``d`` seeing context document
+        ``d`` only. Not with ``context_mask`` (x-transformers asserts) or a cache; padded path.
     return_hiddens: also return a ``LayerIntermediates``: the residual stream entering each
         layer, the attention weights of every attention block (explicit float32 attention:
-        slower, ``(b, h, i, j)`` memory), the final hidden states, and (x-transformers'
-        ``layer_hiddens``) the input of every block run, then the stream before the final norm.
+        slower, ``(b, h, i, j)`` memory), the final hidden states, (x-transformers'
+        ``layer_hiddens``) the input of every block run, then the stream before the final norm, and (its
+        ``block_hiddens``) the stream at the end of each default block (``(b S, n, c)`` with several residual
+        streams), the last one the output after the final norm.
         Padded positions, dead rows and masked keys are exactly 0 in all of them.
 
 Returns:
@@ -414,9 +429,9 @@ from torch import Tensor, nn
 from ..checkpoints.pretrained import Configurable
 from ..core.cache import AttnIntermediate, KVCache, LayerIntermediates
 from ..core.masks import causal_mask, checked_once, packed_sequence_mask, validate_mask
+from ..core.static_cache import StaticKVCache
 from ..core.xt_defaults import XT_DEFAULT_ONLY, default_only
 from ..nn.attention import Attention
-from ..nn.attention_calls import refuse_xt_call
 from ..nn.block import AdaptiveLayerScale, Block, ResidualRouting, ShiftTokens
 from ..nn.modules import (
     AdaptiveNorm,
@@ -430,6 +445,7 @@ from ..nn.modules import (
 )
 from ..nn.relative_position import RelativePositionBias
 from ..nn.xt_modules import LayerScale, Residual, Scale
+from .decode_step import check_step_call, stack_step
 from .stack_forward import (  # noqa: F401 (the forward's inputs and helpers other modules import from here)
     CrossAttentionInputs,
     SelfAttentionInputs,
@@ -439,6 +455,7 @@ from .stack_forward import (  # noqa: F401 (the forward's inputs and helpers oth
     cross_attention_inputs,
     finish_call,
     mems_unsupported,
+    packed_context_mask,
     resolve_call,
     run_blocks,
     self_attention_inputs,
@@ -756,11 +773,16 @@ class AttentionLayers(Configurable, nn.Module):
         safeformer's beside it) and is documented in this module's docstring (``help(safeformer.stack.layers)``,
         "``AttentionLayers.forward``'s keywords"); the call runs in phases (``stack_forward``: ``resolve_call``,
         ``share_inputs``, ``run_blocks`` or the unpadded path, ``finish_call``)."""
-        if not (polar_pos_emb is None and flash_pack_seq_context_kwargs is None):  # x-transformers' unsupported
-            refuse_xt_call(f"{type(self).__name__}.forward", polar_pos_emb=polar_pos_emb,
-                           flash_pack_seq_context_kwargs=flash_pack_seq_context_kwargs)
+        if type(cache) is StaticKVCache:  # one decode step over preallocated slots (decode_step.py)
+            if not torch.compiler.is_compiling():  # the arguments besides x: their defaults (locals(): eager only)
+                check_step_call(AttentionLayers.forward, locals())
+            out = stack_step(self, x, cache)
+            return (out, cache) if return_cache else out
         if flash_pack_seq_kwargs is not None:  # packed documents (attn_flash_pack_seq): a block-diagonal attn_mask
             attn_mask = packed_stack_mask(self, x, mask, attn_mask, cache, flash_pack_seq_kwargs)
+        packed_context = None  # packed context documents: a block-diagonal cross-attention mask
+        if flash_pack_seq_context_kwargs is not None:
+            packed_context = packed_context_mask(self, x, context, context_mask, cache, flash_pack_seq_context_kwargs)
         if not isinstance(return_gumbel_log_probs, bool):
             raise TypeError(f"return_gumbel_log_probs must be True or False, got {return_gumbel_log_probs!r}")
         if not isinstance(input_not_include_cache, bool):
@@ -783,7 +805,8 @@ class AttentionLayers(Configurable, nn.Module):
                          repeat_blocks=repeat_blocks, layers_execute_order=layers_execute_order, mems=mems,
                          mem_masks=mem_masks, attn_bias=attn_bias, transform_block_inputs=transform_block_inputs,
                          rotary_pos_emb=rotary_pos_emb, in_attn_cond=in_attn_cond,
-                         gumbel_log_probs=return_gumbel_log_probs)
+                         gumbel_log_probs=return_gumbel_log_probs, polar_pos_emb=polar_pos_emb,
+                         packed_context=packed_context)
         call = resolve_call(self, call)  # x-transformers' spellings resolved, every input checked
         call = share_inputs(self, call)  # the masks, positions, context and condition every block shares
         if call.unpadded_plan is not None:  # the real tokens only (unpadded.py)

@@ -31,7 +31,8 @@ from ..core.cache import (
     resolve_cache,
 )
 from ..core.conditions import adaptive_condition
-from ..core.masks import as_attention_mask, causal_mask, combine_masks, validate_mask
+from ..core.masks import as_attention_mask, causal_mask, combine_masks, packed_sequence_mask, validate_mask
+from ..nn.attention_calls import check_polar_module, check_polar_pos_emb, polar_angles
 from ..nn.attention_scoring import log_prob_from_hard_attend
 from ..nn.block import Block, apply_norm, residual_update
 from ..nn.hybrid import HybridCall
@@ -54,9 +55,9 @@ class StackCall:
       ``call_causal`` (this call's causality); ``padded_only`` (an option the unpadded path does not run);
       ``order`` (the blocks' indices, ``None``: each once); ``per_block`` (extra keywords per attention block,
       by ``id(block)``); ``mem`` (the checked Transformer-XL memories); ``xpos``; ``user_rotary`` (x-transformers'
-      ``rotary_pos_emb`` in the stack's ``(q, k)`` form); ``inject`` (``in_attn_cond``, padded rows 0);
+      ``rotary_pos_emb``, or ``polar_pos_emb``, in the stack's ``(q, k)`` form); ``inject`` (``in_attn_cond``, padded rows 0);
     - ``share_inputs``: ``x`` (padded rows 0), ``positions``, ``context`` and ``context_mask`` as every block reads
-      them; ``sa`` / ``ca`` (``SelfAttentionInputs`` / ``CrossAttentionInputs``); ``cond`` (``(b, K)`` or ``None``);
+      them (``packed_context``, ``flash_pack_seq_context_kwargs``' mask ``(1, 1, n, j)``, joins ``ca.mask``); ``sa`` / ``ca`` (``SelfAttentionInputs`` / ``CrossAttentionInputs``); ``cond`` (``(b, K)`` or ``None``);
       ``cross_rotary`` (the angles of ``context_pos``); ``unpadded_plan``;
     ``run_blocks`` returns the stream and a ``BlocksOut``, which ``finish_call`` reads.
     """
@@ -95,6 +96,8 @@ class StackCall:
     rotary_pos_emb: tuple | None = None
     in_attn_cond: Tensor | None = None
     gumbel_log_probs: bool = False
+    polar_pos_emb: tuple | None = None
+    packed_context: Tensor | None = None
     # derived
     b: int = 0
     n: int = 0
@@ -115,8 +118,8 @@ class StackCall:
 @dataclass(frozen=True)
 class BlocksOut:
     """What ``run_blocks`` leaves for ``finish_call``: each attention block's keys/values (``self_kv``, ``cross_kv``,
-    ``(b, h_kv, p + n, d)``), the hybrid modules' states and, with ``return_hiddens``, the hidden states and the
-    attention maps and logits; ``last_stream`` the residual routing's stream(s) before ``softclamp_output`` and the
+    ``(b, h_kv, p + n, d)``), the hybrid modules' states and, with ``return_hiddens``, the hidden states (and
+    ``block_hiddens``, the stream at each default block's end) and the attention maps and logits; ``last_stream`` the residual routing's stream(s) before ``softclamp_output`` and the
     sum."""
 
     self_kv: list
@@ -127,6 +130,7 @@ class BlocksOut:
     attn_maps: list
     logit_maps: list
     hybrid_states: list
+    block_hiddens: list | None = None
 
 
 def resolve_call(stack: StackModule, call: StackCall) -> StackCall:
@@ -178,9 +182,11 @@ def resolve_call(stack: StackModule, call: StackCall) -> StackCall:
         _check_attn_bias(stack, call.attn_bias, x, cache, mem)
     check_transform_block_inputs(call.transform_block_inputs)
     user_rotary = user_rotary_pos_emb(stack, call.rotary_pos_emb, x, mask, cache, return_cache, mem)
+    if call.polar_pos_emb is not None:  # x-transformers' PoPE angles: the stack's (q, k) form, as rotary's
+        user_rotary = user_polar_pos_emb(stack, call, x, mask, cache, mem, user_rotary)
     inject = in_attn_condition(stack, call.in_attn_cond, x, mask)
     padded_only = padded_only or call.attn_bias is not None or call.transform_block_inputs is not None \
-        or user_rotary is not None or inject is not None
+        or user_rotary is not None or inject is not None or call.packed_context is not None
     if isinstance(positions, Tensor) and positions.dim() == 3:  # per-head ALiBi positions (x-transformers')
         if cache is not None or return_cache:
             raise ValueError("positions per head (b, h, n) run without a KV cache (the cache keeps one position "
@@ -225,6 +231,8 @@ def share_inputs(stack: StackModule, call: StackCall) -> StackCall:
             raise ValueError("mem_masks that differ per block cannot be combined with alibi_pos_bias or rel_pos_bias "
                              "(the bias counts the memory positions once for all blocks): pass one mem_masks tensor")
     ca = cross_attention_inputs(stack, call.context, call.context_mask, cache, b)
+    if call.packed_context is not None:  # packed context documents: each query document sees its own
+        ca = replace(ca, mask=call.packed_context if ca.mask is None else ca.mask & call.packed_context)
     positions, context, context_mask, use_cross = sa.positions, ca.context, ca.context_mask, ca.used
 
     cond = adaptive_condition(stack, call.condition, call.condition_mask, cache, b, x)  # (b, K) or None
@@ -257,7 +265,8 @@ def _block_arguments(stack: StackModule, call: StackCall) -> tuple[dict, dict, d
     # finite projections, or whatever a user put there) is selected away by attend, not trusted
     # (masked keys and dead rows are padding, selected to 0 at the input unless attn_mask hides real positions)
     self_clean = call.attn_mask is None and (cache is None or cache.mask is None)
-    cross_clean = not ca.cached or call.context_mask is None  # a new context was selected above
+    # a new context was selected above (not a packed one: its keys after the last document are not)
+    cross_clean = (not ca.cached or call.context_mask is None) and call.packed_context is None
     self_args = dict(mask=SelectedMask(sa.mask) if self_clean else sa.mask, causal=sa.causal, rotary=sa.rotary,
                      bias=sa.bias if call.attn_bias is None else _selected_bias(stack, call),  # one or the other
                      return_attn=call.return_hiddens, _return_kv=True)
@@ -336,6 +345,7 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
     self_kv, cross_kv, first_values = state.self_kv, state.cross_kv, state.first_values
     recompute = _recompute(stack, call)
     hiddens, attn_maps, logit_maps = [], [], []
+    block_hiddens = [] if return_hiddens else None  # x-transformers' stream at each default block's end
     ff_seen = 0  # feed-forward blocks run so far (ff_deep_embeds' index)
 
     def run(block: Block, x: Tensor, cond: Tensor | None, past_kv=None, cached=None) -> tuple[Tensor, tuple]:
@@ -362,6 +372,7 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
         if block.kind == "cross" and not use_cross:
             if route is not None:  # the routing runs on, the branch adding nothing (as for a dropped context)
                 x = stack.routing.leave(route, idx, None)
+            _note_block_end(stack, block_hiddens, ind, x)
             continue
         if recompute:  # keeps no activations; recomputed (same RNG draws) in the backward pass
             out = checkpoint(lambda t, c, blk=block: run(blk, t, c)[0], inp, cond, use_reentrant=False)
@@ -382,6 +393,7 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
             logit_maps.extend(_masked_rows(e, mask) for e in extra[2:3])
         out = _stochastic_depth(stack, out, b)
         x = residual_update(block[2], out, x) if route is None else stack.routing.leave(route, idx, out)
+        _note_block_end(stack, block_hiddens, ind, x)
     last_stream = None
     if route is not None:
         last_stream = x
@@ -389,7 +401,16 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
         layer_hiddens = route.layer_hiddens
     return x, BlocksOut(self_kv=self_kv, cross_kv=cross_kv, hiddens=hiddens, layer_hiddens=layer_hiddens,
                         last_stream=last_stream, attn_maps=attn_maps, logit_maps=logit_maps,
-                        hybrid_states=state.hybrid_states)
+                        hybrid_states=state.hybrid_states, block_hiddens=block_hiddens)
+
+
+def _note_block_end(stack: StackModule, block_hiddens: list | None, ind: int, x: Tensor) -> None:
+    """x-transformers' ``block_hiddens``: after the ``ind``-th block run (execution order), when it ends a default
+    block (``(ind + 1) % len_default_block == 0``, or ``ind`` is the index of the stack's last layer, as there), the
+    stream ``x`` is kept (several residual streams ``(b, n, S, c)`` as ``(b S, n, c)``, x-transformers' layout).
+    Nothing when ``block_hiddens`` is ``None`` (no ``return_hiddens``)."""
+    if block_hiddens is not None and ((ind + 1) % stack.len_default_block == 0 or ind == len(stack.layers) - 1):
+        block_hiddens.append(_last_hidden(x, x if x.dim() == 4 else None))
 
 
 def _check_attn_bias(stack: StackModule, attn_bias, x: Tensor, cache, mem) -> None:
@@ -518,6 +539,62 @@ def user_rotary_pos_emb(stack: StackModule, rotary_pos_emb, x: Tensor, mask: Ten
     return (ang, sc), (ang, sc ** -1.0)
 
 
+def user_polar_pos_emb(stack: StackModule, call: StackCall, x: Tensor, mask: Tensor | None, cache, mem,
+                       user_rotary) -> tuple:
+    """x-transformers' ``forward(polar_pos_emb=(freqs, bias))``: the PoPE angles every self-attention uses in place
+    of the stack's own (with or without ``polar_pos_emb=True``): ``freqs (1, N, d)`` (``PolarEmbedding.forward``'s
+    form), the last ``n`` rows for the queries and keys, the keys' angles ``freqs + bias`` (``bias`` broadcasting to
+    ``(h, N, d)``, ``PolarEmbedding``'s ``(h, 1, d)``). Returns the stack's ``(q, k)`` PoPE form
+    (``attention_calls.polar_angles``) with padded positions' angles 0 (what they hold reaches nothing).
+
+    Raises:
+        TypeError: not a pair of float tensors.
+        ValueError: a bad shape, a non-finite angle at a real position; with a KV cache, memories, extra keys/values,
+            rotary positions (x-transformers would apply both) or attention options PoPE cannot meet.
+    """
+    refusal = ("a KV cache (x-transformers applies each call's angles to every cached key again; safeformer's cache "
+               "holds keys after PoPE)" if cache is not None or call.return_cache else
+               "Transformer-XL memories" if mem is not None else
+               "self_attn_additional_kv (their keys have d features, PoPE's 2 d)"
+               if call.self_attn_additional_kv is not None else
+               "rotary positions (rotary_pos_emb; x-transformers would rotate and apply PoPE both)"
+               if user_rotary is not None or stack.rotary is not None else None)
+    if refusal is not None:
+        raise ValueError(f"polar_pos_emb (PoPE angles given to the call) is not supported with {refusal}")
+    mixers = [blk.mixer for blk in stack.layers if blk.kind == "self"]
+    if not mixers:
+        raise ValueError("polar_pos_emb applies PoPE to self-attention: this stack has none")
+    n = x.shape[1]
+    freqs, key_angles = check_polar_pos_emb(call.polar_pos_emb, mixers[0].heads, mixers[0].dim_head, n, x.device)
+    for attn in mixers:
+        if (attn.heads, attn.dim_head) != (mixers[0].heads, mixers[0].dim_head):
+            raise ValueError("polar_pos_emb gives one set of angles: its self-attention blocks must share heads and "
+                             "dim_head")
+        check_polar_module(attn, key_angles)
+    return polar_angles(freqs, key_angles, n, n, mask, mask)
+
+
+def packed_context_mask(stack: StackModule, x, context, context_mask, cache, kwargs) -> Tensor:
+    """x-transformers' ``forward(flash_pack_seq_context_kwargs=...)`` (flash-attn's ``cu_seqlens_q`` of ``x``'s
+    documents, ``cu_seqlens_k`` of the context's) of a stack whose cross-attention is built with
+    ``attn_flash_pack_seq=True``: one packed sequence and one packed context as the cross-attention mask ``(1, 1, n,
+    j)``, query document ``d`` seeing context document ``d`` only (a query after the last document sees nothing).
+
+    Raises:
+        TypeError: no such cross-attention, or bad offsets (``masks.packed_sequence_mask``).
+        ValueError: a batch other than 1, with ``context_mask`` (x-transformers asserts) or a cache.
+    """
+    blocks = [blk.mixer for blk in stack.layers if blk.kind == "cross"]
+    if not blocks or not all(m.flash_pack_seq for m in blocks):
+        raise TypeError("flash_pack_seq_context_kwargs needs a stack with cross-attention built with "
+                        "attn_flash_pack_seq=True")
+    if not (isinstance(x, Tensor) and x.dim() == 3 and x.shape[0] == 1 and isinstance(context, Tensor)
+            and context.dim() == 3 and context.shape[0] == 1) or context_mask is not None or cache is not None:
+        raise ValueError("flash_pack_seq_context_kwargs describe one packed sequence and its packed context (x and "
+                         "context of batch 1): not with context_mask or a cache (x-transformers asserts the same)")
+    return packed_sequence_mask(kwargs, x.shape[1], context.shape[1], x.device, name="flash_pack_seq_context_kwargs")
+
+
 def in_attn_condition(stack: StackModule, cond, x: Tensor, mask: Tensor | None) -> Tensor | None:
     """x-transformers' ``forward(in_attn_cond=...)`` (in-attention conditioning): ``(b, c)`` or ``(b|1, n|1, c)``
     added to the input of every block's branch (after its residual is taken, before its pre-norm), as
@@ -620,6 +697,7 @@ def finish_call(stack: StackModule, call: StackCall, x: Tensor, out: BlocksOut) 
             attn_intermediates=[AttnIntermediate(post_softmax_attn=w, layer_type="a" if k == "self" else "c",
                                                  pre_softmax_attn=logit_maps[t] if t < len(logit_maps) else None)
                                 for t, (w, k) in enumerate(zip(out.attn_maps, kinds))],
+            block_hiddens=_block_hiddens(out.block_hiddens, x, mask),
         )
         if call.gumbel_log_probs:
             set_log_probs(intermediates.attn_intermediates)
@@ -636,6 +714,16 @@ def finish_call(stack: StackModule, call: StackCall, x: Tensor, out: BlocksOut) 
     if intermediates is not None:
         return x, intermediates.cache, intermediates
     return x, _new_cache(*cache_args)
+
+
+def _block_hiddens(block_hiddens: list | None, x: Tensor, mask: Tensor | None) -> list | None:
+    """x-transformers' ``block_hiddens`` of one call: the stream at each default block's end, the last replaced by
+    the output ``x`` (after the final norm, its padded positions 0 already); padded positions exactly 0, as in
+    ``layer_hiddens``."""
+    if not block_hiddens:
+        return block_hiddens
+    kept = block_hiddens[:-1] if mask is None else [_mask_hidden(h, mask) for h in block_hiddens[:-1]]
+    return [*kept, x]
 
 
 def _execution_order(stack: StackModule, repeat_blocks, layers_execute_order, cache, return_cache: bool,

@@ -109,6 +109,44 @@ def _start_mask(seq_start_pos, mask: Tensor | None, b: int, n: int, device, offs
     return started if mask is None else mask & started
 
 
+def stack_keywords(return_gumbel_log_probs: bool = False, rotary_pos_emb=None, in_attn_cond=None,
+                   self_attn_kv_mask: Tensor | None = None, context_pos: Tensor | None = None,
+                   attn_bias: Tensor | None = None, layers_execute_order: tuple[int, ...] | None = None,
+                   repeat_blocks=None, self_attn_kv_residuals: Tensor | None = None,
+                   cross_attn_kv_residuals: Tensor | None = None, flash_pack_seq_kwargs: dict | None = None,
+                   polar_pos_emb=None, flash_pack_seq_context_kwargs: dict | None = None,
+                   transform_block_inputs=None, deep_embeds_and_ids=None, self_attn_additional_kv=None,
+                   additional_kv_mask: Tensor | None = None, detach_additional_kv: bool = False,
+                   route_additional_kv_to_top: bool = True) -> dict:
+    """The ``AttentionLayers.forward`` keywords that x-transformers' wrappers hand on to their stack through
+    ``**kwargs``, as a dict of those given (not ``None``; ``return_gumbel_log_probs`` when True, a ``TypeError``
+    when not a bool; the added keys/values' switches with them). The stack checks each (and refuses
+    ``polar_pos_emb`` / ``flash_pack_seq_context_kwargs`` by name); any of them makes it run the padded path."""
+    _flag(return_gumbel_log_probs, "return_gumbel_log_probs")
+    given = dict(rotary_pos_emb=rotary_pos_emb, in_attn_cond=in_attn_cond, self_attn_kv_mask=self_attn_kv_mask,
+                 context_pos=context_pos, attn_bias=attn_bias, layers_execute_order=layers_execute_order,
+                 repeat_blocks=repeat_blocks, self_attn_kv_residuals=self_attn_kv_residuals,
+                 cross_attn_kv_residuals=cross_attn_kv_residuals, flash_pack_seq_kwargs=flash_pack_seq_kwargs,
+                 polar_pos_emb=polar_pos_emb, flash_pack_seq_context_kwargs=flash_pack_seq_context_kwargs,
+                 transform_block_inputs=transform_block_inputs, deep_embeds_and_ids=deep_embeds_and_ids,
+                 self_attn_additional_kv=self_attn_additional_kv, additional_kv_mask=additional_kv_mask)
+    out = {k: v for k, v in given.items() if v is not None}
+    if return_gumbel_log_probs:
+        out["return_gumbel_log_probs"] = True
+    if self_attn_additional_kv is not None or additional_kv_mask is not None:
+        out.update(detach_additional_kv=detach_additional_kv, route_additional_kv_to_top=route_additional_kv_to_top)
+    return out
+
+
+def read_stack_keywords(extra: dict, hiddens: bool) -> dict:
+    """``extra`` (``stack_keywords``) for a stack run that builds its intermediates (``hiddens``) or not: without
+    them nothing reads the attention log probabilities, so ``return_gumbel_log_probs`` is not handed on (the
+    stack would return intermediates no one asked for)."""
+    if hiddens or "return_gumbel_log_probs" not in extra:
+        return extra
+    return {k: v for k, v in extra.items() if k != "return_gumbel_log_probs"}
+
+
 def _additional_kv(net, additional, mask, detach, to_top) -> dict | None:
     """The stack keywords of x-transformers' extra self-attention keys/values (``None`` when not given)."""
     if additional is None and mask is None:
@@ -499,8 +537,9 @@ def embed_call(net: WrapperModule, c: WrapperCall) -> WrapperCall:
         extra_kv = dict(extra_kv or {}, mems=c.mems, mem_masks=c.mem_masks)
     if c.transform_block_inputs is not None:  # depths 2, 3, ...: the stack's (padded path)
         extra_kv = dict(extra_kv or {}, transform_block_inputs=c.transform_block_inputs)
-    if c.stack_extra:  # x-transformers' keywords of the stack, handed on (padded path)
-        extra_kv = dict(extra_kv or {}, **c.stack_extra)
+    stack_extra = read_stack_keywords(c.stack_extra, c.want_inter or c.return_next_embed_pred)
+    if stack_extra:  # x-transformers' keywords of the stack, handed on (padded path)
+        extra_kv = dict(extra_kv or {}, **stack_extra)
     return replace(c, emb=emb, ff_deep=ff_deep, extra_kv=extra_kv)
 
 

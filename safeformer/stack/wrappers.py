@@ -182,6 +182,16 @@ Args:
     rotary_pos_emb, in_attn_cond: handed to the stack (``AttentionLayers.forward``'s, x-transformers' ``**kwargs``
         of the wrapper): given rotary angles for every self-attention (covering the memory, class and prefix rows
         too), an in-attention condition. Padded path.
+    return_gumbel_log_probs: x-transformers' stack keyword: each attention intermediate gets ``log_probs (b, h, i)``,
+        the log probability of the key each query picked (meant for ``attn_gumbel_softmax``; padded queries and
+        dead rows 0). As in x-transformers the return form does not change: they are read from the intermediates
+        (``return_intermediates=True``). A non-bool is a ``TypeError``.
+    self_attn_kv_mask, context_pos, attn_bias, layers_execute_order, repeat_blocks, self_attn_kv_residuals,
+        cross_attn_kv_residuals, flash_pack_seq_kwargs: further ``AttentionLayers.forward`` keywords that
+        x-transformers' wrapper hands on through ``**kwargs``, handed on as given (see ``safeformer.stack.layers``;
+        shapes count the memory, class and prefix rows the stack runs on). ``polar_pos_emb`` and
+        ``flash_pack_seq_context_kwargs`` are accepted at ``None`` (the stack refuses another value by name). Padded
+        path.
     _loop_out: (internal, for ``AutoregressiveWrapper``'s looped loss) a dict a looped model fills with the
         runs' ``exit_logits``, ``all_pred_logits`` and ``exit_indices`` without building the intermediates
         (which run the explicit attention path).
@@ -208,6 +218,7 @@ from ..checkpoints.pretrained import Configurable
 from ..core.cache import attach_cached_kv
 from ..core.conditions import Conditions, condition_kwargs
 from ..core.masks import checked_once, validate_mask
+from ..core.static_cache import StaticKVCache
 from ..nn.modules import (
     AbsolutePositionalEmbedding,
     LayerNorm,
@@ -216,6 +227,7 @@ from ..nn.modules import (
     l2norm,
     positions_from_mask,
 )
+from .decode_step import check_step_call, wrapper_step
 from .layers import AttentionLayers, KVCache, translate_aliases
 from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and tests import them from here)
     ContinuousMems,
@@ -236,8 +248,10 @@ from .wrapper_forward import (  # noqa: F401  (re-exported: other modules and te
     head_call,
     intersperse_layout,
     logit_entropies,
+    read_stack_keywords,
     resolve_call,
     run_call,
+    stack_keywords,
 )
 from .wrapper_options import (
     _flag,
@@ -641,6 +655,7 @@ class TransformerWrapper(_Wrapper):
     """
 
     dropout_fixed_rows = False  # x-transformers' TransformerWrapper adds memory and class rows after emb_dropout
+    static_step_input = "tokens"  # forward(x (b, 1), cache=StaticKVCache) is a decode step (decode_step.py)
 
     def __init__(
         self,
@@ -725,20 +740,15 @@ class TransformerWrapper(_Wrapper):
         *,
         mask: Tensor | None = None,
         context: Tensor | None = None, context_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        return_embeddings: bool = False, return_pooled: bool = False,
-        cache: KVCache | None = None, return_cache: bool = False,
-        check_finite: bool | None = None,
+        attn_mask: Tensor | None = None, return_embeddings: bool = False, return_pooled: bool = False,
+        cache: KVCache | None = None, return_cache: bool = False, check_finite: bool | None = None,
         prepend_embeds: Tensor | None = None, prepend_mask: Tensor | None = None, excise_prepend_embeds: bool = False,
         condition: Tensor | None = None, condition_mask: Tensor | None = None,
         pos: Tensor | None = None, seq_start_pos: Tensor | None = None,
         return_intermediates: bool = False, return_attn: bool = False, return_hiddens: bool = False,
-        cache_age: int = 1,
-        token_emb_kwargs: dict | None = None, to_logits_kwargs: dict | None = None,
-        return_next_embed_pred: bool = False,
-        recycle_steps: int | None = None,
-        input_not_include_cache: bool | None = None,
-        causal: bool | None = None,
+        cache_age: int = 1, token_emb_kwargs: dict | None = None, to_logits_kwargs: dict | None = None,
+        return_next_embed_pred: bool = False, recycle_steps: int | None = None,
+        input_not_include_cache: bool | None = None, causal: bool | None = None,
         self_attn_additional_kv=None, additional_kv_mask: Tensor | None = None, detach_additional_kv: bool = False,
         route_additional_kv_to_top: bool = True,
         looped_steps: int | None = None, max_looped_steps: int | None = None, looped_pred_all_logits: bool | None = None,
@@ -750,18 +760,22 @@ class TransformerWrapper(_Wrapper):
         _loop_out: dict | None = None,
         mems=None, mem_masks=None, return_mems: bool = False, detach_mems: bool = True,
         transform_token_embeds=None, transform_block_inputs=None, rotary_pos_emb=None, in_attn_cond=None,
+        return_gumbel_log_probs: bool = False, self_attn_kv_mask: Tensor | None = None, context_pos: Tensor | None = None,
+        attn_bias: Tensor | None = None, layers_execute_order: tuple[int, ...] | None = None, repeat_blocks=None,
+        self_attn_kv_residuals: Tensor | None = None, cross_attn_kv_residuals: Tensor | None = None,
+        flash_pack_seq_kwargs: dict | None = None, polar_pos_emb=None, flash_pack_seq_context_kwargs=None,
         **conditions,
     ):
-        """Run the model on the token ids ``x (b, n)``. The keywords and the return forms are documented in this
-        module's docstring (``help(safeformer.wrappers)``); the phases run in ``wrapper_forward.py``.
-
-        Returns:
-            logits ``(b, n, v)`` (or embeddings / pooled; ``(b, v)`` with ``average_pool_embed`` or one
-            class token; ``(b, num_pooled_tokens, dim_pooled_tokens)`` for an encoder with ``attn_pool``, whose
-            logits then go on the intermediates as ``logits``), then the cache if ``return_cache``, then the
-            intermediates if ``return_intermediates`` / ``return_hiddens``, or the attention weights if
-            ``return_attn``.
+        """Run the model on the token ids ``x (b, n)``. The keywords and the return forms (the logits, embeddings or
+        pooled tokens, then the cache if ``return_cache``, then the intermediates or the attention weights) are
+        documented in this module's docstring (``help(safeformer.wrappers)``: Returns); the phases run in
+        ``wrapper_forward.py``.
         """
+        if type(cache) is StaticKVCache:  # one decode step over preallocated slots (decode_step.py)
+            if not torch.compiler.is_compiling():  # the arguments besides x: their defaults (locals(): eager only)
+                check_step_call(TransformerWrapper.forward, locals())
+            out = wrapper_step(self, x, cache, tokens=True)
+            return (out, cache) if return_cache else out
         call = WrapperCall(
             x=x, mask=mask, context=context, context_mask=context_mask, attn_mask=attn_mask,
             return_embeddings=return_embeddings, return_pooled=return_pooled, cache=cache, return_cache=return_cache,
@@ -781,8 +795,10 @@ class TransformerWrapper(_Wrapper):
             return_attn_z_loss=return_attn_z_loss, attn_z_loss_weight=attn_z_loss_weight, loop_out=_loop_out,
             mems=mems, mem_masks=mem_masks, return_mems=return_mems, detach_mems=detach_mems, conditions=conditions,
             transform_token_embeds=transform_token_embeds, transform_block_inputs=transform_block_inputs,
-            stack_extra={k: v for k, v in (("rotary_pos_emb", rotary_pos_emb), ("in_attn_cond", in_attn_cond))
-                         if v is not None},
+            stack_extra=stack_keywords(  # in stack_keywords' order
+                return_gumbel_log_probs, rotary_pos_emb, in_attn_cond, self_attn_kv_mask, context_pos, attn_bias,
+                layers_execute_order, repeat_blocks, self_attn_kv_residuals, cross_attn_kv_residuals,
+                flash_pack_seq_kwargs, polar_pos_emb, flash_pack_seq_context_kwargs),
         )
         call = resolve_call(self, call)  # every phase returns a new immutable value
         call = embed_call(self, call)
@@ -966,7 +982,20 @@ class ContinuousTransformerWrapper(_Wrapper):
             the absolute positions and ``sum_embeds``, before the memory tokens and the prefix rows join.
         max_mem_len: Transformer-XL: the most positions per self-attention block that ``forward(return_mems=True)``
             keeps (x-transformers' option; 0 keeps none). See ``forward``.
+
+    ``forward``'s further keywords ``transform_block_inputs``, ``rotary_pos_emb``, ``in_attn_cond``,
+    ``return_gumbel_log_probs``, ``self_attn_kv_mask``, ``context_pos``, ``attn_bias``, ``layers_execute_order``,
+    ``repeat_blocks``, ``self_attn_kv_residuals``, ``cross_attn_kv_residuals``, ``flash_pack_seq_kwargs``,
+    ``deep_embeds_and_ids``, ``self_attn_additional_kv``, ``additional_kv_mask``, ``detach_additional_kv``,
+    ``route_additional_kv_to_top`` (and ``polar_pos_emb`` / ``flash_pack_seq_context_kwargs``, refused unless
+    ``None``) are ``AttentionLayers.forward``'s, which x-transformers' continuous wrapper hands on to its stack
+    through ``**kwargs``: handed on as given (see ``safeformer.stack.layers``; shapes count the memory and prefix
+    rows the stack runs on; ``transform_block_inputs``' depth 1 is not applied, as there). Padded path.
+    ``return_gumbel_log_probs`` puts ``log_probs (b, h, i)`` on the attention intermediates (read them with
+    ``return_intermediates=True``; a non-bool is a ``TypeError``).
     """
+
+    static_step_input = "values"  # forward(x (b, 1, dim_in), cache=StaticKVCache) is a decode step
 
     def __init__(
         self,
@@ -1034,33 +1063,22 @@ class ContinuousTransformerWrapper(_Wrapper):
         self,
         x: Tensor,
         *,
-        mask: Tensor | None = None,
-        context: Tensor | None = None,
-        context_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        return_embeddings: bool = False,
-        return_pooled: bool = False,
-        cache: KVCache | None = None,
-        return_cache: bool = False,
-        check_finite: bool | None = None,
-        prepend_embeds: Tensor | None = None,
-        prepend_mask: Tensor | None = None,
-        excise_prepend_embeds: bool = False,
-        condition: Tensor | None = None,
-        condition_mask: Tensor | None = None,
-        lens: Tensor | None = None,
-        pos: Tensor | None = None,
-        return_intermediates: bool = False,
-        return_attn: bool = False,
-        return_hiddens: bool = False,
-        cache_age: int = 1,
-        input_not_include_cache: bool = False,
-        causal: bool | None = None,
-        seq_start_pos: Tensor | None = None,
-        sum_embeds: Tensor | None = None,
-        mems=None,
-        mem_masks=None,
-        return_mems: bool = False,
+        mask: Tensor | None = None, context: Tensor | None = None, context_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None, return_embeddings: bool = False, return_pooled: bool = False,
+        cache: KVCache | None = None, return_cache: bool = False, check_finite: bool | None = None,
+        prepend_embeds: Tensor | None = None, prepend_mask: Tensor | None = None, excise_prepend_embeds: bool = False,
+        condition: Tensor | None = None, condition_mask: Tensor | None = None, lens: Tensor | None = None,
+        pos: Tensor | None = None, seq_start_pos: Tensor | None = None, sum_embeds: Tensor | None = None,
+        return_intermediates: bool = False, return_attn: bool = False, return_hiddens: bool = False,
+        cache_age: int = 1, input_not_include_cache: bool = False, causal: bool | None = None,
+        mems=None, mem_masks=None, return_mems: bool = False, transform_block_inputs=None, rotary_pos_emb=None,
+        in_attn_cond=None, return_gumbel_log_probs: bool = False,
+        self_attn_kv_mask: Tensor | None = None, context_pos: Tensor | None = None, attn_bias: Tensor | None = None,
+        layers_execute_order: tuple[int, ...] | None = None, repeat_blocks=None,
+        self_attn_kv_residuals: Tensor | None = None, cross_attn_kv_residuals: Tensor | None = None,
+        flash_pack_seq_kwargs: dict | None = None, polar_pos_emb=None, flash_pack_seq_context_kwargs=None,
+        deep_embeds_and_ids=None, self_attn_additional_kv=None, additional_kv_mask: Tensor | None = None,
+        detach_additional_kv: bool = False, route_additional_kv_to_top: bool = True,
         **conditions,
     ):
         """Run the model on ``x (b, n, dim_in)``; arguments as in ``TransformerWrapper.forward`` (``causal``
@@ -1076,10 +1094,16 @@ class ContinuousTransformerWrapper(_Wrapper):
         ``TransformerWrapper``'s, the memories passed in are not kept), its ``masks`` their padding; with
         ``return_intermediates`` the intermediates are returned and carry them (``mems``, ``mem_masks``). Not with
         a cache, ``prepend_embeds``, memory tokens, ``pos`` or ``return_attn``.
+        ``transform_block_inputs`` ... ``route_additional_kv_to_top``: the stack's keywords (see the class docstring).
 
         Values at padded positions of ``x`` (mask False) are selected away before any use: NaN or
         inf there reaches no output and no gradient.
         """
+        if type(cache) is StaticKVCache:  # one decode step over preallocated slots (decode_step.py)
+            if not torch.compiler.is_compiling():  # the arguments besides x: their defaults (locals(): eager only)
+                check_step_call(ContinuousTransformerWrapper.forward, locals())
+            out = wrapper_step(self, x, cache, tokens=False)
+            return (out, cache) if return_cache else out
         conditions = condition_kwargs("ContinuousTransformerWrapper.forward", conditions)
         # the phases run in wrapper_forward.py: the door, the new rows, the stack, the output
         mask = continuous_mask(self, x, mask, lens, seq_start_pos, sum_embeds)
@@ -1094,10 +1118,14 @@ class ContinuousTransformerWrapper(_Wrapper):
         inp = self.project_in(x)
         if sum_embeds is not None:  # padded rows (NaN included) selected away before the sum
             inp = inp + (sum_embeds if mask is None else torch.where(mask[..., None], sum_embeds, 0.0)).to(inp.dtype)
+        extra = stack_keywords(  # in stack_keywords' order
+            return_gumbel_log_probs, rotary_pos_emb, in_attn_cond, self_attn_kv_mask, context_pos, attn_bias,
+            layers_execute_order, repeat_blocks, self_attn_kv_residuals, cross_attn_kv_residuals, flash_pack_seq_kwargs,
+            polar_pos_emb, flash_pack_seq_context_kwargs, transform_block_inputs, deep_embeds_and_ids,
+            self_attn_additional_kv, additional_kv_mask, detach_additional_kv, route_additional_kv_to_top)
         h, new_cache, full_mask, m, _, inter, _ = self._run(
-            inp, mask, conds, attn_mask, cache, return_cache,
-            pos=pos, return_hiddens=want_inter or return_mems, causal=causal, extra_kv=mem_kw,
-        )
+            inp, mask, conds, attn_mask, cache, return_cache, pos=pos, return_hiddens=want_inter or return_mems,
+            causal=causal, extra_kv=read_stack_keywords({**extra, **(mem_kw or {})}, want_inter or return_mems))
         out = continuous_output(self, h, full_mask, m, excise_prepend_embeds=excise_prepend_embeds,
                                 return_pooled=return_pooled, return_embeddings=return_embeddings)
         if self.probabilistic and not return_embeddings and not return_pooled:

@@ -1,0 +1,91 @@
+"""The static KV cache: preallocated per-block slots written in place, one position per sample per step.
+
+Shape legend: B samples (guidance branches times batch), L the cache's capacity (prefix + prompt + new
+positions), K the adaptive condition's width.
+
+After the prompt (the prefill, an ordinary forward that returns a ``KVCache``), every decode step adds one
+position per sample. The dynamic ``KVCache`` grows by concatenation and is checked again as input each step; a
+``StaticKVCache`` is built once from it (``TransformerWrapper.static_cache``) and then passed to the model's
+own forward, ``net(new, cache=static)``, one position per call:
+
+- each attention block keeps its slots (``layers``; what they hold is the attention part's business,
+  ``nn/attention_step.py``): a self-attention's keys and values ``(B, h_kv, L, d)`` written in place at slot
+  ``length`` (every sample writes the same slot: left-padded prompts leave padding slots, which ``valid``
+  marks, and per-sample positions ``count`` count real tokens only, so padding never shifts a position and is
+  never read);
+- every slot a step may read is finite: masked slots were selected to 0 when the cache was built, slots not yet
+  written are 0;
+- ``fixed``: every step attends over all ``L`` slots with the validity mask and takes its slot from the 0-d
+  tensor ``slot``, so every step has the same shapes (``torch.compile(fullgraph=True)`` builds one graph; on a
+  GPU, CUDA graphs); otherwise over the written slots only (a view of the buffers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+__all__ = ["StaticKVCache"]
+
+
+@dataclass
+class StaticKVCache:
+    """What the decode steps share and keep.
+
+    Attributes:
+        layers: per block of the stack, the attention's slots (``SelfSlots`` / ``ContextSlots``), ``None`` for a
+            feed-forward block and for a cross-attention run without a context (it adds nothing).
+        valid: ``(B, L)`` which slots hold a real position (padding and unwritten slots are False).
+        positions: ``(B, L)`` the position of each slot's token (ALiBi's distances).
+        count: ``(B,)`` the next position of each sample (real rows so far).
+        lead: ``(B,)`` real rows before the tokens (absolute positions start after them).
+        condition: ``(B, K)`` the adaptive condition of the prefill, or ``None``.
+        length: slots written so far (a host integer: every sample writes the same slot).
+        padded: whether any slot before ``length`` is padding (the eager step then passes ``valid`` as a mask).
+        fixed: every step runs on fixed shapes (see the module docstring); ``slot`` its 0-d slot tensor.
+        rotary: the rotary tables of every position ``[0, L]`` (``nn.attention_step.rotary_tables``), or ``None``.
+        alibi_slopes: ``(h,)`` ALiBi's slopes, or ``None``.
+        dtype: the stack's hidden-state dtype (what a step's input must have: continuous wrappers' values are cast).
+    """
+
+    layers: list
+    valid: Tensor
+    positions: Tensor
+    count: Tensor
+    lead: Tensor
+    condition: Tensor | None
+    length: int
+    padded: bool
+    fixed: bool
+    slot: Tensor | None
+    rotary: object
+    alibi_slopes: Tensor | None
+    dtype: object
+    _spare: list | None = field(default=None, repr=False)
+
+    @property
+    def capacity(self) -> int:
+        """L, the slots the cache has room for."""
+        return int(self.valid.shape[1])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.count.shape[0])
+
+    def index_select_(self, index: Tensor) -> None:
+        """Keep (repeat, reorder) the samples ``index (B',)`` in place (beam search). When the batch keeps its
+        size, the keys and values are gathered into a second set of buffers allocated once (then the two swap),
+        so a reorder per step allocates nothing."""
+        same = int(index.shape[0]) == self.batch_size
+        spares = self._spare if same else None
+        if same and spares is None:  # the first reorder of this size: allocate the spare set once
+            spares = [None if s is None else s.spare() for s in self.layers]
+        olds = []
+        for i, s in enumerate(self.layers):
+            olds.append(None if s is None else s.select_(index, None if spares is None else spares[i]))
+        self._spare = olds if same else None
+        sel = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        self.valid, self.positions, self.count, self.lead = sel(self.valid), sel(self.positions), sel(self.count), \
+            sel(self.lead)
+        self.condition = sel(self.condition)

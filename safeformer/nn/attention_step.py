@@ -1,0 +1,317 @@
+"""The attention part's decode step: one new position per sample over keys and values it keeps in place.
+
+Shape legend: B samples (guidance branches times batch), h query heads, h_kv key/value heads, L the cache's
+capacity, d head dim, c model width, j context length.
+
+``Attention.forward(h, cache=AttentionStep(slots, inputs))`` (``h (B, 1, c)``) is the attention's own forward
+for one position over a ``StaticKVCache`` (``core/static_cache.py``): the stack hands each attention block its
+slots (``SelfSlots``: preallocated keys and values ``(B, h_kv, L, d)`` written in place at the step's slot;
+``ContextSlots``: the context's keys and values, computed once) and the inputs every block of the step shares
+(``StepInputs``: the slot, the self-attention mask, the rotation at each sample's position). Nothing here reads a
+value back to the host, re-checks or re-selects anything: the slots were checked and their masked entries
+selected to 0 when the cache was built, so every slot the kernel reads is finite.
+
+The attention owns how it runs the step (``StepPlan``): where its projections are plain ``nn.Linear`` it
+concatenates the q/k/v weights once per cache and calls one product per step (the same dot products, so the
+same bits: tested), and calls ``to_q`` / ``to_out`` as functions; otherwise it calls its own seams
+(``_project_q``, ``_project_kv``, ``_output``). A net with forward hooks (FSDP2's all-gathers, a user's probes)
+gets no plan: its weights may be shards between calls, so every step calls the seams, inside the modules'
+calls, which run the hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..core import attend as _attend_module
+from ..core.attend import from_kernel_heads, to_kernel_heads
+
+__all__ = ["StepInputs", "SelfSlots", "ContextSlots", "AttentionStep", "StepPlan", "step_plan", "self_slots",
+           "context_slots", "attention_step", "rotary_tables", "rotate"]
+
+
+class StepInputs(NamedTuple):
+    """What every attention block of one step shares (built once per step by the stack).
+
+    Attributes:
+        slot: the slot the new position is written at: a host integer (eager: attend over slots ``[0, slot]``) or
+            a 0-d long tensor (``fixed``: attend over every slot with the mask, fixed shapes for a compiled step).
+        fixed: whether the step runs on fixed shapes.
+        self_mask: ``(B, 1|h, 1, n_keys)`` bool mask of the slots a query may read, or an additive float bias with
+            ``-inf`` at the unreadable ones (ALiBi), or ``None`` (every slot ``[0, slot]`` is readable).
+        n_keys: the key slots read.
+        rot: the rotation at each sample's position (``rotary_tables`` taken there), or ``None``.
+    """
+
+    slot: int | Tensor
+    fixed: bool
+    self_mask: Tensor | None
+    n_keys: int
+    rot: object
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How an attention runs the step: its fused q/k/v weights (self-attention), whether its query projection
+    (cross-attention) and output projection are plain ``nn.Linear`` (called as functions).
+
+    ``fused``: ``(weight, bias, sizes, rotate_together)``: the three weights (and biases) concatenated once,
+    ``F.linear(h, weight, bias)`` split in ``sizes`` (``h d``, ``h_kv d``, ``h_kv d``); ``rotate_together``: no q/k
+    norm sits between the projection and the rotation, so q and k rotate as one tensor. ``explicit``: the scoring
+    options run on the explicit path (``attention_scoring.explicit_call``: softclamped logits, another score, sparse
+    top-k, talking heads, ...), over the slots as over any keys (they are per-query: the new query's row is what the
+    whole sequence's forward computes for it)."""
+
+    fused: tuple | None = None
+    plain_q: bool = False
+    plain_out: bool = False
+    explicit: bool = False
+
+
+@dataclass
+class SelfSlots:
+    """A self-attention block's keys and values ``(B, h_kv, L, d)``: slots ``>= length`` are 0, masked slots 0."""
+
+    keys: Tensor
+    values: Tensor
+    plan: StepPlan
+
+    def spare(self) -> tuple[Tensor, Tensor]:
+        """Buffers shaped like the keys and values (what ``select_`` gathers into)."""
+        return torch.empty_like(self.keys), torch.empty_like(self.values)
+
+    def select_(self, index: Tensor, spare: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor] | None:
+        """Keep the samples ``index``; with ``spare`` (buffers of the same shape) gather into them and return the
+        old ones (the next call's spare), so that a reorder of the same batch size allocates nothing."""
+        if spare is None:
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+            return None
+        torch.index_select(self.keys, 0, index, out=spare[0])
+        torch.index_select(self.values, 0, index, out=spare[1])
+        old = (self.keys, self.values)
+        self.keys, self.values = spare
+        return old
+
+
+@dataclass
+class ContextSlots:
+    """A cross-attention block's context keys and values ``(B, h_kv, j, d)`` (masked keys 0), the kernel's mask
+    ``(B, 1, 1, j)`` (a sample with no context key sees key 0, its output then selected to 0) or ``None``, and
+    ``live (B, 1, 1)``: the samples that see some context key (``None``: all do)."""
+
+    keys: Tensor
+    values: Tensor
+    mask: Tensor | None
+    live: Tensor | None
+    plan: StepPlan
+
+    def spare(self) -> None:
+        return None
+
+    def select_(self, index: Tensor, spare=None) -> None:
+        sel = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        self.keys, self.values, self.mask, self.live = sel(self.keys), sel(self.values), sel(self.mask), sel(self.live)
+        return None
+
+
+class AttentionStep(NamedTuple):
+    """``Attention.forward``'s ``cache=`` for one decode step: this block's slots and the step's shared inputs."""
+
+    slots: SelfSlots | ContextSlots
+    inputs: StepInputs
+
+
+def step_plan(attn, kind: str, fast: bool) -> StepPlan:
+    """The plan of ``attn`` for a ``kind`` (``"self"`` / ``"cross"``) block; ``fast=False``: the seams only."""
+    if not fast:
+        return StepPlan(explicit=bool(attn.explicit))
+    plain_out = (attn.to_v_head_gate is None and attn.to_v_gate is None and attn.to_output_gate is None
+                 and attn.head_scale_params is None and (attn.sublayer_dropout is None or not attn.training)
+                 and type(attn.to_out) is nn.Linear)
+    if kind == "cross":
+        return StepPlan(plain_q=attn.to_latent_q is None and type(attn.to_q) is nn.Linear, plain_out=plain_out,
+                        explicit=bool(attn.explicit))
+    return StepPlan(fused=_fused_qkv(attn), plain_out=plain_out, explicit=bool(attn.explicit))
+
+
+def _fused_qkv(attn) -> tuple | None:
+    """The fused projection of ``attn``, or ``None`` where its projections are not three plain ``nn.Linear`` of the
+    same input (latent q/kv, rotary sub-heads, wrapped projections): the step then calls the seams."""
+    lins = (attn.to_q, attn.to_k, attn.to_v)
+    if (attn.to_latent_q is not None or attn.to_latent_kv is not None or attn.rope_subheads
+            or any(type(lin) is not nn.Linear for lin in lins)):
+        return None
+    biases = [lin.bias for lin in lins]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in lins])
+        bias = None if biases[0] is None else torch.cat(biases)
+    return weight, bias, tuple(int(lin.out_features) for lin in lins), not attn.qk_normed
+
+
+def self_slots(attn, k: Tensor, v: Tensor, mask: Tensor | None, capacity: int, fast: bool) -> SelfSlots:
+    """``attn``'s slots from a prefill's keys and values ``(B, h_kv, p, d)`` (``mask (B, p)``: which are real): room
+    for ``capacity`` slots, masked slots selected to 0 once (whatever a cache handed in held there)."""
+    p = k.shape[2]
+    kb = k.new_zeros(*k.shape[:2], capacity, k.shape[3])
+    vb = v.new_zeros(*v.shape[:2], capacity, v.shape[3])
+    if mask is None:
+        kb[:, :, :p], vb[:, :, :p] = k, v
+    else:
+        keep = mask[:, None, :, None]
+        kb[:, :, :p], vb[:, :, :p] = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+    return SelfSlots(kb, vb, step_plan(attn, "self", fast))
+
+
+def context_slots(attn, k: Tensor, v: Tensor, context_mask: Tensor | None, fast: bool) -> ContextSlots:
+    """``attn``'s slots from the context's keys and values ``(B, h_kv, j, d)`` and its mask ``(B, j)``."""
+    plan = step_plan(attn, "cross", fast)
+    if context_mask is None:
+        return ContextSlots(k, v, None, None, plan)
+    keep = context_mask[:, None, :, None]
+    live = context_mask.any(dim=1)  # (B,)
+    first = torch.zeros_like(context_mask)
+    if context_mask.shape[1]:
+        first[:, 0] = True
+    kernel_mask = (context_mask | (~live[:, None] & first))[:, None, None, :]  # a dead row sees key 0
+    return ContextSlots(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0), kernel_mask, live[:, None, None], plan)
+
+
+def attention_step(attn, h: Tensor, step: AttentionStep) -> Tensor:
+    """The output ``(B, 1, c)`` of ``attn`` for the new position ``h (B, 1, c)``; a self-attention writes its new key
+    and value at the step's slot first."""
+    slots, inputs = step
+    kernel = _attend_module._kernel  # read per call: tests substitute a misbehaving kernel
+    if isinstance(slots, SelfSlots):
+        return _self_step(attn, slots, h, inputs, kernel)
+    return _cross_step(attn, slots, h, kernel)
+
+
+def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel) -> Tensor:
+    slot, rot = inputs.slot, inputs.rot
+    if s.plan.fused is not None:
+        q, k, v = _project_fused(attn, s.plan.fused, h, rot)
+    else:
+        q = attn._project_q(h).transpose(1, 2)  # (B, h, 1, d)
+        k, v = attn._project_kv(h)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, h_kv, 1, d)
+        if rot is not None:
+            q, k = rotate(q, rot), rotate(k, rot)
+    kb, vb = s.keys, s.values
+    if inputs.fixed:
+        kb.index_copy_(2, slot[None], k)
+        vb.index_copy_(2, slot[None], v)
+    else:
+        kb.narrow(2, slot, 1).copy_(k)
+        vb.narrow(2, slot, 1).copy_(v)
+        kb, vb = kb.narrow(2, 0, inputs.n_keys), vb.narrow(2, 0, inputs.n_keys)
+    if s.plan.explicit:
+        out = _explicit(attn, q, kb, vb, inputs.self_mask)
+    else:
+        q, mask_h, _ = to_kernel_heads(attn, q, inputs.self_mask)  # x-transformers' tiled kv heads: interleaved
+        out = from_kernel_heads(attn, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=attn.kv_heads != attn.heads))
+    if s.plan.plain_out:
+        return F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
+    return attn._output(out.transpose(1, 2), h)
+
+
+def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
+    if s.plan.plain_q:
+        q = F.linear(h, attn.to_q.weight, attn.to_q.bias).unflatten(-1, (attn.heads, attn.dim_head))
+        q = attn.norm_q(q).transpose(1, 2)
+    else:
+        q = attn._project_q(h).transpose(1, 2)
+    if s.plan.explicit:
+        out = _explicit(attn, q, s.keys, s.values, s.mask)
+    else:
+        q, mask_h, _ = to_kernel_heads(attn, q, s.mask)
+        out = from_kernel_heads(attn, kernel(q, s.keys, s.values, attn_mask=mask_h,
+                                             enable_gqa=attn.kv_heads != attn.heads))
+    if s.live is not None:  # a sample with no context key: exactly 0 (after a bias too)
+        out = torch.where(s.live[..., None], out, 0.0)
+    rows_ok = None if s.live is None or attn.out_bias is None else s.live[:, :, 0]
+    if s.plan.plain_out:
+        out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
+        return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+    return attn._output(out.transpose(1, 2), h, None, rows_ok)
+
+
+def _explicit(attn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """The explicit path's output ``(B, h, 1, e)`` over the slots: ``mask`` a bool mask of the readable slots or an
+    additive bias with ``-inf`` at the others (ALiBi)."""
+    from .attention_scoring import explicit_call
+
+    bias = None
+    if mask is not None and mask.is_floating_point():
+        mask, bias = None, mask
+    return explicit_call(attn, q, k, v, mask, False, bias, None, False, None)[0]
+
+
+def _project_fused(attn, fused: tuple, h: Tensor, rot) -> tuple[Tensor, Tensor, Tensor]:
+    """``q (B, h, 1, d)``, ``k, v (B, h_kv, 1, d)`` of ``h (B, 1, c)`` through the fused projection, q/k/v-normed and
+    rotated as ``_project_q`` / ``_project_kv`` and ``rotate`` do (q and k rotated as one tensor when no norm sits
+    between the projection and the rotation)."""
+    weight, bias, (nq, nk, _), rotate_together = fused
+    heads, kv_heads, d = attn.heads, attn.kv_heads, attn.dim_head
+    qkv = F.linear(h, weight, bias)  # (B, 1, h d + 2 h_kv d)
+    v = qkv[..., nq + nk:].unflatten(-1, (kv_heads, d))
+    if attn.v_norm is not None:
+        v = attn.v_norm(v)
+    if rot is not None and rotate_together:
+        qk = rotate(qkv[..., :nq + nk].unflatten(-1, (heads + kv_heads, d)), rot)  # (B, 1, h + h_kv, d)
+        return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
+    q = qkv[..., :nq].unflatten(-1, (heads, d))
+    k = qkv[..., nq:nq + nk].unflatten(-1, (kv_heads, d))
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if rot is not None:
+        q, k = rotate(q, rot), rotate(k, rot)
+    return q, k, v.transpose(1, 2)
+
+
+def rotary_tables(rotary, dim_head: int, capacity: int, dtype: torch.dtype, device, fixed: bool = False):
+    """``rotary`` (a ``RotaryEmbedding``) at every position ``[0, capacity]``, one angle per pair of features
+    (features past the rotary width: angle 0, passed through).
+
+    Eager: ``cis (capacity + 1, d / 2)``, unit complex numbers ``cos + i sin`` (complex64; complex128 for a float64
+    model): ``rotate`` multiplies the pairs by them, one op. ``fixed`` (the compiled step): ``(cos, sin, swap)`` real
+    tables ``(capacity + 1, d)`` and a pair swap, ``t * cos + t[..., swap] * sin`` (inductor fuses it; it generates
+    no complex code). Both give ``apply_rotary``'s bits (tested)."""
+    d = dim_head
+    positions = torch.arange(capacity + 1, device=device)[None]
+    angles = rotary.angles(positions, dtype=dtype)[0, 0]  # (L + 1, d_rot), pairs share an angle
+    if not fixed:
+        half = angles[:, 0::2]  # (L + 1, d_rot / 2)
+        cis = torch.ones(capacity + 1, d // 2, device=device,
+                         dtype=torch.complex128 if half.dtype == torch.float64 else torch.complex64)
+        cis[:, : half.shape[1]] = torch.complex(half.cos(), half.sin())
+        return cis
+    rot = angles.shape[-1]
+    cos = torch.ones(capacity + 1, d, dtype=angles.dtype, device=device)
+    sin = torch.zeros(capacity + 1, d, dtype=angles.dtype, device=device)
+    cos[:, :rot] = angles.cos()
+    sign = torch.tensor([-1.0, 1.0], dtype=angles.dtype, device=device).repeat(rot // 2)
+    sin[:, :rot] = angles.sin() * sign
+    swap = torch.arange(d, device=device).view(-1, 2).flip(-1).flatten()
+    return cos, sin, swap
+
+
+def rotate(t: Tensor, rot) -> Tensor:
+    """``apply_rotary`` at each sample's position, through ``rotary_tables`` taken at the positions: the pairs
+    ``(x1, x2)`` of ``t (..., d)`` become ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each a product then a sum as
+    ``apply_rotary`` computes them. ``rot``: ``cis (B, 1, 1, d / 2)`` (the pairs as complex numbers times it), or
+    ``(cos, sin, swap)`` (the compiled step). Computed in the tables' real dtype, then cast back."""
+    if isinstance(rot, tuple):
+        cos, sin, swap = rot
+        tf = t.to(cos.dtype)
+        return (tf * cos + tf.index_select(-1, swap) * sin).to(t.dtype)
+    tf = t.to(torch.float64 if rot.dtype == torch.complex128 else torch.float32).unflatten(-1, (-1, 2))
+    if tf.stride(-1) != 1 or tf.storage_offset() % 2 or any(st % 2 for st in tf.stride()[:-1]):
+        tf = tf.contiguous()  # a complex view needs whole pairs in memory
+    return torch.view_as_real(torch.view_as_complex(tf) * rot).flatten(-2).to(t.dtype)

@@ -1,0 +1,300 @@
+"""The decode step as the model's own forward: ``net(new, cache=static)`` on a ``StaticKVCache``.
+
+Shape legend: B samples, c model width, v vocabulary (or output features), L the cache's capacity.
+
+``build_static_cache(net, cache, capacity)`` (``TransformerWrapper.static_cache``) turns a prefill's ``KVCache``
+into a ``StaticKVCache`` (``core/static_cache.py``), checking it once: each attention block gets its slots from
+the attention part (``nn/attention_step.py``), the rotary tables and the validity mask are built once. Then
+``net(new (B, 1), cache=static)`` (a ``ContinuousTransformerWrapper``: ``new (B, 1, dim_in)``) is the wrapper's
+ordinary forward at one position: it embeds the new position (``wrapper_step``), calls its stack with the cache
+(``AttentionLayers.forward`` -> ``stack_step``), whose blocks are called as modules (their norms, their
+``Attention.forward`` with the block's ``AttentionStep``, their feed-forward, their gates), and reads out the head.
+Hooks on any module run, as in any forward. Per step nothing is re-checked but the new input's metadata (no value
+is read back to the host: a token id's range is an asynchronous assertion), and the door
+checks of the prompt, the conditions and the cache ran once, at the prefill and when the cache was built.
+
+``step_refusal(net)`` says why a net cannot decode this way (the engine then uses the dynamic cache, which runs
+every option): options that read the whole sequence or run the explicit attention path, custom wrapper parts.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import Tensor
+
+from ..core.cache import KVCache
+from ..core.static_cache import StaticKVCache
+from ..nn.attention_step import AttentionStep, StepInputs, context_slots, rotary_tables, self_slots
+from ..nn.block import apply_norm
+
+__all__ = ["build_static_cache", "step_refusal", "stack_step", "wrapper_step", "check_step_call"]
+
+
+def _wrapper_refusal(net) -> str | None:
+    custom = [name for name, on in (("a custom token_emb", getattr(net, "custom_token_emb", False)),
+                                    ("a custom to_logits", getattr(net, "custom_to_logits", False)),
+                                    ("recycling", getattr(net, "recycling", False)),
+                                    ("a mixture of softmaxes", getattr(net, "to_mixture", None) is not None),
+                                    ("squeeze_out_last_dim", getattr(net, "squeeze_out_last_dim", False)),
+                                    ("a probabilistic head", getattr(net, "probabilistic", False)),
+                                    ("ff_deep_embed", getattr(net, "ff_deep_embed", None) is not None),
+                                    ("looped=True (the stack runs several times, with early exit)",
+                                     getattr(net, "looped", False)),
+                                    ("emb_dim != dim (a projection of the embeddings)",
+                                     getattr(net, "project_emb", None) is not None),
+                                    ("num_output_heads > 1", getattr(net, "num_output_heads", 1) > 1),
+                                    ("sigsoftmax_logits", getattr(net, "sigsoftmax_logits", False)),
+                                    ("memory_tokens_interspersed_every",
+                                     getattr(net, "memory_tokens_interspersed_every", None) is not None)) if on]
+    if custom:  # the step embeds and reads out with the wrapper's plain parts only
+        return f"the wrapper has {', '.join(custom)} (run as the wrapper's forward runs them)"
+    width = getattr(net.to_logits, "out_features", None) if hasattr(net, "num_tokens") else None
+    if width is not None and width > net.num_tokens:
+        # a sampled id may be no token: the dynamic path names it (a host read per step), the step would not
+        return "logits_dim is larger than num_tokens (a sampled id may be outside the vocabulary)"
+    return None
+
+
+def _attention_refusal(stack, mixer) -> str | None:
+    if mixer.extra_keys:
+        return "attention with memory keys, a learned sink or a zero key/value (keys besides the cached ones)"
+    if mixer.score in ("gumbel", "custom"):
+        return ("gumbel softmax draws noise per key slot and a custom_attn_fn may read every key: they run on the "
+                "dynamic path")
+    if mixer.max_attend_past is not None:
+        return "attn_max_attend_past masks keys by their distance (the step's masks do not)"
+    if (mixer.rel_proj_pos_bias is not None or mixer.rope_subheads or mixer.l2_distance
+            or mixer.rotate_num_heads != mixer.heads):
+        return ("attn_use_rel_proj_pos_bias, attn_latent_rope_subheads, rotate_num_heads and attn_l2_distance run "
+                "on the dynamic path")
+    if getattr(mixer, "hybrid", None) is not None:
+        return "attn_hybrid_module runs a sequence module beside attention (its state is the dynamic cache's)"
+    if mixer.orthog:
+        return "attn_orthog_projected_values projects over the whole sequence (no KV cache)"
+    if mixer.to_forget_gates is not None:
+        return "attn_data_dependent_alibi sums forget gates over the whole sequence (no KV cache)"
+    return None
+
+
+def step_refusal(net) -> str | None:
+    """Why ``net`` cannot decode on a ``StaticKVCache`` (``None`` when it can)."""
+    if getattr(type(net), "static_step_input", None) not in ("tokens", "values"):  # the two wrappers say which
+        return f"{type(net).__name__} is not a TransformerWrapper or ContinuousTransformerWrapper"
+    reason = _wrapper_refusal(net)
+    if reason is not None:
+        return reason
+    stack = net.attn_layers
+    if not stack.causal:
+        return "the stack is not causal"
+    if getattr(stack, "static_step_reason", None):
+        return stack.static_step_reason
+    if getattr(stack, "add_value_residual", False):
+        return "add_value_residual passes the first attention's values to the others (the step does not)"
+    if getattr(stack, "polar_pos_emb", None) is not None:
+        return "polar_pos_emb (PoPE) runs on the dynamic path"
+    if getattr(stack, "rel_pos", None) is not None:
+        return "rel_pos_bias / dynamic_pos_bias (a relative position bias module) runs on the dynamic path"
+    if getattr(stack.rotary, "use_xpos", False):
+        return "rotary_xpos centers its scales on each call's positions (no KV cache)"
+    for blk in stack.layers:
+        reason = None if blk.kind == "ff" else _attention_refusal(stack, blk.mixer)
+        if reason is not None:
+            return reason
+    for m in net.modules():  # a module may say why the step cannot run it (``static_step_refusal``)
+        refusal = getattr(m, "static_step_refusal", None)
+        if isinstance(refusal, str):
+            return refusal
+    return None
+
+
+def _hooked(net) -> bool:
+    from torch.nn.modules import module as _module
+
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in net.modules()))
+
+
+def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = False, fast: bool = True) -> StaticKVCache:
+    """The static form of the prefill's ``cache`` for ``net``, with room for ``capacity`` slots.
+
+    Args:
+        net: a ``TransformerWrapper`` or ``ContinuousTransformerWrapper`` the step can run (``step_refusal``).
+        cache: a ``KVCache`` from ``net(..., return_cache=True)`` (checked as input, like any cache: whatever its
+            masked slots hold is selected to 0 here).
+        capacity: L, at least ``cache.length``: the prefill's slots plus one per decode step.
+        fixed: every step on fixed shapes (attention over all ``L`` slots with the validity mask): what a compiled
+            step needs (one graph).
+        fast: let the attention blocks run plain projections as functions on fused weights (the same bits; not when
+            a module has forward hooks, whose weights may be shards between calls).
+    """
+    reason = step_refusal(net)
+    if reason is not None:
+        raise ValueError(f"the static decode step cannot run this net: {reason}")
+    stack = net.attn_layers
+    ref = stack.null_condition if stack.null_condition is not None else next(net.parameters())
+    device = cache.count.device if isinstance(cache, KVCache) else ref.device
+    probe = torch.empty(cache.batch_size if isinstance(cache, KVCache) else 0, 0, stack.dim, dtype=ref.dtype,
+                        device=device)
+    kinds = stack.layer_kinds
+    KVCache.check(cache, probe, kinds.count("self"), kinds.count("cross"))
+    p = cache.length
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < p:
+        raise ValueError(f"capacity must be an integer >= the cache's length {p}, got {capacity!r}")
+    fast = fast and not _hooked(net)
+    layers, i_self, i_cross = [], 0, 0
+    for blk in stack.layers:
+        if blk.kind == "self":
+            k, v = cache.self_kv[i_self]
+            layers.append(self_slots(blk.mixer, k, v, cache.mask, capacity, fast))
+            i_self += 1
+        elif blk.kind == "cross" and cache.cross_kv is not None:
+            k, v = cache.cross_kv[i_cross]
+            i_cross += 1  # a zero-length context: cross-attention adds exactly 0 (no slots, the block is skipped)
+            layers.append(context_slots(blk.mixer, k, v, cache.context_mask, fast) if k.shape[2] else None)
+        else:
+            layers.append(None)
+    b = cache.batch_size
+    valid = torch.zeros(b, capacity, dtype=torch.bool, device=device)
+    valid[:, :p] = True if cache.mask is None else cache.mask
+    positions = torch.zeros(b, capacity, dtype=torch.long, device=device)
+    positions[:, :p] = cache.positions.to(torch.long)
+    lead = cache.lead if cache.lead is not None else torch.zeros(b, dtype=torch.long, device=device)
+    rotary = None
+    if stack.rotary is not None:  # cos/sin of every position the generation may reach
+        dim_head = next(blk.mixer.dim_head for blk in stack.layers if blk.kind != "ff")
+        rotary = rotary_tables(stack.rotary, dim_head, capacity, ref.dtype, device, fixed=fixed)
+    slot = torch.full((), p, dtype=torch.long, device=device) if fixed else None
+    return StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
+                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype)
+
+
+def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
+    """The step's self-attention mask (an ALiBi bias in it), the key slots it reads and the rotation at each sample's
+    position, the new slot marked valid."""
+    if c.fixed:
+        slot = c.slot
+        c.valid.index_fill_(1, slot[None], True)
+        self_mask, n_keys = c.valid[:, None, None, :], c.capacity
+    else:
+        slot = c.length
+        c.valid[:, slot] = True
+        n_keys = slot + 1
+        self_mask = c.valid[:, None, None, :n_keys] if c.padded else None
+    rot = None
+    if isinstance(c.rotary, tuple):  # the fixed step's real tables at each sample's position
+        cos, sin, swap = c.rotary
+        rot = (cos.index_select(0, c.count)[:, None, None, :], sin.index_select(0, c.count)[:, None, None, :], swap)
+    elif c.rotary is not None:  # cis (B, 1, 1, d / 2)
+        rot = c.rotary.index_select(0, c.count)[:, None, None, :]
+    if c.alibi_slopes is not None:
+        if c.fixed:
+            c.positions.index_copy_(1, slot[None], c.count[:, None])
+        else:
+            c.positions[:, slot] = c.count
+        dist = (c.count[:, None] - c.positions[:, :n_keys]).abs().to(torch.promote_types(c.dtype, torch.float32))
+        bias = (-c.alibi_slopes.to(dist.dtype)[None, :, None, None] * dist[:, None, None, :]).to(c.dtype)  # (B, h, 1, n)
+        self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
+    return StepInputs(slot, c.fixed, self_mask, n_keys, rot)
+
+
+def _room(c: StaticKVCache) -> None:
+    if c.length >= c.capacity:
+        raise ValueError(f"the static cache is full ({c.capacity} slots)")
+
+
+def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
+    """``AttentionLayers.forward(x (B, 1, c), cache=static)``: one position through every block (each called as a
+    module, an attention block with its ``AttentionStep``), then the final norm; the cache advances one slot."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        if not isinstance(x, Tensor) or x.dim() != 3 or tuple(x.shape) != (c.batch_size, 1, stack.dim):
+            raise ValueError(f"x must have shape (b, 1, dim) = ({c.batch_size}, 1, {stack.dim}) with a StaticKVCache "
+                             f"(one new position per sample), got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+        if x.device != c.count.device:
+            raise ValueError(f"x is on {x.device}, the cache on {c.count.device}")
+        _room(c)
+    inputs = _step_inputs(stack, c)
+    cond = c.condition
+    for blk, slots in zip(stack.layers, c.layers):
+        if blk.kind == "ff":
+            out, _ = blk(x, cond)
+        elif slots is None:  # cross-attention without a context (or a zero-length one): adds exactly 0
+            continue
+        else:
+            out, _ = blk(x, cond, cache=AttentionStep(slots, inputs))
+        x = x + out
+    x = apply_norm(stack.final_norm, x, cond)
+    c.count.add_(1)
+    if c.fixed:
+        c.slot.add_(1)
+    if not compiling:  # a compiled step's caller advances the host count (a Python int in the graph would recompile)
+        c.length += 1
+    return x
+
+
+_STEP_FREE = ("self", "x", "cache", "return_cache", "check_finite", "__class__")
+
+
+@functools.cache
+def _defaults(fn) -> dict:
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+def check_step_call(fn, given: dict) -> None:
+    """A forward ``fn`` called with a ``StaticKVCache`` (``given``: its arguments): ``x`` the new position of every
+    sample and nothing else (the context, the conditions and the masks are the prefill's, held by the cache); every
+    other argument must be at its default, or it is refused by name. Metadata only."""
+    defaults = _defaults(fn)
+    extra = []
+    for name, value in given.items():
+        if name in _STEP_FREE or value is None:
+            continue
+        if name not in defaults:  # the forward's **conditions
+            if value:
+                extra.extend(sorted(value))
+            continue
+        default = defaults[name]
+        if value is default or (type(value) is type(default) and isinstance(value, (bool, int, float, str))
+                                and value == default):
+            continue
+        extra.append(name)
+    if extra:
+        raise ValueError(f"a StaticKVCache step takes the new position only (the prefill's context, conditions and "
+                         f"masks are in the cache); got {', '.join(extra)}")
+
+
+def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
+    """``net(x, cache=static)``: ``x (B, 1)`` token ids (``tokens``) or ``(B, 1, dim_in)`` values; returns the
+    output ``(B, 1, v)`` at the new position."""
+    if not torch.compiler.is_compiling():
+        b = c.batch_size
+        want = (b, 1) if tokens else (b, 1, "dim_in")
+        if not isinstance(x, Tensor) or x.dim() != len(want) or tuple(x.shape[:2]) != (b, 1):
+            raise ValueError(f"x must have shape {want} with a StaticKVCache (one new position per sample), got "
+                             f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+        if x.device != c.count.device:
+            raise ValueError(f"x is on {x.device}, the cache on {c.count.device}")
+        if tokens:
+            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+                raise TypeError(f"x must hold integer token ids, got {x.dtype}")
+            # asynchronous (no host read on a GPU: the failure surfaces at the next synchronisation)
+            torch._assert_async(((x >= 0) & (x < net.num_tokens)).all(),
+                                f"x holds token ids outside [0, {net.num_tokens}) (num_tokens)")
+    if tokens:
+        h = net.token_emb(x)
+        if net.l2norm_embed:
+            from ..nn.modules import l2norm
+
+            h = l2norm(h)
+    else:
+        h = net.project_in(x.to(c.dtype))
+    if net.pos_emb is not None:
+        h = h + net.pos_emb.embed_positions((c.count - c.lead).clamp(min=0)[:, None]).to(h.dtype)
+    if getattr(net, "post_emb_norm", None) is not None:
+        h = net.post_emb_norm(h)
+    h = net.attn_layers(h, cache=c)
+    return net._head(h) if tokens else net.project_out(h)
