@@ -75,14 +75,13 @@ def _workloads(lib, quick: bool, compiled: bool = False) -> dict:
         torch.manual_seed(0)
         opt_net = lib.TransformerWrapper(num_tokens=256, max_seq_len=256, attn_layers=lib.Decoder(
             dim=dim, depth=depth, heads=4, dim_head=dim // 4, rotary_pos_emb=True, **kw)).eval()
-        prompt1 = torch.randint(0, 256, (1, 8), generator=g)
+        prompt1, wrapped = torch.randint(0, 256, (1, 8), generator=g), lib.AutoregressiveWrapper(opt_net)
         out[f"generate with {label}, batch 1"] = (
-            lambda m=lib.AutoregressiveWrapper(opt_net), p=prompt1: m.generate(p, tokens, temperature=0.0))
+            lambda m=wrapped, p=prompt1: m.generate(p, tokens, temperature=0.0))
     hooked = _build(lib, dim, depth, cross=False).eval()
     hooked.attn_layers.layers[0].register_forward_hook(lambda *a: None)  # a probe (FSDP2 hooks every block)
-    out["generate with a forward hook, batch 1"] = (
-        lambda m=lib.AutoregressiveWrapper(hooked), p=torch.randint(0, 256, (1, 8), generator=g):
-        m.generate(p, tokens, temperature=0.0))
+    hooked_ar, prompt1 = lib.AutoregressiveWrapper(hooked), torch.randint(0, 256, (1, 8), generator=g)
+    out["generate with a forward hook, batch 1"] = lambda: hooked_ar.generate(prompt1, tokens, temperature=0.0)
     q = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)
     k = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)
     v = torch.randn(4, 8, 256, 64, generator=g, requires_grad=True)

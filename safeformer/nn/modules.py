@@ -183,6 +183,23 @@ class TorchLayerNorm(nn.LayerNorm):
         return F.layer_norm(x.to(dtype), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
+def _offset_gain(module: nn.Module, gain: Tensor, unit_offset: bool) -> Tensor:
+    """``gain + 1`` with ``unit_offset`` (else ``gain``). Without autograd (inference, decoding) the sum is kept
+    on ``module`` and recomputed only when ``gain`` changes (its version counter moves with every in-place update,
+    an optimizer step included), so a decode step does not add it again per norm call."""
+    if not unit_offset:
+        return gain
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or gain.is_inference():
+        return gain + 1.0  # (an inference tensor has no version counter to key the kept sum on)
+    key = (gain, gain._version, gain.device, gain.dtype)
+    kept = module.__dict__.get("_offset_gain_kept")
+    if kept is None or kept[0][0] is not gain or kept[0][1:] != key[1:]:
+        with torch.no_grad():
+            kept = (key, gain + 1.0)
+        module.__dict__["_offset_gain_kept"] = kept
+    return kept[1]
+
+
 class LayerNorm(nn.Module):
     """x-transformers' bias-free ``LayerNorm(dim, unit_offset=False)``: ``layer_norm(x) * (gamma + unit_offset)``,
     its parameter named ``gamma`` as there; statistics (and their gradients) in float32 (S7), one fused kernel.
@@ -211,8 +228,9 @@ class LayerNorm(nn.Module):
         return self.gamma + float(self.unit_offset) if self.unit_offset else self.gamma
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and not self.unit_offset and self.gamma.dtype == torch.float32:  # the same bits
-            return F.layer_norm(x, self.normalized_shape, self.gamma, self.bias, self.eps)
+        if x.dtype == torch.float32 and self.gamma.dtype == torch.float32:  # nothing to promote: the same bits
+            return F.layer_norm(x, self.normalized_shape, _offset_gain(self, self.gamma, self.unit_offset), self.bias,
+                                self.eps)
         dtype = torch.promote_types(x.dtype, torch.float32)
         b = None if self.bias is None else self.bias.to(dtype)
         return F.layer_norm(x.to(dtype), self.normalized_shape, self.weight.to(dtype), b, self.eps).to(x.dtype)
