@@ -481,6 +481,16 @@ def probe_mask_helpers(seed: int, value: float) -> Probe:
     ])
 
 
+def _plant_cache(cache, mask: Tensor, ctx_mask: Tensor, value: float) -> None:
+    """``value`` into every masked slot of a ``KVCache``: the prompt's padding and the context's masked keys."""
+    for k, v in cache.self_kv:
+        k.data[~mask[:, None, :, None].expand_as(k)] = value
+        v.data[~mask[:, None, :, None].expand_as(v)] = value
+    for k, v in cache.cross_kv:
+        k.data[~ctx_mask[:, None, :, None].expand_as(k)] = value
+        v.data[~ctx_mask[:, None, :, None].expand_as(v)] = value
+
+
 def probe_cache(seed: int, value: float) -> Probe:
     """A ``KVCache`` is input: NaN planted in its masked slots (left padding of the prompt, padded
     context positions) changes no later output; a cache of another batch or a new context is refused."""
@@ -495,12 +505,7 @@ def probe_cache(seed: int, value: float) -> Probe:
     _, cache = dec(x, mask=mask, context=ctx, context_mask=ctx_mask, return_cache=True)
     x_new = torch.randn(b, 1, c, generator=g).requires_grad_()
     clean = dec(x_new, cache=cache)
-    for k, v in cache.self_kv:
-        k.data[~mask[:, None, :, None].expand_as(k)] = value
-        v.data[~mask[:, None, :, None].expand_as(v)] = value
-    for k, v in cache.cross_kv:
-        k.data[~ctx_mask[:, None, :, None].expand_as(k)] = value
-        v.data[~ctx_mask[:, None, :, None].expand_as(v)] = value
+    _plant_cache(cache, mask, ctx_mask, value)
     dirty = dec(x_new, cache=cache)
     assert torch.equal(clean, dirty), "garbage in a cache's masked slots changed the output"
     other = torch.randn(b, j, c, generator=g)
@@ -535,12 +540,7 @@ def probe_static_cache(seed: int, value: float) -> Probe:
         _, cache = net(tokens, mask=mask, context=ctx, context_mask=ctx_mask, return_cache=True)
     x_new = torch.randn(b, 1, c, generator=g)
     clean = net.attn_layers(x_new, cache=cache)
-    for k, v in cache.self_kv:
-        k.data[~mask[:, None, :, None].expand_as(k)] = value
-        v.data[~mask[:, None, :, None].expand_as(v)] = value
-    for k, v in cache.cross_kv:
-        k.data[~ctx_mask[:, None, :, None].expand_as(k)] = value
-        v.data[~ctx_mask[:, None, :, None].expand_as(v)] = value
+    _plant_cache(cache, mask, ctx_mask, value)
     static = build_static_cache(net, cache, cache.length + 1)
     x_new = x_new.clone().requires_grad_()
     out = net.attn_layers(x_new, cache=static)
