@@ -300,8 +300,8 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     assert float((static - dynamic).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(attn_max_attend_past=3)],
-                         ids=["memory kv", "sink", "max attend past"])
+@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(dynamic_pos_bias=True)],
+                         ids=["memory kv", "sink", "dynamic position bias"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -327,6 +327,22 @@ def test_explicit_scoring_options_run_on_the_step(option, input_kw):
     assert static_reason(net) is None
     prompts, kw = _inputs(**input_kw)
     dyn, stat = _dynamic_and_static(net, prompts, kw, steps=4)
+    assert float((stat - dyn).abs().max()) < 1e-10
+
+
+POSITION_OPTIONS = [dict(rel_pos_bias=True), dict(rotary_pos_emb=True, attn_max_attend_past=3),
+                    dict(alibi_pos_bias=True, attn_max_attend_past=2), dict(rel_pos_bias=True, attn_max_attend_past=4)]
+
+
+@pytest.mark.parametrize("input_kw", [dict(left_pad=True), dict(context=J, dead_context=True)], ids=["left pad", "context"])
+@pytest.mark.parametrize("option", POSITION_OPTIONS, ids=["t5 bias", "window, rotary", "window, alibi", "window, t5"])
+def test_position_options_run_on_the_step(option, input_kw):
+    """T5's bucketed bias and ``max_attend_past``'s window read the slots' positions (real tokens counted): the step
+    gives the dynamic cache's logits past the window's reach (float64, to rounding)."""
+    net = _net(cross_attend="context" in input_kw, **option)
+    assert static_reason(net) is None
+    prompts, kw = _inputs(**input_kw)
+    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=6)
     assert float((stat - dyn).abs().max()) < 1e-10
 
 

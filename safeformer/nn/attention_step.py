@@ -46,6 +46,8 @@ class StepInputs(NamedTuple):
             ``-inf`` at the unreadable ones (ALiBi), or ``None`` (every slot ``[0, slot]`` is readable).
         n_keys: the key slots read.
         rot: the rotation at each sample's position (``rotary_tables`` taken there), or ``None``.
+        count: ``(B,)`` the new position of each sample (real tokens before it).
+        positions: ``(B, n_keys)`` the position of each slot read (a window's distances, ``max_attend_past``).
     """
 
     slot: int | Tensor
@@ -53,6 +55,8 @@ class StepInputs(NamedTuple):
     self_mask: Tensor | None
     n_keys: int
     rot: object
+    count: Tensor | None = None
+    positions: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -211,10 +215,13 @@ def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel) -> Ten
         kb.narrow(2, slot, 1).copy_(k)
         vb.narrow(2, slot, 1).copy_(v)
         kb, vb = kb.narrow(2, 0, inputs.n_keys), vb.narrow(2, 0, inputs.n_keys)
+    self_mask = inputs.self_mask
+    if attn.max_attend_past is not None:  # x-transformers' window: slots too far back are not read
+        self_mask = _window(self_mask, (inputs.count[:, None] - inputs.positions) > attn.max_attend_past)
     if s.plan.explicit:
-        out = _explicit(attn, q, kb, vb, inputs.self_mask)
+        out = _explicit(attn, q, kb, vb, self_mask)
     else:
-        q, mask_h, _ = to_kernel_heads(attn, q, inputs.self_mask)  # x-transformers' tiled kv heads: interleaved
+        q, mask_h, _ = to_kernel_heads(attn, q, self_mask)  # x-transformers' tiled kv heads: interleaved
         out = from_kernel_heads(attn, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=attn.kv_heads != attn.heads))
     if s.plan.plain_out:
         return F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
@@ -240,6 +247,17 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
         out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
         return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
     return attn._output(out.transpose(1, 2), h, None, rows_ok)
+
+
+def _window(mask: Tensor | None, far: Tensor) -> Tensor:
+    """``mask`` (``None``, a bool mask or an additive bias) with the slots ``far (B, n)`` unreadable as well (the
+    new position's own slot is never far: no row loses every key)."""
+    far = far[:, None, None, :]
+    if mask is None:
+        return ~far
+    if mask.dtype == torch.bool:
+        return mask & ~far
+    return mask.masked_fill(far, float("-inf"))
 
 
 def _explicit(attn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

@@ -29,6 +29,7 @@ from ..core.cache import KVCache
 from ..core.static_cache import StaticKVCache
 from ..nn.attention_step import AttentionStep, StepInputs, context_slots, rotary_tables, self_slots
 from ..nn.block import apply_norm
+from ..nn.relative_position import RelativePositionBias
 
 __all__ = ["build_static_cache", "step_refusal", "stack_step", "wrapper_step", "check_step_call"]
 
@@ -64,8 +65,6 @@ def _attention_refusal(stack, mixer) -> str | None:
     if mixer.score in ("gumbel", "custom"):
         return ("gumbel softmax draws noise per key slot and a custom_attn_fn may read every key: they run on the "
                 "dynamic path")
-    if mixer.max_attend_past is not None:
-        return "attn_max_attend_past masks keys by their distance (the step's masks do not)"
     if (mixer.rel_proj_pos_bias is not None or mixer.rope_subheads or mixer.l2_distance
             or mixer.rotate_num_heads != mixer.heads):
         return ("attn_use_rel_proj_pos_bias, attn_latent_rope_subheads, rotate_num_heads and attn_l2_distance run "
@@ -95,8 +94,8 @@ def step_refusal(net) -> str | None:
         return "add_value_residual passes the first attention's values to the others (the step does not)"
     if getattr(stack, "polar_pos_emb", None) is not None:
         return "polar_pos_emb (PoPE) runs on the dynamic path"
-    if getattr(stack, "rel_pos", None) is not None:
-        return "rel_pos_bias / dynamic_pos_bias (a relative position bias module) runs on the dynamic path"
+    if getattr(stack, "rel_pos", None) is not None and not isinstance(stack.rel_pos, RelativePositionBias):
+        return "dynamic_pos_bias (its MLP spans the distances it reads: a host read) runs on the dynamic path"
     if getattr(stack.rotary, "use_xpos", False):
         return "rotary_xpos centers its scales on each call's positions (no KV cache)"
     for blk in stack.layers:
@@ -189,15 +188,20 @@ def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
         rot = (cos.index_select(0, c.count)[:, None, None, :], sin.index_select(0, c.count)[:, None, None, :], swap)
     elif c.rotary is not None:  # cis (B, 1, 1, d / 2)
         rot = c.rotary.index_select(0, c.count)[:, None, None, :]
+    if c.fixed:  # the new slot's position (ALiBi's and T5's distances, a window's)
+        c.positions.index_copy_(1, slot[None], c.count[:, None])
+    else:
+        c.positions[:, slot] = c.count
+    positions = c.positions[:, :n_keys]
+    bias = None
     if c.alibi_slopes is not None:
-        if c.fixed:
-            c.positions.index_copy_(1, slot[None], c.count[:, None])
-        else:
-            c.positions[:, slot] = c.count
-        dist = (c.count[:, None] - c.positions[:, :n_keys]).abs().to(torch.promote_types(c.dtype, torch.float32))
+        dist = (c.count[:, None] - positions).abs().to(torch.promote_types(c.dtype, torch.float32))
         bias = (-c.alibi_slopes.to(dist.dtype)[None, :, None, None] * dist[:, None, None, :]).to(c.dtype)  # (B, h, 1, n)
+    elif stack.rel_pos is not None:  # T5's bucketed bias of each slot's distance (B, h, 1, n)
+        bias = stack.rel_pos.bias(c.count[:, None], positions).to(c.dtype)
+    if bias is not None:
         self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
-    return StepInputs(slot, c.fixed, self_mask, n_keys, rot)
+    return StepInputs(slot, c.fixed, self_mask, n_keys, rot, c.count, positions)
 
 
 def _room(c: StaticKVCache) -> None:
