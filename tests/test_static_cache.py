@@ -300,8 +300,9 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     assert float((static - dynamic).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(dynamic_pos_bias=True)],
-                         ids=["memory kv", "sink", "dynamic position bias"])
+@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2, attn_softclamp_logits=True), dict(add_value_residual=True),
+                                    dict(dynamic_pos_bias=True)],
+                         ids=["memory kv + softclamp", "value residual", "dynamic position bias"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -343,6 +344,24 @@ def test_position_options_run_on_the_step(option, input_kw):
     assert static_reason(net) is None
     prompts, kw = _inputs(**input_kw)
     dyn, stat = _dynamic_and_static(net, prompts, kw, steps=6)
+    assert float((stat - dyn).abs().max()) < 1e-10
+
+
+EXTRA_KEY_OPTIONS = [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(attn_add_zero_kv=True),
+                     dict(attn_num_mem_kv=2, attn_head_learned_sink=True, attn_qk_norm=True, kv_heads=2)]
+
+
+@pytest.mark.parametrize("input_kw", [dict(left_pad=True), dict(context=J, dead_context=True), dict(context=0)],
+                         ids=["left pad", "dropped context", "zero-length context"])
+@pytest.mark.parametrize("option", EXTRA_KEY_OPTIONS, ids=["memory kv", "sink", "zero kv", "memory kv, sink, qk norm, gqa"])
+def test_extra_keys_run_on_the_step(option, input_kw):
+    """Memory keys, a learned sink and a zero key sit before the slots (the attention part's own ``prepend_extra`` /
+    ``extend``); in cross-attention a sample without context keys still reads the memory and zero keys (the sink
+    alone leaves it a dead row, exactly 0): the dynamic cache's logits (float64, to rounding)."""
+    net = _net(rotary_pos_emb=True, cross_attend="context" in input_kw, **option)
+    assert static_reason(net) is None
+    prompts, kw = _inputs(**input_kw)
+    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=4)
     assert float((stat - dyn).abs().max()) < 1e-10
 
 
@@ -454,7 +473,7 @@ def test_static_cache_checks_its_input_and_its_room():
         with pytest.raises(ValueError, match="full"):
             net(prompts[:, :1], cache=static)
     with pytest.raises(ValueError, match="static decode step cannot run"):
-        build_static_cache(_net(attn_num_mem_kv=1), cache, 20)
+        build_static_cache(_net(dynamic_pos_bias=True), cache, 20)
 
 
 def test_compile_plan_and_capacity_buckets():

@@ -179,6 +179,9 @@ def context_slots(attn, k: Tensor, v: Tensor, context_mask: Tensor | None, fast:
     if context_mask is None:
         return ContextSlots(k, v, None, None, plan)
     keep = context_mask[:, None, :, None]
+    if attn.num_mem_kv or attn.add_zero_kv:  # every query reads the memory (or zero) keys: no row without a key
+        return ContextSlots(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0), context_mask[:, None, None, :],
+                            None, plan)
     live = context_mask.any(dim=1)  # (B,)
     first = torch.zeros_like(context_mask)
     if context_mask.shape[1]:
@@ -218,6 +221,8 @@ def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel) -> Ten
     self_mask = inputs.self_mask
     if attn.max_attend_past is not None:  # x-transformers' window: slots too far back are not read
         self_mask = _window(self_mask, (inputs.count[:, None] - inputs.positions) > attn.max_attend_past)
+    if attn.extra_keys:  # [sink?, zero key?, memory keys] before the slots, seen by every query
+        kb, vb, self_mask = _with_extra(attn, kb, vb, self_mask, h)
     if s.plan.explicit:
         out = _explicit(attn, q, kb, vb, self_mask)
     else:
@@ -234,12 +239,14 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
         q = attn.norm_q(q).transpose(1, 2)
     else:
         q = attn._project_q(h).transpose(1, 2)
+    keys, values, mask = s.keys, s.values, s.mask
+    if attn.extra_keys:
+        keys, values, mask = _with_extra(attn, keys, values, mask, h)
     if s.plan.explicit:
-        out = _explicit(attn, q, s.keys, s.values, s.mask)
+        out = _explicit(attn, q, keys, values, mask)
     else:
-        q, mask_h, _ = to_kernel_heads(attn, q, s.mask)
-        out = from_kernel_heads(attn, kernel(q, s.keys, s.values, attn_mask=mask_h,
-                                             enable_gqa=attn.kv_heads != attn.heads))
+        q, mask_h, _ = to_kernel_heads(attn, q, mask)
+        out = from_kernel_heads(attn, kernel(q, keys, values, attn_mask=mask_h, enable_gqa=attn.kv_heads != attn.heads))
     if s.live is not None:  # a sample with no context key: exactly 0 (after a bias too)
         out = torch.where(s.live[..., None], out, 0.0)
     rows_ok = None if s.live is None or attn.out_bias is None else s.live[:, :, 0]
@@ -247,6 +254,24 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
         out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
         return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
     return attn._output(out.transpose(1, 2), h, None, rows_ok)
+
+
+def _with_extra(attn, k: Tensor, v: Tensor, mask: Tensor | None, h: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The slots with ``attn``'s extra keys before them (``attention_keys.prepend_extra``: the sink's and the zero
+    key's key and value 0, the memory keys normed as its keys are) and the mask or bias over them
+    (``attention_keys.extend``: every query sees them, the sink at its learned logit); the live samples' rows all
+    see a real key (their own new one), so nothing else changes."""
+    from .attention_keys import extend, prepend_extra
+
+    n = k.shape[2]
+    k, v = prepend_extra(attn, k, v)
+    bias = None
+    if mask is not None and mask.is_floating_point():
+        mask, bias = None, mask
+    mask, bias = extend(attn, mask, bias, h.shape[0], 1, n, h)
+    if bias is None:
+        return k, v, mask
+    return k, v, bias if mask is None else bias.masked_fill(~mask, float("-inf"))
 
 
 def _window(mask: Tensor | None, far: Tensor) -> Tensor:

@@ -60,8 +60,9 @@ def _wrapper_refusal(net) -> str | None:
 
 
 def _attention_refusal(stack, mixer) -> str | None:
-    if mixer.extra_keys:
-        return "attention with memory keys, a learned sink or a zero key/value (keys besides the cached ones)"
+    if mixer.extra_keys and mixer.explicit:
+        return ("memory keys, a learned sink or a zero key/value beside an explicit-path scoring option run on the "
+                "dynamic path")
     if mixer.score in ("gumbel", "custom"):
         return ("gumbel softmax draws noise per key slot and a custom_attn_fn may read every key: they run on the "
                 "dynamic path")
@@ -152,7 +153,8 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
         elif blk.kind == "cross" and cache.cross_kv is not None:
             k, v = cache.cross_kv[i_cross]
             i_cross += 1  # a zero-length context: cross-attention adds exactly 0 (no slots, the block is skipped)
-            layers.append(context_slots(blk.mixer, k, v, cache.context_mask, fast) if k.shape[2] else None)
+            seen = k.shape[2] or blk.mixer.num_mem_kv or blk.mixer.add_zero_kv  # keys every query reads
+            layers.append(context_slots(blk.mixer, k, v, cache.context_mask, fast) if seen else None)
         else:
             layers.append(None)
     b = cache.batch_size
