@@ -365,6 +365,30 @@ def test_extra_keys_run_on_the_step(option, input_kw):
     assert float((stat - dyn).abs().max()) < 1e-10
 
 
+ROUTING_OPTIONS = [dict(num_residual_streams=2), dict(gated_multi_residual=True, residual_fn_kwargs=dict(read_gate_rank=4)),
+                   dict(reinject_input=True, learned_reinject_input_gate=True), dict(pre_and_post_norm=True),
+                   dict(pre_norm=False), dict(scale_residual=True, scale_residual_constant=0.5), dict(gate_residual=True),
+                   dict(softclamp_output=True), dict(attn_aggregated_residuals=True,
+                                                     attn_aggregated_residual_kwargs=dict(lora_rank=4)),
+                   dict(attn_value_dim_head=12, kv_heads=2, attn_gate_values=True)]
+
+
+@pytest.mark.parametrize("input_kw", [dict(left_pad=True), dict(context=J, dead_context=True)], ids=["left pad", "context"])
+@pytest.mark.parametrize("option", ROUTING_OPTIONS, ids=[next(iter(o)) for o in ROUTING_OPTIONS])
+def test_residual_routing_and_value_width_run_on_the_step(option, input_kw):
+    """The stack's residual routing is per token (hyper-connections, gated streams, reinjection, post-norms, scaled or
+    gated residuals, aggregated residuals): the step runs it as the stack's forward does, and values of another width;
+    the dynamic cache's logits (float64, to rounding), parameters off their init so that a skipped part shows."""
+    net = _net(rotary_pos_emb=True, cross_attend="context" in input_kw, **option)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert static_reason(net) is None
+    prompts, kw = _inputs(**input_kw)
+    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=5)
+    assert float((stat - dyn).abs().max()) < 1e-10
+
+
 def test_logits_wider_than_the_vocabulary_keep_the_dynamic_path():
     """A sampled id may then be no token: the dynamic path names it (it checks the ids it embeds)."""
     assert "logits_dim" in static_reason(_net(rotary_pos_emb=True, logits_dim=V + 4))

@@ -632,7 +632,6 @@ def _init_inputs(attn: Attention, head_order: tuple, dim_head: int, value_dim_he
         if hybrid_module is not None:
             raise ValueError("value_dim_head != dim_head with hybrid_module is not supported (the hybrid branch "
                              "is mixed in per head of width dim_head)")
-        attn.static_step_refusal = "value_dim_head != dim_head (the decode step's buffers hold dim_head-wide values)"
 
 
 def _decide_paths(attn: Attention) -> None:

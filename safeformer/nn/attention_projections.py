@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..core.attend import _grad_select
 from .attention_calls import AttentionModule, _positive_int, check_kv_input
-from .modules import HeadRMSNorm, _rename_keys
+from .modules import HeadRMSNorm, PolarAngles, _rename_keys
 
 
 def init_projections(attn: AttentionModule, dim: int, heads: int, kv_heads: int, dim_head: int, bias: bool, *,
@@ -190,7 +190,7 @@ def project_qkv(attn: AttentionModule, x: Tensor, source: Tensor, context, kv, p
         if value_residual is not None:
             v = mix_values(attn, v, value_residual, source, new_keep, context is None)
         if rotary is not None:
-            k = attn._rotate(k, rotary[1])
+            k = _rotated(attn, k, rotary[1])
         if attn.orthog:  # the new values (b, i, h_kv, d), masked ones selected to 0
             v_orthog = v.transpose(1, 2) if keys_ok is None else \
                 torch.where(keys_ok[:, j - x.shape[1]:, None, None], v.transpose(1, 2), 0.0)
@@ -198,8 +198,20 @@ def project_qkv(attn: AttentionModule, x: Tensor, source: Tensor, context, kv, p
             k = torch.cat((past_kv[0], k), dim=2)
             v = torch.cat((past_kv[1], v), dim=2)
     if rotary is not None:
-        q = attn._rotate(q, rotary[0])
+        q = _rotated(attn, q, rotary[0])
     return q, k, v, v_orthog
+
+
+def _rotated(attn: AttentionModule, t: Tensor, angles) -> Tensor:
+    """``t (b, h|h_kv, n, d)`` rotated by ``angles`` (``attn._rotate``). PoPE (``PolarAngles``) after ``qk_norm``'s
+    fixed multiplier ``m`` (which stands for x-transformers' logit scale ``qk_norm_scale``): x-transformers scales
+    the logits after PoPE, so ``m`` leaves the normalised features before PoPE's softplus and multiplies its result
+    (the logits then equal x-transformers' ``qk_norm_scale * q . k``)."""
+    m = attn.q_norm.mult if isinstance(angles, PolarAngles) and attn.q_norm is not None else 1.0
+    if m == 1.0:
+        return attn._rotate(t, angles)
+    wide = t.to(torch.promote_types(t.dtype, torch.float32)) / m
+    return attn._rotate(wide, PolarAngles(angles.freqs, angles.gain * m)).to(t.dtype)
 
 
 def mix_values(attn: AttentionModule, v: Tensor, residual: Tensor, source: Tensor, keep: Tensor | None,

@@ -303,7 +303,7 @@ def _project_fused(attn, fused: tuple, h: Tensor, rot) -> tuple[Tensor, Tensor, 
     weight, bias, (nq, nk, _), rotate_together = fused
     heads, kv_heads, d = attn.heads, attn.kv_heads, attn.dim_head
     qkv = F.linear(h, weight, bias)  # (B, 1, h d + 2 h_kv d)
-    v = qkv[..., nq + nk:].unflatten(-1, (kv_heads, d))
+    v = qkv[..., nq + nk:].unflatten(-1, (kv_heads, -1))  # (values may be another width: value_dim_head)
     if attn.v_norm is not None:
         v = attn.v_norm(v)
     if rot is not None and rotate_together:

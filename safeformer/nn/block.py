@@ -355,10 +355,6 @@ class DynamicLIMe(nn.Module):
 
 DEFAULT_ATTN_RESIDUAL_LORA_RANK = 64  # x-transformers' default rank of AttentionResidual's query delta
 
-_ROUTING_STEP_REFUSAL = ("{} runs in the stack's residual routing (its forward), which the static decode step does "
-                         "not run: generation decodes with the dynamic KV cache")
-
-
 class LoRALinear(nn.Module):
     """x-transformers' ``LoRALinear(dim_in, dim_out, dim=rank, activation)``: ``up(activation(down(x)))`` without
     biases, ``up`` starting at zero (so the low-rank delta starts at 0). Its parameter names are x-transformers'
@@ -393,8 +389,6 @@ class AttentionResidual(nn.Module):
         lora_rank: the rank of the query delta (x-transformers' default 64; below ``dim``).
         lora_activation: an activation between the delta's two projections (``None``: none).
     """
-
-    static_step_refusal = _ROUTING_STEP_REFUSAL.format("attn_aggregated_residuals (AttentionResidual)")
 
     def __init__(self, dim: int, num_views: int = 1, lora_rank: int | None = DEFAULT_ATTN_RESIDUAL_LORA_RANK,
                  lora_activation: Callable[[Tensor], Tensor] | None = None):
@@ -448,8 +442,6 @@ class GatedMultiResidual(nn.Module):
         num_input_views: V (3: separate query, key and value inputs for self-attention).
         read_gate_rank: the rank of the shared bottleneck of the dynamic gates (``residual_fn_kwargs``' key).
     """
-
-    static_step_refusal = _ROUTING_STEP_REFUSAL.format("gated_multi_residual (GatedMultiResidual)")
 
     def __init__(self, dim: int, *, layer_index: int, num_residual_streams: int, num_input_views: int = 1,
                  read_gate_rank: int | None = None):

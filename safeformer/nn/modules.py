@@ -832,6 +832,18 @@ class PolarAngles:
         self.freqs, self.gain = freqs, gain
 
 
+def _polar_inv_freq(dim: int, base: float, device=None) -> Tensor:
+    """PoPE's frequencies ``base ** (-k / dim)``, ``k < dim``, as x-transformers computes them (float32)."""
+    return 1.0 / (base ** (torch.arange(0, dim, device=device).float() / dim))
+
+
+def _polar_inv_freq_if_missing(module: nn.Module, state_dict, prefix, *_args) -> None:
+    """A ``PolarEmbedding`` checkpoint of earlier safeformer holds no ``inv_freq``: read the constructor's."""
+    if prefix + "inv_freq" not in state_dict:
+        buf = module.inv_freq
+        state_dict[prefix + "inv_freq"] = _polar_inv_freq(module.dim, module.base, buf.device).to(buf.dtype)
+
+
 class PolarEmbedding(nn.Module):
     """x-transformers' ``PolarEmbedding(dim, heads, bias_uniform_init=False, base=10000)`` (PoPE,
     https://arxiv.org/abs/2509.10534): a head's ``d`` features become ``2 d``, ``softplus(t) * cos(f)`` and
@@ -841,6 +853,12 @@ class PolarEmbedding(nn.Module):
 
     ``forward(t)`` (positions ``(n,)`` or ``(b, n)``) returns x-transformers' ``(freqs (b|1, n, d), bias)``;
     ``apply_polar_pos_emb(t, freqs)`` applies them; ``pair(positions, dtype)`` is the stack's form.
+
+    State: x-transformers' ``learned_bias`` and its persistent ``inv_freq (d,)`` buffer (the frequencies
+    ``base ** (-k / d)`` computed in float32); the angles use the buffer's values, so a checkpoint holding other
+    frequencies gives x-transformers' numbers. A checkpoint of earlier safeformer without the buffer reads the
+    constructor's frequencies. Cast below float32 (``.half()``), a buffer still holding the constructor's values
+    (rounded) is read as them in float32 (S7); other values are read as rounded.
     """
 
     def __init__(self, dim: int, heads: int, bias_uniform_init: bool = False, base: float = 10000.0):
@@ -848,16 +866,27 @@ class PolarEmbedding(nn.Module):
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"PolarEmbedding dim must be a positive integer, got {dim!r}")
         self.dim, self.base = dim, float(base)
+        self.register_buffer("inv_freq", _polar_inv_freq(dim, self.base))  # persistent: x-transformers' key
         self.learned_bias = nn.Parameter(torch.zeros(heads, 1, dim))
         if bias_uniform_init:
             with torch.no_grad():
                 self.learned_bias.uniform_(-2.0 * math.pi, 0.0)
+        self._register_load_state_dict_pre_hook(_polar_inv_freq_if_missing, with_module=True)
+
+    def frequencies(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The ``inv_freq (d,)`` buffer's values in ``dtype`` (float32 or wider); where the buffer, cast below
+        float32, holds a constructor value rounded, that value in full (selected per element: no host sync)."""
+        dtype = torch.promote_types(dtype, torch.float32)
+        buf = self.inv_freq
+        if torch.promote_types(buf.dtype, torch.float32) == buf.dtype:
+            return buf.to(dtype)
+        exact = _polar_inv_freq(self.dim, self.base, buf.device)
+        return torch.where(exact.to(buf.dtype) == buf, exact, buf.to(torch.float32)).to(dtype)
 
     def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``positions (b, n)`` -> ``(b, n, d)`` angles in float32 or wider."""
+        """``positions (b, n)`` -> ``(b, n, d)`` angles in float32 or wider (positions times ``inv_freq``)."""
         dtype = torch.promote_types(dtype, torch.float32)
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, device=positions.device, dtype=dtype) / self.dim))
-        return positions.to(dtype)[..., None] * inv_freq
+        return positions.to(dtype)[..., None] * self.frequencies(dtype)
 
     def bias(self) -> Tensor:
         return self.learned_bias.clamp(-2.0 * math.pi, 0.0)

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..core.cache import KVCache
 from ..core.static_cache import StaticKVCache
 from ..nn.attention_step import AttentionStep, StepInputs, context_slots, rotary_tables, self_slots
-from ..nn.block import apply_norm
+from ..nn.block import apply_norm, residual_update
 from ..nn.relative_position import RelativePositionBias
 
 __all__ = ["build_static_cache", "step_refusal", "stack_step", "wrapper_step", "check_step_call"]
@@ -223,15 +223,25 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
             raise ValueError(f"x is on {x.device}, the cache on {c.count.device}")
         _room(c)
     inputs = _step_inputs(stack, c)
-    cond = c.condition
-    for blk, slots in zip(stack.layers, c.layers):
+    cond, routing = c.condition, stack.routing
+    route = None
+    if routing is not None:  # x-transformers' residual options, per token (the stack's forward runs the same)
+        x, route = routing.begin(x, None, cond)
+    for i, (blk, slots) in enumerate(zip(stack.layers, c.layers)):
+        inp = x
+        if route is not None:
+            x, inp = routing.enter(route, i, x)
         if blk.kind == "ff":
-            out, _ = blk(x, cond)
+            out, _ = blk(inp, cond)
         elif slots is None:  # cross-attention without a context (or a zero-length one): adds exactly 0
+            if route is not None:
+                x = routing.leave(route, i, None)
             continue
         else:
-            out, _ = blk(x, cond, cache=AttentionStep(slots, inputs))
-        x = x + out
+            out, _ = blk(inp, cond, cache=AttentionStep(slots, inputs))
+        x = residual_update(blk[2], out, x) if route is None else routing.leave(route, i, out)
+    if route is not None:
+        x = routing.finish(x)
     x = apply_norm(stack.final_norm, x, cond)
     c.count.add_(1)
     if c.fixed:

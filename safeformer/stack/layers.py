@@ -1206,11 +1206,10 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
                          "reinject_input, pre_and_post_norm, orthog_residual, "
                          "mv_split_residual, pre_norm=False, scale_residual, scale_residual_constant, gate_residual, "
                          "softclamp_output): they run on the padded path; use unpadded='auto' or False")
-    stack.static_step_reason = None if stack.routing is None else \
-        "a residual routing option (num_residual_streams, integrate_layers, attn_aggregated_residuals, " \
-        "gated_multi_residual, unet_skips, reinject_input, " \
-        "pre_and_post_norm, orthog_residual, mv_split_residual, pre_norm=False, scale_residual, " \
-        "scale_residual_constant, gate_residual or softclamp_output) runs in the stack's forward only"
+    stack.static_step_reason = None if stack.routing is None or not (
+        stack.routing.sequence_wide or 3 in stack.routing.views) else \
+        "orthog_residual / mv_split_residual (over the whole sequence) and separate query/key/value inputs " \
+        "(qkv_receive_diff_residuals, integrate_layers) run on the dynamic path"
     # what runs without a KV cache, on the padded path, off the static step (besides the routing)
     stack.cache_refusal = None if not any(shifts) else (
         "shift_tokens reads earlier positions' normed inputs, which a KV cache does not keep: it runs without a "
