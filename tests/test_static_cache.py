@@ -558,23 +558,35 @@ def test_no_host_read_per_step(gen_kw):
     assert reads(14, static_cache=False) > reads(4, static_cache=False)
 
 
-@pytest.mark.parametrize("option", [dict(to_logits=torch.nn.Sequential(torch.nn.Linear(DIM, V, bias=False))),
-                                    dict(token_emb=torch.nn.Embedding(V, DIM)), dict(recycling=True)],
-                         ids=["custom to_logits", "custom token_emb", "recycling"])
-def test_custom_wrapper_parts_keep_the_dynamic_path(option):
-    """The step embeds and reads out with the wrapper's plain parts: custom modules and recycling decode on
-    the dynamic path (which runs them as forward does), with the uncached tokens."""
+WRAPPER_OPTIONS = [dict(to_logits=torch.nn.Sequential(torch.nn.Linear(DIM, V))), dict(token_emb=torch.nn.Embedding(V, DIM)),
+                   dict(emb_dim=16, post_emb_norm=True), dict(sigsoftmax_logits=True),
+                   dict(mixture_of_softmax=True, mixture_of_softmax_k=3), dict(l2norm_embed=True, scaled_sinu_pos_emb=True)]
+
+
+@pytest.mark.parametrize("option", WRAPPER_OPTIONS, ids=["custom to_logits", "custom token_emb", "emb_dim, post_emb_norm",
+                                                         "sigsoftmax", "mixture of softmaxes", "l2norm, scaled sinusoidal"])
+def test_wrapper_parts_run_on_the_step(option):
+    """The step embeds and reads out with the wrapper's own code (``_embed``, ``embed_rows``, ``_head``): custom
+    modules, a narrower embedding, the sigsoftmax and the mixture head give the dynamic cache's logits (float64)."""
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=V, max_seq_len=64, attn_layers=sf.Decoder(
+        dim=DIM, depth=2, heads=4, dim_head=8, rotary_pos_emb=True, cross_attend=True), **option)
+    assert static_reason(net) is None
+    for input_kw in (dict(left_pad=True), dict(context=J, dead_context=True)):
+        prompts, kw = _inputs(**input_kw)
+        dyn, stat = _dynamic_and_static(net, prompts, kw, steps=4)
+        assert float((stat - dyn).abs().max()) < 1e-10
+
+
+def test_recycling_keeps_the_dynamic_path():
+    """Recycling runs the stack several times per call: the step cannot run it (x-transformers' rule: recycle_steps
+    in eval mode, which generate does not pass)."""
     torch.manual_seed(0)
     net = sf.TransformerWrapper(num_tokens=V, max_seq_len=32, attn_layers=sf.Decoder(dim=DIM, depth=1, heads=4, dim_head=8,
-                                                                                      rotary_pos_emb=True), **option).eval()
-    assert static_reason(net) is not None
-    model = sf.AutoregressiveWrapper(net)
-    prompts, _ = _inputs()
-    if getattr(net, "recycling", False):  # x-transformers' rule: recycle_steps in eval mode (not a generate keyword yet)
-        with pytest.raises(ValueError, match="recycle_steps"):
-            model.generate(prompts, 4, temperature=0.0)
-        return
-    assert torch.equal(model.generate(prompts, 4, temperature=0.0), model.generate(prompts, 4, temperature=0.0, cache_kv=False))
+                                                                                      rotary_pos_emb=True), recycling=True).eval()
+    assert "recycling" in static_reason(net)
+    with pytest.raises(ValueError, match="recycle_steps"):
+        sf.AutoregressiveWrapper(net).generate(_inputs()[0], 4, temperature=0.0)
 
 
 @pytest.mark.parametrize("option", [dict(attn_orthog_projected_values=True), dict(attn_data_dependent_alibi=True)],

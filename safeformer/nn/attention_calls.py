@@ -412,15 +412,17 @@ def check_polar_pos_emb(polar_pos_emb, heads: int, dim_head: int, n_needed: int,
 
 def check_polar_module(attn: AttentionModule, key_angles: Tensor, owner: str = "polar_pos_emb") -> None:
     """The attention options a PoPE call argument cannot run with, refused by name: memory keys and the decoupled
-    or partial rotary heads (keys of ``d`` features beside PoPE's ``2 d``), l2-distance logits and qk_norm's fixed
-    scale (safeformer applies PoPE's query gain and that scale as multipliers of q and k), and a per-head ``bias`` with grouped-query heads (one key per group, x-transformers would widen it)."""
+    or partial rotary heads (keys of ``d`` features beside PoPE's ``2 d``), l2-distance logits (safeformer applies
+    PoPE's query gain as a multiplier of q, which changes distances), and a per-head ``bias`` with grouped-query
+    heads (one key per group, x-transformers would widen it). (qk_norm's fixed scale is applied after PoPE, as
+    x-transformers' logit scale: ``attention_projections._rotated``.)"""
     if attn.num_mem_kv:
         raise ValueError(f"{owner} (PoPE) gives keys 2 d features: not with num_mem_kv (memory keys have d)")
     if attn.rope_subheads or attn.rotate_num_heads < attn.heads:
         raise ValueError(f"{owner} (PoPE) applies to every head: not with latent_rope_subheads or rotate_num_heads")
-    if attn.l2_distance or any(n is not None and n.mult != 1.0 for n in (attn.q_norm, attn.k_norm)):
-        raise ValueError(f"{owner} (PoPE) is not supported with l2-distance attention or qk_norm's fixed logit scale "
-                         f"(qk_norm_scale; use qk_norm_dim_scale=True): the scale would reach PoPE's softplus")
+    if attn.l2_distance:
+        raise ValueError(f"{owner} (PoPE) is not supported with l2-distance attention (l2_distance): safeformer "
+                         f"scales PoPE's queries, which changes l2 distances")
     if key_angles.shape[0] != 1 and attn.kv_heads != attn.heads:
         raise ValueError(f"{owner}'s bias is per head ({key_angles.shape[0]}): not with grouped-query heads "
                          f"(kv_heads={attn.kv_heads} < heads={attn.heads}); pass a bias shared by the heads")

@@ -30,24 +30,19 @@ from ..core.static_cache import StaticKVCache
 from ..nn.attention_step import AttentionStep, StepInputs, context_slots, rotary_tables, self_slots
 from ..nn.block import apply_norm, residual_update
 from ..nn.relative_position import RelativePositionBias
+from .wrapper_run import embed_rows
 
 __all__ = ["build_static_cache", "step_refusal", "stack_step", "wrapper_step", "check_step_call"]
 
 
 def _wrapper_refusal(net) -> str | None:
-    custom = [name for name, on in (("a custom token_emb", getattr(net, "custom_token_emb", False)),
-                                    ("a custom to_logits", getattr(net, "custom_to_logits", False)),
-                                    ("recycling", getattr(net, "recycling", False)),
-                                    ("a mixture of softmaxes", getattr(net, "to_mixture", None) is not None),
+    custom = [name for name, on in (("recycling", getattr(net, "recycling", False)),
                                     ("squeeze_out_last_dim", getattr(net, "squeeze_out_last_dim", False)),
                                     ("a probabilistic head", getattr(net, "probabilistic", False)),
                                     ("ff_deep_embed", getattr(net, "ff_deep_embed", None) is not None),
                                     ("looped=True (the stack runs several times, with early exit)",
                                      getattr(net, "looped", False)),
-                                    ("emb_dim != dim (a projection of the embeddings)",
-                                     getattr(net, "project_emb", None) is not None),
                                     ("num_output_heads > 1", getattr(net, "num_output_heads", 1) > 1),
-                                    ("sigsoftmax_logits", getattr(net, "sigsoftmax_logits", False)),
                                     ("memory_tokens_interspersed_every",
                                      getattr(net, "memory_tokens_interspersed_every", None) is not None)) if on]
     if custom:  # the step embeds and reads out with the wrapper's plain parts only
@@ -300,17 +295,10 @@ def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
             # asynchronous (no host read on a GPU: the failure surfaces at the next synchronisation)
             torch._assert_async(((x >= 0) & (x < net.num_tokens)).all(),
                                 f"x holds token ids outside [0, {net.num_tokens}) (num_tokens)")
-    if tokens:
-        h = net.token_emb(x)
-        if net.l2norm_embed:
-            from ..nn.modules import l2norm
-
-            h = l2norm(h)
-    else:
-        h = net.project_in(x.to(c.dtype))
+    # the wrapper's own parts, in its forward's order: the embedding (a custom one checked), the absolute position,
+    # then post_emb_norm, dropout and the projection to the model width (embed_rows), the stack, the head
+    h = net._embed(x, None, None) if tokens else net.project_in(x.to(c.dtype))
     if net.pos_emb is not None:
         h = h + net.pos_emb.embed_positions((c.count - c.lead).clamp(min=0)[:, None]).to(h.dtype)
-    if getattr(net, "post_emb_norm", None) is not None:
-        h = net.post_emb_norm(h)
-    h = net.attn_layers(h, cache=c)
+    h = net.attn_layers(embed_rows(net, h, 0), cache=c)
     return net._head(h) if tokens else net.project_out(h)

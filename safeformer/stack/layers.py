@@ -875,10 +875,10 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
                rotary_xpos_scale_base, polar_pos_emb, polar_bias_uniform_init, attn_num_mem_kv, alibi_pos_bias,
                alibi_num_heads, rel_pos_kwargs, rel_pos_bias, rel_pos_num_buckets, rel_pos_max_distance,
                attn_data_dependent_alibi, disable_abs_pos_emb, dynamic_pos_bias, dynamic_pos_bias_log_distance,
-               dynamic_pos_bias_mlp_depth, dynamic_pos_bias_norm, dim) -> None:
+               dynamic_pos_bias_mlp_depth, dynamic_pos_bias_norm, dim, attn_l2_distance) -> None:
     """The position schemes of self-attention, checked and set on ``stack``: ``rotary`` (``RotaryEmbedding``, xpos
-    included), ``polar_pos_emb`` (PoPE), the ``alibi_slopes`` buffer ``(h,)``, ``rel_pos`` (T5's bucketed bias)
-    and ``has_relative_positions``."""
+    included), ``polar_pos_emb`` (PoPE; not with ``attn_l2_distance``), the ``alibi_slopes`` buffer ``(h,)``,
+    ``rel_pos`` (T5's bucketed bias) and ``has_relative_positions``."""
     rotary_emb_dim = dim_head // 2 if rotary_emb_dim is None else rotary_emb_dim
     stack.rotary_pos_emb = RotaryEmbedding(rotary_emb_dim, theta=rotary_theta, interpolation_factor=rotary_interpolation_factor,
                                    base_rescale_factor=rotary_base_rescale_factor, use_xpos=rotary_xpos,
@@ -890,6 +890,9 @@ def _positions(stack: AttentionLayers, *, heads, dim_head, kv_heads, causal, rot
         raise ValueError("polar_pos_emb (PoPE) replaces rotary positions and has one key bias per query head: not "
                          "with rotary_pos_emb / rotary_xpos, grouped-query heads (kv_heads < heads) or "
                          "attn_num_mem_kv (memory keys have d features, PoPE's keys 2 d)")
+    if polar_pos_emb and attn_l2_distance:  # the l2 distance of PoPE's 2 d features: not x-transformers' numbers here
+        raise ValueError("polar_pos_emb (PoPE) is not supported with attn_l2_distance: safeformer scales PoPE's "
+                         "queries, which changes l2 distances (x-transformers' numbers would differ)")
     stack.polar_pos_emb = PolarEmbedding(dim_head, heads, polar_bias_uniform_init) if polar_pos_emb else None
     if (alibi_num_heads is not None or rel_pos_kwargs) and not alibi_pos_bias:
         raise ValueError("alibi_num_heads / rel_pos_kwargs configure ALiBi (the one relative-position bias here): "
