@@ -301,8 +301,8 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
 
 
 @pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2, attn_softclamp_logits=True), dict(add_value_residual=True),
-                                    dict(dynamic_pos_bias=True)],
-                         ids=["memory kv + softclamp", "value residual", "dynamic position bias"])
+                                    dict(residual_attn=True)],
+                         ids=["memory kv + softclamp", "value residual", "residual attention"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -332,13 +332,17 @@ def test_explicit_scoring_options_run_on_the_step(option, input_kw):
 
 
 POSITION_OPTIONS = [dict(rel_pos_bias=True), dict(rotary_pos_emb=True, attn_max_attend_past=3),
-                    dict(alibi_pos_bias=True, attn_max_attend_past=2), dict(rel_pos_bias=True, attn_max_attend_past=4)]
+                    dict(alibi_pos_bias=True, attn_max_attend_past=2), dict(rel_pos_bias=True, attn_max_attend_past=4),
+                    dict(dynamic_pos_bias=True), dict(dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True,
+                                                      dynamic_pos_bias_norm=True)]
 
 
 @pytest.mark.parametrize("input_kw", [dict(left_pad=True), dict(context=J, dead_context=True)], ids=["left pad", "context"])
-@pytest.mark.parametrize("option", POSITION_OPTIONS, ids=["t5 bias", "window, rotary", "window, alibi", "window, t5"])
+@pytest.mark.parametrize("option", POSITION_OPTIONS, ids=["t5 bias", "window, rotary", "window, alibi", "window, t5",
+                                                            "dynamic bias", "dynamic bias, log, norm"])
 def test_position_options_run_on_the_step(option, input_kw):
-    """T5's bucketed bias and ``max_attend_past``'s window read the slots' positions (real tokens counted): the step
+    """T5's bucketed bias, ``dynamic_pos_bias`` (its MLP's table over every distance the cache can hold, built once)
+    and ``max_attend_past``'s window read the slots' positions (real tokens counted): the step
     gives the dynamic cache's logits past the window's reach (float64, to rounding)."""
     net = _net(cross_attend="context" in input_kw, **option)
     assert static_reason(net) is None
@@ -497,7 +501,7 @@ def test_static_cache_checks_its_input_and_its_room():
         with pytest.raises(ValueError, match="full"):
             net(prompts[:, :1], cache=static)
     with pytest.raises(ValueError, match="static decode step cannot run"):
-        build_static_cache(_net(dynamic_pos_bias=True), cache, 20)
+        build_static_cache(_net(residual_attn=True), cache, 20)
 
 
 def test_compile_plan_and_capacity_buckets():

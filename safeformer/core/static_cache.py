@@ -47,6 +47,8 @@ class StaticKVCache:
         rotary: the rotary tables of every position ``[0, L]`` (``nn.attention_step.rotary_tables``), or ``None``.
         alibi_slopes: ``(h,)`` ALiBi's slopes, or ``None``.
         dtype: the stack's hidden-state dtype (what a step's input must have: continuous wrappers' values are cast).
+        position_table: ``dynamic_pos_bias``' MLP at every distance the cache can hold (``DynamicPositionBias.table``),
+            or ``None`` (no such bias, or computed per step: a net with forward hooks).
     """
 
     layers: list
@@ -62,6 +64,7 @@ class StaticKVCache:
     rotary: object
     alibi_slopes: Tensor | None
     dtype: object
+    position_table: Tensor | None = None
     _spare: list | None = field(default=None, repr=False)
 
     @property

@@ -363,21 +363,31 @@ class DynamicPositionBias(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def bias(self, q_pos: Tensor, k_pos: Tensor, table: Tensor | None = None) -> Tensor:
         """``(b, h, i, j)`` from integer positions ``(b|1, i)`` of the queries and ``(b|1, j)`` of the keys: the MLP
         of each distance ``q - k`` (what a stack's ``dynamic_pos_bias`` adds to its self-attention logits; the
         positions count real tokens). The MLP runs once per distance in ``[-(m - 1), m - 1]``, ``m - 1`` the
-        largest ``|q - k|`` (one host read: the span)."""
-        dtype = self.mlp[-1].weight.dtype
+        largest ``|q - k|`` (one host read: the span), or is read from ``table`` (``self.table(span)``, every
+        distance ``|q - k| < span``)."""
         dist = q_pos[:, :, None].long() - k_pos[:, None, :].long()  # (b, i, j)
-        span = int(dist.abs().max()) + 1 if dist.numel() else 1
-        pos = torch.arange(-span + 1, span, device=dist.device).to(dtype)[:, None]
+        if table is None:
+            span = int(dist.abs().max()) + 1 if dist.numel() else 1
+            table = self.table(span, dist.device)
+        span = (table.shape[0] + 1) // 2
+        idx = (dist + span - 1).clamp(0, 2 * span - 2)
+        return table[idx].permute(0, 3, 1, 2)  # (b, h, i, j)
+
+    def table(self, span: int, device=None) -> Tensor:
+        """``(2 span - 1, h)``: the MLP at every distance in ``[-(span - 1), span - 1]`` (row ``d + span - 1``), what
+        ``bias`` looks distances up in; a decode step builds it once for its cache's capacity (no host read per
+        step)."""
+        dtype = self.mlp[-1].weight.dtype
+        pos = torch.arange(-span + 1, span, device=self.device if device is None else device).to(dtype)[:, None]
         if self.log_distance:
             pos = torch.sign(pos) * torch.log(pos.abs() + 1)
         for layer in self.mlp:
             pos = layer(pos)  # (2 span - 1, h)
-        idx = (dist + span - 1).clamp(0, 2 * span - 2)
-        return pos[idx].permute(0, 3, 1, 2)  # (b, h, i, j)
+        return pos
 
     def forward(self, i: int, j: int) -> Tensor:
         """``(heads, i, j)``: queries are the last ``i`` of ``j`` positions (``i <= j``)."""

@@ -90,8 +90,6 @@ def step_refusal(net) -> str | None:
         return "add_value_residual passes the first attention's values to the others (the step does not)"
     if getattr(stack, "polar_pos_emb", None) is not None:
         return "polar_pos_emb (PoPE) runs on the dynamic path"
-    if getattr(stack, "rel_pos", None) is not None and not isinstance(stack.rel_pos, RelativePositionBias):
-        return "dynamic_pos_bias (its MLP spans the distances it reads: a host read) runs on the dynamic path"
     if getattr(stack.rotary, "use_xpos", False):
         return "rotary_xpos centers its scales on each call's positions (no KV cache)"
     for blk in stack.layers:
@@ -163,8 +161,12 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
         dim_head = next(blk.mixer.dim_head for blk in stack.layers if blk.kind != "ff")
         rotary = rotary_tables(stack.rotary, dim_head, capacity, ref.dtype, device, fixed=fixed)
     slot = torch.full((), p, dtype=torch.long, device=device) if fixed else None
+    table = None  # dynamic_pos_bias: its MLP at every distance up to the capacity, once (not with hooks: shards)
+    if stack.rel_pos is not None and not isinstance(stack.rel_pos, RelativePositionBias) and fast:
+        with torch.no_grad():
+            table = stack.rel_pos.table(capacity + 1, device)
     return StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
-                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype)
+                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table)
 
 
 def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
@@ -194,8 +196,11 @@ def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
     if c.alibi_slopes is not None:
         dist = (c.count[:, None] - positions).abs().to(torch.promote_types(c.dtype, torch.float32))
         bias = (-c.alibi_slopes.to(dist.dtype)[None, :, None, None] * dist[:, None, None, :]).to(c.dtype)  # (B, h, 1, n)
-    elif stack.rel_pos is not None:  # T5's bucketed bias of each slot's distance (B, h, 1, n)
+    elif isinstance(stack.rel_pos, RelativePositionBias):  # T5's bucketed bias of each slot's distance (B, h, 1, n)
         bias = stack.rel_pos.bias(c.count[:, None], positions).to(c.dtype)
+    elif stack.rel_pos is not None:  # dynamic_pos_bias: its MLP's table at every distance up to the capacity
+        table = c.position_table if c.position_table is not None else stack.rel_pos.table(c.capacity + 1)
+        bias = stack.rel_pos.bias(c.count[:, None], positions, table=table).to(c.dtype)
     if bias is not None:
         self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
     return StepInputs(slot, c.fixed, self_mask, n_keys, rot, c.count, positions)
