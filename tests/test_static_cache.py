@@ -300,9 +300,9 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     assert float((static - dynamic).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2, attn_softclamp_logits=True), dict(add_value_residual=True),
+@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2, attn_softclamp_logits=True), dict(attn_l2_distance=True),
                                     dict(residual_attn=True)],
-                         ids=["memory kv + softclamp", "value residual", "residual attention"])
+                         ids=["memory kv + softclamp", "l2 distance", "residual attention"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -384,6 +384,30 @@ def test_residual_routing_and_value_width_run_on_the_step(option, input_kw):
     gated residuals, aggregated residuals): the step runs it as the stack's forward does, and values of another width;
     the dynamic cache's logits (float64, to rounding), parameters off their init so that a skipped part shows."""
     net = _net(rotary_pos_emb=True, cross_attend="context" in input_kw, **option)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert static_reason(net) is None
+    prompts, kw = _inputs(**input_kw)
+    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=5)
+    assert float((stat - dyn).abs().max()) < 1e-10
+
+
+OWN_QKV_OPTIONS = [dict(rotary_pos_emb=True, rotate_num_heads=2), dict(rotary_pos_emb=True, add_value_residual=True),
+                   dict(alibi_pos_bias=True, add_value_residual=True, learned_value_residual_mix=False),
+                   dict(polar_pos_emb=True), dict(polar_pos_emb=True, attn_qk_norm=True, attn_qk_norm_dim_scale=True),
+                   dict(rotary_pos_emb=True, attn_use_latent_q=True, attn_dim_latent_q=16, attn_use_latent_kv=True,
+                        attn_dim_latent_kv=16, attn_latent_rope_subheads=2)]
+
+
+@pytest.mark.parametrize("input_kw", [dict(left_pad=True), dict(context=J, dead_context=True)], ids=["left pad", "context"])
+@pytest.mark.parametrize("option", OWN_QKV_OPTIONS, ids=["rotate some heads", "value residual", "value residual, alibi",
+                                                         "pope", "pope, qk norm", "latent rope sub-heads"])
+def test_attentions_with_their_own_rotation_run_on_the_step(option, input_kw):
+    """Rotary on some heads only, PoPE, latent rope sub-heads and the value residual run the attention's own
+    ``project_qkv`` on the step, given the stack's position pair at the new position (and the first self-attention's
+    new values): the dynamic cache's logits (float64, to rounding), parameters off their init."""
+    net = _net(cross_attend="context" in input_kw, **option)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.05)

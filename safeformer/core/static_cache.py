@@ -49,6 +49,8 @@ class StaticKVCache:
         dtype: the stack's hidden-state dtype (what a step's input must have: continuous wrappers' values are cast).
         position_table: ``dynamic_pos_bias``' MLP at every distance the cache can hold (``DynamicPositionBias.table``),
             or ``None`` (no such bias, or computed per step: a net with forward hooks).
+        needs_angles: some attention rotates with its own code (``StepPlan.own_qkv``): each step computes the stack's
+            position pair at the new position for it.
     """
 
     layers: list
@@ -65,6 +67,7 @@ class StaticKVCache:
     alibi_slopes: Tensor | None
     dtype: object
     position_table: Tensor | None = None
+    needs_angles: bool = False
     _spare: list | None = field(default=None, repr=False)
 
     @property

@@ -48,6 +48,10 @@ class StepInputs(NamedTuple):
         rot: the rotation at each sample's position (``rotary_tables`` taken there), or ``None``.
         count: ``(B,)`` the new position of each sample (real tokens before it).
         positions: ``(B, n_keys)`` the position of each slot read (a window's distances, ``max_attend_past``).
+        angles: the stack's position pair at the new position in the form ``Attention.forward`` takes
+            (``(angles, angles)`` of rotary, PoPE's ``PolarAngles`` pair), for attentions that rotate with their own
+            code (``StepPlan.own_qkv``), or ``None``.
+        value_residual: ``(B, h_kv, 1, e)`` the first self-attention's new values (``add_value_residual``), or ``None``.
     """
 
     slot: int | Tensor
@@ -57,6 +61,8 @@ class StepInputs(NamedTuple):
     rot: object
     count: Tensor | None = None
     positions: Tensor | None = None
+    angles: tuple | None = None
+    value_residual: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -69,12 +75,14 @@ class StepPlan:
     norm sits between the projection and the rotation, so q and k rotate as one tensor. ``explicit``: the scoring
     options run on the explicit path (``attention_scoring.explicit_call``: softclamped logits, another score, sparse
     top-k, talking heads, ...), over the slots as over any keys (they are per-query: the new query's row is what the
-    whole sequence's forward computes for it)."""
+    whole sequence's forward computes for it). ``own_qkv``: the attention projects and rotates with its own
+    ``project_qkv`` (rotary on some heads only, latent rope sub-heads, PoPE, a value residual), given ``angles``."""
 
     fused: tuple | None = None
     plain_q: bool = False
     plain_out: bool = False
     explicit: bool = False
+    own_qkv: bool = False
 
 
 @dataclass
@@ -130,10 +138,13 @@ class AttentionStep(NamedTuple):
     inputs: StepInputs
 
 
-def step_plan(attn, kind: str, fast: bool) -> StepPlan:
-    """The plan of ``attn`` for a ``kind`` (``"self"`` / ``"cross"``) block; ``fast=False``: the seams only."""
-    if not fast:
-        return StepPlan(explicit=bool(attn.explicit))
+def step_plan(attn, kind: str, fast: bool, value_residual: bool = False) -> StepPlan:
+    """The plan of ``attn`` for a ``kind`` (``"self"`` / ``"cross"``) block; ``fast=False``: the seams only;
+    ``value_residual``: it mixes the first self-attention's values into its own (``add_value_residual``)."""
+    own = bool(attn.rope_subheads or attn.rotate_num_heads < attn.heads or getattr(attn, "polar_keys", False)
+               or value_residual)
+    if not fast or own:
+        return StepPlan(explicit=bool(attn.explicit), own_qkv=own and kind == "self")
     plain_out = (attn.to_v_head_gate is None and attn.to_v_gate is None and attn.to_output_gate is None
                  and attn.head_scale_params is None and (attn.sublayer_dropout is None or not attn.training)
                  and type(attn.to_out) is nn.Linear)
@@ -159,7 +170,8 @@ def _fused_qkv(attn) -> tuple | None:
     return weight, bias, tuple(int(lin.out_features) for lin in lins), not attn.qk_normed
 
 
-def self_slots(attn, k: Tensor, v: Tensor, mask: Tensor | None, capacity: int, fast: bool) -> SelfSlots:
+def self_slots(attn, k: Tensor, v: Tensor, mask: Tensor | None, capacity: int, fast: bool,
+               value_residual: bool = False) -> SelfSlots:
     """``attn``'s slots from a prefill's keys and values ``(B, h_kv, p, d)`` (``mask (B, p)``: which are real): room
     for ``capacity`` slots, masked slots selected to 0 once (whatever a cache handed in held there)."""
     p = k.shape[2]
@@ -170,7 +182,7 @@ def self_slots(attn, k: Tensor, v: Tensor, mask: Tensor | None, capacity: int, f
     else:
         keep = mask[:, None, :, None]
         kb[:, :, :p], vb[:, :, :p] = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
-    return SelfSlots(kb, vb, step_plan(attn, "self", fast))
+    return SelfSlots(kb, vb, step_plan(attn, "self", fast, value_residual))
 
 
 def context_slots(attn, k: Tensor, v: Tensor, context_mask: Tensor | None, fast: bool) -> ContextSlots:
@@ -204,6 +216,11 @@ def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel) -> Ten
     slot, rot = inputs.slot, inputs.rot
     if s.plan.fused is not None:
         q, k, v = _project_fused(attn, s.plan.fused, h, rot)
+    elif s.plan.own_qkv:  # the attention's own projections, rotation and value mix (attention_projections.py)
+        from .attention_projections import project_qkv
+
+        q, k, v, _ = project_qkv(attn, h, h, None, None, None, None, None, inputs.value_residual, inputs.angles, None,
+                                 None, None, 1)
     else:
         q = attn._project_q(h).transpose(1, 2)  # (B, h, 1, d)
         k, v = attn._project_kv(h)

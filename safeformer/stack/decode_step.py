@@ -61,10 +61,8 @@ def _attention_refusal(stack, mixer) -> str | None:
     if mixer.score in ("gumbel", "custom"):
         return ("gumbel softmax draws noise per key slot and a custom_attn_fn may read every key: they run on the "
                 "dynamic path")
-    if (mixer.rel_proj_pos_bias is not None or mixer.rope_subheads or mixer.l2_distance
-            or mixer.rotate_num_heads != mixer.heads):
-        return ("attn_use_rel_proj_pos_bias, attn_latent_rope_subheads, rotate_num_heads and attn_l2_distance run "
-                "on the dynamic path")
+    if mixer.rel_proj_pos_bias is not None or mixer.l2_distance:
+        return "attn_use_rel_proj_pos_bias and attn_l2_distance run on the dynamic path"
     if getattr(mixer, "hybrid", None) is not None:
         return "attn_hybrid_module runs a sequence module beside attention (its state is the dynamic cache's)"
     if mixer.orthog:
@@ -86,10 +84,6 @@ def step_refusal(net) -> str | None:
         return "the stack is not causal"
     if getattr(stack, "static_step_reason", None):
         return stack.static_step_reason
-    if getattr(stack, "add_value_residual", False):
-        return "add_value_residual passes the first attention's values to the others (the step does not)"
-    if getattr(stack, "polar_pos_emb", None) is not None:
-        return "polar_pos_emb (PoPE) runs on the dynamic path"
     if getattr(stack.rotary, "use_xpos", False):
         return "rotary_xpos centers its scales on each call's positions (no KV cache)"
     for blk in stack.layers:
@@ -140,8 +134,8 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
     layers, i_self, i_cross = [], 0, 0
     for blk in stack.layers:
         if blk.kind == "self":
-            k, v = cache.self_kv[i_self]
-            layers.append(self_slots(blk.mixer, k, v, cache.mask, capacity, fast))
+            k, v = cache.self_kv[i_self]  # add_value_residual: every self-attention after the first mixes its values
+            layers.append(self_slots(blk.mixer, k, v, cache.mask, capacity, fast, stack.add_value_residual and i_self > 0))
             i_self += 1
         elif blk.kind == "cross" and cache.cross_kv is not None:
             k, v = cache.cross_kv[i_cross]
@@ -165,8 +159,9 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
     if stack.rel_pos is not None and not isinstance(stack.rel_pos, RelativePositionBias) and fast:
         with torch.no_grad():
             table = stack.rel_pos.table(capacity + 1, device)
+    own = any(getattr(getattr(sl, "plan", None), "own_qkv", False) for sl in layers)
     return StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
-                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table)
+                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table, own)
 
 
 def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
@@ -203,7 +198,15 @@ def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
         bias = stack.rel_pos.bias(c.count[:, None], positions, table=table).to(c.dtype)
     if bias is not None:
         self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
-    return StepInputs(slot, c.fixed, self_mask, n_keys, rot, c.count, positions)
+    angles = None
+    if c.needs_angles:  # the position pair Attention.forward takes, at each sample's new position
+        pos = c.count[:, None]
+        if stack.polar_pos_emb is not None:
+            angles = stack.polar_pos_emb.pair(pos, c.dtype)
+        elif stack.rotary is not None:
+            a = stack.rotary.angles(pos, dtype=c.dtype)  # (B, 1, 1, d_rot)
+            angles = (a, a)
+    return StepInputs(slot, c.fixed, self_mask, n_keys, rot, c.count, positions, angles)
 
 
 def _room(c: StaticKVCache) -> None:
@@ -227,6 +230,7 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
     route = None
     if routing is not None:  # x-transformers' residual options, per token (the stack's forward runs the same)
         x, route = routing.begin(x, None, cond)
+    first_self = True
     for i, (blk, slots) in enumerate(zip(stack.layers, c.layers)):
         inp = x
         if route is not None:
@@ -239,6 +243,10 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
             continue
         else:
             out, _ = blk(inp, cond, cache=AttentionStep(slots, inputs))
+            if blk.kind == "self" and first_self and stack.add_value_residual:  # its new values, for the others
+                inputs = inputs._replace(value_residual=slots.values.index_select(2, inputs.slot[None]) if c.fixed
+                                         else slots.values.narrow(2, inputs.slot, 1))
+            first_self = first_self and blk.kind != "self"
         x = residual_update(blk[2], out, x) if route is None else routing.leave(route, i, out)
     if route is not None:
         x = routing.finish(x)
