@@ -137,7 +137,7 @@ def test_attention_polar_bad_values_are_named():
     for kw in (dict(cache=inter), dict(rotary_pos_emb=rpe), dict(mem=torch.randn(2, 3, DIM))):
         with pytest.raises(ValueError, match="polar_pos_emb"):
             attn(x, polar_pos_emb=(freqs, bias), **kw)
-    for opts in (dict(num_mem_kv=2), dict(qk_norm=True), dict(kv_heads=1)):  # kv_heads: a per-head bias
+    for opts in (dict(num_mem_kv=2), dict(l2_distance=True), dict(kv_heads=1)):  # kv_heads: a per-head bias
         with pytest.raises(ValueError, match="polar_pos_emb"):
             sf.Attention(DIM, heads=HEADS, dim_head=DIM_HEAD, **opts)(x, polar_pos_emb=(freqs, bias))
 
@@ -148,17 +148,12 @@ def test_attention_polar_bad_values_are_named():
 
 def _stack_pair(opts: dict, seed: int = 0):
     """``(ours, peer)``: x-transformers' ``Decoder`` with ``opts`` (weights perturbed) and safeformer's loaded from it
-    (strictly both ways; with the stack's own PoPE, x-transformers' ``polar_pos_emb.inv_freq`` buffer is the one key
-    safeformer does not keep: see the report)."""
+    (strictly both ways, the stack's own PoPE's ``inv_freq`` buffer included)."""
     torch.manual_seed(seed)
     peer = perturb_params(xt.Decoder(dim=DIM, depth=2, heads=HEADS, attn_dim_head=DIM_HEAD, **opts), seed).eval()
     ours = sf.Decoder(dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, **opts).eval()
-    if opts.get("polar_pos_emb"):
-        res = ours.load_state_dict(peer.state_dict(), strict=False)
-        assert not res.missing_keys and res.unexpected_keys == ["polar_pos_emb.inv_freq"]
-    else:
-        ours.load_state_dict(peer.state_dict(), strict=True)
-    peer.load_state_dict(ours.state_dict(), strict=not opts.get("polar_pos_emb"))
+    ours.load_state_dict(peer.state_dict(), strict=True)
+    peer.load_state_dict(ours.state_dict(), strict=True)
     return ours, peer
 
 
@@ -205,7 +200,7 @@ def test_stack_polar_padding_nan_alone_and_refusals():
             stack(x, polar_pos_emb=good, **kw)
     for other in (sf.Decoder(dim=DIM, depth=1, heads=HEADS, dim_head=DIM_HEAD, rotary_pos_emb=True),
                   sf.Decoder(dim=DIM, depth=1, heads=HEADS, dim_head=DIM_HEAD, attn_num_mem_kv=2),
-                  sf.Decoder(dim=DIM, depth=1, heads=HEADS, dim_head=DIM_HEAD, attn_qk_norm=True)):
+                  sf.Decoder(dim=DIM, depth=1, heads=HEADS, dim_head=DIM_HEAD, attn_l2_distance=True)):
         with pytest.raises(ValueError, match="polar_pos_emb"):
             other(x, polar_pos_emb=good)
     with pytest.raises(ValueError, match="polar_pos_emb"):  # no self-attention to apply it to
