@@ -51,6 +51,10 @@ class StaticKVCache:
             or ``None`` (no such bias, or computed per step: a net with forward hooks).
         needs_angles: some attention rotates with its own code (``StepPlan.own_qkv``): each step computes the stack's
             position pair at the new position for it.
+        ff_plans: per block, a plain feed-forward's ``FeedForward.step_plan()`` (its three parts, called as functions
+            by the step), else ``None``; ``None`` altogether with forward hooks.
+        plain_residual: per block, whether its residual update is the plain ``stream + out`` (x-transformers'
+            ``Residual`` unscaled, no hooks), ``None`` with forward hooks.
     """
 
     layers: list
@@ -68,6 +72,8 @@ class StaticKVCache:
     dtype: object
     position_table: Tensor | None = None
     needs_angles: bool = False
+    ff_plans: list | None = None
+    plain_residual: list | None = None
     _spare: list | None = field(default=None, repr=False)
 
     @property

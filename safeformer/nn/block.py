@@ -130,6 +130,7 @@ class Block(nn.ModuleList):
         # plain references to the registered parts (no second registration): read once per branch, every step
         object.__setattr__(self, "_parts", (norms[0], m, gate))
         object.__setattr__(self, "_post_norm", norms[1])
+        object.__setattr__(self, "_residual", self._modules.get("2"))
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):  # a slice of the parts is a plain list of them, not a Block
@@ -158,7 +159,7 @@ class Block(nn.ModuleList):
 
     @property
     def residual(self) -> nn.Module:
-        return self[2]
+        return self._residual
 
     def forward(self, x: Tensor, condition: Tensor | None = None, *args, **kwargs) -> tuple[Tensor, tuple]:
         """The branch of ``x``: ``(out, extra)``, ``extra`` being what the mixer returned besides its

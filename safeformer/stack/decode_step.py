@@ -30,6 +30,7 @@ from ..core.static_cache import StaticKVCache
 from ..nn.attention_step import AttentionStep, StepInputs, context_slots, rotary_tables, self_slots
 from ..nn.block import apply_norm, residual_update
 from ..nn.relative_position import RelativePositionBias
+from ..nn.xt_modules import Residual
 from .wrapper_run import embed_rows
 
 __all__ = ["build_static_cache", "step_refusal", "stack_step", "wrapper_step", "check_step_call"]
@@ -160,8 +161,12 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
         with torch.no_grad():
             table = stack.rel_pos.table(capacity + 1, device)
     own = any(getattr(getattr(sl, "plan", None), "own_qkv", False) for sl in layers)
+    ff_plans = [blk.mixer.step_plan() if blk.kind == "ff" and hasattr(blk.mixer, "step_plan") else None
+                for blk in stack.layers] if fast else None
+    plain = [type(blk.residual) is Residual and blk.residual.residual_scale is None
+             and blk.residual.scale_residual_constant == 1 for blk in stack.layers] if fast else None
     return StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
-                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table, own)
+                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table, own, ff_plans, plain)
 
 
 def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
@@ -235,8 +240,9 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
         inp = x
         if route is not None:
             x, inp = routing.enter(route, i, x)
-        if blk.kind == "ff":
-            out, _ = blk(inp, cond)
+        if blk.kind == "ff":  # a plain feed-forward: its step plan (three functional calls)
+            plan = None if c.ff_plans is None else c.ff_plans[i]
+            out, _ = blk(inp, cond) if plan is None else blk(inp, cond, step=plan)
         elif slots is None:  # cross-attention without a context (or a zero-length one): adds exactly 0
             if route is not None:
                 x = routing.leave(route, i, None)
@@ -247,7 +253,10 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
                 inputs = inputs._replace(value_residual=slots.values.index_select(2, inputs.slot[None]) if c.fixed
                                          else slots.values.narrow(2, inputs.slot, 1))
             first_self = first_self and blk.kind != "self"
-        x = residual_update(blk[2], out, x) if route is None else routing.leave(route, i, out)
+        if route is not None:
+            x = routing.leave(route, i, out)
+        else:  # x-transformers' Residual: stream + out (residual_update runs the other forms and hooks)
+            x = x + out if c.plain_residual is not None and c.plain_residual[i] else residual_update(blk.residual, out, x)
     if route is not None:
         x = routing.finish(x)
     x = apply_norm(stack.final_norm, x, cond)
