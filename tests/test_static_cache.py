@@ -300,9 +300,9 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     assert float((static - dynamic).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("option", [dict(attn_num_mem_kv=2, attn_softclamp_logits=True), dict(attn_l2_distance=True),
+@pytest.mark.parametrize("option", [dict(weight_tie_layers=True), dict(layers_execute_order=(0, 1, 0, 1)),
                                     dict(residual_attn=True)],
-                         ids=["memory kv + softclamp", "l2 distance", "residual attention"])
+                         ids=["weight tie", "execute order", "residual attention"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -332,13 +332,14 @@ def test_explicit_scoring_options_run_on_the_step(option, input_kw):
 
 
 POSITION_OPTIONS = [dict(rel_pos_bias=True), dict(rotary_pos_emb=True, attn_max_attend_past=3),
+                    dict(rotary_pos_emb=True, attn_use_rel_proj_pos_bias=True, attn_max_attend_past=3),
                     dict(alibi_pos_bias=True, attn_max_attend_past=2), dict(rel_pos_bias=True, attn_max_attend_past=4),
                     dict(dynamic_pos_bias=True), dict(dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True,
                                                       dynamic_pos_bias_norm=True)]
 
 
 @pytest.mark.parametrize("input_kw", [dict(left_pad=True), dict(context=J, dead_context=True)], ids=["left pad", "context"])
-@pytest.mark.parametrize("option", POSITION_OPTIONS, ids=["t5 bias", "window, rotary", "window, alibi", "window, t5",
+@pytest.mark.parametrize("option", POSITION_OPTIONS, ids=["t5 bias", "window, rotary", "projected bias, window", "window, alibi", "window, t5",
                                                             "dynamic bias", "dynamic bias, log, norm"])
 def test_position_options_run_on_the_step(option, input_kw):
     """T5's bucketed bias, ``dynamic_pos_bias`` (its MLP's table over every distance the cache can hold, built once)
@@ -352,12 +353,16 @@ def test_position_options_run_on_the_step(option, input_kw):
 
 
 EXTRA_KEY_OPTIONS = [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(attn_add_zero_kv=True),
-                     dict(attn_num_mem_kv=2, attn_head_learned_sink=True, attn_qk_norm=True, kv_heads=2)]
+                     dict(attn_num_mem_kv=2, attn_head_learned_sink=True, attn_qk_norm=True, kv_heads=2),
+                     dict(attn_num_mem_kv=2, attn_softclamp_logits=True), dict(attn_head_learned_sink=True, attn_sparse_topk=2),
+                     dict(attn_l2_distance=True), dict(attn_l2_distance=True, attn_head_learned_sink=True)]
 
 
 @pytest.mark.parametrize("input_kw", [dict(left_pad=True), dict(context=J, dead_context=True), dict(context=0)],
                          ids=["left pad", "dropped context", "zero-length context"])
-@pytest.mark.parametrize("option", EXTRA_KEY_OPTIONS, ids=["memory kv", "sink", "zero kv", "memory kv, sink, qk norm, gqa"])
+@pytest.mark.parametrize("option", EXTRA_KEY_OPTIONS, ids=["memory kv", "sink", "zero kv", "memory kv, sink, qk norm, gqa",
+                                                            "memory kv, softclamp", "sink, sparse top-k", "l2 distance",
+                                                            "l2 distance, sink"])
 def test_extra_keys_run_on_the_step(option, input_kw):
     """Memory keys, a learned sink and a zero key sit before the slots (the attention part's own ``prepend_extra`` /
     ``extend``); in cross-attention a sample without context keys still reads the memory and zero keys (the sink

@@ -238,10 +238,15 @@ def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel) -> Ten
     self_mask = inputs.self_mask
     if attn.max_attend_past is not None:  # x-transformers' window: slots too far back are not read
         self_mask = _window(self_mask, (inputs.count[:, None] - inputs.positions) > attn.max_attend_past)
+    if attn.rel_proj_pos_bias is not None:  # its bias from the new position's input and the slots' distances
+        rp = attn.rel_proj_pos_bias(h, seq_len_k=inputs.n_keys, positions=(inputs.count[:, None], inputs.positions))
+        self_mask = _plus_bias(self_mask, rp.to(h.dtype))
     if attn.extra_keys:  # [sink?, zero key?, memory keys] before the slots, seen by every query
         kb, vb, self_mask = _with_extra(attn, kb, vb, self_mask, h)
     if s.plan.explicit:
         out = _explicit(attn, q, kb, vb, self_mask)
+    elif attn.l2_distance:  # the attention's own kernel seam (its keys widened by |k|^2)
+        out = _kernel_seam(attn, q, kb, vb, self_mask)
     else:
         q, mask_h, _ = to_kernel_heads(attn, q, self_mask)  # x-transformers' tiled kv heads: interleaved
         out = from_kernel_heads(attn, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=attn.kv_heads != attn.heads))
@@ -261,6 +266,8 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
         keys, values, mask = _with_extra(attn, keys, values, mask, h)
     if s.plan.explicit:
         out = _explicit(attn, q, keys, values, mask)
+    elif attn.l2_distance:
+        out = _kernel_seam(attn, q, keys, values, mask)
     else:
         q, mask_h, _ = to_kernel_heads(attn, q, mask)
         out = from_kernel_heads(attn, kernel(q, keys, values, attn_mask=mask_h, enable_gqa=attn.kv_heads != attn.heads))
@@ -289,6 +296,26 @@ def _with_extra(attn, k: Tensor, v: Tensor, mask: Tensor | None, h: Tensor) -> t
     if bias is None:
         return k, v, mask
     return k, v, bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+
+
+def _plus_bias(mask: Tensor | None, bias: Tensor) -> Tensor:
+    """``mask`` (``None``, a bool mask or an additive bias) with ``bias`` added (``-inf`` where the mask is False)."""
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return mask + bias
+
+
+def _kernel_seam(attn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """The attention's own fused-kernel call (``attention_scoring.kernel_call``, which widens l2 distance's keys),
+    over slots that are finite (masked ones 0): ``mask`` a bool mask of the readable slots or an additive bias."""
+    from .attention_scoring import kernel_call
+
+    bias = None
+    if mask is not None and mask.is_floating_point():
+        mask, bias = None, mask
+    return kernel_call(attn, q, k, v, mask, False, bias, None, True)
 
 
 def _window(mask: Tensor | None, far: Tensor) -> Tensor:

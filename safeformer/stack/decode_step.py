@@ -56,14 +56,9 @@ def _wrapper_refusal(net) -> str | None:
 
 
 def _attention_refusal(stack, mixer) -> str | None:
-    if mixer.extra_keys and mixer.explicit:
-        return ("memory keys, a learned sink or a zero key/value beside an explicit-path scoring option run on the "
-                "dynamic path")
     if mixer.score in ("gumbel", "custom"):
         return ("gumbel softmax draws noise per key slot and a custom_attn_fn may read every key: they run on the "
                 "dynamic path")
-    if mixer.rel_proj_pos_bias is not None or mixer.l2_distance:
-        return "attn_use_rel_proj_pos_bias and attn_l2_distance run on the dynamic path"
     if getattr(mixer, "hybrid", None) is not None:
         return "attn_hybrid_module runs a sequence module beside attention (its state is the dynamic cache's)"
     if mixer.orthog:
