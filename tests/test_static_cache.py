@@ -300,9 +300,9 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     assert float((static - dynamic).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("option", [dict(weight_tie_layers=True), dict(layers_execute_order=(0, 1, 0, 1)),
+@pytest.mark.parametrize("option", [dict(integrate_layers=True), dict(num_residual_streams=2, qkv_receive_diff_residuals=True),
                                     dict(residual_attn=True)],
-                         ids=["weight tie", "execute order", "residual attention"])
+                         ids=["integrate layers", "separate q/k/v inputs", "residual attention"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -379,6 +379,8 @@ ROUTING_OPTIONS = [dict(num_residual_streams=2), dict(gated_multi_residual=True,
                    dict(pre_norm=False), dict(scale_residual=True, scale_residual_constant=0.5), dict(gate_residual=True),
                    dict(softclamp_output=True), dict(attn_aggregated_residuals=True,
                                                      attn_aggregated_residual_kwargs=dict(lora_rank=4)),
+                   dict(weight_tie_layers=True), dict(layers_execute_order=(1, 0, 1)),
+                   dict(weight_tie_layers=True, num_residual_streams=2),
                    dict(attn_value_dim_head=12, kv_heads=2, attn_gate_values=True)]
 
 
@@ -386,7 +388,8 @@ ROUTING_OPTIONS = [dict(num_residual_streams=2), dict(gated_multi_residual=True,
 @pytest.mark.parametrize("option", ROUTING_OPTIONS, ids=[next(iter(o)) for o in ROUTING_OPTIONS])
 def test_residual_routing_and_value_width_run_on_the_step(option, input_kw):
     """The stack's residual routing is per token (hyper-connections, gated streams, reinjection, post-norms, scaled or
-    gated residuals, aggregated residuals): the step runs it as the stack's forward does, and values of another width;
+    gated residuals, aggregated residuals): the step runs it as the stack's forward does, repeated blocks once per run
+    with their own slots (``weight_tie_layers``, ``layers_execute_order``), and values of another width;
     the dynamic cache's logits (float64, to rounding), parameters off their init so that a skipped part shows."""
     net = _net(rotary_pos_emb=True, cross_attend="context" in input_kw, **option)
     with torch.no_grad():
@@ -420,6 +423,23 @@ def test_attentions_with_their_own_rotation_run_on_the_step(option, input_kw):
     prompts, kw = _inputs(**input_kw)
     dyn, stat = _dynamic_and_static(net, prompts, kw, steps=5)
     assert float((stat - dyn).abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("option", [dict(attn_gumbel_softmax=True),
+                                    dict(attn_custom_attn_fn=lambda logits: (logits * 0.5).softmax(-1))],
+                         ids=["gumbel softmax", "custom attention function"])
+def test_sampled_and_custom_scoring_run_on_the_step(option):
+    """A gumbel softmax draws its noise per slot read (eagerly: the slots the dynamic cache holds, so the same seed
+    draws the same noise) and a custom function sees the slots' logits: the dynamic cache's tokens."""
+    model = sf.AutoregressiveWrapper(_net(rotary_pos_emb=True, cross_attend=True, **option).float())
+    assert static_reason(model.net) is None
+    prompts, kw = _inputs(left_pad=True, context=J, dead_context=True)
+    kw = _cast(kw, torch.float32)
+    outs = []
+    for static in (True, False):
+        torch.manual_seed(3)
+        outs.append(model.generate(prompts, 6, temperature=0.0, static_cache=static, **kw))
+    assert torch.equal(*outs)
 
 
 def test_logits_wider_than_the_vocabulary_keep_the_dynamic_path():

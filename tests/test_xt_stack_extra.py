@@ -219,8 +219,8 @@ def test_block_side_options_run_unpadded_and_on_the_static_step(opts):
 
 
 def test_what_cannot_run_is_refused_or_falls_back():
-    """Token shifts refuse a KV cache; they and repeated blocks refuse ``unpadded=True`` and keep off the static
-    step; the residual options refuse ``unpadded=True``; contradictory options are refused by name."""
+    """Token shifts refuse a KV cache (and so the decode step); they and repeated blocks refuse ``unpadded=True``; the
+    residual options refuse ``unpadded=True``; contradictory options are refused by name."""
     for opts in (dict(weight_tie_layers=True), dict(layers_execute_order=(0, 1, 0, 1)), dict(shift_tokens=1)):
         stack = sf.Decoder(dim=DIM, depth=2, heads=HEADS, **opts)
         shift = "shift_tokens" in opts
@@ -232,7 +232,7 @@ def test_what_cannot_run_is_refused_or_falls_back():
             sf.Decoder(dim=DIM, depth=2, heads=HEADS, unpadded=True, **opts)
         net = sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=16, attn_layers=sf.Decoder(
             dim=DIM, depth=2, heads=HEADS, **opts))
-        assert static_reason(net) is not None and net.can_cache_kv != shift
+        assert (static_reason(net) is not None) == shift and net.can_cache_kv != shift  # repeats: the step runs them
     with pytest.raises(ValueError, match="ff_deep_embeds"):
         sf.Decoder(dim=DIM, depth=2, heads=HEADS, weight_tie_layers=True)(
             torch.randn(1, 3, DIM), ff_deep_embeds=torch.ones(1, 3, 1, DIM))

@@ -34,7 +34,7 @@ class StaticKVCache:
     """What the decode steps share and keep.
 
     Attributes:
-        layers: per block of the stack, the attention's slots (``SelfSlots`` / ``ContextSlots``), ``None`` for a
+        layers: per block run (``runs``), the attention's slots (``SelfSlots`` / ``ContextSlots``), ``None`` for a
             feed-forward block and for a cross-attention run without a context (it adds nothing).
         valid: ``(B, L)`` which slots hold a real position (padding and unwritten slots are False).
         positions: ``(B, L)`` the position of each slot's token (ALiBi's distances).
@@ -55,6 +55,8 @@ class StaticKVCache:
             by the step), else ``None``; ``None`` altogether with forward hooks.
         plain_residual: per block, whether its residual update is the plain ``stream + out`` (x-transformers'
             ``Residual`` unscaled, no hooks), ``None`` with forward hooks.
+        runs: the blocks each step runs, in order (their indices; ``weight_tie_layers`` / ``layers_execute_order`` run
+            some more than once, each run with its own slots).
     """
 
     layers: list
@@ -74,6 +76,7 @@ class StaticKVCache:
     needs_angles: bool = False
     ff_plans: list | None = None
     plain_residual: list | None = None
+    runs: tuple = ()
     _spare: list | None = field(default=None, repr=False)
 
     @property

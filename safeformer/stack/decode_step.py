@@ -56,9 +56,6 @@ def _wrapper_refusal(net) -> str | None:
 
 
 def _attention_refusal(stack, mixer) -> str | None:
-    if mixer.score in ("gumbel", "custom"):
-        return ("gumbel softmax draws noise per key slot and a custom_attn_fn may read every key: they run on the "
-                "dynamic path")
     if getattr(mixer, "hybrid", None) is not None:
         return "attn_hybrid_module runs a sequence module beside attention (its state is the dynamic cache's)"
     if mixer.orthog:
@@ -121,14 +118,15 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
     device = cache.count.device if isinstance(cache, KVCache) else ref.device
     probe = torch.empty(cache.batch_size if isinstance(cache, KVCache) else 0, 0, stack.dim, dtype=ref.dtype,
                         device=device)
-    kinds = stack.layer_kinds
+    kinds = stack.executed_kinds  # one cache entry per attention block run
     KVCache.check(cache, probe, kinds.count("self"), kinds.count("cross"))
     p = cache.length
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < p:
         raise ValueError(f"capacity must be an integer >= the cache's length {p}, got {capacity!r}")
     fast = fast and not _hooked(net)
+    runs = tuple(range(len(stack.layers))) if stack.default_order is None else tuple(stack.default_order)
     layers, i_self, i_cross = [], 0, 0
-    for blk in stack.layers:
+    for blk in (stack.layers[i] for i in runs):  # one entry per block run (weight_tie_layers repeats blocks)
         if blk.kind == "self":
             k, v = cache.self_kv[i_self]  # add_value_residual: every self-attention after the first mixes its values
             layers.append(self_slots(blk.mixer, k, v, cache.mask, capacity, fast, stack.add_value_residual and i_self > 0))
@@ -156,12 +154,13 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
         with torch.no_grad():
             table = stack.rel_pos.table(capacity + 1, device)
     own = any(getattr(getattr(sl, "plan", None), "own_qkv", False) for sl in layers)
+    blocks = [stack.layers[i] for i in runs]
     ff_plans = [blk.mixer.step_plan() if blk.kind == "ff" and hasattr(blk.mixer, "step_plan") else None
-                for blk in stack.layers] if fast else None
+                for blk in blocks] if fast else None
     plain = [type(blk.residual) is Residual and blk.residual.residual_scale is None
-             and blk.residual.scale_residual_constant == 1 for blk in stack.layers] if fast else None
+             and blk.residual.scale_residual_constant == 1 for blk in blocks] if fast else None
     return StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
-                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table, own, ff_plans, plain)
+                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table, own, ff_plans, plain, runs)
 
 
 def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
@@ -231,16 +230,17 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
     if routing is not None:  # x-transformers' residual options, per token (the stack's forward runs the same)
         x, route = routing.begin(x, None, cond)
     first_self = True
-    for i, (blk, slots) in enumerate(zip(stack.layers, c.layers)):
+    for i, (idx, slots) in enumerate(zip(c.runs, c.layers)):  # i: the run, idx: the block (repeated ones too)
+        blk = stack.layers[idx]
         inp = x
         if route is not None:
-            x, inp = routing.enter(route, i, x)
+            x, inp = routing.enter(route, idx, x)
         if blk.kind == "ff":  # a plain feed-forward: its step plan (three functional calls)
             plan = None if c.ff_plans is None else c.ff_plans[i]
             out, _ = blk(inp, cond) if plan is None else blk(inp, cond, step=plan)
         elif slots is None:  # cross-attention without a context (or a zero-length one): adds exactly 0
             if route is not None:
-                x = routing.leave(route, i, None)
+                x = routing.leave(route, idx, None)
             continue
         else:
             out, _ = blk(inp, cond, cache=AttentionStep(slots, inputs))
@@ -249,7 +249,7 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
                                          else slots.values.narrow(2, inputs.slot, 1))
             first_self = first_self and blk.kind != "self"
         if route is not None:
-            x = routing.leave(route, i, out)
+            x = routing.leave(route, idx, out)
         else:  # x-transformers' Residual: stream + out (residual_update runs the other forms and hooks)
             x = x + out if c.plain_residual is not None and c.plain_residual[i] else residual_update(blk.residual, out, x)
     if route is not None:

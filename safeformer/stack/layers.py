@@ -1223,7 +1223,7 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
     if padded_reason is not None and unpadded is True:
         raise ValueError("unpadded=True cannot run weight_tie_layers, layers_execute_order or shift_tokens (they "
                          "run on the padded path); use unpadded='auto' or False")
-    stack.static_step_reason = stack.static_step_reason or padded_reason
+    stack.static_step_reason = stack.static_step_reason or stack.cache_refusal
     stack.residual_attn, stack.cross_residual_attn = bool(residual_attn), bool(cross_residual_attn)
     if cross_residual_attn and not stack.has_cross:
         raise ValueError("cross_residual_attn carries cross-attention logits: it needs cross_attend=True")
