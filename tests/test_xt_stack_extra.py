@@ -241,7 +241,7 @@ def test_what_cannot_run_is_refused_or_falls_back():
             sf.Decoder(dim=DIM, depth=2, heads=HEADS, unpadded=not opts.get("checkpoint_layers"), **opts)
     net = sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=16, attn_layers=sf.Decoder(
         dim=DIM, depth=2, heads=HEADS, residual_attn=True))
-    assert "residual_attn" in static_reason(net) and not net.attn_layers.packable and net.can_cache_kv
+    assert static_reason(net) is None and not net.attn_layers.packable and net.can_cache_kv  # the step carries logits
     with pytest.raises(ValueError, match="cross_attend"):
         sf.Decoder(dim=DIM, depth=2, heads=HEADS, cross_residual_attn=True)
     for opts in (dict(pre_norm=False), dict(scale_residual=True), dict(scale_residual_constant=0.5),

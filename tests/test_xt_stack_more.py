@@ -230,10 +230,9 @@ def test_what_cannot_run_is_refused_or_falls_back():
         net = sf.TransformerWrapper(num_tokens=VOCAB, max_seq_len=16, attn_layers=sf.Decoder(
             dim=16, heads=2, **{"depth": 2, **opts}))
         assert not net.attn_layers.packable
-        reason = static_reason(net)  # the step runs the per-token routing; separate q/k/v inputs stay off it
-        off = any(opts.get(k) for k in ("integrate_layers", "qkv_receive_diff_residuals", "mv_split_residual",
-                                        "orthog_residual"))
-        assert (reason is None) != off and (reason is None or "dynamic path" in reason)
+        reason = static_reason(net)  # the step runs the per-token routing (separate q/k/v inputs too)
+        off = any(opts.get(k) for k in ("mv_split_residual", "orthog_residual"))  # over the sequence: no cache
+        assert (reason is None) != off and (reason is None or "whole sequence" in reason)
     assert sf.Decoder(dim=16, depth=1, heads=2).routing is None  # the plain stack: one stream, no routing
     with pytest.raises(ValueError, match="qkv_receive_diff_residuals"):
         sf.Decoder(dim=16, depth=1, heads=2, qkv_receive_diff_residuals=True)

@@ -430,7 +430,7 @@ class Attention(nn.Module):
         that may attend to no key is exactly 0 with zero gradient (S2). Every keyword is documented in this module's
         docstring (``help(safeformer.nn.attention)``, "``Attention.forward``")."""
         if type(cache) is AttentionStep:  # one decode step over the slots of a StaticKVCache (attention_step.py)
-            return attention_step(self, x, cache)
+            return attention_step(self, x, cache, kv_input, prev_attn)
         if polar_pos_emb is not None:  # x-transformers' PoPE (freqs, bias): the stack's rotary pair, PoPE's form
             rotary = polar_from_xt(self, polar_pos_emb, x, context, mask, context_mask, dict(
                 rotary=rotary, rotary_pos_emb=rotary_pos_emb, context_rotary_pos_emb=context_rotary_pos_emb, kv=kv,

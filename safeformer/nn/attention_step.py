@@ -140,7 +140,7 @@ class AttentionStep(NamedTuple):
 
 def step_plan(attn, kind: str, fast: bool, value_residual: bool = False) -> StepPlan:
     """The plan of ``attn`` for a ``kind`` (``"self"`` / ``"cross"``) block; ``fast=False``: the seams only;
-    ``value_residual``: it mixes the first self-attention's values into its own (``add_value_residual``)."""
+    ``value_residual``: it projects with its own ``project_qkv`` (a value residual, separate q/k/v inputs)."""
     own = bool(attn.rope_subheads or attn.rotate_num_heads < attn.heads or getattr(attn, "polar_keys", False)
                or value_residual)
     if not fast or own:
@@ -171,9 +171,10 @@ def _fused_qkv(attn) -> tuple | None:
 
 
 def self_slots(attn, k: Tensor, v: Tensor, mask: Tensor | None, capacity: int, fast: bool,
-               value_residual: bool = False) -> SelfSlots:
+               value_residual: bool = False, views: bool = False) -> SelfSlots:
     """``attn``'s slots from a prefill's keys and values ``(B, h_kv, p, d)`` (``mask (B, p)``: which are real): room
-    for ``capacity`` slots, masked slots selected to 0 once (whatever a cache handed in held there)."""
+    for ``capacity`` slots, masked slots selected to 0 once (whatever a cache handed in held there). ``value_residual``
+    / ``views``: it mixes a value residual / gets separate query, key and value inputs (its own ``project_qkv``)."""
     p = k.shape[2]
     kb = k.new_zeros(*k.shape[:2], capacity, k.shape[3])
     vb = v.new_zeros(*v.shape[:2], capacity, v.shape[3])
@@ -182,7 +183,7 @@ def self_slots(attn, k: Tensor, v: Tensor, mask: Tensor | None, capacity: int, f
     else:
         keep = mask[:, None, :, None]
         kb[:, :, :p], vb[:, :, :p] = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
-    return SelfSlots(kb, vb, step_plan(attn, "self", fast, value_residual))
+    return SelfSlots(kb, vb, step_plan(attn, "self", fast, value_residual or views))
 
 
 def context_slots(attn, k: Tensor, v: Tensor, context_mask: Tensor | None, fast: bool) -> ContextSlots:
@@ -202,25 +203,28 @@ def context_slots(attn, k: Tensor, v: Tensor, context_mask: Tensor | None, fast:
     return ContextSlots(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0), kernel_mask, live[:, None, None], plan)
 
 
-def attention_step(attn, h: Tensor, step: AttentionStep) -> Tensor:
+def attention_step(attn, h: Tensor, step: AttentionStep, kv_input: tuple | None = None,
+                   prev_attn: Tensor | None = None):
     """The output ``(B, 1, c)`` of ``attn`` for the new position ``h (B, 1, c)``; a self-attention writes its new key
-    and value at the step's slot first."""
+    and value at the step's slot first. ``kv_input``: separate key and value inputs ``(B, 1, c)`` each (the stack's
+    ``qkv_receive_diff_residuals`` / ``integrate_layers`` views). ``prev_attn``: the previous attention's logits
+    (``residual_attn``): then ``(out, logits)`` are returned, the logits ``(B, h, 1, n)`` for the next."""
     slots, inputs = step
     kernel = _attend_module._kernel  # read per call: tests substitute a misbehaving kernel
     if isinstance(slots, SelfSlots):
-        return _self_step(attn, slots, h, inputs, kernel)
+        return _self_step(attn, slots, h, inputs, kernel, kv_input, prev_attn)
     return _cross_step(attn, slots, h, kernel)
 
 
-def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel) -> Tensor:
+def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_input=None, prev_attn=None):
     slot, rot = inputs.slot, inputs.rot
-    if s.plan.fused is not None:
+    if s.plan.fused is not None and kv_input is None:
         q, k, v = _project_fused(attn, s.plan.fused, h, rot)
-    elif s.plan.own_qkv:  # the attention's own projections, rotation and value mix (attention_projections.py)
+    elif s.plan.own_qkv or kv_input is not None:  # the attention's own projections, rotation and value mix
         from .attention_projections import project_qkv
 
-        q, k, v, _ = project_qkv(attn, h, h, None, None, None, None, None, inputs.value_residual, inputs.angles, None,
-                                 None, None, 1)
+        q, k, v, _ = project_qkv(attn, h, h, None, None, None, kv_input, None, inputs.value_residual, inputs.angles,
+                                 None, None, None, 1)
     else:
         q = attn._project_q(h).transpose(1, 2)  # (B, h, 1, d)
         k, v = attn._project_kv(h)
@@ -243,16 +247,19 @@ def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel) -> Ten
         self_mask = _plus_bias(self_mask, rp.to(h.dtype))
     if attn.extra_keys:  # [sink?, zero key?, memory keys] before the slots, seen by every query
         kb, vb, self_mask = _with_extra(attn, kb, vb, self_mask, h)
-    if s.plan.explicit:
-        out = _explicit(attn, q, kb, vb, self_mask)
+    logits = None
+    if s.plan.explicit or prev_attn is not None:
+        out, logits = _explicit(attn, q, kb, vb, self_mask, prev_attn)
     elif attn.l2_distance:  # the attention's own kernel seam (its keys widened by |k|^2)
         out = _kernel_seam(attn, q, kb, vb, self_mask)
     else:
         q, mask_h, _ = to_kernel_heads(attn, q, self_mask)  # x-transformers' tiled kv heads: interleaved
         out = from_kernel_heads(attn, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=attn.kv_heads != attn.heads))
     if s.plan.plain_out:
-        return F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
-    return attn._output(out.transpose(1, 2), h)
+        out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
+    else:
+        out = attn._output(out.transpose(1, 2), h)
+    return out if prev_attn is None else (out, logits)
 
 
 def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
@@ -265,7 +272,7 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
     if attn.extra_keys:
         keys, values, mask = _with_extra(attn, keys, values, mask, h)
     if s.plan.explicit:
-        out = _explicit(attn, q, keys, values, mask)
+        out = _explicit(attn, q, keys, values, mask)[0]
     elif attn.l2_distance:
         out = _kernel_seam(attn, q, keys, values, mask)
     else:
@@ -329,15 +336,19 @@ def _window(mask: Tensor | None, far: Tensor) -> Tensor:
     return mask.masked_fill(far, float("-inf"))
 
 
-def _explicit(attn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """The explicit path's output ``(B, h, 1, e)`` over the slots: ``mask`` a bool mask of the readable slots or an
-    additive bias with ``-inf`` at the others (ALiBi)."""
+def _explicit(attn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, prev_attn: Tensor | None = None) -> tuple:
+    """The explicit path over the slots: ``(out (B, h, 1, e), logits or None)``, the logits (for the next attention's
+    ``prev_attn``: ``residual_attn``) when ``prev_attn`` is given (a tensor, or ``True`` for the first attention).
+    ``mask``: a bool mask of the readable slots or an additive bias with ``-inf`` at the others (ALiBi)."""
     from .attention_scoring import explicit_call
 
     bias = None
     if mask is not None and mask.is_floating_point():
         mask, bias = None, mask
-    return explicit_call(attn, q, k, v, mask, False, bias, None, False, None)[0]
+    want = prev_attn is not None
+    out, _, logits = explicit_call(attn, q, k, v, mask, False, bias, None, want,
+                                   prev_attn if isinstance(prev_attn, Tensor) else None)
+    return out, logits
 
 
 def _project_fused(attn, fused: tuple, h: Tensor, rot) -> tuple[Tensor, Tensor, Tensor]:

@@ -126,10 +126,13 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
     fast = fast and not _hooked(net)
     runs = tuple(range(len(stack.layers))) if stack.default_order is None else tuple(stack.default_order)
     layers, i_self, i_cross = [], 0, 0
-    for blk in (stack.layers[i] for i in runs):  # one entry per block run (weight_tie_layers repeats blocks)
+    views = [False] * len(stack.layers) if stack.routing is None else [v == 3 for v in stack.routing.views]
+    for idx in runs:  # one entry per block run (weight_tie_layers repeats blocks)
+        blk = stack.layers[idx]
         if blk.kind == "self":
             k, v = cache.self_kv[i_self]  # add_value_residual: every self-attention after the first mixes its values
-            layers.append(self_slots(blk.mixer, k, v, cache.mask, capacity, fast, stack.add_value_residual and i_self > 0))
+            layers.append(self_slots(blk.mixer, k, v, cache.mask, capacity, fast, stack.add_value_residual and i_self > 0,
+                                     views[idx]))
             i_self += 1
         elif blk.kind == "cross" and cache.cross_kv is not None:
             k, v = cache.cross_kv[i_cross]
@@ -230,6 +233,7 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
     if routing is not None:  # x-transformers' residual options, per token (the stack's forward runs the same)
         x, route = routing.begin(x, None, cond)
     first_self = True
+    prev = True if stack.residual_attn else None  # residual_attn: each self-attention's logits reach the next
     for i, (idx, slots) in enumerate(zip(c.runs, c.layers)):  # i: the run, idx: the block (repeated ones too)
         blk = stack.layers[idx]
         inp = x
@@ -242,12 +246,15 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
             if route is not None:
                 x = routing.leave(route, idx, None)
             continue
+        elif prev is not None and blk.kind == "self":
+            out, (prev,) = blk(inp, cond, cache=AttentionStep(slots, inputs), prev_attn=prev)
         else:
             out, _ = blk(inp, cond, cache=AttentionStep(slots, inputs))
-            if blk.kind == "self" and first_self and stack.add_value_residual:  # its new values, for the others
+        if blk.kind == "self":
+            if first_self and stack.add_value_residual:  # its new values, for the others
                 inputs = inputs._replace(value_residual=slots.values.index_select(2, inputs.slot[None]) if c.fixed
                                          else slots.values.narrow(2, inputs.slot, 1))
-            first_self = first_self and blk.kind != "self"
+            first_self = False
         if route is not None:
             x = routing.leave(route, idx, out)
         else:  # x-transformers' Residual: stream + out (residual_update runs the other forms and hooks)

@@ -1209,10 +1209,8 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
                          "reinject_input, pre_and_post_norm, orthog_residual, "
                          "mv_split_residual, pre_norm=False, scale_residual, scale_residual_constant, gate_residual, "
                          "softclamp_output): they run on the padded path; use unpadded='auto' or False")
-    stack.static_step_reason = None if stack.routing is None or not (
-        stack.routing.sequence_wide or 3 in stack.routing.views) else \
-        "orthog_residual / mv_split_residual (over the whole sequence) and separate query/key/value inputs " \
-        "(qkv_receive_diff_residuals, integrate_layers) run on the dynamic path"
+    stack.static_step_reason = None if stack.routing is None or not stack.routing.sequence_wide else \
+        "orthog_residual / mv_split_residual update over the whole sequence (no KV cache)"
     # what runs without a KV cache, on the padded path, off the static step (besides the routing)
     stack.cache_refusal = None if not any(shifts) else (
         "shift_tokens reads earlier positions' normed inputs, which a KV cache does not keep: it runs without a "
@@ -1230,9 +1228,9 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
     if (residual_attn or cross_residual_attn) and (checkpoint_layers or unpadded is True):
         raise ValueError("residual_attn / cross_residual_attn carry each attention's logits to the next: not with "
                          "checkpoint_layers or unpadded=True (they run on the padded path)")
-    if residual_attn or cross_residual_attn:
+    if cross_residual_attn:  # (residual_attn's self-attention logits pass from one step's attention to the next)
         stack.static_step_reason = stack.static_step_reason or \
-            "residual_attn / cross_residual_attn carry logits between layers (the explicit attention path)"
+            "cross_residual_attn carries cross-attention logits between layers: it runs on the dynamic path"
     # x-transformers keeps the final norm with gated_multi_residual, whatever the norm options
     stack.final_norm = norm() if (pre_norm_has_final_norm and not pre_and_post_norm and pre_norm) or gated_multi_residual \
         else nn.Identity()
