@@ -300,7 +300,7 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     assert float((static - dynamic).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("option", [dict(cross_residual_attn=True, cross_attend=True)], ids=["cross residual attention"])
+@pytest.mark.parametrize("option", [dict(attn_hybrid_module=torch.nn.GRU(DIM, DIM, batch_first=True))], ids=["hybrid module"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -381,6 +381,7 @@ ROUTING_OPTIONS = [dict(num_residual_streams=2), dict(gated_multi_residual=True,
                    dict(weight_tie_layers=True, num_residual_streams=2), dict(integrate_layers=True),
                    dict(num_residual_streams=2, qkv_receive_diff_residuals=True), dict(residual_attn=True),
                    dict(residual_attn=True, attn_softclamp_logits=True),
+                   dict(cross_residual_attn=True, residual_attn=True, cross_attend=True),
                    dict(attn_value_dim_head=12, kv_heads=2, attn_gate_values=True)]
 
 
@@ -392,7 +393,7 @@ def test_residual_routing_and_value_width_run_on_the_step(option, input_kw):
     does, repeated blocks once per run with their own slots (``weight_tie_layers``, ``layers_execute_order``), each
     self-attention's logits to the next (``residual_attn``), and values of another width;
     the dynamic cache's logits (float64, to rounding), parameters off their init so that a skipped part shows."""
-    net = _net(rotary_pos_emb=True, cross_attend="context" in input_kw, **option)
+    net = _net(**{"rotary_pos_emb": True, "cross_attend": "context" in input_kw, **option})
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -551,7 +552,7 @@ def test_static_cache_checks_its_input_and_its_room():
         with pytest.raises(ValueError, match="full"):
             net(prompts[:, :1], cache=static)
     with pytest.raises(ValueError, match="static decode step cannot run"):
-        build_static_cache(_net(cross_residual_attn=True, cross_attend=True), cache, 20)
+        build_static_cache(_net(attn_hybrid_module=torch.nn.GRU(DIM, DIM, batch_first=True)), cache, 20)
 
 
 def test_compile_plan_and_capacity_buckets():

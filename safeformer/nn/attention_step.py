@@ -213,7 +213,7 @@ def attention_step(attn, h: Tensor, step: AttentionStep, kv_input: tuple | None 
     kernel = _attend_module._kernel  # read per call: tests substitute a misbehaving kernel
     if isinstance(slots, SelfSlots):
         return _self_step(attn, slots, h, inputs, kernel, kv_input, prev_attn)
-    return _cross_step(attn, slots, h, kernel)
+    return _cross_step(attn, slots, h, kernel, prev_attn)
 
 
 def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_input=None, prev_attn=None):
@@ -262,7 +262,7 @@ def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_inp
     return out if prev_attn is None else (out, logits)
 
 
-def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
+def _cross_step(attn, s: ContextSlots, h: Tensor, kernel, prev_attn=None):
     if s.plan.plain_q:
         q = F.linear(h, attn.to_q.weight, attn.to_q.bias).unflatten(-1, (attn.heads, attn.dim_head))
         q = attn.norm_q(q).transpose(1, 2)
@@ -271,8 +271,9 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
     keys, values, mask = s.keys, s.values, s.mask
     if attn.extra_keys:
         keys, values, mask = _with_extra(attn, keys, values, mask, h)
-    if s.plan.explicit:
-        out = _explicit(attn, q, keys, values, mask)[0]
+    logits = None
+    if s.plan.explicit or prev_attn is not None:
+        out, logits = _explicit(attn, q, keys, values, mask, prev_attn)
     elif attn.l2_distance:
         out = _kernel_seam(attn, q, keys, values, mask)
     else:
@@ -283,8 +284,14 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel) -> Tensor:
     rows_ok = None if s.live is None or attn.out_bias is None else s.live[:, :, 0]
     if s.plan.plain_out:
         out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
-        return out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
-    return attn._output(out.transpose(1, 2), h, None, rows_ok)
+        out = out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+    else:
+        out = attn._output(out.transpose(1, 2), h, None, rows_ok)
+    if prev_attn is None:
+        return out
+    if s.live is not None:  # a sample without context keys: its logits are 0, as the stack's forward gives them
+        logits = torch.where(s.live[..., None], logits, 0.0)
+    return out, logits
 
 
 def _with_extra(attn, k: Tensor, v: Tensor, mask: Tensor | None, h: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -234,6 +234,7 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
         x, route = routing.begin(x, None, cond)
     first_self = True
     prev = True if stack.residual_attn else None  # residual_attn: each self-attention's logits reach the next
+    prev_cross = True if stack.cross_residual_attn else None  # cross_residual_attn: each cross-attention's
     for i, (idx, slots) in enumerate(zip(c.runs, c.layers)):  # i: the run, idx: the block (repeated ones too)
         blk = stack.layers[idx]
         inp = x
@@ -248,6 +249,8 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
             continue
         elif prev is not None and blk.kind == "self":
             out, (prev,) = blk(inp, cond, cache=AttentionStep(slots, inputs), prev_attn=prev)
+        elif prev_cross is not None and blk.kind == "cross":
+            out, (prev_cross,) = blk(inp, cond, cache=AttentionStep(slots, inputs), prev_attn=prev_cross)
         else:
             out, _ = blk(inp, cond, cache=AttentionStep(slots, inputs))
         if blk.kind == "self":

@@ -1228,9 +1228,6 @@ def _routing_and_paths(stack: AttentionLayers, layout: _Layout, norm, shifts: li
     if (residual_attn or cross_residual_attn) and (checkpoint_layers or unpadded is True):
         raise ValueError("residual_attn / cross_residual_attn carry each attention's logits to the next: not with "
                          "checkpoint_layers or unpadded=True (they run on the padded path)")
-    if cross_residual_attn:  # (residual_attn's self-attention logits pass from one step's attention to the next)
-        stack.static_step_reason = stack.static_step_reason or \
-            "cross_residual_attn carries cross-attention logits between layers: it runs on the dynamic path"
     # x-transformers keeps the final norm with gated_multi_residual, whatever the norm options
     stack.final_norm = norm() if (pre_norm_has_final_norm and not pre_and_post_norm and pre_norm) or gated_multi_residual \
         else nn.Identity()
