@@ -615,17 +615,23 @@ def test_no_host_read_per_step(gen_kw):
 
 WRAPPER_OPTIONS = [dict(to_logits=torch.nn.Sequential(torch.nn.Linear(DIM, V))), dict(token_emb=torch.nn.Embedding(V, DIM)),
                    dict(emb_dim=16, post_emb_norm=True), dict(sigsoftmax_logits=True),
-                   dict(mixture_of_softmax=True, mixture_of_softmax_k=3), dict(l2norm_embed=True, scaled_sinu_pos_emb=True)]
+                   dict(mixture_of_softmax=True, mixture_of_softmax_k=3), dict(l2norm_embed=True, scaled_sinu_pos_emb=True),
+                   dict(ff_deep_embed=True)]
 
 
 @pytest.mark.parametrize("option", WRAPPER_OPTIONS, ids=["custom to_logits", "custom token_emb", "emb_dim, post_emb_norm",
-                                                         "sigsoftmax", "mixture of softmaxes", "l2norm, scaled sinusoidal"])
+                                                         "sigsoftmax", "mixture of softmaxes", "l2norm, scaled sinusoidal",
+                                                         "ff deep embed"])
 def test_wrapper_parts_run_on_the_step(option):
     """The step embeds and reads out with the wrapper's own code (``_embed``, ``embed_rows``, ``_head``): custom
-    modules, a narrower embedding, the sigsoftmax and the mixture head give the dynamic cache's logits (float64)."""
+    modules, a narrower embedding, the sigsoftmax and the mixture head, the feed-forwards' per-token multipliers
+    (``ff_deep_embed``) give the dynamic cache's logits (float64), parameters off their init."""
     torch.manual_seed(0)
     net = sf.TransformerWrapper(num_tokens=V, max_seq_len=64, attn_layers=sf.Decoder(
         dim=DIM, depth=2, heads=4, dim_head=8, rotary_pos_emb=True, cross_attend=True), **option)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     assert static_reason(net) is None
     for input_kw in (dict(left_pad=True), dict(context=J, dead_context=True)):
         prompts, kw = _inputs(**input_kw)

@@ -40,7 +40,6 @@ def _wrapper_refusal(net) -> str | None:
     custom = [name for name, on in (("recycling", getattr(net, "recycling", False)),
                                     ("squeeze_out_last_dim", getattr(net, "squeeze_out_last_dim", False)),
                                     ("a probabilistic head", getattr(net, "probabilistic", False)),
-                                    ("ff_deep_embed", getattr(net, "ff_deep_embed", None) is not None),
                                     ("looped=True (the stack runs several times, with early exit)",
                                      getattr(net, "looped", False)),
                                     ("num_output_heads > 1", getattr(net, "num_output_heads", 1) > 1),
@@ -216,9 +215,10 @@ def _room(c: StaticKVCache) -> None:
         raise ValueError(f"the static cache is full ({c.capacity} slots)")
 
 
-def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
+def stack_step(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None = None) -> Tensor:
     """``AttentionLayers.forward(x (B, 1, c), cache=static)``: one position through every block (each called as a
-    module, an attention block with its ``AttentionStep``), then the final norm; the cache advances one slot."""
+    module, an attention block with its ``AttentionStep``), then the final norm; the cache advances one slot.
+    ``ff_deep (B, 1, L, c)``: the feed-forward blocks' per-token multipliers (``ff_deep_embeds``)."""
     compiling = torch.compiler.is_compiling()
     if not compiling:
         if not isinstance(x, Tensor) or x.dim() != 3 or tuple(x.shape) != (c.batch_size, 1, stack.dim):
@@ -232,7 +232,7 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
     route = None
     if routing is not None:  # x-transformers' residual options, per token (the stack's forward runs the same)
         x, route = routing.begin(x, None, cond)
-    first_self = True
+    first_self, ff_seen = True, 0
     prev = True if stack.residual_attn else None  # residual_attn: each self-attention's logits reach the next
     prev_cross = True if stack.cross_residual_attn else None  # cross_residual_attn: each cross-attention's
     for i, (idx, slots) in enumerate(zip(c.runs, c.layers)):  # i: the run, idx: the block (repeated ones too)
@@ -243,6 +243,9 @@ def stack_step(stack, x: Tensor, c: StaticKVCache) -> Tensor:
         if blk.kind == "ff":  # a plain feed-forward: its step plan (three functional calls)
             plan = None if c.ff_plans is None else c.ff_plans[i]
             out, _ = blk(inp, cond) if plan is None else blk(inp, cond, step=plan)
+            if ff_deep is not None:  # ff_deep_embed: this feed-forward's multiplier of the branch
+                out = out * ff_deep[:, :, ff_seen].to(out.dtype)
+                ff_seen += 1
         elif slots is None:  # cross-attention without a context (or a zero-length one): adds exactly 0
             if route is not None:
                 x = routing.leave(route, idx, None)
@@ -277,27 +280,24 @@ _STEP_FREE = ("self", "x", "cache", "return_cache", "check_finite", "__class__")
 
 
 @functools.cache
-def _defaults(fn) -> dict:
-    return {name: p.default for name, p in inspect.signature(fn).parameters.items()
-            if p.kind is not inspect.Parameter.VAR_KEYWORD}
+def _signature(fn) -> tuple[dict, str | None]:
+    """``fn``'s defaults by name and its ``**`` parameter's name (or ``None``)."""
+    params = inspect.signature(fn).parameters.values()
+    return ({p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD},
+            next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None))
 
 
 def check_step_call(fn, given: dict) -> None:
-    """A forward ``fn`` called with a ``StaticKVCache`` (``given``: its arguments): ``x`` the new position of every
-    sample and nothing else (the context, the conditions and the masks are the prefill's, held by the cache); every
-    other argument must be at its default, or it is refused by name. Metadata only."""
-    defaults = _defaults(fn)
-    extra = []
-    for name, value in given.items():
-        if name in _STEP_FREE or value is None:
+    """A forward ``fn`` called with a ``StaticKVCache`` (``given``: its arguments, e.g. its ``locals()``): ``x`` the new
+    position of every sample and nothing else (the context, the conditions and the masks are the prefill's, held by
+    the cache); every other argument must be at its default, or it is refused by name. Metadata only."""
+    defaults, var_kw = _signature(fn)
+    extra = sorted(given.get(var_kw) or ()) if var_kw is not None else []
+    for name, default in defaults.items():
+        value = given.get(name, default)
+        if name in _STEP_FREE or value is None or value is default:
             continue
-        if name not in defaults:  # the forward's **conditions
-            if value:
-                extra.extend(sorted(value))
-            continue
-        default = defaults[name]
-        if value is default or (type(value) is type(default) and isinstance(value, (bool, int, float, str))
-                                and value == default):
+        if type(value) is type(default) and isinstance(value, (bool, int, float, str)) and value == default:
             continue
         extra.append(name)
     if extra:
@@ -327,5 +327,6 @@ def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
     h = net._embed(x, None, None) if tokens else net.project_in(x.to(c.dtype))
     if net.pos_emb is not None:
         h = h + net.pos_emb.embed_positions((c.count - c.lead).clamp(min=0)[:, None]).to(h.dtype)
-    h = net.attn_layers(embed_rows(net, h, 0), cache=c)
+    deep = None if getattr(net, "ff_deep_embed", None) is None else net.ff_deep_embed[x].to(h.dtype)  # (B, 1, L, c)
+    h = net.attn_layers(embed_rows(net, h, 0), cache=c, ff_deep_embeds=deep)
     return net._head(h) if tokens else net.project_out(h)

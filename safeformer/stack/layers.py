@@ -461,6 +461,7 @@ from .stack_forward import (  # noqa: F401 (the forward's inputs and helpers oth
     self_attention_inputs,
     share_inputs,
 )
+from .stack_forward import _check_ff_deep_embeds as check_ff_deep_embeds
 from .unpadded import UNPADDED_THRESHOLD, UnpaddedPlan, forward_unpadded, plan_unpadded
 
 __all__ = ["KVCache", "LayerIntermediates", "AttnIntermediate", "AttentionLayers", "Encoder", "Decoder", "CrossAttender",
@@ -774,9 +775,11 @@ class AttentionLayers(Configurable, nn.Module):
         "``AttentionLayers.forward``'s keywords"); the call runs in phases (``stack_forward``: ``resolve_call``,
         ``share_inputs``, ``run_blocks`` or the unpadded path, ``finish_call``)."""
         if type(cache) is StaticKVCache:  # one decode step over preallocated slots (decode_step.py)
+            deep = ff_deep_embeds  # the wrapper's ff_deep_embed rows of the new position: (b, 1, L, dim)
             if not torch.compiler.is_compiling():  # the arguments besides x: their defaults (locals(): eager only)
-                check_step_call(AttentionLayers.forward, locals())
-            out = stack_step(self, x, cache)
+                check_step_call(AttentionLayers.forward, {**locals(), "ff_deep_embeds": None})
+                deep = check_ff_deep_embeds(self, deep, x, None)
+            out = stack_step(self, x, cache, deep)
             return (out, cache) if return_cache else out
         if flash_pack_seq_kwargs is not None:  # packed documents (attn_flash_pack_seq): a block-diagonal attn_mask
             attn_mask = packed_stack_mask(self, x, mask, attn_mask, cache, flash_pack_seq_kwargs)
