@@ -51,8 +51,9 @@ class StaticKVCache:
             or ``None`` (no such bias, or computed per step: a net with forward hooks).
         needs_angles: some attention rotates with its own code (``StepPlan.own_qkv``): each step computes the stack's
             position pair at the new position for it.
-        ff_plans: per block, a plain feed-forward's ``FeedForward.step_plan()`` (its three parts, called as functions
-            by the step), else ``None``; ``None`` altogether with forward hooks.
+        ff_plans: per block run, a plain feed-forward's ``FeedForward.step_plan()`` (its three parts, called as
+            functions by the step, with the block's norm and finish), else ``None``; ``None`` altogether with forward
+            hooks (then every block is called as a module, so that they run).
         plain_residual: per block, whether its residual update is the plain ``stream + out`` (x-transformers'
             ``Residual`` unscaled, no hooks), ``None`` with forward hooks.
         runs: the blocks each step runs, in order (their indices; ``weight_tie_layers`` / ``layers_execute_order`` run

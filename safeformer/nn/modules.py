@@ -464,7 +464,7 @@ class FeedForward(nn.Module):
         """What a decode step may run as three functions (``F.linear``, the activation, ``F.linear`` on the layers'
         own parameters, the same bits): ``(proj_in, act, proj_out)`` where this is a plain MLP in evaluation (no gate,
         clamp, SoLU or post-activation norm, a GELU / SiLU / ReLU, plain ``nn.Linear``, idle dropouts, no hooks on
-        the parts), else ``None``. The decode step reads it once per cache (``forward(step=...)``)."""
+        the parts), else ``None``. The decode step reads it once per cache, for a net without hooks."""
         if self.training or self.glu or self.softclamp_value is not None or self.solu_norm is not None \
                 or self.post_act_norm is not None or len(self.ff) != 3:
             return None
@@ -475,20 +475,16 @@ class FeedForward(nn.Module):
             return None
         return pi, act, po
 
-    def forward(self, x: Tensor, deep_embed: Tensor | None = None, step: tuple | None = None) -> Tensor:
+    def forward(self, x: Tensor, deep_embed: Tensor | None = None) -> Tensor:
         """The feed-forward of ``x (..., dim)``.
 
         Args:
             x: the input.
-            step: a decode step's ``step_plan()`` (safeformer's): the same MLP as three functional calls.
             deep_embed: x-transformers' deep embedding of this block: a multiplier of the output (after the output
                 projection and its dropout), any floating shape that broadcasts to the output's without growing it,
                 e.g. ``(b, n, dim_out)``: the wrapper's ``ff_deep_embed`` rows of this block for the tokens. The
                 product follows torch's type promotion, as in x-transformers.
         """
-        if step is not None and deep_embed is None:
-            pi, act, po = step
-            return F.linear(act(F.linear(x, pi.weight, pi.bias)), po.weight, po.bias)
         h = self._hidden(x)
         for i, m in enumerate(self.ff):  # after the input part: [LayerNorm], dropout, projection, [dropout]
             if i:

@@ -9,7 +9,8 @@ the attention part (``nn/attention_step.py``), the rotary tables and the validit
 ordinary forward at one position: it embeds the new position (``wrapper_step``), calls its stack with the cache
 (``AttentionLayers.forward`` -> ``stack_step``), whose blocks are called as modules (their norms, their
 ``Attention.forward`` with the block's ``AttentionStep``, their feed-forward, their gates), and reads out the head.
-Hooks on any module run, as in any forward. Per step nothing is re-checked but the new input's metadata (no value
+Hooks on any module run, as in any forward: only a net without any hook when the cache was built lets a plain
+feed-forward run as three functional calls between its block's norm and finish (``FeedForward.step_plan``). Per step nothing is re-checked but the new input's metadata (no value
 is read back to the host: a token id's range is an asynchronous assertion), and the door
 checks of the prompt, the conditions and the cache ran once, at the prefill and when the cache was built.
 
@@ -23,6 +24,7 @@ import functools
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.cache import KVCache
@@ -240,9 +242,14 @@ def stack_step(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None = None
         inp = x
         if route is not None:
             x, inp = routing.enter(route, idx, x)
-        if blk.kind == "ff":  # a plain feed-forward: its step plan (three functional calls)
+        if blk.kind == "ff":
             plan = None if c.ff_plans is None else c.ff_plans[i]
-            out, _ = blk(inp, cond) if plan is None else blk(inp, cond, step=plan)
+            if plan is None:
+                out, _ = blk(inp, cond)
+            else:  # a plain MLP, no hooks anywhere (ff_plans): the block's norm, three functional calls, its finish
+                pi, act, po = plan
+                h = F.linear(act(F.linear(apply_norm(blk.norm, inp, cond), pi.weight, pi.bias)), po.weight, po.bias)
+                out = blk.finish(h, cond)
             if ff_deep is not None:  # ff_deep_embed: this feed-forward's multiplier of the branch
                 out = out * ff_deep[:, :, ff_seen].to(out.dtype)
                 ff_seen += 1
