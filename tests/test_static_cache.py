@@ -444,6 +444,28 @@ def test_sampled_and_custom_scoring_run_on_the_step(option):
     assert torch.equal(*outs)
 
 
+@pytest.mark.parametrize("option", [dict(rotary_pos_emb=True), dict(rotary_pos_emb=True, ff_glu=True, attn_gate_values=True),
+                                    dict(alibi_pos_bias=True, attn_num_mem_kv=2)], ids=["rotary", "glu, gated values", "alibi, memory"])
+def test_a_step_under_autograd_gives_the_dynamic_gradients(option):
+    """With autograd recording, the step uses no weight copies (fused q/k/v, kept norm gains): every parameter gets the
+    gradient the dynamic cache's step gives it (float64), none is missing."""
+    net = _net(cross_attend=True, **option).double()
+    prompts, kw = _inputs(left_pad=True, context=J, dead_context=True)
+    kw = _cast(kw, torch.float64)
+    feed = torch.randint(0, V, (prompts.shape[0], 1), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for static in (False, True):
+        net.zero_grad()
+        _, cache = net(prompts, return_cache=True, **kw)
+        step_cache = build_static_cache(net, cache, cache.length + 1) if static else cache
+        net(feed, cache=step_cache).sum().backward()
+        grads.append({n: p.grad for n, p in net.named_parameters()})
+    for name, g in grads[0].items():
+        assert (g is None) == (grads[1][name] is None), f"{name}: a gradient missing on one path"
+        if g is not None:
+            torch.testing.assert_close(grads[1][name], g, rtol=1e-9, atol=1e-10, msg=name)
+
+
 def test_logits_wider_than_the_vocabulary_keep_the_dynamic_path():
     """A sampled id may then be no token: the dynamic path names it (it checks the ids it embeds)."""
     assert "logits_dim" in static_reason(_net(rotary_pos_emb=True, logits_dim=V + 4))

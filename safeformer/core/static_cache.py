@@ -51,9 +51,10 @@ class StaticKVCache:
             or ``None`` (no such bias, or computed per step: a net with forward hooks).
         needs_angles: some attention rotates with its own code (``StepPlan.own_qkv``): each step computes the stack's
             position pair at the new position for it.
-        ff_plans: per block run, a plain feed-forward's ``FeedForward.step_plan()`` (its three parts, called as
-            functions by the step, with the block's norm and finish), else ``None``; ``None`` altogether with forward
-            hooks (then every block is called as a module, so that they run).
+        block_plans: per block run, how a net without hooks runs it without the module calls (``BlockPlan``: a
+            float32 LayerNorm's kept gain, a plain feed-forward's parts; ``None`` for a block with separate q/k/v
+            inputs); ``None`` altogether with forward hooks (then every block is called as a module, so that they
+            run). Not used while autograd records (the kept gain and fused weights are copies).
         plain_residual: per block, whether its residual update is the plain ``stream + out`` (x-transformers'
             ``Residual`` unscaled, no hooks), ``None`` with forward hooks.
         runs: the blocks each step runs, in order (their indices; ``weight_tie_layers`` / ``layers_execute_order`` run
@@ -75,7 +76,7 @@ class StaticKVCache:
     dtype: object
     position_table: Tensor | None = None
     needs_angles: bool = False
-    ff_plans: list | None = None
+    block_plans: list | None = None
     plain_residual: list | None = None
     runs: tuple = ()
     _spare: list | None = field(default=None, repr=False)

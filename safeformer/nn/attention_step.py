@@ -52,6 +52,8 @@ class StepInputs(NamedTuple):
             (``(angles, angles)`` of rotary, PoPE's ``PolarAngles`` pair), for attentions that rotate with their own
             code (``StepPlan.own_qkv``), or ``None``.
         value_residual: ``(B, h_kv, 1, e)`` the first self-attention's new values (``add_value_residual``), or ``None``.
+        planned: the plans' weights made once per cache (fused q/k/v) may be used: not when autograd records (their
+            copies would pass no gradient to the parameters), then the seams run.
     """
 
     slot: int | Tensor
@@ -63,6 +65,7 @@ class StepInputs(NamedTuple):
     positions: Tensor | None = None
     angles: tuple | None = None
     value_residual: Tensor | None = None
+    planned: bool = True
 
 
 @dataclass(frozen=True)
@@ -218,7 +221,7 @@ def attention_step(attn, h: Tensor, step: AttentionStep, kv_input: tuple | None 
 
 def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_input=None, prev_attn=None):
     slot, rot = inputs.slot, inputs.rot
-    if s.plan.fused is not None and kv_input is None:
+    if s.plan.fused is not None and kv_input is None and inputs.planned:
         q, k, v = _project_fused(attn, s.plan.fused, h, rot)
     elif s.plan.own_qkv or kv_input is not None:  # the attention's own projections, rotation and value mix
         from .attention_projections import project_qkv

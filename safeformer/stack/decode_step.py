@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,9 @@ from torch import Tensor
 
 from ..core.cache import KVCache
 from ..core.static_cache import StaticKVCache
-from ..nn.attention_step import AttentionStep, StepInputs, context_slots, rotary_tables, self_slots
+from ..nn.attention_step import AttentionStep, StepInputs, attention_step, context_slots, rotary_tables, self_slots
 from ..nn.block import apply_norm, residual_update
+from ..nn.modules import LayerNorm
 from ..nn.relative_position import RelativePositionBias
 from ..nn.xt_modules import Residual
 from .wrapper_run import embed_rows
@@ -159,12 +161,11 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
             table = stack.rel_pos.table(capacity + 1, device)
     own = any(getattr(getattr(sl, "plan", None), "own_qkv", False) for sl in layers)
     blocks = [stack.layers[i] for i in runs]
-    ff_plans = [blk.mixer.step_plan() if blk.kind == "ff" and hasattr(blk.mixer, "step_plan") else None
-                for blk in blocks] if fast else None
+    block_plans = [_block_plan(stack.layers[i], ref.dtype, views[i]) for i in runs] if fast else None
     plain = [type(blk.residual) is Residual and blk.residual.residual_scale is None
              and blk.residual.scale_residual_constant == 1 for blk in blocks] if fast else None
     return StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
-                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table, own, ff_plans, plain, runs)
+                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table, own, block_plans, plain, runs)
 
 
 def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
@@ -209,7 +210,8 @@ def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
         elif stack.rotary is not None:
             a = stack.rotary.angles(pos, dtype=c.dtype)  # (B, 1, 1, d_rot)
             angles = (a, a)
-    return StepInputs(slot, c.fixed, self_mask, n_keys, rot, c.count, positions, angles)
+    return StepInputs(slot, c.fixed, self_mask, n_keys, rot, c.count, positions, angles,
+                      planned=not torch.is_grad_enabled())
 
 
 def _room(c: StaticKVCache) -> None:
@@ -217,10 +219,88 @@ def _room(c: StaticKVCache) -> None:
         raise ValueError(f"the static cache is full ({c.capacity} slots)")
 
 
+class BlockPlan(NamedTuple):
+    """How the step runs one block run of a net without hooks (built once per cache): a float32 LayerNorm's
+    ``(shape, gain, bias, eps)`` for ``F.layer_norm`` (its gain with the unit offset added once) or ``None`` (the
+    norm's own call), whether the branch needs ``Block.finish`` (a gate, a scale, a sandwich norm), and a plain
+    feed-forward's three parts (``FeedForward.step_plan``) or ``None``."""
+
+    norm: tuple | None
+    finish: bool
+    ff: tuple | None
+
+
+def _block_plan(blk, dtype: torch.dtype, views: bool) -> BlockPlan | None:
+    if views or blk.shifts:  # separate q/k/v inputs, token shifts: the block's own forward
+        return None
+    norm = blk.norm
+    plan = None
+    if type(norm) is LayerNorm and dtype == torch.float32 and norm.gamma.dtype == torch.float32:
+        with torch.no_grad():
+            plan = (norm.normalized_shape, norm.weight.detach().clone(), norm.bias, norm.eps)
+    ff = blk.mixer.step_plan() if blk.kind == "ff" and hasattr(blk.mixer, "step_plan") else None
+    return BlockPlan(plan, blk.gate is not None or blk.scale != 1.0 or blk.norms[1] is not None, ff)
+
+
+class _Carry:
+    """What passes from one block run of a step to the next: the logits of the last self- and cross-attention
+    (``residual_attn`` / ``cross_residual_attn``; ``True`` before the first) and the feed-forwards run so far."""
+
+    __slots__ = ("prev", "prev_cross", "ff_seen")
+
+    def __init__(self, stack):
+        self.prev = True if stack.residual_attn else None
+        self.prev_cross = True if stack.cross_residual_attn else None
+        self.ff_seen = 0
+
+
+def _normed(blk, bp: BlockPlan, x: Tensor, cond: Tensor | None) -> Tensor:
+    if bp.norm is not None and x.dtype == torch.float32:
+        return F.layer_norm(x, *bp.norm)
+    return apply_norm(blk.norm, x, cond)
+
+
+def _block_out(c: StaticKVCache, i: int, blk, slots, inp, cond, inputs: StepInputs, carry: _Carry,
+               ff_deep: Tensor | None) -> Tensor | None:
+    """The branch output of block run ``i`` on ``inp``, or ``None`` (a cross-attention without context keys adds
+    nothing). With a plan (no hooks, no autograd) the block's parts run without the module calls, the same code."""
+    if blk.kind != "ff" and slots is None:
+        return None
+    bp = c.block_plans[i] if c.block_plans is not None and inputs.planned else None
+    if blk.kind == "ff":
+        if bp is not None and bp.ff is not None:
+            pi, act, po = bp.ff
+            out = F.linear(act(F.linear(_normed(blk, bp, inp, cond), pi.weight, pi.bias)), po.weight, po.bias)
+            out = blk.finish(out, cond) if bp.finish else out
+        else:
+            out, _ = blk(inp, cond)
+        if ff_deep is not None:  # ff_deep_embed: this feed-forward's multiplier of the branch
+            out = out * ff_deep[:, :, carry.ff_seen].to(out.dtype)
+            carry.ff_seen += 1
+        return out
+    prev = carry.prev if blk.kind == "self" else carry.prev_cross
+    step = AttentionStep(slots, inputs)
+    if bp is not None:
+        res = attention_step(blk.mixer, _normed(blk, bp, inp, cond), step, None, prev)
+        out, logits = res if prev is not None else (res, None)
+        out = blk.finish(out, cond) if bp.finish else out
+    elif prev is not None:
+        out, (logits,) = blk(inp, cond, cache=step, prev_attn=prev)
+    else:
+        (out, _), logits = blk(inp, cond, cache=step), None
+    if prev is not None:  # residual attention: these logits reach the next attention of the kind
+        if blk.kind == "self":
+            carry.prev = logits
+        else:
+            carry.prev_cross = logits
+    return out
+
+
 def stack_step(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None = None) -> Tensor:
-    """``AttentionLayers.forward(x (B, 1, c), cache=static)``: one position through every block (each called as a
-    module, an attention block with its ``AttentionStep``), then the final norm; the cache advances one slot.
-    ``ff_deep (B, 1, L, c)``: the feed-forward blocks' per-token multipliers (``ff_deep_embeds``)."""
+    """``AttentionLayers.forward(x (B, 1, c), cache=static)``: one position through every block run (a block called as
+    a module, an attention block with its ``AttentionStep``; a net without hooks runs the same parts without the
+    calls), then the final norm; the cache advances one slot. ``ff_deep (B, 1, L, c)``: the feed-forward blocks'
+    per-token multipliers (``ff_deep_embeds``)."""
     compiling = torch.compiler.is_compiling()
     if not compiling:
         if not isinstance(x, Tensor) or x.dim() != 3 or tuple(x.shape) != (c.batch_size, 1, stack.dim):
@@ -230,39 +310,16 @@ def stack_step(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None = None
             raise ValueError(f"x is on {x.device}, the cache on {c.count.device}")
         _room(c)
     inputs = _step_inputs(stack, c)
-    cond, routing = c.condition, stack.routing
-    route = None
+    cond, routing, carry = c.condition, stack.routing, _Carry(stack)
+    route, first_self = None, True
     if routing is not None:  # x-transformers' residual options, per token (the stack's forward runs the same)
         x, route = routing.begin(x, None, cond)
-    first_self, ff_seen = True, 0
-    prev = True if stack.residual_attn else None  # residual_attn: each self-attention's logits reach the next
-    prev_cross = True if stack.cross_residual_attn else None  # cross_residual_attn: each cross-attention's
     for i, (idx, slots) in enumerate(zip(c.runs, c.layers)):  # i: the run, idx: the block (repeated ones too)
         blk = stack.layers[idx]
         inp = x
         if route is not None:
             x, inp = routing.enter(route, idx, x)
-        if blk.kind == "ff":
-            plan = None if c.ff_plans is None else c.ff_plans[i]
-            if plan is None:
-                out, _ = blk(inp, cond)
-            else:  # a plain MLP, no hooks anywhere (ff_plans): the block's norm, three functional calls, its finish
-                pi, act, po = plan
-                h = F.linear(act(F.linear(apply_norm(blk.norm, inp, cond), pi.weight, pi.bias)), po.weight, po.bias)
-                out = blk.finish(h, cond)
-            if ff_deep is not None:  # ff_deep_embed: this feed-forward's multiplier of the branch
-                out = out * ff_deep[:, :, ff_seen].to(out.dtype)
-                ff_seen += 1
-        elif slots is None:  # cross-attention without a context (or a zero-length one): adds exactly 0
-            if route is not None:
-                x = routing.leave(route, idx, None)
-            continue
-        elif prev is not None and blk.kind == "self":
-            out, (prev,) = blk(inp, cond, cache=AttentionStep(slots, inputs), prev_attn=prev)
-        elif prev_cross is not None and blk.kind == "cross":
-            out, (prev_cross,) = blk(inp, cond, cache=AttentionStep(slots, inputs), prev_attn=prev_cross)
-        else:
-            out, _ = blk(inp, cond, cache=AttentionStep(slots, inputs))
+        out = _block_out(c, i, blk, slots, inp, cond, inputs, carry, ff_deep)
         if blk.kind == "self":
             if first_self and stack.add_value_residual:  # its new values, for the others
                 inputs = inputs._replace(value_residual=slots.values.index_select(2, inputs.slot[None]) if c.fixed
@@ -270,7 +327,7 @@ def stack_step(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None = None
             first_self = False
         if route is not None:
             x = routing.leave(route, idx, out)
-        else:  # x-transformers' Residual: stream + out (residual_update runs the other forms and hooks)
+        elif out is not None:  # x-transformers' Residual: stream + out (residual_update: the other forms, hooks)
             x = x + out if c.plain_residual is not None and c.plain_residual[i] else residual_update(blk.residual, out, x)
     if route is not None:
         x = routing.finish(x)
