@@ -86,6 +86,8 @@ class StepPlan:
     plain_out: bool = False
     explicit: bool = False
     own_qkv: bool = False
+    options: bool = False  # any of: extra keys, l2 distance, a window, the projected position bias
+    gqa: bool = False  # fewer key/value heads than query heads
 
 
 @dataclass
@@ -146,15 +148,18 @@ def step_plan(attn, kind: str, fast: bool, value_residual: bool = False) -> Step
     ``value_residual``: it projects with its own ``project_qkv`` (a value residual, separate q/k/v inputs)."""
     own = bool(attn.rope_subheads or attn.rotate_num_heads < attn.heads or getattr(attn, "polar_keys", False)
                or value_residual)
+    options = bool(attn.extra_keys or attn.l2_distance or attn.max_attend_past is not None
+                   or attn.rel_proj_pos_bias is not None)
+    common = dict(explicit=bool(attn.explicit), options=options, gqa=attn.kv_heads != attn.heads)
     if not fast or own:
-        return StepPlan(explicit=bool(attn.explicit), own_qkv=own and kind == "self")
+        return StepPlan(own_qkv=own and kind == "self", **common)
     plain_out = (attn.to_v_head_gate is None and attn.to_v_gate is None and attn.to_output_gate is None
                  and attn.head_scale_params is None and (attn.sublayer_dropout is None or not attn.training)
                  and type(attn.to_out) is nn.Linear)
     if kind == "cross":
         return StepPlan(plain_q=attn.to_latent_q is None and type(attn.to_q) is nn.Linear, plain_out=plain_out,
-                        explicit=bool(attn.explicit))
-    return StepPlan(fused=_fused_qkv(attn), plain_out=plain_out, explicit=bool(attn.explicit))
+                        **common)
+    return StepPlan(fused=_fused_qkv(attn), plain_out=plain_out, **common)
 
 
 def _fused_qkv(attn) -> tuple | None:
@@ -242,22 +247,23 @@ def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_inp
         kb.narrow(2, slot, 1).copy_(k)
         vb.narrow(2, slot, 1).copy_(v)
         kb, vb = kb.narrow(2, 0, inputs.n_keys), vb.narrow(2, 0, inputs.n_keys)
-    self_mask = inputs.self_mask
-    if attn.max_attend_past is not None:  # x-transformers' window: slots too far back are not read
-        self_mask = _window(self_mask, (inputs.count[:, None] - inputs.positions) > attn.max_attend_past)
-    if attn.rel_proj_pos_bias is not None:  # its bias from the new position's input and the slots' distances
-        rp = attn.rel_proj_pos_bias(h, seq_len_k=inputs.n_keys, positions=(inputs.count[:, None], inputs.positions))
-        self_mask = _plus_bias(self_mask, rp.to(h.dtype))
-    if attn.extra_keys:  # [sink?, zero key?, memory keys] before the slots, seen by every query
-        kb, vb, self_mask = _with_extra(attn, kb, vb, self_mask, h)
+    self_mask, plan = inputs.self_mask, s.plan
+    if plan.options:
+        if attn.max_attend_past is not None:  # x-transformers' window: slots too far back are not read
+            self_mask = _window(self_mask, (inputs.count[:, None] - inputs.positions) > attn.max_attend_past)
+        if attn.rel_proj_pos_bias is not None:  # its bias from the new position's input and the slots' distances
+            rp = attn.rel_proj_pos_bias(h, seq_len_k=inputs.n_keys, positions=(inputs.count[:, None], inputs.positions))
+            self_mask = _plus_bias(self_mask, rp.to(h.dtype))
+        if attn.extra_keys:  # [sink?, zero key?, memory keys] before the slots, seen by every query
+            kb, vb, self_mask = _with_extra(attn, kb, vb, self_mask, h)
     logits = None
-    if s.plan.explicit or prev_attn is not None:
+    if plan.explicit or prev_attn is not None:
         out, logits = _explicit(attn, q, kb, vb, self_mask, prev_attn)
-    elif attn.l2_distance:  # the attention's own kernel seam (its keys widened by |k|^2)
+    elif plan.options and attn.l2_distance:  # the attention's own kernel seam (its keys widened by |k|^2)
         out = _kernel_seam(attn, q, kb, vb, self_mask)
     else:
         q, mask_h, _ = to_kernel_heads(attn, q, self_mask)  # x-transformers' tiled kv heads: interleaved
-        out = from_kernel_heads(attn, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=attn.kv_heads != attn.heads))
+        out = from_kernel_heads(attn, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=plan.gqa))
     if s.plan.plain_out:
         out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
     else:
@@ -271,20 +277,20 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel, prev_attn=None):
         q = attn.norm_q(q).transpose(1, 2)
     else:
         q = attn._project_q(h).transpose(1, 2)
-    keys, values, mask = s.keys, s.values, s.mask
-    if attn.extra_keys:
+    keys, values, mask, plan = s.keys, s.values, s.mask, s.plan
+    if plan.options and attn.extra_keys:
         keys, values, mask = _with_extra(attn, keys, values, mask, h)
     logits = None
-    if s.plan.explicit or prev_attn is not None:
+    if plan.explicit or prev_attn is not None:
         out, logits = _explicit(attn, q, keys, values, mask, prev_attn)
-    elif attn.l2_distance:
+    elif plan.options and attn.l2_distance:
         out = _kernel_seam(attn, q, keys, values, mask)
     else:
         q, mask_h, _ = to_kernel_heads(attn, q, mask)
-        out = from_kernel_heads(attn, kernel(q, keys, values, attn_mask=mask_h, enable_gqa=attn.kv_heads != attn.heads))
+        out = from_kernel_heads(attn, kernel(q, keys, values, attn_mask=mask_h, enable_gqa=plan.gqa))
     if s.live is not None:  # a sample with no context key: exactly 0 (after a bias too)
         out = torch.where(s.live[..., None], out, 0.0)
-    rows_ok = None if s.live is None or attn.out_bias is None else s.live[:, :, 0]
+    rows_ok = None if s.live is None or attn.out_bias is None else s.live[:, :, 0]  # (only with a dropped context)
     if s.plan.plain_out:
         out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
         out = out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
