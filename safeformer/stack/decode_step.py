@@ -392,5 +392,9 @@ def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
     if net.pos_emb is not None:
         h = h + net.pos_emb.embed_positions((c.count - c.lead).clamp(min=0)[:, None]).to(h.dtype)
     deep = None if getattr(net, "ff_deep_embed", None) is None else net.ff_deep_embed[x].to(h.dtype)  # (B, 1, L, c)
-    h = net.attn_layers(embed_rows(net, h, 0), cache=c, ff_deep_embeds=deep)
+    h = embed_rows(net, h, 0)
+    if c.block_plans is not None and not torch.is_grad_enabled():  # no hooks anywhere: the stack's step, uncalled
+        h = stack_step(net.attn_layers, h, c, deep)  # (the arguments were checked at this door)
+    else:
+        h = net.attn_layers(h, cache=c, ff_deep_embeds=deep)
     return net._head(h) if tokens else net.project_out(h)
