@@ -102,6 +102,19 @@ def _dynamic_and_static(net, prompts, kw, steps: int, dtype=torch.float64, poiso
     return torch.stack(dyn, 1), torch.stack(stat, 1)
 
 
+def _assert_step_equals_dynamic(net, input_kw: dict, steps: int, perturb: bool = False) -> None:
+    """``net`` runs on the step (``static_reason`` None) and its logits equal the dynamic cache's (float64, 1e-10);
+    ``perturb``: parameters moved off their init first, so that a part the step skipped would show."""
+    if perturb:
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    assert static_reason(net) is None, static_reason(net)
+    prompts, kw = _inputs(**input_kw)
+    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=steps)
+    assert float((stat - dyn).abs().max()) < 1e-10
+
+
 @pytest.mark.parametrize("name,layer_kw,input_kw", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_static_step_equals_dynamic_cache_float64(name, layer_kw, input_kw):
     net = _net(**dict(layer_kw))
@@ -323,10 +336,7 @@ def test_explicit_scoring_options_run_on_the_step(option, input_kw):
     """The scoring options of the explicit path are per query: the step runs them over the slots and gives the
     dynamic cache's logits (float64, to rounding), alibi or rotary, self- and cross-attention."""
     net = _net(rotary_pos_emb=True, cross_attend="context" in input_kw, **option)
-    assert static_reason(net) is None
-    prompts, kw = _inputs(**input_kw)
-    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=4)
-    assert float((stat - dyn).abs().max()) < 1e-10
+    _assert_step_equals_dynamic(net, input_kw, steps=4)
 
 
 POSITION_OPTIONS = [dict(rel_pos_bias=True), dict(rotary_pos_emb=True, attn_max_attend_past=3),
@@ -344,10 +354,7 @@ def test_position_options_run_on_the_step(option, input_kw):
     and ``max_attend_past``'s window read the slots' positions (real tokens counted): the step
     gives the dynamic cache's logits past the window's reach (float64, to rounding)."""
     net = _net(cross_attend="context" in input_kw, **option)
-    assert static_reason(net) is None
-    prompts, kw = _inputs(**input_kw)
-    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=6)
-    assert float((stat - dyn).abs().max()) < 1e-10
+    _assert_step_equals_dynamic(net, input_kw, steps=6)
 
 
 EXTRA_KEY_OPTIONS = [dict(attn_num_mem_kv=2), dict(attn_head_learned_sink=True), dict(attn_add_zero_kv=True),
@@ -366,10 +373,7 @@ def test_extra_keys_run_on_the_step(option, input_kw):
     ``extend``); in cross-attention a sample without context keys still reads the memory and zero keys (the sink
     alone leaves it a dead row, exactly 0): the dynamic cache's logits (float64, to rounding)."""
     net = _net(rotary_pos_emb=True, cross_attend="context" in input_kw, **option)
-    assert static_reason(net) is None
-    prompts, kw = _inputs(**input_kw)
-    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=4)
-    assert float((stat - dyn).abs().max()) < 1e-10
+    _assert_step_equals_dynamic(net, input_kw, steps=4)
 
 
 ROUTING_OPTIONS = [dict(num_residual_streams=2), dict(gated_multi_residual=True, residual_fn_kwargs=dict(read_gate_rank=4)),
@@ -394,13 +398,7 @@ def test_residual_routing_and_value_width_run_on_the_step(option, input_kw):
     self-attention's logits to the next (``residual_attn``), and values of another width;
     the dynamic cache's logits (float64, to rounding), parameters off their init so that a skipped part shows."""
     net = _net(**{"rotary_pos_emb": True, "cross_attend": "context" in input_kw, **option})
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    assert static_reason(net) is None
-    prompts, kw = _inputs(**input_kw)
-    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=5)
-    assert float((stat - dyn).abs().max()) < 1e-10
+    _assert_step_equals_dynamic(net, input_kw, steps=5, perturb=True)
 
 
 OWN_QKV_OPTIONS = [dict(rotary_pos_emb=True, rotate_num_heads=2), dict(rotary_pos_emb=True, add_value_residual=True),
@@ -418,13 +416,7 @@ def test_attentions_with_their_own_rotation_run_on_the_step(option, input_kw):
     ``project_qkv`` on the step, given the stack's position pair at the new position (and the first self-attention's
     new values): the dynamic cache's logits (float64, to rounding), parameters off their init."""
     net = _net(cross_attend="context" in input_kw, **option)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    assert static_reason(net) is None
-    prompts, kw = _inputs(**input_kw)
-    dyn, stat = _dynamic_and_static(net, prompts, kw, steps=5)
-    assert float((stat - dyn).abs().max()) < 1e-10
+    _assert_step_equals_dynamic(net, input_kw, steps=5, perturb=True)
 
 
 @pytest.mark.parametrize("option", [dict(attn_gumbel_softmax=True),
