@@ -2,20 +2,25 @@
 
 Shape legend: B samples, c model width, v vocabulary (or output features), L the cache's capacity.
 
-``build_static_cache(net, cache, capacity)`` (``TransformerWrapper.static_cache``) turns a prefill's ``KVCache``
-into a ``StaticKVCache`` (``core/static_cache.py``), checking it once: each attention block gets its slots from
-the attention part (``nn/attention_step.py``), the rotary tables and the validity mask are built once. Then
+``build_static_cache(net, cache, capacity)`` turns a prefill's ``KVCache`` into a ``StaticKVCache``
+(``core/static_cache.py``), checking it once: each attention block run gets its slots from the attention part
+(``nn/attention_step.py``); the rotary and position-bias tables and the validity mask are built once. Then
 ``net(new (B, 1), cache=static)`` (a ``ContinuousTransformerWrapper``: ``new (B, 1, dim_in)``) is the wrapper's
-ordinary forward at one position: it embeds the new position (``wrapper_step``), calls its stack with the cache
-(``AttentionLayers.forward`` -> ``stack_step``), whose blocks are called as modules (their norms, their
-``Attention.forward`` with the block's ``AttentionStep``, their feed-forward, their gates), and reads out the head.
-Hooks on any module run, as in any forward: only a net without any hook when the cache was built lets a plain
-feed-forward run as three functional calls between its block's norm and finish (``FeedForward.step_plan``). Per step nothing is re-checked but the new input's metadata (no value
-is read back to the host: a token id's range is an asynchronous assertion), and the door
-checks of the prompt, the conditions and the cache ran once, at the prefill and when the cache was built.
+ordinary forward at one position: it embeds the new position with its own code (``wrapper_step``), runs its stack
+(``AttentionLayers.forward`` -> ``stack_step``: every block run, with the residual routing; an attention block
+through ``Attention.forward`` with its ``AttentionStep``) and reads out its head. Hooks on any module run, as in
+any forward: blocks, norms, attentions and the stack are called as modules. Only a net without any hook when the
+cache was built, and with no autograd recording, runs the same parts without the module calls (``BlockPlan``:
+a float32 LayerNorm's gain kept once, a plain feed-forward's three parts, the fused q/k/v weights), which is the
+same code and the same numbers (tested bit for bit against the seams).
 
-``step_refusal(net)`` says why a net cannot decode this way (the engine then uses the dynamic cache, which runs
-every option): options that read the whole sequence or run the explicit attention path, custom wrapper parts.
+Per step nothing is re-checked but the new input's metadata (every other argument of the forward is refused by
+name, ``check_step_call``; no value is read back to the host: a token id's range is an asynchronous assertion);
+the door checks of the prompt, the conditions and the cache ran once, at the prefill and when the cache was built.
+
+``step_refusal(net)`` (``decoding.static.static_reason``) says why a net cannot decode this way (the engine then
+uses the dynamic cache): a hybrid module's recurrent state, a looped or probabilistic wrapper, logits wider than the
+vocabulary, test-time-trained modules.
 """
 
 from __future__ import annotations
