@@ -45,7 +45,6 @@ class StaticKVCache:
         padded: whether any slot before ``length`` is padding (the eager step then passes ``valid`` as a mask).
         fixed: every step runs on fixed shapes (see the module docstring); ``slot`` its 0-d slot tensor.
         rotary: the rotary tables of every position ``[0, L]`` (``nn.attention_step.rotary_tables``), or ``None``.
-        alibi_slopes: ``(h,)`` ALiBi's slopes, or ``None``.
         dtype: the stack's hidden-state dtype (what a step's input must have: continuous wrappers' values are cast).
         position_table: ``dynamic_pos_bias``' MLP at every distance the cache can hold (``DynamicPositionBias.table``),
             or ``None`` (no such bias, or computed per step: a net with forward hooks).
@@ -72,7 +71,6 @@ class StaticKVCache:
     fixed: bool
     slot: Tensor | None
     rotary: object
-    alibi_slopes: Tensor | None
     dtype: object
     position_table: Tensor | None = None
     needs_angles: bool = False

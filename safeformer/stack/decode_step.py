@@ -170,7 +170,7 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
     plain = [type(blk.residual) is Residual and blk.residual.residual_scale is None
              and blk.residual.scale_residual_constant == 1 for blk in blocks] if fast else None
     return StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
-                         fixed, slot, rotary, stack.alibi_slopes, ref.dtype, table, own, block_plans, plain, runs)
+                         fixed, slot, rotary, ref.dtype, table, own, block_plans, plain, runs)
 
 
 def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
@@ -197,9 +197,9 @@ def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
         c.positions[:, slot] = c.count
     positions = c.positions[:, :n_keys]
     bias = None
-    if c.alibi_slopes is not None:
+    if stack.alibi_slopes is not None:  # (the stack's buffer: read where it lives)
         dist = (c.count[:, None] - positions).abs().to(torch.promote_types(c.dtype, torch.float32))
-        bias = (-c.alibi_slopes.to(dist.dtype)[None, :, None, None] * dist[:, None, None, :]).to(c.dtype)  # (B, h, 1, n)
+        bias = (-stack.alibi_slopes.to(dist.dtype)[None, :, None, None] * dist[:, None, None, :]).to(c.dtype)  # (B, h, 1, n)
     elif isinstance(stack.rel_pos, RelativePositionBias):  # T5's bucketed bias of each slot's distance (B, h, 1, n)
         bias = stack.rel_pos.bias(c.count[:, None], positions).to(c.dtype)
     elif stack.rel_pos is not None:  # dynamic_pos_bias: its MLP's table at every distance up to the capacity
