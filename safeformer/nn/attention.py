@@ -119,8 +119,7 @@ from torch import Tensor, nn
 from ..core.attend import BACKENDS, SelectedMask, masked_linear
 from ..core.cache import AttnIntermediate
 from ..core.masks import checked_once
-from ..core.xt_defaults import ATTENTION_ANY_VALUE, ATTENTION_DEFAULT_ONLY, check_xt_options
-from .attention_bias import RelativeProjPositionalBias, init_forget_gates, init_window, option_bias
+from .attention_bias import RelativeProjPositionalBias, init_biases, option_bias
 from .attention_calls import (
     _positive_int,
     check_call,
@@ -136,6 +135,7 @@ from .attention_calls import (
     xt_modulations,
     xt_rel_pos_bias,
 )
+from .attention_config import SELF_ONLY, AttentionConfig, HeadOptions, signature
 from .attention_keys import all_keys, check_added, init_extra_keys, key_layout, query_padding
 from .attention_output import _LowRankLinear as _LowRankLinear  # re-exported: the module path it had
 from .attention_output import (
@@ -211,93 +211,46 @@ class Attention(nn.Module):
     ``swiglu_values``, ``low_rank_silu_gates``) and ``_init_inputs`` (``value_dim_head``, ``qkv_receive_diff_residuals``).
     """
 
-    # options for self-attention only: a stack leaves them out of its cross-attention blocks (they read the
-    # sequence's own positions or values, or run a module beside self-attention)
-    SELF_ONLY = frozenset({
-        "orthog_projected_values", "orthog_projected_values_per_head", "data_dependent_alibi",
-        "data_dependent_alibi_kwargs", "data_dependent_alibi_per_row", "data_dependent_alibi_per_row_dim_head",
-        "hybrid_module", "hybrid_fold_axial_dim", "hybrid_mask_kwarg", "hybrid_learned_mix", "use_cope",
-        "cope_max_pos", "cope_soft_onehot_pos", "cope_talking_heads", "use_rel_proj_pos_bias",
-        "rel_proj_num_distance_basis", "rel_proj_max_dist", "rotate_num_heads", "selective"})
+    # options for self-attention only (read from the families' fields): a stack leaves them out of its
+    # cross-attention blocks (they read the sequence's own positions or values, or run a module beside self-attention)
+    SELF_ONLY = SELF_ONLY
 
-    def __init__(
-        self, dim: int, dim_head: int = 64, dim_context: int | None = None, heads: int = 8, causal: bool = False,
-        flash: bool = False, *, kv_heads: int | None = None, one_kv_head: bool = False, qk_norm: bool = False,
-        dropout: float = 0.0, bias: bool = False, backend: str = "auto", num_mem_kv: int = 0,
-        learned_sink: bool = False, head_learned_sink: bool = False, softclamp_logits: bool = False,
-        logit_softclamp_value: float = 50.0, qk_norm_eps: float | None = None, gate_values: bool = False,
-        gate_value_heads: bool = False, zero_init_output: bool = False, gate_values_rank: int | None = None,
-        gate_values_headwise: bool = False, output_gate: bool = False, output_gate_rank: int | None = None,
-        output_gate_headwise: bool = False, swiglu_values: bool = False, low_rank_silu_gates: bool = True,
-        qk_norm_dim_scale: bool = False, value_rmsnorm: bool = False, orthog_projected_values: bool = False,
-        orthog_projected_values_per_head: bool = False, learned_value_residual_mix: bool = False,
-        data_dependent_alibi: bool = False, data_dependent_alibi_kwargs: dict | None = None,
-        dim_out: int | None = None, l2_distance: bool = False, cog_signed: bool = False, sigmoid: bool = False,
-        inverted_attention: bool = False, gumbel_softmax: bool = False, gumbel_softmax_temp: float = 1.0,
-        gumbel_softmax_hard: bool = True, laser: bool = False, laser_softclamp_value: float = 15.0,
-        use_latent_q: bool = False, dim_latent_q: int | None = None, use_latent_kv: bool = False,
-        dim_latent_kv: int | None = None, latent_rope_subheads: int | None = None, use_cope: bool = False,
-        cope_max_pos: int = 16, cope_soft_onehot_pos: bool = False, cope_talking_heads: bool = False,
-        use_rel_proj_pos_bias: bool = False, rel_proj_num_distance_basis: int = 16, rel_proj_max_dist: int = 1024,
-        hybrid_module: nn.Module | None = None, hybrid_mask_kwarg: str | None = None,
-        hybrid_fold_axial_dim: int | None = None, hybrid_learned_mix: bool = False, sparse_topk: int | None = None,
-        sparse_topk_straight_through: bool = False, hard: bool = False, add_zero_kv: bool = False,
-        rotate_num_heads: int | None = None,
-        pre_talking_heads: bool = False,
-        post_talking_heads: bool = False, pre_scale_post_talking_heads: bool = False, head_scale: bool = False,
-        sublayer_dropout: float = 0.0, output_proj_depth: int | None = None, qk_norm_groups: int = 1,
-        qk_norm_scale: float = 10.0, kv_head_order: str = "tiled", qk_rmsnorm: bool = False, k_rmsnorm: bool = False,
-        data_dependent_alibi_per_row: bool = False, data_dependent_alibi_per_row_dim_head: int = 8,
-        selective: bool = False, max_attend_past: int | None = None, custom_attn_fn=None,
-        attend_sdp_kwargs: dict | None = None, project_out: bool | None = None, on_attn: bool = False,
-        value_dim_head: int | None = None, qkv_receive_diff_residuals: bool = False, flash_pack_seq: bool = False,
-        **xt_options,
-    ):
-        if xt_options:  # x-transformers' other keywords: at their default value only (xt_defaults), else by name
-            check_xt_options(type(self).__name__, xt_options, ATTENTION_DEFAULT_ONLY, ATTENTION_ANY_VALUE,
-                             inspect.signature(Attention.__init__).parameters)
+    def __init__(self, dim: int, dim_head: int = 64, dim_context: int | None = None, heads: int = 8,
+                 causal: bool = False, flash: bool = False, **options):
+        # the keywords, checked once into one frozen value (the signature below is read from its families' fields)
+        self._build(AttentionConfig.from_keywords(dim, dim_head, dim_context, heads, causal, flash, **options))
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig) -> Attention:
+        """The ``Attention`` of ``config`` (an ``AttentionConfig``, whose keywords were checked when it was made)."""
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
+        attn = cls.__new__(cls)
+        attn._build(config)
+        return attn
+
+    def _build(self, cfg: AttentionConfig) -> None:
+        """The parts of ``cfg``, each family built and checked by its own builder, in its parameters' order."""
         super().__init__()
-        learned_sink = learned_sink or head_learned_sink  # x-transformers' spelling
-        kv_heads = _init_core(self, dim, dim_head, dim_context, heads, causal, flash, kv_heads, one_kv_head, dropout,
-                              backend, num_mem_kv, softclamp_logits, logit_softclamp_value)
-        _init_inputs(self, (heads, kv_heads, kv_head_order), dim_head, value_dim_head, hybrid_module,
-                     qkv_receive_diff_residuals, flash_pack_seq)
-        given = locals()  # x-transformers' Attend: the scoring options and their parameters (sink, talking heads)
-        self.attend = Attend(causal=causal, heads=heads, sdp_kwargs=attend_sdp_kwargs, **{k: given[k] for k in _SCORER_FIELDS})
-        self._register_load_state_dict_pre_hook(legacy_scorer_keys())  # then each family, in its parameters' order
-        init_projections(self, dim, heads, kv_heads, dim_head, bias, use_latent_q=use_latent_q,
-                         dim_latent_q=dim_latent_q, use_latent_kv=use_latent_kv, dim_latent_kv=dim_latent_kv,
-                         latent_rope_subheads=latent_rope_subheads)
-        init_attention_scoring(self, dim_head, causal, num_mem_kv=num_mem_kv, learned_sink=learned_sink, laser=laser,
-                               laser_softclamp_value=laser_softclamp_value, use_cope=use_cope,
-                               cope_max_pos=cope_max_pos, cope_soft_onehot_pos=cope_soft_onehot_pos,
-                               cope_talking_heads=cope_talking_heads)
-        self.rel_proj_pos_bias = RelativeProjPositionalBias(
-            dim, heads, num_distance_basis=rel_proj_num_distance_basis, max_dist=rel_proj_max_dist,
-        ) if use_rel_proj_pos_bias else None
-        init_norms(self, dim, heads, kv_heads, dim_head, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
-                   qk_norm_dim_scale=qk_norm_dim_scale, value_rmsnorm=value_rmsnorm,
-                   learned_value_residual_mix=learned_value_residual_mix, qk_norm_groups=qk_norm_groups,
-                   qk_norm_scale=qk_norm_scale, qk_rmsnorm=qk_rmsnorm, k_rmsnorm=k_rmsnorm)
-        init_window(self, max_attend_past)
-        init_forget_gates(self, dim, heads, causal, data_dependent_alibi, data_dependent_alibi_kwargs,
-                          data_dependent_alibi_per_row, data_dependent_alibi_per_row_dim_head)
-        init_out(self, dim, heads, dim_head, bias, dim_out=dim_out, zero_init_output=zero_init_output,
-                 head_scale=head_scale, sublayer_dropout=sublayer_dropout, output_proj_depth=output_proj_depth,
-                 orthog_projected_values=orthog_projected_values, value_rmsnorm=value_rmsnorm,
-                 orthog_projected_values_per_head=orthog_projected_values_per_head, project_out=project_out,
-                 on_attn=on_attn, dim_value=self.dim_value)
-        init_extra_keys(self, heads, kv_heads, dim_head, num_mem_kv, learned_sink, add_zero_kv)
-        init_rotation(self, heads, kv_heads, rotate_num_heads)
-        init_gates(self, dim, heads, dim_head, gate_values=gate_values, gate_values_rank=gate_values_rank,
-                   gate_values_headwise=gate_values_headwise, gate_value_heads=gate_value_heads,
-                   output_gate=output_gate, output_gate_rank=output_gate_rank,
-                   output_gate_headwise=output_gate_headwise, swiglu_values=swiglu_values,
-                   low_rank_silu_gates=low_rank_silu_gates)
+        self.config = cfg
+        dim, dim_head, heads, causal, keys = cfg.dim, cfg.dim_head, cfg.heads, cfg.causal, cfg.keys
+        kv_heads = _init_core(self, cfg)
+        _init_inputs(self, cfg.core, heads, kv_heads, dim_head, cfg.hybrid.hybrid_module)
+        # x-transformers' Attend: the scoring options and their parameters (sink, talking heads)
+        self.attend = Attend(causal=causal, heads=heads, sdp_kwargs=cfg.logits.attend_sdp_kwargs, qk_norm=cfg.norms.qk_norm,
+                             flash_pack_seq=cfg.core.flash_pack_seq, **cfg.scoring.__dict__)
+        self._register_load_state_dict_pre_hook(legacy_scorer_keys())
+        init_projections(self, cfg.projections, dim, heads, kv_heads, dim_head)
+        init_attention_scoring(self, cfg.logits, dim_head, causal, keys.num_mem_kv, keys.sink)
+        init_biases(self, cfg.biases, dim, heads, causal)
+        init_norms(self, cfg.norms, dim, heads, kv_heads, dim_head)
+        init_out(self, cfg.output, dim, heads, dim_head, cfg.projections.bias, cfg.norms.value_rmsnorm,
+                 self.dim_value)
+        init_extra_keys(self, keys, heads, kv_heads, dim_head)
+        init_rotation(self, cfg.projections, heads, kv_heads)
+        init_gates(self, cfg.gates, dim, heads, dim_head)
         # x-transformers' hybrid_module: a user's sequence module beside attention, mixed in before to_out (hybrid.py)
-        self.hybrid = make_hybrid(hybrid_module, dim=dim, heads=heads, dim_head=dim_head, causal=causal,
-                                  fold_axial_dim=hybrid_fold_axial_dim, mask_kwarg=hybrid_mask_kwarg,
-                                  learned_mix=hybrid_learned_mix)
+        self.hybrid = make_hybrid(cfg.hybrid, dim=dim, heads=heads, dim_head=dim_head, causal=causal)
         check_head_scale(self)
         _decide_paths(self)
 
@@ -523,6 +476,10 @@ for _name in ("head_attn_sink", "pre_softmax_talking_heads", "post_softmax_talki
                                        doc=f"``attend.{_name}`` (the scoring part, x-transformers' ``Attend``)."))
 
 
+# the signature read from the option families' fields (x-transformers' keywords, their defaults and types)
+Attention.__init__.__signature__ = signature(inspect.signature(Attention.__init__))
+
+
 def _rms_normed(rms: nn.Module, l2: nn.Module | None, t: Tensor) -> Tensor:
     """``t`` through x-transformers' ``q_rmsnorm`` / ``k_rmsnorm`` after its qk-norm: the L2 norm's multiplier (which
     stands for x-transformers' logit scale ``qk_norm_scale``, the kernels scaling by ``d ** -0.5``) applied after it,
@@ -557,13 +514,16 @@ def _init_head_order(attn: Attention, heads: int, kv_heads: int, kv_head_order: 
         attn.kernel_head_order = attn.kernel_head_restore = None
 
 
-def _init_core(attn: Attention, dim: int, dim_head: int, dim_context: int | None, heads: int, causal: bool, flash: bool,
-               kv_heads: int | None, one_kv_head: bool, dropout: float, backend: str, num_mem_kv: int,
-               softclamp_logits: bool, logit_softclamp_value: float) -> int:
+def _init_core(attn: Attention, cfg: AttentionConfig) -> int:
     """``Attention``'s core keywords checked and set on ``attn`` (``causal``, ``flash``, ``heads``, ``kv_heads``,
     ``dim_head``, ``dim_context``, ``dropout``, ``backend``, ``softclamp_value``), with the numbers the options check
     first (``num_mem_kv``, ``logit_softclamp_value``). Returns ``kv_heads``, ``one_kv_head`` and the default
     applied."""
+    dim, dim_head, dim_context, heads, causal, flash = (cfg.dim, cfg.dim_head, cfg.dim_context, cfg.heads, cfg.causal,
+                                                        cfg.flash)
+    kv_heads, one_kv_head, dropout, backend = cfg.core.kv_heads, cfg.core.one_kv_head, cfg.core.dropout, cfg.core.backend
+    num_mem_kv = cfg.keys.num_mem_kv
+    softclamp_logits, logit_softclamp_value = cfg.logits.softclamp_logits, cfg.logits.logit_softclamp_value
     if one_kv_head:  # x-transformers' spelling of kv_heads=1
         if kv_heads not in (None, 1):
             raise ValueError(f"one_kv_head=True means kv_heads=1, got kv_heads={kv_heads}")
@@ -594,15 +554,6 @@ def _init_core(attn: Attention, dim: int, dim_head: int, dim_context: int | None
     return kv_heads
 
 
-# the scoring part's keywords that Attention takes under the same names and hands on unchanged (read from the two
-# signatures; the core ones Attention keeps itself, or sets on the part, are left out)
-_SCORER_FIELDS = tuple(
-    n for n, p in inspect.signature(Attend.__init__).parameters.items()
-    if p.kind == p.KEYWORD_ONLY and n in inspect.signature(Attention.__init__).parameters
-    and n not in ("dropout", "causal", "heads", "flash", "softclamp_logits", "logit_softclamp_value", "add_zero_kv",
-                  "head_learned_sink", "backend"))
-
-
 def _split_qkv_inputs(x, context, kv_input) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """``x (3, b, n, c)`` of an ``Attention(qkv_receive_diff_residuals=True)``: the queries' input and ``kv_input``."""
     if not isinstance(x, Tensor) or x.dim() != 4 or x.shape[0] != 3:
@@ -613,21 +564,17 @@ def _split_qkv_inputs(x, context, kv_input) -> tuple[Tensor, tuple[Tensor, Tenso
     return x[0], (x[1], x[2])
 
 
-def _init_inputs(attn: Attention, head_order: tuple, dim_head: int, value_dim_head, hybrid_module,
-                 qkv_receive_diff_residuals, flash_pack_seq) -> None:
+def _init_inputs(attn: Attention, o: HeadOptions, heads: int, kv_heads: int, dim_head: int, hybrid_module) -> None:
     """The grouped heads' pairing (``head_order``: ``_init_head_order``'s arguments), the value head width ``dim_value`` (x-transformers' ``value_dim_head``; default ``dim_head``): the values,
     the attention output per head and the output projection's input are that wide, the queries and keys
     ``dim_head``; with ``qkv_receive_diff_residuals`` the call's ``x`` is ``(3, b, n, c)``, the queries', keys' and
     values' inputs (x-transformers' hyper-connection views); with ``flash_pack_seq`` a call takes
     ``flash_pack_seq_kwargs``, one sequence of packed documents (``masks.packed_sequence_mask``)."""
-    _init_head_order(attn, *head_order)
-    for name, on in (("qkv_receive_diff_residuals", qkv_receive_diff_residuals), ("flash_pack_seq", flash_pack_seq)):
-        if not isinstance(on, bool):
-            raise TypeError(f"{name} must be True or False, got {on!r}")
-    attn.qkv_receive_diff_residuals, attn.flash_pack_seq = qkv_receive_diff_residuals, flash_pack_seq
-    if value_dim_head is not None and not _positive_int(value_dim_head):
-        raise ValueError(f"value_dim_head must be a positive integer, got {value_dim_head!r}")
-    attn.dim_value = dim_head if value_dim_head is None else value_dim_head
+    _init_head_order(attn, heads, kv_heads, o.kv_head_order)
+    attn.qkv_receive_diff_residuals, attn.flash_pack_seq = o.qkv_receive_diff_residuals, o.flash_pack_seq
+    if o.value_dim_head is not None and not _positive_int(o.value_dim_head):
+        raise ValueError(f"value_dim_head must be a positive integer, got {o.value_dim_head!r}")
+    attn.dim_value = dim_head if o.value_dim_head is None else o.value_dim_head
     if attn.dim_value != dim_head:
         if hybrid_module is not None:
             raise ValueError("value_dim_head != dim_head with hybrid_module is not supported (the hybrid branch "

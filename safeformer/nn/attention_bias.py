@@ -6,6 +6,8 @@ Shape legend: b batch, h query heads, i queries, j keys, c model width, D distan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -13,6 +15,33 @@ from torch import Tensor, nn
 from .attention_calls import AttentionModule, _positive_int
 from .attention_keys import alive
 from .modules import _rename_keys
+from .options import Options, self_only
+
+
+@dataclass(frozen=True)
+class BiasOptions(Options):
+    """The bias options' keywords (x-transformers' names), read by ``init_biases``: the relative projection bias
+    (``RelativeProjPositionalBias``), data-dependent ALiBi (``init_forget_gates``) and the window of
+    ``max_attend_past`` (``init_window``)."""
+
+    use_rel_proj_pos_bias: bool = self_only(False)
+    rel_proj_num_distance_basis: int = self_only(16)
+    rel_proj_max_dist: int = self_only(1024)
+    data_dependent_alibi: bool = self_only(False)
+    data_dependent_alibi_kwargs: dict | None = self_only(None)
+    data_dependent_alibi_per_row: bool = self_only(False)
+    data_dependent_alibi_per_row_dim_head: int = self_only(8)
+    max_attend_past: int | None = None
+
+
+def init_biases(attn: AttentionModule, o: BiasOptions, dim: int, heads: int, causal: bool) -> None:
+    """The bias options of ``attn``, checked and set: ``rel_proj_pos_bias``, the window, ``data_dependent_alibi``."""
+    attn.rel_proj_pos_bias = RelativeProjPositionalBias(
+        dim, heads, num_distance_basis=o.rel_proj_num_distance_basis, max_dist=o.rel_proj_max_dist,
+    ) if o.use_rel_proj_pos_bias else None
+    init_window(attn, o.max_attend_past)
+    init_forget_gates(attn, dim, heads, causal, o.data_dependent_alibi, o.data_dependent_alibi_kwargs,
+                      o.data_dependent_alibi_per_row, o.data_dependent_alibi_per_row_dim_head)
 
 
 class RelativeProjPositionalBias(nn.Module):

@@ -11,16 +11,33 @@ A masked or padded key reaches no output and no gradient: what the extra keys ad
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from ..core.attend import PreparedMask, _grad_select
 from ..core.masks import as_attention_mask, causal_mask, combine_masks, validate_mask
 from .attention_calls import AttentionModule
+from .options import Options
 
 
-def init_extra_keys(attn: AttentionModule, heads: int, kv_heads: int, dim_head: int, num_mem_kv: int,
-                    learned_sink: bool, add_zero_kv: bool = False) -> None:
+@dataclass(frozen=True)
+class KeyOptions(Options):
+    """The extra keys' keywords (x-transformers' names), read by ``init_extra_keys`` (documented there)."""
+
+    num_mem_kv: int = 0
+    learned_sink: bool = False
+    head_learned_sink: bool = False
+    add_zero_kv: bool = False
+
+    @property
+    def sink(self) -> bool:
+        """A learned sink, in either spelling (``head_learned_sink``: x-transformers')."""
+        return self.learned_sink or self.head_learned_sink
+
+
+def init_extra_keys(attn: AttentionModule, o: KeyOptions, heads: int, kv_heads: int, dim_head: int) -> None:
     """The memory keys and the sink, set on ``attn``.
 
     Args (``Attention``'s keywords, checked by its constructor):
@@ -37,14 +54,14 @@ def init_extra_keys(attn: AttentionModule, heads: int, kv_heads: int, dim_head: 
             that every query sees (after the sink, before the memory keys): no row is dead, and a query with no other
             key outputs 0 (before the output projection's bias).
     """
-    if not isinstance(add_zero_kv, bool):
-        raise TypeError(f"add_zero_kv must be True or False, got {add_zero_kv!r}")
-    attn.add_zero_kv = add_zero_kv
-    attn.num_mem_kv = num_mem_kv
-    if num_mem_kv > 0:
-        attn.mem_k = nn.Parameter(torch.randn(kv_heads, num_mem_kv, dim_head))  # (h_kv, M, d)
-        attn.mem_v = nn.Parameter(torch.randn(kv_heads, num_mem_kv, attn.dim_value))
-    attn.attend.head_attn_sink = nn.Parameter(torch.zeros(heads)) if learned_sink else None  # (h,), x-transformers' key
+    if not isinstance(o.add_zero_kv, bool):
+        raise TypeError(f"add_zero_kv must be True or False, got {o.add_zero_kv!r}")
+    attn.add_zero_kv = o.add_zero_kv
+    attn.num_mem_kv = o.num_mem_kv
+    if o.num_mem_kv > 0:
+        attn.mem_k = nn.Parameter(torch.randn(kv_heads, o.num_mem_kv, dim_head))  # (h_kv, M, d)
+        attn.mem_v = nn.Parameter(torch.randn(kv_heads, o.num_mem_kv, attn.dim_value))
+    attn.attend.head_attn_sink = nn.Parameter(torch.zeros(heads)) if o.sink else None  # (h,), x-transformers' key
 
 
 def key_layout(attn: AttentionModule, x: Tensor, mask, bias, causal: bool, added, inputs_finite: bool,

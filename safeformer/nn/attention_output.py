@@ -10,18 +10,48 @@ output projection's bias is selected away there).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention_calls import AttentionModule, _positive_int, plus_kept
+from .options import Options, self_only
 
 
-def init_out(attn: AttentionModule, dim: int, heads: int, dim_head: int, bias: bool, *, dim_out: int | None,
-             zero_init_output: bool, orthog_projected_values: bool, orthog_projected_values_per_head: bool,
-             value_rmsnorm: bool, head_scale: bool = False, sublayer_dropout: float = 0.0,
-             output_proj_depth: int | None = None, project_out: bool | None = None, on_attn: bool = False,
-             dim_value: int | None = None) -> None:
+@dataclass(frozen=True)
+class OutputOptions(Options):
+    """The output projection's keywords (x-transformers' names), read by ``init_out`` (documented there)."""
+
+    dim_out: int | None = None
+    project_out: bool | None = None
+    on_attn: bool = False
+    zero_init_output: bool = False
+    orthog_projected_values: bool = self_only(False)
+    orthog_projected_values_per_head: bool = self_only(False)
+    head_scale: bool = False
+    sublayer_dropout: float = 0.0
+    output_proj_depth: int | None = None
+
+
+@dataclass(frozen=True)
+class GateOptions(Options):
+    """The output gates' keywords (x-transformers' names), read by ``init_gates`` (documented there)."""
+
+    gate_values: bool = False
+    gate_values_rank: int | None = None
+    gate_values_headwise: bool = False
+    gate_value_heads: bool = False
+    output_gate: bool = False
+    output_gate_rank: int | None = None
+    output_gate_headwise: bool = False
+    swiglu_values: bool = False
+    low_rank_silu_gates: bool = True
+
+
+def init_out(attn: AttentionModule, o: OutputOptions, dim: int, heads: int, dim_head: int, bias: bool,
+             value_rmsnorm: bool, dim_value: int | None = None) -> None:
     """The output projection ``to_out`` of ``attn`` (its width ``dim_out``), checked and set.
 
     Args (``Attention``'s keywords):
@@ -38,36 +68,36 @@ def init_out(attn: AttentionModule, dim: int, heads: int, dim_head: int, bias: b
             the attention output minus its projection onto the values, over a sample's whole sequence, once per
             option, concatenated before ``to_out`` (self-attention without a KV cache; not with ``value_rmsnorm``).
     """
-    attn.orthog_projected_values = bool(orthog_projected_values)
-    attn.orthog_projected_values_per_head = bool(orthog_projected_values_per_head)
+    attn.orthog_projected_values = bool(o.orthog_projected_values)
+    attn.orthog_projected_values_per_head = bool(o.orthog_projected_values_per_head)
     orthog_parts = int(attn.orthog_projected_values) + int(attn.orthog_projected_values_per_head)
     if orthog_parts and value_rmsnorm:
         raise ValueError("orthog_projected_values projects onto the values before value_rmsnorm: the two together "
                          "are not supported")
-    if dim_out is not None and not _positive_int(dim_out):
-        raise ValueError(f"dim_out must be a positive integer, got {dim_out!r}")
-    attn.dim_out = dim if dim_out is None else dim_out
-    _make_to_out(attn, heads * (dim_value or dim_head) * max(1, orthog_parts), dim, heads, bias, project_out,
-                 on_attn)
-    if not isinstance(head_scale, bool):
-        raise TypeError(f"head_scale must be True or False, got {head_scale!r}")
-    attn.head_scale_params = nn.Parameter(torch.ones(1, heads, 1, 1)) if head_scale else None
-    if isinstance(sublayer_dropout, bool) or not isinstance(sublayer_dropout, (int, float)) \
-            or not 0 <= sublayer_dropout < 1:
-        raise ValueError(f"sublayer_dropout must be a probability in [0, 1), got {sublayer_dropout!r}")
-    attn.sublayer_dropout = nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None
-    if output_proj_depth is not None and not _positive_int(output_proj_depth):
-        raise ValueError(f"output_proj_depth must be a positive integer, got {output_proj_depth!r}")
+    if o.dim_out is not None and not _positive_int(o.dim_out):
+        raise ValueError(f"dim_out must be a positive integer, got {o.dim_out!r}")
+    attn.dim_out = dim if o.dim_out is None else o.dim_out
+    _make_to_out(attn, heads * (dim_value or dim_head) * max(1, orthog_parts), dim, heads, bias, o.project_out,
+                 o.on_attn)
+    if not isinstance(o.head_scale, bool):
+        raise TypeError(f"head_scale must be True or False, got {o.head_scale!r}")
+    attn.head_scale_params = nn.Parameter(torch.ones(1, heads, 1, 1)) if o.head_scale else None
+    if isinstance(o.sublayer_dropout, bool) or not isinstance(o.sublayer_dropout, (int, float)) \
+            or not 0 <= o.sublayer_dropout < 1:
+        raise ValueError(f"sublayer_dropout must be a probability in [0, 1), got {o.sublayer_dropout!r}")
+    attn.sublayer_dropout = nn.Dropout(o.sublayer_dropout) if o.sublayer_dropout > 0 else None
+    if o.output_proj_depth is not None and not _positive_int(o.output_proj_depth):
+        raise ValueError(f"output_proj_depth must be a positive integer, got {o.output_proj_depth!r}")
     linear = out_linear(attn)
-    if (zero_init_output or output_proj_depth is not None) and linear is None:
+    if (o.zero_init_output or o.output_proj_depth is not None) and linear is None:
         raise ValueError("zero_init_output / output_proj_depth initialise the output projection: this attention has "
                          "none (project_out=False, or one head of width dim_out)")
-    if zero_init_output:  # x-transformers' zero_init_output: the block starts as the identity of the residual
+    if o.zero_init_output:  # x-transformers' zero_init_output: the block starts as the identity of the residual
         nn.init.zeros_(linear.weight)
         if linear.bias is not None:
             nn.init.zeros_(linear.bias)
-    elif output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
-        nn.init.normal_(linear.weight, std=(2 * linear.in_features * output_proj_depth) ** -0.5)
+    elif o.output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
+        nn.init.normal_(linear.weight, std=(2 * linear.in_features * o.output_proj_depth) ** -0.5)
 
 
 def _make_to_out(attn: AttentionModule, inner: int, dim: int, heads: int, bias: bool, project_out, on_attn) -> None:
@@ -100,9 +130,7 @@ def out_linear(attn: AttentionModule) -> nn.Linear | None:
     return out if isinstance(out, nn.Linear) else None
 
 
-def init_gates(attn: AttentionModule, dim: int, heads: int, dim_head: int, *, gate_values: bool, gate_values_rank,
-               gate_values_headwise: bool, gate_value_heads: bool, output_gate: bool, output_gate_rank,
-               output_gate_headwise: bool, swiglu_values: bool, low_rank_silu_gates: bool) -> None:
+def init_gates(attn: AttentionModule, o: GateOptions, dim: int, heads: int, dim_head: int) -> None:
     """The gates of ``attn``'s output (``to_v_gate``, ``to_v_head_gate``, ``to_output_gate``, ``gate_activation``),
     checked and set.
 
@@ -115,29 +143,29 @@ def init_gates(attn: AttentionModule, dim: int, heads: int, dim_head: int, *, ga
         gate_value_heads: x-transformers' per-head gate: each head's output times ``sigmoid(Linear(x))`` (weight 0,
             bias 10 at init), before the gates above; padded rows' ``x`` is selected to 0 first.
     """
-    for name, on, rank, headwise in (("gate_values", gate_values, gate_values_rank, gate_values_headwise),
-                                     ("output_gate", output_gate, output_gate_rank, output_gate_headwise)):
+    for name, on, rank, headwise in (("gate_values", o.gate_values, o.gate_values_rank, o.gate_values_headwise),
+                                     ("output_gate", o.output_gate, o.output_gate_rank, o.output_gate_headwise)):
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
             raise ValueError(f"{name}_rank must be a positive integer, got {rank!r}")
         if (rank is not None or headwise) and not on:
             raise ValueError(f"{name}_rank / {name}_headwise were given but {name} is off; set {name}=True")
         if rank is not None and headwise:
             raise ValueError(f"{name}_rank cannot be set with {name}_headwise (the headwise gate projects to heads directly)")
-    if swiglu_values and not (gate_values or output_gate):
+    if o.swiglu_values and not (o.gate_values or o.output_gate):
         raise ValueError("swiglu_values changes the gate's activation: it needs gate_values or output_gate")
     inner = heads * attn.dim_value
-    act = nn.SiLU() if low_rank_silu_gates else None
-    attn.to_v_gate = _gate_linear(dim, heads if gate_values_headwise else inner, gate_values_rank, act) \
-        if gate_values else None
+    act = nn.SiLU() if o.low_rank_silu_gates else None
+    attn.to_v_gate = _gate_linear(dim, heads if o.gate_values_headwise else inner, o.gate_values_rank, act) \
+        if o.gate_values else None
     # x-transformers' gate_value_heads: each head's output times sigmoid(Linear(x)), open at init (bias 10)
     attn.to_v_head_gate = None
-    if gate_value_heads:
+    if o.gate_value_heads:
         attn.to_v_head_gate = nn.Linear(dim, heads)
         nn.init.zeros_(attn.to_v_head_gate.weight)
         nn.init.constant_(attn.to_v_head_gate.bias, 10.0)
-    attn.to_output_gate = _gate_linear(inner, heads if output_gate_headwise else inner, output_gate_rank, act) \
-        if output_gate else None
-    attn.gate_activation = F.silu if swiglu_values else torch.sigmoid
+    attn.to_output_gate = _gate_linear(inner, heads if o.output_gate_headwise else inner, o.output_gate_rank, act) \
+        if o.output_gate else None
+    attn.gate_activation = F.silu if o.swiglu_values else torch.sigmoid
 
 
 class _LowRankLinear(nn.Module):

@@ -14,6 +14,7 @@ context width.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +23,40 @@ from torch import Tensor, nn
 from ..core.attend import _grad_select
 from .attention_calls import AttentionModule, _positive_int, check_kv_input
 from .modules import HeadRMSNorm, PolarAngles, _rename_keys
+from .options import Options, self_only
 
 
-def init_projections(attn: AttentionModule, dim: int, heads: int, kv_heads: int, dim_head: int, bias: bool, *,
-                     use_latent_q: bool, dim_latent_q: int | None, use_latent_kv: bool, dim_latent_kv: int | None,
-                     latent_rope_subheads: int | None) -> None:
+@dataclass(frozen=True)
+class ProjectionOptions(Options):
+    """The projections' keywords (x-transformers' names), read by ``init_projections`` and ``init_rotation`` (their
+    meanings are documented there); ``bias`` also gives the output projection its bias."""
+
+    bias: bool = False
+    use_latent_q: bool = False
+    dim_latent_q: int | None = None
+    use_latent_kv: bool = False
+    dim_latent_kv: int | None = None
+    latent_rope_subheads: int | None = None
+    rotate_num_heads: int | None = self_only(None)
+
+
+@dataclass(frozen=True)
+class NormOptions(Options):
+    """The norms' keywords (x-transformers' names), read by ``init_norms`` (their meanings are documented there)."""
+
+    qk_norm: bool = False
+    qk_norm_eps: float | None = None
+    qk_norm_dim_scale: bool = False
+    qk_norm_groups: int = 1
+    qk_norm_scale: float = 10.0
+    qk_rmsnorm: bool = False
+    k_rmsnorm: bool = False
+    value_rmsnorm: bool = False
+    learned_value_residual_mix: bool = False
+
+
+def init_projections(attn: AttentionModule, o: ProjectionOptions, dim: int, heads: int, kv_heads: int,
+                     dim_head: int) -> None:
     """The projections ``to_q``, ``to_k``, ``to_v`` (biases with ``bias``) of ``attn``, from ``dim`` and its
     ``dim_context``, with multi-latent attention checked and set (``to_latent_q``, ``to_latent_kv``,
     ``to_rotateable_k``, ``rope_subheads``).
@@ -38,33 +68,30 @@ def init_projections(attn: AttentionModule, dim: int, heads: int, kv_heads: int,
             ``latent_rope_subheads`` key heads straight from the input, and only those heads (of the queries and
             keys) rotated by rotary positions (decoupled rope).
     """
-    for name, on, width in (("dim_latent_q", use_latent_q, dim_latent_q), ("dim_latent_kv", use_latent_kv, dim_latent_kv)):
+    for name, on, width in (("dim_latent_q", o.use_latent_q, o.dim_latent_q), ("dim_latent_kv", o.use_latent_kv, o.dim_latent_kv)):
         if on and not _positive_int(width):
             raise ValueError(f"use_{name[4:]} needs {name}, a positive integer, got {width!r}")
         if width is not None and not on:
             raise ValueError(f"{name} was given but use_{name[4:]} is off; set use_{name[4:]}=True")
-    if latent_rope_subheads is not None:
-        if not use_latent_kv:
+    if o.latent_rope_subheads is not None:
+        if not o.use_latent_kv:
             raise ValueError("latent_rope_subheads splits the keys of multi-latent attention: it needs use_latent_kv")
-        if not _positive_int(latent_rope_subheads) or latent_rope_subheads >= kv_heads or kv_heads != heads:
+        if not _positive_int(o.latent_rope_subheads) or o.latent_rope_subheads >= kv_heads or kv_heads != heads:
             raise ValueError(f"latent_rope_subheads must be a positive integer below kv_heads={kv_heads}, without "
-                             f"grouped-query attention (kv_heads == heads), got {latent_rope_subheads!r}")
-    attn.rope_subheads = latent_rope_subheads or 0
-    attn.to_latent_q = nn.Linear(dim, dim_latent_q, bias=False) if use_latent_q else None
-    attn.to_latent_kv = nn.Linear(attn.dim_context, dim_latent_kv, bias=False) if use_latent_kv else None
-    q_in = dim_latent_q if use_latent_q else dim
-    kv_in = dim_latent_kv if use_latent_kv else attn.dim_context
-    attn.to_q = nn.Linear(q_in, heads * dim_head, bias=bias)
-    attn.to_k = nn.Linear(kv_in, (kv_heads - attn.rope_subheads) * dim_head, bias=bias)
-    attn.to_v = nn.Linear(kv_in, kv_heads * attn.dim_value, bias=bias)
+                             f"grouped-query attention (kv_heads == heads), got {o.latent_rope_subheads!r}")
+    attn.rope_subheads = o.latent_rope_subheads or 0
+    attn.to_latent_q = nn.Linear(dim, o.dim_latent_q, bias=False) if o.use_latent_q else None
+    attn.to_latent_kv = nn.Linear(attn.dim_context, o.dim_latent_kv, bias=False) if o.use_latent_kv else None
+    q_in = o.dim_latent_q if o.use_latent_q else dim
+    kv_in = o.dim_latent_kv if o.use_latent_kv else attn.dim_context
+    attn.to_q = nn.Linear(q_in, heads * dim_head, bias=o.bias)
+    attn.to_k = nn.Linear(kv_in, (kv_heads - attn.rope_subheads) * dim_head, bias=o.bias)
+    attn.to_v = nn.Linear(kv_in, kv_heads * attn.dim_value, bias=o.bias)
     attn.to_rotateable_k = nn.Linear(attn.dim_context, attn.rope_subheads * dim_head, bias=False) \
         if attn.rope_subheads else None
 
 
-def init_norms(attn: AttentionModule, dim: int, heads: int, kv_heads: int, dim_head: int, *, qk_norm: bool,
-               qk_norm_eps: float | None, qk_norm_dim_scale: bool, value_rmsnorm: bool,
-               learned_value_residual_mix: bool, qk_norm_groups: int = 1, qk_norm_scale: float = 10.0,
-               qk_rmsnorm: bool = False, k_rmsnorm: bool = False) -> None:
+def init_norms(attn: AttentionModule, o: NormOptions, dim: int, heads: int, kv_heads: int, dim_head: int) -> None:
     """The norms of ``attn``'s queries, keys and values (``q_norm``, ``k_norm``, ``v_norm``), x-transformers'
     ``qk_norm_q_scale`` / ``qk_norm_k_scale`` and the learned mix of the value residual (``to_value_residual_mix``),
     checked and set.
@@ -85,45 +112,45 @@ def init_norms(attn: AttentionModule, dim: int, heads: int, kv_heads: int, dim_h
             ``k_rmsnorm``: gain ``1 + gamma (h, 1, d)``), or of the keys only, after ``qk_norm``; memory keys are
             not RMS-normed, as there. One of them at most.
     """
-    if qk_rmsnorm and k_rmsnorm:
+    if o.qk_rmsnorm and o.k_rmsnorm:
         raise ValueError("choose one of qk_rmsnorm and k_rmsnorm (qk_rmsnorm norms the keys too)")
-    rms_eps = 1e-6 if qk_norm_eps is None else qk_norm_eps
-    attn.q_rmsnorm = HeadRMSNorm(heads, dim_head, eps=rms_eps, unit_offset=True) if qk_rmsnorm else None
-    attn.k_rmsnorm = HeadRMSNorm(kv_heads, dim_head, eps=rms_eps, unit_offset=True) if qk_rmsnorm or k_rmsnorm \
+    rms_eps = 1e-6 if o.qk_norm_eps is None else o.qk_norm_eps
+    attn.q_rmsnorm = HeadRMSNorm(heads, dim_head, eps=rms_eps, unit_offset=True) if o.qk_rmsnorm else None
+    attn.k_rmsnorm = HeadRMSNorm(kv_heads, dim_head, eps=rms_eps, unit_offset=True) if o.qk_rmsnorm or o.k_rmsnorm \
         else None
-    if qk_norm_dim_scale and not qk_norm:
+    if o.qk_norm_dim_scale and not o.qk_norm:
         raise ValueError("qk_norm_dim_scale scales the q/k norms per head and feature: it needs qk_norm=True")
-    if isinstance(qk_norm_groups, bool) or not isinstance(qk_norm_groups, int) or qk_norm_groups < 1 \
-            or dim_head % qk_norm_groups:
-        raise ValueError(f"qk_norm_groups must be a positive integer dividing dim_head={dim_head}, got {qk_norm_groups!r}")
-    if isinstance(qk_norm_scale, bool) or not isinstance(qk_norm_scale, (int, float)) \
-            or not math.isfinite(qk_norm_scale) or qk_norm_scale <= 0:
-        raise ValueError(f"qk_norm_scale must be a positive finite number, got {qk_norm_scale!r}")
-    if qk_norm_eps is not None and not (isinstance(qk_norm_eps, (int, float)) and 0 < qk_norm_eps < 1):
-        raise ValueError(f"qk_norm_eps must be a number in (0, 1), got {qk_norm_eps!r}")
-    eps = 1e-12 if qk_norm_eps is None else float(qk_norm_eps)
+    if isinstance(o.qk_norm_groups, bool) or not isinstance(o.qk_norm_groups, int) or o.qk_norm_groups < 1 \
+            or dim_head % o.qk_norm_groups:
+        raise ValueError(f"qk_norm_groups must be a positive integer dividing dim_head={dim_head}, got {o.qk_norm_groups!r}")
+    if isinstance(o.qk_norm_scale, bool) or not isinstance(o.qk_norm_scale, (int, float)) \
+            or not math.isfinite(o.qk_norm_scale) or o.qk_norm_scale <= 0:
+        raise ValueError(f"qk_norm_scale must be a positive finite number, got {o.qk_norm_scale!r}")
+    if o.qk_norm_eps is not None and not (isinstance(o.qk_norm_eps, (int, float)) and 0 < o.qk_norm_eps < 1):
+        raise ValueError(f"qk_norm_eps must be a number in (0, 1), got {o.qk_norm_eps!r}")
+    eps = 1e-12 if o.qk_norm_eps is None else float(o.qk_norm_eps)
     # the kernels scale logits by d ** -0.5: x-transformers' qk_norm_scale s is a multiplier sqrt(s * sqrt(d)) on
     # both normalised q and k (with qk_norm_dim_scale the learned scales are the multipliers)
-    mult = 1.0 if qk_norm_dim_scale else math.sqrt(float(qk_norm_scale) * math.sqrt(dim_head))
-    attn.q_norm = QKL2Norm(qk_norm_groups, mult, eps) if qk_norm else None
-    attn.k_norm = QKL2Norm(qk_norm_groups, mult, eps) if qk_norm else None
-    attn.qk_norm_groups, attn.qk_norm_scale = qk_norm_groups, float(qk_norm_scale)
-    if qk_norm_dim_scale:
+    mult = 1.0 if o.qk_norm_dim_scale else math.sqrt(float(o.qk_norm_scale) * math.sqrt(dim_head))
+    attn.q_norm = QKL2Norm(o.qk_norm_groups, mult, eps) if o.qk_norm else None
+    attn.k_norm = QKL2Norm(o.qk_norm_groups, mult, eps) if o.qk_norm else None
+    attn.qk_norm_groups, attn.qk_norm_scale = o.qk_norm_groups, float(o.qk_norm_scale)
+    if o.qk_norm_dim_scale:
         attn.qk_norm_q_scale = nn.Parameter(torch.full((heads, 1, dim_head), dim_head**0.25))
         attn.qk_norm_k_scale = nn.Parameter(torch.full((kv_heads, 1, dim_head), dim_head**0.25))
         attn._register_load_state_dict_pre_hook(_legacy_qk_norm, with_module=True)
     else:
         attn.qk_norm_q_scale = attn.qk_norm_k_scale = None
     # x-transformers' value_rmsnorm: RMS-normalise each value head, gain (1 + weight) per kv head
-    attn.value_rmsnorm = HeadRMSNorm(kv_heads, attn.dim_value, eps=1e-6 if qk_norm_eps is None else qk_norm_eps,
-                                     unit_offset=True) if value_rmsnorm else None  # x-transformers' name
-    if value_rmsnorm:  # earlier safeformer named it v_norm
+    attn.value_rmsnorm = HeadRMSNorm(kv_heads, attn.dim_value, eps=1e-6 if o.qk_norm_eps is None else o.qk_norm_eps,
+                                     unit_offset=True) if o.value_rmsnorm else None  # x-transformers' name
+    if o.value_rmsnorm:  # earlier safeformer named it v_norm
         attn._register_load_state_dict_pre_hook(_rename_keys({"v_norm.weight": "value_rmsnorm.weight"}))
     # x-transformers' learned_value_residual_mix: the value residual's mix per position and kv head,
     # sigmoid(Linear(x)); without it a given value_residual is mixed in at 0.5
     attn.to_value_residual_mix = nn.Sequential(nn.Linear(dim, kv_heads), nn.Sigmoid()) \
-        if learned_value_residual_mix else None  # x-transformers' Sequential(Linear, Sigmoid): keys .0.*
-    if learned_value_residual_mix:  # earlier safeformer held the Linear itself
+        if o.learned_value_residual_mix else None  # x-transformers' Sequential(Linear, Sigmoid): keys .0.*
+    if o.learned_value_residual_mix:  # earlier safeformer held the Linear itself
         attn._register_load_state_dict_pre_hook(_rename_keys({
             "to_value_residual_mix.weight": "to_value_residual_mix.0.weight",
             "to_value_residual_mix.bias": "to_value_residual_mix.0.bias"}))
@@ -295,7 +322,7 @@ def qk_clip_(attn: AttentionModule, pre_softmax_attn, tau: float = 100.0) -> Non
         attn.mem_k.mul_(k_scale.to(attn.mem_k.dtype)[:, None, None])
 
 
-def init_rotation(attn: AttentionModule, heads: int, kv_heads: int, rotate_num_heads: int | None) -> None:
+def init_rotation(attn: AttentionModule, o: ProjectionOptions, heads: int, kv_heads: int) -> None:
     """``attn.rotate_num_heads`` (x-transformers' attribute): how many of the last heads rotary positions rotate.
 
     Args (``Attention``'s keyword):
@@ -304,13 +331,13 @@ def init_rotation(attn: AttentionModule, heads: int, kv_heads: int, rotate_num_h
             (which sets it, as there), nor below ``heads`` with grouped key/value heads (nor in x-transformers). The
             dynamic KV path, padded path only.
     """
-    if rotate_num_heads is not None:
-        if isinstance(rotate_num_heads, bool) or not isinstance(rotate_num_heads, int) \
-                or not 0 < rotate_num_heads <= heads:
-            raise ValueError(f"rotate_num_heads must be an integer in [1, heads={heads}], got {rotate_num_heads!r}")
+    if o.rotate_num_heads is not None:
+        if isinstance(o.rotate_num_heads, bool) or not isinstance(o.rotate_num_heads, int) \
+                or not 0 < o.rotate_num_heads <= heads:
+            raise ValueError(f"rotate_num_heads must be an integer in [1, heads={heads}], got {o.rotate_num_heads!r}")
         if attn.rope_subheads:
             raise ValueError("rotate_num_heads cannot be set with latent_rope_subheads (which sets it)")
-        if rotate_num_heads < heads and kv_heads < heads:
+        if o.rotate_num_heads < heads and kv_heads < heads:
             raise ValueError("rotate_num_heads < heads with grouped key/value heads (kv_heads < heads) is not "
                              "supported (nor in x-transformers)")
-    attn.rotate_num_heads = attn.rope_subheads or (heads if rotate_num_heads is None else rotate_num_heads)
+    attn.rotate_num_heads = attn.rope_subheads or (heads if o.rotate_num_heads is None else o.rotate_num_heads)

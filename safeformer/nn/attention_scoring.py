@@ -59,6 +59,8 @@ only; ``l2_distance`` alone runs the fused kernels (``[2q, 1] . [k, -|k|^2]``), 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,76 +70,108 @@ from ..core.attend import PreparedMask, SelectedMask, attend, from_kernel_heads,
 from ..core.masks import as_attention_mask, causal_mask, combine_masks
 from .attention_calls import AttentionModule, _positive_int, check_delta
 from .modules import _rename_keys
+from .options import Options, self_only
 
 
-def init_scoring(scorer: nn.Module, causal: bool, *, l2_distance: bool = False, cog_signed: bool = False,
-                 sigmoid: bool = False, inverted_attention: bool = False, gumbel_softmax: bool = False,
-                 gumbel_softmax_temp: float = 1.0, gumbel_softmax_hard: bool = True, sparse_topk: int | None = None,
-                 sparse_topk_straight_through: bool = False, hard: bool = False, heads: int | None = 1,
-                 pre_talking_heads: bool = False, post_talking_heads: bool = False,
-                 pre_scale_post_talking_heads: bool = False, selective: bool = False,
-                 custom_attn_fn=None) -> None:
+@dataclass(frozen=True)
+class ScoringOptions(Options):
+    """The keywords of x-transformers' ``Attend`` that change how logits become weights (``init_scoring``; their
+    meanings are in this module's docstring): the options of ``Attention.attend``, the scoring part."""
+
+    l2_distance: bool = False
+    cog_signed: bool = False
+    sigmoid: bool = False
+    inverted_attention: bool = False
+    gumbel_softmax: bool = False
+    gumbel_softmax_temp: float = 1.0
+    gumbel_softmax_hard: bool = True
+    sparse_topk: int | None = None
+    sparse_topk_straight_through: bool = False
+    hard: bool = False
+    pre_talking_heads: bool = False
+    post_talking_heads: bool = False
+    pre_scale_post_talking_heads: bool = False
+    selective: bool = self_only(False)
+    custom_attn_fn: Callable | None = None
+
+
+@dataclass(frozen=True)
+class LogitOptions(Options):
+    """``Attention``'s own scoring keywords beside ``Attend``'s (``init_attention_scoring``): softclamped logits,
+    LASER, CoPE and the SDPA kernels the fused path may choose among (``attend_sdp_kwargs``)."""
+
+    softclamp_logits: bool = False
+    logit_softclamp_value: float = 50.0
+    laser: bool = False
+    laser_softclamp_value: float = 15.0
+    use_cope: bool = self_only(False)
+    cope_max_pos: int = self_only(16)
+    cope_soft_onehot_pos: bool = self_only(False)
+    cope_talking_heads: bool = self_only(False)
+    attend_sdp_kwargs: dict | None = None
+
+
+def init_scoring(scorer: nn.Module, o: ScoringOptions, causal: bool, heads: int | None = 1) -> None:
     """The options of x-transformers' ``Attend`` that change how logits become weights, checked and set on ``scorer``
     (the ``Attend`` part: ``l2_distance``, ``cog_signed``, ``inverted``, ``score``, ``gumbel_temp``, ``gumbel_hard``,
     ``sparse_topk``, ``selective``, ``custom_attn_fn`` and the talking heads' convs); each keyword is documented in
     this module's docstring ("``init_scoring``")."""
-    for name, on in (("l2_distance", l2_distance), ("cog_signed", cog_signed), ("sigmoid", sigmoid),
-                     ("inverted_attention", inverted_attention), ("gumbel_softmax", gumbel_softmax),
-                     ("gumbel_softmax_hard", gumbel_softmax_hard), ("hard", hard), ("selective", selective),
-                     ("sparse_topk_straight_through", sparse_topk_straight_through),
-                     ("pre_talking_heads", pre_talking_heads), ("post_talking_heads", post_talking_heads),
-                     ("pre_scale_post_talking_heads", pre_scale_post_talking_heads)):
+    for name, on in (("l2_distance", o.l2_distance), ("cog_signed", o.cog_signed), ("sigmoid", o.sigmoid),
+                     ("inverted_attention", o.inverted_attention), ("gumbel_softmax", o.gumbel_softmax),
+                     ("gumbel_softmax_hard", o.gumbel_softmax_hard), ("hard", o.hard), ("selective", o.selective),
+                     ("sparse_topk_straight_through", o.sparse_topk_straight_through),
+                     ("pre_talking_heads", o.pre_talking_heads), ("post_talking_heads", o.post_talking_heads),
+                     ("pre_scale_post_talking_heads", o.pre_scale_post_talking_heads)):
         if not isinstance(on, bool):
             raise TypeError(f"{name} must be True or False, got {on!r}")
-    if custom_attn_fn is not None and not callable(custom_attn_fn):
-        raise TypeError(f"custom_attn_fn must be a callable (logits -> weights), got {type(custom_attn_fn).__name__}")
-    if sum(map(bool, (l2_distance, sigmoid, gumbel_softmax, hard, sparse_topk is not None))) > 1:
+    if o.custom_attn_fn is not None and not callable(o.custom_attn_fn):
+        raise TypeError(f"custom_attn_fn must be a callable (logits -> weights), got {type(o.custom_attn_fn).__name__}")
+    if sum(map(bool, (o.l2_distance, o.sigmoid, o.gumbel_softmax, o.hard, o.sparse_topk is not None))) > 1:
         raise ValueError("choose at most one of l2_distance, sigmoid, gumbel_softmax, hard and sparse_topk")
-    if custom_attn_fn is not None and (sigmoid or gumbel_softmax or hard or sparse_topk is not None):
+    if o.custom_attn_fn is not None and (o.sigmoid or o.gumbel_softmax or o.hard or o.sparse_topk is not None):
         raise ValueError("custom_attn_fn replaces the softmax: not with sigmoid, gumbel_softmax, hard or sparse_topk "
                          "(x-transformers would ignore them)")
-    if not (isinstance(gumbel_softmax_temp, (int, float)) and not isinstance(gumbel_softmax_temp, bool)
-            and math.isfinite(gumbel_softmax_temp) and gumbel_softmax_temp > 0):
-        raise ValueError(f"gumbel_softmax_temp must be a positive finite number, got {gumbel_softmax_temp!r}")
-    if sparse_topk is not None:
-        if not _positive_int(sparse_topk):
-            raise ValueError(f"sparse_topk must be a positive integer, got {sparse_topk!r}")
-        if sigmoid or gumbel_softmax or l2_distance or inverted_attention:
+    if not (isinstance(o.gumbel_softmax_temp, (int, float)) and not isinstance(o.gumbel_softmax_temp, bool)
+            and math.isfinite(o.gumbel_softmax_temp) and o.gumbel_softmax_temp > 0):
+        raise ValueError(f"gumbel_softmax_temp must be a positive finite number, got {o.gumbel_softmax_temp!r}")
+    if o.sparse_topk is not None:
+        if not _positive_int(o.sparse_topk):
+            raise ValueError(f"sparse_topk must be a positive integer, got {o.sparse_topk!r}")
+        if o.sigmoid or o.gumbel_softmax or o.l2_distance or o.inverted_attention:
             raise ValueError("sparse_topk keeps the top logits of a softmax: not with sigmoid, gumbel_softmax, "
                              "l2_distance or inverted_attention")
-    if sparse_topk_straight_through and sparse_topk is None:
+    if o.sparse_topk_straight_through and o.sparse_topk is None:
         raise ValueError("sparse_topk_straight_through needs sparse_topk")
-    talking = pre_talking_heads or post_talking_heads or pre_scale_post_talking_heads
-    if talking and inverted_attention:
+    talking = o.pre_talking_heads or o.post_talking_heads or o.pre_scale_post_talking_heads
+    if talking and o.inverted_attention:
         raise ValueError("talking heads mix the heads' logits over the keys: not with inverted_attention")
     if talking and not _positive_int(heads):
         raise ValueError(f"talking heads mix the heads: heads must be a positive integer, got {heads!r}")
-    for name, on in (("pre_softmax_talking_heads", pre_talking_heads),
-                     ("post_softmax_talking_heads", post_talking_heads),
-                     ("pre_scale_post_talking_heads", pre_scale_post_talking_heads)):
+    for name, on in (("pre_softmax_talking_heads", o.pre_talking_heads),
+                     ("post_softmax_talking_heads", o.post_talking_heads),
+                     ("pre_scale_post_talking_heads", o.pre_scale_post_talking_heads)):
         conv = None
         if on:  # x-transformers' Conv2d(h, h, 1, bias=False), the identity (dirac) at init
             conv = nn.Conv2d(heads, heads, 1, bias=False)
             nn.init.dirac_(conv.weight)
         setattr(scorer, name, conv)  # x-transformers' keys: attend.<name>.weight
-    if selective and (not causal or inverted_attention):
+    if o.selective and (not causal or o.inverted_attention):
         raise ValueError("selective attention lets a token hide itself from later queries: it needs causal=True "
                          "(x-transformers' too)")
-    scorer.selective = selective
-    scorer.sparse_topk = sparse_topk
-    scorer.sparse_topk_straight_through = sparse_topk_straight_through
-    scorer.l2_distance = l2_distance
-    scorer.cog_signed = cog_signed
-    scorer.inverted = inverted_attention
-    scorer.custom_attn_fn = custom_attn_fn
-    scorer.score = ("custom" if custom_attn_fn is not None else "sigmoid" if sigmoid else "gumbel" if gumbel_softmax
-                    else "hard" if hard else "softmax")
-    scorer.gumbel_temp, scorer.gumbel_hard = float(gumbel_softmax_temp), gumbel_softmax_hard
+    scorer.selective = o.selective
+    scorer.sparse_topk = o.sparse_topk
+    scorer.sparse_topk_straight_through = o.sparse_topk_straight_through
+    scorer.l2_distance = o.l2_distance
+    scorer.cog_signed = o.cog_signed
+    scorer.inverted = o.inverted_attention
+    scorer.custom_attn_fn = o.custom_attn_fn
+    scorer.score = ("custom" if o.custom_attn_fn is not None else "sigmoid" if o.sigmoid else "gumbel" if o.gumbel_softmax
+                    else "hard" if o.hard else "softmax")
+    scorer.gumbel_temp, scorer.gumbel_hard = float(o.gumbel_softmax_temp), o.gumbel_softmax_hard
 
 
-def init_attention_scoring(attn: AttentionModule, dim_head: int, causal: bool, *, num_mem_kv: int, learned_sink: bool,
-                           laser: bool, laser_softclamp_value: float, use_cope: bool, cope_max_pos: int,
-                           cope_soft_onehot_pos: bool, cope_talking_heads: bool) -> None:
+def init_attention_scoring(attn: AttentionModule, o: LogitOptions, dim_head: int, causal: bool, num_mem_kv: int,
+                           learned_sink: bool) -> None:
     """``Attention``'s own scoring keywords (x-transformers' ``Attention`` ones, beside its ``Attend``'s, which
     ``attn.attend`` holds): LASER (``laser_value``) and CoPE (``attend.cope``), and how they and the memory keys or sink
     sit with ``attn.attend``'s options; documented in this module's docstring ("``init_scoring``")."""
@@ -145,24 +179,24 @@ def init_attention_scoring(attn: AttentionModule, dim_head: int, causal: bool, *
     if scorer.inverted and (num_mem_kv or learned_sink):
         raise ValueError("inverted_attention with memory keys or a learned sink is not supported (every query, padded "
                          "ones too, would share their softmax over the queries)")
-    if laser and scorer.cog_signed:
+    if o.laser and scorer.cog_signed:
         raise ValueError("laser takes the log of weights @ exp(values): cog_signed's negative weights can make it "
                          "0 or negative (NaN in x-transformers); use one of them")
-    if not (isinstance(laser_softclamp_value, (int, float)) and not isinstance(laser_softclamp_value, bool)
-            and math.isfinite(laser_softclamp_value) and laser_softclamp_value > 0):
-        raise ValueError(f"laser_softclamp_value must be a positive finite number, got {laser_softclamp_value!r}")
-    if use_cope:
+    if not (isinstance(o.laser_softclamp_value, (int, float)) and not isinstance(o.laser_softclamp_value, bool)
+            and math.isfinite(o.laser_softclamp_value) and o.laser_softclamp_value > 0):
+        raise ValueError(f"laser_softclamp_value must be a positive finite number, got {o.laser_softclamp_value!r}")
+    if o.use_cope:
         if not causal:
             raise ValueError("use_cope (contextual positions) counts the keys up to each query: it needs causal=True")
-        if cope_talking_heads or cope_soft_onehot_pos:
+        if o.cope_talking_heads or o.cope_soft_onehot_pos:
             raise ValueError("cope_talking_heads and cope_soft_onehot_pos are not supported (use_cope without them "
                              "is)")
-        if not _positive_int(cope_max_pos):
-            raise ValueError(f"cope_max_pos must be a positive integer, got {cope_max_pos!r}")
-    elif cope_talking_heads or cope_soft_onehot_pos:
+        if not _positive_int(o.cope_max_pos):
+            raise ValueError(f"cope_max_pos must be a positive integer, got {o.cope_max_pos!r}")
+    elif o.cope_talking_heads or o.cope_soft_onehot_pos:
         raise ValueError("cope_talking_heads / cope_soft_onehot_pos were given but use_cope is off")
-    attn.laser_value = float(laser_softclamp_value) if laser else None
-    scorer.cope = CoPE(dim_head, cope_max_pos) if use_cope else None
+    attn.laser_value = float(o.laser_softclamp_value) if o.laser else None
+    scorer.cope = CoPE(dim_head, o.cope_max_pos) if o.use_cope else None
 
 
 def legacy_scorer_keys():

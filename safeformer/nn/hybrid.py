@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from .modules import HeadRMSNorm
+from .options import Options, self_only
 
 __all__ = ["HybridBranch", "HybridCall", "FoldAxially"]
 
@@ -296,13 +297,24 @@ def _run_rnn_stepwise(rnn: nn.RNNBase, x: Tensor, real: Tensor, hx):
     return inp, (hs if lstm else hs[0])
 
 
-def make_hybrid(module, *, dim: int, heads: int, dim_head: int, causal: bool, fold_axial_dim=None, mask_kwarg=None,
-                learned_mix: bool = False) -> HybridBranch | None:
-    """``HybridBranch`` for ``module``, or ``None`` without one (then the other options must stay unset)."""
-    if module is None:
-        if fold_axial_dim is not None or mask_kwarg is not None or learned_mix:
+@dataclass(frozen=True)
+class HybridOptions(Options):
+    """x-transformers' hybrid keywords (``HybridBranch`` documents them): a user's sequence module beside
+    self-attention."""
+
+    hybrid_module: nn.Module | None = self_only(None)
+    hybrid_mask_kwarg: str | None = self_only(None)
+    hybrid_fold_axial_dim: int | None = self_only(None)
+    hybrid_learned_mix: bool = self_only(False)
+
+
+def make_hybrid(o: HybridOptions, *, dim: int, heads: int, dim_head: int, causal: bool) -> HybridBranch | None:
+    """``HybridBranch`` for ``o.hybrid_module``, or ``None`` without one (then the other options must stay unset)."""
+    if o.hybrid_module is None:
+        if o.hybrid_fold_axial_dim is not None or o.hybrid_mask_kwarg is not None or o.hybrid_learned_mix:
             raise ValueError("attn_hybrid_fold_axial_dim / attn_hybrid_mask_kwarg / attn_hybrid_learned_mix need "
                              "attn_hybrid_module")
         return None
-    return HybridBranch(module, dim=dim, heads=heads, dim_head=dim_head, causal=causal, fold_axial_dim=fold_axial_dim,
-                        mask_kwarg=mask_kwarg, learned_mix=learned_mix)
+    return HybridBranch(o.hybrid_module, dim=dim, heads=heads, dim_head=dim_head, causal=causal,
+                        fold_axial_dim=o.hybrid_fold_axial_dim, mask_kwarg=o.hybrid_mask_kwarg,
+                        learned_mix=o.hybrid_learned_mix)

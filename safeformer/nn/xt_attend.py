@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ..core.attend import attend, sdpa_allowed_from_kwargs
 from ..core.cache import AttnIntermediate
 from ..core.masks import packed_sequence_mask
-from .attention_scoring import CoPE, _explicit_attention, init_scoring
+from .attention_scoring import CoPE, ScoringOptions, _explicit_attention, init_scoring
 
 __all__ = ["Attend"]
 
@@ -102,13 +102,8 @@ class Attend(nn.Module):
         if not isinstance(flash_pack_seq, bool):
             raise TypeError(f"flash_pack_seq must be True or False, got {flash_pack_seq!r}")
         self.flash_pack_seq = flash_pack_seq
-        init_scoring(self, causal, l2_distance=l2_distance, cog_signed=cog_signed, sigmoid=sigmoid,
-                     inverted_attention=inverted_attention, gumbel_softmax=gumbel_softmax,
-                     gumbel_softmax_temp=gumbel_softmax_temp, gumbel_softmax_hard=gumbel_softmax_hard,
-                     sparse_topk=sparse_topk, sparse_topk_straight_through=sparse_topk_straight_through, hard=hard,
-                     heads=heads, pre_talking_heads=pre_talking_heads, post_talking_heads=post_talking_heads,
-                     pre_scale_post_talking_heads=pre_scale_post_talking_heads, selective=selective,
-                     custom_attn_fn=custom_attn_fn)
+        given = locals()
+        init_scoring(self, ScoringOptions(**{n: given[n] for n in ScoringOptions.names()}), causal, heads)
         self.sdpa_allowed = sdpa_allowed_from_kwargs(_SDP_DEFAULT if sdp_kwargs is None else sdp_kwargs,
                                                      "sdp_kwargs (attend_sdp_kwargs)")
         self.dropout = float(dropout)

@@ -432,6 +432,8 @@ from ..core.masks import causal_mask, checked_once, packed_sequence_mask, valida
 from ..core.static_cache import StaticKVCache
 from ..core.xt_defaults import XT_DEFAULT_ONLY, default_only
 from ..nn.attention import Attention
+from ..nn.attention_config import HINTS as ATTENTION_HINTS
+from ..nn.attention_config import AttentionConfig
 from ..nn.block import AdaptiveLayerScale, Block, ResidualRouting, ShiftTokens
 from ..nn.modules import (
     AdaptiveNorm,
@@ -692,10 +694,8 @@ class AttentionLayers(Configurable, nn.Module):
     def config_fields(cls) -> dict[str, tuple[inspect.Parameter, object]]:
         """The keywords a saved config may hold beyond the signature: every attention field as ``attn_<field>``
         (x-transformers' spelling; earlier configs stored them so), typed by ``Attention``'s annotations."""
-        import typing
-
-        hints = typing.get_type_hints(Attention.__init__)
-        return {f"attn_{k}": (p.replace(name=f"attn_{k}"), hints.get(k, object)) for k, p in ATTENTION_FIELDS.items()}
+        return {f"attn_{k}": (p.replace(name=f"attn_{k}"), ATTENTION_HINTS.get(k, object))
+                for k, p in ATTENTION_FIELDS.items()}
 
     def attn_qk_clip_(self, intermediates: LayerIntermediates, tau: float = 100.0) -> None:
         """MuonClip's qk-clip for every attention block (x-transformers' ``attn_qk_clip_``): pairs the
@@ -810,12 +810,12 @@ class AttentionLayers(Configurable, nn.Module):
                          rotary_pos_emb=rotary_pos_emb, in_attn_cond=in_attn_cond,
                          gumbel_log_probs=return_gumbel_log_probs, polar_pos_emb=polar_pos_emb,
                          packed_context=packed_context)
-        call = resolve_call(self, call)  # x-transformers' spellings resolved, every input checked
-        call = share_inputs(self, call)  # the masks, positions, context and condition every block shares
-        if call.unpadded_plan is not None:  # the real tokens only (unpadded.py)
-            return forward_unpadded(self, call.x, call.unpadded_plan, call.positions,
-                                    call.context if call.ca.used else None, call.context_mask, call.cond)
-        return finish_call(self, call, *run_blocks(self, call))
+        resolved = resolve_call(self, call)  # x-transformers' spellings resolved, every input checked
+        shared = share_inputs(self, call, resolved)  # the masks, positions, context and condition every block reads
+        if shared.unpadded_plan is not None:  # the real tokens only (unpadded.py)
+            return forward_unpadded(self, shared.x, shared.unpadded_plan, shared.positions,
+                                    shared.context if shared.ca.used else None, shared.context_mask, shared.cond)
+        return finish_call(self, call, resolved, shared, *run_blocks(self, call, resolved, shared))
 
 
 def _xt_key_masks(x, mask, attn_mask, cache, self_attn_kv_mask, seq_start_pos) -> tuple:
@@ -992,22 +992,27 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
     (``add_value_residual``) and the cross-attentions (``cross_attn_inverted_attention``, checked here)."""
     first_self = [True]
     given = {k: v for k, v in attention_fields.items() if v is not ATTENTION_FIELDS[k].default}  # the defaults: Attention's
-    shared_cross = {k: v for k, v in given.items() if k not in Attention.SELF_ONLY}
+    shared = dict(dim=dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, backend=backend)
+    overrides = dict(cross_attn_kwargs or {})
     inverted = _inverted_per_layer(cross_attn_inverted_attention, layout.types.count("c"), causal)
+    # the keywords checked once, into one config per kind (the blocks differ from it by their per-layer values)
+    rotate = {} if rotate_num_heads is None else {"rotate_num_heads": rotate_num_heads}
+    self_config = AttentionConfig.from_keywords(**shared, **given, causal=causal, **rotate)
+    cross_config = AttentionConfig.from_keywords(**{
+        **shared, **{k: v for k, v in given.items() if k not in Attention.SELF_ONLY}, **overrides})
 
     def attention_block(context_dim: int | None, layer: int) -> Attention:
         self_attn = context_dim is None
         learned_mix = bool(add_value_residual and learned_value_residual_mix and self_attn
                            and not first_self[0])  # x-transformers: every self-attention but the first
         first_self[0] = first_self[0] and not self_attn
-        if self_attn:
-            kind = dict(given, causal=causal, **({} if rotate_num_heads is None else {"rotate_num_heads": rotate_num_heads}))
-        else:
-            kind = dict(shared_cross, inverted_attention=inverted.pop(0))
-        return _overridden(Attention, None if self_attn else cross_attn_kwargs)(
-            dim, heads=heads, dim_head=dim_head, kv_heads=kv_heads, dim_context=context_dim, backend=backend,
-            dropout=_layer_value(layout.attn_dropouts, layer, self_attn or only_cross),
-            learned_value_residual_mix=learned_mix, **kind)
+        block = dict(dim_context=context_dim, dropout=_layer_value(layout.attn_dropouts, layer, self_attn or only_cross),
+                     learned_value_residual_mix=learned_mix)
+        if not self_attn:
+            block["inverted_attention"] = inverted.pop(0)
+        config = self_config if self_attn else cross_config
+        return Attention.from_config(config.replace(**{k: v for k, v in block.items()
+                                                       if self_attn or k not in overrides}))
 
     return attention_block
 
@@ -1288,13 +1293,6 @@ def _cross_attn_spellings(aliases: dict) -> tuple[dict, dict]:
         else:
             rest[key] = value
     return rest, per_kind
-
-
-def _overridden(cls, overrides: dict | None):
-    """``cls``, or a constructor whose keywords ``overrides`` replaces (the per-kind options win)."""
-    if not overrides:
-        return cls
-    return lambda *args, **kwargs: cls(*args, **{**kwargs, **overrides})
 
 
 def _inverted_per_layer(value, n_cross: int, causal: bool) -> list[bool]:

@@ -3,11 +3,14 @@
 Shape legend: b batch, n new positions (queries), p cached positions, m memory slots, j context length,
 c model width, c_ctx context width, h heads, h_kv key/value heads, d head dim, L feed-forward blocks.
 
-``AttentionLayers.forward`` gathers its keywords into one ``StackCall`` and runs the phases on it:
+``AttentionLayers.forward`` gathers its keywords into one ``StackCall`` (as given) and runs the phases, each
+returning one immutable, typed value the next ones read:
 
-- ``resolve_call``: x-transformers' spellings and cache protocol resolved, every input checked (the door);
+- ``resolve_call``: x-transformers' spellings and cache protocol resolved, every input checked (the door): a
+  ``ResolvedCall``;
 - ``share_inputs``: what every block of the call shares, built once (masks, positions, rotary angles and
-  bias, the context, the adaptive condition) and whether the call runs the unpadded path;
+  bias, the context, the adaptive condition, the attention blocks' keywords) and whether the call runs the
+  unpadded path: the ``LayerInputs``;
 - ``run_blocks``: the blocks in order (the padded path), collecting keys/values and intermediates;
 - ``finish_call``: the final norm, the intermediates and the cache, in ``forward``'s return form.
 """
@@ -46,20 +49,11 @@ StackModule = nn.Module
 
 @dataclass(frozen=True)
 class StackCall:
-    """One call of ``AttentionLayers.forward``, an immutable value: its keywords as given (the first block of fields,
-    documented on ``forward``, which passes each one by name rather than reading ``locals()``, so that
-    ``torch.compile`` traces it whole), then what the phases derive from them, each phase returning a new value
-    (``dataclasses.replace``) that the next one reads:
-
-    - ``resolve_call``: ``x``, ``mask``, ``positions``, ``ff_deep_embeds`` and ``cache`` as resolved; ``b``, ``n``;
-      ``call_causal`` (this call's causality); ``padded_only`` (an option the unpadded path does not run);
-      ``order`` (the blocks' indices, ``None``: each once); ``per_block`` (extra keywords per attention block,
-      by ``id(block)``); ``mem`` (the checked Transformer-XL memories); ``xpos``; ``user_rotary`` (x-transformers'
-      ``rotary_pos_emb``, or ``polar_pos_emb``, in the stack's ``(q, k)`` form); ``inject`` (``in_attn_cond``, padded rows 0);
-    - ``share_inputs``: ``x`` (padded rows 0), ``positions``, ``context`` and ``context_mask`` as every block reads
-      them (``packed_context``, ``flash_pack_seq_context_kwargs``' mask ``(1, 1, n, j)``, joins ``ca.mask``); ``sa`` / ``ca`` (``SelfAttentionInputs`` / ``CrossAttentionInputs``); ``cond`` (``(b, K)`` or ``None``);
-      ``cross_rotary`` (the angles of ``context_pos``); ``unpadded_plan``;
-    ``run_blocks`` returns the stream and a ``BlocksOut``, which ``finish_call`` reads.
+    """One call of ``AttentionLayers.forward`` as given, an immutable value: its keywords (documented on
+    ``forward``, which passes each one by name rather than reading ``locals()``, so that ``torch.compile`` traces it
+    whole). Each phase reads it and returns its own typed value: ``resolve_call`` a ``ResolvedCall``,
+    ``share_inputs`` the ``LayerInputs`` every block reads, ``run_blocks`` the stream and a ``BlocksOut``, which
+    ``finish_call`` reads.
     """
 
     x: Tensor
@@ -98,21 +92,65 @@ class StackCall:
     gumbel_log_probs: bool = False
     polar_pos_emb: tuple | None = None
     packed_context: Tensor | None = None
-    # derived
-    b: int = 0
-    n: int = 0
-    call_causal: bool = False
-    padded_only: bool = False
-    order: tuple | None = None
-    per_block: dict | None = None
-    mem: _Mems | None = None
-    xpos: bool = False
-    sa: SelfAttentionInputs | None = None
-    ca: CrossAttentionInputs | None = None
-    cond: Tensor | None = None
-    cross_rotary: tuple | None = None
-    user_rotary: tuple | None = None
-    inject: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedCall:
+    """Phase 1's value (``resolve_call``): the call's inputs as resolved and checked, once.
+
+    ``x``, ``mask``, ``positions``, ``cache``, ``ff_deep_embeds`` after x-transformers' spellings and cache protocol;
+    ``b``, ``n``; ``causal`` (this call's causality); ``padded_only`` (an option the unpadded path does not run);
+    ``order`` (the blocks' indices, ``None``: each once); ``per_block`` (extra keywords per attention block, by
+    ``id(block)``); ``mem`` (the checked Transformer-XL memories); ``xpos``; ``user_rotary`` (x-transformers'
+    ``rotary_pos_emb``, or ``polar_pos_emb``, in the stack's ``(q, k)`` form); ``inject`` (``in_attn_cond``, padded
+    rows 0)."""
+
+    x: Tensor
+    mask: Tensor | None
+    positions: Tensor | None
+    cache: KVCache | None
+    ff_deep_embeds: Tensor | None
+    b: int
+    n: int
+    causal: bool
+    padded_only: bool
+    order: tuple | None
+    per_block: dict
+    mem: _Mems | None
+    xpos: bool
+    user_rotary: tuple | None
+    inject: Tensor | None
+
+
+@dataclass(frozen=True)
+class BlockKeywords:
+    """The keywords every self-attention, cross-attention and inverted cross-attention block of the padded path
+    takes in one call, built once (``_block_arguments``); read, never written."""
+
+    self_attn: dict
+    cross_attn: dict
+    inverted: dict
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """Phase 2's value (``share_inputs``): what every block of the call reads, built once and handed to each.
+
+    ``x`` (padded rows 0); ``positions`` (the real tokens'); ``context`` / ``context_mask`` as the blocks read them;
+    ``sa`` / ``ca`` (``SelfAttentionInputs`` / ``CrossAttentionInputs``); ``cond`` (``(b, K)`` or ``None``);
+    ``cross_rotary`` (the angles of ``context_pos``); ``unpadded_plan`` (``None``: the padded path); ``blocks``
+    (the attention blocks' keywords on the padded path)."""
+
+    x: Tensor
+    positions: Tensor
+    context: Tensor | None
+    context_mask: Tensor | None
+    sa: SelfAttentionInputs
+    ca: CrossAttentionInputs
+    cond: Tensor | None
+    cross_rotary: tuple | None
+    unpadded_plan: UnpaddedPlan | None
+    blocks: BlockKeywords | None = None
 
 
 @dataclass(frozen=True)
@@ -133,11 +171,9 @@ class BlocksOut:
     block_hiddens: list | None = None
 
 
-def resolve_call(stack: StackModule, call: StackCall) -> StackCall:
+def resolve_call(stack: StackModule, call: StackCall) -> ResolvedCall:
     """Phase 1 (the door): x-transformers' spellings (``pos``, ``deep_embeds_and_ids``, ``seq_pos_offset``) and
-    cache protocol resolved, then every input checked once. Returns ``call`` with its ``x``, ``mask``, ``positions``,
-    ``ff_deep_embeds``, ``cache``, ``b``, ``n``, ``call_causal``, ``order``, ``per_block``, ``mem``, ``xpos`` and
-    ``padded_only`` (an option of this call that the unpadded path does not run)."""
+    cache protocol resolved, then every input checked once: the ``ResolvedCall``."""
     x, mask, positions, cache, ff_deep_embeds = call.x, call.mask, call.positions, call.cache, call.ff_deep_embeds
     context, context_mask, return_cache = call.context, call.context_mask, call.return_cache
     if call.pos is not None:  # x-transformers' name for positions
@@ -197,26 +233,27 @@ def resolve_call(stack: StackModule, call: StackCall) -> StackCall:
         raise ValueError("rotary_xpos runs without a KV cache (its scales are centered on the positions of each "
                          "call: cached keys would keep an old center) and rotates self-attention only (no "
                          "context_pos); decode with cache_kv=False")
-    return replace(call, x=x, mask=mask, positions=positions, cache=cache, ff_deep_embeds=ff_deep_embeds, b=b, n=n,
-                   call_causal=call_causal, padded_only=padded_only, order=order, per_block=per_block, mem=mem,
-                   xpos=xpos, user_rotary=user_rotary, inject=inject)
+    return ResolvedCall(x=x, mask=mask, positions=positions, cache=cache, ff_deep_embeds=ff_deep_embeds, b=b, n=n,
+                        causal=call_causal, padded_only=padded_only, order=order, per_block=per_block, mem=mem,
+                        xpos=xpos, user_rotary=user_rotary, inject=inject)
 
 
-def share_inputs(stack: StackModule, call: StackCall) -> StackCall:
+def share_inputs(stack: StackModule, call: StackCall, r: ResolvedCall) -> LayerInputs:
     """Phase 2: what every block of the call shares, built once: ``x`` with padded rows selected to 0, the
     self-attention inputs (``sa``: masks, positions, rotary angles, bias; the kernel masks of memories whose
     masks differ per block), the context (``ca``), the adaptive condition (``cond``, ``(b, K)``), the rotary
-    angles of ``context_pos`` and the unpadded plan (``None``: the padded path), set on the returned value."""
-    x, mask, cache, attn_mask, positions = call.x, call.mask, call.cache, call.attn_mask, call.positions
-    mem, call_causal, b, n, return_cache = call.mem, call.call_causal, call.b, call.n, call.return_cache
-    context_pos, unpadded_plan, padded_only = call.context_pos, call.unpadded_plan, call.padded_only
+    angles of ``context_pos``, the unpadded plan (``None``: the padded path) and, on the padded path, the attention
+    blocks' keywords: the ``LayerInputs``."""
+    x, mask, cache, attn_mask, positions = r.x, r.mask, r.cache, call.attn_mask, r.positions
+    mem, call_causal, b, n, return_cache = r.mem, r.causal, r.b, r.n, call.return_cache
+    context_pos, unpadded_plan, padded_only = call.context_pos, call.unpadded_plan, r.padded_only
     if mask is not None:
         x = torch.where(mask[..., None], x, 0.0)
     sa = self_attention_inputs(stack, x, mask, cache, attn_mask, positions, causal=call_causal,
                                mem_len=0 if mem is None else mem.length,
                                mem_mask=None if mem is None else mem.masks[0])
-    if call.user_rotary is not None:  # x-transformers' rotary_pos_emb: the given angles replace the stack's
-        sa = replace(sa, rotary=call.user_rotary)
+    if r.user_rotary is not None:  # x-transformers' rotary_pos_emb: the given angles replace the stack's
+        sa = replace(sa, rotary=r.user_rotary)
     if mem is not None:  # the kernel masks of the blocks whose memory mask differs from the first's
         mem.kernel_masks = {}
         first = mem.masks[0]
@@ -252,28 +289,29 @@ def share_inputs(stack: StackModule, call: StackCall) -> StackCall:
     elif padded_only:
         raise ValueError("a causal override, ff_deep_embeds, additional keys/values and key/value residuals run "
                          "on the padded path: pass no unpadded_plan")
-    return replace(call, x=x, positions=positions, context=context, context_mask=context_mask, sa=sa, ca=ca,
-                   cond=cond, cross_rotary=cross_rotary, unpadded_plan=unpadded_plan)
+    inputs = LayerInputs(x=x, positions=positions, context=context, context_mask=context_mask, sa=sa, ca=ca,
+                         cond=cond, cross_rotary=cross_rotary, unpadded_plan=unpadded_plan)
+    return inputs if unpadded_plan is not None else replace(inputs, blocks=_block_arguments(stack, call, r, inputs))
 
 
-def _block_arguments(stack: StackModule, call: StackCall) -> tuple[dict, dict, dict]:
+def _block_arguments(stack: StackModule, call: StackCall, r: ResolvedCall, inp: LayerInputs) -> BlockKeywords:
     """The keywords every self-attention, cross-attention and inverted cross-attention block of the padded path
-    takes in this call: ``(self_args, cross_args, inverted_args)``."""
-    mask, cache, sa, ca, b, n = call.mask, call.cache, call.sa, call.ca, call.b, call.n
-    context, cross_mask, use_cross = call.context, ca.mask, ca.used
+    takes in this call."""
+    mask, cache, sa, ca, b, n = r.mask, r.cache, inp.sa, inp.ca, r.b, r.n
+    context, cross_mask, use_cross = inp.context, ca.mask, ca.used
     # a cache is input too: only a cache with padding has masked slots, and what they hold (its own
     # finite projections, or whatever a user put there) is selected away by attend, not trusted
     # (masked keys and dead rows are padding, selected to 0 at the input unless attn_mask hides real positions)
     self_clean = call.attn_mask is None and (cache is None or cache.mask is None)
     # a new context was selected above (not a packed one: its keys after the last document are not)
-    cross_clean = (not ca.cached or call.context_mask is None) and call.packed_context is None
+    cross_clean = (not ca.cached or inp.context_mask is None) and call.packed_context is None
     self_args = dict(mask=SelectedMask(sa.mask) if self_clean else sa.mask, causal=sa.causal, rotary=sa.rotary,
-                     bias=sa.bias if call.attn_bias is None else _selected_bias(stack, call),  # one or the other
+                     bias=sa.bias if call.attn_bias is None else _selected_bias(stack, call, r, sa),  # one or the other
                      return_attn=call.return_hiddens, _return_kv=True)
     cross_args = dict(mask=SelectedMask(cross_mask) if cross_clean else cross_mask, causal=False,
-                      return_attn=call.return_hiddens, _return_kv=True, rotary=call.cross_rotary)
+                      return_attn=call.return_hiddens, _return_kv=True, rotary=inp.cross_rotary)
     if stack.self_positions:  # the real tokens' positions (rel_proj_pos_bias, max_attend_past)
-        self_args["positions"] = (call.positions, sa.all_positions)
+        self_args["positions"] = (inp.positions, sa.all_positions)
     inverted_args = cross_args
     if mask is not None and use_cross and stack.inverted_cross:
         # inverted cross-attention normalises over the queries: padded ones take none
@@ -281,7 +319,7 @@ def _block_arguments(stack: StackModule, call: StackCall) -> tuple[dict, dict, d
         j_ctx = context.shape[1] if context is not None else 0
         full = q_pad.expand(b, 1, n, j_ctx) if cross_mask is None else q_pad & cross_mask
         inverted_args = dict(cross_args, mask=full)
-    return self_args, cross_args, inverted_args
+    return BlockKeywords(self_args, cross_args, inverted_args)
 
 
 @dataclass
@@ -289,9 +327,7 @@ class _BlockRun:
     """What ``run_blocks`` carries from block to block in one call: the keywords of the attention blocks, and
     what the blocks leave (keys/values, hybrid states, the first values, the last logits)."""
 
-    self_args: dict
-    cross_args: dict
-    inverted_args: dict
+    keywords: BlockKeywords
     self_kv: list
     cross_kv: list
     hybrid_states: list  # attn_hybrid_module: each self-attention's recurrent state after this call
@@ -299,19 +335,19 @@ class _BlockRun:
     prev_logits: dict  # residual_attn / cross_residual_attn: the last self- / cross-attention's logits
 
 
-def _run_block(stack: StackModule, call: StackCall, run: _BlockRun, block: Block, x: Tensor, cond: Tensor | None,
+def _run_block(stack: StackModule, r: ResolvedCall, inp: LayerInputs, run: _BlockRun, block: Block, x: Tensor, cond: Tensor | None,
                past_kv=None, cached=None) -> tuple[Tensor, tuple]:
     """One block on ``x`` with this call's keywords: ``(branch output, extra)``, ``extra`` the attention's
     keys/values (and weights, logits) or ``()`` for a feed-forward."""
-    mask, per_block = call.mask, call.per_block
+    mask, per_block = r.mask, r.per_block
     shift = {"shift_mask": mask} if block.shifts else {}  # shift_tokens: padded positions read as 0
     if block.kind == "self":
         at = len(run.self_kv)
-        hy = _hybrid_call(block.mixer, mask, call.cache, at)  # attn_hybrid_module's input and state
-        args = dict(run.self_args, return_attn=True, prev_attn=run.prev_logits.get("self")) if stack.residual_attn \
-            else run.self_args
-        if call.mem is not None:  # Transformer-XL: this block's memory keys/values before the sequence's own
-            past_kv, args = _mem_kv(stack, call.mem, block, at, cond, call.sa), _mem_args(call.mem, at, args)
+        hy = _hybrid_call(block.mixer, mask, r.cache, at)  # attn_hybrid_module's input and state
+        args = dict(run.keywords.self_attn, return_attn=True, prev_attn=run.prev_logits.get("self")) \
+            if stack.residual_attn else run.keywords.self_attn
+        if r.mem is not None:  # Transformer-XL: this block's memory keys/values before the sequence's own
+            past_kv, args = _mem_kv(stack, r.mem, block, at, cond, inp.sa), _mem_args(r.mem, at, args)
         res = block(x, cond, past_kv=past_kv, value_residual=run.first_values.get("self"), **shift,
                     **({} if hy is None else {"hybrid": hy}), **args, **per_block.get(id(block), {}))
         if stack.residual_attn:
@@ -321,10 +357,10 @@ def _run_block(stack: StackModule, call: StackCall, run: _BlockRun, block: Block
         return res
     if block.kind == "cross":
         vr = run.first_values.get("cross") if cached is None else None  # a cached context is mixed already
-        args = run.inverted_args if getattr(block.mixer, "inverted", False) else run.cross_args
+        args = run.keywords.inverted if getattr(block.mixer, "inverted", False) else run.keywords.cross_attn
         if stack.cross_residual_attn:
             args = dict(args, return_attn=True, prev_attn=run.prev_logits.get("cross"))
-        res = block(x, cond, None if cached is not None else call.context, kv=cached, value_residual=vr,
+        res = block(x, cond, None if cached is not None else inp.context, kv=cached, value_residual=vr,
                     **per_block.get(id(block), {}), **shift, **args)
         if stack.cross_residual_attn:
             run.prev_logits["cross"] = res[1][2]
@@ -332,31 +368,31 @@ def _run_block(stack: StackModule, call: StackCall, run: _BlockRun, block: Block
     return block(x, cond, **shift)
 
 
-def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
-    """Phase 3, the padded path: the blocks in order (``call.order``, or each once), with the residual routing,
+def run_blocks(stack: StackModule, call: StackCall, r: ResolvedCall, shared: LayerInputs) -> tuple[Tensor, BlocksOut]:
+    """Phase 3, the padded path: the blocks in order (``r.order``, or each once), with the residual routing,
     stochastic depth and activation checkpointing. Returns the stream ``(b, n, c)`` before the final norm and the
     ``BlocksOut``: each attention block's keys/values, the hybrid modules' states and (``return_hiddens``) the
     hidden states and attention maps, padded positions 0."""
-    mask, cache, cond = call.mask, call.cache, call.cond
-    cached_cross, use_cross = call.ca.cached, call.ca.used
-    return_hiddens, ff_deep_embeds, b, n, x = call.return_hiddens, call.ff_deep_embeds, call.b, call.n, call.x
-    state = _BlockRun(*_block_arguments(stack, call), self_kv=[], cross_kv=[], hybrid_states=[], first_values={},
+    mask, cache, cond = r.mask, r.cache, shared.cond
+    cached_cross, use_cross = shared.ca.cached, shared.ca.used
+    return_hiddens, ff_deep_embeds, b, n, x = call.return_hiddens, r.ff_deep_embeds, r.b, r.n, shared.x
+    state = _BlockRun(shared.blocks, self_kv=[], cross_kv=[], hybrid_states=[], first_values={},
                       prev_logits={})
     self_kv, cross_kv, first_values = state.self_kv, state.cross_kv, state.first_values
-    recompute = _recompute(stack, call)
+    recompute = _recompute(stack, call, r)
     hiddens, attn_maps, logit_maps = [], [], []
     block_hiddens = [] if return_hiddens else None  # x-transformers' stream at each default block's end
     ff_seen = 0  # feed-forward blocks run so far (ff_deep_embeds' index)
 
     def run(block: Block, x: Tensor, cond: Tensor | None, past_kv=None, cached=None) -> tuple[Tensor, tuple]:
-        return _run_block(stack, call, state, block, x, cond, past_kv, cached)
+        return _run_block(stack, r, shared, state, block, x, cond, past_kv, cached)
 
     hidden_kind = "self" if "self" in stack.layer_kinds else stack.layer_kinds[0]  # return_hiddens' hiddens
     route, layer_hiddens = None, []  # the residual routing's state (x-transformers' residual options)
     if stack.routing is not None:
         x, route = stack.routing.begin(x, mask, cond)
-        route.inject = call.inject if call.inject is not None else route.inject  # in_attn_cond (not reinject_input)
-    for ind, idx in enumerate(range(len(stack.layers)) if call.order is None else call.order):
+        route.inject = r.inject if r.inject is not None else route.inject  # in_attn_cond (not reinject_input)
+    for ind, idx in enumerate(range(len(stack.layers)) if r.order is None else r.order):
         block = stack.layers[idx]
         if call.transform_block_inputs is not None and ind % stack.len_default_block == 0 and ind > 0:
             x = transform_block_input(call.transform_block_inputs, ind // stack.len_default_block + 1, x, mask)
@@ -367,8 +403,8 @@ def run_blocks(stack: StackModule, call: StackCall) -> tuple[Tensor, BlocksOut]:
             x, inp = stack.routing.enter(route, idx, x)
         elif return_hiddens:
             layer_hiddens.append(x)
-        if route is None and call.inject is not None:  # in_attn_cond: added to the branch input, not the stream
-            inp = x + call.inject
+        if route is None and r.inject is not None:  # in_attn_cond: added to the branch input, not the stream
+            inp = x + r.inject
         if block.kind == "cross" and not use_cross:
             if route is not None:  # the routing runs on, the branch adding nothing (as for a dropped context)
                 x = stack.routing.leave(route, idx, None)
@@ -442,18 +478,18 @@ def _check_attn_bias(stack: StackModule, attn_bias, x: Tensor, cache, mem) -> No
                          f"{tuple(attn_bias.shape)} on {attn_bias.device}")
 
 
-def _selected_bias(stack: StackModule, call: StackCall) -> Tensor:
+def _selected_bias(stack: StackModule, call: StackCall, r: ResolvedCall, sa: SelfAttentionInputs) -> Tensor:
     """``attn_bias`` with 0 wherever a query may not attend (padded queries, masked keys, causal, ``attn_mask``):
     what it holds there (NaN, inf) reaches no output and no gradient. ``(b|1, h|1, n, j)``."""
-    bias, sa, b, n = call.attn_bias, call.sa, call.b, call.n
-    j = n + (call.cache.length if call.cache is not None else call.mem.length if call.mem is not None else 0)
+    bias, b, n = call.attn_bias, r.b, r.n
+    j = n + (r.cache.length if r.cache is not None else r.mem.length if r.mem is not None else 0)
     m = sa.mask.combined if isinstance(sa.mask, PreparedMask) else sa.mask
     h = next(blk.mixer.heads for blk in stack.layers if blk.kind == "self")
     keep = None if m is None else as_attention_mask(m, b, h, n, j)
-    if sa.causal or call.call_causal:
+    if sa.causal or r.causal:
         keep = combine_masks(keep, causal_mask(n, j, device=bias.device))
-    if call.mask is not None:
-        keep = combine_masks(keep, call.mask[:, None, :, None])
+    if r.mask is not None:
+        keep = combine_masks(keep, r.mask[:, None, :, None])
     return bias if keep is None else torch.where(keep, bias, 0.0)
 
 
@@ -633,10 +669,10 @@ def set_log_probs(attn_intermediates: list) -> None:
         inter.log_probs = log_prob_from_hard_attend(inter)
 
 
-def _recompute(stack: StackModule, call: StackCall) -> bool:
+def _recompute(stack: StackModule, call: StackCall, r: ResolvedCall) -> bool:
     """Whether the blocks run under activation checkpointing in this call (training, with gradients, no cache)."""
     return stack.checkpoint_layers and stack.training and torch.is_grad_enabled() and not call.return_cache \
-        and call.cache is None and not call.return_hiddens
+        and r.cache is None and not call.return_hiddens
 
 
 def _masked(h: Tensor, mask: Tensor | None) -> Tensor:
@@ -675,10 +711,11 @@ def _mask_hidden(h: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask[..., None], h, 0.0)
 
 
-def finish_call(stack: StackModule, call: StackCall, x: Tensor, out: BlocksOut) -> Tensor | tuple:
+def finish_call(stack: StackModule, call: StackCall, r: ResolvedCall, inp: LayerInputs, x: Tensor, out: BlocksOut
+                ) -> Tensor | tuple:
     """Phase 4: the final norm of the stream ``x (b, n, c)`` (padded positions exact zeros), the intermediates
     (``return_hiddens``) and the new cache (``return_cache``) from ``out``, in ``forward``'s return form."""
-    mask, cache, cond, b, n = call.mask, call.cache, call.cond, call.b, call.n
+    mask, cache, cond, b, n = r.mask, r.cache, inp.cond, r.b, r.n
     layer_hiddens = out.layer_hiddens
     if call.return_hiddens:  # x-transformers' layer_hiddens: every block's input, then the stream before the final norm
         layer_hiddens = [*layer_hiddens, _last_hidden(x, out.last_stream)]
@@ -689,9 +726,9 @@ def finish_call(stack: StackModule, call: StackCall, x: Tensor, out: BlocksOut) 
         x = torch.where(mask[..., None], x, 0.0)
     intermediates = None
     if call.return_hiddens:
-        order, logit_maps = call.order, out.logit_maps
+        order, logit_maps = r.order, out.logit_maps
         ran = stack.layer_kinds if order is None else [stack.layer_kinds[i] for i in order]
-        kinds = [k for k in ran if k != "ff" and (k == "self" or call.ca.used)]
+        kinds = [k for k in ran if k != "ff" and (k == "self" or inp.ca.used)]
         intermediates = LayerIntermediates(
             hiddens=out.hiddens, last_hidden=x, layer_hiddens=layer_hiddens,
             attn_intermediates=[AttnIntermediate(post_softmax_attn=w, layer_type="a" if k == "self" else "c",
@@ -701,10 +738,10 @@ def finish_call(stack: StackModule, call: StackCall, x: Tensor, out: BlocksOut) 
         )
         if call.gumbel_log_probs:
             set_log_probs(intermediates.attn_intermediates)
-    cache_args = (cache, mask, b, n, x.device, out.self_kv, out.cross_kv, call.sa, call.ca, cond, call.condition,
+    cache_args = (cache, mask, b, n, x.device, out.self_kv, out.cross_kv, inp.sa, inp.ca, cond, call.condition,
                   call.condition_mask, out.hybrid_states)
-    if intermediates is not None and call.call_causal == stack.causal and call.sa.all_positions.dim() == 2 \
-            and not call.xpos and call.mem is None and call.user_rotary is None:  # the
+    if intermediates is not None and r.causal == stack.causal and inp.sa.all_positions.dim() == 2 \
+            and not r.xpos and r.mem is None and r.user_rotary is None:  # the
         # cache (x-transformers' protocol; not with positions per head, which a cache does not keep;
         # not after a causal override: its keys/values are not what the stack's own causality continues from)
         intermediates.cache = _new_cache(*cache_args)
