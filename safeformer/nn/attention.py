@@ -588,10 +588,8 @@ def _decide_paths(attn: Attention) -> None:
     # a norm of queries or keys between the projection and the rotation (the decode step's fused plan reads it)
     attn.qk_normed = any(n is not None for n in (attn.q_norm, attn.k_norm, attn.q_rmsnorm, attn.k_rmsnorm))
     attn.explicit = bool(
-        attn.softclamp_value is not None or attn.cog_signed or attn.inverted or attn.score != "softmax"
-        or attn.laser_value is not None or attn.cope is not None
-        or attn.sparse_topk is not None or attn.pre_softmax_talking_heads is not None or attn.selective
-        or attn.post_softmax_talking_heads is not None or attn.pre_scale_post_talking_heads is not None
+        attn.attend.options_explicit or attn.softclamp_value is not None or attn.laser_value is not None
+        or attn.cope is not None
         or (attn.l2_distance and attn.head_attn_sink is not None))  # the sink's logit is no distance
     # why a call cannot continue from a KV cache (an option over the sequence's own positions), or None
     attn.cache_refusal = (

@@ -94,6 +94,14 @@ class ScoringOptions(Options):
     selective: bool = self_only(False)
     custom_attn_fn: Callable | None = None
 
+    @property
+    def explicit(self) -> bool:
+        """Whether these options run the explicit float32 path (what no fused kernel does; l2 distance alone runs
+        the kernels inside ``Attention``)."""
+        return bool(self.cog_signed or self.sigmoid or self.inverted_attention or self.gumbel_softmax or self.hard
+                    or self.sparse_topk is not None or self.pre_talking_heads or self.post_talking_heads
+                    or self.pre_scale_post_talking_heads or self.selective or self.custom_attn_fn is not None)
+
 
 @dataclass(frozen=True)
 class LogitOptions(Options):
@@ -168,6 +176,7 @@ def init_scoring(scorer: nn.Module, o: ScoringOptions, causal: bool, heads: int 
     scorer.score = ("custom" if o.custom_attn_fn is not None else "sigmoid" if o.sigmoid else "gumbel" if o.gumbel_softmax
                     else "hard" if o.hard else "softmax")
     scorer.gumbel_temp, scorer.gumbel_hard = float(o.gumbel_softmax_temp), o.gumbel_softmax_hard
+    scorer.options_explicit = o.explicit  # the family says which path its options need
 
 
 def init_attention_scoring(attn: AttentionModule, o: LogitOptions, dim_head: int, causal: bool, num_mem_kv: int,

@@ -28,6 +28,7 @@ from ..core.attend import attend, sdpa_allowed_from_kwargs
 from ..core.cache import AttnIntermediate
 from ..core.masks import packed_sequence_mask
 from .attention_scoring import CoPE, ScoringOptions, _explicit_attention, init_scoring
+from .options import unknown_keyword
 
 __all__ = ["Attend"]
 
@@ -66,6 +67,7 @@ class Attend(nn.Module):
             sequence of packed documents, each query seeing the keys of its own document (a block-diagonal mask on
             safeformer's kernels; x-transformers needs the flash-attn package on CUDA).
         backend: ``attend``'s backend (``"auto"``).
+        **scoring: the other fields of the scoring family (``attention_scoring.ScoringOptions``).
     """
 
     def __init__(self, *, dropout: float = 0.0, causal: bool = False, heads: int | None = None,
@@ -78,7 +80,7 @@ class Attend(nn.Module):
                  logit_softclamp_value: float = 50.0, add_zero_kv: bool = False, head_learned_sink: bool = False,
                  selective: bool = False, hard: bool = False, cope: nn.Module | None = None, onnxable: bool = False,
                  inverted_attention: bool = False, sdp_kwargs: dict | None = None, flash_pack_seq: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", **scoring):
         super().__init__()
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
@@ -103,7 +105,11 @@ class Attend(nn.Module):
             raise TypeError(f"flash_pack_seq must be True or False, got {flash_pack_seq!r}")
         self.flash_pack_seq = flash_pack_seq
         given = locals()
-        init_scoring(self, ScoringOptions(**{n: given[n] for n in ScoringOptions.names()}), causal, heads)
+        for key in scoring:  # the scoring family's other fields (safeformer's own options) are keywords too
+            if key not in ScoringOptions.names():
+                raise unknown_keyword("Attend", key, [*ScoringOptions.names(), *given])
+        init_scoring(self, ScoringOptions(**{n: given[n] for n in ScoringOptions.names() if n in given}, **scoring),
+                     causal, heads)
         self.sdpa_allowed = sdpa_allowed_from_kwargs(_SDP_DEFAULT if sdp_kwargs is None else sdp_kwargs,
                                                      "sdp_kwargs (attend_sdp_kwargs)")
         self.dropout = float(dropout)
@@ -120,10 +126,8 @@ class Attend(nn.Module):
     @property
     def explicit(self) -> bool:
         """Whether a call runs the explicit float32 path (a scoring option no fused kernel has)."""
-        return bool(self.score != "softmax" or self.cog_signed or self.inverted or self.selective
-                    or self.sparse_topk is not None or self.cope is not None or self.softclamp_value is not None
-                    or self.pre_softmax_talking_heads is not None or self.post_softmax_talking_heads is not None
-                    or self.pre_scale_post_talking_heads is not None or self.l2_distance)
+        return bool(self.options_explicit or self.cope is not None or self.softclamp_value is not None
+                    or self.l2_distance)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, attn_bias: Tensor | None = None,
                 prev_attn: Tensor | None = None, attn_delta: Tensor | None = None, row_mask: Tensor | None = None,
