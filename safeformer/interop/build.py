@@ -186,8 +186,11 @@ def _copy_wrapper_weights(c: _Copier, plan: _Plan, sf: TransformerWrapper) -> No
 
 
 def _copy_stack_positions(c: _Copier, plan: _Plan, sf: TransformerWrapper, lay: _Layout) -> None:
-    """The stack's relative position parameters (T5 bias, dynamic bias, PoPE), per query head."""
+    """The stack's relative position parameters (T5 bias, dynamic bias, PoPE), per query head, and the rotary and
+    PoPE frequencies (their ``inv_freq`` buffers, which the angles read) as they are."""
     layers, put, take, perm = plan.model.attn_layers, c.put, c.take, lay.perm
+    if plan.stack_kwargs.get("rotary_pos_emb"):
+        put(sf.attn_layers.rotary_pos_emb.inv_freq, layers.rotary_pos_emb.inv_freq.detach())
     if plan.stack_kwargs.get("rel_pos_bias"):  # Embedding(num_buckets, h): per query head
         put(sf.attn_layers.rel_pos.relative_attention_bias.weight,
             take(layers.rel_pos.relative_attention_bias.weight)[:, perm])
@@ -196,8 +199,9 @@ def _copy_stack_positions(c: _Copier, plan: _Plan, sf: TransformerWrapper, lay: 
         for (name, p_dst), (_, p_src) in zip(dst.named_parameters(), src.named_parameters()):
             last = name.startswith(f"mlp.{len(dst.mlp) - 1}.")
             put(p_dst, take(p_src)[perm] if last else take(p_src))
-    if plan.stack_kwargs.get("polar_pos_emb"):  # (h, 1, d): per query head
+    if plan.stack_kwargs.get("polar_pos_emb"):  # (h, 1, d): per query head; the frequencies (a buffer) as they are
         put(sf.attn_layers.polar_pos_emb.learned_bias, take(layers.polar_pos_emb.learned_bias)[perm])
+        put(sf.attn_layers.polar_pos_emb.inv_freq, layers.polar_pos_emb.inv_freq.detach())
 
 
 def _copy_wrapper_extras(c: _Copier, plan: _Plan, sf: TransformerWrapper) -> None:

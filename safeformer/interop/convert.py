@@ -37,8 +37,9 @@ How the numbers are matched (x-transformers 2.x, read from its source):
   their unit offsets folded in). An attention without an output projection (one head) gets the identity. A tied embedding (``logits = h @ E.T * tie_embedding_scale``) stays tied
   (``tie_embedding=True`` with the same ``tie_embedding_scale``): same parameters, same count.
 - Positions. Both count positions from 0 and scale a learned absolute embedding by ``c ** -0.5``;
-  rotary positions rotate interleaved pairs of the first ``rotary_emb_dim`` features per head with
-  base 10000. x-transformers numbers positions ``0..n-1`` whatever the mask; safeformer counts real
+  rotary positions rotate interleaved pairs of the first ``rotary_emb_dim`` features per head; the rotary and
+  PoPE frequencies (their ``inv_freq`` buffers: any base, edited values) are copied as they are, the rotary
+  base also read back into ``rotary_theta``. x-transformers numbers positions ``0..n-1`` whatever the mask; safeformer counts real
   tokens (so left padding does not shift positions). The two agree at every real position when
   padding is on the right.
 - ALiBi. Both add ``-slope_h * |i - j|`` to the scaled logits of self-attention, with the same

@@ -280,12 +280,12 @@ def _relative_bias_options(layers, rel_pos, alibi: bool, xt, problems: _Problems
 
 
 def _check_polar(polar, problems: _Problems, has_abs: bool) -> None:
-    """PoPE (``polar_pos_emb``): its base must be 10000 and no absolute positions beside it."""
-    if polar is not None:  # PoPE: its learned per-head key bias is copied (query heads permuted) by _build_wrapper
-        dim_head = polar.inv_freq.numel()
-        want = 1.0 / (10000.0 ** (torch.arange(0, dim_head, dtype=torch.float64) / dim_head))
-        if not torch.allclose(polar.inv_freq.detach().double().cpu(), want, rtol=1e-6, atol=0):
-            problems.add("polar_pos_emb with a base other than 10000")
+    """PoPE (``polar_pos_emb``): finite frequencies and no absolute positions beside it. Its learned per-head key
+    bias (query heads permuted) and its ``inv_freq`` buffer (any base, or edited frequencies) are copied by
+    ``_build_wrapper``."""
+    if polar is not None:
+        if not torch.isfinite(polar.inv_freq.detach()).all():
+            problems.add("polar_pos_emb with non-finite frequencies (inv_freq)")
         if has_abs:
             problems.add("polar_pos_emb with the absolute position embedding (disable_abs_pos_emb=False): safeformer "
                          "drops it next to relative positions")
@@ -304,12 +304,12 @@ def _rotary_options(rotary, problems: _Problems, has_abs: bool) -> tuple[int | N
             rotary_opts["rotary_interpolation_factor"] = interp
         # the base (rotary_base_rescale_factor folded in) read back from the frequencies: inv_freq[1] = base^(-2/d)
         inv = rotary.inv_freq.detach().double().cpu()
-        base = float(inv[1] ** (-rotary_dim / 2)) if rotary_dim > 2 else 10000.0
-        if not math.isclose(base, 10000.0, rel_tol=1e-6):
+        # (frequencies that are no geometric series of one base, edited ones, are copied as they are: _build_wrapper)
+        base = float(inv[1] ** (-rotary_dim / 2)) if rotary_dim > 2 and float(inv[1]) > 0 else 10000.0
+        if not torch.isfinite(inv).all() or not math.isfinite(base) or base <= 0:
+            problems.add("rotary frequencies (inv_freq) that are not finite")
+        elif not math.isclose(base, 10000.0, rel_tol=1e-6):
             rotary_opts["rotary_theta"] = base
-        expected = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-        if not torch.allclose(inv, expected, rtol=1e-6, atol=0):
-            problems.add("rotary frequencies that are not a geometric series of one base")
         if has_abs:
             problems.add("absolute and rotary positions together (disable_abs_pos_emb=False with rotary)")
     return rotary_dim, rotary_opts

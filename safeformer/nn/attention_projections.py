@@ -99,7 +99,8 @@ def init_norms(attn: AttentionModule, o: NormOptions, dim: int, heads: int, kv_h
     Args (``Attention``'s keywords, x-transformers' meanings):
         qk_norm: L2-normalise queries and keys per head (per group of ``dim_head / qk_norm_groups`` features), the
             logits scaled by ``qk_norm_scale`` (default 10) instead of ``dim_head ** -0.5``.
-        qk_norm_eps: the L2 norm's floor (default 1e-12, x-transformers' ``F.normalize``).
+        qk_norm_eps: the L2 norm's floor (default 1e-12, x-transformers' ``F.normalize``); also the RMS norms'
+            epsilon (default 1e-12 after ``qk_norm``, whose output is already L2-normalised; 1e-6 without).
         qk_norm_dim_scale: learned per-head, per-feature scales ``qk_norm_q_scale (h, 1, d)`` /
             ``qk_norm_k_scale (h_kv, 1, d)``, ``d ** 0.25`` at init, and the ordinary ``dim_head ** -0.5`` logit
             scale; needs ``qk_norm``.
@@ -114,7 +115,7 @@ def init_norms(attn: AttentionModule, o: NormOptions, dim: int, heads: int, kv_h
     """
     if o.qk_rmsnorm and o.k_rmsnorm:
         raise ValueError("choose one of qk_rmsnorm and k_rmsnorm (qk_rmsnorm norms the keys too)")
-    rms_eps = 1e-6 if o.qk_norm_eps is None else o.qk_norm_eps
+    rms_eps = (1e-12 if o.qk_norm else 1e-6) if o.qk_norm_eps is None else o.qk_norm_eps
     attn.q_rmsnorm = HeadRMSNorm(heads, dim_head, eps=rms_eps, unit_offset=True) if o.qk_rmsnorm else None
     attn.k_rmsnorm = HeadRMSNorm(kv_heads, dim_head, eps=rms_eps, unit_offset=True) if o.qk_rmsnorm or o.k_rmsnorm \
         else None

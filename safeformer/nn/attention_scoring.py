@@ -255,6 +255,9 @@ def explicit_call(attn: AttentionModule, q: Tensor, k: Tensor, v: Tensor, mask, 
             and prev_attn.dim() == 4 and prev_attn.shape[0] in (1, q.shape[0]) and prev_attn.shape[2] == q.shape[2] \
             and prev_attn.device == q.device:  # (the checks themselves are _explicit_logits')
         prev_attn = torch.where(self_pad[:, None, :, None], prev_attn, 0.0)
+    if attn.head_attn_sink is not None and isinstance(prev_attn, Tensor) and prev_attn.dim() == 4 \
+            and prev_attn.shape[-1] == k.shape[2] - 1:  # the logits handed on leave the sink's column out (below):
+        prev_attn = F.pad(prev_attn, (1, 0))  # the sink's logit is this attention's own, never the one before
     if attn.inverted and self_pad is not None:  # a padded query takes no share of a key's weights over the queries
         m = mask.combined if isinstance(mask, PreparedMask) else mask
         rows = self_pad[:, None, :, None]

@@ -756,7 +756,8 @@ class RotaryEmbedding(nn.Module):
     ``scale ** -1``, so a logit decays as ``s ** ((t_i - t_j) / scale_base)``: the center cancels). Angles and
     scales are computed in float32 (float64 for float64 positions requested through ``angles``), never lower (S7).
 
-    ``theta`` is safeformer's name for ``base``.
+    ``theta`` is safeformer's name for ``base``. The angles read the persistent ``inv_freq`` buffer (x-transformers'
+    state, ``frequencies``), so a loaded checkpoint's frequencies (a rescaled base, edited values) are the ones used.
     """
 
     def __init__(self, dim: int, use_xpos: bool = False, scale_base: float = 512, interpolation_factor: float = 1.0,
@@ -783,9 +784,9 @@ class RotaryEmbedding(nn.Module):
             base = base * base_rescale_factor ** (dim / (dim - 2))
         self.dim, self.theta = dim, float(base)
         self.interpolation_factor = float(interpolation_factor)
-        # x-transformers' persistent buffers (its state-dict keys); the angles are computed from theta, in float32
-        # or wider, whatever dtype these were cast to
-        self.register_buffer("inv_freq", 1.0 / (self.theta ** (torch.arange(0, dim, 2).float() / dim)))
+        # x-transformers' persistent buffers (its state-dict keys); the angles read inv_freq (``frequencies``), in
+        # float32 or wider whatever dtype it was cast to
+        self.register_buffer("inv_freq", _rotary_inv_freq(dim, self.theta, torch.float32))
         self.register_buffer("scale", (torch.arange(0, dim, 2) + 0.4 * dim) / (1.4 * dim) if use_xpos else None)
         self._register_load_state_dict_pre_hook(_own_buffers_if_missing, with_module=True)
 
@@ -793,12 +794,26 @@ class RotaryEmbedding(nn.Module):
         """``positions (b, n)`` -> angles ``(b, 1, n, dim)`` in ``dtype`` (float32, or float64 for a
         float64 model); never lower, whatever dtype the module's buffers were cast to. What the stack uses."""
         dtype = torch.promote_types(dtype, torch.float32)
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, device=positions.device, dtype=dtype) / self.dim))
-        freqs = positions.to(dtype)[..., None] * inv_freq  # (b, n, dim/2)
+        freqs = positions.to(dtype)[..., None] * self.frequencies(dtype).to(positions.device)  # (b, n, dim/2)
         if self.interpolation_factor != 1.0:
             freqs = freqs / self.interpolation_factor
         freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # (b, n, dim)
         return freqs[:, None]
+
+    def frequencies(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The ``inv_freq (dim/2,)`` buffer's frequencies in ``dtype`` (float32 or wider), what the angles use: a
+        checkpoint's edited frequencies (a rescaled base) count, as in x-transformers. Where the buffer holds the
+        constructor's value (``theta ** (-2k / dim)``: equal to within the rounding of the buffer's dtype, at least
+        two float32 ulps, as computed on another device) that value is computed in ``dtype`` itself, so a float64
+        model keeps float64 angles and a buffer cast below float32 (``.half()``) still gives float32 ones (S7);
+        selected per element, no host sync."""
+        dtype = torch.promote_types(dtype, torch.float32)
+        buf = self.inv_freq
+        exact = _rotary_inv_freq(self.dim, self.theta, dtype, buf.device)
+        made = exact if dtype == torch.float32 else _rotary_inv_freq(self.dim, self.theta, torch.float32, buf.device)
+        tol = max(torch.finfo(buf.dtype).eps, 2.0**-22)
+        same = (buf.to(torch.float32) - made).abs() <= made * tol
+        return torch.where(same, exact, buf.to(dtype))
 
     def xpos_scale(self, positions: Tensor, dtype: torch.dtype = torch.float32, per_sample: bool = True) -> Tensor:
         """xpos' query scales ``(b|1, 1, n, dim)`` for ``positions (b|1, n)``: ``s ** ((t - c) / scale_base)`` with
@@ -828,6 +843,11 @@ class RotaryEmbedding(nn.Module):
     def forward_from_seq_len(self, seq_len: int):
         """``forward(arange(seq_len))``: ``(freqs (1, seq_len, dim), 1.)``."""
         return self.forward(torch.arange(seq_len))
+
+
+def _rotary_inv_freq(dim: int, theta: float, dtype: torch.dtype, device=None) -> Tensor:
+    """Rotary frequencies ``theta ** (-2k / dim)``, ``k < dim / 2``, computed in ``dtype`` (x-transformers' formula)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=dtype) / dim))
 
 
 def _own_buffers_if_missing(module: nn.Module, state_dict, prefix, *_args) -> None:
