@@ -162,6 +162,66 @@ def test_fast_plan_equals_the_seams_bit_for_bit(name, layer_kw, input_kw, dtype)
     assert all(p.plain_q for p, k in zip(plan, kinds) if k == "cross" and p is not None), name
 
 
+FLAT_CONFIGS = [
+    ("rotary, cross, dropped context", dict(rotary_pos_emb=True, cross_attend=True, attn_bias=True),
+     dict(context=J, dead_context=True)),
+    ("alibi, left padding", dict(alibi_pos_bias=True), dict(left_pad=True)),
+    ("adaptive norms and layerscale", dict(rotary_pos_emb=True, use_adaptive_layernorm=True, use_adaptive_layerscale=True,
+                                           dim_condition=8), dict(condition=True)),
+    ("macaron, sandwich norm, geglu, layerscale", dict(rotary_pos_emb=True, macaron=True, sandwich_norm=True, ff_glu=True,
+                                                       use_layerscale=True), dict(left_pad=True)),
+    ("rmsnorm (its own call), silu ff", dict(rotary_pos_emb=True, use_rmsnorm=True, ff_swish=True), dict()),
+    ("repeated blocks", dict(rotary_pos_emb=True, cross_attend=True, layers_execute_order=(1, 0, 1, 2)), dict(context=J)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name,layer_kw,input_kw", FLAT_CONFIGS, ids=[c[0] for c in FLAT_CONFIGS])
+def test_flat_program_equals_the_block_loop_bit_for_bit(name, layer_kw, input_kw, dtype):
+    """A net without hooks whose blocks share nothing but the stream runs the step as one flat program (``program``:
+    the norms, attention steps, feed-forward functions and residual adds without the per-block dispatch): the same
+    bits as the general block loop, and the dynamic cache's logits; the final norm's kept gain too."""
+    net = _net(**dict(layer_kw)).to(dtype)
+    prompts, kw = _inputs(**input_kw)
+    kw = _cast(kw, dtype)
+    feed = torch.randint(0, V, (prompts.shape[0], 4), generator=torch.Generator().manual_seed(5))
+    outs = {}
+    with torch.no_grad():
+        for flat in (True, False):
+            _, cache = net(prompts, return_cache=True, **kw)
+            static = build_static_cache(net, cache, cache.length + 4)
+            assert static.program is not None, name
+            if not flat:
+                static.program = static.final_norm = None
+            outs[flat] = torch.stack([net(feed[:, t:t + 1], cache=static)[:, -1] for t in range(4)], 1)
+            assert static.reads_positions == ("alibi" in name)
+    assert torch.isfinite(outs[True]).all()
+    assert torch.equal(outs[True], outs[False]), name
+    if dtype == torch.float64:  # (the same fed tokens: _dynamic_and_static draws them with the same seed)
+        dyn, _ = _dynamic_and_static(net, prompts, kw, steps=4)
+        assert float((outs[True] - dyn).abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("option", [dict(residual_attn=True), dict(num_residual_streams=2), dict(add_value_residual=True)],
+                         ids=["residual attention", "hyper-connections", "value residual"])
+def test_options_threading_state_between_blocks_keep_the_block_loop(option):
+    """Residual attention's logits, the residual streams and a value residual pass from block to block: no flat program
+    (the general loop runs them); a net with a forward hook gets no plan at all."""
+    net = _net(rotary_pos_emb=True, **option)
+    prompts, _ = _inputs()
+    with torch.no_grad():
+        _, cache = net(prompts, return_cache=True)
+        assert build_static_cache(net, cache, cache.length + 1).program is None
+        plain = _net(rotary_pos_emb=True)
+        _, cache = plain(prompts, return_cache=True)
+        handle = plain.attn_layers.final_norm.register_forward_hook(lambda *a: None)
+        try:
+            static = build_static_cache(plain, cache, cache.length + 1)
+        finally:
+            handle.remove()
+        assert static.program is None and static.block_plans is None and static.final_norm is None
+
+
 def test_fast_plan_keeps_latent_projections_on_the_seams():
     net = _net(rotary_pos_emb=True, attn_use_latent_q=True, attn_dim_latent_q=16)
     prompts, kw = _inputs()
@@ -311,6 +371,38 @@ def test_continuous_generation_static_equals_dynamic(monkeypatch):
     dynamic = model.generate(start, 6, mask=mask, context=ctx, context_mask=cm, cond_scale=2.0)
     hp.assert_close(static, dynamic, "continuous values, static vs dynamic")
     assert float((static - dynamic).abs().max()) < 1e-5
+
+
+def test_probabilistic_continuous_head_runs_on_the_step():
+    """x-transformers' probabilistic head (``probabilistic=True``): the step reads it out as the forward does,
+    ``stack((mean, variance)) (2, B, 1, d)``, the dynamic cache's values (float64, 1e-10) with left-padded inputs, a
+    padded context and NaN planted in the padded input rows; ``StaticStep`` returns the new position ``(2, B, d)``."""
+    torch.manual_seed(0)
+    net = sf.ContinuousTransformerWrapper(dim_in=5, dim_out=5, max_seq_len=32, probabilistic=True, attn_layers=sf.Decoder(
+        dim=DIM, depth=2, heads=4, dim_head=8, rotary_pos_emb=True, cross_attend=True)).double().eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert static_reason(net) is None
+    g = torch.Generator().manual_seed(2)
+    start = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[True] * 4, [False, False, True, True], [False, True, True, True]])
+    start[~mask] = math.nan
+    ctx = torch.randn(3, J, DIM, generator=g, dtype=torch.float64)
+    cm = torch.tensor([[True, True, False], [False] * 3, [True, False, False]])
+    feed = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        out, cache = net(start, mask=mask, context=ctx, context_mask=cm, return_cache=True)
+        assert out.shape == (2, 3, 4, 5)
+        dyn, c = [], cache
+        for t in range(4):
+            o, c = net(feed[:, t:t + 1], cache=c, return_cache=True)
+            dyn.append(o[:, :, -1])
+        step = StaticStep(net, cache, cache.length + 4)
+        stat = [step.step(feed[:, t:t + 1]) for t in range(4)]
+    dyn, stat = torch.stack(dyn, 2), torch.stack(stat, 2)
+    assert stat.shape == (2, 3, 4, 5) and torch.isfinite(stat).all() and bool((stat[1] > 0).all())
+    assert float((stat - dyn).abs().max()) < 1e-10
 
 
 @pytest.mark.parametrize("option", [dict(attn_hybrid_module=torch.nn.GRU(DIM, DIM, batch_first=True))], ids=["hybrid module"])

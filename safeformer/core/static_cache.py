@@ -44,7 +44,8 @@ class StaticKVCache:
         length: slots written so far (a host integer: every sample writes the same slot).
         padded: whether any slot before ``length`` is padding (the eager step then passes ``valid`` as a mask).
         fixed: every step runs on fixed shapes (see the module docstring); ``slot`` its 0-d slot tensor.
-        rotary: the rotary tables of every position ``[0, L]`` (``nn.attention_step.rotary_tables``), or ``None``.
+        rotary: the rotary tables of every position ``[0, L]`` (``nn.attention_step.rotary_tables``), shaped
+            ``(L + 1, 1, 1, .)`` so that a step's ``index_select`` at the positions is its rotation, or ``None``.
         dtype: the stack's hidden-state dtype (what a step's input must have: continuous wrappers' values are cast).
         position_table: ``dynamic_pos_bias``' MLP at every distance the cache can hold (``DynamicPositionBias.table``),
             or ``None`` (no such bias, or computed per step: a net with forward hooks).
@@ -58,6 +59,14 @@ class StaticKVCache:
             ``Residual`` unscaled, no hooks), ``None`` with forward hooks.
         runs: the blocks each step runs, in order (their indices; ``weight_tie_layers`` / ``layers_execute_order`` run
             some more than once, each run with its own slots).
+        reads_positions: some part of the step reads ``positions`` (ALiBi, a relative position bias, a window, an
+            attention option): each step then writes the new slot's position; otherwise ``positions`` keeps the
+            prefill's.
+        final_norm: the stack's final norm as ``F.layer_norm``'s arguments (a float32 ``LayerNorm``, its gain kept
+            once), or ``None`` (its own call); only with ``block_plans``.
+        program: the flat per-run program of a net without hooks whose blocks share nothing but the stream (no
+            residual routing, residual attention, value residual, ``ff_deep_embed``, separate q/k/v inputs): one
+            entry per block run (``decode_step._Run``), or ``None`` (the general loop).
     """
 
     layers: list
@@ -77,6 +86,9 @@ class StaticKVCache:
     block_plans: list | None = None
     plain_residual: list | None = None
     runs: tuple = ()
+    reads_positions: bool = True
+    final_norm: tuple | None = None
+    program: tuple | None = None
     _spare: list | None = field(default=None, repr=False)
 
     @property

@@ -69,16 +69,16 @@ class StaticStep:
                                      **compile_options(self.cache.count.device, compile_mode))
 
     def step(self, new: Tensor) -> Tensor:
-        """The output ``(B, ...)`` (logits, or values) for the position after the cache, ``new (B, 1, ...)`` being
-        written at the next slot. Raises ``ValueError`` when the cache is full."""
+        """The output ``(B, ...)`` (logits, or values; a probabilistic head's ``(2, B, d)``) for the position after the
+        cache, ``new (B, 1, ...)`` being written at the next slot. Raises ``ValueError`` when the cache is full."""
         c = self.cache
         if not self.compiled:
-            return self._fn(new, cache=c)[:, -1]
+            return self._fn(new, cache=c).select(-2, -1)  # (a probabilistic head's (2, B, 1, d): its new position too)
         if c.length >= c.capacity:
             raise ValueError(f"the static cache is full ({c.capacity} slots)")
         out = self._fn(new, cache=c)  # the compiled forward advances the slot tensor, not the host count
         c.length += 1
-        return out[:, -1]
+        return out.select(-2, -1)
 
     def select(self, index: Tensor) -> None:
         """Keep (repeat, reorder) the samples ``index (B',)`` (beam search)."""

@@ -32,7 +32,7 @@ from ..core import attend as _attend_module
 from ..core.attend import from_kernel_heads, to_kernel_heads
 
 __all__ = ["StepInputs", "SelfSlots", "ContextSlots", "AttentionStep", "StepPlan", "step_plan", "self_slots",
-           "context_slots", "attention_step", "rotary_tables", "rotate"]
+           "context_slots", "attention_step", "self_step", "cross_step", "rotary_tables", "rotate"]
 
 
 class StepInputs(NamedTuple):
@@ -79,7 +79,10 @@ class StepPlan:
     options run on the explicit path (``attention_scoring.explicit_call``: softclamped logits, another score, sparse
     top-k, talking heads, ...), over the slots as over any keys (they are per-query: the new query's row is what the
     whole sequence's forward computes for it). ``own_qkv``: the attention projects and rotates with its own
-    ``project_qkv`` (rotary on some heads only, latent rope sub-heads, PoPE, a value residual), given ``angles``."""
+    ``project_qkv`` (rotary on some heads only, latent rope sub-heads, PoPE, a value residual), given ``angles``.
+    ``q_proj`` / ``out_proj``: the plain query / output projection's ``(weight, bias)`` (the parameters themselves,
+    read once: no module attribute lookup per step), with ``plain_q`` / ``plain_out``; ``q_normed``: a query norm
+    runs after the plain query projection (``norm_q``; otherwise it is the identity and is not called)."""
 
     fused: tuple | None = None
     plain_q: bool = False
@@ -88,6 +91,9 @@ class StepPlan:
     own_qkv: bool = False
     options: bool = False  # any of: extra keys, l2 distance, a window, the projected position bias
     gqa: bool = False  # fewer key/value heads than query heads
+    q_proj: tuple | None = None
+    out_proj: tuple | None = None
+    q_normed: bool = True
 
 
 @dataclass
@@ -156,9 +162,11 @@ def step_plan(attn, kind: str, fast: bool, value_residual: bool = False) -> Step
     plain_out = (attn.to_v_head_gate is None and attn.to_v_gate is None and attn.to_output_gate is None
                  and attn.head_scale_params is None and (attn.sublayer_dropout is None or not attn.training)
                  and type(attn.to_out) is nn.Linear)
+    common["out_proj"] = (attn.to_out.weight, attn.to_out.bias) if plain_out else None
     if kind == "cross":
-        return StepPlan(plain_q=attn.to_latent_q is None and type(attn.to_q) is nn.Linear, plain_out=plain_out,
-                        **common)
+        plain_q = attn.to_latent_q is None and type(attn.to_q) is nn.Linear
+        return StepPlan(plain_q=plain_q, plain_out=plain_out, q_proj=(attn.to_q.weight, attn.to_q.bias) if plain_q
+                        else None, q_normed=bool(attn.qk_normed), **common)
     return StepPlan(fused=_fused_qkv(attn), plain_out=plain_out, **common)
 
 
@@ -219,12 +227,14 @@ def attention_step(attn, h: Tensor, step: AttentionStep, kv_input: tuple | None 
     (``residual_attn``): then ``(out, logits)`` are returned, the logits ``(B, h, 1, n)`` for the next."""
     slots, inputs = step
     kernel = _attend_module._kernel  # read per call: tests substitute a misbehaving kernel
-    if isinstance(slots, SelfSlots):
-        return _self_step(attn, slots, h, inputs, kernel, kv_input, prev_attn)
-    return _cross_step(attn, slots, h, kernel, prev_attn)
+    if type(slots) is SelfSlots:
+        return self_step(attn, slots, h, inputs, kernel, kv_input, prev_attn)
+    return cross_step(attn, slots, h, kernel, prev_attn)
 
 
-def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_input=None, prev_attn=None):
+def self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_input=None, prev_attn=None):
+    """``attention_step`` of a self-attention block on its slots ``s`` (``kernel``: the fused kernel, read once per
+    step by the caller): what the stack's step calls directly for a net without hooks."""
     slot, rot = inputs.slot, inputs.rot
     if s.plan.fused is not None and kv_input is None and inputs.planned:
         q, k, v = _project_fused(attn, s.plan.fused, h, rot)
@@ -264,20 +274,22 @@ def _self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_inp
     else:
         q, mask_h, _ = to_kernel_heads(attn, q, self_mask)  # x-transformers' tiled kv heads: interleaved
         out = from_kernel_heads(attn, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=plan.gqa))
-    if s.plan.plain_out:
-        out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
+    if plan.out_proj is not None:
+        out = F.linear(out.transpose(1, 2).flatten(-2), *plan.out_proj)
     else:
         out = attn._output(out.transpose(1, 2), h)
     return out if prev_attn is None else (out, logits)
 
 
-def _cross_step(attn, s: ContextSlots, h: Tensor, kernel, prev_attn=None):
-    if s.plan.plain_q:
-        q = F.linear(h, attn.to_q.weight, attn.to_q.bias).unflatten(-1, (attn.heads, attn.dim_head))
-        q = attn.norm_q(q).transpose(1, 2)
+def cross_step(attn, s: ContextSlots, h: Tensor, kernel, prev_attn=None):
+    """``attention_step`` of a cross-attention block over its context slots ``s``."""
+    plan = s.plan
+    if plan.q_proj is not None:
+        q = F.linear(h, *plan.q_proj).unflatten(-1, (attn.heads, attn.dim_head))
+        q = (attn.norm_q(q) if plan.q_normed else q).transpose(1, 2)
     else:
         q = attn._project_q(h).transpose(1, 2)
-    keys, values, mask, plan = s.keys, s.values, s.mask, s.plan
+    keys, values, mask = s.keys, s.values, s.mask
     if plan.options and attn.extra_keys:
         keys, values, mask = _with_extra(attn, keys, values, mask, h)
     logits = None
@@ -290,11 +302,12 @@ def _cross_step(attn, s: ContextSlots, h: Tensor, kernel, prev_attn=None):
         out = from_kernel_heads(attn, kernel(q, keys, values, attn_mask=mask_h, enable_gqa=plan.gqa))
     if s.live is not None:  # a sample with no context key: exactly 0 (after a bias too)
         out = torch.where(s.live[..., None], out, 0.0)
-    rows_ok = None if s.live is None or attn.out_bias is None else s.live[:, :, 0]  # (only with a dropped context)
-    if s.plan.plain_out:
-        out = F.linear(out.transpose(1, 2).flatten(-2), attn.to_out.weight, attn.to_out.bias)
-        out = out if rows_ok is None else torch.where(rows_ok[..., None], out, 0.0)
+    if plan.out_proj is not None:
+        weight, bias = plan.out_proj
+        out = F.linear(out.transpose(1, 2).flatten(-2), weight, bias)
+        out = out if s.live is None or bias is None else torch.where(s.live[:, :, 0, None], out, 0.0)
     else:
+        rows_ok = None if s.live is None or attn.out_bias is None else s.live[:, :, 0]  # (only with a dropped context)
         out = attn._output(out.transpose(1, 2), h, None, rows_ok)
     if prev_attn is None:
         return out

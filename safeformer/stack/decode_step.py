@@ -19,23 +19,36 @@ name, ``check_step_call``; no value is read back to the host: a token id's range
 the door checks of the prompt, the conditions and the cache ran once, at the prefill and when the cache was built.
 
 ``step_refusal(net)`` (``decoding.static.static_reason``) says why a net cannot decode this way (the engine then
-uses the dynamic cache): a hybrid module's recurrent state, a looped or probabilistic wrapper, logits wider than the
-vocabulary, test-time-trained modules.
+uses the dynamic cache): a hybrid module's recurrent state, a looped wrapper, logits wider than the vocabulary,
+test-time-trained modules. A probabilistic continuous wrapper runs on the step: its output is the forward's,
+``stack((mean, variance)) (2, B, 1, d)``.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
+import operator
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..core import attend as _attend_module
 from ..core.cache import KVCache
 from ..core.static_cache import StaticKVCache
-from ..nn.attention_step import AttentionStep, StepInputs, attention_step, context_slots, rotary_tables, self_slots
+from ..nn.attention_step import (
+    AttentionStep,
+    StepInputs,
+    attention_step,
+    context_slots,
+    cross_step,
+    rotary_tables,
+    self_slots,
+    self_step,
+)
 from ..nn.block import apply_norm, residual_update
 from ..nn.modules import LayerNorm
 from ..nn.relative_position import RelativePositionBias
@@ -48,7 +61,6 @@ __all__ = ["build_static_cache", "step_refusal", "stack_step", "wrapper_step", "
 def _wrapper_refusal(net) -> str | None:
     custom = [name for name, on in (("recycling", getattr(net, "recycling", False)),
                                     ("squeeze_out_last_dim", getattr(net, "squeeze_out_last_dim", False)),
-                                    ("a probabilistic head", getattr(net, "probabilistic", False)),
                                     ("looped=True (the stack runs several times, with early exit)",
                                      getattr(net, "looped", False)),
                                     ("num_output_heads > 1", getattr(net, "num_output_heads", 1) > 1),
@@ -159,42 +171,68 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
     if stack.rotary is not None:  # cos/sin of every position the generation may reach
         dim_head = next(blk.mixer.dim_head for blk in stack.layers if blk.kind != "ff")
         rotary = rotary_tables(stack.rotary, dim_head, capacity, ref.dtype, device, fixed=fixed)
+        # shaped (L + 1, 1, 1, .) once: a step's index_select at the positions is its rotation (B, 1, 1, .)
+        rotary = (rotary[0][:, None, None], rotary[1][:, None, None], rotary[2]) if fixed else rotary[:, None, None]
     slot = torch.full((), p, dtype=torch.long, device=device) if fixed else None
     table = None  # dynamic_pos_bias: its MLP at every distance up to the capacity, once (not with hooks: shards)
     if stack.rel_pos is not None and not isinstance(stack.rel_pos, RelativePositionBias) and fast:
         with torch.no_grad():
             table = stack.rel_pos.table(capacity + 1, device)
-    own = any(getattr(getattr(sl, "plan", None), "own_qkv", False) for sl in layers)
-    blocks = [stack.layers[i] for i in runs]
-    block_plans = [_block_plan(stack.layers[i], ref.dtype, views[i]) for i in runs] if fast else None
-    plain = [type(blk.residual) is Residual and blk.residual.residual_scale is None
-             and blk.residual.scale_residual_constant == 1 for blk in blocks] if fast else None
-    return StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
-                         fixed, slot, rotary, ref.dtype, table, own, block_plans, plain, runs)
+    plans = [getattr(sl, "plan", None) for sl in layers]
+    own = any(getattr(pl, "own_qkv", False) for pl in plans)
+    reads_positions = (stack.alibi_slopes is not None or stack.rel_pos is not None
+                       or any(getattr(pl, "options", False) for pl in plans))
+    static = StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
+                           fixed, slot, rotary, ref.dtype, table, own, runs=runs, reads_positions=reads_positions)
+    if fast:
+        _plan_blocks(net, static, views)
+    return static
+
+
+def _plan_blocks(net, c: StaticKVCache, views: list) -> None:
+    """A net without hooks: how each block run goes without the module calls (``block_plans``, ``plain_residual``,
+    the final norm's ``F.layer_norm`` arguments) and, where no option threads anything from block to block, the
+    step's flat program (``program``: one ``_Run`` per block run)."""
+    stack = net.attn_layers
+    blocks = [stack.layers[i] for i in c.runs]
+    c.block_plans = [_block_plan(stack.layers[i], c.dtype, views[i]) for i in c.runs]
+    c.plain_residual = [type(blk.residual) is Residual and blk.residual.residual_scale is None
+                        and blk.residual.scale_residual_constant == 1 for blk in blocks]
+    c.final_norm = _layer_norm_args(stack.final_norm, c.dtype)
+    flat = (stack.routing is None and not stack.residual_attn and not stack.cross_residual_attn
+            and not stack.add_value_residual and getattr(net, "ff_deep_embed", None) is None
+            and all(bp is not None for bp in c.block_plans))
+    if flat:
+        c.program = tuple(_Run(_KINDS[blk.kind], blk, blk.mixer, bp.norm, _ff_functions(bp.ff), bp.finish, plain,
+                               blk.residual)
+                          for blk, bp, plain in zip(blocks, c.block_plans, c.plain_residual))
 
 
 def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
     """The step's self-attention mask (an ALiBi bias in it), the key slots it reads and the rotation at each sample's
-    position, the new slot marked valid."""
+    position, the new slot marked valid (and its position written, where a part of the step reads positions)."""
+    count = c.count
     if c.fixed:
         slot = c.slot
         c.valid.index_fill_(1, slot[None], True)
         self_mask, n_keys = c.valid[:, None, None, :], c.capacity
+        if c.reads_positions:  # the new slot's position (ALiBi's and T5's distances, a window's)
+            c.positions.index_copy_(1, slot[None], count[:, None])
     else:
         slot = c.length
-        c.valid[:, slot] = True
+        c.valid.select(1, slot).fill_(True)
         n_keys = slot + 1
         self_mask = c.valid[:, None, None, :n_keys] if c.padded else None
-    rot = None
-    if isinstance(c.rotary, tuple):  # the fixed step's real tables at each sample's position
-        cos, sin, swap = c.rotary
-        rot = (cos.index_select(0, c.count)[:, None, None, :], sin.index_select(0, c.count)[:, None, None, :], swap)
-    elif c.rotary is not None:  # cis (B, 1, 1, d / 2)
-        rot = c.rotary.index_select(0, c.count)[:, None, None, :]
-    if c.fixed:  # the new slot's position (ALiBi's and T5's distances, a window's)
-        c.positions.index_copy_(1, slot[None], c.count[:, None])
-    else:
-        c.positions[:, slot] = c.count
+        if c.reads_positions:
+            c.positions.select(1, slot).copy_(count)
+    rot = c.rotary
+    if type(rot) is tuple:  # the fixed step's real tables at each sample's position
+        rot = (rot[0].index_select(0, count), rot[1].index_select(0, count), rot[2])
+    elif rot is not None:  # cis (B, 1, 1, d / 2)
+        rot = rot.index_select(0, count)
+    if not c.reads_positions:
+        return StepInputs(slot, c.fixed, self_mask, n_keys, rot, count, None, _angles(stack, c),
+                          planned=not torch.is_grad_enabled())
     positions = c.positions[:, :n_keys]
     bias = None
     if stack.alibi_slopes is not None:  # (the stack's buffer: read where it lives)
@@ -207,16 +245,22 @@ def _step_inputs(stack, c: StaticKVCache) -> StepInputs:
         bias = stack.rel_pos.bias(c.count[:, None], positions, table=table).to(c.dtype)
     if bias is not None:
         self_mask = bias if self_mask is None else bias.masked_fill(~self_mask, float("-inf"))
-    angles = None
-    if c.needs_angles:  # the position pair Attention.forward takes, at each sample's new position
-        pos = c.count[:, None]
-        if stack.polar_pos_emb is not None:
-            angles = stack.polar_pos_emb.pair(pos, c.dtype)
-        elif stack.rotary is not None:
-            a = stack.rotary.angles(pos, dtype=c.dtype)  # (B, 1, 1, d_rot)
-            angles = (a, a)
-    return StepInputs(slot, c.fixed, self_mask, n_keys, rot, c.count, positions, angles,
+    return StepInputs(slot, c.fixed, self_mask, n_keys, rot, count, positions, _angles(stack, c),
                       planned=not torch.is_grad_enabled())
+
+
+def _angles(stack, c: StaticKVCache):
+    """The position pair ``Attention.forward`` takes, at each sample's new position, for attentions that rotate with
+    their own code (``needs_angles``), or ``None``."""
+    if not c.needs_angles:
+        return None
+    pos = c.count[:, None]
+    if stack.polar_pos_emb is not None:
+        return stack.polar_pos_emb.pair(pos, c.dtype)
+    if stack.rotary is not None:
+        a = stack.rotary.angles(pos, dtype=c.dtype)  # (B, 1, 1, d_rot)
+        return a, a
+    return None
 
 
 def _room(c: StaticKVCache) -> None:
@@ -238,13 +282,50 @@ class BlockPlan(NamedTuple):
 def _block_plan(blk, dtype: torch.dtype, views: bool) -> BlockPlan | None:
     if views or blk.shifts:  # separate q/k/v inputs, token shifts: the block's own forward
         return None
-    norm = blk.norm
-    plan = None
+    ff = blk.mixer.step_plan() if blk.kind == "ff" and hasattr(blk.mixer, "step_plan") else None
+    return BlockPlan(_layer_norm_args(blk.norm, dtype), blk.gate is not None or blk.scale != 1.0
+                     or blk.norms[1] is not None, ff)
+
+
+def _layer_norm_args(norm, dtype: torch.dtype) -> tuple | None:
+    """A float32 ``LayerNorm``'s ``(shape, gain, bias, eps)`` for ``F.layer_norm`` (the gain with its unit offset
+    added once: the same bits as its forward), or ``None`` (the norm's own call)."""
     if type(norm) is LayerNorm and dtype == torch.float32 and norm.gamma.dtype == torch.float32:
         with torch.no_grad():
-            plan = (norm.normalized_shape, norm.weight.detach().clone(), norm.bias, norm.eps)
-    ff = blk.mixer.step_plan() if blk.kind == "ff" and hasattr(blk.mixer, "step_plan") else None
-    return BlockPlan(plan, blk.gate is not None or blk.scale != 1.0 or blk.norms[1] is not None, ff)
+            return norm.normalized_shape, norm.weight.detach().clone(), norm.bias, norm.eps
+    return None
+
+
+_KINDS = {"self": 1, "cross": 2, "ff": 0}
+_ACTS = {nn.GELU: lambda act: functools.partial(F.gelu, approximate=act.approximate),
+         nn.SiLU: lambda act: F.silu, nn.ReLU: lambda act: F.relu}
+
+
+def _ff_functions(ff: tuple | None) -> tuple | None:
+    """A plain feed-forward's parts ``(proj_in, act, proj_out)`` (``FeedForward.step_plan``) as what its forward
+    computes: ``(w_in, b_in, act, w_out, b_out)``, the activation a function (``nn.GELU``'s ``F.gelu`` with its
+    ``approximate``, ``F.silu``, ``F.relu``: the modules' own forward)."""
+    if ff is None:
+        return None
+    pi, act, po = ff
+    return pi.weight, pi.bias, _ACTS[type(act)](act), po.weight, po.bias
+
+
+class _Run(NamedTuple):
+    """One block run of the flat program (a net without hooks, no option threading state between blocks): its
+    kind (0 feed-forward, 1 self-, 2 cross-attention), the block and its mixer, the norm's ``F.layer_norm``
+    arguments (or ``None``: its call), a plain feed-forward's functions (``_ff_functions``, or ``None``: the
+    mixer's call), whether ``Block.finish`` runs, whether the residual is the plain ``stream + out`` and the
+    residual module (``residual_update`` otherwise)."""
+
+    kind: int
+    blk: nn.Module
+    mixer: nn.Module
+    norm: tuple | None
+    ff: tuple | None
+    finish: bool
+    plain: bool
+    residual: nn.Module
 
 
 class _Carry:
@@ -314,7 +395,54 @@ def stack_step(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None = None
         if x.device != c.count.device:
             raise ValueError(f"x is on {x.device}, the cache on {c.count.device}")
         _room(c)
+    return _run_stack(stack, x, c, ff_deep, compiling)
+
+
+def _run_stack(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None, compiling: bool) -> Tensor:
+    """``stack_step`` on an input already checked (the wrapper's step embeds it itself)."""
     inputs = _step_inputs(stack, c)
+    if c.program is not None and ff_deep is None and inputs.planned:
+        x = _flat_runs(x, c, inputs)
+    else:
+        x = _block_runs(stack, x, c, inputs, ff_deep)
+    if c.final_norm is not None and inputs.planned and x.dtype == torch.float32:
+        x = F.layer_norm(x, *c.final_norm)
+    else:
+        x = apply_norm(stack.final_norm, x, c.condition)
+    c.count.add_(1)
+    if c.fixed:
+        c.slot.add_(1)
+    if not compiling:  # a compiled step's caller advances the host count (a Python int in the graph would recompile)
+        c.length += 1
+    return x
+
+
+def _flat_runs(x: Tensor, c: StaticKVCache, inputs: StepInputs) -> Tensor:
+    """The block runs of ``c.program`` (a net without hooks, nothing threaded between blocks but the stream): the
+    parts ``_block_runs`` runs for such a net, the same calls in the same order, without its per-block dispatch."""
+    cond, kernel = c.condition, _attend_module._kernel  # (read per step: tests substitute a misbehaving kernel)
+    for (kind, blk, mixer, norm, ff, finish, plain, residual), slots in zip(c.program, c.layers):
+        if kind and slots is None:  # a cross-attention without context keys adds nothing
+            continue
+        h = F.layer_norm(x, *norm) if norm is not None and x.dtype == torch.float32 else apply_norm(blk.norm, x, cond)
+        if kind == 1:
+            out = self_step(mixer, slots, h, inputs, kernel)
+        elif kind == 2:
+            out = cross_step(mixer, slots, h, kernel)
+        elif ff is not None:
+            w_in, b_in, act, w_out, b_out = ff
+            out = F.linear(act(F.linear(h, w_in, b_in)), w_out, b_out)
+        else:
+            out = mixer(h)
+        if finish:  # a gate, a scale, a sandwich norm
+            out = blk.finish(out, cond)
+        x = x + out if plain else residual_update(residual, out, x)
+    return x
+
+
+def _block_runs(stack, x: Tensor, c: StaticKVCache, inputs: StepInputs, ff_deep: Tensor | None) -> Tensor:
+    """Every block run of the step, with the residual routing, residual attention's logits, the value residual and
+    the feed-forwards' per-token multipliers; blocks called as modules (hooks) unless planned."""
     cond, routing, carry = c.condition, stack.routing, _Carry(stack)
     route, first_self = None, True
     if routing is not None:  # x-transformers' residual options, per token (the stack's forward runs the same)
@@ -336,12 +464,6 @@ def stack_step(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None = None
             x = x + out if c.plain_residual is not None and c.plain_residual[i] else residual_update(blk.residual, out, x)
     if route is not None:
         x = routing.finish(x)
-    x = apply_norm(stack.final_norm, x, cond)
-    c.count.add_(1)
-    if c.fixed:
-        c.slot.add_(1)
-    if not compiling:  # a compiled step's caller advances the host count (a Python int in the graph would recompile)
-        c.length += 1
     return x
 
 
@@ -349,18 +471,23 @@ _STEP_FREE = ("self", "x", "cache", "return_cache", "check_finite", "__class__")
 
 
 @functools.cache
-def _signature(fn) -> tuple[dict, str | None]:
-    """``fn``'s defaults by name and its ``**`` parameter's name (or ``None``)."""
+def _signature(fn) -> tuple[dict, str | None, tuple, tuple]:
+    """``fn``'s defaults by name, its ``**`` parameter's name (or ``None``), and the names checked with their defaults
+    (two tuples, for the one-pass test of a call that gave nothing but ``x``)."""
     params = inspect.signature(fn).parameters.values()
-    return ({p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD},
-            next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None))
+    defaults = {p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    names = tuple(n for n in defaults if n not in _STEP_FREE)
+    return (defaults, next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None), names,
+            tuple(defaults[n] for n in names))
 
 
 def check_step_call(fn, given: dict) -> None:
     """A forward ``fn`` called with a ``StaticKVCache`` (``given``: its arguments, e.g. its ``locals()``): ``x`` the new
     position of every sample and nothing else (the context, the conditions and the masks are the prefill's, held by
     the cache); every other argument must be at its default, or it is refused by name. Metadata only."""
-    defaults, var_kw = _signature(fn)
+    defaults, var_kw, names, values = _signature(fn)
+    if (var_kw is None or not given.get(var_kw)) and all(map(operator.is_, map(given.get, names), values)):
+        return  # every argument the very object of its default (what a call with x alone binds)
     extra = sorted(given.get(var_kw) or ()) if var_kw is not None else []
     for name, default in defaults.items():
         value = given.get(name, default)
@@ -374,23 +501,32 @@ def check_step_call(fn, given: dict) -> None:
                          f"masks are in the cache); got {', '.join(extra)}")
 
 
+def _check_new(net, x: Tensor, c: StaticKVCache, tokens: bool) -> None:
+    """The step input's metadata (its shape, device and dtype), the cache's room, then the token ids' range as an
+    asynchronous assertion (no host read on a GPU: a failure surfaces at the next synchronisation)."""
+    b = c.batch_size
+    if not isinstance(x, Tensor) or x.dim() != (2 if tokens else 3) or tuple(x.shape[:2]) != (b, 1):
+        want = (b, 1) if tokens else (b, 1, "dim_in")
+        raise ValueError(f"x must have shape {want} with a StaticKVCache (one new position per sample), got "
+                         f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+    if x.device != c.count.device:
+        raise ValueError(f"x is on {x.device}, the cache on {c.count.device}")
+    if tokens:
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"x must hold integer token ids, got {x.dtype}")
+        _room(c)
+        n = net.num_tokens
+        torch._assert_async(((x >= 0) & (x < n)).all(), f"x holds token ids outside [0, {n}) (num_tokens)")
+    else:
+        _room(c)
+
+
 def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
     """``net(x, cache=static)``: ``x (B, 1)`` token ids (``tokens``) or ``(B, 1, dim_in)`` values; returns the
     output ``(B, 1, v)`` at the new position."""
-    if not torch.compiler.is_compiling():
-        b = c.batch_size
-        want = (b, 1) if tokens else (b, 1, "dim_in")
-        if not isinstance(x, Tensor) or x.dim() != len(want) or tuple(x.shape[:2]) != (b, 1):
-            raise ValueError(f"x must have shape {want} with a StaticKVCache (one new position per sample), got "
-                             f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        if x.device != c.count.device:
-            raise ValueError(f"x is on {x.device}, the cache on {c.count.device}")
-        if tokens:
-            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-                raise TypeError(f"x must hold integer token ids, got {x.dtype}")
-            # asynchronous (no host read on a GPU: the failure surfaces at the next synchronisation)
-            torch._assert_async(((x >= 0) & (x < net.num_tokens)).all(),
-                                f"x holds token ids outside [0, {net.num_tokens}) (num_tokens)")
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        _check_new(net, x, c, tokens)
     # the wrapper's own parts, in its forward's order: the embedding (a custom one checked), the absolute position,
     # then post_emb_norm, dropout and the projection to the model width (embed_rows), the stack, the head
     h = net._embed(x, None, None) if tokens else net.project_in(x.to(c.dtype))
@@ -399,7 +535,19 @@ def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
     deep = None if getattr(net, "ff_deep_embed", None) is None else net.ff_deep_embed[x].to(h.dtype)  # (B, 1, L, c)
     h = embed_rows(net, h, 0)
     if c.block_plans is not None and not torch.is_grad_enabled():  # no hooks anywhere: the stack's step, uncalled
-        h = stack_step(net.attn_layers, h, c, deep)  # (the arguments were checked at this door)
+        h = _run_stack(net.attn_layers, h, c, deep, compiling)  # (its input made here, the room checked)
     else:
         h = net.attn_layers(h, cache=c, ff_deep_embeds=deep)
-    return net._head(h) if tokens else net.project_out(h)
+    if tokens:
+        return net._head(h)
+    out = net.project_out(h)
+    return _gaussian_head(out) if getattr(net, "probabilistic", False) else out
+
+
+def _gaussian_head(raw: Tensor) -> Tensor:
+    """x-transformers' probabilistic head as the continuous wrapper's forward reads it out (``wrappers.gaussian_head``,
+    which imports this module): ``raw (..., 2 d)`` as ``(d, 2)`` pairs ``(mean, log-variance)``, the log-variance
+    capped so that its ``exp`` stays finite; ``stack((mean, variance)) (2, ..., d)``."""
+    pairs = raw.unflatten(-1, (raw.shape[-1] // 2, 2))
+    log_var = pairs[..., 1].clamp(max=math.log(torch.finfo(raw.dtype).max) - 0.05)
+    return torch.stack((pairs[..., 0], log_var.exp()))
