@@ -132,3 +132,33 @@ def test_the_stack_builds_each_kind_from_one_checked_config():
         assert cfg.dim_context == 16
     with pytest.raises(OptionTypeError, match="qk_norm"):
         Encoder(dim=16, depth=1, heads=2, attn_qk_norm="yes")
+
+
+def test_the_feed_forward_family_gives_its_signature_and_the_stack_spellings():
+    from safeformer import FeedForward
+    from safeformer.nn.modules import FeedForwardOptions
+    from safeformer.stack.layers import FF_KWARGS
+
+    params = inspect.signature(FeedForward.__init__).parameters
+    assert [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY] == list(FeedForwardOptions.names())
+    assert list(params)[:5] == ["self", "dim", "dim_out", "mult", "glu"]
+    assert set(FF_KWARGS) - {"dim_out"} <= set(FeedForwardOptions.names())
+    ff = FeedForward(16, glu=True, swish=True, no_bias=True)
+    assert ff.options.swish and ff.options.no_bias and ff.options == FeedForwardOptions(swish=True, no_bias=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ff.options.swish = False
+    with pytest.raises(TypeError, match="unexpected keyword argument 'swsh'; did you mean 'swish'"):
+        FeedForward(16, swsh=True)
+    with pytest.raises(OptionTypeError, match="sublayer_dropout must be a number"):
+        FeedForward(16, sublayer_dropout="high")
+
+
+@pytest.mark.parametrize("keywords, name", [
+    (dict(ff_dropout="x"), "ff_dropout"), (dict(ff_no_bias=3), "ff_no_bias"),
+    (dict(attn_qk_norm="yes"), "attn_qk_norm"), (dict(attn_kwargs={"sigmoid": 1}), "attn_sigmoid"),
+    (dict(cross_attend=True, cross_attn_num_mem_kv=1.5), "cross_attn_num_mem_kv"),
+])
+def test_a_stack_names_a_mistyped_keyword_as_it_spells_it(keywords, name):
+    with pytest.raises(OptionTypeError, match=f"^{name} must be") as info:
+        Decoder(dim=16, depth=1, heads=2, **keywords)
+    assert info.value.name == name

@@ -8,14 +8,19 @@ Masks follow safeformer's one convention (bool, True = may attend / is real); se
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from copy import deepcopy
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
+
+from .options import Options
 
 __all__ = [
     "grow_linear_biases",
@@ -322,6 +327,29 @@ class AdaptiveRMSNorm(AdaptiveNorm):
         return super().forward(x, condition)
 
 
+@dataclass(frozen=True)
+class FeedForwardOptions(Options):
+    """``FeedForward``'s keywords beside its four positional ones (x-transformers' names; their meanings are in
+    ``FeedForward``'s docstring): the feed-forward family, checked once when made; the stack's ``ff_<name>``
+    spellings and ``FeedForward``'s signature are read from these fields."""
+
+    swish: bool = False
+    relu_squared: bool = False
+    dropout: float = 0.0
+    no_bias: bool = False
+    zero_init_output: bool = False
+    softclamp_value: float | None = None
+    custom_activation: Callable | None = None
+    glu_softclamp: bool = False
+    glu_gate_softclamp_value: float | None = None
+    glu_up_softclamp_value: float | None = None
+    glu_mult_bias: bool = False
+    solu: bool = False
+    post_act_ln: bool = False
+    sublayer_dropout: float = 0.0
+    output_proj_depth: int | None = None
+
+
 class FeedForward(nn.Module):
     """Position-wise feed-forward: GELU MLP, or gated GEGLU / SwiGLU.
 
@@ -356,71 +384,74 @@ class FeedForward(nn.Module):
             ``(2 * hidden * output_proj_depth) ** -0.5`` (ignored with ``zero_init_output``, as in x-transformers).
     """
 
-    def __init__(self, dim: int, dim_out: int | None = None, mult: float = 4, glu: bool = False, *,
-                 swish: bool = False, relu_squared: bool = False, dropout: float = 0.0, no_bias: bool = False,
-                 zero_init_output: bool = False, softclamp_value: float | None = None, custom_activation=None,
-                 glu_softclamp: bool = False, glu_gate_softclamp_value: float | None = None,
-                 glu_up_softclamp_value: float | None = None, glu_mult_bias: bool = False, solu: bool = False,
-                 post_act_ln: bool = False, sublayer_dropout: float = 0.0, output_proj_depth: int | None = None):
+    def __init__(self, dim: int, dim_out: int | None = None, mult: float = 4, glu: bool = False, **options):
         super().__init__()
+        if not isinstance(glu, bool):
+            raise TypeError(f"ff glu must be True or False, got {glu!r}")
+        if isinstance(mult, bool) or not isinstance(mult, (int, float)):
+            raise TypeError(f"ff mult must be a number, got {mult!r}")
+        self.options = FeedForwardOptions.of("FeedForward", options)  # checked once (the signature: below the class)
+        self._build(dim, dim_out, mult, glu, self.options)
+
+    def _build(self, dim: int, dim_out: int | None, mult: float, glu: bool, o: FeedForwardOptions) -> None:
+        """The parts of a feed-forward of ``o``'s options, checked."""
         import warnings
 
-        for name, v in (("softclamp_value", softclamp_value), ("glu_gate_softclamp_value", glu_gate_softclamp_value),
-                        ("glu_up_softclamp_value", glu_up_softclamp_value)):
+        for name, v in (("softclamp_value", o.softclamp_value), ("glu_gate_softclamp_value", o.glu_gate_softclamp_value),
+                        ("glu_up_softclamp_value", o.glu_up_softclamp_value)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
                 raise ValueError(f"ff {name} must be a positive finite number, got {v!r}")
-        if softclamp_value is not None and glu:
+        if o.softclamp_value is not None and glu:
             warnings.warn("ff softclamp_value has no effect with glu (x-transformers ignores it there too); "
-                          "ff_glu_softclamp clamps a gated feed-forward", UserWarning, stacklevel=2)
-            softclamp_value = None
-        self.softclamp_value = None if softclamp_value is None else float(softclamp_value)
+                          "ff_glu_softclamp clamps a gated feed-forward", UserWarning, stacklevel=4)
+        self.softclamp_value = None if o.softclamp_value is None or glu else float(o.softclamp_value)
         if mult <= 0:
             raise ValueError(f"ff mult must be positive, got {mult}")
-        if sum(map(bool, (swish, relu_squared, solu, custom_activation is not None))) > 1:
+        if sum(map(bool, (o.swish, o.relu_squared, o.solu, o.custom_activation is not None))) > 1:
             raise ValueError("choose one activation: swish, relu_squared, solu or custom_activation")
-        if glu_mult_bias and not glu:
+        if o.glu_mult_bias and not glu:
             raise ValueError("ff glu_mult_bias is the gain of a gated feed-forward: it needs glu=True")
-        for name, p in (("dropout", dropout), ("sublayer_dropout", sublayer_dropout)):
+        for name, p in (("dropout", o.dropout), ("sublayer_dropout", o.sublayer_dropout)):
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
                 raise ValueError(f"ff {name} must be a probability in [0, 1), got {p!r}")
-        if output_proj_depth is not None and (isinstance(output_proj_depth, bool) or not isinstance(output_proj_depth, int)
-                                              or output_proj_depth < 1):
-            raise ValueError(f"ff output_proj_depth must be a positive integer, got {output_proj_depth!r}")
-        if custom_activation is not None and not callable(custom_activation):
-            raise TypeError(f"ff custom_activation must be a module or a function, got {type(custom_activation).__name__}")
-        if glu_softclamp and (not glu or relu_squared or custom_activation is not None):
+        if o.output_proj_depth is not None and (isinstance(o.output_proj_depth, bool) or not isinstance(o.output_proj_depth, int)
+                                              or o.output_proj_depth < 1):
+            raise ValueError(f"ff output_proj_depth must be a positive integer, got {o.output_proj_depth!r}")
+        if o.custom_activation is not None and not callable(o.custom_activation):
+            raise TypeError(f"ff custom_activation must be a module or a function, got {type(o.custom_activation).__name__}")
+        if o.glu_softclamp and (not glu or o.relu_squared or o.custom_activation is not None):
             raise ValueError("ff glu_softclamp clamps the gate of a GELU / SiLU gated feed-forward: it needs glu=True "
                              "and no relu_squared / custom_activation")
-        if not glu_softclamp and (glu_gate_softclamp_value is not None or glu_up_softclamp_value is not None):
+        if not o.glu_softclamp and (o.glu_gate_softclamp_value is not None or o.glu_up_softclamp_value is not None):
             warnings.warn("ff glu_gate_softclamp_value / glu_up_softclamp_value have no effect without glu_softclamp "
-                          "(as in x-transformers)", UserWarning, stacklevel=2)
-        self.glu_softclamp = (float(4.0 if glu_gate_softclamp_value is None else glu_gate_softclamp_value),
-                              float(25.0 if glu_up_softclamp_value is None else glu_up_softclamp_value)) \
-            if glu_softclamp else None
+                          "(as in x-transformers)", UserWarning, stacklevel=4)
+        self.glu_softclamp = (float(4.0 if o.glu_gate_softclamp_value is None else o.glu_gate_softclamp_value),
+                              float(25.0 if o.glu_up_softclamp_value is None else o.glu_up_softclamp_value)) \
+            if o.glu_softclamp else None
         inner = int(dim * mult)
         self.glu = glu
-        if custom_activation is not None:
-            act = deepcopy(custom_activation) if isinstance(custom_activation, nn.Module) else _Lambda(custom_activation)
+        if o.custom_activation is not None:
+            act = deepcopy(o.custom_activation) if isinstance(o.custom_activation, nn.Module) else _Lambda(o.custom_activation)
         else:
-            act = nn.SiLU() if swish else _ReluSquared() if relu_squared else _SoLU(inner) if solu else nn.GELU()
+            act = nn.SiLU() if o.swish else _ReluSquared() if o.relu_squared else _SoLU(inner) if o.solu else nn.GELU()
         # x-transformers' module tree: ff = Sequential(project_in, [LayerNorm], Dropout, Linear, [Dropout]), project_in
         # a GLU (proj, mult_bias; its input projection always has a bias) or Sequential(Linear, [softclamp], act)
         if glu:
-            project_in = _GLU(dim, inner, act, glu_mult_bias)
+            project_in = _GLU(dim, inner, act, o.glu_mult_bias)
         else:
             clamp = [_Lambda(partial(_softclamp, value=self.softclamp_value))] if self.softclamp_value is not None else []
-            project_in = nn.Sequential(nn.Linear(dim, inner, bias=not no_bias), *clamp, act)
-        proj_out = nn.Linear(inner, dim if dim_out is None else dim_out, bias=not no_bias)
-        self.ff = nn.Sequential(*[m for m in (project_in, LayerNorm(inner) if post_act_ln else None, nn.Dropout(dropout),
-                                              proj_out, nn.Dropout(sublayer_dropout) if sublayer_dropout > 0 else None)
+            project_in = nn.Sequential(nn.Linear(dim, inner, bias=not o.no_bias), *clamp, act)
+        proj_out = nn.Linear(inner, dim if dim_out is None else dim_out, bias=not o.no_bias)
+        self.ff = nn.Sequential(*[m for m in (project_in, LayerNorm(inner) if o.post_act_ln else None, nn.Dropout(o.dropout),
+                                              proj_out, nn.Dropout(o.sublayer_dropout) if o.sublayer_dropout > 0 else None)
                                   if m is not None])
         self._register_load_state_dict_pre_hook(_legacy_feed_forward, with_module=True)
-        if zero_init_output:
+        if o.zero_init_output:
             nn.init.zeros_(proj_out.weight)
             if proj_out.bias is not None:
                 nn.init.zeros_(proj_out.bias)
-        elif output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
-            nn.init.normal_(proj_out.weight, std=(2 * inner * output_proj_depth) ** -0.5)
+        elif o.output_proj_depth is not None:  # OLMo's depth-scaled init (x-transformers' init_depth_scaled_)
+            nn.init.normal_(proj_out.weight, std=(2 * inner * o.output_proj_depth) ** -0.5)
 
     # the parts, by what they are (x-transformers' positions in ``ff`` depend on the options)
     @property
@@ -512,6 +543,12 @@ class FeedForward(nn.Module):
                 if i:
                     h = m(h)
         return h
+
+
+# the signature read from the family's fields (x-transformers' keywords, their defaults and types)
+FeedForward.__init__.__signature__ = inspect.signature(FeedForward.__init__).replace(parameters=[
+    *[p for p in inspect.signature(FeedForward.__init__).parameters.values() if p.kind != p.VAR_KEYWORD],
+    *FeedForwardOptions.parameters()])
 
 
 def _checked_deep_embed(deep_embed, out: Tensor) -> Tensor:

@@ -28,7 +28,16 @@ __all__ = ["OptionTypeError", "Options", "self_only"]
 class OptionTypeError(TypeError, ValueError):
     """A keyword given a value of the wrong type. A ``TypeError``, and a ``ValueError`` too: the parts' own checks
     refused some of these values as ``ValueError`` before the families checked types, and code that catches either
-    keeps working."""
+    keeps working. ``name``: the keyword."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+    def spelt(self, prefix: str) -> OptionTypeError:
+        """The same error naming the keyword as a stack spells it (``attn_``, ``cross_attn_``, ``ff_``)."""
+        text = str(self)
+        return OptionTypeError(prefix + self.name, prefix + text if text.startswith(self.name) else text)
 
 
 def self_only(default):
@@ -65,6 +74,15 @@ class Options:
     @classmethod
     def self_only(cls) -> frozenset[str]:
         return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("self_only"))
+
+    @classmethod
+    def of(cls, owner: str, given: dict, valid=()):
+        """The family of ``given``'s keywords, each of which must be a field: else a ``TypeError`` naming it, as
+        ``owner``'s (with the closest of the fields and ``valid`` suggested)."""
+        for key in given:
+            if key not in cls.names():
+                raise unknown_keyword(owner, key, [*cls.names(), *valid])
+        return cls(**given)
 
     @classmethod
     def take(cls, given: dict):
@@ -127,7 +145,7 @@ def check_type(name: str, value, hint) -> None:
         OptionTypeError: naming the keyword, the type it takes and the value given.
     """
     if not _fits(value, hint):
-        raise OptionTypeError(f"{name} must be {_describe(hint)}, got {value!r}")
+        raise OptionTypeError(name, f"{name} must be {_describe(hint)}, got {value!r}")
 
 
 def unknown_keyword(owner: str, key: str, valid) -> TypeError:

@@ -445,6 +445,7 @@ from ..nn.modules import (
     make_norm,
     stack_alibi_slopes,
 )
+from ..nn.options import OptionTypeError
 from ..nn.relative_position import RelativePositionBias
 from ..nn.xt_modules import LayerScale, Residual, Scale
 from .decode_step import check_step_call, stack_step
@@ -997,9 +998,15 @@ def _attention_factory(layout: _Layout, *, dim, heads, dim_head, kv_heads, causa
     inverted = _inverted_per_layer(cross_attn_inverted_attention, layout.types.count("c"), causal)
     # the keywords checked once, into one config per kind (the blocks differ from it by their per-layer values)
     rotate = {} if rotate_num_heads is None else {"rotate_num_heads": rotate_num_heads}
-    self_config = AttentionConfig.from_keywords(**shared, **given, causal=causal, **rotate)
-    cross_config = AttentionConfig.from_keywords(**{
-        **shared, **{k: v for k, v in given.items() if k not in Attention.SELF_ONLY}, **overrides})
+    try:
+        self_config = AttentionConfig.from_keywords(**shared, **given, causal=causal, **rotate)
+    except OptionTypeError as e:
+        raise e.spelt("attn_") from None
+    try:
+        cross_config = AttentionConfig.from_keywords(**{
+            **shared, **{k: v for k, v in given.items() if k not in Attention.SELF_ONLY}, **overrides})
+    except OptionTypeError as e:
+        raise e.spelt("cross_attn_" if e.name in overrides else "attn_") from None
 
     def attention_block(context_dim: int | None, layer: int) -> Attention:
         self_attn = context_dim is None
@@ -1159,12 +1166,15 @@ def _blocks(stack: AttentionLayers, layout: _Layout, attention, norm, cond_width
         elif kind == "c":
             blocks.append(block("cross", attention(stack.dim_context, layer), ind))
         else:
-            blocks.append(block("ff", FeedForward(
-                dim, mult=_layer_value(layout.ff_mults, layer), glu=ff_glu, swish=ff_swish,
-                dropout=_layer_value(layout.ff_dropouts, layer), softclamp_value=ff_softclamp_value,
-                custom_activation=ff_custom_activation, glu_softclamp=ff_glu_softclamp,
-                glu_gate_softclamp_value=ff_glu_gate_softclamp_value,
-                glu_up_softclamp_value=ff_glu_up_softclamp_value, **ff_kwargs), ind))
+            try:
+                ff = FeedForward(dim, mult=_layer_value(layout.ff_mults, layer), glu=ff_glu, swish=ff_swish,
+                                 dropout=_layer_value(layout.ff_dropouts, layer), softclamp_value=ff_softclamp_value,
+                                 custom_activation=ff_custom_activation, glu_softclamp=ff_glu_softclamp,
+                                 glu_gate_softclamp_value=ff_glu_gate_softclamp_value,
+                                 glu_up_softclamp_value=ff_glu_up_softclamp_value, **ff_kwargs)
+            except OptionTypeError as e:  # named as the stack spells it
+                raise e.spelt("ff_") from None
+            blocks.append(block("ff", ff, ind))
     stack.layers = nn.ModuleList(blocks)
     # x-transformers' per-layer slots (filled by the residual routing's options)
     stack.layer_integrators = nn.ModuleList([None] * len(blocks))
