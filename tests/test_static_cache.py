@@ -405,7 +405,8 @@ def test_probabilistic_continuous_head_runs_on_the_step():
     assert float((stat - dyn).abs().max()) < 1e-10
 
 
-@pytest.mark.parametrize("option", [dict(attn_hybrid_module=torch.nn.GRU(DIM, DIM, batch_first=True))], ids=["hybrid module"])
+@pytest.mark.parametrize("option", [dict(attn_hybrid_module=torch.nn.GRU(DIM, DIM, batch_first=True),
+                                         attn_hybrid_fold_axial_dim=2)], ids=["folded hybrid module"])
 def test_options_the_step_does_not_run_fall_back_to_the_dynamic_cache(option, monkeypatch):
     net = _net(rotary_pos_emb=True, **option)
     assert static_reason(net) is not None
@@ -658,7 +659,8 @@ def test_static_cache_checks_its_input_and_its_room():
         with pytest.raises(ValueError, match="full"):
             net(prompts[:, :1], cache=static)
     with pytest.raises(ValueError, match="static decode step cannot run"):
-        build_static_cache(_net(attn_hybrid_module=torch.nn.GRU(DIM, DIM, batch_first=True)), cache, 20)
+        build_static_cache(_net(attn_hybrid_module=torch.nn.GRU(DIM, DIM, batch_first=True),
+                                attn_hybrid_fold_axial_dim=2), cache, 20)
 
 
 def test_compile_plan_and_capacity_buckets():

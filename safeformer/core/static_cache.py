@@ -67,6 +67,10 @@ class StaticKVCache:
         program: the flat per-run program of a net without hooks whose blocks share nothing but the stream (no
             residual routing, residual attention, value residual, ``ff_deep_embed``, separate q/k/v inputs): one
             entry per block run (``decode_step._Run``), or ``None`` (the general loop).
+        loop: a looped wrapper's runs (``decode_step.LoopPlan``: every loop step's own slots, the early exit), or
+            ``None``; each run of the stack reads ``layers`` = its loop step's.
+        held: the stack's step does not advance the position (set while a looped wrapper's runs read the same
+            one; the wrapper advances it once after them).
     """
 
     layers: list
@@ -89,6 +93,8 @@ class StaticKVCache:
     reads_positions: bool = True
     final_norm: tuple | None = None
     program: tuple | None = None
+    loop: object = None
+    held: bool = False
     _spare: list | None = field(default=None, repr=False)
 
     @property
@@ -106,13 +112,24 @@ class StaticKVCache:
         so a reorder per step allocates nothing."""
         same = int(index.shape[0]) == self.batch_size
         spares = self._spare if same else None
+        slots = self._slots()
         if same and spares is None:  # the first reorder of this size: allocate the spare set once
-            spares = [None if s is None else s.spare() for s in self.layers]
+            spares = [s.spare() for s in slots]
         olds = []
-        for i, s in enumerate(self.layers):
-            olds.append(None if s is None else s.select_(index, None if spares is None else spares[i]))
+        for i, s in enumerate(slots):
+            olds.append(s.select_(index, None if spares is None else spares[i]))
         self._spare = olds if same else None
         sel = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
         self.valid, self.positions, self.count, self.lead = sel(self.valid), sel(self.positions), sel(self.count), \
             sel(self.lead)
         self.condition = sel(self.condition)
+
+    def _slots(self) -> list:
+        """Every block run's slots once (a looped wrapper's loop steps share their context slots)."""
+        seen, out = set(), []
+        for layers in (self.loop.layers if self.loop is not None else (self.layers,)):
+            for s in layers:
+                if s is not None and id(s) not in seen:
+                    seen.add(id(s))
+                    out.append(s)
+        return out

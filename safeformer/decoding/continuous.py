@@ -89,12 +89,26 @@ def _check_count(v, name: str, minimum: int) -> int:
 
 class _RawHead:
     """A net with x-transformers' ``probabilistic=True`` read before its Gaussian head: ``(b, n, 2 d)``, the
-    interleaved ``(mean, log-variance)`` pairs, in the decode engine's net protocol (the dynamic path: the
-    static step would read ``project_out`` too, but this keeps one layout for every path). Not a module:
-    the net's parameters stay registered once, under ``net``."""
+    interleaved ``(mean, log-variance)`` pairs, in the decode engine's net protocol. The static step
+    (``decoding/static.py``) runs the net itself (``static_net``), whose step output is the forward's
+    ``stack((mean, variance)) (2, B, d)`` at the new position; ``static_read`` lays it out as those pairs, the
+    log-variance as ``log(variance)`` (the capped one's ``exp`` and back: equal to rounding, and the same floor
+    after). Not a module: the net's parameters stay registered once, under ``net``."""
+
+    static_loop = None
+    static_refusal = None
 
     def __init__(self, net: ContinuousTransformerWrapper):
         self.net = net
+
+    @property
+    def static_net(self) -> ContinuousTransformerWrapper:
+        return self.net
+
+    @staticmethod
+    def static_read(out: Tensor) -> Tensor:
+        """The step's ``stack((mean, variance)) (2, B, d)`` as ``(B, 2 d)`` pairs ``(mean, log-variance)``."""
+        return torch.stack((out[0], out[1].log()), dim=-1).flatten(-2)
 
     def __call__(self, x, **kw):
         out = self.net(x, return_embeddings=True, **kw)

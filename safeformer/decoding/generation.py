@@ -1068,8 +1068,8 @@ class AutoregressiveWrapper(Configurable, nn.Module):
             eos_check_every: with ``eos_token``, how often (in steps) the host looks whether all finished.
             looped_steps, max_looped_steps, looped_exit_prob_threshold: a ``looped`` net decodes with
                 ``looped_inference`` (x-transformers' way): a fixed number of loop steps per token, or up to
-                ``max_looped_steps`` with early exit per sample (see ``TransformerWrapper.forward``); the dynamic
-                KV cache (no static step).
+                ``max_looped_steps`` with early exit per sample (see ``TransformerWrapper.forward``); after the
+                prompt on the static step with these settings (``build_static_cache``'s ``loop``), the same tokens.
             return_intermediates: also return a ``LayerIntermediates`` with the last KV cache (``cache``; all
                 guidance branches' rows) and, for a looped net, ``exit_indices (b, t)`` and
                 ``looped_prompt_kv_cache`` (x-transformers' return). Decodes on the dynamic cache.

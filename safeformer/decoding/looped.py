@@ -58,11 +58,31 @@ def looped_loss(wrapper, x: Tensor, mask: Tensor | None, return_outputs: bool, k
 
 class NetCall:
     """The net with fixed forward keywords (a looped net's settings) for the decode engine, keeping the last KV cache
-    it returned (``generate(return_intermediates=True)``). Not a ``TransformerWrapper``: the engine decodes it on the
-    dynamic cache, calling the net's forward."""
+    it returned (``generate(return_intermediates=True)``). Not a ``TransformerWrapper``: the engine calls the net's
+    forward with these keywords; after the prompt it decodes on the static step with the same loop settings
+    (``static_net`` / ``static_loop``, ``decoding/static.py``), or on the dynamic cache when it must keep it."""
+
+    static_refusal = "generate(return_intermediates=True) returns the dynamic KV cache"
 
     def __init__(self, net, kwargs: dict, keep_cache: bool = True):
         self.net, self.kwargs, self.cache, self.keep_cache = net, kwargs, None, keep_cache
+
+    @property
+    def static_net(self):
+        """The wrapper the static step runs, ``None`` when the dynamic cache must be kept (``static_refusal``)."""
+        return None if self.keep_cache else self.net
+
+    @property
+    def static_loop(self) -> dict | None:
+        """The loop settings of the forward keywords (``build_static_cache``'s ``loop``), ``None`` for a net that
+        is not looped."""
+        if not getattr(self.net, "looped", False):
+            return None
+        kw = self.kwargs
+        return self.net._loop_settings(kw.get("looped_steps"), kw.get("max_looped_steps"), None,
+                                       kw.get("looped_inference", False), kw.get("looped_exit_prob_threshold", 0.9))
+
+    static_read = None
 
     def __call__(self, *args, **kwargs):
         out = self.net(*args, **kwargs, **self.kwargs)

@@ -9,6 +9,11 @@ shapes (attention over every slot with the validity mask) and that forward is co
 
 ``static_reason(net)`` says why a net cannot decode this way (the engine then uses the dynamic cache, which runs
 every option).
+
+The engine may hand an adapter instead of a wrapper (a looped net's ``looped.NetCall``, a probabilistic continuous
+net's raw head): one whose class has ``static_net`` names the wrapper the step runs (``None``: the adapter needs
+the dynamic cache, ``static_refusal`` says why), ``static_loop`` its loop settings (``build_static_cache``'s
+``loop``) and ``static_read(out)`` how the adapter lays out the step's output for the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +27,24 @@ from ..stack.decode_step import build_static_cache, step_refusal
 
 __all__ = ["StaticKVCache", "StaticStep", "build_static_cache", "static_reason", "compile_options", "capacity_bucket"]
 
-static_reason = step_refusal
+
+
+def static_reason(net) -> str | None:
+    """Why ``net`` (a wrapper, or an adapter naming one: see the module docstring) cannot decode on a
+    ``StaticKVCache`` (``None`` when it can)."""
+    if hasattr(type(net), "static_net"):
+        inner = net.static_net
+        if inner is None:
+            return net.static_refusal
+        net = inner
+    return step_refusal(net)
+
+
+def _target(net) -> tuple:
+    """``(wrapper, loop settings or None, output reader or None)`` of the engine's ``net``."""
+    if not hasattr(type(net), "static_net"):
+        return net, None, None
+    return net.static_net, net.static_loop, net.static_read
 
 
 def compile_options(device, mode: str | None = None) -> dict:
@@ -56,14 +78,20 @@ class StaticStep:
         capacity: slots for the prefill plus every new position.
         compile: fixed shapes and ``net``'s forward compiled (``torch.compile(fullgraph=True)``, one graph).
         fast: let the attention blocks run plain projections on fused weights (``build_static_cache``).
+
+    ``net`` may be an adapter naming the wrapper (``static_net``), its loop settings (``static_loop``) and how to lay
+    out the step's output (``static_read``): see the module docstring.
     """
 
     def __init__(self, net, cache: KVCache, capacity: int, *, compile: bool = False, compile_mode: str | None = None,
                  fast: bool = True):
+        net, loop, self.read = _target(net)
         self.net = net
-        self.cache = build_static_cache(net, cache, capacity, fixed=compile, fast=fast)
+        self.cache = build_static_cache(net, cache, capacity, fixed=compile, fast=fast, loop=loop)
         self.compiled = compile
         self._fn = net
+        # attn_hybrid_module's torch.nn RNN: dynamo traces it only with allow_rnn (its default refuses RNN modules)
+        self._rnn = compile and any(isinstance(m, torch.nn.RNNBase) for m in net.modules())
         if compile:
             self._fn = torch.compile(net, fullgraph=True, dynamic=False,
                                      **compile_options(self.cache.count.device, compile_mode))
@@ -73,12 +101,18 @@ class StaticStep:
         cache, ``new (B, 1, ...)`` being written at the next slot. Raises ``ValueError`` when the cache is full."""
         c = self.cache
         if not self.compiled:
-            return self._fn(new, cache=c).select(-2, -1)  # (a probabilistic head's (2, B, 1, d): its new position too)
-        if c.length >= c.capacity:
-            raise ValueError(f"the static cache is full ({c.capacity} slots)")
-        out = self._fn(new, cache=c)  # the compiled forward advances the slot tensor, not the host count
-        c.length += 1
-        return out.select(-2, -1)
+            out = self._fn(new, cache=c).select(-2, -1)  # (a probabilistic head's (2, B, 1, d): its new position too)
+        else:
+            if c.length >= c.capacity:
+                raise ValueError(f"the static cache is full ({c.capacity} slots)")
+            if self._rnn:
+                with torch._dynamo.config.patch(allow_rnn=True):
+                    out = self._fn(new, cache=c)
+            else:
+                out = self._fn(new, cache=c)
+            out = out.select(-2, -1)  # the compiled forward advances the slot tensor, not the host count
+            c.length += 1
+        return out if self.read is None else self.read(out)
 
     def select(self, index: Tensor) -> None:
         """Keep (repeat, reorder) the samples ``index (B',)`` (beam search)."""

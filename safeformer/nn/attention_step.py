@@ -98,26 +98,36 @@ class StepPlan:
 
 @dataclass
 class SelfSlots:
-    """A self-attention block's keys and values ``(B, h_kv, L, d)``: slots ``>= length`` are 0, masked slots 0."""
+    """A self-attention block's keys and values ``(B, h_kv, L, d)``: slots ``>= length`` are 0, masked slots 0.
+    ``state``: with ``attn_hybrid_module``, the module's recurrent state after the positions so far, batch-first
+    ``(B, layers * directions, H)`` (an LSTM: ``(h, c)``), written in place by each step; ``()`` without one."""
 
     keys: Tensor
     values: Tensor
     plan: StepPlan
+    state: tuple = ()
 
-    def spare(self) -> tuple[Tensor, Tensor]:
-        """Buffers shaped like the keys and values (what ``select_`` gathers into)."""
-        return torch.empty_like(self.keys), torch.empty_like(self.values)
+    def _buffers(self) -> tuple:
+        return (self.keys, self.values, *self.state)
 
-    def select_(self, index: Tensor, spare: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor] | None:
+    def _set(self, buffers) -> None:
+        self.keys, self.values, *state = buffers
+        self.state = tuple(state)
+
+    def spare(self) -> tuple:
+        """Buffers shaped like the keys, values and state (what ``select_`` gathers into)."""
+        return tuple(torch.empty_like(t) for t in self._buffers())
+
+    def select_(self, index: Tensor, spare: tuple | None) -> tuple | None:
         """Keep the samples ``index``; with ``spare`` (buffers of the same shape) gather into them and return the
         old ones (the next call's spare), so that a reorder of the same batch size allocates nothing."""
         if spare is None:
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+            self._set([t.index_select(0, index) for t in self._buffers()])
             return None
-        torch.index_select(self.keys, 0, index, out=spare[0])
-        torch.index_select(self.values, 0, index, out=spare[1])
-        old = (self.keys, self.values)
-        self.keys, self.values = spare
+        for t, out in zip(self._buffers(), spare):
+            torch.index_select(t, 0, index, out=out)
+        old = self._buffers()
+        self._set(spare)
         return old
 
 
@@ -187,10 +197,14 @@ def _fused_qkv(attn) -> tuple | None:
 
 
 def self_slots(attn, k: Tensor, v: Tensor, mask: Tensor | None, capacity: int, fast: bool,
-               value_residual: bool = False, views: bool = False) -> SelfSlots:
+               value_residual: bool = False, views: bool = False, state=None,
+               plan: StepPlan | None = None) -> SelfSlots:
     """``attn``'s slots from a prefill's keys and values ``(B, h_kv, p, d)`` (``mask (B, p)``: which are real): room
     for ``capacity`` slots, masked slots selected to 0 once (whatever a cache handed in held there). ``value_residual``
-    / ``views``: it mixes a value residual / gets separate query, key and value inputs (its own ``project_qkv``)."""
+    / ``views``: it mixes a value residual / gets separate query, key and value inputs (its own ``project_qkv``).
+    ``state``: with ``attn_hybrid_module``, the prefill cache's state of the module (``KVCache.hybrid``; ``None``: the
+    initial state, zeros), copied into buffers the steps write in place. ``plan``: a plan already made for ``attn``
+    (another loop step's slots of the same block run), or ``None``."""
     p = k.shape[2]
     kb = k.new_zeros(*k.shape[:2], capacity, k.shape[3])
     vb = v.new_zeros(*v.shape[:2], capacity, v.shape[3])
@@ -199,7 +213,21 @@ def self_slots(attn, k: Tensor, v: Tensor, mask: Tensor | None, capacity: int, f
     else:
         keep = mask[:, None, :, None]
         kb[:, :, :p], vb[:, :, :p] = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
-    return SelfSlots(kb, vb, step_plan(attn, "self", fast, value_residual or views))
+    plan = step_plan(attn, "self", fast, value_residual or views) if plan is None else plan
+    return SelfSlots(kb, vb, plan, () if attn.hybrid is None else _hybrid_state(attn.hybrid, state, k))
+
+
+def _hybrid_state(branch, state, k: Tensor) -> tuple:
+    """The hybrid module's state buffers ``(B, layers * directions, H)`` (an LSTM: two), from the prefill's ``state``
+    (batch-first tensors) or zeros (``None``: the module's initial state)."""
+    if isinstance(state, str) or not branch.can_cache:
+        raise ValueError(f"the static decode step cannot continue the hybrid module: "
+                         f"{state if isinstance(state, str) else branch.cache_refusal()}")
+    rnn = branch.hybrid_module.fn
+    if state is None:
+        shape = (k.shape[0], rnn.num_layers * (2 if rnn.bidirectional else 1), rnn.hidden_size)
+        return tuple(k.new_zeros(shape) for _ in range(2 if isinstance(rnn, nn.LSTM) else 1))
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in state)
 
 
 def context_slots(attn, k: Tensor, v: Tensor, context_mask: Tensor | None, fast: bool) -> ContextSlots:
@@ -274,11 +302,27 @@ def self_step(attn, s: SelfSlots, h: Tensor, inputs: StepInputs, kernel, kv_inpu
     else:
         q, mask_h, _ = to_kernel_heads(attn, q, self_mask)  # x-transformers' tiled kv heads: interleaved
         out = from_kernel_heads(attn, kernel(q, kb, vb, attn_mask=mask_h, enable_gqa=plan.gqa))
+    out = out.transpose(1, 2)  # (B, 1, h, d)
+    if s.state:  # attn_hybrid_module: its output on the new position mixed in, its state carried on
+        out = _hybrid_step(attn.hybrid, s, out, h)
     if plan.out_proj is not None:
-        out = F.linear(out.transpose(1, 2).flatten(-2), *plan.out_proj)
+        out = F.linear(out.flatten(-2), *plan.out_proj)
     else:
-        out = attn._output(out.transpose(1, 2), h)
+        out = attn._output(out, h)
     return out if prev_attn is None else (out, logits)
+
+
+def _hybrid_step(branch, s: SelfSlots, out: Tensor, h: Tensor) -> Tensor:
+    """The hybrid branch's forward (``HybridBranch.forward``) on the new position ``h (B, 1, c)`` (a real one) from the
+    state the slots hold, mixed with the attention's ``out (B, 1, h, d)``; the new state written into the buffers."""
+    from .hybrid import HybridCall
+
+    state = s.state if not torch.is_grad_enabled() else tuple(t.clone() for t in s.state)  # (autograd: not the buffers)
+    call = HybridCall(state=state)
+    mixed = branch(out, h, call, None)
+    for buf, new in zip(s.state, call.state_out):
+        buf.copy_(new)
+    return mixed
 
 
 def cross_step(attn, s: ContextSlots, h: Tensor, kernel, prev_attn=None):

@@ -97,7 +97,10 @@ class HybridBranch(nn.Module):
 
     KV cache: a unidirectional ``torch.nn`` ``GRU`` / ``LSTM`` / ``RNN`` with ``fold_axial_dim=1`` carries its state
     in the cache (a position whose mask is False does not advance it); any other module refuses a cache.
-    Padded (non-packed) path only, no static decode step.
+    Padded (non-packed) path only. The static decode step runs such a module too: its state is kept in the
+    ``StaticKVCache``'s slots and written in place each step (``attention_step``: the module's own call on the
+    one new position); ``StaticStep(compile=True)`` compiles it with dynamo's ``allow_rnn`` (its tracing of
+    ``torch.nn`` RNNs, off by default).
     """
 
     def __init__(self, module: nn.Module, *, dim: int, heads: int, dim_head: int, causal: bool,

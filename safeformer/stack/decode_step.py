@@ -19,9 +19,13 @@ name, ``check_step_call``; no value is read back to the host: a token id's range
 the door checks of the prompt, the conditions and the cache ran once, at the prefill and when the cache was built.
 
 ``step_refusal(net)`` (``decoding.static.static_reason``) says why a net cannot decode this way (the engine then
-uses the dynamic cache): a hybrid module's recurrent state, a looped wrapper, logits wider than the vocabulary,
-test-time-trained modules. A probabilistic continuous wrapper runs on the step: its output is the forward's,
-``stack((mean, variance)) (2, B, 1, d)``.
+uses the dynamic cache): logits wider than the vocabulary, test-time-trained modules, a looped wrapper with a
+hybrid module, the wrapper options ``_wrapper_refusal`` names. A probabilistic continuous wrapper runs on the step:
+its output is the forward's, ``stack((mean, variance)) (2, B, 1, d)``. An ``attn_hybrid_module`` (a ``torch.nn``
+RNN, what the dynamic cache continues) keeps its recurrent state in its block's slots (``SelfSlots.state``, written
+in place by each step). A ``looped=True`` wrapper runs its stack several times at the new position
+(``_looped_runs``: the forward's loop, with the settings given when the cache was built), each loop step on its own
+slots (``LoopPlan``), the position advanced once.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ..core.cache import KVCache
 from ..core.static_cache import StaticKVCache
 from ..nn.attention_step import (
     AttentionStep,
+    SelfSlots,
     StepInputs,
     attention_step,
     context_slots,
@@ -61,8 +66,6 @@ __all__ = ["build_static_cache", "step_refusal", "stack_step", "wrapper_step", "
 def _wrapper_refusal(net) -> str | None:
     custom = [name for name, on in (("recycling", getattr(net, "recycling", False)),
                                     ("squeeze_out_last_dim", getattr(net, "squeeze_out_last_dim", False)),
-                                    ("looped=True (the stack runs several times, with early exit)",
-                                     getattr(net, "looped", False)),
                                     ("num_output_heads > 1", getattr(net, "num_output_heads", 1) > 1),
                                     ("memory_tokens_interspersed_every",
                                      getattr(net, "memory_tokens_interspersed_every", None) is not None)) if on]
@@ -76,8 +79,9 @@ def _wrapper_refusal(net) -> str | None:
 
 
 def _attention_refusal(stack, mixer) -> str | None:
-    if getattr(mixer, "hybrid", None) is not None:
-        return "attn_hybrid_module runs a sequence module beside attention (its state is the dynamic cache's)"
+    hybrid = getattr(mixer, "hybrid", None)
+    if hybrid is not None and not hybrid.can_cache:  # (no KV cache either: the engine re-encodes)
+        return hybrid.cache_refusal()
     if mixer.orthog:
         return "attn_orthog_projected_values projects over the whole sequence (no KV cache)"
     if mixer.to_forget_gates is not None:
@@ -103,6 +107,9 @@ def step_refusal(net) -> str | None:
         reason = None if blk.kind == "ff" else _attention_refusal(stack, blk.mixer)
         if reason is not None:
             return reason
+        if getattr(net, "looped", False) and getattr(blk.mixer, "hybrid", None) is not None:
+            return ("a looped wrapper with attn_hybrid_module: every loop run continues the one recurrent state the "
+                    "dynamic cache keeps")
     for m in net.modules():  # a module may say why the step cannot run it (``static_step_refusal``)
         refusal = getattr(m, "static_step_refusal", None)
         if isinstance(refusal, str):
@@ -117,7 +124,8 @@ def _hooked(net) -> bool:
                 or any(m._forward_hooks or m._forward_pre_hooks for m in net.modules()))
 
 
-def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = False, fast: bool = True) -> StaticKVCache:
+def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = False, fast: bool = True,
+                       loop: dict | None = None) -> StaticKVCache:
     """The static form of the prefill's ``cache`` for ``net``, with room for ``capacity`` slots.
 
     Args:
@@ -129,6 +137,10 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
             step needs (one graph).
         fast: let the attention blocks run plain projections as functions on fused weights (the same bits; not when
             a module has forward hooks, whose weights may be shards between calls).
+        loop: a ``looped=True`` wrapper's settings for every step (``TransformerWrapper._loop_settings``' dict: the
+            runs, ``looped_steps``' fixed count, ``looped_inference`` and its exit threshold), as the forward's looped
+            keywords give them (the step takes none); ``None``: the forward's defaults (every one of
+            ``max_looped_steps`` runs, each keeping its own keys/values).
     """
     reason = step_refusal(net)
     if reason is not None:
@@ -145,22 +157,10 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
         raise ValueError(f"capacity must be an integer >= the cache's length {p}, got {capacity!r}")
     fast = fast and not _hooked(net)
     runs = tuple(range(len(stack.layers))) if stack.default_order is None else tuple(stack.default_order)
-    layers, i_self, i_cross = [], 0, 0
     views = [False] * len(stack.layers) if stack.routing is None else [v == 3 for v in stack.routing.views]
-    for idx in runs:  # one entry per block run (weight_tie_layers repeats blocks)
-        blk = stack.layers[idx]
-        if blk.kind == "self":
-            k, v = cache.self_kv[i_self]  # add_value_residual: every self-attention after the first mixes its values
-            layers.append(self_slots(blk.mixer, k, v, cache.mask, capacity, fast, stack.add_value_residual and i_self > 0,
-                                     views[idx]))
-            i_self += 1
-        elif blk.kind == "cross" and cache.cross_kv is not None:
-            k, v = cache.cross_kv[i_cross]
-            i_cross += 1  # a zero-length context: cross-attention adds exactly 0 (no slots, the block is skipped)
-            seen = k.shape[2] or blk.mixer.num_mem_kv or blk.mixer.add_zero_kv  # keys every query reads
-            layers.append(context_slots(blk.mixer, k, v, cache.context_mask, fast) if seen else None)
-        else:
-            layers.append(None)
+    settings = _loop_of(net, cache, loop)
+    prompt_kv = None if settings is None else cache.looped_prompt_kv
+    layers = _run_slots(stack, cache, capacity, fast, runs, views, None if prompt_kv is None else prompt_kv[0])
     b = cache.batch_size
     valid = torch.zeros(b, capacity, dtype=torch.bool, device=device)
     valid[:, :p] = True if cache.mask is None else cache.mask
@@ -184,9 +184,94 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
                        or any(getattr(pl, "options", False) for pl in plans))
     static = StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
                            fixed, slot, rotary, ref.dtype, table, own, runs=runs, reads_positions=reads_positions)
+    if settings is not None:  # a looped wrapper: every run of the stack on its own slots
+        static.loop = _loop_plan(stack, cache, capacity, fast, runs, views, layers, prompt_kv, settings)
     if fast:
         _plan_blocks(net, static, views)
     return static
+
+
+def _run_slots(stack, cache: KVCache, capacity: int, fast: bool, runs: tuple, views: list, prompt_kv=None,
+               first: list | None = None) -> list:
+    """Per block run, its slots (``None``: a feed-forward, a cross-attention without context keys). ``prompt_kv``: a
+    looped wrapper's keys/values of one loop step for the cache's first slots (``KVCache.looped_prompt_kv``);
+    ``first``: the first loop step's slots, whose plans (and context slots: every run reads the same context) the
+    other loop steps share."""
+    layers, i_self, i_cross = [], 0, 0
+    for j, idx in enumerate(runs):  # one entry per block run (weight_tie_layers repeats blocks)
+        blk = stack.layers[idx]
+        if blk.kind == "self":
+            k, v = cache.self_kv[i_self]
+            if prompt_kv is not None:  # this loop step's own keys/values of the first slots (the dynamic cache's)
+                pk, pv = prompt_kv[i_self]
+                k, v = torch.cat((pk, k[:, :, pk.shape[2]:]), 2), torch.cat((pv, v[:, :, pv.shape[2]:]), 2)
+            # add_value_residual: every self-attention after the first mixes its values
+            layers.append(self_slots(blk.mixer, k, v, cache.mask, capacity, fast, stack.add_value_residual and i_self > 0,
+                                     views[idx], _hybrid_state(blk.mixer, cache, i_self),
+                                     None if first is None else first[j].plan))
+            i_self += 1
+        elif blk.kind == "cross" and cache.cross_kv is not None:
+            k, v = cache.cross_kv[i_cross]
+            i_cross += 1  # a zero-length context: cross-attention adds exactly 0 (no slots, the block is skipped)
+            seen = k.shape[2] or blk.mixer.num_mem_kv or blk.mixer.add_zero_kv  # keys every query reads
+            if first is not None:
+                layers.append(first[j])
+            else:
+                layers.append(context_slots(blk.mixer, k, v, cache.context_mask, fast) if seen else None)
+        else:
+            layers.append(None)
+    return layers
+
+
+def _hybrid_state(mixer, cache: KVCache, index: int):
+    """The prefill's state of self-attention ``index``'s hybrid module (``KVCache.hybrid``, as the dynamic cache reads
+    it: ``stack_forward._hybrid_call``), ``None`` (its initial state) after no position or without a module."""
+    if getattr(mixer, "hybrid", None) is None or cache.length == 0:
+        return None
+    states = cache.hybrid
+    if states is None or index >= len(states) or states[index] is None:
+        raise ValueError("this cache holds no state of the hybrid module (attn_hybrid_module): it must come from "
+                         "this stack's own forward")
+    return states[index]
+
+
+class LoopPlan(NamedTuple):
+    """How a looped wrapper's step runs (``build_static_cache``'s ``loop``): ``layers``, per loop step, its own slots
+    of every block run (the first is the cache's ``layers``); ``early``: stop per sample once its cumulative exit
+    probability reaches ``threshold`` (x-transformers' looped inference without ``looped_steps``; every run is
+    computed, a sample keeps the output of the run it exited at: what the dynamic path's batch break gives);
+    ``shared``: ``looped_inference``: the new slot of every loop step then holds the keys/values of the run each
+    sample exited at (the dynamic cache keeps that run's); otherwise each loop step keeps its own."""
+
+    layers: tuple
+    early: bool
+    threshold: float
+    shared: bool
+
+
+def _loop_of(net, cache: KVCache, loop: dict | None) -> dict | None:
+    """A looped wrapper's loop settings for the step (``None`` for a wrapper that is not looped): ``loop`` (its
+    ``_loop_settings``), or the forward's defaults (a call without looped keywords); checked against the cache."""
+    if not getattr(net, "looped", False):
+        if loop is not None:
+            raise ValueError("loop settings given for a net built without looped=True")
+        return None
+    settings = net._loop_settings(None, None, None, False, 0.9) if loop is None else loop
+    held = cache.looped_prompt_kv
+    if held is not None and len(held) < settings["steps"]:
+        raise ValueError(f"the cache holds the prompt's keys/values of {len(held)} loop steps; the step runs up to "
+                         f"{settings['steps']} (generate the prompt with at least as many)")
+    return settings
+
+
+def _loop_plan(stack, cache: KVCache, capacity: int, fast: bool, runs: tuple, views: list, first: list, prompt_kv,
+               settings: dict) -> LoopPlan:
+    layers = [first]
+    for i in range(1, settings["steps"]):
+        layers.append(_run_slots(stack, cache, capacity, fast, runs, views,
+                                 None if prompt_kv is None else prompt_kv[i], first))
+    infer = bool(settings["inference"])
+    return LoopPlan(tuple(layers), infer and not settings["fixed"], float(settings["threshold"]), infer)
 
 
 def _plan_blocks(net, c: StaticKVCache, views: list) -> None:
@@ -409,12 +494,18 @@ def _run_stack(stack, x: Tensor, c: StaticKVCache, ff_deep: Tensor | None, compi
         x = F.layer_norm(x, *c.final_norm)
     else:
         x = apply_norm(stack.final_norm, x, c.condition)
+    if not c.held:  # (a looped wrapper's runs: it advances once after them)
+        _advance(c, compiling)
+    return x
+
+
+def _advance(c: StaticKVCache, compiling: bool) -> None:
+    """The cache one position further."""
     c.count.add_(1)
     if c.fixed:
         c.slot.add_(1)
     if not compiling:  # a compiled step's caller advances the host count (a Python int in the graph would recompile)
         c.length += 1
-    return x
 
 
 def _flat_runs(x: Tensor, c: StaticKVCache, inputs: StepInputs) -> Tensor:
@@ -534,14 +625,74 @@ def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
         h = h + net.pos_emb.embed_positions((c.count - c.lead).clamp(min=0)[:, None]).to(h.dtype)
     deep = None if getattr(net, "ff_deep_embed", None) is None else net.ff_deep_embed[x].to(h.dtype)  # (B, 1, L, c)
     h = embed_rows(net, h, 0)
-    if c.block_plans is not None and not torch.is_grad_enabled():  # no hooks anywhere: the stack's step, uncalled
-        h = _run_stack(net.attn_layers, h, c, deep, compiling)  # (its input made here, the room checked)
-    else:
-        h = net.attn_layers(h, cache=c, ff_deep_embeds=deep)
+    h = _stack_once(net, h, c, deep, compiling) if c.loop is None else _looped_runs(net, h, c, deep, compiling)
     if tokens:
         return net._head(h)
     out = net.project_out(h)
     return _gaussian_head(out) if getattr(net, "probabilistic", False) else out
+
+
+def _stack_once(net, h: Tensor, c: StaticKVCache, deep: Tensor | None, compiling: bool) -> Tensor:
+    """The wrapper's stack on the new position: the stack's step uncalled (no hooks anywhere, no autograd: its input
+    made here, the room checked), or the stack called as a module."""
+    if c.block_plans is not None and not torch.is_grad_enabled():
+        return _run_stack(net.attn_layers, h, c, deep, compiling)
+    return net.attn_layers(h, cache=c, ff_deep_embeds=deep)
+
+
+def _looped_runs(net, x: Tensor, c: StaticKVCache, deep: Tensor | None, compiling: bool) -> Tensor:
+    """A looped wrapper's runs of its stack at the new position (``_Wrapper._loop`` on one position): each run on the
+    previous run's output over its own loop step's slots; with early exit each sample keeps the output of the run at
+    which its cumulative exit probability reached the threshold (every run computed: no host read), and with
+    ``looped_inference`` every loop step's new slot then holds that run's keys/values. The position advances once."""
+    lp = c.loop
+    steps, b = len(lp.layers), x.shape[0]
+    exit_index = torch.full((b,), steps - 1, dtype=torch.long, device=x.device)
+    if lp.early:
+        active = torch.ones(b, dtype=torch.bool, device=x.device)
+        cum_exit = torch.zeros(b, dtype=torch.float32, device=x.device)
+        cum_continue = torch.zeros_like(cum_exit)
+    h_out = None
+    c.held = True
+    try:
+        for i, layers in enumerate(lp.layers):
+            c.layers = layers
+            h = _stack_once(net, x, c, deep, compiling)
+            if lp.early:  # the dynamic loop's order: keep this run where active, then decide
+                h_out = h if h_out is None else torch.where(active[:, None, None], h, h_out)
+                exit_index = torch.where(active, i, exit_index)
+                if i < steps - 1:
+                    logit = net.exit_gate(h)[:, -1, 0].float()  # (B,)
+                    cum_exit = cum_exit + (cum_continue + F.logsigmoid(logit)).exp()
+                    cum_continue = cum_continue + F.logsigmoid(-logit)
+                    active = active & (cum_exit < lp.threshold)
+            else:
+                h_out = h
+            x = h
+    finally:
+        c.held, c.layers = False, lp.layers[0]
+    if lp.shared:
+        _share_new_slot(c, exit_index)
+    _advance(c, compiling)
+    return h_out
+
+
+def _share_new_slot(c: StaticKVCache, exit_index: Tensor) -> None:
+    """``looped_inference``: the new slot of every loop step's self-attention slots set to the keys/values of the run
+    each sample exited at (``exit_index (B,)``), as the dynamic cache keeps them for later positions."""
+    slot = c.slot if c.fixed else c.length
+    for group in zip(*c.loop.layers):
+        if type(group[0]) is not SelfSlots:
+            continue
+        for name in ("keys", "values"):
+            bufs = [getattr(s, name) for s in group]
+            new = torch.stack([t.index_select(2, slot[None]) if c.fixed else t.narrow(2, slot, 1) for t in bufs])
+            pick = new.gather(0, exit_index.reshape(1, -1, 1, 1, 1).expand(1, *new.shape[1:]))[0]  # (B, h_kv, 1, d)
+            for t in bufs:
+                if c.fixed:
+                    t.index_copy_(2, slot[None], pick)
+                else:
+                    t.narrow(2, slot, 1).copy_(pick)
 
 
 def _gaussian_head(raw: Tensor) -> Tensor:

@@ -165,7 +165,8 @@ Args:
         as 0 after them): a ``torch.nn`` GRU / LSTM / RNN runs on them packed (exact per sample, bidirectional
         too; one host sync), another module must be causal or take the mask (``attn_hybrid_mask_kwarg``). A
         unidirectional ``torch.nn`` RNN with fold 1 carries its state in the KV cache; other modules refuse a
-        cache. Padded path only, no static decode step, not with cross-attention (see ``hybrid.py``). The module
+        cache. Padded path only (the static decode step runs a cacheable RNN, its state kept in the static cache), not
+        with cross-attention (see ``hybrid.py``). The module
         reads padding only: an ``attn_mask`` does not reach it (a causal module sees every earlier real position).
     attn_l2_distance: logits ``-|q - k|^2 * scale`` instead of ``q . k * scale`` (every attention).
     attn_cog_signed: cog attention: softmax of ``|logits|``, the weights given back the logits' signs

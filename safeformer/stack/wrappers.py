@@ -57,7 +57,8 @@ Args:
         (the intermediates' ``exit_logits``), which ``AutoregressiveWrapper`` trains and which
         ``looped_inference`` reads to stop early. Needs ``attn_layers`` built with ``pre_and_post_norm=True``
         (x-transformers' rule); not with ``recycling``. Padded positions stay padding in every run. Runs the
-        padded path; the static decode step is not used (generation decodes on the dynamic KV cache).
+        padded path; generation decodes on the static step with the call's loop settings
+        (``build_static_cache(loop=)``).
     max_looped_steps: the runs of a looped stack (training and by default).
     embed_num_tokens: x-transformers' further embeddings ``{name: vocabulary size}`` (e.g. a BERT-style type
         embedding): ``embeds[f"{name}_embed"]``, each added per position from ``forward(embed_ids={name: ids})``.
