@@ -17,13 +17,19 @@ own forward, ``net(new, cache=static)``, one position per call:
   written are 0;
 - ``fixed``: every step attends over all ``L`` slots with the validity mask and takes its slot from the 0-d
   tensor ``slot``, so every step has the same shapes (``torch.compile(fullgraph=True)`` builds one graph; on a
-  GPU, CUDA graphs); otherwise over the written slots only (a view of the buffers).
+  GPU, CUDA graphs); otherwise over the written slots only (a view of the buffers);
+- ``bad_token``: a net whose logits are wider than its vocabulary (``logits_dim > num_tokens``) may sample an id
+  that is no token. Its step embeds the id clamped into the vocabulary and records on the device the first id
+  outside it (no host read per step); whoever runs the steps reads the record at its periodic host check
+  (``check_tokens``: the ``ValueError`` the dynamic cache raises when it is fed that id), and every output from
+  that step on is void.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 __all__ = ["StaticKVCache"]
@@ -71,6 +77,11 @@ class StaticKVCache:
             ``None``; each run of the stack reads ``layers`` = its loop step's.
         held: the stack's step does not advance the position (set while a looped wrapper's runs read the same
             one; the wrapper advances it once after them).
+        token_range: the vocabulary size ``num_tokens`` of a token wrapper whose logits are wider
+            (``logits_dim > num_tokens``): its steps record ids outside ``[0, token_range)`` in ``bad_token`` instead
+            of asserting; ``None`` otherwise (an id outside the vocabulary is an asynchronous assertion).
+        bad_token: with ``token_range``, ``(3,)`` int64 on the cache's device: ``(seen, id, row)``, the first step
+            input id outside the vocabulary and its sample (``seen`` 0: none yet); read by ``check_tokens``.
     """
 
     layers: list
@@ -95,6 +106,8 @@ class StaticKVCache:
     program: tuple | None = None
     loop: object = None
     held: bool = False
+    token_range: int | None = None
+    bad_token: Tensor | None = None
     _spare: list | None = field(default=None, repr=False)
 
     @property
@@ -105,6 +118,30 @@ class StaticKVCache:
     @property
     def batch_size(self) -> int:
         return int(self.count.shape[0])
+
+    def record_tokens(self, x: Tensor) -> Tensor:
+        """``x (B, 1)`` a step's token ids, with ``token_range``: the first id outside ``[0, token_range)`` (row-major,
+        as the dynamic cache names it) recorded in ``bad_token`` unless one was recorded before, all on the device
+        (no host read; fixed shapes: compiles); returns ``x`` clamped into the vocabulary (what the step embeds)."""
+        n = self.token_range
+        if x.numel():
+            flat = x.reshape(-1).long()
+            bad = (flat < 0) | (flat >= n)
+            row = bad.long().argmax()  # the first bad sample (0 when none)
+            new = torch.stack((bad.any().long(), flat.gather(0, row[None])[0], row))
+            rec = self.bad_token
+            rec.copy_(torch.where(rec[0] > 0, rec, new))
+        return x.clamp(0, n - 1)
+
+    def check_tokens(self) -> None:
+        """Raise the dynamic cache's ``ValueError`` when a step was fed an id outside the vocabulary (``bad_token``;
+        one host read); nothing without ``token_range``."""
+        if self.bad_token is None:
+            return
+        seen, tok, row = (int(v) for v in self.bad_token.tolist())
+        if seen:  # the wording of the wrapper's forward (wrapper_forward), the position of the step's x (B, 1)
+            raise ValueError(f"x holds token id {tok} at real position {(row, 0)}, outside the vocabulary "
+                             f"[0, num_tokens={self.token_range}); padded positions (mask False) may hold anything")
 
     def index_select_(self, index: Tensor) -> None:
         """Keep (repeat, reorder) the samples ``index (B',)`` in place (beam search). When the batch keeps its

@@ -140,6 +140,14 @@ class GuidedForward:
                 self.decoders[i].select(idx)
         self.b = int(index.shape[0])
 
+    def check_tokens(self) -> None:
+        """Raise the ``ValueError`` the dynamic cache raises when fed a token id outside the vocabulary, if a static
+        step was fed one (``StaticStep.check_tokens``: a host read; call it at the host checks and before returning
+        anything: the outputs from that step on are void). Nothing for a dynamic cache (it raised at the step)."""
+        for d in self.decoders:
+            if d is not None:
+                d.check_tokens()
+
     def __call__(self, seq: Tensor, seq_mask: Tensor | None, new: Tensor | None, t: int) -> Tensor:
         """The combined output for the position after ``seq (b, n, ...)`` (``read="last"``) or for every
         position (``read="all"``); ``new (b, 1, ...)`` is the last position when the cache holds the rest."""

@@ -569,6 +569,7 @@ def _generate(net, prompts, seq_len, conds: Conditions, negatives: Conditions, n
             return sampled, check and bool(done.all())
 
         def raise_on_flags():
+            engine.check_tokens()  # a fed id outside the vocabulary first: every output after it is void
             if bool(errors):
                 raise ValueError("the model's logits held NaN or +inf during guided generation: only -inf (a banned "
                                  "token) is allowed besides finite values")
@@ -765,6 +766,7 @@ def _beam_loop(step: GuidedForward, prompts: Tensor, mask: Tensor | None, out: T
             if seq_mask is not None:
                 seq_mask = torch.cat((seq_mask.index_select(0, parent),
                                       torch.ones_like(tok[:, None], dtype=torch.bool)), 1)
+    step.check_tokens()  # a fed id outside the vocabulary (logits_dim > num_tokens): the dynamic cache's error
     return out, scores
 
 

@@ -8,7 +8,8 @@ shapes (attention over every slot with the validity mask) and that forward is co
 (``torch.compile(net, fullgraph=True)``; on a GPU with CUDA graphs, ``mode="reduce-overhead"``).
 
 ``static_reason(net)`` says why a net cannot decode this way (the engine then uses the dynamic cache, which runs
-every option).
+every option). A net with ``logits_dim > num_tokens`` may sample an id that is no token: its steps record it on the
+device, and ``StaticStep.check_tokens`` (the engine's periodic host check) raises the dynamic cache's ``ValueError``.
 
 The engine may hand an adapter instead of a wrapper (a looped net's ``looped.NetCall``, a probabilistic continuous
 net's raw head): one whose class has ``static_net`` names the wrapper the step runs (``None``: the adapter needs
@@ -117,3 +118,8 @@ class StaticStep:
     def select(self, index: Tensor) -> None:
         """Keep (repeat, reorder) the samples ``index (B',)`` (beam search)."""
         self.cache.index_select_(index)
+
+    def check_tokens(self) -> None:
+        """Raise the dynamic cache's ``ValueError`` when a step was fed a token id outside the vocabulary (a net with
+        ``logits_dim > num_tokens`` records it on the device: ``StaticKVCache.check_tokens``, one host read)."""
+        self.cache.check_tokens()

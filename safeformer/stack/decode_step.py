@@ -17,10 +17,15 @@ same code and the same numbers (tested bit for bit against the seams).
 Per step nothing is re-checked but the new input's metadata (every other argument of the forward is refused by
 name, ``check_step_call``; no value is read back to the host: a token id's range is an asynchronous assertion);
 the door checks of the prompt, the conditions and the cache ran once, at the prefill and when the cache was built.
+A net whose logits are wider than its vocabulary (``logits_dim > num_tokens``) may sample an id that is no token:
+its step embeds the id clamped into the vocabulary and records the first such id in the cache on the device
+(``StaticKVCache.bad_token``, no assertion), and the engine reads the record at its periodic host check
+(``StaticKVCache.check_tokens``), raising the ``ValueError`` the dynamic cache raises when fed that id, before it
+returns anything (a caller running the steps itself checks the same way: the outputs from that step on are void).
 
 ``step_refusal(net)`` (``decoding.static.static_reason``) says why a net cannot decode this way (the engine then
-uses the dynamic cache): logits wider than the vocabulary, test-time-trained modules, a looped wrapper with a
-hybrid module, the wrapper options ``_wrapper_refusal`` names. A probabilistic continuous wrapper runs on the step:
+uses the dynamic cache): test-time-trained modules, a looped wrapper with a hybrid module, the wrapper options
+``_wrapper_refusal`` names. A probabilistic continuous wrapper runs on the step:
 its output is the forward's, ``stack((mean, variance)) (2, B, 1, d)``. An ``attn_hybrid_module`` (a ``torch.nn``
 RNN, what the dynamic cache continues) keeps its recurrent state in its block's slots (``SelfSlots.state``, written
 in place by each step). A ``looped=True`` wrapper runs its stack several times at the new position
@@ -71,11 +76,20 @@ def _wrapper_refusal(net) -> str | None:
                                      getattr(net, "memory_tokens_interspersed_every", None) is not None)) if on]
     if custom:  # the step embeds and reads out with the wrapper's plain parts only
         return f"the wrapper has {', '.join(custom)} (run as the wrapper's forward runs them)"
-    width = getattr(net.to_logits, "out_features", None) if hasattr(net, "num_tokens") else None
-    if width is not None and width > net.num_tokens:
-        # a sampled id may be no token: the dynamic path names it (a host read per step), the step would not
-        return "logits_dim is larger than num_tokens (a sampled id may be outside the vocabulary)"
     return None
+
+
+def _token_range(net) -> int | None:
+    """``num_tokens`` of a token wrapper whose logits are wider (``logits_dim > num_tokens``: a sampled id may be no
+    token) or whose custom head's width is unknown, whose steps record such ids (``StaticKVCache.record_tokens``);
+    ``None`` for any other net."""
+    if getattr(type(net), "static_step_input", None) != "tokens":
+        return None
+    head = getattr(net, "to_logits", None)
+    width = getattr(head, "out_features", None)
+    if head is not None and getattr(net, "custom_to_logits", False) and not isinstance(width, int):
+        return net.num_tokens  # a custom head of unknown width: recorded too (never a fatal device-side assert)
+    return net.num_tokens if isinstance(width, int) and width > net.num_tokens else None
 
 
 def _attention_refusal(stack, mixer) -> str | None:
@@ -107,9 +121,6 @@ def step_refusal(net) -> str | None:
         reason = None if blk.kind == "ff" else _attention_refusal(stack, blk.mixer)
         if reason is not None:
             return reason
-        if getattr(net, "looped", False) and getattr(blk.mixer, "hybrid", None) is not None:
-            return ("a looped wrapper with attn_hybrid_module: every loop run continues the one recurrent state the "
-                    "dynamic cache keeps")
     for m in net.modules():  # a module may say why the step cannot run it (``static_step_refusal``)
         refusal = getattr(m, "static_step_refusal", None)
         if isinstance(refusal, str):
@@ -184,6 +195,9 @@ def build_static_cache(net, cache: KVCache, capacity: int, *, fixed: bool = Fals
                        or any(getattr(pl, "options", False) for pl in plans))
     static = StaticKVCache(layers, valid, positions, cache.count.clone(), lead, cache.condition, p, cache.mask is not None,
                            fixed, slot, rotary, ref.dtype, table, own, runs=runs, reads_positions=reads_positions)
+    static.token_range = _token_range(net)
+    if static.token_range is not None:  # (seen, id, row) of the first step input outside the vocabulary
+        static.bad_token = torch.zeros(3, dtype=torch.long, device=device)
     if settings is not None:  # a looped wrapper: every run of the stack on its own slots
         static.loop = _loop_plan(stack, cache, capacity, fast, runs, views, layers, prompt_kv, settings)
     if fast:
@@ -594,7 +608,8 @@ def check_step_call(fn, given: dict) -> None:
 
 def _check_new(net, x: Tensor, c: StaticKVCache, tokens: bool) -> None:
     """The step input's metadata (its shape, device and dtype), the cache's room, then the token ids' range as an
-    asynchronous assertion (no host read on a GPU: a failure surfaces at the next synchronisation)."""
+    asynchronous assertion (no host read on a GPU: a failure surfaces at the next synchronisation); a net with
+    ``logits_dim > num_tokens`` records such ids in the cache instead (``StaticKVCache.record_tokens``)."""
     b = c.batch_size
     if not isinstance(x, Tensor) or x.dim() != (2 if tokens else 3) or tuple(x.shape[:2]) != (b, 1):
         want = (b, 1) if tokens else (b, 1, "dim_in")
@@ -607,7 +622,8 @@ def _check_new(net, x: Tensor, c: StaticKVCache, tokens: bool) -> None:
             raise TypeError(f"x must hold integer token ids, got {x.dtype}")
         _room(c)
         n = net.num_tokens
-        torch._assert_async(((x >= 0) & (x < n)).all(), f"x holds token ids outside [0, {n}) (num_tokens)")
+        if c.token_range is None:  # (logits_dim > num_tokens: recorded in the cache instead, wrapper_step)
+            torch._assert_async(((x >= 0) & (x < n)).all(), f"x holds token ids outside [0, {n}) (num_tokens)")
     else:
         _room(c)
 
@@ -618,6 +634,8 @@ def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
     compiling = torch.compiler.is_compiling()
     if not compiling:
         _check_new(net, x, c, tokens)
+    if tokens and c.token_range is not None:  # an id outside the vocabulary recorded, the clamped id embedded
+        x = c.record_tokens(x)
     # the wrapper's own parts, in its forward's order: the embedding (a custom one checked), the absolute position,
     # then post_emb_norm, dropout and the projection to the model width (embed_rows), the stack, the head
     h = net._embed(x, None, None) if tokens else net.project_in(x.to(c.dtype))
@@ -673,6 +691,7 @@ def _looped_runs(net, x: Tensor, c: StaticKVCache, deep: Tensor | None, compilin
         c.held, c.layers = False, lp.layers[0]
     if lp.shared:
         _share_new_slot(c, exit_index)
+    pass  # _share_state(c, exit_index.max())
     _advance(c, compiling)
     return h_out
 
@@ -693,6 +712,20 @@ def _share_new_slot(c: StaticKVCache, exit_index: Tensor) -> None:
                     t.index_copy_(2, slot[None], pick)
                 else:
                     t.narrow(2, slot, 1).copy_(pick)
+
+
+def _share_state(c: StaticKVCache, last: Tensor) -> None:
+    """``attn_hybrid_module`` in a looped wrapper: every loop step's state buffers set to the state the run ``last``
+    (0-d: the last run the dynamic path computes, every sample's) left, the one state the dynamic cache keeps
+    (``_Wrapper._loop`` returns the last run's cache: its ``hybrid``), from which every run of the next position
+    starts. Each run read its buffers before writing them: all held the kept state (the prefill's, then this)."""
+    for group in zip(*c.loop.layers):
+        if type(group[0]) is not SelfSlots or not group[0].state:
+            continue
+        for bufs in zip(*(s.state for s in group)):  # one state tensor (an LSTM: h, then c) of every loop step
+            kept = torch.stack(bufs).index_select(0, last[None])[0]
+            for t in bufs:
+                t.copy_(kept)
 
 
 def _gaussian_head(raw: Tensor) -> Tensor:
