@@ -198,8 +198,6 @@ def test_looped_generation_same_tokens_static_and_dynamic(gen_kw, monkeypatch):
 
 
 def test_looped_refusals_are_named():
-    net = _looped_net(attn_hybrid_module=torch.nn.GRU(DIM, DIM, batch_first=True))
-    assert "looped" in static_reason(net) and "attn_hybrid_module" in static_reason(net)
     net = _looped_net()
     prompts, _ = _inputs()
     with torch.no_grad():
@@ -210,7 +208,114 @@ def test_looped_refusals_are_named():
         build_static_cache(_net(rotary_pos_emb=True), cache, cache.length + 2, loop={"steps": 2})
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "looped early exit"])
+LOOPED_HYBRIDS = {
+    "gru": lambda: torch.nn.GRU(DIM, DIM, batch_first=True),
+    "lstm 2 layers": lambda: torch.nn.LSTM(DIM, DIM, num_layers=2, batch_first=True),
+}
+
+
+def _looped_hybrid_net(module: str):
+    torch.manual_seed(1)  # (the module's init: the test's exits do not depend on what ran before)
+    return _looped_net(attn_hybrid_module=LOOPED_HYBRIDS[module]())
+
+
+def _looped_hybrid_logits(net, prompts, kw, mode: dict, steps: int, poison=None):
+    """Teacher-forced outputs of ``steps`` positions on the dynamic cache and on the static step (the samples
+    reordered midway on both), and the dynamic cache's exit indices."""
+    feed = torch.randint(0, V, (prompts.shape[0], steps), generator=torch.Generator().manual_seed(5))
+    settings = net._loop_settings(mode.get("looped_steps"), None, None, mode.get("looped_inference", False),
+                                  mode.get("looped_exit_prob_threshold", 0.9))
+    reorder = torch.tensor([2, 0, 1])
+    with torch.no_grad():
+        _, cache = net(prompts, return_cache=True, **kw, **mode)
+        dyn, c = [], cache
+        for t in range(steps):
+            if t == 2:
+                c = c.index_select(reorder)
+            out, c = net(feed[:, t:t + 1], cache=c, return_cache=True, **mode)
+            dyn.append(out[:, -1])
+        if poison is not None:
+            cache = poison(cache)
+        static = build_static_cache(net, cache, cache.length + steps, loop=settings)
+        stat = []
+        for t in range(steps):
+            if t == 2:
+                static.index_select_(reorder)
+            stat.append(net(feed[:, t:t + 1], cache=static)[:, -1])
+    return torch.stack(dyn, 1), torch.stack(stat, 1), c.exit_indices
+
+
+@pytest.mark.parametrize("mode", [m for _, m in LOOP_MODES], ids=[n for n, _ in LOOP_MODES])
+@pytest.mark.parametrize("module", list(LOOPED_HYBRIDS))
+def test_looped_hybrid_step_equals_dynamic_with_nan_in_padded_slots(module, mode):
+    """A looped wrapper with ``attn_hybrid_module``: every loop run of a position starts from the one recurrent state
+    the dynamic cache keeps, which is then the state of the last run the dynamic loop computed (early exit: the last
+    any sample ran, where its batch stops); the dynamic cache's outputs (float64, 1e-10), left-padded prompts with
+    NaN in the padded slots of every loop step's prompt keys/values, the samples reordered midway."""
+    net = _looped_hybrid_net(module).double()
+    assert static_reason(net) is None, static_reason(net)
+    prompts, kw = _inputs(left_pad=True)
+    dyn, stat, exits = _looped_hybrid_logits(net, prompts, kw, mode, 6, poison=_plant_looped(math.nan))
+    assert torch.isfinite(stat).all()
+    assert float((stat - dyn).abs().max()) < 1e-10
+    if mode.get("looped_exit_prob_threshold") == 0.5:
+        # exercised: a batch that stopped before the last run (its state kept), and one whose samples exit apart
+        last = exits[:, 1:].max(0).values
+        assert bool((last < 2).any())
+        assert bool((exits[:, 1:].min(0).values < last).any())
+
+
+def test_looped_hybrid_state_is_shared_by_the_runs():
+    """The state buffers of every loop step hold the one kept state after a step (the test above could not pass
+    with per-run states: each run would continue its own), and the step wrote them (new values)."""
+    net = _looped_hybrid_net("gru").double()
+    prompts, kw = _inputs(left_pad=True)
+    with torch.no_grad():
+        _, cache = net(prompts, return_cache=True, **kw)
+        static = build_static_cache(net, cache, cache.length + 1)
+        bufs = [layers[0].state[0] for layers in static.loop.layers]
+        before = bufs[0].clone()
+        net(torch.tensor([[1], [2], [3]]), cache=static)
+    assert static.loop.stateful and len(bufs) == 3
+    assert not torch.equal(bufs[0], before)
+    assert all(torch.equal(b, bufs[-1]) for b in bufs)
+
+
+@pytest.mark.parametrize("gen_kw", [dict(), dict(looped_exit_prob_threshold=0.5)], ids=["max steps", "early exit"])
+def test_looped_hybrid_generation_same_tokens_static_and_dynamic(gen_kw, monkeypatch):
+    model = sf.AutoregressiveWrapper(_looped_hybrid_net("lstm 2 layers"))
+    prompts, kw = _inputs(left_pad=True)
+    calls = _count_static_steps(monkeypatch)
+    static = model.generate(prompts, 8, temperature=0.0, **kw, **gen_kw)
+    assert calls[0] > 0, "the static step did not run"
+    n = calls[0]
+    dynamic = model.generate(prompts, 8, temperature=0.0, static_cache=False, **kw, **gen_kw)
+    assert calls[0] == n and torch.equal(static, dynamic)
+
+
+def test_looped_hybrid_early_exit_sample_alone_equals_batched():
+    """Each sample keeps the hybrid state of the run it exits at (``_Wrapper._loop`` merges it per sample, as the keys
+    and values): a sample decodes in a batch as it does alone."""
+    net = _looped_hybrid_net("gru").double()
+    prompts, _ = _inputs()
+    mode = dict(looped_inference=True, looped_exit_prob_threshold=0.5)
+    feed = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(5))
+
+    def run(rows):
+        with torch.no_grad():
+            _, c = net(prompts[rows], return_cache=True, **mode)
+            outs = []
+            for t in range(6):
+                out, c = net(feed[rows, t:t + 1], cache=c, return_cache=True, **mode)
+                outs.append(out[:, -1])
+        return torch.stack(outs, 1)
+
+    batched = run(slice(None))
+    for i in range(3):
+        assert float((run(slice(i, i + 1))[0] - batched[i]).abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "looped early exit", "looped hybrid early exit"])
 def test_fixed_shape_step_compiles_in_one_graph(kind):
     """The fixed-shape step of both (attention over every slot, the loop unrolled, no host read) traces as one graph
     (``fullgraph=True``; dynamo's ``allow_rnn`` for the RNN, as ``StaticStep`` compiles it) and gives the eager
@@ -218,7 +323,8 @@ def test_fixed_shape_step_compiles_in_one_graph(kind):
     if kind == "hybrid":
         net, mode, settings = _hybrid_net("gru"), {}, None
     else:
-        net = _looped_net()
+        net = _looped_net(**({} if kind == "looped early exit" else
+                             {"attn_hybrid_module": torch.nn.GRU(DIM, DIM, batch_first=True)}))
         mode = dict(looped_inference=True, looped_exit_prob_threshold=0.5)
         settings = net._loop_settings(None, None, None, True, 0.5)
     prompts, kw = _inputs(left_pad=True)

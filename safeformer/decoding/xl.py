@@ -164,10 +164,12 @@ class LowRankLinear(nn.Module):
 
 class TTTModuleWrapper(nn.Module):
     """A module whose parameters may be replaced by per-sample fast weights ``batch_params`` (a dict of ``(b, ...)``
-    tensors): the module then runs once per sample (``torch.func.vmap`` over ``functional_call``)."""
+    tensors): the module then runs once per sample (``torch.func.vmap`` over ``functional_call``).
 
-    # the static decode step calls modules' parts: it cannot run per-sample fast weights (``static_reason``)
-    static_step_refusal = "test-time-trained modules (XLAutoregressiveWrapper's TTTModuleWrapper) hold per-sample fast weights"
+    The fast weights change only in ``XLAutoregressiveWrapper.init_ttt`` / ``update_ttt`` / ``reset``, never inside a
+    forward: a KV-cached decode (dynamic or static) calls this module at each step with the fast weights it holds
+    then. The static decode step never reads the wrapped module's parameters as a plain ``nn.Linear``'s (no fused
+    projection, no feed-forward plan: this is no ``nn.Linear``); it calls this module, as the dynamic path does."""
 
     def __init__(self, module: nn.Module):
         super().__init__()

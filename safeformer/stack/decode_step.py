@@ -24,13 +24,16 @@ its step embeds the id clamped into the vocabulary and records the first such id
 returns anything (a caller running the steps itself checks the same way: the outputs from that step on are void).
 
 ``step_refusal(net)`` (``decoding.static.static_reason``) says why a net cannot decode this way (the engine then
-uses the dynamic cache): test-time-trained modules, a looped wrapper with a hybrid module, the wrapper options
-``_wrapper_refusal`` names. A probabilistic continuous wrapper runs on the step:
-its output is the forward's, ``stack((mean, variance)) (2, B, 1, d)``. An ``attn_hybrid_module`` (a ``torch.nn``
-RNN, what the dynamic cache continues) keeps its recurrent state in its block's slots (``SelfSlots.state``, written
-in place by each step). A ``looped=True`` wrapper runs its stack several times at the new position
-(``_looped_runs``: the forward's loop, with the settings given when the cache was built), each loop step on its own
-slots (``LoopPlan``), the position advanced once.
+uses the dynamic cache): the wrapper options ``_wrapper_refusal`` names, attention options that need the whole
+sequence, a module's own ``static_step_refusal``. A test-time-trained module (``decoding.xl.TTTModuleWrapper``, its
+per-sample fast weights fixed while decoding) is called as a module, as the dynamic path calls it. A probabilistic
+continuous wrapper runs on the step: its output is the forward's, ``stack((mean, variance)) (2, B, 1, d)``. An
+``attn_hybrid_module`` (a ``torch.nn`` RNN, what the dynamic cache continues) keeps its recurrent state in its
+block's slots (``SelfSlots.state``, written in place by each step). A ``looped=True`` wrapper runs its stack
+several times at the new position (``_looped_runs``: the forward's loop, with the settings given when the cache was
+built), each loop step on its own slots (``LoopPlan``), the position advanced once; with a hybrid module every run
+starts from the one recurrent state the dynamic cache keeps, which after the runs is, per sample, the state of the
+run it exited at (``_share_state``).
 """
 
 from __future__ import annotations
@@ -81,14 +84,14 @@ def _wrapper_refusal(net) -> str | None:
 
 def _token_range(net) -> int | None:
     """``num_tokens`` of a token wrapper whose logits are wider (``logits_dim > num_tokens``: a sampled id may be no
-    token) or whose custom head's width is unknown, whose steps record such ids (``StaticKVCache.record_tokens``);
-    ``None`` for any other net."""
+    token) or whose head's width is unknown (a custom or a wrapped head), whose steps record such ids
+    (``StaticKVCache.record_tokens``); ``None`` for any other net."""
     if getattr(type(net), "static_step_input", None) != "tokens":
         return None
     head = getattr(net, "to_logits", None)
     width = getattr(head, "out_features", None)
-    if head is not None and getattr(net, "custom_to_logits", False) and not isinstance(width, int):
-        return net.num_tokens  # a custom head of unknown width: recorded too (never a fatal device-side assert)
+    if head is not None and not isinstance(width, int):  # a custom or wrapped head (a TTTModuleWrapper) of unknown
+        return net.num_tokens  # width: recorded too (never a fatal device-side assert)
     return net.num_tokens if isinstance(width, int) and width > net.num_tokens else None
 
 
@@ -255,12 +258,15 @@ class LoopPlan(NamedTuple):
     probability reaches ``threshold`` (x-transformers' looped inference without ``looped_steps``; every run is
     computed, a sample keeps the output of the run it exited at: what the dynamic path's batch break gives);
     ``shared``: ``looped_inference``: the new slot of every loop step then holds the keys/values of the run each
-    sample exited at (the dynamic cache keeps that run's); otherwise each loop step keeps its own."""
+    sample exited at (the dynamic cache keeps that run's); otherwise each loop step keeps its own. ``stateful``: some
+    self-attention has an ``attn_hybrid_module``, whose one state every run starts from (each loop step's buffers
+    hold it) and after the runs is, per sample, the state of the run it exited at (``_share_state``)."""
 
     layers: tuple
     early: bool
     threshold: float
     shared: bool
+    stateful: bool = False
 
 
 def _loop_of(net, cache: KVCache, loop: dict | None) -> dict | None:
@@ -285,7 +291,8 @@ def _loop_plan(stack, cache: KVCache, capacity: int, fast: bool, runs: tuple, vi
         layers.append(_run_slots(stack, cache, capacity, fast, runs, views,
                                  None if prompt_kv is None else prompt_kv[i], first))
     infer = bool(settings["inference"])
-    return LoopPlan(tuple(layers), infer and not settings["fixed"], float(settings["threshold"]), infer)
+    stateful = any(type(sl) is SelfSlots and bool(sl.state) for sl in first)
+    return LoopPlan(tuple(layers), infer and not settings["fixed"], float(settings["threshold"]), infer, stateful)
 
 
 def _plan_blocks(net, c: StaticKVCache, views: list) -> None:
@@ -691,7 +698,8 @@ def _looped_runs(net, x: Tensor, c: StaticKVCache, deep: Tensor | None, compilin
         c.held, c.layers = False, lp.layers[0]
     if lp.shared:
         _share_new_slot(c, exit_index)
-    pass  # _share_state(c, exit_index.max())
+    if lp.stateful:  # each sample's state of the run it exits at (the dynamic loop merges it per sample)
+        _share_state(c, exit_index)
     _advance(c, compiling)
     return h_out
 
@@ -714,16 +722,17 @@ def _share_new_slot(c: StaticKVCache, exit_index: Tensor) -> None:
                     t.narrow(2, slot, 1).copy_(pick)
 
 
-def _share_state(c: StaticKVCache, last: Tensor) -> None:
-    """``attn_hybrid_module`` in a looped wrapper: every loop step's state buffers set to the state the run ``last``
-    (0-d: the last run the dynamic path computes, every sample's) left, the one state the dynamic cache keeps
-    (``_Wrapper._loop`` returns the last run's cache: its ``hybrid``), from which every run of the next position
-    starts. Each run read its buffers before writing them: all held the kept state (the prefill's, then this)."""
+def _share_state(c: StaticKVCache, run: Tensor) -> None:
+    """``attn_hybrid_module`` in a looped wrapper: every loop step's state buffers set, per sample, to the state its
+    run ``run (B,)`` left (its exit run): the one state the dynamic cache keeps (``_Wrapper._loop`` merges the runs'
+    states per sample, as the keys and values), from which every run of the next position starts. Each run read its buffers before
+    writing them, and all held the kept state (the prefill's, then this one)."""
     for group in zip(*c.loop.layers):
         if type(group[0]) is not SelfSlots or not group[0].state:
             continue
         for bufs in zip(*(s.state for s in group)):  # one state tensor (an LSTM: h, then c) of every loop step
-            kept = torch.stack(bufs).index_select(0, last[None])[0]
+            new = torch.stack(bufs)  # (steps, B, layers, H)
+            kept = new.gather(0, run.reshape(1, -1, 1, 1).expand(1, *new.shape[1:]))[0]
             for t in bufs:
                 t.copy_(kept)
 
