@@ -379,3 +379,31 @@ def test_probabilistic_continuous_generation_runs_on_the_step(dtype, monkeypatch
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     assert float((static - dynamic).abs().max()) < tol
     assert float((mean_s - mean_d).abs().max()) < tol
+
+
+@pytest.mark.parametrize("options", [dict(num_output_heads=2), dict(logits_dim=1, squeeze_out_last_dim=True)],
+                         ids=["output heads", "squeezed"])
+def test_wrapper_heads_run_on_the_step_as_the_forward(options):
+    """Several output heads (a tuple of logits) and ``squeeze_out_last_dim``: ``net(new, cache=static)`` gives what the
+    dynamic cache gives (float64, left padding)."""
+    torch.manual_seed(0)
+    net = sf.TransformerWrapper(num_tokens=V, max_seq_len=64, **options,
+                                attn_layers=sf.Decoder(dim=16, depth=2, heads=2, rotary_pos_emb=True)).double().eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    assert static_reason(net) is None
+    prompts = torch.randint(0, V, (2, 5))
+    mask = torch.tensor([[False, False, True, True, True], [True] * 5])  # left padding
+    feed = torch.randint(0, V, (2, 3))
+    as_tuple = lambda out: out if isinstance(out, tuple) else (out,)  # noqa: E731
+    with torch.no_grad():
+        _, cache = net(prompts, mask=mask, return_cache=True)
+        static = build_static_cache(net, cache, cache.length + 3)
+        for t in range(3):
+            dyn, cache = net(feed[:, t:t + 1], cache=cache, return_cache=True)
+            out = net(feed[:, t:t + 1], cache=static)
+            assert len(as_tuple(out)) == len(as_tuple(dyn))
+            for a, b in zip(as_tuple(out), as_tuple(dyn)):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, atol=1e-10, rtol=0)

@@ -73,8 +73,6 @@ __all__ = ["build_static_cache", "step_refusal", "stack_step", "wrapper_step", "
 
 def _wrapper_refusal(net) -> str | None:
     custom = [name for name, on in (("recycling", getattr(net, "recycling", False)),
-                                    ("squeeze_out_last_dim", getattr(net, "squeeze_out_last_dim", False)),
-                                    ("num_output_heads > 1", getattr(net, "num_output_heads", 1) > 1),
                                     ("memory_tokens_interspersed_every",
                                      getattr(net, "memory_tokens_interspersed_every", None) is not None)) if on]
     if custom:  # the step embeds and reads out with the wrapper's plain parts only
@@ -651,8 +649,8 @@ def wrapper_step(net, x: Tensor, c: StaticKVCache, tokens: bool) -> Tensor:
     deep = None if getattr(net, "ff_deep_embed", None) is None else net.ff_deep_embed[x].to(h.dtype)  # (B, 1, L, c)
     h = embed_rows(net, h, 0)
     h = _stack_once(net, h, c, deep, compiling) if c.loop is None else _looped_runs(net, h, c, deep, compiling)
-    if tokens:
-        return net._head(h)
+    if tokens:  # (a tuple with num_output_heads > 1; squeeze_out_last_dim applied, as the forward does)
+        return net._squeeze(net._head(h))
     out = net.project_out(h)
     return _gaussian_head(out) if getattr(net, "probabilistic", False) else out
 

@@ -571,9 +571,8 @@ class _Wrapper(Configurable, nn.Module):
         probability reaches ``loop["threshold"]`` (unless ``loop["fixed"]``: a fixed number of runs), keeping the
         output and the cache slot of the run it stopped at (which every run of later positions reads, as in
         x-transformers). The batch stops when every sample has (one read of a device flag per run, as
-        x-transformers' break). A hybrid module's recurrent state is kept per sample likewise (the state its exit run
-        left), so a sample decodes in a batch as it does alone. Outside ``loop["inference"]`` a hybrid module's state
-        is the last run's (the cache keeps one state, not one per run; x-transformers' too).
+        x-transformers' break). A hybrid module's state is kept per sample likewise (its exit run's): a sample
+        decodes in a batch as alone.
 
         Returns ``(h, new cache or None, intermediates of the last run or None)``; the cache carries ``exit_indices``
         ``(b, t)``: the last run of each sample, appended to the cache's.
@@ -612,9 +611,7 @@ class _Wrapper(Configurable, nn.Module):
                 prompt_steps.append(nc.self_kv)
             if early:  # each sample keeps the output and cache slot of the run it exits at
                 h_out = h if h_out is None else torch.where(active[:, None, None], h, h_out)
-                cache_out = nc if cache_out is None else replace(
-                    nc, self_kv=_merge_kv(active, nc.self_kv, cache_out.self_kv),
-                    hybrid=_merge_hybrid(active, nc.hybrid, cache_out.hybrid))
+                cache_out = nc if cache_out is None else _merge_cache(active, nc, cache_out)
                 exit_index = torch.where(active, i, exit_index)
             else:
                 h_out, cache_out = h, nc
@@ -639,6 +636,12 @@ class _Wrapper(Configurable, nn.Module):
             last_inter.cache = cache_out
             attach_cached_kv(last_inter)  # the blocks' cached_kv: the returned cache's own (merged) tensors
         return h_out, cache_out if return_cache else None, last_inter
+
+
+def _merge_cache(keep_new: Tensor, new, old):
+    """Per sample (``keep_new (b,)``), the new cache's keys/values and hybrid-module states or the old one's."""
+    return replace(new, self_kv=_merge_kv(keep_new, new.self_kv, old.self_kv),
+                   hybrid=_merge_hybrid(keep_new, new.hybrid, old.hybrid))
 
 
 def _merge_hybrid(keep_new: Tensor, new, old):
