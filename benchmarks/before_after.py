@@ -33,8 +33,8 @@ def _build(lib, dim: int, depth: int, cross: bool):
     return lib.TransformerWrapper(num_tokens=256, max_seq_len=256, attn_layers=layers)
 
 
-def _workloads(lib, quick: bool, compiled: bool = False) -> dict:
-    dim, depth = 256, 4
+def _workloads(lib, quick: bool, compiled: bool = False, width: int = 256) -> dict:
+    dim, depth = width, 4
     g = torch.Generator().manual_seed(1)
     b, n = (4, 64) if quick else (8, 128)
     ids = torch.randint(0, 256, (b, n), generator=g)
@@ -49,7 +49,7 @@ def _workloads(lib, quick: bool, compiled: bool = False) -> dict:
         loss.backward()
         opt.step()
 
-    out = {"train step (b 8, n 128, dim 256)": train_step}
+    out = {f"train step (b 8, n 128, dim {dim})": train_step}
     tokens = 16 if quick else 32
     gen_net = _build(lib, dim, depth, cross=True).eval()
     ar = lib.AutoregressiveWrapper(gen_net)
@@ -117,13 +117,15 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--compiled", action="store_true", help="also time generate(compile=True), plain and CFG")
+    p.add_argument("--dim", type=int, default=256, help="the model width of the train and generate workloads")
     p.add_argument("--only", default=None, help="time only the workloads whose name contains this")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     sys.path.insert(0, args.before)
     old = importlib.import_module(args.name)
     new = importlib.import_module("safeformer")
-    work = {"before": _workloads(old, args.quick, args.compiled), "after": _workloads(new, args.quick, args.compiled)}
+    work = {"before": _workloads(old, args.quick, args.compiled, args.dim),
+            "after": _workloads(new, args.quick, args.compiled, args.dim)}
     if args.only:
         work = {side: {k: v for k, v in w.items() if args.only in k} for side, w in work.items()}
     for side in work.values():  # warm-up
