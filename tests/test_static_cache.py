@@ -290,6 +290,24 @@ def test_kernel_writing_nan_into_dead_rows_changes_nothing(bias):
     hp.assert_bitwise(poisoned, clean, "static step under the NaN kernel")
 
 
+def _eager_and_fixed_steps(net, prompts, kw: dict, feed, **build_kw) -> list[tuple]:
+    """``feed (B, T)`` decoded one id at a time on a fresh static cache of ``net``'s prefill, eagerly and then on fixed
+    shapes compiled as one graph (``fullgraph=True``, eager backend): per mode ``(outputs (B, T, ...), static)``."""
+    torch._dynamo.reset()
+    runs = []
+    with torch.no_grad():
+        for fixed in (False, True):
+            _, cache = net(prompts, return_cache=True, **kw)
+            static = build_static_cache(net, cache, cache.length + feed.shape[1], fixed=fixed, **build_kw)
+            fn = torch.compile(net, fullgraph=True, dynamic=False, backend="eager") if fixed else net
+            step = []
+            for t in range(feed.shape[1]):
+                step.append(fn(feed[:, t:t + 1], cache=static)[:, -1])
+                static.length += 1 if fixed else 0  # (the compiled step advances the slot tensor, not the count)
+            runs.append((torch.stack(step, 1), static))
+    return runs
+
+
 def _count_static_steps(monkeypatch) -> list[int]:
     calls = [0]
     orig = StaticStep.step

@@ -13,7 +13,17 @@ import math
 
 import pytest
 import torch
-from test_static_cache import DIM, J, V, _count_static_steps, _dynamic_and_static, _inputs, _net, _plant
+from test_static_cache import (
+    DIM,
+    J,
+    V,
+    _count_static_steps,
+    _dynamic_and_static,
+    _eager_and_fixed_steps,
+    _inputs,
+    _net,
+    _plant,
+)
 
 import safeformer as sf
 from safeformer.decoding.generation import beam_search_tokens
@@ -329,19 +339,9 @@ def test_fixed_shape_step_compiles_in_one_graph(kind):
         settings = net._loop_settings(None, None, None, True, 0.5)
     prompts, kw = _inputs(left_pad=True)
     feed = torch.randint(0, V, (3, 3), generator=torch.Generator().manual_seed(5))
-    torch._dynamo.reset()
-    outs = []
-    with torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):
-        for fixed in (False, True):
-            _, cache = net(prompts, return_cache=True, **kw, **mode)
-            static = build_static_cache(net, cache, cache.length + 3, fixed=fixed, loop=settings)
-            fn = torch.compile(net, fullgraph=True, dynamic=False, backend="eager") if fixed else net
-            step = []
-            for t in range(3):
-                step.append(fn(feed[:, t:t + 1], cache=static)[:, -1])
-                static.length += 1 if fixed else 0
-            outs.append(torch.stack(step, 1))
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        runs = _eager_and_fixed_steps(net, prompts, {**kw, **mode}, feed, loop=settings)
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------

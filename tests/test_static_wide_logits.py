@@ -13,7 +13,17 @@ import re
 
 import pytest
 import torch
-from test_static_cache import DIM, J, V, _assert_step_equals_dynamic, _count_static_steps, _host_reads, _inputs, _net
+from test_static_cache import (
+    DIM,
+    J,
+    V,
+    _assert_step_equals_dynamic,
+    _count_static_steps,
+    _eager_and_fixed_steps,
+    _host_reads,
+    _inputs,
+    _net,
+)
 
 import safeformer as sf
 from safeformer.decoding.generation import beam_search_tokens
@@ -153,22 +163,13 @@ def test_fixed_shape_step_records_in_one_graph():
     net = _net(rotary_pos_emb=True, logits_dim=V + EXTRA)
     prompts, kw = _inputs(left_pad=True)
     feed = torch.tensor([[1, 2, 3], [4, V + 1, 6], [7, 8, V + 3]])
-    torch._dynamo.reset()
-    outs, errors = [], []
-    with torch.no_grad():
-        for fixed in (False, True):
-            _, cache = net(prompts, return_cache=True, **kw)
-            static = build_static_cache(net, cache, cache.length + 3, fixed=fixed)
-            fn = torch.compile(net, fullgraph=True, dynamic=False, backend="eager") if fixed else net
-            step = []
-            for t in range(3):
-                step.append(fn(feed[:, t:t + 1], cache=static)[:, -1])
-                static.length += 1 if fixed else 0
-            outs.append(torch.stack(step, 1))
-            with pytest.raises(ValueError) as err:
-                static.check_tokens()
-            errors.append(str(err.value))
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    runs = _eager_and_fixed_steps(net, prompts, kw, feed)
+    errors = []
+    for _, static in runs:
+        with pytest.raises(ValueError) as err:
+            static.check_tokens()
+        errors.append(str(err.value))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-4, rtol=1e-4)
     assert errors[0] == errors[1] and f"token id {V + 1} at real position (1, 0)" in errors[0]
 
 
